@@ -1,0 +1,1 @@
+# Hydra config tree, shipped inside the wheel and found as pkg://conf.

@@ -1,0 +1,230 @@
+"""Atomic file writes, content hashes, the results_dir lock and the manifest.
+
+Every file qdq-tune writes goes through ``atomic_write_*`` or ``atomic_output``: the data lands in a
+temporary file in the destination folder, is fsynced and renamed over the target, so a killed run
+leaves either the old file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import ResultsDirLocked, StateError
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike, suffix: str | None = None) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; on success fsync it and rename it onto ``path``.
+
+    For writers that insist on a file name (torch.onnx.export, ORT's optimized-model output).
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix or target.suffix, dir=target.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp_path, target)
+        _fsync_dir(target.parent)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    with atomic_output(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+
+
+def _json_default(obj: Any) -> Any:
+    import numpy as np
+
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def read_json(path: str | os.PathLike, what: str = "file") -> Any:
+    """Load JSON, turning corruption into a StateError that names the file and the fix."""
+    p = Path(path)
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise StateError(
+            f"{what} {p} is corrupt ({exc.msg} at line {exc.lineno}); delete it to start that part afresh"
+        ) from None
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def fingerprint(obj: Any) -> str:
+    """Stable hash of a JSON-able object (a config section, a list of input hashes)."""
+    return sha256_bytes(json.dumps(obj, sort_keys=True, default=_json_default).encode())[:16]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ResultsDirLock:
+    """Exclusive ownership of a results_dir by one live process.
+
+    The lock file holds host, pid and start time. A lock left by a dead process on this host is
+    stale and is taken over with a notice; a lock held by a live process is an error.
+    """
+
+    def __init__(self, results_dir: Path):
+        self.path = Path(results_dir) / ".lock"
+        self.took_over_from: dict | None = None
+        self._held = False
+
+    def acquire(self) -> ResultsDirLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._read_holder()
+                if holder is not None and not self._is_stale(holder):
+                    raise ResultsDirLocked(
+                        f"results_dir {self.path.parent} is in use by pid {holder.get('pid')} on "
+                        f"{holder.get('host')}; wait for it to finish or choose another results_dir=..."
+                    ) from None
+                self.took_over_from = holder or {}
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+                continue
+            with os.fdopen(fd, "w") as fh:
+                json.dump(me, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            self._held = True
+            return self
+        raise ResultsDirLocked(f"could not take the lock {self.path}; remove it if no run is using the folder")
+
+    def _read_holder(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None  # unreadable lock: a writer died mid-write; treat as stale
+
+    @staticmethod
+    def _is_stale(holder: dict) -> bool:
+        if holder.get("host") != socket.gethostname():
+            return False  # cannot probe another host's pid; be safe
+        pid = holder.get("pid")
+        return not isinstance(pid, int) or pid == os.getpid() or not _pid_alive(pid)
+
+    def release(self) -> None:
+        if self._held:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            self._held = False
+
+    def __enter__(self) -> ResultsDirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Manifest:
+    """results_dir/manifest.json: per stage status, artifacts with sha256, fingerprint, times, metrics."""
+
+    VERSION = 1
+
+    def __init__(self, results_dir: Path):
+        self.results_dir = Path(results_dir)
+        self.path = self.results_dir / "manifest.json"
+        self.data: dict[str, Any] = {"version": self.VERSION, "stages": {}}
+        if self.path.exists():
+            loaded = read_json(self.path, "manifest")
+            if not isinstance(loaded, dict) or not isinstance(loaded.get("stages"), dict):
+                raise StateError(f"manifest {self.path} has an unknown layout; delete it to re-run every stage")
+            self.data = loaded
+
+    @property
+    def stages(self) -> dict[str, dict[str, Any]]:
+        return self.data["stages"]
+
+    def entry(self, stage: str) -> dict[str, Any] | None:
+        return self.stages.get(stage)
+
+    def artifact(self, key: str) -> Path | None:
+        """Path of a finished stage's output artifact ``"<stage>/<name>"`` if recorded and present."""
+        stage, _, _ = key.partition("/")
+        entry = self.stages.get(stage)
+        if not entry or entry.get("status") != "done":
+            return None
+        rec = entry.get("outputs", {}).get(key)
+        if not rec:
+            return None
+        p = self.results_dir / rec["path"]
+        return p if p.exists() else None
+
+    def update(self, stage: str, **fields: Any) -> None:
+        entry = self.stages.setdefault(stage, {})
+        entry.update(fields)
+        self.save()
+
+    def save(self) -> None:
+        atomic_write_json(self.path, self.data)
+
+    def describe_file(self, path: Path) -> dict[str, Any]:
+        p = Path(path)
+        try:
+            rel = str(p.resolve().relative_to(self.results_dir.resolve()))
+        except ValueError:
+            rel = str(p.resolve())
+        return {"path": rel, "sha256": sha256_file(p), "bytes": p.stat().st_size}

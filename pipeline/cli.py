@@ -1,0 +1,190 @@
+"""The `tune` console script: a Hydra app over conf/tune.yaml.
+
+Before handing over to Hydra, the command line is composed once with Hydra's compose API so that a
+bad key, a wrong type or an unknown group option is reported on one line (exit 2) instead of
+Hydra's multi-line report. `--config-path DIR` is taken relative to the current directory and
+searched in addition to the packaged conf/, so a spec file kept in a user's repo can extend `tune`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from pipeline.config import register_configs
+from pipeline.errors import ConfigError, PipelineError
+
+log = logging.getLogger("tune")
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def _fail(msg: str, code: int) -> None:
+    print(f"tune: error: {msg}", file=sys.stderr)
+    sys.exit(code)
+
+
+def _rewrite_config_path(argv: list[str]) -> list[str]:
+    """`--config-path/-cp DIR` -> `--config-dir <abs DIR>`: searched next to the packaged configs."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        value = None
+        if a in ("--config-path", "-cp") and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+        elif a.startswith("--config-path="):
+            value, i = a.split("=", 1)[1], i + 1
+        else:
+            out.append(a)
+            i += 1
+            continue
+        if value.startswith("pkg://"):
+            _fail(f"--config-path {value}: give a folder holding your spec files", EXIT_USAGE)
+        d = Path(value).expanduser().resolve()
+        if not d.is_dir():
+            _fail(f"--config-path {value}: no such folder ({d})", EXIT_USAGE)
+        out += ["--config-dir", str(d)]
+    if out.count("--config-dir") + sum(a in ("-cd",) for a in out) > 1:
+        _fail("give either --config-path or --config-dir, not both", EXIT_USAGE)
+    return out
+
+
+def _first_of_sweeps(overrides: list[str]) -> list[str]:
+    """Collapse `key=a,b,c` sweeps to their first value, to check a multirun before it starts."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    out = []
+    for o, raw in zip(parsed, overrides, strict=True):
+        if o.is_sweep_override():
+            first = next(iter(o.sweep_string_iterator()))
+            out.append(f"{o.get_key_element()}={first}")
+        else:
+            out.append(raw)
+    return out
+
+
+def _one_line(exc: BaseException) -> str:
+    """Turn a Hydra/OmegaConf composition error into one line naming the key and what is allowed."""
+    from hydra.errors import MissingConfigException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+    chain: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in chain:
+        if isinstance(e, MissingConfigException):
+            opts = getattr(e, "options", None) or []
+            first = str(e).strip().splitlines()[0]
+            if opts:
+                shown = sorted(o for o in opts if not o.startswith("base_"))
+                return f"{first.rstrip('.')}; available: {', '.join(shown)}"
+            return first
+    for e in chain:
+        if isinstance(e, OmegaConfBaseException) and getattr(e, "full_key", None):
+            msg = str(e).strip().splitlines()[0]
+            if isinstance(e, (ConfigKeyError, ConfigAttributeError)) and " not in " in msg:
+                import dataclasses
+
+                otype = getattr(e, "object_type", None)
+                allowed = ""
+                if otype is not None and dataclasses.is_dataclass(otype):
+                    allowed = f"; allowed: {', '.join(f.name for f in dataclasses.fields(otype))}"
+                return f"unknown config key '{e.full_key}'{allowed}"
+            return f"{e.full_key}: {msg}"
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return " ".join(lines[:2]) if lines else type(exc).__name__
+
+
+def _compose(config_dir: str | None, config_name: str, overrides: list[str]) -> DictConfig:
+    """Compose exactly as the app will: packaged conf/ plus an optional user folder searched first."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_automatic_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+    from hydra.types import RunMode
+
+    search_path = create_automatic_config_search_path(None, None, "pkg://conf")
+    if config_dir:
+        search_path.prepend("command-line", f"file://{os.path.abspath(config_dir)}",
+                            anchor=SearchPathQuery(provider="schema"))
+    app = Hydra.create_main_hydra2(task_name="tune", config_search_path=search_path)
+    cfg = app.compose_config(config_name=config_name, overrides=overrides, run_mode=RunMode.RUN,
+                             with_log_configuration=False)
+    from omegaconf import open_dict
+
+    with open_dict(cfg):
+        cfg.pop("hydra", None)
+    return cfg
+
+
+def _precheck(argv: list[str]) -> None:
+    """Compose and validate the config the command line asks for; exit 2 with one line if it is bad."""
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.global_hydra import GlobalHydra
+
+    from pipeline.config import validate
+
+    try:
+        args = get_args_parser().parse_args(argv)
+    except SystemExit:
+        return  # let Hydra print its own usage error
+    if args.help or args.hydra_help or args.info or args.shell_completion:
+        return
+    overrides = [o for o in args.overrides if not o.startswith("hydra.") and not o.startswith("hydra/")]
+    GlobalHydra.instance().clear()
+    try:
+        overrides = _first_of_sweeps(overrides) if args.multirun else overrides
+        cfg = _compose(args.config_dir, args.config_name or "tune", overrides)
+        validate(cfg)
+    except ConfigError as exc:
+        _fail(f"invalid config: {exc}", EXIT_USAGE)
+    except Exception as exc:  # noqa: BLE001 - Hydra/OmegaConf raise many types for bad input
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        if isinstance(exc, (HydraException, OmegaConfBaseException, ValueError)):
+            _fail(_one_line(exc), EXIT_USAGE)
+        raise
+    finally:
+        GlobalHydra.instance().clear()
+
+
+@hydra.main(config_path="pkg://conf", config_name="tune", version_base="1.3")
+def _hydra_app(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from pipeline.runner import run_pipeline
+    from pipeline.summary import print_summary
+
+    results_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        summary = run_pipeline(cfg, results_dir)
+    except PipelineError as exc:
+        log.debug("failure", exc_info=True)
+        _fail(str(exc), exc.exit_code)
+    except KeyboardInterrupt:
+        print(f"\ntune: interrupted; state saved in {results_dir}. Re-run the same command to resume.",
+              file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+    print_summary(summary, results_dir)
+
+
+def main() -> None:
+    register_configs()
+    argv = _rewrite_config_path(sys.argv[1:])
+    _precheck(argv)
+    sys.argv = [sys.argv[0], *argv]
+    os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    _hydra_app()
+
+
+if __name__ == "__main__":
+    main()

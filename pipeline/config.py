@@ -1,0 +1,316 @@
+"""Structured-config schemas for the shared groups (model, data, backend) and the primary config.
+
+Each YAML file under conf/ extends one of these dataclasses (``defaults: [base_<name>, _self_]``),
+so Hydra rejects an unknown key or a wrong type at composition time, naming the full key. Stage
+schemas live next to their stage (``tasks/<stage>/config.py``) and are registered here through the
+stage registry. Checks that span fields run in ``validate`` and report every problem at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+
+from pipeline.errors import ConfigError
+
+
+class StageName(str, Enum):
+    export = "export"
+    quantize = "quantize"
+    autotune = "autotune"
+    gen_trt_engine = "gen_trt_engine"
+    evaluate = "evaluate"
+
+
+STAGE_ORDER = [s.value for s in StageName]
+
+
+# --------------------------------------------------------------------------- model
+
+
+class Exporter(str, Enum):
+    torchscript = "torchscript"  # torch.onnx.export(dynamo=False): fast, plain op graph
+    dynamo = "dynamo"  # torch.onnx.export(dynamo=True): needs onnxscript
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    batch_size: int = 1
+    opset: int = 17
+    exporter: Exporter = Exporter.torchscript
+    # input name -> full static shape; fixes dynamic dims of an ONNX file or shapes a user model's inputs
+    input_shapes: dict[str, list[int]] = field(default_factory=dict)
+    # export verification: ORT output must match torch within atol + rtol * max|torch output|
+    verify_atol: float = 1e-4
+    verify_rtol: float = 1e-5
+
+
+@dataclass
+class DigitsCnnConfig(ModelConfig):
+    """Small CNN trained on the fly on scikit-learn's bundled 8x8 digits, upsampled to image_size."""
+
+    name: str = "digits_cnn"
+    batch_size: int = 32
+    image_size: int = 32
+    channels: list[int] = field(default_factory=lambda: [32, 64, 128])
+    epochs: int = 12
+    learning_rate: float = 2e-3
+    train_batch_size: int = 64
+
+
+@dataclass
+class ResNetConfig(ModelConfig):
+    """Standard ResNet (BasicBlock for 18/34, Bottleneck for 50/101/152) with seeded random weights."""
+
+    name: str = "resnet18"
+    depth: int = 18
+    input_size: int = 224
+    in_channels: int = 3
+    num_classes: int = 1000
+
+
+@dataclass
+class BertTinyConfig(ModelConfig):
+    """BERT-style transformer encoder with seeded random weights, classification head on [CLS]."""
+
+    name: str = "bert_tiny"
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 2
+    intermediate_size: int = 512
+    seq_len: int = 128
+    vocab_size: int = 30522
+    num_labels: int = 2
+
+
+@dataclass
+class OnnxModelConfig(ModelConfig):
+    """An existing ONNX file: export is skipped, the file is validated and copied into results_dir."""
+
+    name: str = "onnx"
+    onnx_path: str = MISSING
+
+
+@dataclass
+class CustomModelConfig(ModelConfig):
+    """A user nn.Module built from ``_target_`` (a dotted import path) called with ``args``."""
+
+    name: str = "custom"
+    _target_: str = MISSING
+    args: dict[str, Any] = field(default_factory=dict)
+    checkpoint: Optional[str] = None
+    input_names: list[str] = field(default_factory=list)
+    output_names: list[str] = field(default_factory=list)
+    # input name -> numpy dtype name (default float32)
+    input_dtypes: dict[str, str] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- data
+
+
+class DataSource(str, Enum):
+    digits = "digits"  # scikit-learn's bundled digits, labelled
+    synthetic = "synthetic"  # seeded random data shaped from the model's inputs
+    npz = "npz"  # a .npz file or a folder of .npy files
+    custom = "custom"  # a user callable (_target_) returning a DataLoader or iterable
+    none = "none"  # nothing configured: synthetic, with a warning that accuracy will suffer
+
+
+@dataclass
+class DataConfig:
+    source: DataSource = DataSource.digits
+    # fraction of digits held out for evaluation (split fixed by seed)
+    test_fraction: float = 0.3
+    # npz: calibration file/folder and (optional) evaluation file/folder
+    path: Optional[str] = None
+    eval_path: Optional[str] = None
+    # array names in an .npz holding labels (ignored for inputs)
+    labels_key: str = "labels"
+    # custom: dotted path of a callable returning a DataLoader/iterable; gets `split=` if it accepts it
+    _target_: Optional[str] = None
+    args: dict[str, Any] = field(default_factory=dict)
+    # dict batches: the key holding the input (default: input, data, x, images, images_left, images_right)
+    key: Optional[str] = None
+    # synthetic: number of samples per split
+    num_samples: int = 256
+
+
+# --------------------------------------------------------------------------- backend
+
+
+class BackendName(str, Enum):
+    onnxruntime = "onnxruntime"
+    tensorrt = "tensorrt"
+    tensorrt_rtx = "tensorrt_rtx"
+    trtexec = "trtexec"
+
+
+@dataclass
+class BackendConfig:
+    name: BackendName = MISSING
+    warmup_runs: int = 10
+    timing_runs: int = 50
+
+
+@dataclass
+class OnnxRuntimeBackendConfig(BackendConfig):
+    name: BackendName = BackendName.onnxruntime
+    providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
+    # 0 = one thread per physical core
+    intra_op_threads: int = 0
+    graph_optimization_level: str = "all"  # disable | basic | extended | layout | all
+
+
+@dataclass
+class TensorRTBackendConfig(BackendConfig):
+    name: BackendName = BackendName.tensorrt
+    device: int = 0
+    workspace_size: int = 1024  # MB
+    builder_optimization_level: int = 3
+    timing_cache: Optional[str] = None
+    plugin_libraries: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrtexecBackendConfig(BackendConfig):
+    name: BackendName = BackendName.trtexec
+    trtexec_path: str = "trtexec"
+    # measure for a fixed time instead of timing_runs iterations (seconds; 0 = use iterations)
+    duration: float = 0.0
+    warmup_ms: int = 200  # trtexec --warmUp is in milliseconds
+    timing_cache: Optional[str] = None
+    plugin_libraries: list[str] = field(default_factory=list)
+    trtexec_args: list[str] = field(default_factory=list)
+    export_profile: bool = False
+    export_layer_info: bool = False
+
+
+# --------------------------------------------------------------------------- primary
+
+
+@dataclass
+class TuneConfig:
+    stages: list[StageName] = field(default_factory=lambda: list(StageName))
+    results_dir: str = MISSING
+    seed: int = 42
+    progress: bool = True
+    model: Any = MISSING
+    data: Any = MISSING
+    backend: Any = MISSING
+    export: Any = MISSING
+    quantize: Any = MISSING
+    autotune: Any = MISSING
+    gen_trt_engine: Any = MISSING
+    evaluate: Any = MISSING
+
+
+_SHARED_GROUPS: dict[str, dict[str, type]] = {
+    "model": {
+        "base_digits_cnn": DigitsCnnConfig,
+        "base_resnet": ResNetConfig,
+        "base_bert_tiny": BertTinyConfig,
+        "base_onnx": OnnxModelConfig,
+        "base_custom_model": CustomModelConfig,
+    },
+    "data": {"base_data": DataConfig},
+    "backend": {
+        "base_onnxruntime": OnnxRuntimeBackendConfig,
+        "base_tensorrt": TensorRTBackendConfig,
+        "base_trtexec": TrtexecBackendConfig,
+    },
+}
+
+_registered = False
+
+
+def register_configs() -> None:
+    """Store every schema in Hydra's ConfigStore (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from pipeline.registry import stage_schemas
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_tune", node=TuneConfig)
+    for group, schemas in _SHARED_GROUPS.items():
+        for name, node in schemas.items():
+            cs.store(group=group, name=name, node=node)
+    for stage, schema in stage_schemas().items():
+        cs.store(group=stage, name=f"base_{stage}", node=schema)
+    _registered = True
+
+
+def validate(cfg: DictConfig) -> None:
+    """Cross-field checks for the whole config; raises one ConfigError listing every problem."""
+    from pipeline.registry import stage_validators
+
+    problems: list[str] = []
+    for key in ("model", "data", "backend"):
+        if not isinstance(cfg.get(key), DictConfig):
+            problems.append(f"{key}: missing config group; choose one with {key}=<option>")
+    if problems:
+        raise ConfigError(problems)
+    problems += _unknown_keys(cfg, "")
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    problems += [f"{k}: required value is missing; set it with {k}=..." for k in missing]
+    if cfg.model.batch_size < 1:
+        problems.append(f"model.batch_size={cfg.model.batch_size}: must be >= 1")
+    if not 7 <= cfg.model.opset <= 23:
+        problems.append(f"model.opset={cfg.model.opset}: supported opsets are 7..23")
+    if cfg.data.source == DataSource.npz and not cfg.data.path:
+        problems.append("data.path: required for data=npz (a .npz file or a folder of .npy files)")
+    if cfg.data.source == DataSource.custom and not cfg.data.get("_target_"):
+        problems.append("data._target_: required for data=custom (dotted path of a callable)")
+    if not 0.0 < cfg.data.test_fraction < 1.0:
+        problems.append(f"data.test_fraction={cfg.data.test_fraction}: must be in (0, 1)")
+    if cfg.backend.warmup_runs < 0 or cfg.backend.timing_runs < 1:
+        problems.append("backend.warmup_runs must be >= 0 and backend.timing_runs >= 1")
+    if len(set(cfg.stages)) != len(cfg.stages):
+        problems.append(f"stages={list(cfg.stages)}: a stage is listed twice")
+    for stage, check in stage_validators().items():
+        if isinstance(cfg.get(stage), DictConfig):
+            problems += check(cfg)
+    if problems:
+        raise ConfigError(problems)
+
+
+def _unknown_keys(node: Any, path: str) -> list[str]:
+    """Keys a schema does not declare (e.g. added with `+key=`): a typo would otherwise be ignored."""
+    import dataclasses
+
+    out: list[str] = []
+    if isinstance(node, DictConfig):
+        otype = OmegaConf.get_type(node)
+        fields = {f.name for f in dataclasses.fields(otype)} if dataclasses.is_dataclass(otype) else None
+        for key in node.keys():
+            full = f"{path}.{key}" if path else str(key)
+            if fields is not None and key not in fields:
+                problems = f"unknown config key '{full}'; allowed: {', '.join(sorted(fields))}"
+                out.append(problems)
+                continue
+            child = node._get_node(key)
+            if isinstance(child, (DictConfig, ListConfig)):
+                out += _unknown_keys(child, full)
+    elif isinstance(node, ListConfig):
+        for i, child in enumerate(node):
+            out += _unknown_keys(child, f"{path}[{i}]")
+    return out
+
+
+def ordered_stages(cfg: DictConfig) -> list[str]:
+    """The requested stages in pipeline order (the order in the spec does not matter)."""
+    wanted = {s.value if isinstance(s, Enum) else str(s) for s in cfg.stages}
+    return [s for s in STAGE_ORDER if s in wanted]
+
+
+def section(cfg: DictConfig, key: str) -> dict[str, Any]:
+    """A resolved, plain-dict copy of one config section (for fingerprints and manifests)."""
+    node = cfg.get(key)
+    if node is None:
+        return {}
+    return OmegaConf.to_container(node, resolve=True, enum_to_str=True)  # type: ignore[return-value]

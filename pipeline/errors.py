@@ -1,0 +1,46 @@
+"""One exception hierarchy for user-facing failures.
+
+A ``PipelineError`` is a user's mistake or an unmet environment requirement: the CLI prints its
+message on one line and exits with its ``exit_code``. Anything else escaping a stage is a bug in
+qdq-tune and is shown with its full traceback.
+"""
+
+from __future__ import annotations
+
+
+class PipelineError(Exception):
+    """Base class: the message names the key or file, the value, and the fix."""
+
+    exit_code = 1
+
+
+class ConfigError(PipelineError):
+    """Invalid spec: unknown key, wrong type, or inconsistent values. Lists every problem found."""
+
+    exit_code = 2
+
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+class InputError(PipelineError):
+    """A missing, unreadable or unsuitable input file or data source."""
+
+
+class StageError(PipelineError):
+    """A stage could not produce its outputs for a reason the user can act on."""
+
+
+class BackendUnavailable(PipelineError):
+    """An optional runtime (TensorRT, trtexec, ...) is not installed or cannot run here."""
+
+    exit_code = 2
+
+
+class ResultsDirLocked(PipelineError):
+    """Another live run owns the results_dir."""
+
+
+class StateError(PipelineError):
+    """A state or cache file is corrupt or belongs to a different model."""

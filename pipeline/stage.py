@@ -1,0 +1,70 @@
+"""The stage contract shared by every task: declared artifacts in, artifacts and metrics out."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from pipeline.artifacts import Manifest
+from pipeline.errors import StageError
+
+
+@dataclass
+class StageResult:
+    artifacts: dict[str, Path] = field(default_factory=dict)  # artifact key "<stage>/<file>" -> path
+    metrics: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StageContext:
+    cfg: DictConfig
+    results_dir: Path
+    manifest: Manifest
+    log: logging.Logger
+
+    def stage_dir(self, stage: str) -> Path:
+        d = self.results_dir / stage
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def artifact(self, key: str) -> Path | None:
+        return self.manifest.artifact(key)
+
+    def require(self, key: str, producer_hint: str | None = None) -> Path:
+        """Path of an earlier stage's artifact, or a StageError naming the stage to run first."""
+        p = self.artifact(key)
+        if p is None:
+            stage = key.split("/", 1)[0]
+            raise StageError(
+                f"missing input {key} in {self.results_dir}: run stage '{producer_hint or stage}' first "
+                f"(e.g. stages=[{producer_hint or stage},...])"
+            )
+        return p
+
+
+class Stage:
+    """Base class. Subclasses set ``name``, ``inputs`` (required artifact keys), ``optional_inputs``,
+    ``outputs`` (artifact keys they always write) and ``config_keys`` (config sections whose values
+    change the outputs), and implement ``run``."""
+
+    name: str = ""
+    inputs: tuple[str, ...] = ()
+    optional_inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    config_keys: tuple[str, ...] = ()
+
+    def resolve_inputs(self, ctx: StageContext) -> dict[str, Path]:
+        found = {k: ctx.require(k) for k in self.inputs}
+        for k in self.optional_inputs:
+            p = ctx.artifact(k)
+            if p is not None:
+                found[k] = p
+        return found
+
+    def run(self, ctx: StageContext) -> StageResult:  # pragma: no cover - interface
+        raise NotImplementedError

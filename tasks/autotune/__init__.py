@@ -1,0 +1,1 @@
+"""autotune stage: Q/DQ placement chosen by measured latency (region mode)."""

@@ -1,0 +1,86 @@
+"""Schema of the `autotune` group. Keys mirror the reference autotuner's CLI and Config class."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+from omegaconf import DictConfig
+
+
+class Mode(str, Enum):
+    region = "region"
+    subgraph = "subgraph"
+
+
+class Preset(str, Enum):
+    quick = "quick"
+    default = "default"
+    extensive = "extensive"
+
+
+class QuantType(str, Enum):
+    int8 = "int8"
+    fp8 = "fp8"
+
+
+class DqDtype(str, Enum):
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+# preset -> (schemes_per_region, warmup_runs, timing_runs); explicit keys override the preset
+PRESETS: dict[str, tuple[int, int, int]] = {
+    "quick": (8, 3, 20),
+    "default": (30, 5, 40),
+    "extensive": (80, 10, 100),
+}
+
+
+@dataclass
+class AutotuneConfig:
+    mode: Mode = Mode.region
+    preset: Preset = Preset.default
+    schemes_per_region: Optional[int] = None
+    warmup_runs: Optional[int] = None
+    timing_runs: Optional[int] = None
+    pattern_cache: Optional[str] = None  # another run's autotuner_state_pattern_cache.yaml (warm start)
+    qdq_baseline: Optional[str] = None  # default: quantize/quantized_model.onnx
+    state_file: Optional[str] = None  # default: autotune/autotuner_state.yaml
+    node_filter_list: list[str] = field(default_factory=list)  # node-name wildcards, or a file of them
+    quant_type: Optional[QuantType] = None  # default: from the quantize stage's rules
+    default_dq_dtype: DqDtype = DqDtype.float32
+    default_q_scale: float = 0.1  # used only where calibration.json has no range (with a warning)
+    default_q_zero_point: int = 0
+    top_percent_to_mutate: float = 0.1
+    minimum_schemes_to_mutate: int = 10
+    maximum_mutations: int = 3
+    maximum_generation_attempts: int = 100
+    pattern_cache_minimum_distance: int = 4
+    pattern_cache_max_entries_per_pattern: int = 32
+    maximum_sequence_region_size: int = 10
+    minimum_topdown_search_size: int = 10
+    # the final Q/DQ model must beat the precision-matched float model by this factor, else float ships
+    performance_threshold: float = 1.02
+    verbose: bool = False
+
+
+SCHEMA = AutotuneConfig
+
+
+def validate(cfg: DictConfig) -> list[str]:
+    a = cfg.autotune
+    problems = []
+    if a.schemes_per_region is not None and a.schemes_per_region < 1:
+        problems.append(f"autotune.schemes_per_region={a.schemes_per_region}: must be >= 1")
+    if not 0.0 < a.top_percent_to_mutate <= 1.0:
+        problems.append(f"autotune.top_percent_to_mutate={a.top_percent_to_mutate}: must be in (0, 1]")
+    if a.performance_threshold < 1.0:
+        problems.append(f"autotune.performance_threshold={a.performance_threshold}: must be >= 1.0")
+    for key in ("maximum_mutations", "maximum_generation_attempts", "maximum_sequence_region_size",
+                "minimum_topdown_search_size", "pattern_cache_max_entries_per_pattern"):
+        if a[key] < 1:
+            problems.append(f"autotune.{key}={a[key]}: must be >= 1")
+    return problems

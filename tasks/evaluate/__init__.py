@@ -1,0 +1,1 @@
+"""evaluate stage: accuracy, agreement with float and latency of every model in results_dir."""

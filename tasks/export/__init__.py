@@ -1,0 +1,1 @@
+"""export stage: a built-in, user or existing ONNX model -> results_dir/export/model.onnx (verified)."""

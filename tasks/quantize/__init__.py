@@ -1,0 +1,1 @@
+"""quantize stage: static PTQ calibration of every Q/DQ candidate tensor and the default placement."""

@@ -1,0 +1,89 @@
+"""Schema of the `quantize` group (spec keys close to TAO's modelopt.onnx static-PTQ backend)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from omegaconf import DictConfig
+
+
+class Algorithm(str, Enum):
+    minmax = "minmax"  # observed min/max (asymmetric where the dtype allows)
+    max = "max"  # symmetric absolute max
+    entropy = "entropy"  # KL-divergence threshold search over a histogram
+    percentile = "percentile"  # `percentile` of |x|
+
+
+class QDtype(str, Enum):
+    int8 = "int8"
+    fp8_e4m3fn = "fp8_e4m3fn"
+    fp8_e5m2 = "fp8_e5m2"
+    native = "native"  # leave in float
+
+
+class Placement(str, Enum):
+    auto = "auto"  # follow the configured backend
+    tensorrt = "tensorrt"  # TensorRT Q/DQ placement recommendations
+    onnxruntime = "onnxruntime"  # node groups ORT's CPU EP fuses into integer kernels
+
+
+class ActivationType(str, Enum):
+    auto = "auto"  # uint8 asymmetric for onnxruntime placement, int8 symmetric for TensorRT
+    int8 = "int8"
+    uint8 = "uint8"
+
+
+@dataclass
+class DtypeSpec:
+    dtype: QDtype = QDtype.int8
+
+
+@dataclass
+class LayerRule:
+    # ONNX op type (Conv, Gemm, MatMul, ...), a node-name wildcard (/layer1/*), or "*" for all
+    module_name: str = "*"
+    weights: DtypeSpec = field(default_factory=DtypeSpec)
+    activations: DtypeSpec = field(default_factory=DtypeSpec)
+
+
+@dataclass
+class CalibrationConfig:
+    batches: int = 16  # calibration batches of model.batch_size samples (streamed)
+    num_bins: int = 2048  # histogram bins for entropy / percentile
+
+
+@dataclass
+class QuantizeConfig:
+    mode: str = "static_ptq"
+    algorithm: Algorithm = Algorithm.minmax
+    percentile: float = 99.99
+    # rules are matched in order, first match wins; nodes no rule matches stay float
+    layers: list[LayerRule] = field(default_factory=lambda: [LayerRule()])
+    skip_names: list[str] = field(default_factory=list)  # node-name wildcards left in float
+    op_types_to_quantize: list[str] = field(default_factory=list)  # empty: every supported op type
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    placement: Placement = Placement.auto
+    activation_type: ActivationType = ActivationType.auto
+    per_channel: bool = True
+    use_external_data_format: bool = False
+
+
+SCHEMA = QuantizeConfig
+
+
+def validate(cfg: DictConfig) -> list[str]:
+    q = cfg.quantize
+    problems = []
+    if q.mode != "static_ptq":
+        problems.append(f"quantize.mode={q.mode}: only static_ptq is supported")
+    if not 50.0 < q.percentile <= 100.0:
+        problems.append(f"quantize.percentile={q.percentile}: must be in (50, 100]")
+    if q.calibration.batches < 1:
+        problems.append(f"quantize.calibration.batches={q.calibration.batches}: must be >= 1")
+    if q.calibration.num_bins < 128:
+        problems.append(f"quantize.calibration.num_bins={q.calibration.num_bins}: must be >= 128")
+    for i, rule in enumerate(q.layers):
+        if not str(rule.module_name).strip():
+            problems.append(f"quantize.layers[{i}].module_name: empty; use an op type, a wildcard or '*'")
+    return problems
