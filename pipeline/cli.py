@@ -55,6 +55,22 @@ def _rewrite_config_path(argv: list[str]) -> list[str]:
     return out
 
 
+# Dict-typed schema fields: Hydra's struct mode refuses new keys inside them on plain `key=value`
+# overrides, so such overrides are passed as `++key=value` (add-or-override) on the user's behalf.
+_DICT_FIELDS = ("input_shapes", "min_shapes", "opt_shapes", "max_shapes", "args", "input_dtypes")
+
+
+def _open_dict_overrides(argv: list[str]) -> list[str]:
+    out = []
+    for a in argv:
+        key = a.split("=", 1)[0]
+        if "=" in a and not a.startswith(("-", "+", "~")) and any(
+                key.endswith("." + f) or "." + f + "." in key for f in _DICT_FIELDS):
+            a = "++" + a
+        out.append(a)
+    return out
+
+
 def _first_of_sweeps(overrides: list[str]) -> list[str]:
     """Collapse `key=a,b,c` sweeps to their first value, to check a multirun before it starts."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -109,7 +125,10 @@ def _compose(config_dir: str | None, config_name: str, overrides: list[str]) -> 
     from hydra._internal.hydra import Hydra
     from hydra._internal.utils import create_automatic_config_search_path
     from hydra.core.config_search_path import SearchPathQuery
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
+
+    GlobalHydra.instance().clear()
 
     search_path = create_automatic_config_search_path(None, None, "pkg://conf")
     if config_dir:
@@ -122,6 +141,7 @@ def _compose(config_dir: str | None, config_name: str, overrides: list[str]) -> 
 
     with open_dict(cfg):
         cfg.pop("hydra", None)
+    GlobalHydra.instance().clear()
     return cfg
 
 
@@ -179,7 +199,7 @@ def _hydra_app(cfg: DictConfig) -> None:
 
 def main() -> None:
     register_configs()
-    argv = _rewrite_config_path(sys.argv[1:])
+    argv = _open_dict_overrides(_rewrite_config_path(sys.argv[1:]))
     _precheck(argv)
     sys.argv = [sys.argv[0], *argv]
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")

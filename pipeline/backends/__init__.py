@@ -1,0 +1,40 @@
+"""Latency and engine backends behind one protocol (see base.Backend); chosen by `backend=`."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing, compare_interleaved
+
+# backend name -> "module:Class"; imported lazily so a missing TensorRT only matters when chosen
+BACKENDS: dict[str, str] = {
+    "onnxruntime": "pipeline.backends.onnxruntime:OnnxRuntimeBackend",
+    "tensorrt": "pipeline.backends.tensorrt:TensorRTBackend",
+    "tensorrt_rtx": "pipeline.backends.tensorrt:TensorRTRtxBackend",
+    "trtexec": "pipeline.backends.trtexec:TrtexecBackend",
+}
+
+
+def create_backend(cfg: DictConfig) -> Backend:
+    """Instantiate the configured backend and check that it can run here (BackendUnavailable if not)."""
+    import importlib
+
+    from pipeline.errors import ConfigError, StageError
+
+    name = cfg.name.value if hasattr(cfg.name, "value") else str(cfg.name)
+    if name not in BACKENDS:
+        raise ConfigError(f"backend.name={name}: choose one of {', '.join(BACKENDS)}")
+    module_name, _, cls = BACKENDS[name].partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name:
+            raise StageError(f"backend '{name}' is not built yet in this version of qdq-tune; "
+                             f"use backend=onnxruntime") from None
+        raise
+    backend = getattr(module, cls)(cfg)
+    backend.check_available()
+    return backend
+
+
+__all__ = ["BACKENDS", "Backend", "BuildResult", "PreparedModel", "Timing", "compare_interleaved", "create_backend"]

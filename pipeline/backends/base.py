@@ -1,0 +1,196 @@
+"""The backend protocol: build an engine from ONNX, run it, and measure its latency.
+
+Every backend prepares a model once (`prepare`) into a ``PreparedModel`` that can run feeds and
+time a number of runs. Statistics are computed here, the same way for every backend: warm-up,
+timed runs, median with p10/p90 spread. ``compare_interleaved`` measures several models in
+alternating blocks (with one untimed run after each switch) so that machine drift hits all of them
+alike, which is how candidates are compared against a baseline.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig
+
+from pipeline.graph import InputSpec, input_specs, load_model, model_hash
+
+log = logging.getLogger("tune.backend")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One latency measurement. ``ok=False`` carries the error and log path, never a fake latency."""
+
+    median_ms: float = float("nan")
+    p10_ms: float = float("nan")
+    p90_ms: float = float("nan")
+    mean_ms: float = float("nan")
+    min_ms: float = float("nan")
+    n: int = 0
+    backend: str = ""
+    ok: bool = True
+    error: str | None = None
+    log_path: str | None = None
+
+    @classmethod
+    def from_samples(cls, samples_ms: list[float] | np.ndarray, backend: str, log_path: str | None = None) -> Timing:
+        a = np.asarray(samples_ms, dtype=np.float64)
+        return cls(
+            median_ms=float(np.median(a)), p10_ms=float(np.percentile(a, 10)), p90_ms=float(np.percentile(a, 90)),
+            mean_ms=float(a.mean()), min_ms=float(a.min()), n=int(a.size), backend=backend, log_path=log_path,
+        )
+
+    @classmethod
+    def failed(cls, backend: str, error: str, log_path: str | None = None) -> Timing:
+        return cls(backend=backend, ok=False, error=error, log_path=log_path)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Timing:
+        return cls(**d)
+
+
+@dataclass
+class BuildResult:
+    engine_path: Path | None  # engine file (TensorRT) or optimized graph (ORT), if written
+    log_path: Path | None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class PreparedModel:
+    """A model loaded into a backend, ready to run and time."""
+
+    specs: list[InputSpec]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def time_runs(self, n: int) -> list[float]:
+        """Run ``n`` times on fixed inputs; per-run latency in ms."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> PreparedModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def fixed_feeds(specs: list[InputSpec], seed: int = 0) -> dict[str, np.ndarray]:
+    """Deterministic inputs for timing runs (latency does not depend on values for these models)."""
+    from pipeline.data import synthetic_batches
+
+    feeds, _ = next(synthetic_batches(specs, specs[0].batch if specs else 1, seed))
+    return feeds
+
+
+class Backend:
+    """Base class: subclasses implement ``check_available``, ``prepare`` and ``build``."""
+
+    name = "base"
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.warmup_runs = int(cfg.warmup_runs)
+        self.timing_runs = int(cfg.timing_runs)
+        self._cache: dict[tuple[str, int, int], Timing] = {}
+
+    # -- to implement
+    def check_available(self) -> None:
+        raise NotImplementedError
+
+    def prepare(self, model_path: str | Path) -> PreparedModel:
+        raise NotImplementedError
+
+    def build(self, model_path: str | Path, out_path: str | Path | None = None,
+              log_path: str | Path | None = None) -> BuildResult:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        """Runtime name and version, recorded with every measurement."""
+        return {"backend": self.name}
+
+    def layer_info(self, model_path: str | Path) -> dict[str, Any] | None:
+        """Per-layer engine information (fused ONNX nodes per layer) where the runtime exposes it."""
+        return None
+
+    def has_fast_kernels(self, quant_type: str) -> bool:
+        """Whether this backend runs ``quant_type`` ("int8"/"fp8") Q/DQ models with real low-precision kernels."""
+        return True
+
+    # -- shared
+    def measure(self, model_path: str | Path, warmup_runs: int | None = None,
+                timing_runs: int | None = None) -> Timing:
+        """Median latency of one model; identical models (by content hash) are measured once."""
+        warm = self.warmup_runs if warmup_runs is None else warmup_runs
+        runs = self.timing_runs if timing_runs is None else timing_runs
+        key = (model_hash(model_path), warm, runs)
+        if key in self._cache:
+            return self._cache[key]
+        try:
+            with self.prepare(model_path) as pm:
+                if warm:
+                    pm.time_runs(warm)
+                timing = Timing.from_samples(pm.time_runs(runs), self.name)
+        except Exception as exc:  # noqa: BLE001 - a failed build/run is a failed measurement, reported as such
+            log.debug("measurement of %s failed", model_path, exc_info=True)
+            return Timing.failed(self.name, f"{type(exc).__name__}: {exc}")
+        self._cache[key] = timing
+        return timing
+
+    def run(self, model_path: str | Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        with self.prepare(model_path) as pm:
+            return pm.run(feeds)
+
+
+def compare_interleaved(backend: Backend, model_paths: list[str | Path], rounds: int = 5,
+                        runs_per_round: int | None = None, warmup_runs: int | None = None) -> list[Timing]:
+    """Measure several models in alternating blocks; one Timing per model over all its samples.
+
+    All models are prepared up front; each round times every model for ``runs_per_round`` runs,
+    after one untimed run (the previous model's worker threads slow the first run after a switch).
+    """
+    runs = runs_per_round or max(1, backend.timing_runs // max(rounds, 1))
+    warm = backend.warmup_runs if warmup_runs is None else warmup_runs
+    prepared: list[PreparedModel | None] = []
+    errors: list[str | None] = []
+    for p in model_paths:
+        try:
+            pm = backend.prepare(p)
+            if warm:
+                pm.time_runs(warm)
+            prepared.append(pm)
+            errors.append(None)
+        except Exception as exc:  # noqa: BLE001 - reported as a failed Timing
+            prepared.append(None)
+            errors.append(f"{type(exc).__name__}: {exc}")
+    samples: list[list[float]] = [[] for _ in model_paths]
+    try:
+        for r in range(rounds):
+            order = range(len(prepared)) if r % 2 == 0 else reversed(range(len(prepared)))
+            for i in order:
+                pm = prepared[i]
+                if pm is None:
+                    continue
+                pm.time_runs(1)
+                samples[i].extend(pm.time_runs(runs))
+    finally:
+        for pm in prepared:
+            if pm is not None:
+                pm.close()
+    return [Timing.from_samples(s, backend.name) if e is None else Timing.failed(backend.name, e)
+            for s, e in zip(samples, errors, strict=True)]
+
+
+def specs_of(model_path: str | Path) -> list[InputSpec]:
+    return input_specs(load_model(model_path, check=False))

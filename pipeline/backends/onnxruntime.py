@@ -1,0 +1,158 @@
+"""ONNX Runtime backend (default): CPU execution provider unless other providers are named.
+
+build = create a session (optionally saving ORT's optimized graph); measure = time session.run on
+fixed inputs. ORT fuses DQ -> op -> Q groups into integer kernels (QLinearConv, QLinearMatMul, ...)
+during graph optimization, so the optimized graph shows which placements really fused.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.artifacts import atomic_output
+from pipeline.backends.base import Backend, BuildResult, PreparedModel, fixed_feeds, specs_of
+from pipeline.errors import BackendUnavailable
+
+_LEVELS = {
+    "disable": "ORT_DISABLE_ALL",
+    "basic": "ORT_ENABLE_BASIC",
+    "extended": "ORT_ENABLE_EXTENDED",
+    "layout": "ORT_ENABLE_LAYOUT",
+    "all": "ORT_ENABLE_ALL",
+}
+
+
+def physical_cores() -> int:
+    """Physical cores available to this process (hyper-threads share a core's int8 units)."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except AttributeError:
+        allowed = set(range(os.cpu_count() or 1))
+    cores: set[tuple[str, str]] = set()
+    try:
+        cpu = phys = core = None
+        with open("/proc/cpuinfo") as fh:
+            for line in [*fh, "\n"]:
+                if not line.strip():
+                    if cpu is not None and int(cpu) in allowed:
+                        cores.add((phys or "0", core or cpu))
+                    cpu = phys = core = None
+                    continue
+                k, _, v = line.partition(":")
+                k, v = k.strip(), v.strip()
+                if k == "processor":
+                    cpu = v
+                elif k == "physical id":
+                    phys = v
+                elif k == "core id":
+                    core = v
+    except OSError:
+        pass
+    return max(1, len(cores) or len(allowed))
+
+
+class OrtPrepared(PreparedModel):
+    def __init__(self, session: Any, specs: list):
+        self.session = session
+        self.specs = specs
+        self.output_names = [o.name for o in session.get_outputs()]
+        self._feeds = fixed_feeds(specs)
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return self.session.run(self.output_names, feeds)
+
+    def time_runs(self, n: int) -> list[float]:
+        out = []
+        run, names, feeds = self.session.run, self.output_names, self._feeds
+        for _ in range(n):
+            t0 = time.perf_counter()
+            run(names, feeds)
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    def close(self) -> None:
+        self.session = None
+
+
+class OnnxRuntimeBackend(Backend):
+    name = "onnxruntime"
+
+    def check_available(self) -> None:
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            raise BackendUnavailable("onnxruntime is not installed; pip install onnxruntime") from None
+        have = set(ort.get_available_providers())
+        missing = [p for p in self.cfg.providers if p not in have]
+        if missing:
+            raise BackendUnavailable(
+                f"backend.providers lists {missing}, not available in this onnxruntime build "
+                f"(available: {sorted(have)}); install the matching onnxruntime package or drop them"
+            )
+
+    @property
+    def threads(self) -> int:
+        n = int(self.cfg.intra_op_threads)
+        return n if n > 0 else physical_cores()
+
+    def session_options(self, optimized_path: str | None = None) -> Any:
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = self.threads
+        so.inter_op_num_threads = 1
+        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[self.cfg.graph_optimization_level])
+        so.log_severity_level = 3
+        if optimized_path:
+            so.optimized_model_filepath = optimized_path
+        return so
+
+    def session(self, model_path: str | Path, optimized_path: str | None = None) -> Any:
+        import onnxruntime as ort
+
+        return ort.InferenceSession(str(model_path), sess_options=self.session_options(optimized_path),
+                                    providers=list(self.cfg.providers))
+
+    def prepare(self, model_path: str | Path) -> OrtPrepared:
+        return OrtPrepared(self.session(model_path), specs_of(model_path))
+
+    def build(self, model_path: str | Path, out_path: str | Path | None = None,
+              log_path: str | Path | None = None) -> BuildResult:
+        """Create a session; with ``out_path``, save the graph ORT actually runs (after its fusions)."""
+        t0 = time.perf_counter()
+        if out_path is not None:
+            with atomic_output(out_path, suffix=".onnx") as tmp:
+                self.session(model_path, optimized_path=str(tmp))
+        else:
+            self.session(model_path)
+        seconds = time.perf_counter() - t0
+        info: dict[str, Any] = {"build_seconds": round(seconds, 3), **self.describe()}
+        if out_path is not None:
+            import onnx
+
+            ops: dict[str, int] = {}
+            for node in onnx.load(str(out_path), load_external_data=False).graph.node:
+                ops[node.op_type] = ops.get(node.op_type, 0) + 1
+            info["optimized_op_counts"] = dict(sorted(ops.items()))
+        if log_path is not None:
+            from pipeline.artifacts import atomic_write_json
+
+            atomic_write_json(log_path, info)
+        return BuildResult(Path(out_path) if out_path else None, Path(log_path) if log_path else None, info)
+
+    def describe(self) -> dict[str, Any]:
+        import onnxruntime as ort
+
+        return {"backend": self.name, "onnxruntime": ort.__version__, "providers": list(self.cfg.providers),
+                "threads": self.threads}
+
+    def has_fast_kernels(self, quant_type: str) -> bool:
+        # the CPU EP has integer kernels for int8/uint8 but none for fp8: FP8 Q/DQ only adds casts
+        if quant_type == "fp8":
+            return False
+        return True

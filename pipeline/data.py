@@ -1,0 +1,309 @@
+"""Calibration and evaluation data as numpy batches shaped for a model with static inputs.
+
+``to_feeds`` is the DataLoader-to-numpy adapter: a batch may be a numpy array, a torch tensor, a
+tuple/list whose first item is the input (a second item, if present, is taken as labels), or a dict
+holding the input under ``key`` or one of DEFAULT_KEYS; multi-input models take dicts keyed by input
+name (or tuples in input order). ``DataProvider`` turns a configured source (digits, synthetic, npz,
+custom) into fixed-size batches: ragged source batches are re-cut to the model's batch size and the
+last one is padded, with ``Batch.valid`` telling how many samples are real.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.errors import ConfigError, InputError
+from pipeline.graph import InputSpec
+
+log = logging.getLogger("tune.data")
+
+DEFAULT_KEYS = ("input", "data", "x", "images", "images_left", "images_right")
+LABEL_KEYS = ("label", "labels", "target", "targets", "y")
+
+
+@dataclass
+class Batch:
+    feeds: dict[str, np.ndarray]
+    labels: np.ndarray | None
+    valid: int  # real samples; the rest (padding) must be ignored by metrics
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch.Tensor without importing torch
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def to_feeds(batch: Any, specs: list[InputSpec], key: str | None = None) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """Split one loader batch into {input name: array} and optional labels."""
+    names = [s.name for s in specs]
+    labels = None
+    if isinstance(batch, dict):
+        if all(n in batch for n in names):
+            feeds = {n: batch[n] for n in names}
+        else:
+            keys = [key] if key else [k for k in DEFAULT_KEYS if k in batch]
+            if not keys or keys[0] not in batch:
+                raise InputError(
+                    f"data batch is a dict with keys {sorted(map(str, batch))}; none holds the input "
+                    f"(looked for {key or ', '.join(DEFAULT_KEYS)} or the model's input names {names}); "
+                    f"set data.key=<key>"
+                )
+            if len(names) > 1:
+                raise InputError(f"model has inputs {names}; a dict batch must hold each by name")
+            feeds = {names[0]: batch[keys[0]]}
+        for lk in LABEL_KEYS:
+            if lk in batch:
+                labels = batch[lk]
+                break
+    elif isinstance(batch, (tuple, list)):
+        if not batch:
+            raise InputError("data batch is an empty tuple/list")
+        first = batch[0]
+        if isinstance(first, dict):
+            feeds, _ = to_feeds(first, specs, key)
+        elif len(names) > 1 and isinstance(first, (tuple, list)):
+            feeds = dict(zip(names, first, strict=False))
+        else:
+            feeds = {names[0]: first}
+        if len(batch) > 1:
+            labels = batch[1]
+    else:
+        if len(names) > 1:
+            raise InputError(f"model has inputs {names}; batches must be dicts keyed by input name")
+        feeds = {names[0]: batch}
+    out = {}
+    for spec in specs:
+        if spec.name not in feeds:
+            raise InputError(f"data batch has no value for model input '{spec.name}'")
+        arr = to_numpy(feeds[spec.name])
+        if arr.ndim == len(spec.shape) - 1:
+            arr = arr[None]
+        if arr.shape[1:] != tuple(spec.shape[1:]):
+            raise InputError(
+                f"data for input '{spec.name}' has sample shape {tuple(arr.shape[1:])}, model expects "
+                f"{tuple(spec.shape[1:])} (full shape {tuple(spec.shape)})"
+            )
+        out[spec.name] = arr.astype(spec.dtype, copy=False)
+    return out, (None if labels is None else to_numpy(labels).reshape(-1))
+
+
+def rebatch(batches: Iterable[tuple[dict[str, np.ndarray], np.ndarray | None]], batch_size: int,
+            max_batches: int | None = None) -> Iterator[Batch]:
+    """Re-cut a stream of (feeds, labels) of any size into batches of exactly ``batch_size``."""
+    pending: list[tuple[dict[str, np.ndarray], np.ndarray | None]] = []
+    count = 0
+    have = 0
+    emitted = 0
+
+    def cut(n: int) -> Batch:
+        nonlocal pending, have
+        take: list[tuple[dict[str, np.ndarray], np.ndarray | None]] = []
+        need = n
+        while need > 0 and pending:
+            feeds, labels = pending[0]
+            m = next(iter(feeds.values())).shape[0]
+            if m <= need:
+                take.append(pending.pop(0))
+                need -= m
+            else:
+                take.append(({k: v[:need] for k, v in feeds.items()}, None if labels is None else labels[:need]))
+                pending[0] = ({k: v[need:] for k, v in feeds.items()}, None if labels is None else labels[need:])
+                need = 0
+        have -= n - need
+        valid = n - need
+        feeds = {k: np.concatenate([t[0][k] for t in take]) for k in take[0][0]}
+        has_labels = all(t[1] is not None for t in take)
+        labels = np.concatenate([t[1] for t in take]) if has_labels else None
+        if valid < batch_size:  # pad by repeating the last sample; metrics use only `valid`
+            reps = batch_size - valid
+            feeds = {k: np.concatenate([v, np.repeat(v[-1:], reps, axis=0)]) for k, v in feeds.items()}
+            if labels is not None:
+                labels = np.concatenate([labels, np.repeat(labels[-1:], reps)])
+        return Batch({k: np.ascontiguousarray(v) for k, v in feeds.items()}, labels, valid)
+
+    for feeds, labels in batches:
+        m = next(iter(feeds.values())).shape[0]
+        if m == 0:
+            continue
+        pending.append((feeds, labels))
+        have += m
+        count += 1
+        while have >= batch_size:
+            yield cut(batch_size)
+            emitted += 1
+            if max_batches is not None and emitted >= max_batches:
+                return
+    if have > 0 and (max_batches is None or emitted < max_batches):
+        yield cut(have)
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def _resize_images(x: np.ndarray, h: int, w: int) -> np.ndarray:
+    """Bilinear resize of (N, H0, W0) images to (N, h, w)."""
+    if x.shape[1:] == (h, w):
+        return x
+    from scipy.ndimage import zoom
+
+    return zoom(x, (1, h / x.shape[1], w / x.shape[2]), order=1).astype(np.float32)
+
+
+def digits_arrays(split: str, seed: int, test_fraction: float, image_shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled digits as (N, C, H, W) float32 in [0, 1] and int64 labels.
+
+    The train/test split is stratified and fixed by ``seed``; the export stage trains on "train",
+    quantize calibrates on "train", evaluate scores "test".
+    """
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    if len(image_shape) != 3:
+        raise InputError(f"data=digits needs an image input (C, H, W); the model's input sample shape is "
+                         f"{tuple(image_shape)}. Use data=synthetic, data=npz or data=custom")
+    c, h, w = image_shape
+    d = load_digits()
+    x = (d.images / 16.0).astype(np.float32)
+    y = d.target.astype(np.int64)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=y)
+    x, y = (x_tr, y_tr) if split == "train" else (x_te, y_te)
+    x = _resize_images(x, h, w)[:, None]
+    if c != 1:
+        x = np.repeat(x, c, axis=1)
+    return np.ascontiguousarray(x), y
+
+
+def synthetic_batches(specs: list[InputSpec], num_samples: int, seed: int) -> Iterator[tuple[dict[str, np.ndarray], None]]:
+    rng = np.random.default_rng(seed)
+    bs = specs[0].batch if specs else 1
+    done = 0
+    while done < num_samples:
+        n = min(bs, num_samples - done)
+        feeds = {}
+        for s in specs:
+            shape = (n, *s.shape[1:])
+            if np.issubdtype(s.dtype, np.integer):
+                feeds[s.name] = rng.integers(0, s.int_high or 100, size=shape).astype(s.dtype)
+            elif s.dtype == np.bool_:
+                feeds[s.name] = np.ones(shape, dtype=np.bool_)
+            else:
+                feeds[s.name] = rng.standard_normal(shape).astype(s.dtype)
+        done += n
+        yield feeds, None
+
+
+def _npz_batches(path: str, specs: list[InputSpec], labels_key: str) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray | None]]:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise InputError(f"data path {p} does not exist; give a .npz file or a folder of .npy files")
+    if p.is_dir():
+        files = sorted(p.glob("*.npy"))
+        if not files:
+            raise InputError(f"data folder {p} holds no .npy files")
+        arrays = {f.stem: np.load(f, mmap_mode="r") for f in files}
+    elif p.suffix == ".npz":
+        try:
+            arrays = dict(np.load(p))
+        except Exception as exc:  # noqa: BLE001
+            raise InputError(f"data file {p} could not be read as .npz ({exc})") from None
+    elif p.suffix == ".npy":
+        arrays = {p.stem: np.load(p, mmap_mode="r")}
+    else:
+        raise InputError(f"data file {p} is neither .npz nor .npy")
+    labels = arrays.pop(labels_key, None)
+    names = [s.name for s in specs]
+    if all(n in arrays for n in names):
+        chosen = {n: arrays[n] for n in names}
+    elif len(names) == 1 and len(arrays) == 1:
+        chosen = {names[0]: next(iter(arrays.values()))}
+    else:
+        raise InputError(f"data {p} holds arrays {sorted(arrays)}; name them after the model inputs {names}")
+    n = min(a.shape[0] for a in chosen.values())
+    step = max(specs[0].batch, 1)
+    for start in range(0, n, step):
+        feeds = {k: np.asarray(v[start:start + step]) for k, v in chosen.items()}
+        lab = None if labels is None else np.asarray(labels[start:start + step])
+        yield feeds, lab
+
+
+def _custom_iterable(target: str, args: dict[str, Any], split: str) -> Iterable[Any]:
+    from hydra.utils import get_method
+
+    try:
+        fn = get_method(target)
+    except Exception as exc:  # noqa: BLE001 - hydra wraps import errors
+        raise ConfigError(f"data._target_={target}: cannot import it ({str(exc).splitlines()[0]})") from None
+    kwargs = dict(args)
+    try:
+        if "split" in inspect.signature(fn).parameters:
+            kwargs["split"] = split
+    except (TypeError, ValueError):
+        pass
+    return fn(**kwargs)
+
+
+class DataProvider:
+    """Fixed-size numpy batches for a model, from the configured data source."""
+
+    def __init__(self, cfg: DictConfig, specs: list[InputSpec]):
+        from pipeline.config import resolved_data_source
+
+        self.cfg = cfg.data
+        self.specs = specs
+        self.seed = int(cfg.seed)
+        self.batch_size = specs[0].batch if specs else 1
+        self.source = resolved_data_source(cfg)
+
+    def _raw(self, split: str) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray | None]]:
+        src = self.source
+        if src == "digits":
+            if len(self.specs) != 1:
+                raise InputError("data=digits feeds single-input image models; this model has "
+                                 f"{len(self.specs)} inputs")
+            x, y = digits_arrays("train" if split == "calibration" else "test", self.seed,
+                                 float(self.cfg.test_fraction), self.specs[0].shape[1:])
+            name = self.specs[0].name
+            for i in range(0, len(x), self.batch_size):
+                yield {name: x[i:i + self.batch_size].astype(self.specs[0].dtype)}, y[i:i + self.batch_size]
+        elif src in ("synthetic", "none"):
+            offset = 0 if split == "calibration" else 1_000_003
+            yield from synthetic_batches(self.specs, int(self.cfg.num_samples), self.seed + offset)
+        elif src == "npz":
+            path = self.cfg.path if split == "calibration" or not self.cfg.eval_path else self.cfg.eval_path
+            yield from _npz_batches(path, self.specs, self.cfg.labels_key)
+        elif src == "custom":
+            args = OmegaConf.to_container(self.cfg.args, resolve=True) if self.cfg.args else {}
+            for raw in _custom_iterable(self.cfg._target_, args, split):  # type: ignore[arg-type]
+                yield to_feeds(raw, self.specs, self.cfg.key)
+        else:
+            raise ConfigError(f"data.source={src}: unknown source")
+
+    def batches(self, split: str, max_batches: int | None = None) -> Iterator[Batch]:
+        """``split`` is "calibration" (train data) or "evaluation" (held-out data)."""
+        if split == "calibration" and self.source == "none":
+            log.warning("no calibration data configured: calibrating on SYNTHETIC random data; accuracy "
+                        "will suffer. Configure data=digits|npz|custom for real data.")
+        yield from rebatch(self._raw(split), self.batch_size, max_batches)
+
+    def count(self, split: str, max_batches: int | None = None) -> int | None:
+        """Number of batches a split yields (None when it cannot be known without reading it)."""
+        if self.source == "digits":
+            x, _ = digits_arrays("train" if split == "calibration" else "test", self.seed,
+                                 float(self.cfg.test_fraction), self.specs[0].shape[1:])
+            n = -(-len(x) // self.batch_size)
+        elif self.source in ("synthetic", "none"):
+            n = -(-int(self.cfg.num_samples) // self.batch_size)
+        else:
+            return max_batches
+        return n if max_batches is None else min(n, max_batches)

@@ -1,0 +1,255 @@
+"""The export stage: builds (or validates) the float model and writes export/model.onnx.
+
+Built-in models are exported with static shapes at the configured opset, checked with
+onnx.checker and verified by running ONNX Runtime against torch on the same input; the max abs
+difference goes into the manifest. `model=onnx` validates and copies an existing file instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.artifacts import atomic_output, fingerprint
+from pipeline.config import section
+from pipeline.errors import ConfigError, InputError, StageError
+from pipeline.graph import (
+    ensure_node_names,
+    fix_input_shapes,
+    input_specs,
+    load_model,
+    opset_version,
+    save_model,
+)
+from pipeline.stage import Stage, StageContext, StageResult
+
+log = logging.getLogger("tune.export")
+
+
+def _enum(v: Any) -> str:
+    return v.value if hasattr(v, "value") else str(v)
+
+
+class ExportStage(Stage):
+    name = "export"
+    outputs = ("export/model.onnx",)
+    config_keys = ("model", "export", "seed", "data")
+
+    def run(self, ctx: StageContext) -> StageResult:
+        mcfg = ctx.cfg.model
+        out_dir = ctx.stage_dir("export")
+        out = out_dir / "model.onnx"
+        if mcfg.name == "onnx":
+            metrics = self._from_onnx(mcfg, out)
+        else:
+            metrics = self._from_torch(ctx, mcfg, out_dir, out)
+        model = onnx.load(str(out), load_external_data=False)
+        metrics.update(
+            opset=opset_version(model), nodes=len(model.graph.node),
+            inputs={s.name: list(s.shape) for s in input_specs(model)},
+        )
+        headline = f"{mcfg.name}: {metrics['nodes']} nodes, opset {metrics['opset']}"
+        if "max_abs_diff" in metrics:
+            headline += f", ORT vs torch max |diff| {metrics['max_abs_diff']:.2e}"
+        if "torch_test_top1" in metrics:
+            headline += f", float top-1 {100 * metrics['torch_test_top1']:.2f}%"
+        metrics["headline"] = headline
+        log.info("wrote %s (%s)", out, headline)
+        return StageResult(artifacts={"export/model.onnx": out}, metrics=metrics)
+
+    # ------------------------------------------------------------------ existing ONNX
+    def _from_onnx(self, mcfg: DictConfig, out: Path) -> dict[str, Any]:
+        from hydra.utils import to_absolute_path
+
+        src = Path(to_absolute_path(mcfg.onnx_path))
+        model = load_model(src, what="model.onnx_path")
+        shapes = {k: list(v) for k, v in (mcfg.input_shapes or {}).items()}
+        model = fix_input_shapes(model, shapes, source=str(src))
+        ensure_node_names(model)
+        try:
+            onnx.checker.check_model(model)
+        except onnx.checker.ValidationError as exc:
+            raise InputError(f"{src} fails onnx.checker after fixing shapes: {str(exc).splitlines()[0]}") from None
+        save_model(model, out)
+        # a quick ORT smoke run proves the file is runnable before later stages rely on it
+        import onnxruntime as ort
+
+        try:
+            sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+            from pipeline.backends.base import fixed_feeds
+
+            sess.run(None, fixed_feeds(input_specs(model)))
+        except Exception as exc:  # noqa: BLE001 - ORT raises generic errors for bad models
+            raise InputError(f"{src} does not run in ONNX Runtime: {str(exc).splitlines()[0]}") from None
+        return {"source": str(src)}
+
+    # ------------------------------------------------------------------ PyTorch models
+    def _from_torch(self, ctx: StageContext, mcfg: DictConfig, out_dir: Path, out: Path) -> dict[str, Any]:
+        import torch
+
+        torch.manual_seed(int(ctx.cfg.seed))
+        metrics: dict[str, Any] = {}
+        module, example, in_names, out_names = self._build(ctx, mcfg, out_dir, metrics)
+        module.eval()
+        opset = int(mcfg.opset)
+        exporter = _enum(mcfg.exporter)
+        with atomic_output(out) as tmp, torch.no_grad():
+            kwargs: dict[str, Any] = dict(input_names=in_names, output_names=out_names, opset_version=opset)
+            try:
+                if exporter == "dynamo":
+                    torch.onnx.export(module, tuple(example), str(tmp), dynamo=True, external_data=False, **kwargs)
+                else:
+                    import warnings
+
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        torch.onnx.export(module, tuple(example), str(tmp), dynamo=False, do_constant_folding=True,
+                                          **kwargs)
+            except Exception as exc:  # noqa: BLE001 - surface the exporter's reason, keep the traceback in the log
+                log.debug("export failed", exc_info=True)
+                raise StageError(f"torch.onnx.export ({exporter}) failed for model {mcfg.name}: "
+                                 f"{str(exc).strip().splitlines()[0]}") from exc
+            model = onnx.load(str(tmp))
+            ensure_node_names(model)
+            if opset_version(model) != opset:
+                from onnx import version_converter
+
+                model = version_converter.convert_version(model, opset)
+            onnx.checker.check_model(model, full_check=True)
+            model = onnx.shape_inference.infer_shapes(model)
+            tmp.write_bytes(model.SerializeToString())
+        if ctx.cfg.export.verify:
+            metrics.update(self._verify(module, example, in_names, out, mcfg))
+        return metrics
+
+    def _build(self, ctx: StageContext, mcfg: DictConfig, out_dir: Path, metrics: dict[str, Any]):
+        import torch
+
+        from tasks.export import _models
+
+        name = mcfg.name
+        bs = int(mcfg.batch_size)
+        seed = int(ctx.cfg.seed)
+        if name == "digits_cnn":
+            module = _models.DigitsCNN(int(mcfg.image_size), tuple(mcfg.channels))
+            example = self._digits_example(ctx, mcfg)
+            metrics.update(self._train_or_load(ctx, mcfg, module, out_dir))
+            return module, [example], ["input"], ["logits"]
+        if name.startswith("resnet"):
+            module = _models.ResNet(int(mcfg.depth), int(mcfg.num_classes), int(mcfg.in_channels))
+            g = torch.Generator().manual_seed(seed)
+            example = torch.randn(bs, int(mcfg.in_channels), int(mcfg.input_size), int(mcfg.input_size), generator=g)
+            _models.recalibrate_batchnorm(module, example, seed=seed)
+            return module, [example], ["input"], ["logits"]
+        if name == "bert_tiny":
+            module = _models.BertTiny(int(mcfg.vocab_size), int(mcfg.hidden_size), int(mcfg.num_layers),
+                                      int(mcfg.num_heads), int(mcfg.intermediate_size), int(mcfg.seq_len),
+                                      int(mcfg.num_labels))
+            g = torch.Generator().manual_seed(seed)
+            example = torch.randint(0, int(mcfg.vocab_size), (bs, int(mcfg.seq_len)), generator=g)
+            return module, [example], ["input_ids"], ["logits"]
+        if name == "custom":
+            return self._custom(mcfg, seed)
+        raise ConfigError(f"model.name={name}: not a built-in model (digits_cnn, resnet18, resnet50, bert_tiny, "
+                          f"onnx, custom)")
+
+    @staticmethod
+    def _digits_example(ctx: StageContext, mcfg: DictConfig):
+        import torch
+
+        from pipeline.data import digits_arrays
+
+        size = int(mcfg.image_size)
+        x, _ = digits_arrays("test", int(ctx.cfg.seed), float(ctx.cfg.data.get("test_fraction", 0.3)), (1, size, size))
+        bs = int(mcfg.batch_size)
+        reps = -(-bs // len(x))
+        return torch.from_numpy(np.concatenate([x] * reps)[:bs])
+
+    def _train_or_load(self, ctx: StageContext, mcfg: DictConfig, module, out_dir: Path) -> dict[str, Any]:
+        import torch
+
+        from pipeline.artifacts import atomic_write_json, read_json
+        from tasks.export._train import train_digits_cnn
+
+        key = fingerprint({"model": section(ctx.cfg, "model"), "seed": int(ctx.cfg.seed),
+                           "test_fraction": float(ctx.cfg.data.get("test_fraction", 0.3))})
+        weights, meta_path = out_dir / "digits_cnn.pt", out_dir / "digits_cnn.json"
+        if ctx.cfg.export.cache_trained_weights and weights.exists() and meta_path.exists():
+            meta = read_json(meta_path, "training cache")
+            if meta.get("key") == key:
+                module.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+                log.info("reusing trained digits_cnn weights from %s", weights)
+                return {k: v for k, v in meta.items() if k != "key"} | {"weights_cached": True}
+        metrics = train_digits_cnn(module, int(mcfg.image_size), int(ctx.cfg.seed),
+                                   float(ctx.cfg.data.get("test_fraction", 0.3)), int(mcfg.epochs),
+                                   float(mcfg.learning_rate), int(mcfg.train_batch_size), bool(ctx.cfg.progress))
+        with atomic_output(weights) as tmp:
+            torch.save(module.state_dict(), tmp)
+        atomic_write_json(meta_path, {"key": key, **metrics})
+        return metrics
+
+    @staticmethod
+    def _custom(mcfg: DictConfig, seed: int):
+        import torch
+        from hydra.utils import get_class, to_absolute_path
+
+        target = mcfg.get("_target_")
+        try:
+            cls = get_class(target)
+        except Exception as exc:  # noqa: BLE001 - hydra wraps import errors
+            raise ConfigError(f"model._target_={target}: cannot import it ({str(exc).splitlines()[0]})") from None
+        args = OmegaConf.to_container(mcfg.args, resolve=True) if mcfg.args else {}
+        module = cls(**args)
+        if mcfg.checkpoint:
+            ckpt = Path(to_absolute_path(mcfg.checkpoint))
+            if not ckpt.exists():
+                raise InputError(f"model.checkpoint {ckpt} does not exist")
+            state = torch.load(ckpt, map_location="cpu", weights_only=True)
+            if isinstance(state, dict) and "state_dict" in state:
+                state = state["state_dict"]
+            try:
+                module.load_state_dict(state)
+            except RuntimeError as exc:
+                raise InputError(f"model.checkpoint {ckpt} does not fit {target}: {str(exc).splitlines()[0]}") from None
+        if not mcfg.input_shapes:
+            raise ConfigError("model.input_shapes: required for model=custom, e.g. "
+                              "model.input_shapes='{input: [1,3,224,224]}'")
+        g = torch.Generator().manual_seed(seed)
+        names = list(mcfg.input_names) or list(mcfg.input_shapes.keys())
+        examples = []
+        for name in names:
+            shape = list(mcfg.input_shapes[name])
+            dtype = str(mcfg.input_dtypes.get(name, "float32"))
+            if "int" in dtype:
+                examples.append(torch.randint(0, 100, shape, generator=g, dtype=getattr(torch, dtype)))
+            else:
+                examples.append(torch.randn(shape, generator=g, dtype=getattr(torch, dtype)))
+        out_names = list(mcfg.output_names) or None
+        return module, examples, names, out_names
+
+    @staticmethod
+    def _verify(module, example, in_names, path: Path, mcfg: DictConfig) -> dict[str, Any]:
+        import onnxruntime as ort
+        import torch
+
+        with torch.no_grad():
+            ref = module(*example)
+        refs = [ref] if isinstance(ref, torch.Tensor) else list(ref)
+        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        got = sess.run(None, {n: t.numpy() for n, t in zip(in_names, example, strict=True)})
+        diffs, scale = [], 0.0
+        for r, g in zip(refs, got, strict=False):
+            r = r.numpy()
+            diffs.append(float(np.max(np.abs(r - g))) if r.size else 0.0)
+            scale = max(scale, float(np.max(np.abs(r))) if r.size else 0.0)
+        max_diff = max(diffs) if diffs else 0.0
+        tol = float(mcfg.verify_atol) + float(mcfg.verify_rtol) * scale
+        if not max_diff <= tol:
+            raise StageError(f"exported model disagrees with torch: max |diff| {max_diff:.3e} > tolerance {tol:.3e} "
+                             f"(model.verify_atol/verify_rtol)")
+        return {"max_abs_diff": max_diff, "verify_tolerance": tol, "output_max_abs": scale}

@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import models
+
+
+def tune_command() -> list[str]:
+    exe = shutil.which("tune", path=str(Path(sys.executable).parent)) or shutil.which("tune")
+    return [exe] if exe else [sys.executable, "-m", "pipeline.cli"]
+
+
+def run_tune(args: list[str], cwd: Path, timeout: float = 900, check: bool = False) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([*tune_command(), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"tune {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def compose(overrides: list[str] | None = None, config_dir: str | None = None, config_name: str = "tune"):
+    from pipeline.cli import _compose
+    from pipeline.config import register_configs
+
+    register_configs()
+    return _compose(config_dir, config_name, overrides or [])
+
+
+@pytest.fixture(scope="session")
+def digits_results(tmp_path_factory) -> Path:
+    """A results_dir holding the default model exported once for the whole session."""
+    root = tmp_path_factory.mktemp("digits")
+    run_tune(["stages=[export]", f"results_dir={root / 'run'}"], cwd=root, check=True)
+    return root / "run"
+
+
+@pytest.fixture
+def tiny_models(tmp_path) -> dict[str, Path]:
+    return {
+        "conv_chain": models.save(models.conv_chain(), tmp_path, "conv_chain"),
+        "residual_block": models.save(models.residual_block(), tmp_path, "residual_block"),
+        "attention_block": models.save(models.attention_block(), tmp_path, "attention_block"),
+    }

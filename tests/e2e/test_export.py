@@ -1,0 +1,66 @@
+"""The `tune` app end to end on the export stage: results_dir, manifest, skip/re-run, multirun."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+
+from tests import models
+from tests.conftest import run_tune
+
+
+def test_default_export_is_verified_and_rerun_skips(digits_results, tmp_path):
+    model_path = digits_results / "export" / "model.onnx"
+    onnx.checker.check_model(onnx.load(str(model_path)), full_check=True)
+    manifest = json.loads((digits_results / "manifest.json").read_text())
+    entry = manifest["stages"]["export"]
+    assert entry["status"] == "done"
+    assert entry["metrics"]["max_abs_diff"] < 1e-4
+    assert entry["metrics"]["torch_test_top1"] >= 0.95
+    assert entry["outputs"]["export/model.onnx"]["sha256"]
+    assert (digits_results / ".hydra" / "config.yaml").exists()
+    again = run_tune(["stages=[export]", f"results_dir={digits_results}"], cwd=tmp_path, check=True)
+    assert "export: up to date, skipped" in again.stderr
+
+
+def test_changed_config_reruns(tmp_path):
+    args = ["stages=[export]", "model=bert_tiny", "model.seq_len=8", "model.hidden_size=16", "model.vocab_size=50",
+            f"results_dir={tmp_path / 'r'}"]
+    run_tune(args, cwd=tmp_path, check=True)
+    first = json.loads((tmp_path / "r" / "manifest.json").read_text())["stages"]["export"]["fingerprint"]
+    proc = run_tune([*args, "model.num_layers=1"], cwd=tmp_path, check=True)
+    assert "export: running" in proc.stderr
+    second = json.loads((tmp_path / "r" / "manifest.json").read_text())["stages"]["export"]["fingerprint"]
+    assert first != second
+
+
+@pytest.mark.parametrize("model_args", [
+    ["model=resnet18", "model.input_size=32"],
+    ["model=resnet50", "model.input_size=32", "model.num_classes=10"],
+    ["model=bert_tiny", "model.seq_len=16"],
+])
+def test_builtin_models_export_and_verify(model_args, tmp_path):
+    run_tune(["stages=[export]", *model_args, f"results_dir={tmp_path / 'r'}"], cwd=tmp_path, check=True)
+    entry = json.loads((tmp_path / "r" / "manifest.json").read_text())["stages"]["export"]
+    assert entry["status"] == "done" and entry["metrics"]["max_abs_diff"] <= entry["metrics"]["verify_tolerance"]
+
+
+def test_multirun_gives_each_job_its_own_results_dir(tmp_path):
+    proc = run_tune(["-m", "seed=1,2", "stages=[export]", "model=bert_tiny", "model.seq_len=8",
+                     f"results_dir={tmp_path / 'sweep'}"], cwd=tmp_path, check=True)
+    manifests = sorted((tmp_path / "sweep").rglob("manifest.json"))
+    assert len(manifests) == 2, proc.stderr
+    assert manifests[0].parent != manifests[1].parent
+
+
+def test_onnx_model_input(tmp_path):
+    dyn = models.save(models.with_dynamic_batch(models.conv_chain()), tmp_path, "dyn")
+    proc = run_tune(["stages=[export]", "model=onnx", f"model.onnx_path={dyn}", f"results_dir={tmp_path / 'a'}"],
+                    cwd=tmp_path)
+    assert proc.returncode != 0 and "model.input_shapes=" in proc.stderr and "Traceback" not in proc.stderr
+    run_tune(["stages=[export]", "model=onnx", f"model.onnx_path={dyn}", "model.input_shapes={input:[4,3,16,16]}",
+              f"results_dir={tmp_path / 'b'}"], cwd=tmp_path, check=True)
+    fixed = onnx.load(str(tmp_path / "b" / "export" / "model.onnx"))
+    assert [d.dim_value for d in fixed.graph.input[0].type.tensor_type.shape.dim] == [4, 3, 16, 16]

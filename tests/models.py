@@ -1,0 +1,128 @@
+"""Tiny ONNX graphs built in code for tests: one builder per topology, seeded, written to a folder.
+
+conv_chain: Conv-Relu-Conv-Relu-GlobalAveragePool-Flatten-Gemm
+residual_block: stem Conv, two residual blocks (Conv-Relu-Conv + Add + Relu), head
+attention_block: MatMul projections, Softmax attention, LayerNormalization-free FFN with Gelu-like Erf
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 17
+
+
+def _init(rng: np.random.Generator, name: str, shape: tuple[int, ...], scale: float = 0.2) -> onnx.TensorProto:
+    return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+
+def _model(nodes, inputs, outputs, inits, name: str) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, name, inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="qdq-tune-tests")
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def conv_chain(batch: int = 2, channels: int = 8, size: int = 16, classes: int = 10, seed: int = 0) -> onnx.ModelProto:
+    rng = np.random.default_rng(seed)
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, 3, size, size])
+    y = helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, classes])
+    inits = [_init(rng, "w1", (channels, 3, 3, 3)), _init(rng, "b1", (channels,), 0.05),
+             _init(rng, "w2", (channels, channels, 3, 3), 0.1), _init(rng, "b2", (channels,), 0.05),
+             _init(rng, "fc_w", (classes, channels)), _init(rng, "fc_b", (classes,), 0.05)]
+    nodes = [
+        helper.make_node("Conv", ["input", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
+        helper.make_node("GlobalAveragePool", ["r2"], ["gap"], name="gap"),
+        helper.make_node("Flatten", ["gap"], ["flat"], name="flatten"),
+        helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"], name="fc", transB=1),
+    ]
+    return _model(nodes, [x], [y], inits, "conv_chain")
+
+
+def residual_block(batch: int = 2, channels: int = 8, size: int = 16, blocks: int = 2, classes: int = 10,
+                   seed: int = 0) -> onnx.ModelProto:
+    rng = np.random.default_rng(seed)
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, 3, size, size])
+    y = helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, classes])
+    inits = [_init(rng, "stem_w", (channels, 3, 3, 3)), _init(rng, "stem_b", (channels,), 0.05)]
+    nodes = [helper.make_node("Conv", ["input", "stem_w", "stem_b"], ["s"], name="stem", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["s"], ["h0"], name="stem_relu")]
+    for b in range(blocks):
+        p, h_in = f"block{b}", f"h{b}"
+        inits += [_init(rng, f"{p}_w1", (channels, channels, 3, 3), 0.1), _init(rng, f"{p}_b1", (channels,), 0.05),
+                  _init(rng, f"{p}_w2", (channels, channels, 3, 3), 0.1), _init(rng, f"{p}_b2", (channels,), 0.05)]
+        nodes += [
+            helper.make_node("Conv", [h_in, f"{p}_w1", f"{p}_b1"], [f"{p}_c1"], name=f"{p}/conv1", pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", [f"{p}_c1"], [f"{p}_r1"], name=f"{p}/relu1"),
+            helper.make_node("Conv", [f"{p}_r1", f"{p}_w2", f"{p}_b2"], [f"{p}_c2"], name=f"{p}/conv2", pads=[1, 1, 1, 1]),
+            helper.make_node("Add", [f"{p}_c2", h_in], [f"{p}_sum"], name=f"{p}/add"),
+            helper.make_node("Relu", [f"{p}_sum"], [f"h{b + 1}"], name=f"{p}/relu2"),
+        ]
+    inits += [_init(rng, "fc_w", (classes, channels)), _init(rng, "fc_b", (classes,), 0.05)]
+    nodes += [helper.make_node("GlobalAveragePool", [f"h{blocks}"], ["gap"], name="gap"),
+              helper.make_node("Flatten", ["gap"], ["flat"], name="flatten"),
+              helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"], name="fc", transB=1)]
+    return _model(nodes, [x], [y], inits, "residual_block")
+
+
+def attention_block(batch: int = 2, seq: int = 16, hidden: int = 32, seed: int = 0) -> onnx.ModelProto:
+    """Single-head self-attention + FFN (MatMul/Add/Softmax/Erf-GELU), input [batch, seq, hidden]."""
+    rng = np.random.default_rng(seed)
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, seq, hidden])
+    y = helper.make_tensor_value_info("output", TensorProto.FLOAT, [batch, seq, hidden])
+    inits = [_init(rng, n, (hidden, hidden), 0.15) for n in ("wq", "wk", "wv", "wo")]
+    inits += [_init(rng, "w_ff1", (hidden, 2 * hidden), 0.15), _init(rng, "b_ff1", (2 * hidden,), 0.02),
+              _init(rng, "w_ff2", (2 * hidden, hidden), 0.15), _init(rng, "b_ff2", (hidden,), 0.02),
+              numpy_helper.from_array(np.array(1.0 / np.sqrt(hidden), np.float32), "scale"),
+              numpy_helper.from_array(np.array(1.0 / np.sqrt(2.0), np.float32), "inv_sqrt2"),
+              numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+              numpy_helper.from_array(np.array(0.5, np.float32), "half")]
+    nodes = [
+        helper.make_node("MatMul", ["input", "wq"], ["q"], name="attn/q"),
+        helper.make_node("MatMul", ["input", "wk"], ["k"], name="attn/k"),
+        helper.make_node("MatMul", ["input", "wv"], ["v"], name="attn/v"),
+        helper.make_node("Transpose", ["k"], ["kt"], name="attn/kt", perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["q", "kt"], ["scores_raw"], name="attn/scores"),
+        helper.make_node("Mul", ["scores_raw", "scale"], ["scores"], name="attn/scale"),
+        helper.make_node("Softmax", ["scores"], ["probs"], name="attn/softmax", axis=-1),
+        helper.make_node("MatMul", ["probs", "v"], ["ctx"], name="attn/ctx"),
+        helper.make_node("MatMul", ["ctx", "wo"], ["attn_out"], name="attn/out"),
+        helper.make_node("Add", ["attn_out", "input"], ["res1"], name="attn/residual"),
+        helper.make_node("MatMul", ["res1", "w_ff1"], ["ff1_mm"], name="ffn/fc1"),
+        helper.make_node("Add", ["ff1_mm", "b_ff1"], ["ff1"], name="ffn/fc1_bias"),
+        helper.make_node("Mul", ["ff1", "inv_sqrt2"], ["g0"], name="ffn/gelu_div"),
+        helper.make_node("Erf", ["g0"], ["g1"], name="ffn/gelu_erf"),
+        helper.make_node("Add", ["g1", "one"], ["g2"], name="ffn/gelu_add"),
+        helper.make_node("Mul", ["ff1", "g2"], ["g3"], name="ffn/gelu_mul"),
+        helper.make_node("Mul", ["g3", "half"], ["gelu"], name="ffn/gelu_half"),
+        helper.make_node("MatMul", ["gelu", "w_ff2"], ["ff2_mm"], name="ffn/fc2"),
+        helper.make_node("Add", ["ff2_mm", "b_ff2"], ["ff2"], name="ffn/fc2_bias"),
+        helper.make_node("Add", ["ff2", "res1"], ["output"], name="ffn/residual"),
+    ]
+    return _model(nodes, [x], [y], inits, "attention_block")
+
+
+def save(model: onnx.ModelProto, folder: Path, name: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+def with_dynamic_batch(model: onnx.ModelProto) -> onnx.ModelProto:
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for vi in [*m.graph.input, *m.graph.output]:
+        d = vi.type.tensor_type.shape.dim[0]
+        d.Clear()
+        d.dim_param = "batch"
+    del m.graph.value_info[:]
+    return m

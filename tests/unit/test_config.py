@@ -1,0 +1,87 @@
+"""Every shipped config option composes and validates; bad input fails with one line naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import conf
+from pipeline.config import validate
+from pipeline.errors import ConfigError
+from tests.conftest import compose, run_tune
+
+CONF = Path(conf.__file__).parent
+GROUPS = ["model", "data", "backend", "export", "quantize", "autotune", "gen_trt_engine", "evaluate"]
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
+def test_every_option_composes(group, option, tmp_path):
+    overrides = [f"{group}={option}"]
+    if option == "onnx":
+        f = tmp_path / "m.onnx"
+        f.write_bytes(b"")
+        overrides.append(f"model.onnx_path={f}")
+    if option == "custom" and group == "model":
+        overrides.append("model._target_=torch.nn.Identity")
+    if option == "npz":
+        overrides.append("data.path=x.npz")
+    if option == "custom" and group == "data":
+        overrides.append("data._target_=builtins.list")
+    cfg = compose(overrides)
+    validate(cfg)
+
+
+def test_validate_collects_every_problem():
+    cfg = compose(["quantize.calibration.batches=0", "autotune.performance_threshold=0.5",
+                   "gen_trt_engine.tensorrt.min_batch_size=4"])
+    with pytest.raises(ConfigError) as exc:
+        validate(cfg)
+    assert len(exc.value.problems) == 3
+    assert "quantize.calibration.batches" in str(exc.value)
+
+
+def test_unknown_appended_key_is_rejected():
+    cfg = compose(["+quantize.algoritm=max"])
+    with pytest.raises(ConfigError, match="unknown config key 'quantize.algoritm'"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["quantize.algoritm=max"], "unknown config key 'quantize.algoritm'"),
+    (["quantize.algorithm=foo"], "quantize.algorithm"),
+    (["model.batch_size=abc"], "model.batch_size"),
+    (["model=nope"], "model/nope"),
+    (["stages=[export]", "model=onnx", "model.onnx_path=/nonexistent.onnx"], "/nonexistent.onnx does not exist"),
+    (["-m", "seed=1,2", "quantize.algoritm=max"], "quantize.algoritm"),
+])
+def test_cli_errors_are_one_line(args, needle, tmp_path):
+    proc = run_tune(args, cwd=tmp_path)
+    assert proc.returncode != 0
+    err = proc.stderr.strip()
+    assert needle in err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+def test_spec_file_outside_package(tmp_path):
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "my_spec.yaml").write_text(
+        "defaults:\n  - tune\n  - override model: bert_tiny\n  - _self_\n"
+        "results_dir: out/bert\nquantize:\n  algorithm: entropy\n"
+    )
+    cfg = compose([], config_dir=str(specs), config_name="my_spec")
+    assert cfg.model.name == "bert_tiny" and cfg.quantize.algorithm.value == "entropy"
+    proc = run_tune(["--config-path", "specs", "--config-name", "my_spec", "--cfg", "job"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "bert_tiny" in proc.stdout and "entropy" in proc.stdout
+
+
+def test_help_and_cfg_job(tmp_path):
+    assert run_tune(["--help"], cwd=tmp_path).returncode == 0
+    proc = run_tune(["--cfg", "job", "quantize=fp8"], cwd=tmp_path)
+    assert proc.returncode == 0 and "fp8_e4m3fn" in proc.stdout

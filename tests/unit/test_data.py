@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.data import DataProvider, digits_arrays, rebatch, to_feeds
+from pipeline.errors import InputError
+from pipeline.graph import InputSpec, input_specs
+from tests import models
+from tests.conftest import compose
+
+SPEC = [InputSpec("input", (4, 1, 8, 8), np.dtype(np.float32))]
+
+
+@pytest.mark.parametrize("batch", [
+    np.zeros((3, 1, 8, 8)),
+    torch.zeros(3, 1, 8, 8),
+    (torch.zeros(3, 1, 8, 8), torch.arange(3)),
+    [np.zeros((3, 1, 8, 8)), np.arange(3)],
+    {"images": np.zeros((3, 1, 8, 8)), "labels": np.arange(3)},
+    {"input": torch.zeros(3, 1, 8, 8)},
+    {"x": np.zeros((3, 1, 8, 8))},
+    {"images_left": np.zeros((3, 1, 8, 8))},
+])
+def test_adapter_accepts_common_batch_forms(batch):
+    feeds, labels = to_feeds(batch, SPEC)
+    assert feeds["input"].shape == (3, 1, 8, 8) and feeds["input"].dtype == np.float32
+    if isinstance(batch, (tuple, list)) or (isinstance(batch, dict) and "labels" in batch):
+        assert labels.tolist() == [0, 1, 2]
+
+
+def test_adapter_explicit_key_and_multi_input():
+    feeds, _ = to_feeds({"pixels": np.zeros((2, 1, 8, 8))}, SPEC, key="pixels")
+    assert feeds["input"].shape == (2, 1, 8, 8)
+    two = [InputSpec("a", (2, 3), np.dtype(np.float32)), InputSpec("b", (2, 5), np.dtype(np.int64))]
+    feeds, _ = to_feeds({"a": np.ones((2, 3)), "b": np.ones((2, 5))}, two)
+    assert feeds["b"].dtype == np.int64
+    with pytest.raises(InputError, match="none holds the input"):
+        to_feeds({"pixels": np.zeros((2, 1, 8, 8))}, SPEC)
+    with pytest.raises(InputError, match="sample shape"):
+        to_feeds(np.zeros((2, 1, 9, 9)), SPEC)
+
+
+def test_rebatch_recuts_and_pads():
+    stream = [({"input": np.full((3, 1), i, np.float32)}, np.full(3, i)) for i in range(3)]  # 9 samples
+    out = list(rebatch(stream, 4))
+    assert [b.valid for b in out] == [4, 4, 1]
+    assert all(b.feeds["input"].shape == (4, 1) for b in out)
+    assert out[0].labels.tolist() == [0, 0, 0, 1]
+    assert list(rebatch(stream, 4, max_batches=1))[0].valid == 4
+
+
+def test_digits_split_is_fixed_by_seed_and_disjoint():
+    a, ya = digits_arrays("train", 1, 0.3, (1, 16, 16))
+    b, _ = digits_arrays("test", 1, 0.3, (1, 16, 16))
+    a2, _ = digits_arrays("train", 1, 0.3, (1, 16, 16))
+    assert a.shape[1:] == (1, 16, 16) and len(a) + len(b) == 1797
+    np.testing.assert_array_equal(a, a2)
+    assert set(ya.tolist()) == set(range(10))
+
+
+def test_synthetic_int_inputs_respect_embedding_size(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = numpy_helper.from_array(np.zeros((50, 4), np.float32), "emb")
+    g = helper.make_graph([helper.make_node("Gather", ["emb", "ids"], ["out"])], "g",
+                          [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 7])],
+                          [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 7, 4])], [table])
+    specs = input_specs(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    assert specs[0].int_high == 50
+    cfg = compose(["model=onnx", "model.onnx_path=x.onnx", "data=synthetic", "data.num_samples=10"])
+    batches = list(DataProvider(cfg, specs).batches("calibration"))
+    ids = np.concatenate([b.feeds["ids"] for b in batches])
+    assert ids.max() < 50 and ids.dtype == np.int64 and len(batches) == 5
+    del onnx
+
+
+def test_npz_source_and_none_warning(tmp_path, caplog):
+    specs = input_specs(models.conv_chain(batch=2))
+    np.savez(tmp_path / "calib.npz", input=np.ones((5, 3, 16, 16), np.float32), labels=np.arange(5))
+    cfg = compose(["model=onnx", "model.onnx_path=x.onnx", "data=npz", f"data.path={tmp_path / 'calib.npz'}"])
+    out = list(DataProvider(cfg, specs).batches("calibration"))
+    assert [b.valid for b in out] == [2, 2, 1] and out[0].labels.tolist() == [0, 1]
+    cfg = compose(["model=onnx", "model.onnx_path=x.onnx"])
+    with caplog.at_level("WARNING"):
+        list(DataProvider(cfg, specs).batches("calibration", max_batches=1))
+    assert "SYNTHETIC" in caplog.text
+
+
+def _loader(split: str = "calibration"):
+    ds = torch.utils.data.TensorDataset(torch.randn(5, 3, 16, 16), torch.arange(5))
+    return torch.utils.data.DataLoader(ds, batch_size=3)
+
+
+def test_custom_dataloader_source():
+    specs = input_specs(models.conv_chain(batch=2))
+    cfg = compose(["model=onnx", "model.onnx_path=x.onnx", "data=custom", "data._target_=tests.unit.test_data._loader"])
+    out = list(DataProvider(cfg, specs).batches("evaluation"))
+    assert [b.valid for b in out] == [2, 2, 1]
+    assert out[2].labels[0] == 4

@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from pipeline.backends import compare_interleaved, create_backend
+from pipeline.backends.onnxruntime import physical_cores
+from pipeline.errors import InputError
+from pipeline.graph import dynamic_inputs, fix_input_shapes, input_specs, load_model
+from tests import models
+from tests.conftest import compose
+
+
+def test_dynamic_dims_are_fixed_or_rejected_with_hint():
+    m = models.with_dynamic_batch(models.conv_chain())
+    assert dynamic_inputs(m) == {"input": ["batch", 3, 16, 16]}
+    with pytest.raises(InputError, match=r"model.input_shapes='\{input: \[N, 3, 16, 16\]\}'"):
+        fix_input_shapes(m, {}, "m.onnx")
+    fixed = fix_input_shapes(m, {"input": [4, 3, 16, 16]}, "m.onnx")
+    assert input_specs(fixed)[0].shape == (4, 3, 16, 16)
+    with pytest.raises(InputError, match="conflicts"):
+        fix_input_shapes(models.conv_chain(), {"input": [4, 3, 17, 16]}, "m.onnx")
+
+
+def test_load_model_errors(tmp_path):
+    with pytest.raises(InputError, match="does not exist"):
+        load_model(tmp_path / "missing.onnx")
+    (tmp_path / "m.txt").write_text("x")
+    with pytest.raises(InputError, match="not an ONNX file"):
+        load_model(tmp_path / "m.txt")
+    (tmp_path / "bad.onnx").write_bytes(b"\x00garbage\xff")
+    with pytest.raises(InputError, match="could not be read as ONNX|fails onnx.checker"):
+        load_model(tmp_path / "bad.onnx")
+
+
+def test_ort_backend_measures_and_caches(tiny_models, tmp_path):
+    cfg = compose(["backend.timing_runs=5", "backend.warmup_runs=1"])
+    backend = create_backend(cfg.backend)
+    t = backend.measure(tiny_models["conv_chain"])
+    assert t.ok and t.n == 5 and t.p10_ms <= t.median_ms <= t.p90_ms
+    # same content under another name is not measured again
+    copy = tmp_path / "copy.onnx"
+    copy.write_bytes(tiny_models["conv_chain"].read_bytes())
+    assert backend.measure(copy) is t
+    res = backend.build(tiny_models["residual_block"], tmp_path / "opt.onnx", tmp_path / "build.json")
+    assert res.engine_path.exists() and "optimized_op_counts" in res.info
+    onnx.checker.check_model(onnx.load(str(res.engine_path)))
+    outs = backend.run(tiny_models["conv_chain"], {"input": np.zeros((2, 3, 16, 16), np.float32)})
+    assert outs[0].shape == (2, 10)
+
+
+def test_failed_measurement_is_not_infinite(tmp_path):
+    cfg = compose([])
+    backend = create_backend(cfg.backend)
+    bad = tmp_path / "bad.onnx"
+    m = models.conv_chain()
+    m.graph.node[0].op_type = "NoSuchOp"
+    onnx.save(m, str(bad))
+    t = backend.measure(bad)
+    assert not t.ok and t.error and np.isnan(t.median_ms)
+
+
+def test_interleaved_compare(tiny_models):
+    backend = create_backend(compose(["backend.timing_runs=6", "backend.warmup_runs=1"]).backend)
+    a, b = compare_interleaved(backend, [tiny_models["conv_chain"], tiny_models["attention_block"]], rounds=3)
+    assert a.ok and b.ok and a.n == 6 and b.n == 6
+    assert physical_cores() >= 1
+
+
+def test_unavailable_provider_is_clear():
+    from pipeline.errors import BackendUnavailable
+
+    cfg = compose(["backend.providers=[CUDAExecutionProvider]"])
+    with pytest.raises(BackendUnavailable, match="CUDAExecutionProvider"):
+        create_backend(cfg.backend)
