@@ -164,8 +164,13 @@ def _precheck(argv: list[str]) -> None:
         overrides = _first_of_sweeps(overrides) if args.multirun else overrides
         cfg = _compose(args.config_dir, args.config_name or "tune", overrides)
         validate(cfg)
+        from pipeline.backends import check_backend
+
+        check_backend(cfg)
     except ConfigError as exc:
         _fail(f"invalid config: {exc}", EXIT_USAGE)
+    except PipelineError as exc:
+        _fail(str(exc), exc.exit_code)
     except Exception as exc:  # noqa: BLE001 - Hydra/OmegaConf raise many types for bad input
         from hydra.errors import HydraException
         from omegaconf.errors import OmegaConfBaseException

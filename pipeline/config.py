@@ -189,6 +189,7 @@ class TrtexecBackendConfig(BackendConfig):
     trtexec_args: list[str] = field(default_factory=list)
     export_profile: bool = False
     export_layer_info: bool = False
+    timeout: float = 0.0  # seconds per trtexec run before it is killed; 0 = no limit
 
 
 # --------------------------------------------------------------------------- primary
@@ -200,6 +201,8 @@ class TuneConfig:
     results_dir: str = MISSING
     seed: int = 42
     progress: bool = True
+    # re-run the requested stages even when they are up to date
+    force: bool = False
     model: Any = MISSING
     data: Any = MISSING
     backend: Any = MISSING
@@ -335,7 +338,7 @@ def ordered_stages(cfg: DictConfig) -> list[str]:
 
 def section(cfg: DictConfig, key: str) -> Any:
     """A resolved, plain-dict copy of one config section (for fingerprints and manifests)."""
-    node = cfg.get(key)
+    node = OmegaConf.select(cfg, key) if "." in key else cfg.get(key)
     if node is None:
         return {}
     if not isinstance(node, (DictConfig, ListConfig)):

@@ -248,3 +248,27 @@ def opset_version(model: onnx.ModelProto) -> int:
 
 def has_qdq(model: onnx.ModelProto) -> bool:
     return any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph.node)
+
+
+def fold_constant_identities(model: onnx.ModelProto) -> int:
+    """Bypass Identity nodes whose input is an initializer (exporters use them to share
+    deduplicated weights), so every weight and bias is visible as an initializer. Returns count."""
+    inits = {i.name for i in model.graph.initializer}
+    outputs = {o.name for o in model.graph.output}
+    alias: dict[str, str] = {}
+    keep = []
+    for node in model.graph.node:
+        src = alias.get(node.input[0], node.input[0]) if node.input else ""
+        if node.op_type == "Identity" and src in inits and node.output[0] not in outputs:
+            alias[node.output[0]] = src
+        else:
+            keep.append(node)
+    if not alias:
+        return 0
+    for node in keep:
+        for i, name in enumerate(node.input):
+            if name in alias:
+                node.input[i] = alias[name]
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+    return len(alias)

@@ -24,6 +24,19 @@ from pipeline.stage import Stage, StageContext, StageResult
 log = logging.getLogger("tune")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("qdq-tune")
+    except PackageNotFoundError:
+        return "dev"
+
+
+# part of every fingerprint: a new release of qdq-tune re-runs stages instead of trusting old outputs
+_VERSION = _version()
+
+
 def _outputs_intact(manifest: Manifest, entry: dict[str, Any]) -> bool:
     for rec in entry.get("outputs", {}).values():
         p = manifest.results_dir / rec["path"]
@@ -35,6 +48,7 @@ def _outputs_intact(manifest: Manifest, entry: dict[str, Any]) -> bool:
 def stage_fingerprint(stage: Stage, cfg: DictConfig, inputs: dict[str, Path]) -> str:
     return fingerprint(
         {
+            "qdq_tune": _VERSION,
             "config": {k: section(cfg, k) for k in stage.config_keys},
             "inputs": {k: sha256_file(p) for k, p in sorted(inputs.items())},
         }
@@ -44,6 +58,9 @@ def stage_fingerprint(stage: Stage, cfg: DictConfig, inputs: dict[str, Path]) ->
 def run_pipeline(cfg: DictConfig, results_dir: Path) -> dict[str, Any]:
     """Run ``cfg.stages`` in ``results_dir``; returns {stage: {"status", "metrics", ...}}."""
     validate(cfg)
+    from pipeline.backends import check_backend
+
+    check_backend(cfg)  # a missing runtime fails here, before the lock and any stage
     names = ordered_stages(cfg)
     stages = [load_stage(n) for n in names]  # fail on unbuilt stages before doing any work
     results_dir = Path(results_dir)
@@ -54,7 +71,7 @@ def run_pipeline(cfg: DictConfig, results_dir: Path) -> dict[str, Any]:
                         lock.took_over_from.get("pid", "?"))
         manifest = Manifest(results_dir)
         ctx = StageContext(cfg=cfg, results_dir=results_dir, manifest=manifest, log=log)
-        rerun_rest = False
+        rerun_rest = bool(cfg.get("force", False))
         for stage in stages:
             ctx.log = logging.getLogger(f"tune.{stage.name}")
             inputs = stage.resolve_inputs(ctx)

@@ -37,4 +37,12 @@ def create_backend(cfg: DictConfig) -> Backend:
     return backend
 
 
-__all__ = ["BACKENDS", "Backend", "BuildResult", "PreparedModel", "Timing", "compare_interleaved", "create_backend"]
+def check_backend(cfg: DictConfig) -> None:
+    """Start-up check of the whole config's backend: raises BackendUnavailable (one line naming the fix)
+    when the chosen runtime is missing, before any stage runs. Measuring may still need a GPU later;
+    that is reported when a stage measures."""
+    create_backend(cfg.backend)
+
+
+__all__ = ["BACKENDS", "Backend", "BuildResult", "PreparedModel", "Timing", "check_backend", "compare_interleaved",
+           "create_backend"]

@@ -56,6 +56,36 @@ def physical_cores() -> int:
     return max(1, len(cores) or len(allowed))
 
 
+_FP8_TYPES = (17, 18, 19, 20)  # FLOAT8E4M3FN, FLOAT8E4M3FNUZ, FLOAT8E5M2, FLOAT8E5M2FNUZ
+
+
+def has_fp8(model: str | Path | bytes | Any) -> bool:
+    """Whether a model stores FP8 tensors (its Q/DQ pairs must not go through ORT's QDQ fusions)."""
+    import onnx
+
+    if isinstance(model, (str, Path)):
+        model = onnx.load(str(model), load_external_data=False)
+    elif isinstance(model, bytes):
+        model = onnx.load_from_string(model)
+    return any(i.data_type in _FP8_TYPES for i in model.graph.initializer)
+
+
+def disable_qdq_fusion_if_fp8(so: Any, model: str | Path | bytes | Any) -> None:
+    """Keep ORT's int8-minded QDQ rewrites away from FP8 models.
+
+    ORT's CPU QDQ selectors do not check the quantized type: they fuse FP8 DQ -> Conv into a
+    QLinearConv that fails type checking, and the level-2 ReluQuantFusion drops a Relu before an
+    FP8 Q because zero point 0 "is the bottom of the range" (true for uint8 only), which changes
+    results. FP8 Q/DQ has no fast kernels on the CPU EP anyway, so such models run at basic level.
+    """
+    if has_fp8(model):
+        import onnxruntime as ort
+
+        so.add_session_config_entry("session.disable_quant_qdq", "1")
+        if so.graph_optimization_level.value > ort.GraphOptimizationLevel.ORT_ENABLE_BASIC.value:
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+
+
 class OrtPrepared(PreparedModel):
     def __init__(self, session: Any, specs: list):
         self.session = session
@@ -115,8 +145,9 @@ class OnnxRuntimeBackend(Backend):
     def session(self, model_path: str | Path, optimized_path: str | None = None) -> Any:
         import onnxruntime as ort
 
-        return ort.InferenceSession(str(model_path), sess_options=self.session_options(optimized_path),
-                                    providers=list(self.cfg.providers))
+        so = self.session_options(optimized_path)
+        disable_qdq_fusion_if_fp8(so, model_path)
+        return ort.InferenceSession(str(model_path), sess_options=so, providers=list(self.cfg.providers))
 
     def prepare(self, model_path: str | Path) -> OrtPrepared:
         return OrtPrepared(self.session(model_path), specs_of(model_path))

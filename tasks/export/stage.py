@@ -21,6 +21,7 @@ from pipeline.errors import ConfigError, InputError, StageError
 from pipeline.graph import (
     ensure_node_names,
     fix_input_shapes,
+    fold_constant_identities,
     input_specs,
     load_model,
     opset_version,
@@ -70,6 +71,7 @@ class ExportStage(Stage):
         model = load_model(src, what="model.onnx_path")
         shapes = {k: list(v) for k, v in (mcfg.input_shapes or {}).items()}
         model = fix_input_shapes(model, shapes, source=str(src))
+        fold_constant_identities(model)
         ensure_node_names(model)
         try:
             onnx.checker.check_model(model)
@@ -115,6 +117,7 @@ class ExportStage(Stage):
                 raise StageError(f"torch.onnx.export ({exporter}) failed for model {mcfg.name}: "
                                  f"{str(exc).strip().splitlines()[0]}") from exc
             model = onnx.load(str(tmp))
+            fold_constant_identities(model)
             ensure_node_names(model)
             if opset_version(model) != opset:
                 from onnx import version_converter

@@ -28,6 +28,8 @@ class TensorRTSettings:
     opt_shapes: dict[str, list[int]] = field(default_factory=dict)
     max_shapes: dict[str, list[int]] = field(default_factory=dict)
     timing_cache: Optional[str] = None  # persistent timing cache file shared across builds
+    # plugin libraries (.so/.dll) loaded before parsing, in addition to backend.plugin_libraries
+    plugin_libraries: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -49,4 +51,25 @@ def validate(cfg: DictConfig) -> list[str]:
         )
     if t.workspace_size < 1:
         problems.append(f"gen_trt_engine.tensorrt.workspace_size={t.workspace_size}: must be >= 1 (MB)")
+    problems += _shape_problems(t)
+    return problems
+
+
+def _shape_problems(t: DictConfig) -> list[str]:
+    """min/opt/max shapes name the same inputs, with equal ranks and min <= opt <= max per dim."""
+    keys = ("min_shapes", "opt_shapes", "max_shapes")
+    names = [set(t[k] or {}) for k in keys]
+    problems = []
+    for name in sorted(set().union(*names)):
+        missing = [k for k, n in zip(keys, names, strict=True) if name not in n]
+        if missing:
+            problems.append(f"gen_trt_engine.tensorrt: input '{name}' needs all of min_shapes, opt_shapes and "
+                            f"max_shapes (missing from {', '.join(missing)})")
+            continue
+        lo, opt, hi = (list(t[k][name]) for k in keys)
+        if not len(lo) == len(opt) == len(hi):
+            problems.append(f"gen_trt_engine.tensorrt: shapes of '{name}' differ in rank: {lo}, {opt}, {hi}")
+        elif not all(a <= b <= c for a, b, c in zip(lo, opt, hi, strict=True)):
+            problems.append(f"gen_trt_engine.tensorrt: shapes of '{name}' need min <= opt <= max in every dim, "
+                            f"got {lo}, {opt}, {hi}")
     return problems

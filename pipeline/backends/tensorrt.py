@@ -1,0 +1,702 @@
+"""TensorRT backends: the `tensorrt` Python API and the same code path on TensorRT-RTX.
+
+build = parse the ONNX file with TensorRT's ONNX parser, configure the builder (strongly typed
+network for Q/DQ models, precision flags for float models, workspace, optimization profile, timing
+cache, plugins) and serialize the engine; measure = deserialize it, bind device buffers and time
+``execute_async_v3`` with CUDA events.
+
+Building and measuring have different requirements, so they are checked separately:
+``check_available`` only needs the Python module (TensorRT-RTX builds ahead of time on a CPU-only
+machine), while anything that runs an engine asks for a CUDA GPU first and says so in one line.
+Device buffers, streams and events come from torch's CUDA runtime (a CUDA build of torch).
+
+Also here, because the trtexec backend shares them: ``EngineOptions`` (what gen_trt_engine asks of
+a build), ``profile_shapes`` (min/opt/max shapes from explicit shapes or the batch shortcut), and
+the parsers for TensorRT's layer information (engine inspector JSON, trtexec --exportLayerInfo, and
+the builder's own layer table).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from omegaconf import DictConfig
+
+from pipeline.artifacts import atomic_output, atomic_write_text
+from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing, fixed_feeds
+from pipeline.errors import BackendUnavailable, InputError, StageError
+from pipeline.graph import InputSpec, graph_inputs, has_qdq, input_specs
+
+log = logging.getLogger("tune.backend")
+
+ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
+
+
+# --------------------------------------------------------------------------- build options
+
+
+@dataclass
+class EngineOptions:
+    """What one engine build asks for; gen_trt_engine fills it from `gen_trt_engine.tensorrt`."""
+
+    data_type: str = "FP32"  # builder precision for float models; Q/DQ models are strongly typed
+    workspace_mb: int | None = None  # None: the runtime's default
+    # batch shortcut for inputs whose first dim is the only dynamic one
+    min_batch: int = 1
+    opt_batch: int = 1
+    max_batch: int = 1
+    # input name -> shape; an input named here gets exactly these shapes in the profile
+    min_shapes: dict[str, list[int]] = field(default_factory=dict)
+    opt_shapes: dict[str, list[int]] = field(default_factory=dict)
+    max_shapes: dict[str, list[int]] = field(default_factory=dict)
+    timing_cache: Path | None = None
+    plugin_libraries: list[str] = field(default_factory=list)
+
+
+def _input_dims(model: onnx.ModelProto) -> dict[str, list[int]]:
+    """Graph inputs with -1 for every dim that is not a positive number."""
+    out: dict[str, list[int]] = {}
+    for vi in graph_inputs(model):
+        t = vi.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else -1 for d in t.shape.dim]
+        out[vi.name] = dims
+    return out
+
+
+def profile_shapes(model: onnx.ModelProto, options: EngineOptions,
+                   source: str = "model") -> dict[str, tuple[list[int], list[int], list[int]]]:
+    """Min/opt/max shape per input that needs an optimization profile (empty for static models).
+
+    Inputs named in the explicit shapes take them as given; an input whose only dynamic dim is the
+    first takes the batch shortcut (TAO's min/opt/max batch size); any other dynamic input is an
+    error naming the keys to set.
+    """
+    dims = _input_dims(model)
+    named = set(options.min_shapes) | set(options.opt_shapes) | set(options.max_shapes)
+    unknown = sorted(named - set(dims))
+    if unknown:
+        raise StageError(f"gen_trt_engine.tensorrt shapes name {unknown}, but {source} has inputs {sorted(dims)}")
+    out: dict[str, tuple[list[int], list[int], list[int]]] = {}
+    for name, d in dims.items():
+        if name in named:
+            trio = [options.min_shapes.get(name), options.opt_shapes.get(name), options.max_shapes.get(name)]
+            if any(s is None for s in trio):
+                raise StageError(f"gen_trt_engine.tensorrt: input '{name}' needs all of min_shapes, opt_shapes "
+                                 f"and max_shapes")
+            shapes = tuple([int(v) for v in s] for s in trio)  # type: ignore[union-attr]
+            for s in shapes:
+                if len(s) != len(d):
+                    raise StageError(f"gen_trt_engine.tensorrt shapes for '{name}' have rank {len(s)}, but "
+                                     f"{source} declares rank {len(d)} ({d})")
+            out[name] = shapes  # type: ignore[assignment]
+            continue
+        if -1 not in d:
+            continue
+        if d[0] == -1 and -1 not in d[1:]:
+            rest = d[1:]
+            out[name] = ([options.min_batch, *rest], [options.opt_batch, *rest], [options.max_batch, *rest])
+            continue
+        shown = "x".join("N" if v == -1 else str(v) for v in d)
+        raise StageError(
+            f"{source} input '{name}' has dynamic dims ({shown}) beyond the batch: give them with "
+            f"gen_trt_engine.tensorrt.min_shapes/opt_shapes/max_shapes, e.g. "
+            f"gen_trt_engine.tensorrt.opt_shapes='{{{name}: [{', '.join('1' if v == -1 else str(v) for v in d)}]}}'"
+        )
+    return out
+
+
+def specs_at(model: onnx.ModelProto, shapes: dict[str, tuple[list[int], list[int], list[int]]]) -> list[InputSpec]:
+    """Input specs for running an engine: static inputs as declared, profiled ones at their opt shape."""
+    if not shapes:
+        return input_specs(model)
+    from onnx import helper
+
+    specs = []
+    for vi in graph_inputs(model):
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type))
+        if vi.name in shapes:
+            shape = tuple(shapes[vi.name][1])
+        else:
+            shape = tuple(d.dim_value for d in vi.type.tensor_type.shape.dim)
+        specs.append(InputSpec(vi.name, shape, dtype))
+    return specs
+
+
+# --------------------------------------------------------------------------- layer information
+
+_ONNX_LAYER = re.compile(r"\[ONNX Layer: ([^\]]*)\]")
+
+
+def onnx_nodes_of(metadata: str | None) -> list[str]:
+    """ONNX node names a TensorRT layer was built from (its Metadata lists `[ONNX Layer: name]` per node,
+    separated by \\x1f, with \\x1e between sub-groups)."""
+    return _ONNX_LAYER.findall(metadata or "")
+
+
+def parse_layer_info(obj: dict[str, Any] | list[Any], source: str) -> dict[str, Any]:
+    """Normalize engine inspector JSON (also what trtexec --exportLayerInfo writes).
+
+    10.x writes ``{"Layers": [...], "Bindings": [...]}``, 11.x names the second key "I/O Tensors";
+    with profiling verbosity below DETAILED a layer is only its name (a string). Every layer keeps
+    its original keys and gains ``onnx_nodes``.
+    """
+    if isinstance(obj, list):
+        obj = {"Layers": obj}
+    layers = []
+    for layer in obj.get("Layers", []):
+        rec = {"Name": layer} if isinstance(layer, str) else dict(layer)
+        rec["onnx_nodes"] = onnx_nodes_of(rec.get("Metadata"))
+        layers.append(rec)
+    io = obj.get("I/O Tensors", obj.get("Bindings", []))
+    return {"source": source, "layers": layers, "io_tensors": io}
+
+
+_LAYER_LINE = re.compile(r"^Name: (?P<name>.*?), LayerType: (?P<type>[^,]*),")
+_TACTIC = re.compile(r", TacticName: (?P<tactic>.*?), StreamId: (?P<stream>\d+)")
+_METADATA = re.compile(r", Metadata: (?P<meta>.*)$")
+
+
+def parse_builder_layers(message: str) -> dict[str, Any]:
+    """Parse the layer table the builder logs (VERBOSE, with DETAILED profiling verbosity).
+
+    It is the only source of fusion information when the engine cannot be deserialized, which is the
+    case for TensorRT-RTX engines built on a machine without a GPU. One line per layer:
+    ``Name: <n>, LayerType: <t>, Inputs: [...], ..., TacticName: <x>, StreamId: 0, Metadata: <m>``.
+    """
+    layers = []
+    for line in message.splitlines():
+        m = _LAYER_LINE.match(line.strip())
+        if not m:
+            continue
+        rec: dict[str, Any] = {"Name": m["name"], "LayerType": m["type"]}
+        t = _TACTIC.search(line)
+        if t:
+            rec["TacticName"] = t["tactic"]
+        md = _METADATA.search(line)
+        rec["Metadata"] = md["meta"].strip() if md else ""
+        rec["onnx_nodes"] = onnx_nodes_of(rec["Metadata"])
+        layers.append(rec)
+    return {"source": "build_log", "layers": layers, "io_tensors": []}
+
+
+# --------------------------------------------------------------------------- logger
+
+
+def _capture_logger(trt: Any) -> Any:
+    """An ILogger that keeps messages for the build log (INFO and up, plus the verbose layer table)."""
+
+    class CaptureLogger(trt.ILogger):
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+            self.lines: list[str] = []
+            self.errors: list[str] = []
+            self.layer_table: str | None = None
+
+        def log(self, severity: Any, msg: str) -> None:
+            sev = getattr(severity, "name", str(severity))
+            if sev == "VERBOSE":
+                # verbose output is megabytes for real models; keep only the layer table
+                if msg.startswith("Layers:"):
+                    self.layer_table = msg
+                    self.lines.append(f"[V] {msg}")
+                return
+            self.lines.append(f"[{sev[0]}] {msg}")
+            if sev in ("ERROR", "INTERNAL_ERROR"):
+                self.errors.append(msg.strip().replace("\n", " "))
+
+        def note(self, msg: str) -> None:
+            self.lines.append(f"[qdq-tune] {msg}")
+
+        def text(self) -> str:
+            return "\n".join(self.lines) + "\n"
+
+    return CaptureLogger()
+
+
+# --------------------------------------------------------------------------- running engines
+
+# TensorRT DataType name -> torch dtype name
+_TORCH_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT8": "int8", "INT32": "int32",
+                 "INT64": "int64", "BOOL": "bool", "UINT8": "uint8", "FP8": "float8_e4m3fn"}
+
+
+class TensorRTPrepared(PreparedModel):
+    """A deserialized engine with device buffers bound once; runs on its own CUDA stream."""
+
+    def __init__(self, trt: Any, engine: Any, specs: list[InputSpec], output_names: list[str], device: int,
+                 torch: Any, keep_alive: tuple[Any, ...] = ()):
+        self.trt, self.engine, self.specs, self.torch = trt, engine, specs, torch
+        self._keep_alive = keep_alive  # runtime and logger must outlive the engine
+        self.device = torch.device("cuda", device)
+        self.stream = torch.cuda.Stream(device=self.device)
+        self.context = engine.create_execution_context()
+        if self.context is None:
+            raise StageError("TensorRT could not create an execution context (out of GPU memory?)")
+        io = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        self.input_names = [n for n in io if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self.engine_outputs = [n for n in io if n not in self.input_names]
+        # ONNX output order, as ORT returns them, so outputs compare one to one across backends
+        self.output_names = [n for n in output_names if n in self.engine_outputs] or self.engine_outputs
+        self.buffers: dict[str, Any] = {}
+        self._bind({s.name: s.shape for s in specs})
+        self.run_feeds(fixed_feeds(specs))
+
+    def _torch_dtype(self, name: str) -> Any:
+        dt = self.engine.get_tensor_dtype(name)
+        return getattr(self.torch, _TORCH_DTYPES.get(getattr(dt, "name", str(dt)), "float32"))
+
+    def _bind(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        torch = self.torch
+        for name in self.input_names:
+            shape = tuple(shapes[name])
+            self.context.set_input_shape(name, shape)
+            buf = self.buffers.get(name)
+            if buf is None or tuple(buf.shape) != shape:
+                self.buffers[name] = torch.empty(shape, dtype=self._torch_dtype(name), device=self.device)
+        for name in [*self.input_names, *self.engine_outputs]:
+            if name not in self.input_names:
+                shape = tuple(self.context.get_tensor_shape(name))
+                buf = self.buffers.get(name)
+                if buf is None or tuple(buf.shape) != shape:
+                    self.buffers[name] = torch.empty(shape, dtype=self._torch_dtype(name), device=self.device)
+            self.context.set_tensor_address(name, self.buffers[name].data_ptr())
+
+    def run_feeds(self, feeds: dict[str, np.ndarray]) -> None:
+        torch = self.torch
+        shapes = {n: tuple(np.asarray(feeds[n]).shape) for n in self.input_names}
+        if any(tuple(self.buffers[n].shape) != s for n, s in shapes.items()):
+            self._bind(shapes)
+        with torch.cuda.stream(self.stream):
+            for n in self.input_names:
+                self.buffers[n].copy_(torch.from_numpy(np.ascontiguousarray(feeds[n])), non_blocking=False)
+        self.stream.synchronize()
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        self.run_feeds(feeds)
+        if not self.context.execute_async_v3(self.stream.cuda_stream):
+            raise StageError("TensorRT execute_async_v3 failed (see the TensorRT log)")
+        self.stream.synchronize()
+        out = []
+        for n in self.output_names:
+            t = self.buffers[n]
+            if t.dtype in (self.torch.bfloat16, getattr(self.torch, "float8_e4m3fn", None)):
+                t = t.float()  # numpy has no bf16/fp8
+            out.append(t.cpu().numpy())
+        return out
+
+    def time_runs(self, n: int) -> list[float]:
+        torch = self.torch
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        handle = self.stream.cuda_stream
+        for s, e in zip(starts, ends, strict=True):
+            s.record(self.stream)
+            self.context.execute_async_v3(handle)
+            e.record(self.stream)
+        self.stream.synchronize()
+        return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+
+    def close(self) -> None:
+        self.context = None
+        self.buffers = {}
+        self.engine = None
+        self._keep_alive = ()
+
+
+# --------------------------------------------------------------------------- backends
+
+
+class TensorRTBackend(Backend):
+    """TensorRT through its Python API (`tensorrt`, TensorRT 10.x or later)."""
+
+    name = "tensorrt"
+    module_names: tuple[str, ...] = ("tensorrt",)
+    install_hint = "pip install 'qdq-tune[tensorrt]'"
+    package_title = "the TensorRT Python package"
+    builds_without_gpu = False
+    supports_timing_cache = True
+
+    def __init__(self, cfg: DictConfig):
+        super().__init__(cfg)
+        self._trt: Any = None
+        self._timing_cache: Any = None  # shared by every build of this backend instance
+        self._plugins_loaded: set[str] = set()
+        self._std_plugins_ready = False
+        # a stage may point this into its results_dir folder to keep the build logs of measurements
+        self.logs_dir: Path | None = None
+        self._builds = 0
+
+    # ------------------------------------------------------------------ availability
+    def check_available(self) -> None:
+        self._module()
+
+    def _module(self) -> Any:
+        if self._trt is not None:
+            return self._trt
+        first_error: str | None = None
+        for name in self.module_names:
+            try:
+                self._trt = importlib.import_module(name)
+                return self._trt
+            except ModuleNotFoundError as exc:
+                if exc.name != name and first_error is None:
+                    first_error = f"{type(exc).__name__}: {exc}"
+            except ImportError as exc:  # installed but its shared libraries do not load
+                if first_error is None:
+                    first_error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if first_error:
+            raise BackendUnavailable(f"backend={self.name}: importing {self.module_names[0]} failed ({first_error}); "
+                                     f"reinstall it with {self.install_hint} (or use backend=onnxruntime)")
+        raise BackendUnavailable(f"backend={self.name} needs {self.package_title}: {self.install_hint} "
+                                 f"(or use backend=onnxruntime)")
+
+    @property
+    def trt(self) -> Any:
+        return self._module()
+
+    def _cuda(self, what: str) -> Any:
+        """torch with a usable CUDA device, or one line saying what is missing and what still works."""
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        if torch is None or not torch.cuda.is_available():
+            if self.builds_without_gpu:
+                also = ("building engines works without one (stages=[...,gen_trt_engine]); "
+                        "backend=onnxruntime measures on the CPU")
+            else:
+                also = ("TensorRT needs the GPU to build engines too; backend=tensorrt_rtx builds them on the CPU "
+                        "and backend=onnxruntime measures on the CPU")
+            raise BackendUnavailable(f"backend={self.name} cannot {what} here: no CUDA GPU is visible (needs an "
+                                     f"NVIDIA GPU and a CUDA build of torch); {also}")
+        n = torch.cuda.device_count()
+        if not 0 <= int(self.cfg.device) < n:
+            raise BackendUnavailable(f"backend.device={self.cfg.device}: this machine has {n} CUDA device(s) "
+                                     f"(0..{n - 1})")
+        return torch
+
+    # ------------------------------------------------------------------ options
+    def default_options(self) -> EngineOptions:
+        """Build options for measurement builds, from the backend section alone."""
+        from hydra.utils import to_absolute_path
+
+        tc = self.cfg.get("timing_cache")
+        return EngineOptions(
+            workspace_mb=int(self.cfg.workspace_size),
+            timing_cache=Path(to_absolute_path(tc)) if tc else None,
+            plugin_libraries=list(self.cfg.get("plugin_libraries") or []),
+        )
+
+    # ------------------------------------------------------------------ build
+    def _load_plugins(self, libraries: list[str], logger: Any) -> None:
+        trt = self.trt
+        if not self._std_plugins_ready and hasattr(trt, "init_libnvinfer_plugins"):
+            try:
+                trt.init_libnvinfer_plugins(logger, "")
+            except Exception:  # noqa: BLE001 - the standard plugins are optional for plain ONNX models
+                log.debug("init_libnvinfer_plugins failed", exc_info=True)
+            self._std_plugins_ready = True
+        from hydra.utils import to_absolute_path
+
+        for lib in libraries:
+            path = Path(to_absolute_path(str(lib)))
+            if str(path) in self._plugins_loaded:
+                continue
+            if not path.is_file():
+                raise InputError(f"plugin library {path} does not exist (backend.plugin_libraries / "
+                                 f"gen_trt_engine.tensorrt.plugin_libraries)")
+            try:
+                handle = trt.get_plugin_registry().load_library(str(path))
+            except Exception as exc:  # noqa: BLE001 - pybind raises RuntimeError/TypeError
+                raise StageError(f"{self.name} could not load plugin library {path}: {exc}") from None
+            if handle is None:
+                raise StageError(f"{self.name} could not load plugin library {path} (wrong TensorRT version or "
+                                 f"missing dependencies)")
+            logger.note(f"loaded plugin library {path}")
+            self._plugins_loaded.add(str(path))
+
+    def _parser_errors(self, parser: Any) -> list[str]:
+        out = []
+        for i in range(parser.num_errors):
+            e = parser.get_error(i)
+            node = _call(e, "node_name") or f"#{_call(e, 'node')}"
+            op = _call(e, "node_operator") or "?"
+            code = getattr(_call(e, "code"), "name", str(_call(e, "code")))
+            desc = str(_call(e, "desc") or "").strip()
+            # the parser's op checkers report a failed condition as just "false"
+            detail = f"{code}" if desc in ("", "false") else f"{code}: {desc}"
+            out.append(f"node '{node}' ({op}): {detail}")
+        return out
+
+    def _build_serialized(self, model_path: Path, options: EngineOptions, logger: Any) -> tuple[Any, dict[str, Any]]:
+        """Parse and build; returns the serialized engine (IHostMemory) and facts about the build."""
+        trt = self.trt
+        model = onnx.load(str(model_path), load_external_data=False)
+        strongly_typed = has_qdq(model)
+        shapes = profile_shapes(model, options, source=model_path.name)
+        info: dict[str, Any] = {**self.describe(), "source": str(model_path), "strongly_typed": strongly_typed}
+        logger.note(f"{self.trt.__name__} {getattr(trt, '__version__', '?')} building {model_path}")
+        self._load_plugins(list(options.plugin_libraries), logger)
+
+        try:
+            builder = trt.Builder(logger)
+        except Exception as exc:  # noqa: BLE001 - a failed CUDA init surfaces as a nullptr factory error
+            reason = "; ".join(logger.errors[-2:]) or str(exc)
+            if self.builds_without_gpu:
+                raise StageError(f"{self.name} could not create a builder: {reason}") from None
+            raise BackendUnavailable(f"backend={self.name} could not create a builder ({reason}); TensorRT needs a "
+                                     f"CUDA GPU to build; backend=tensorrt_rtx builds on the CPU") from None
+        flags = 0
+        if strongly_typed:
+            # Q/DQ models: precision comes from the Q/DQ nodes and the ONNX types (TensorRT 10 needs the
+            # flag; TensorRT 11 is always strongly typed and ignores it)
+            flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+        network = builder.create_network(flags)
+        parser = trt.OnnxParser(network, logger)
+        if not parser.parse_from_file(str(model_path)):
+            errors = self._parser_errors(parser) or logger.errors[-3:] or ["unknown parser error"]
+            for e in errors:
+                logger.note(f"parser error: {e}")
+            raise _ParseError(errors)
+
+        config = builder.create_builder_config()
+        if options.workspace_mb:
+            config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.workspace_mb) << 20)
+        # DETAILED keeps layer names, tactics and the fused ONNX nodes in the engine (engine inspector)
+        config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
+        level = self.cfg.get("builder_optimization_level")
+        if level is not None and hasattr(config, "builder_optimization_level"):
+            config.builder_optimization_level = int(level)
+        info["data_type"] = self._set_precision(config, options.data_type, strongly_typed, logger)
+
+        if shapes:
+            profile = builder.create_optimization_profile()
+            for name, (lo, opt, hi) in shapes.items():
+                profile.set_shape(name, lo, opt, hi)
+            config.add_optimization_profile(profile)
+            info["profile"] = {n: {"min": s[0], "opt": s[1], "max": s[2]} for n, s in shapes.items()}
+            logger.note(f"optimization profile {info['profile']}")
+
+        self._use_timing_cache(config, options.timing_cache, logger)
+        t0 = time.perf_counter()
+        serialized = builder.build_serialized_network(network, config)
+        info["build_seconds"] = round(time.perf_counter() - t0, 3)
+        if serialized is None:
+            reason = "; ".join(logger.errors[-3:]) or "no reason given"
+            raise StageError(f"{self.name} failed to build an engine from {model_path.name}: {reason}")
+        self._save_timing_cache(config, options.timing_cache, logger)
+        info["engine_bytes"] = int(serialized.nbytes)
+        info["layers"] = len(parse_builder_layers(logger.layer_table)["layers"]) if logger.layer_table else None
+        return serialized, info
+
+    def _set_precision(self, config: Any, data_type: str, strongly_typed: bool, logger: Any) -> str:
+        trt = self.trt
+        data_type = str(getattr(data_type, "value", data_type)).upper()
+        if strongly_typed:
+            if data_type != "FP32":
+                logger.note(f"data_type={data_type} not applied: strongly typed network (precision comes from "
+                            f"the Q/DQ nodes and ONNX types)")
+            return "strongly_typed"
+        if data_type == "FP32":
+            return "FP32"
+        flag = getattr(trt.BuilderFlag, data_type, None)
+        if flag is None:
+            msg = (f"gen_trt_engine.tensorrt.data_type={data_type} ignored: {trt.__name__} has no {data_type} "
+                   f"builder flag (it builds strongly typed; convert the model to {data_type} for such layers)")
+            log.warning(msg)
+            logger.note(msg)
+            return "FP32"
+        config.set_flag(flag)
+        return data_type
+
+    def _use_timing_cache(self, config: Any, path: Path | None, logger: Any) -> None:
+        if not self.supports_timing_cache:
+            if path is not None:
+                log.debug("%s: timing cache %s not used (deprecated in TensorRT-RTX)", self.name, path)
+                logger.note(f"timing cache {path} not used: deprecated in TensorRT-RTX")
+            return
+        if self._timing_cache is None:
+            data = b""
+            if path is not None and path.is_file():
+                data = path.read_bytes()
+                logger.note(f"loaded timing cache {path} ({len(data)} bytes)")
+            try:
+                self._timing_cache = config.create_timing_cache(data)
+            except Exception:  # noqa: BLE001 - a corrupt cache file must not fail the build
+                self._timing_cache = None
+            if self._timing_cache is None:  # unreadable file: start afresh rather than fail the build
+                logger.note(f"timing cache {path} unreadable; starting a new one")
+                self._timing_cache = config.create_timing_cache(b"")
+        if not config.set_timing_cache(self._timing_cache, ignore_mismatch=False):
+            # made on another device or TensorRT version
+            logger.note("timing cache does not match this device/version; starting a new one")
+            self._timing_cache = config.create_timing_cache(b"")
+            config.set_timing_cache(self._timing_cache, ignore_mismatch=False)
+
+    def _save_timing_cache(self, config: Any, path: Path | None, logger: Any) -> None:
+        if not self.supports_timing_cache or path is None:
+            return
+        cache = config.get_timing_cache()
+        if cache is None:
+            return
+        self._timing_cache = cache
+        with atomic_output(path) as tmp:
+            tmp.write_bytes(memoryview(cache.serialize()))
+        logger.note(f"saved timing cache {path}")
+
+    def _engine_bytes(self, model_path: Path, options: EngineOptions, log_path: Path | None) -> tuple[Any, dict, Any]:
+        """Build (or read, for an engine file) and always write the log, also when the build fails."""
+        logger = _capture_logger(self.trt)
+        if model_path.suffix.lower() in ENGINE_SUFFIXES:
+            self._load_plugins(list(options.plugin_libraries), logger)
+            return model_path.read_bytes(), {"source": str(model_path)}, logger
+        try:
+            serialized, info = self._build_serialized(model_path, options, logger)
+        except _ParseError as exc:
+            where = self._write_log(logger, log_path)
+            n = len(exc.errors)
+            shown = "; ".join(exc.errors[:8]) + (f"; ... {n - 8} more" if n > 8 else "")
+            raise StageError(f"{self.name} cannot parse {model_path.name} ({n} error{'s' * (n != 1)}): {shown}"
+                             f"{f'; full log: {where}' if where else ''}") from None
+        except StageError as exc:
+            where = self._write_log(logger, log_path)
+            raise StageError(f"{exc}{f'; full log: {where}' if where else ''}") from None
+        except BaseException:
+            self._write_log(logger, log_path)
+            raise
+        self._write_log(logger, log_path)
+        return serialized, info, logger
+
+    def _write_log(self, logger: Any, log_path: Path | None) -> Path | None:
+        if log_path is None:
+            if self.logs_dir is None:
+                return None
+            self._builds += 1
+            log_path = Path(self.logs_dir) / f"build_{self._builds:04d}.log"
+        atomic_write_text(log_path, logger.text())
+        return Path(log_path)
+
+    def build(self, model_path: str | Path, out_path: str | Path | None = None,
+              log_path: str | Path | None = None, options: EngineOptions | None = None) -> BuildResult:
+        """Build an engine from ONNX; with ``out_path`` write it (atomically), with ``log_path`` the builder log."""
+        model_path = Path(model_path)
+        options = options or self.default_options()
+        serialized, info, _ = self._engine_bytes(model_path, options, Path(log_path) if log_path else None)
+        if out_path is not None:
+            with atomic_output(out_path) as tmp:
+                tmp.write_bytes(memoryview(serialized))
+        return BuildResult(Path(out_path) if out_path else None, Path(log_path) if log_path else None, info)
+
+    # ------------------------------------------------------------------ run
+    def prepare(self, model_path: str | Path) -> TensorRTPrepared:
+        torch = self._cuda("measure latency")
+        torch.cuda.set_device(int(self.cfg.device))
+        model_path = Path(model_path)
+        options = self.default_options()
+        serialized, _, logger = self._engine_bytes(model_path, options, None)
+        runtime = self.trt.Runtime(logger)
+        engine = runtime.deserialize_cuda_engine(serialized)
+        if engine is None:
+            raise StageError(f"{self.name} could not deserialize the engine for {model_path.name}: "
+                             f"{'; '.join(logger.errors[-2:]) or 'no reason given'}")
+        if model_path.suffix.lower() in ENGINE_SUFFIXES:
+            specs = _engine_specs(self.trt, engine)
+            outputs: list[str] = []
+        else:
+            model = onnx.load(str(model_path), load_external_data=False)
+            specs = specs_at(model, profile_shapes(model, options, model_path.name))
+            outputs = [o.name for o in model.graph.output]
+        return TensorRTPrepared(self.trt, engine, specs, outputs, int(self.cfg.device), torch,
+                                keep_alive=(runtime, logger))
+
+    def measure(self, model_path: str | Path, warmup_runs: int | None = None,
+                timing_runs: int | None = None) -> Timing:
+        # a missing GPU is a property of the machine, not of the candidate: raise instead of a failed Timing
+        self._cuda("measure latency")
+        return super().measure(model_path, warmup_runs, timing_runs)
+
+    # ------------------------------------------------------------------ introspection
+    def describe(self) -> dict[str, Any]:
+        try:
+            trt = self._module()
+            module, version = trt.__name__, getattr(trt, "__version__", "?")
+        except BackendUnavailable:
+            module, version = self.module_names[0], "not installed"
+        return {"backend": self.name, "module": module, "version": version, "device": int(self.cfg.device)}
+
+    def layer_info(self, model_path: str | Path) -> dict[str, Any] | None:
+        """Engine inspector JSON for a DETAILED build; without a GPU (TensorRT-RTX) the builder's layer table."""
+        import json
+
+        model_path = Path(model_path)
+        serialized, _, logger = self._engine_bytes(model_path, self.default_options(), None)
+        engine = None
+        try:
+            runtime = self.trt.Runtime(logger)
+            engine = runtime.deserialize_cuda_engine(serialized)
+        except Exception:  # noqa: BLE001 - no CUDA device: fall back to the builder's layer table
+            log.debug("deserialization for layer info failed", exc_info=True)
+        if engine is not None:
+            inspector = engine.create_engine_inspector()
+            text = inspector.get_engine_information(self.trt.LayerInformationFormat.JSON)
+            return parse_layer_info(json.loads(text), "inspector")
+        if logger.layer_table:
+            return parse_builder_layers(logger.layer_table)
+        return None
+
+    def has_fast_kernels(self, quant_type: str) -> bool:
+        return True
+
+
+class TensorRTRtxBackend(TensorRTBackend):
+    """TensorRT-RTX: same API; CPU-only ahead-of-time builds, kernels JIT-compiled on the RTX GPU at run time."""
+
+    name = "tensorrt_rtx"
+    # the SDK's wheel installs `tensorrt_rtx`; the PyPI wheels (tensorrt-rtx-cu13-bindings) `tensorrt_rtx_bindings`
+    module_names = ("tensorrt_rtx", "tensorrt_rtx_bindings")
+    install_hint = "pip install 'qdq-tune[rtx]'"
+    package_title = "the TensorRT-RTX Python bindings"
+    builds_without_gpu = True
+    supports_timing_cache = False  # deprecated in TensorRT-RTX: kernels are chosen on the device at run time
+
+    def has_fast_kernels(self, quant_type: str) -> bool:
+        # the TensorRT-RTX support matrix lists INT8 as weight-only: INT8 activation Q/DQ gives no int8 math
+        return quant_type != "int8"
+
+
+class _ParseError(Exception):
+    def __init__(self, errors: list[str]):
+        super().__init__("; ".join(errors))
+        self.errors = errors
+
+
+def _call(obj: Any, name: str) -> Any:
+    """ParserError fields are methods in the Python bindings; tolerate attributes too."""
+    v = getattr(obj, name, None)
+    return v() if callable(v) else v
+
+
+def _engine_specs(trt: Any, engine: Any) -> list[InputSpec]:
+    """Input specs of a prebuilt engine (dynamic dims at the first profile's opt shape)."""
+    specs = []
+    for i in range(engine.num_io_tensors):
+        name = engine.get_tensor_name(i)
+        if engine.get_tensor_mode(name) != trt.TensorIOMode.INPUT:
+            continue
+        shape = tuple(engine.get_tensor_shape(name))
+        if any(d < 0 for d in shape):
+            shape = tuple(engine.get_tensor_profile_shape(name, 0)[1])
+        specs.append(InputSpec(name, shape, np.dtype(trt.nptype(engine.get_tensor_dtype(name)))))
+    return specs
+
+
+__all__ = ["EngineOptions", "TensorRTBackend", "TensorRTRtxBackend", "onnx_nodes_of", "parse_builder_layers",
+           "parse_layer_info", "profile_shapes", "specs_at"]

@@ -1,0 +1,591 @@
+"""trtexec backend: TensorRT's command-line tool as a subprocess.
+
+Each invocation's command line and full output are saved (atomically) under ``logs_dir``. Latency
+comes from trtexec's own measurement:
+
+- per-iteration times from ``--exportTimes`` (its ``computeMs``, the GPU time of one inference)
+  when the file is written, so median/p10/p90 are computed the same way as for every backend;
+- otherwise the "=== Performance summary ===" lines, from the "GPU Compute Time" line (falling back
+  to "Latency", which adds host<->device copies). We ask for ``--percentile=10,90,95,99``; where p10
+  is still missing (a user's own --percentile, an old trtexec) the minimum stands in for it.
+
+GPU compute time is used because the Python backends time ``execute_async_v3`` alone, and Q/DQ
+placement changes the kernels, not the copies.
+
+Warm-up is ``backend.warmup_ms`` (trtexec's --warmUp is in MILLISECONDS); ``backend.warmup_runs`` does
+not apply here. Profiling flags (--exportProfile, --exportLayerInfo, --profilingVerbosity,
+--separateProfileRun) are optional: when trtexec rejects one as an unknown option, the run is
+retried once without them and they stay off for the rest of this backend's life.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import shlex
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from omegaconf import DictConfig
+
+from pipeline.artifacts import atomic_output, atomic_write_text
+from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing
+from pipeline.backends.tensorrt import EngineOptions, parse_layer_info, profile_shapes, specs_at
+from pipeline.errors import BackendUnavailable, InputError, StageError
+from pipeline.graph import InputSpec, has_qdq, model_hash
+
+log = logging.getLogger("tune.backend")
+
+PROFILING_FLAGS = ("--profilingVerbosity", "--exportProfile", "--exportLayerInfo", "--separateProfileRun",
+                   "--dumpProfile", "--dumpLayerInfo")
+
+# trtexec's messages when it cannot use a GPU at all (CUDA init / device query failures)
+_NO_GPU = re.compile(r"no CUDA-capable device|CUDA initialization failure|CUDA driver version is insufficient|"
+                     r"cudaErrorNoDevice|Cuda failure: (?:no|100)", re.IGNORECASE)
+
+
+def option_name(arg: str) -> str:
+    return arg.split("=", 1)[0]
+
+
+def strip_profiling(argv: list[str]) -> list[str]:
+    return [a for a in argv if option_name(a) not in PROFILING_FLAGS]
+
+
+def _shape_spec(shapes: dict[str, list[int]]) -> str:
+    """trtexec's `name:AxBxC,...`; names holding ':' or ',' are wrapped in single quotes."""
+    parts = []
+    for name, dims in shapes.items():
+        shown = f"'{name}'" if any(c in name for c in ":,") else name
+        parts.append(f"{shown}:{'x'.join(str(int(d)) for d in dims) if dims else 'scalar'}")
+    return ",".join(parts)
+
+
+@dataclass
+class TrtexecRun:
+    """One trtexec invocation; ``argv`` turns it into a command line.
+
+    Our own flags are left out when the user's ``extra_args`` already set the same option, so a
+    user's --warmUp or --percentile wins instead of being duplicated.
+    """
+
+    onnx: Path | None = None
+    load_engine: Path | None = None
+    save_engine: Path | None = None
+    strongly_typed: bool = False
+    data_type: str = "FP32"  # --fp16/--bf16 for float models only
+    workspace_mb: int | None = None
+    shapes: dict[str, tuple[list[int], list[int], list[int]]] = field(default_factory=dict)
+    timing_cache: Path | None = None
+    plugins: list[str] = field(default_factory=list)
+    skip_inference: bool = False
+    warmup_ms: int | None = None
+    iterations: int | None = None
+    duration_s: float | None = None
+    percentiles: str | None = "10,90,95,99"
+    export_times: Path | None = None
+    export_profile: Path | None = None
+    export_layer_info: Path | None = None
+    load_inputs: dict[str, Path] = field(default_factory=dict)
+    export_output: Path | None = None
+    extra_args: list[str] = field(default_factory=list)
+
+    def argv(self, exe: str) -> list[str]:
+        user = {option_name(a) for a in self.extra_args}
+        out: list[str] = [exe]
+
+        def add(arg: str) -> None:
+            if option_name(arg) not in user or option_name(arg) in ("--staticPlugins", "--setPluginsToSerialize"):
+                out.append(arg)
+
+        if self.onnx is not None:
+            add(f"--onnx={self.onnx}")
+        if self.load_engine is not None:
+            add(f"--loadEngine={self.load_engine}")
+        if self.save_engine is not None:
+            add(f"--saveEngine={self.save_engine}")
+        if self.onnx is not None:  # build options
+            if self.strongly_typed:
+                add("--stronglyTyped")
+            elif self.data_type.upper() in ("FP16", "BF16"):
+                add(f"--{self.data_type.lower()}")
+            if self.workspace_mb:
+                add(f"--memPoolSize=workspace:{int(self.workspace_mb)}M")
+            if self.shapes:
+                add(f"--minShapes={_shape_spec({n: s[0] for n, s in self.shapes.items()})}")
+                add(f"--optShapes={_shape_spec({n: s[1] for n, s in self.shapes.items()})}")
+                add(f"--maxShapes={_shape_spec({n: s[2] for n, s in self.shapes.items()})}")
+            if self.timing_cache is not None:
+                add(f"--timingCacheFile={self.timing_cache}")
+        elif self.shapes:  # a dynamic engine runs at the profile's opt shapes
+            add(f"--shapes={_shape_spec({n: s[1] for n, s in self.shapes.items()})}")
+        for lib in self.plugins:
+            add(f"--staticPlugins={lib}")
+            if self.save_engine is not None:
+                add(f"--setPluginsToSerialize={lib}")
+        if self.skip_inference:
+            add("--skipInference")
+        else:
+            if self.warmup_ms is not None:
+                add(f"--warmUp={int(self.warmup_ms)}")  # milliseconds, not a run count
+            if self.duration_s:
+                add(f"--duration={self.duration_s:g}")
+            elif self.iterations is not None:
+                add(f"--iterations={int(self.iterations)}")
+                add("--duration=0")  # otherwise trtexec also runs for its default 3 s
+            if self.percentiles:
+                add(f"--percentile={self.percentiles}")
+            if self.export_times is not None:
+                add(f"--exportTimes={self.export_times}")
+            if self.load_inputs:
+                add("--loadInputs=" + ",".join(f"{_shape_name(n)}:{p}" for n, p in self.load_inputs.items()))
+            if self.export_output is not None:
+                add(f"--exportOutput={self.export_output}")
+        if self.export_profile is not None or self.export_layer_info is not None:
+            add("--profilingVerbosity=detailed")
+        if self.export_layer_info is not None:
+            add(f"--exportLayerInfo={self.export_layer_info}")
+        if self.export_profile is not None and not self.skip_inference:
+            add(f"--exportProfile={self.export_profile}")
+            add("--separateProfileRun")  # the per-layer profiler would otherwise slow the timed runs
+        return [*out, *self.extra_args]
+
+
+def _shape_name(name: str) -> str:
+    return f"'{name}'" if any(c in name for c in ":,") else name
+
+
+# --------------------------------------------------------------------------- output parsing
+
+_NUM = r"([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|inf|nan))"
+_STAT = re.compile(r"(min|max|mean|median|percentile\(([\d.]+)%\)) = " + _NUM + " ms")
+_METRIC_LINE = re.compile(r"\b(Latency|End-to-End Host Latency|Enqueue Time|H2D Latency|GPU Compute Time|"
+                          r"D2H Latency): (min = .*)$")
+_THROUGHPUT = re.compile(r"Throughput: " + _NUM + " qps")
+_QUERIES = re.compile(r"Timing trace has (\d+) queries over " + _NUM + " s")
+_VERSION = re.compile(r"TensorRT v(\d+)")
+
+
+@dataclass
+class TrtexecSummary:
+    """Numbers from trtexec's "=== Performance summary ===": metric -> {min, max, mean, median, p90, ...}."""
+
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    throughput_qps: float | None = None
+    queries: int | None = None
+
+    def stats(self, prefer: tuple[str, ...] = ("GPU Compute Time", "Latency")) -> tuple[str, dict[str, float]] | None:
+        for name in prefer:
+            if name in self.metrics:
+                return name, self.metrics[name]
+        return None
+
+
+def parse_summary(text: str) -> TrtexecSummary:
+    """Parse trtexec's performance summary (10.x prints several percentiles per line, 8.x one).
+
+    Each line reads ``[date] [I] GPU Compute Time: min = 0.41 ms, max = 0.52 ms, mean = 0.43 ms,
+    median = 0.43 ms, percentile(90%) = 0.45 ms, percentile(95%) = 0.46 ms, percentile(99%) = 0.5 ms``.
+    """
+    out = TrtexecSummary()
+    # a log without the header (a trimmed copy) is read whole; otherwise only the summary counts
+    in_summary = "=== Performance summary ===" not in text
+    for line in text.splitlines():
+        if "=== Performance summary ===" in line:
+            in_summary = True
+            continue
+        m = _QUERIES.search(line)
+        if m:
+            out.queries = int(m[1])
+            continue
+        if not in_summary:
+            continue
+        m = _METRIC_LINE.search(line)
+        if m:
+            stats: dict[str, float] = {}
+            for s in _STAT.finditer(m[2]):
+                key = f"p{float(s[2]):g}" if s[2] else s[1]
+                stats[key] = float(s[3])
+            out.metrics[m[1]] = stats
+            continue
+        m = _THROUGHPUT.search(line)
+        if m:
+            out.throughput_qps = float(m[1])
+    return out
+
+
+def timing_from_summary(summary: TrtexecSummary, log_path: str | None = None) -> Timing | None:
+    """A Timing from the summary; p10 falls back to the minimum when trtexec did not report it."""
+    found = summary.stats()
+    if found is None:
+        return None
+    _, s = found
+    nan = float("nan")
+    return Timing(median_ms=s.get("median", nan), p10_ms=s.get("p10", s.get("min", nan)),
+                  p90_ms=s.get("p90", nan), mean_ms=s.get("mean", nan), min_ms=s.get("min", nan),
+                  n=summary.queries or 0, backend="trtexec", log_path=log_path)
+
+
+def _loads_lenient(text: str) -> Any:
+    # trtexec writes C++ stream output: nan/inf are bare words, which JSON does not allow
+    text = re.sub(r"([:\[,]\s*)(-?)(nan|inf)\b",
+                  lambda m: f'{m[1]}{m[2]}{"NaN" if m[3] == "nan" else "Infinity"}', text)
+    return json.loads(text)
+
+
+_PROFILE_RECORD = re.compile(r'"name"\s*:\s*"(?P<name>.*)"\s*,\s*"timeMs"\s*:\s*' + _NUM +
+                             r'\s*,\s*"averageMs"\s*:\s*' + _NUM + r'(?:\s*,\s*"medianMs"\s*:\s*' + _NUM +
+                             r')?\s*,\s*"percentage"\s*:\s*' + _NUM)
+
+
+def parse_profile(text: str) -> dict[str, Any]:
+    """Parse --exportProfile JSON: ``[{"count": N}, {"name", "timeMs", "averageMs", "medianMs", "percentage"}, ...]``.
+
+    The leading ``{"count": N}`` record (iterations profiled) is not a layer. trtexec does not escape
+    layer names, so a name holding a quote breaks JSON: then each record is read line by line.
+    """
+    try:
+        records = _loads_lenient(text)
+    except json.JSONDecodeError:
+        records = []
+        for line in text.splitlines():
+            m = re.search(r'"count"\s*:\s*(\d+)', line)
+            if m and '"name"' not in line:
+                records.append({"count": int(m[1])})
+                continue
+            m = _PROFILE_RECORD.search(line)
+            if m:
+                rec = {"name": m["name"], "timeMs": float(m[2]), "averageMs": float(m[3]),
+                       "percentage": float(m[5])}
+                if m[4] is not None:
+                    rec["medianMs"] = float(m[4])
+                records.append(rec)
+    count = None
+    layers = []
+    for rec in records if isinstance(records, list) else []:
+        if not isinstance(rec, dict):
+            continue
+        if "name" not in rec:
+            count = rec.get("count", count)
+            continue
+        layers.append(rec)
+    return {"count": count, "layers": layers}
+
+
+def parse_times(text: str, warmup_ms: float = 0.0, key: str = "computeMs") -> list[float]:
+    """Per-iteration times from --exportTimes JSON.
+
+    10.x leaves warm-up iterations out; older versions include them, recognizable by a compute
+    start before the warm-up time (trtexec's own rule), so those are dropped here too.
+    """
+    records = [r for r in _loads_lenient(text) if isinstance(r, dict) and key in r]
+    timed = [r for r in records if r.get("startComputeMs", warmup_ms) >= warmup_ms]
+    # nothing after the warm-up means the clock starts elsewhere: then every record is a timed run
+    return [float(r[key]) for r in (timed or records)]
+
+
+def parse_outputs(text: str) -> dict[str, np.ndarray]:
+    """--exportOutput JSON: ``[{"name", "dimensions": "2x10", "values": [...]}, ...]``."""
+    out = {}
+    for rec in _loads_lenient(text):
+        dims = [int(d) for d in str(rec.get("dimensions", "")).split("x") if d]
+        out[rec["name"]] = np.asarray(rec.get("values", []), dtype=np.float32).reshape(dims)
+    return out
+
+
+def _error_lines(text: str, limit: int = 3) -> str:
+    errs = [ln.split("] ", 2)[-1].strip() for ln in text.splitlines() if "[E]" in ln or "ERROR" in ln]
+    errs = [e for e in errs if e] or [ln.strip() for ln in text.strip().splitlines()[-limit:]]
+    return " | ".join(errs[:limit])
+
+
+# --------------------------------------------------------------------------- backend
+
+
+class TrtexecPrepared(PreparedModel):
+    """An engine built once by trtexec; every time_runs / run call is one trtexec --loadEngine run.
+
+    Each call pays trtexec's start-up and its own --warmUp (backend.warmup_ms), so interleaved
+    comparisons with trtexec are slow but still fair: every block is warmed the same way.
+    """
+
+    def __init__(self, backend: TrtexecBackend, workdir: Path, engine: Path, specs: list[InputSpec],
+                 output_names: list[str], shapes: dict[str, tuple[list[int], list[int], list[int]]],
+                 plugins: list[str]):
+        self.backend, self.workdir, self.engine, self.specs = backend, workdir, engine, specs
+        self.output_names, self.shapes, self.plugins = output_names, shapes, plugins
+
+    def time_runs(self, n: int) -> list[float]:
+        b = self.backend
+        times = self.workdir / "times.json"
+        run = TrtexecRun(load_engine=self.engine, shapes=self.shapes, plugins=self.plugins, warmup_ms=b.warmup_ms,
+                         iterations=n, export_times=times, extra_args=b.run_args())
+        text, log_path = b.invoke(run, "time", self.engine.stem)
+        samples = parse_times(times.read_text(), b.warmup_ms) if times.exists() else []
+        if samples:
+            return samples[:n]
+        t = timing_from_summary(parse_summary(text), str(log_path))
+        if t is None:
+            raise StageError(f"trtexec printed no performance summary; see {log_path}")
+        # no per-iteration times: the median stands for every run (documented in the module docstring)
+        return [t.median_ms] * n
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        b = self.backend
+        inputs = {}
+        for spec in self.specs:
+            p = self.workdir / f"in_{len(inputs)}.bin"
+            p.write_bytes(np.ascontiguousarray(feeds[spec.name], dtype=spec.dtype).tobytes())
+            inputs[spec.name] = p
+        out_json = self.workdir / "outputs.json"
+        run = TrtexecRun(load_engine=self.engine, shapes=self.shapes, plugins=self.plugins, warmup_ms=0,
+                         iterations=1, percentiles=None, load_inputs=inputs, export_output=out_json,
+                         extra_args=b.run_args())
+        _, log_path = b.invoke(run, "run", self.engine.stem)
+        if not out_json.exists():
+            raise StageError(f"trtexec wrote no outputs; see {log_path}")
+        outs = parse_outputs(out_json.read_text())
+        return [outs[n] for n in self.output_names if n in outs] or list(outs.values())
+
+    def close(self) -> None:
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class TrtexecBackend(Backend):
+    name = "trtexec"
+
+    def __init__(self, cfg: DictConfig):
+        super().__init__(cfg)
+        self.exe: str | None = None
+        # flipped to False the first time trtexec rejects a profiling flag; kept for the rest of the run
+        self.profiling_supported = True
+        self.version: str | None = None
+        # a stage may point this into its results_dir folder; by default a fresh temporary folder
+        self.logs_dir: Path | None = None
+        self.last_profile: dict[str, Any] | None = None
+        self.last_layer_info: dict[str, Any] | None = None
+        self._invocations = 0
+
+    @property
+    def warmup_ms(self) -> int:
+        return int(self.cfg.warmup_ms)
+
+    # ------------------------------------------------------------------ availability
+    def check_available(self) -> None:
+        exe = str(self.cfg.trtexec_path)
+        found = shutil.which(exe)
+        if not found:
+            where = "does not exist or is not executable" if "/" in exe else "not found on PATH"
+            raise BackendUnavailable(
+                f"backend.trtexec_path={exe}: {where}; install TensorRT and put trtexec on PATH, set "
+                f"backend.trtexec_path=/path/to/trtexec, or use backend=tensorrt (Python API) or backend=onnxruntime")
+        self.exe = found
+
+    def _exe(self) -> str:
+        if self.exe is None:
+            self.check_available()
+        assert self.exe is not None
+        return self.exe
+
+    # ------------------------------------------------------------------ invocation
+    def _logs(self) -> Path:
+        if self.logs_dir is None:
+            self.logs_dir = Path(tempfile.mkdtemp(prefix="qdq-tune-trtexec-"))
+            log.debug("trtexec logs go to %s", self.logs_dir)
+        return Path(self.logs_dir)
+
+    def run_args(self) -> list[str]:
+        return [str(a) for a in self.cfg.trtexec_args]
+
+    def invoke(self, run: TrtexecRun, kind: str, stem: str, log_path: Path | None = None) -> tuple[str, Path]:
+        """Run trtexec; save its log; retry once without profiling flags on "Unknown option".
+
+        Returns the output and the log path; a failed run raises StageError naming the log, and
+        one that finds no GPU raises BackendUnavailable.
+        """
+        argv = run.argv(self._exe())
+        if not self.profiling_supported:
+            argv = strip_profiling(argv)
+        text, code, log_path = self._run_once(argv, kind, stem, log_path)
+        if code != 0 and "unknown option" in text.lower() and argv != strip_profiling(argv):
+            self.profiling_supported = False
+            log.warning("trtexec (%s) rejected a profiling flag; continuing without per-layer profiles and "
+                        "layer info (log: %s)", self.exe, log_path)
+            failed_log = log_path.with_name(log_path.stem + ".unknown-option.log")
+            log_path.replace(failed_log)
+            text, code, log_path = self._run_once(strip_profiling(argv), kind, stem, log_path)
+        if code != 0:
+            if _NO_GPU.search(text):
+                raise BackendUnavailable(
+                    f"backend=trtexec found no usable CUDA GPU ({_error_lines(text, 1)}); trtexec needs an NVIDIA "
+                    f"GPU to build and measure; backend=tensorrt_rtx builds engines on the CPU (log: {log_path})")
+            raise StageError(f"trtexec failed (exit {code}) for {stem}: {_error_lines(text)}; full log: {log_path}")
+        return text, log_path
+
+    def _run_once(self, argv: list[str], kind: str, stem: str, log_path: Path | None) -> tuple[str, int, Path]:
+        if log_path is None:
+            self._invocations += 1
+            log_path = self._logs() / f"{self._invocations:04d}_{kind}_{stem}.log"
+        timeout = float(self.cfg.get("timeout") or 0) or None
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  errors="replace", timeout=timeout, check=False)
+            text, code = proc.stdout or "", proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            text, code = out + f"\n[qdq-tune] killed after {timeout:g} s (backend.timeout)\n", -9
+        except OSError as exc:
+            raise BackendUnavailable(f"backend.trtexec_path={argv[0]}: cannot run it ({exc})") from None
+        seconds = time.perf_counter() - t0
+        if self.version is None:
+            m = _VERSION.search(text)
+            if m:
+                v = int(m[1])
+                self.version = f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+        atomic_write_text(log_path, f"$ {shlex.join(argv)}\n{text}\n[qdq-tune] exit code {code} after "
+                                    f"{seconds:.1f} s\n")
+        return text, code, log_path
+
+    # ------------------------------------------------------------------ build options
+    def default_options(self) -> EngineOptions:
+        from hydra.utils import to_absolute_path
+
+        tc = self.cfg.get("timing_cache")
+        return EngineOptions(timing_cache=Path(to_absolute_path(tc)) if tc else None,
+                             plugin_libraries=list(self.cfg.get("plugin_libraries") or []))
+
+    def _build_run(self, model_path: Path, options: EngineOptions) -> tuple[TrtexecRun, onnx.ModelProto]:
+        from hydra.utils import to_absolute_path
+
+        model = onnx.load(str(model_path), load_external_data=False)
+        plugins = []
+        for lib in options.plugin_libraries:
+            p = Path(to_absolute_path(str(lib)))
+            if not p.is_file():
+                raise InputError(f"plugin library {p} does not exist (backend.plugin_libraries / "
+                                 f"gen_trt_engine.tensorrt.plugin_libraries)")
+            plugins.append(str(p))
+        run = TrtexecRun(onnx=model_path, strongly_typed=has_qdq(model),
+                         data_type=str(getattr(options.data_type, "value", options.data_type)),
+                         workspace_mb=options.workspace_mb, shapes=profile_shapes(model, options, model_path.name),
+                         timing_cache=options.timing_cache, plugins=plugins, extra_args=self.run_args())
+        return run, model
+
+    # ------------------------------------------------------------------ protocol
+    def build(self, model_path: str | Path, out_path: str | Path | None = None,
+              log_path: str | Path | None = None, options: EngineOptions | None = None) -> BuildResult:
+        """Build with trtexec --skipInference; the engine is written atomically to ``out_path``."""
+        model_path = Path(model_path)
+        options = options or self.default_options()
+        run, _ = self._build_run(model_path, options)
+        run.skip_inference = True
+        with tempfile.TemporaryDirectory(prefix="qdq-tune-trtexec-") as tmpdir:
+            layers_json = Path(tmpdir) / "layers.json"
+            if self.cfg.export_layer_info:
+                run.export_layer_info = layers_json
+            t0 = time.perf_counter()
+            if out_path is not None:
+                with atomic_output(out_path) as tmp:
+                    run.save_engine = tmp
+                    _, written_log = self.invoke(run, "build", model_path.stem, Path(log_path) if log_path else None)
+                    if tmp.stat().st_size == 0:
+                        raise StageError(f"trtexec wrote no engine for {model_path.name}; see {written_log}")
+            else:
+                _, written_log = self.invoke(run, "build", model_path.stem, Path(log_path) if log_path else None)
+            seconds = time.perf_counter() - t0
+            info: dict[str, Any] = {**self.describe(), "source": str(model_path), "build_seconds": round(seconds, 3),
+                                    "strongly_typed": run.strongly_typed, "log": str(written_log)}
+            if run.shapes:
+                info["profile"] = {n: {"min": s[0], "opt": s[1], "max": s[2]} for n, s in run.shapes.items()}
+            if out_path is not None:
+                info["engine_bytes"] = Path(out_path).stat().st_size
+            if layers_json.exists():
+                self.last_layer_info = parse_layer_info(_loads_lenient(layers_json.read_text()), "trtexec")
+                info["layers"] = len(self.last_layer_info["layers"])
+        return BuildResult(Path(out_path) if out_path else None, written_log, info)
+
+    def measure(self, model_path: str | Path, warmup_runs: int | None = None,
+                timing_runs: int | None = None) -> Timing:
+        """Build and time in one trtexec run (warm-up: backend.warmup_ms; runs: timing_runs or backend.duration)."""
+        model_path = Path(model_path)
+        runs = self.timing_runs if timing_runs is None else timing_runs
+        key = (model_hash(model_path), self.warmup_ms, runs)
+        if key in self._cache:
+            return self._cache[key]
+        with tempfile.TemporaryDirectory(prefix="qdq-tune-trtexec-") as tmpdir:
+            tmp = Path(tmpdir)
+            try:
+                run, _ = self._build_run(model_path, self.default_options())
+            except (StageError, InputError) as exc:
+                return Timing.failed(self.name, str(exc))
+            run.warmup_ms, run.iterations = self.warmup_ms, runs
+            run.duration_s = float(self.cfg.duration) or None
+            run.export_times = tmp / "times.json"
+            if self.cfg.export_profile:
+                run.export_profile = tmp / "profile.json"
+            if self.cfg.export_layer_info:
+                run.export_layer_info = tmp / "layers.json"
+            try:
+                text, log_path = self.invoke(run, "measure", model_path.stem)
+            except StageError as exc:
+                return Timing.failed(self.name, str(exc))
+            timing = None
+            if run.export_times.exists():
+                samples = parse_times(run.export_times.read_text(), self.warmup_ms)
+                if samples:
+                    timing = Timing.from_samples(samples, self.name, str(log_path))
+            if timing is None:
+                timing = timing_from_summary(parse_summary(text), str(log_path))
+            if timing is None or math.isnan(timing.median_ms):
+                return Timing.failed(self.name, "trtexec printed no performance summary", str(log_path))
+            self.last_profile = (parse_profile(run.export_profile.read_text())
+                                 if run.export_profile is not None and run.export_profile.exists() else None)
+            if run.export_layer_info is not None and run.export_layer_info.exists():
+                self.last_layer_info = parse_layer_info(_loads_lenient(run.export_layer_info.read_text()), "trtexec")
+        self._cache[key] = timing
+        return timing
+
+    def prepare(self, model_path: str | Path) -> TrtexecPrepared:
+        """Build the engine once into a private folder; runs load it with --loadEngine."""
+        model_path = Path(model_path)
+        workdir = Path(tempfile.mkdtemp(prefix="qdq-tune-trtexec-"))
+        try:
+            engine = workdir / f"{model_path.stem}.engine"
+            run, model = self._build_run(model_path, self.default_options())
+            run.skip_inference = True
+            run.save_engine = engine
+            self.invoke(run, "build", model_path.stem)
+            return TrtexecPrepared(self, workdir, engine, specs_at(model, run.shapes),
+                                   [o.name for o in model.graph.output], run.shapes, run.plugins)
+        except BaseException:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+
+    def layer_info(self, model_path: str | Path) -> dict[str, Any] | None:
+        """--exportLayerInfo of a --profilingVerbosity=detailed build; None if this trtexec lacks the flags."""
+        model_path = Path(model_path)
+        if not self.profiling_supported:
+            return None
+        with tempfile.TemporaryDirectory(prefix="qdq-tune-trtexec-") as tmpdir:
+            run, _ = self._build_run(model_path, self.default_options())
+            run.skip_inference = True
+            run.export_layer_info = Path(tmpdir) / "layers.json"
+            self.invoke(run, "layers", model_path.stem)
+            if not run.export_layer_info.exists():
+                return None
+            self.last_layer_info = parse_layer_info(_loads_lenient(run.export_layer_info.read_text()), "trtexec")
+            return self.last_layer_info
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "trtexec": self.exe or str(self.cfg.trtexec_path),
+                "tensorrt_version": self.version}

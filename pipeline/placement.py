@@ -1,0 +1,366 @@
+"""Where Q/DQ goes: per-node dtype rules and the default placements for each runtime's fusions.
+
+``resolve_rules`` maps every node to the dtypes its first matching `quantize.layers` rule gives
+(op type, node-name wildcard, or "*"; first match wins; `skip_names` and `native` leave it float).
+
+Two placements build a ``QDQPlan`` from those assignments:
+
+- ``tensorrt_plan`` follows TensorRT's Q/DQ placement recommendations: quantize every input of
+  weighted ops (Conv, ConvTranspose, Gemm, MatMul; per-channel symmetric weights), leave their
+  outputs float, and quantize the residual input of an Add fed by a Conv so Conv+Add can fuse.
+  MatMul/Gemm with K or N < 16 stay float (too small to gain).
+- ``onnxruntime_plan`` builds the node groups ORT's CPU execution provider fuses into integer
+  kernels: DQ -> Conv/Gemm/MatMul -> Q (QLinearConv, QGemm, QLinearMatMul; MatMul without a Q on
+  its output becomes MatMulIntegerToFloat), int32 biases, QLinearAdd/Mul for residual adds whose
+  output feeds quantized ops, QLinear(Global)AveragePool/Concat, and data-movement ops (MaxPool,
+  Reshape, Transpose, Flatten, ...) run on int8 when they sit between quantized ops (their Q/DQ
+  pair keeps the input's scale so ORT can drop it). A Relu/Clip right after an op is skipped over:
+  the Q goes after it, and with uint8 (zero point at the bottom of the range) ORT folds the Relu.
+  Softmax, LayerNormalization and GELU-like tails stay float: quantizing them costs conversions
+  without a fast kernel.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from pipeline.qdq import ActivationQ, BiasQ, QDQPlan, WeightQ
+
+WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+# ops whose Q/DQ ORT drops, running them directly on 8-bit data
+PASS_THROUGH_OPS = ("MaxPool", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Split",
+                    "Resize", "Gather", "Identity")
+# ops with QLinear* kernels in ORT's CPU EP besides the weighted ones
+ORT_QLINEAR_OPS = ("Add", "Mul", "AveragePool", "GlobalAveragePool", "Concat")
+ACTIVATION_TAILS = ("Relu", "Clip")
+QUANTIZABLE_OPS = (*WEIGHTED_OPS, *ORT_QLINEAR_OPS, *PASS_THROUGH_OPS, "Softmax", "Sigmoid", "LeakyRelu",
+                   "Where", "Relu", "Clip")
+
+
+@dataclass(frozen=True)
+class NodeDtypes:
+    """dtypes the matching rule gives one node ("native" = leave float)."""
+
+    weights: str
+    activations: str
+    rule: str
+
+
+def _enum(v: object) -> str:
+    return v.value if hasattr(v, "value") else str(v)
+
+
+def resolve_rules(model: onnx.ModelProto, layers: Iterable, skip_names: Iterable[str] = (),
+                  op_types: Iterable[str] = ()) -> dict[str, NodeDtypes]:
+    """Node name -> dtypes of the first rule that matches it (op type, name wildcard or "*")."""
+    rules = list(layers)
+    skips = list(skip_names)
+    allowed = set(op_types)
+    out: dict[str, NodeDtypes] = {}
+    for node in model.graph.node:
+        if any(fnmatch.fnmatchcase(node.name, s) for s in skips):
+            continue
+        if allowed and node.op_type not in allowed:
+            continue
+        for i, rule in enumerate(rules):
+            pat = str(rule["module_name"] if isinstance(rule, dict) else rule.module_name)
+            if pat == "*" or pat == node.op_type or fnmatch.fnmatchcase(node.name, pat):
+                w = _enum(rule["weights"]["dtype"] if isinstance(rule, dict) else rule.weights.dtype)
+                a = _enum(rule["activations"]["dtype"] if isinstance(rule, dict) else rule.activations.dtype)
+                if a != "native" or w != "native":
+                    out[node.name] = NodeDtypes(w, a, f"layers[{i}] ({pat})")
+                break
+    return out
+
+
+class GraphIndex:
+    """Producers, consumers and constants of a graph, for placement decisions."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+        g = model.graph
+        self.nodes = {n.name: n for n in g.node}
+        self.inits = {i.name: i for i in g.initializer}
+        self.producer: dict[str, onnx.NodeProto] = {}
+        self.consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
+        for n in g.node:
+            for o in n.output:
+                self.producer[o] = n
+            for idx, i in enumerate(n.input):
+                if i:
+                    self.consumers[i].append((n, idx))
+        self.graph_inputs = {i.name for i in g.input if i.name not in self.inits}
+        self.graph_outputs = {o.name for o in g.output}
+        self.constants = set(self.inits)
+        for n in g.node:  # constant-foldable subgraphs (Constant, shape arithmetic on constants)
+            if n.op_type == "Constant" or (n.input and all(i in self.constants or not i for i in n.input)):
+                self.constants.update(n.output)
+        types = {vi.name: vi.type.tensor_type.elem_type for vi in [*g.input, *g.value_info, *g.output]}
+        self.float_tensors = {k for k, t in types.items() if t in (1, 10, 16)}
+
+    def is_activation(self, tensor: str) -> bool:
+        return bool(tensor) and tensor not in self.constants and tensor in self.float_tensors
+
+    def weight_array(self, tensor: str) -> np.ndarray | None:
+        init = self.inits.get(tensor)
+        return None if init is None else onnx.numpy_helper.to_array(init)
+
+    def tail(self, node: onnx.NodeProto) -> str:
+        """Where the node's output Q goes: after a directly following bias Add (MatMul: ORT fuses
+        MatMul+Add into one Gemm) and Relu/Clip (folded into the Q when its zero point is at the
+        bottom of the range)."""
+        out = node.output[0]
+        if node.op_type == "MatMul":
+            cons = self.consumers.get(out, [])
+            if (len(cons) == 1 and cons[0][0].op_type == "Add" and out not in self.graph_outputs
+                    and any(t in self.constants for t in cons[0][0].input)):
+                out = cons[0][0].output[0]
+        while True:
+            cons = self.consumers.get(out, [])
+            if len(cons) == 1 and cons[0][0].op_type in ACTIVATION_TAILS and out not in self.graph_outputs:
+                out = cons[0][0].output[0]
+            else:
+                return out
+
+
+def weight_axis(node: onnx.NodeProto, index: int, w: np.ndarray) -> int | None:
+    """Output-channel axis of a weight input, or None for per-tensor."""
+    if w.ndim < 2:
+        return None
+    attrs = {a.name: helper_attr(a) for a in node.attribute}
+    if node.op_type == "Conv":
+        return 0
+    if node.op_type == "ConvTranspose":
+        return 1
+    if node.op_type == "Gemm":
+        if index == 1:
+            return 0 if attrs.get("transB", 0) else 1
+        return None
+    if node.op_type == "MatMul" and index == 1:
+        return w.ndim - 1
+    return None
+
+
+def helper_attr(a: onnx.AttributeProto) -> object:
+    return onnx.helper.get_attribute_value(a)
+
+
+def _gemm_dims(node: onnx.NodeProto, w: np.ndarray) -> tuple[int, int]:
+    """(K, N) of a Gemm/MatMul weight."""
+    if node.op_type == "Gemm":
+        trans_b = any(a.name == "transB" and a.i for a in node.attribute)
+        n, k = (w.shape[0], w.shape[1]) if trans_b else (w.shape[1], w.shape[0])
+        return k, n
+    return w.shape[-2], w.shape[-1]
+
+
+MIN_DOT = 16  # K or N below this: too little work to gain, and FP8's 3-bit mantissa error dominates
+
+
+def too_small(g: GraphIndex, node: onnx.NodeProto, dtype: str) -> bool:
+    """Whether a weighted op is too small to quantize.
+
+    MatMul/Gemm with K or N < 16 stay float for every dtype (the reference tool's rule). Convs with
+    a reduction K = C_in/group * kh * kw < 16 or fewer than 16 output channels stay float for FP8
+    only: TensorRT has no FP8 kernels for such channel counts, and a 3-bit mantissa on a handful of
+    taps (a first conv on a 1-channel image) costs accuracy; int8 handles them fine.
+    """
+    widx = _weight_inputs(g, node)
+    if not widx:
+        return False
+    w = g.weight_array(node.input[widx[0]])
+    if node.op_type in ("Gemm", "MatMul"):
+        k, n = _gemm_dims(node, w)
+        return k < MIN_DOT or n < MIN_DOT
+    if node.op_type == "Conv" and dtype.startswith("fp8"):
+        return int(np.prod(w.shape[1:])) < MIN_DOT or w.shape[0] < MIN_DOT
+    return False
+
+
+def _weight_inputs(g: GraphIndex, node: onnx.NodeProto) -> list[int]:
+    if node.op_type in ("Conv", "ConvTranspose", "Gemm") and len(node.input) > 1 and node.input[1] in g.inits:
+        return [1]
+    if node.op_type == "MatMul" and len(node.input) > 1 and node.input[1] in g.inits:
+        return [1]
+    return []
+
+
+def act_dtype(rule: NodeDtypes, activation_type: str) -> str:
+    """Storage dtype of a node's activations: int8 becomes uint8 under ORT's asymmetric convention."""
+    return "uint8" if rule.activations == "int8" and activation_type == "uint8" else rule.activations
+
+
+def tensorrt_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes]) -> QDQPlan:
+    g = GraphIndex(model)
+    plan = QDQPlan()
+    for node in model.graph.node:
+        rule = rules.get(node.name)
+        if rule is None or node.op_type not in WEIGHTED_OPS or rule.activations == "native":
+            continue
+        widx = _weight_inputs(g, node)
+        if too_small(g, node, rule.activations):
+            plan.skipped[node.name] = "too small to gain (K or N < 16)"
+            continue
+        acts = [i for i, t in enumerate(node.input[:2]) if g.is_activation(t)]
+        if not acts:
+            continue
+        plan.node_rules[node.name] = rule.rule
+        for i in acts:
+            plan.activations.append(ActivationQ(node.input[i], rule.activations, ((node.name, i),)))
+        if rule.weights != "native":
+            for i in widx:
+                w = g.weight_array(node.input[i])
+                plan.weights.append(WeightQ(node.name, i, rule.weights, weight_axis(node, i, w)))
+    # residual Add: quantize the input that does NOT come from a quantized Conv, so Conv+Add fuses
+    quantized_convs = {n for n in plan.node_rules if g.nodes[n].op_type == "Conv"}
+    for node in model.graph.node:
+        if node.op_type != "Add" or len(node.input) != 2 or not all(g.is_activation(t) for t in node.input):
+            continue
+        from_conv = [i for i, t in enumerate(node.input)
+                     if t in g.producer and g.producer[t].name in quantized_convs]
+        if len(from_conv) == 1:
+            other = 1 - from_conv[0]
+            conv_rule = rules[g.producer[node.input[from_conv[0]]].name]
+            plan.activations.append(ActivationQ(node.input[other], conv_rule.activations, ((node.name, other),)))
+            plan.node_rules[node.name] = conv_rule.rule
+    return plan
+
+
+def onnxruntime_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activation_type: str = "uint8") -> QDQPlan:
+    g = GraphIndex(model)
+    qnodes: dict[str, NodeDtypes] = {}
+    plan_skipped: dict[str, str] = {}
+
+    def ok(node: onnx.NodeProto) -> NodeDtypes | None:
+        r = rules.get(node.name)
+        return r if r is not None and r.activations != "native" else None
+
+    # 1. compute ops with integer kernels
+    for node in model.graph.node:
+        r = ok(node)
+        if r is None or node.op_type not in ("Conv", "Gemm", "MatMul"):
+            continue
+        if not all(g.is_activation(t) or t in g.inits for t in node.input[:2] if t):
+            continue
+        if not g.is_activation(node.input[0]):
+            continue
+        if r.activations.startswith("fp8") and too_small(g, node, r.activations):
+            plan_skipped[node.name] = "too small for FP8 (K or N < 16)"
+            continue
+        qnodes[node.name] = r
+
+    def quantized_source(tensor: str) -> bool:
+        """Whether ``tensor`` will carry a Q (a quantized node's tail, or a graph input feeding one)."""
+        p = g.producer.get(tensor)
+        if p is None:
+            return tensor in g.graph_inputs
+        if p.op_type in ACTIVATION_TAILS:
+            # walk back over the tail to its producer
+            src = p
+            while src.op_type in ACTIVATION_TAILS and src.input[0] in g.producer:
+                src = g.producer[src.input[0]]
+            return src.name in qnodes and g.tail(src) == tensor
+        return p.name in qnodes and g.tail(p) == tensor
+
+    def feeds_quantized(tensor: str) -> bool:
+        cons = g.consumers.get(tensor, [])
+        return bool(cons) and tensor not in g.graph_outputs and all(c.name in qnodes for c, _ in cons)
+
+    # 2. optional groups, decided as a greatest fixpoint: start from every candidate and drop those
+    #    whose input is not quantized or whose output feeds no quantized op, until nothing changes
+    #    (a residual Add and the pooling after it depend on each other)
+    fixed = set(qnodes)
+    for node in model.graph.node:
+        r = ok(node)
+        if r is None or node.name in qnodes:
+            continue
+        acts = [t for t in node.input if g.is_activation(t)]
+        if not acts:
+            continue
+        op = node.op_type
+        if op in PASS_THROUGH_OPS or op in ("AveragePool", "GlobalAveragePool"):
+            qnodes[node.name] = r
+        elif op in ("Add", "Mul", "Concat") and len(acts) == len([t for t in node.input if t]):
+            qnodes[node.name] = r
+    changed = True
+    while changed:
+        changed = False
+        for name in [n for n in qnodes if n not in fixed]:
+            node = g.nodes[name]
+            acts = [t for t in node.input if g.is_activation(t)]
+            out = g.tail(node)
+            if node.op_type in ("Add", "Mul", "Concat"):
+                keep = any(quantized_source(t) for t in acts) and feeds_quantized(out)
+            else:
+                keep = quantized_source(node.input[0]) and feeds_quantized(out)
+            if not keep:
+                del qnodes[name]
+                changed = True
+
+    plan = QDQPlan(skipped=plan_skipped)
+    requested: dict[str, str] = {}
+    outputs_q: set[str] = set()  # tails of quantized nodes: the float tensor disappears in the fusion
+
+    def want(tensor: str, dtype: str, output: bool = False) -> None:
+        requested.setdefault(tensor, dtype)
+        if output:
+            outputs_q.add(tensor)
+
+    for node in model.graph.node:
+        r = qnodes.get(node.name)
+        if r is None:
+            continue
+        plan.node_rules[node.name] = r.rule
+        dt = act_dtype(r, activation_type)
+        op = node.op_type
+        for i, t in enumerate(node.input):
+            if g.is_activation(t):
+                if op in PASS_THROUGH_OPS and i > 0:
+                    continue
+                want(t, dt)
+        out = g.tail(node)
+        # Conv/Gemm/QLinear ops need Q on their output to become integer kernels. A MatMul with a
+        # bias Add becomes QGemm only with a Q after the Add (else ORT's MatMul+Add fusion leaves a
+        # float Gemm behind DQs); a bare MatMul without quantized consumers is better off as
+        # MatMulIntegerToFloat (float output, no Q/DQ pair)
+        if op == "MatMul" and out == node.output[0]:
+            if feeds_quantized(out):
+                want(out, dt, output=True)
+        elif op in PASS_THROUGH_OPS:
+            if feeds_quantized(out):
+                want(out, dt, output=True)
+        else:
+            want(out, dt, output=True)
+        if r.weights != "native":
+            for i in _weight_inputs(g, node):
+                w = g.weight_array(node.input[i])
+                plan.weights.append(WeightQ(node.name, i, r.weights, weight_axis(node, i, w)))
+                if op in ("Conv", "Gemm") and len(node.input) > 2 and node.input[2] in g.inits \
+                        and r.weights == "int8" and dt in ("int8", "uint8"):
+                    plan.biases.append(BiasQ(node.name, 2, node.input[0], dt, i))
+    for tensor, dtype in requested.items():
+        if tensor in outputs_q or quantized_source(tensor):
+            plan.activations.append(ActivationQ(tensor, dtype, None))
+        else:
+            # produced in float by a float op: only the quantized consumers read the DQ copy,
+            # float consumers keep the original tensor (no stray DequantizeLinear, no rounding)
+            cons = tuple((c.name, i) for c, i in g.consumers.get(tensor, []) if c.name in qnodes)
+            plan.activations.append(ActivationQ(tensor, dtype, cons))
+    return plan
+
+
+def pass_through_outputs(model: onnx.ModelProto, plan: QDQPlan) -> dict[str, str]:
+    """Output tensor -> input tensor of quantized data-movement ops: they must share Q params."""
+    g = GraphIndex(model)
+    out = {}
+    for name in plan.node_rules:
+        node = g.nodes[name]
+        if node.op_type in PASS_THROUGH_OPS or node.op_type == "MaxPool":
+            out[node.output[0]] = node.input[0]
+    return out

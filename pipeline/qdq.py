@@ -1,0 +1,381 @@
+"""Q/DQ insertion shared by quantize and autotune.
+
+A ``QDQPlan`` says what to quantize: activation tensors (for all or some of their consumers),
+weights (per output channel) and int32 biases. ``apply_plan`` writes QuantizeLinear /
+DequantizeLinear nodes into a copy of a float model with scales from a ``Calibration``:
+
+- zero-point dtype always equals the quantized dtype (int8, uint8, float8e4m3fn, float8e5m2);
+- scales and zero points of activations are true scalars (shape []), which ORT needs to fuse
+  QLinearAdd/QLinearMul groups; weights get 1-D per-channel scales with the right ``axis``;
+- weights are stored quantized (int8 or fp8) followed by a DequantizeLinear;
+- the scale's dtype is the consumer's float type, so DQ outputs match what the consumer expects;
+- the opset is raised where needed (per-axis Q/DQ >= 13, FP8 >= 19); the result is topologically
+  sorted and passes onnx.checker.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from pipeline.graph import opset_version, tensor_elem_types, topological_sort
+
+log = logging.getLogger("tune.qdq")
+
+# storage dtype -> (TensorProto type, numpy dtype or None for fp8, qmin, qmax)
+QTYPES: dict[str, tuple[int, Any, float, float]] = {
+    "int8": (TensorProto.INT8, np.int8, -128, 127),
+    "uint8": (TensorProto.UINT8, np.uint8, 0, 255),
+    "fp8_e4m3fn": (TensorProto.FLOAT8E4M3FN, None, -448.0, 448.0),
+    "fp8_e5m2": (TensorProto.FLOAT8E5M2, None, -57344.0, 57344.0),
+}
+FP8 = ("fp8_e4m3fn", "fp8_e5m2")
+_ONNX_TO_QTYPE = {v[0]: k for k, v in QTYPES.items()}
+
+
+def is_fp8(dtype: str) -> bool:
+    return dtype in FP8
+
+
+def qtype_of_elem(elem_type: int) -> str | None:
+    return _ONNX_TO_QTYPE.get(elem_type)
+
+
+def _fp8_bytes(values: np.ndarray, dtype: str) -> bytes:
+    import ml_dtypes
+
+    np_t = ml_dtypes.float8_e4m3fn if dtype == "fp8_e4m3fn" else ml_dtypes.float8_e5m2
+    return np.asarray(values, dtype=np.float32).astype(np_t).tobytes()
+
+
+def make_quantized_tensor(name: str, values: np.ndarray, dtype: str) -> onnx.TensorProto:
+    """A tensor of already-quantized values (integers or fp8-representable floats)."""
+    tp, np_t, lo, hi = QTYPES[dtype]
+    values = np.asarray(values)
+    if np_t is None:
+        return helper.make_tensor(name, tp, list(values.shape), _fp8_bytes(values, dtype), raw=True)
+    return numpy_helper.from_array(np.clip(np.rint(values), lo, hi).astype(np_t), name)
+
+
+@dataclass(frozen=True)
+class QuantParams:
+    """Scale and zero point of one quantized tensor; ``axis`` set for per-channel weights."""
+
+    dtype: str
+    scale: np.ndarray
+    zero_point: np.ndarray
+    axis: int | None = None
+
+    @classmethod
+    def scalar(cls, dtype: str, scale: float, zero_point: float = 0.0) -> QuantParams:
+        return cls(dtype, np.asarray(scale, np.float32), np.asarray(zero_point, np.float32))
+
+
+def activation_params(stats: dict[str, float], dtype: str) -> QuantParams:
+    """Scale/zero point of an activation from calibrated statistics.
+
+    ``stats`` holds min, max and threshold (the algorithm's clipping magnitude). int8 and fp8 are
+    symmetric; uint8 is asymmetric over [min, max] clipped to +-threshold and widened to include 0,
+    so a tensor that is never negative (a ReLU output) gets zero point 0: ORT then folds the ReLU.
+    """
+    t = float(stats["threshold"])
+    if dtype == "uint8" and stats.get("algorithm") == "max":
+        lo, hi = (-t if float(stats["min"]) < 0 else 0.0), t
+        scale = (hi - lo) / 255.0 if hi > lo else 1.0
+        return QuantParams.scalar(dtype, scale, float(np.clip(np.rint(-lo / scale), 0, 255)))
+    if dtype == "uint8":
+        lo = min(max(float(stats["min"]), -t), 0.0)
+        hi = max(min(float(stats["max"]), t), 0.0)
+        scale = (hi - lo) / 255.0 if hi > lo else 1.0
+        zp = float(np.clip(np.rint(-lo / scale), 0, 255))
+        return QuantParams.scalar(dtype, scale, zp)
+    qmax = QTYPES[dtype][3] if is_fp8(dtype) else 127.0
+    return QuantParams.scalar(dtype, t / qmax if t > 0 else 1.0, 0.0)
+
+
+def weight_params(w: np.ndarray, axis: int | None, dtype: str) -> QuantParams:
+    """Symmetric per-channel (``axis``) or per-tensor scales for a weight."""
+    qmax = QTYPES[dtype][3] if is_fp8(dtype) else 127.0
+    a = np.abs(w.astype(np.float32))
+    if axis is None:
+        amax = np.asarray(a.max() if a.size else 0.0)
+    else:
+        amax = np.moveaxis(a, axis, 0).reshape(a.shape[axis], -1).max(axis=1)
+    scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
+    return QuantParams(dtype, scale, np.zeros_like(scale), axis)
+
+
+def quantize_values(w: np.ndarray, p: QuantParams) -> np.ndarray:
+    if p.axis is None:
+        q = w / p.scale
+    else:
+        shape = [1] * w.ndim
+        shape[p.axis] = -1
+        q = w / p.scale.reshape(shape)
+    if is_fp8(p.dtype):
+        lim = QTYPES[p.dtype][3]
+        return np.clip(q, -lim, lim)
+    lo = -127 if p.dtype == "int8" else 0  # symmetric weights use the restricted range
+    return np.clip(np.rint(q) + (0 if p.dtype == "int8" else p.zero_point), lo, QTYPES[p.dtype][3])
+
+
+# --------------------------------------------------------------------------- plans
+
+
+Consumer = tuple[str, int]  # (node name, input index)
+
+
+@dataclass(frozen=True)
+class ActivationQ:
+    """Quantize activation ``tensor`` as ``dtype`` for ``consumers`` (None: every consumer)."""
+
+    tensor: str
+    dtype: str
+    consumers: tuple[Consumer, ...] | None = None
+
+
+@dataclass(frozen=True)
+class WeightQ:
+    node: str
+    input_index: int
+    dtype: str
+    axis: int | None
+
+
+@dataclass(frozen=True)
+class BiasQ:
+    """int32 bias of ``node`` with scale = input scale x weight scales (ORT's QLinearConv/QGemm)."""
+
+    node: str
+    input_index: int
+    activation: str  # the activation input tensor whose scale multiplies in
+    activation_dtype: str
+    weight_index: int
+
+
+@dataclass
+class QDQPlan:
+    activations: list[ActivationQ] = field(default_factory=list)
+    weights: list[WeightQ] = field(default_factory=list)
+    biases: list[BiasQ] = field(default_factory=list)
+    # node name -> rule description, for logs and tests
+    node_rules: dict[str, str] = field(default_factory=dict)
+    # node name -> why a node its rule would quantize was left float
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def quantized_tensors(self) -> set[str]:
+        return {a.tensor for a in self.activations}
+
+
+class MissingCalibration(Exception):
+    """Raised by a Calibration without a fallback when a tensor has no statistics."""
+
+
+class Calibration:
+    """Per-tensor statistics from calibration.json (or a default scale where there are none)."""
+
+    def __init__(self, tensors: dict[str, dict[str, Any]] | None = None, default_scale: float | None = None,
+                 default_zero_point: float = 0.0):
+        self.tensors = tensors or {}
+        self.default_scale = default_scale
+        self.default_zero_point = default_zero_point
+        self.defaulted: set[str] = set()
+
+    def alias(self, tensor: str, source: str) -> None:
+        """Give ``tensor`` the statistics of ``source`` (data-movement ops must keep their input's scale)."""
+        if source in self.tensors:
+            self.tensors[tensor] = self.tensors[source]
+
+    def params(self, tensor: str, dtype: str) -> QuantParams:
+        stats = self.tensors.get(tensor)
+        if stats is None:
+            if self.default_scale is None:
+                raise MissingCalibration(tensor)
+            self.defaulted.add(tensor)
+            zp = self.default_zero_point if dtype in ("int8", "uint8") else 0.0
+            return QuantParams.scalar(dtype, self.default_scale, zp)
+        return activation_params(stats, dtype)
+
+
+def _scalar_or_vector(name: str, values: np.ndarray, elem_type: int) -> onnx.TensorProto:
+    arr = np.asarray(values, dtype=helper.tensor_dtype_to_np_dtype(elem_type))
+    return numpy_helper.from_array(arr, name)
+
+
+def _zero_point(name: str, zp: np.ndarray, dtype: str) -> onnx.TensorProto:
+    tp, np_t, _, _ = QTYPES[dtype]
+    zp = np.asarray(zp)
+    if np_t is None:
+        return helper.make_tensor(name, tp, list(zp.shape), _fp8_bytes(np.zeros(zp.shape), dtype), raw=True)
+    return numpy_helper.from_array(zp.astype(np_t), name)
+
+
+def required_opset(plan: QDQPlan) -> int:
+    dtypes = {a.dtype for a in plan.activations} | {w.dtype for w in plan.weights}
+    if dtypes & set(FP8):
+        return 19
+    return 13
+
+
+def _raise_opset(model: onnx.ModelProto, target: int) -> onnx.ModelProto:
+    current = opset_version(model)
+    if current >= target:
+        return model
+    # opset 19 needs IR version 9; stay at the lowest IR that allows it so older runtimes load the model
+    model.ir_version = max(model.ir_version, 9 if target >= 19 else 7)
+    try:
+        from onnx import version_converter
+
+        converted = version_converter.convert_version(model, target)
+        onnx.checker.check_model(converted)
+        return converted
+    except Exception:  # noqa: BLE001 - the converter lacks adapters for some ops; Q/DQ semantics are unchanged
+        log.debug("version converter failed; raising opset_import to %d directly", target)
+        for imp in model.opset_import:
+            if imp.domain in ("", "ai.onnx"):
+                imp.version = target
+        return model
+
+
+def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
+               default_float_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    """A copy of ``model`` with the plan's Q/DQ nodes inserted (see module docstring)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    out = _raise_opset(out, required_opset(plan))
+    graph = out.graph
+    nodes = {n.name: n for n in graph.node}
+    types = tensor_elem_types(out)
+    inits = {i.name: i for i in graph.initializer}
+    consumers: dict[str, list[Consumer]] = defaultdict(list)
+    for n in graph.node:
+        for idx, name in enumerate(n.input):
+            if name:
+                consumers[name].append((n.name, idx))
+    graph_outputs = {o.name for o in graph.output}
+    new_nodes: list[onnx.NodeProto] = []
+    new_inits: list[onnx.TensorProto] = []
+    taken: set[str] = set(inits) | {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
+
+    def unique(name: str) -> str:
+        base, k = name, 0
+        while name in taken:
+            k += 1
+            name = f"{base}_{k}"
+        taken.add(name)
+        return name
+
+    def float_type(tensor: str) -> int:
+        t = types.get(tensor, default_float_type)
+        return t if t in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16) else default_float_type
+
+    # -- activations: one Q/DQ pair per (tensor, dtype), shared by the consumers that asked for it
+    wanted: dict[tuple[str, str], set[Consumer] | None] = {}
+    for a in plan.activations:
+        key = (a.tensor, a.dtype)
+        if a.consumers is None or wanted.get(key, set()) is None:
+            wanted[key] = None
+        else:
+            wanted.setdefault(key, set()).update(a.consumers)  # type: ignore[union-attr]
+    rewired: dict[Consumer, str] = {}
+    for (tensor, dtype), who in sorted(wanted.items(), key=lambda kv: kv[0]):
+        targets = consumers.get(tensor, []) if who is None else sorted(who)
+        targets = [c for c in targets if c not in rewired]
+        if not targets and tensor not in graph_outputs:
+            continue
+        p = calibration.params(tensor, dtype)
+        ft = float_type(tensor)
+        suffix = "" if sum(1 for (t, _) in wanted if t == tensor) == 1 else f"_{dtype}"
+        base = f"{tensor}{suffix}"
+        s_name, z_name = unique(f"{base}_scale"), unique(f"{base}_zero_point")
+        q_out, dq_out = unique(f"{base}_quantized"), unique(f"{base}_dequantized")
+        new_inits += [_scalar_or_vector(s_name, p.scale, ft), _zero_point(z_name, p.zero_point, dtype)]
+        q_in = tensor
+        if tensor in graph_outputs and who is None:
+            # a quantized graph output keeps its name on the DQ side, so the producer + Q can fuse
+            q_in = unique(f"{tensor}_prequant")
+            for n in graph.node:
+                for k, o in enumerate(n.output):
+                    if o == tensor:
+                        n.output[k] = q_in
+            dq_out = tensor
+        new_nodes += [
+            helper.make_node("QuantizeLinear", [q_in, s_name, z_name], [q_out], name=unique(f"{base}_QuantizeLinear")),
+            helper.make_node("DequantizeLinear", [q_out, s_name, z_name], [dq_out], name=unique(f"{base}_DequantizeLinear")),
+        ]
+        for node_name, idx in targets:
+            nodes[node_name].input[idx] = dq_out
+            rewired[(node_name, idx)] = dq_out
+
+    # -- weights: stored quantized, followed by a DequantizeLinear
+    weight_scales: dict[tuple[str, int], QuantParams] = {}
+    for w in plan.weights:
+        node = nodes[w.node]
+        name = node.input[w.input_index]
+        init = inits.get(name)
+        if init is None:
+            raise ValueError(f"weight input {w.input_index} of node {w.node} ({name}) is not an initializer")
+        values = numpy_helper.to_array(init).astype(np.float32)
+        p = weight_params(values, w.axis, w.dtype)
+        weight_scales[(w.node, w.input_index)] = p
+        ft = init.data_type if init.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16) \
+            else default_float_type
+        base = unique(f"{name}_{w.node}" if len(consumers.get(name, [])) > 1 else name)
+        q_name, s_name, z_name, dq_out = (unique(f"{base}_quantized"), unique(f"{base}_scale"),
+                                          unique(f"{base}_zero_point"), unique(f"{base}_dequantized"))
+        new_inits += [make_quantized_tensor(q_name, quantize_values(values, p), w.dtype),
+                      _scalar_or_vector(s_name, p.scale, ft), _zero_point(z_name, p.zero_point, w.dtype)]
+        attrs = {"axis": w.axis} if w.axis is not None else {}
+        new_nodes.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [dq_out],
+                                          name=unique(f"{base}_DequantizeLinear"), **attrs))
+        node.input[w.input_index] = dq_out
+
+    # -- int32 biases (scale = activation scale x per-channel weight scale, zero point 0)
+    for b in plan.biases:
+        node = nodes[b.node]
+        name = node.input[b.input_index]
+        init = inits.get(name)
+        wp = weight_scales.get((b.node, b.weight_index))
+        if init is None or wp is None:
+            continue
+        ap = calibration.params(b.activation, b.activation_dtype)
+        scale = (np.float32(ap.scale) * wp.scale).astype(np.float32)
+        values = numpy_helper.to_array(init).astype(np.float64)
+        q = np.clip(np.rint(values / scale), -(2**31), 2**31 - 1).astype(np.int32)
+        base = unique(f"{name}_{b.node}")
+        q_name, s_name, z_name, dq_out = (unique(f"{base}_quantized"), unique(f"{base}_scale"),
+                                          unique(f"{base}_zero_point"), unique(f"{base}_dequantized"))
+        new_inits += [numpy_helper.from_array(q, q_name), _scalar_or_vector(s_name, scale, init.data_type),
+                      numpy_helper.from_array(np.zeros(scale.shape, np.int32), z_name)]
+        new_nodes.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [dq_out],
+                                          name=unique(f"{base}_DequantizeLinear"), axis=0))
+        node.input[b.input_index] = dq_out
+
+    graph.initializer.extend(new_inits)
+    graph.node.extend(new_nodes)
+    # drop float weights no node reads any more
+    used = {i for n in graph.node for i in n.input}
+    keep = [i for i in graph.initializer if i.name in used or i.name in graph_outputs]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    topological_sort(out)
+    onnx.checker.check_model(out)
+    return out
+
+
+def get_quantized_tensors(model: onnx.ModelProto) -> set[str]:
+    """Activation tensors that feed a QuantizeLinear (the placement of a Q/DQ model)."""
+    inits = {i.name for i in model.graph.initializer}
+    return {n.input[0] for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] not in inits}
+
+
+def qdq_summary(model: onnx.ModelProto) -> dict[str, int]:
+    q = sum(n.op_type == "QuantizeLinear" for n in model.graph.node)
+    dq = sum(n.op_type == "DequantizeLinear" for n in model.graph.node)
+    return {"QuantizeLinear": q, "DequantizeLinear": dq}

@@ -1,0 +1,184 @@
+"""Metric functions for the evaluate stage, and an accumulator that applies them batch by batch.
+
+Every function takes whole (padded) batches plus ``valid``, the number of real samples at the front
+of the batch: DataProvider pads the last batch by repeating its last sample, and those copies must
+not count. Arrays whose first dimension is not the batch size (batch-independent outputs) are used
+whole. Sums are kept in float64 so that long evaluations do not lose precision.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+def valid_rows(a: np.ndarray, valid: int | None, batch: int | None = None) -> np.ndarray:
+    """The first ``valid`` samples of ``a`` when its first axis is the batch axis, else ``a`` itself."""
+    if valid is None or a.ndim == 0:
+        return a
+    if batch is not None and a.shape[0] != batch:
+        return a
+    return a[:valid]
+
+
+def _is_float(a: np.ndarray) -> bool:
+    return np.issubdtype(a.dtype, np.floating)
+
+
+def predictions(output: np.ndarray) -> np.ndarray | None:
+    """Predicted class per sample (and per position for [N, ..., C] outputs), or None if undefined.
+
+    Float outputs are scores over the last axis; an integer output is taken as ids already (a model
+    that ends in ArgMax). A float output with one value per sample has no argmax to agree on.
+    """
+    if not _is_float(output):
+        return output
+    if output.ndim < 2:
+        return None
+    return np.argmax(output, axis=-1)
+
+
+def topk_hits(logits: np.ndarray, labels: np.ndarray, k: int, valid: int | None = None) -> int:
+    """Samples among the first ``valid`` whose label is among the ``k`` highest scores."""
+    logits = valid_rows(logits, valid)
+    labels = valid_rows(labels.reshape(-1), valid)
+    if logits.ndim != 2 or logits.shape[0] != labels.shape[0]:
+        raise ValueError(f"top-k needs [N, classes] scores and N labels, got {logits.shape} and {labels.shape}")
+    if k > logits.shape[1]:
+        raise ValueError(f"top-{k} needs at least {k} classes, the output has {logits.shape[1]}")
+    if k == 1:
+        top = np.argmax(logits, axis=1)[:, None]
+    else:
+        top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+    return int(np.sum(np.any(top == labels.astype(np.int64)[:, None], axis=1)))
+
+
+def prediction_agreement(reference: np.ndarray, test: np.ndarray, valid: int | None = None) -> tuple[int, int]:
+    """(agreeing predictions, compared predictions) of ``test`` vs ``reference`` over valid samples."""
+    ref_pred, test_pred = predictions(reference), predictions(test)
+    if ref_pred is None or test_pred is None:
+        return 0, 0
+    batch = reference.shape[0] if reference.ndim else None
+    ref_pred = valid_rows(ref_pred, valid, batch)
+    test_pred = valid_rows(test_pred, valid, batch)
+    return int(np.sum(ref_pred == test_pred)), int(ref_pred.size)
+
+
+def cosine_similarities(reference: np.ndarray, test: np.ndarray, valid: int | None = None) -> np.ndarray:
+    """Cosine similarity per valid sample of the flattened outputs.
+
+    Two all-zero samples are identical (1.0); a zero sample against a non-zero one scores 0.0.
+    """
+    batch = reference.shape[0] if reference.ndim else None
+    r = valid_rows(reference, valid, batch).astype(np.float64)
+    t = valid_rows(test, valid, batch).astype(np.float64)
+    if r.ndim < 2:  # one value per sample, or batch-independent: treat the whole array as one sample
+        r, t = r.reshape(1, -1), t.reshape(1, -1)
+    r, t = r.reshape(r.shape[0], -1), t.reshape(t.shape[0], -1)
+    nr, nt = np.linalg.norm(r, axis=1), np.linalg.norm(t, axis=1)
+    dot = np.sum(r * t, axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cos = dot / (nr * nt)
+    both_zero = (nr == 0) & (nt == 0)
+    one_zero = (nr == 0) ^ (nt == 0)
+    cos = np.where(both_zero, 1.0, np.where(one_zero, 0.0, cos))
+    return np.clip(cos, -1.0, 1.0)
+
+
+def energies(reference: np.ndarray, test: np.ndarray, valid: int | None = None) -> tuple[float, float]:
+    """(sum of reference^2, sum of (test - reference)^2) over valid samples, in float64."""
+    batch = reference.shape[0] if reference.ndim else None
+    r = valid_rows(reference, valid, batch).astype(np.float64)
+    t = valid_rows(test, valid, batch).astype(np.float64)
+    return float(np.sum(r * r)), float(np.sum((t - r) ** 2))
+
+
+def snr_from_energies(signal: float, noise: float) -> float:
+    """10 log10(signal / noise) in dB; +inf when there is no noise (identical outputs)."""
+    if math.isnan(signal) or math.isnan(noise):
+        return math.nan
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def snr_db(reference: np.ndarray, test: np.ndarray, valid: int | None = None) -> float:
+    return snr_from_energies(*energies(reference, test, valid))
+
+
+def json_safe(obj: Any) -> Any:
+    """Replace inf/nan floats with None: strict JSON has no Infinity or NaN."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+@dataclass
+class ModelScores:
+    """Running totals for one model compared with the float model over the evaluation batches."""
+
+    top_k: int = 5
+    samples: int = 0
+    labelled: int = 0  # samples whose labels could be scored against the first output
+    top1_hits: int = 0
+    topk_hits: int = 0
+    topk_possible: bool = True
+    agree: int = 0
+    compared: int = 0
+    cosine_sum: float = 0.0
+    cosine_n: int = 0
+    signal: list[float] = field(default_factory=list)  # per output
+    noise: list[float] = field(default_factory=list)
+
+    def update(self, reference: list[np.ndarray], outputs: list[np.ndarray], labels: np.ndarray | None,
+               valid: int) -> None:
+        """Add one batch: ``reference`` are the float model's outputs on the same feeds."""
+        first, ref_first = outputs[0], reference[0]
+        self.samples += valid
+        if labels is not None and _is_float(first) and first.ndim == 2 and labels.size == first.shape[0]:
+            self.labelled += valid
+            self.top1_hits += topk_hits(first, labels, 1, valid)
+            if self.top_k > 1 and first.shape[1] >= self.top_k:
+                self.topk_hits += topk_hits(first, labels, self.top_k, valid)
+            else:
+                self.topk_possible = False
+        a, n = prediction_agreement(ref_first, first, valid)
+        self.agree += a
+        self.compared += n
+        if _is_float(ref_first):
+            cos = cosine_similarities(ref_first, first, valid)
+            self.cosine_sum += float(np.sum(cos))
+            self.cosine_n += int(cos.size)
+        if not self.signal:
+            self.signal, self.noise = [0.0] * len(outputs), [0.0] * len(outputs)
+        for i, (r, o) in enumerate(zip(reference, outputs, strict=True)):
+            s, e = energies(r, o, valid)
+            self.signal[i] += s
+            self.noise[i] += e
+
+    def result(self) -> dict[str, Any]:
+        """Metrics as plain floats; a metric that does not apply is None. SNR may be +inf here."""
+        accuracy = self.labelled > 0 and self.labelled == self.samples
+        out: dict[str, Any] = {
+            "samples": self.samples,
+            "top1": self.top1_hits / self.labelled if accuracy else None,
+        }
+        if self.top_k > 1:
+            out[f"top{self.top_k}"] = self.topk_hits / self.labelled if accuracy and self.topk_possible else None
+        out.update({
+            "agreement": self.agree / self.compared if self.compared else None,
+            "cosine": self.cosine_sum / self.cosine_n if self.cosine_n else None,
+            "snr_db": snr_from_energies(sum(self.signal), sum(self.noise)),
+            "snr_db_per_output": [snr_from_energies(s, n) for s, n in zip(self.signal, self.noise, strict=True)],
+        })
+        out["identical_outputs"] = bool(self.noise) and all(n == 0.0 for n in self.noise)
+        return out

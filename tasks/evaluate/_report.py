@@ -1,0 +1,166 @@
+"""Human-readable outputs of the evaluate stage: report.md and summary.png, both built from metrics."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from pipeline.artifacts import atomic_output
+
+_COLORS = {"float": "#7f7f7f", "ptq": "#1f77b4", "autotuned": "#ff7f0e"}
+_SOURCES = {
+    "digits": "scikit-learn digits, held-out test split",
+    "synthetic": "seeded synthetic data",
+    "none": "seeded synthetic data (no data configured)",
+    "npz": "npz evaluation data",
+    "custom": "custom data (split=evaluation)",
+}
+
+
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{100 * v:.2f}%"
+
+
+def _num(v: float | None, fmt: str) -> str:
+    return "–" if v is None else format(v, fmt)
+
+
+def _snr(m: dict[str, Any]) -> str:
+    v = m.get("snr_db")
+    if m.get("identical_outputs") or (v is not None and math.isinf(v) and v > 0):
+        return "∞ (identical)"
+    if v is None or math.isnan(v):
+        return "–"
+    return f"{v:.1f}"
+
+
+def markdown(metrics: dict[str, Any]) -> str:
+    k = metrics["top_k"]
+    data = metrics["data"]
+    lat = metrics.get("latency")
+    lines = [
+        f"# Evaluation: {metrics.get('model_name', 'model')}",
+        "",
+        f"Baseline for every speedup: **{metrics['baseline']}**.",
+        "",
+        f"Data: {_SOURCES.get(data['source'], data['source'])}, {data['samples']} samples in {data['batches']} batches of "
+        f"{data['batch_size']}" + (" (labelled)." if data["labelled"] else " (no labels: accuracy not scored)."),
+    ]
+    if lat:
+        lines.append(
+            f"Latency: all models measured in one interleaved run, {lat['rounds']} rounds x {lat['runs_per_round']} "
+            f"runs each after {lat['warmup_runs']} warm-up runs; speedup = float median / model median "
+            f"(ratio of p10s in brackets, the steadier figure on a busy machine)."
+        )
+        if lat.get("warning"):
+            lines.append(f"**Warning:** {lat['warning']}.")
+    else:
+        lines.append("Latency: not measured (evaluate.latency=false).")
+    head = ["model", "file", "top-1", *([f"top-{k}"] if k > 1 else []), "agreement", "cosine", "SNR dB",
+            "median ms", "p10 ms", "p90 ms", "speedup"]
+    lines += ["", "| " + " | ".join(head) + " |",
+              "|" + "|".join(["---", "---"] + ["---:"] * (len(head) - 2)) + "|"]
+    for key, m in metrics["models"].items():
+        ref = key == "float"
+        row = [m["label"], f"`{m['file']}`", _pct(m.get("top1"))]
+        if k > 1:
+            row.append(_pct(m.get(f"top{k}")))
+        if ref:
+            row += ["reference", "reference", "reference"]
+        else:
+            row += [_pct(m.get("agreement")), _num(m.get("cosine"), ".5f"), _snr(m)]
+        t = m.get("latency_ms")
+        if t:
+            row += [f"{t['median']:.3f}", f"{t['p10']:.3f}", f"{t['p90']:.3f}"]
+            sp, sp10 = m.get("speedup"), m.get("speedup_p10")
+            row.append("1.00x (baseline)" if ref else f"{_num(sp, '.2f')}x ({_num(sp10, '.2f')}x)")
+        else:
+            row += ["–", "–", "–", "–"]
+        lines.append("| " + " | ".join(row) + " |")
+    for d in metrics.get("duplicates", []):
+        same = metrics["models"][d["identical_to"]]["label"]
+        lines += ["", f"`{d['file']}` ({d['model']}) is byte-identical to the {same} model and was evaluated once."]
+    lines += [
+        "",
+        "Agreement: share of predictions (argmax of the first output over its last axis) equal to the float "
+        "model's. Cosine: mean per-sample cosine similarity of the first output with the float model's. "
+        "SNR: 10·log10(Σ float² / Σ (model − float)²) over all outputs.",
+        "",
+        "## Reproduce",
+        "",
+        "```sh",
+        metrics["reproduce"]["full"],
+        "```",
+        "",
+        "Re-run only the evaluation on the models already in results_dir:",
+        "",
+        "```sh",
+        metrics["reproduce"]["evaluate_only"],
+        "```",
+        "",
+        "The composed config of the last run is in `.hydra/config.yaml`; each stage's config is in `manifest.json`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(metrics: dict[str, Any], path: Path) -> Path:
+    """Two panels: latency per model (median, p10-p90 bars) and accuracy (or agreement) per model."""
+    # the object-oriented API with the Agg canvas draws without pyplot's global state or a display
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    models = metrics["models"]
+    keys = list(models)
+    labels = [models[k]["label"] for k in keys]
+    colors = [_COLORS.get(k, "#2ca02c") for k in keys]
+    x = list(range(len(keys)))
+    fig = Figure(figsize=(10, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_lat, ax_acc = fig.subplots(1, 2)
+
+    if metrics.get("latency"):
+        med = [models[k]["latency_ms"]["median"] for k in keys]
+        lo = [models[k]["latency_ms"]["median"] - models[k]["latency_ms"]["p10"] for k in keys]
+        hi = [models[k]["latency_ms"]["p90"] - models[k]["latency_ms"]["median"] for k in keys]
+        ax_lat.bar(x, med, width=0.6, color=colors, yerr=[lo, hi], capsize=6, ecolor="black")
+        for i, k in enumerate(keys):
+            sp, sp10 = models[k].get("speedup"), models[k].get("speedup_p10")
+            text = f"{med[i]:.3g} ms"
+            if k != "float" and sp is not None:
+                text += f"\n{sp:.2f}x" + ("" if sp10 is None else f" (p10: {sp10:.2f}x)")
+            ax_lat.annotate(text, (i, med[i] + hi[i]), xytext=(0, 4), textcoords="offset points",
+                            ha="center", va="bottom", fontsize=9)
+        ax_lat.set_ylim(0, max(m + h for m, h in zip(med, hi, strict=True)) * 1.3)
+        ax_lat.set_ylabel(f"latency per batch of {metrics['data']['batch_size']} (ms)")
+        ax_lat.set_title("Latency (median, whiskers p10–p90; lower is better)", fontsize=10)
+    else:
+        ax_lat.text(0.5, 0.5, "latency not measured\n(evaluate.latency=false)", ha="center", va="center",
+                    transform=ax_lat.transAxes)
+        ax_lat.set_yticks([])
+        ax_lat.set_title("Latency", fontsize=10)
+    ax_lat.set_xticks(x, labels)
+    ax_lat.set_xlim(-0.6, len(keys) - 0.4)
+
+    labelled = metrics["data"]["labelled"]
+    metric, title, ylabel = (("top1", "Top-1 accuracy", "top-1 accuracy (%)") if labelled else
+                             ("agreement", "Argmax agreement with float", "agreement with float (%)"))
+    vals = [models[k].get(metric) for k in keys]
+    heights = [0.0 if v is None else 100 * v for v in vals]
+    ax_acc.bar(x, heights, width=0.6, color=colors)
+    for i, v in enumerate(vals):
+        ax_acc.annotate("n/a" if v is None else f"{100 * v:.2f}%", (i, heights[i]), xytext=(0, 4),
+                        textcoords="offset points", ha="center", va="bottom", fontsize=9)
+    ax_acc.set_ylim(0, 112)
+    ax_acc.set_yticks(range(0, 101, 20))
+    ax_acc.set_ylabel(ylabel)
+    ax_acc.set_title(f"{title}, {metrics['data']['samples']} samples (higher is better)", fontsize=10)
+    ax_acc.set_xticks(x, labels)
+    ax_acc.set_xlim(-0.6, len(keys) - 0.4)
+
+    fig.suptitle(f"Evaluation of {metrics.get('model_name', 'model')}\nbaseline: {metrics['baseline']}",
+                 fontsize=10)
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    return Path(path)

@@ -1,0 +1,309 @@
+"""The evaluate stage: accuracy, agreement with the float model and latency of every model in results_dir.
+
+The float model (export/model.onnx) is the reference for agreement, cosine similarity and SNR, and
+the baseline for speedups. Each quantized model present (PTQ from quantize, the autotuned one from
+autotune) is run on the same evaluation batches through the configured backend; a file identical to
+one already listed is not measured twice. Latency comes from one interleaved run over all models,
+so machine drift hits every model alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.artifacts import atomic_write_json, atomic_write_text, sha256_file
+from pipeline.backends import compare_interleaved, create_backend
+from pipeline.backends.base import Backend, PreparedModel, Timing
+from pipeline.config import STAGE_ORDER, resolved_data_source
+from pipeline.data import DataProvider
+from pipeline.errors import PipelineError, StageError
+from pipeline.graph import InputSpec, input_specs, load_model
+from pipeline.progress import progress_bar
+from pipeline.stage import Stage, StageContext, StageResult
+from tasks.evaluate._metrics import ModelScores, json_safe
+
+log = logging.getLogger("tune.evaluate")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One model to evaluate: short key for metrics, label for humans, artifact key and file."""
+
+    key: str
+    label: str
+    artifact: str
+    path: Path
+    sha256: str
+
+
+# p90/p10 above this means the machine was busy while timing: the medians are not to be trusted
+_NOISY_SPREAD = 1.5
+
+# (metrics key, report label, artifact key) in the order they are listed and measured
+_MODELS = (
+    ("float", "float", "export/model.onnx"),
+    ("ptq", "PTQ", "quantize/quantized_model.onnx"),
+    ("autotuned", "autotuned", "autotune/optimized_final.onnx"),
+)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+class EvaluateStage(Stage):
+    name = "evaluate"
+    inputs = ("export/model.onnx",)
+    optional_inputs = ("quantize/quantized_model.onnx", "autotune/optimized_final.onnx")
+    outputs = ("evaluate/metrics.json", "evaluate/report.md")
+    config_keys = ("evaluate", "data", "backend", "seed")
+
+    def run(self, ctx: StageContext) -> StageResult:
+        ecfg = ctx.cfg.evaluate
+        out_dir = ctx.stage_dir("evaluate")
+        candidates, duplicates = self._candidates(ctx)
+        backend = create_backend(ctx.cfg.backend)
+        specs = self._specs(candidates)
+        max_batches = int(ecfg.max_batches) if ecfg.max_batches is not None else None
+
+        scores, batches = self._score(ctx, backend, candidates, specs, max_batches)
+        timings = self._latency(backend, candidates, int(ecfg.latency_repeats)) if ecfg.latency else None
+
+        metrics = self._metrics(ctx, backend, candidates, duplicates, scores, timings, batches, specs)
+        from tasks.evaluate import _report
+
+        metrics_path = atomic_write_json(out_dir / "metrics.json", json_safe(metrics))
+        report_path = atomic_write_text(out_dir / "report.md", _report.markdown(metrics))
+        artifacts = {"evaluate/metrics.json": metrics_path, "evaluate/report.md": report_path}
+        if ecfg.plot:
+            artifacts["evaluate/summary.png"] = _report.plot(metrics, out_dir / "summary.png")
+        log.info("%s", metrics["headline"])
+        notes = [metrics["latency"]["warning"]] if metrics["latency"] and "warning" in metrics["latency"] else []
+        return StageResult(artifacts=artifacts, metrics=json_safe(metrics), notes=notes)
+
+    # ------------------------------------------------------------------ which models
+    @staticmethod
+    def _candidates(ctx: StageContext) -> tuple[list[Candidate], list[dict[str, str]]]:
+        candidates: list[Candidate] = []
+        duplicates: list[dict[str, str]] = []
+        for key, label, artifact in _MODELS:
+            path = ctx.require(artifact) if key == "float" else ctx.artifact(artifact)
+            if path is None:
+                continue
+            digest = sha256_file(path)
+            same = next((c for c in candidates if c.sha256 == digest), None)
+            if same is not None:
+                # quantize with quantize=none, or an autotune that kept the PTQ placement, gives the
+                # same bytes: measuring it again would only add noise to the comparison
+                log.info("%s model %s is identical to the %s model; evaluated once", label, artifact, same.label)
+                duplicates.append({"model": key, "file": artifact, "identical_to": same.key})
+                continue
+            candidates.append(Candidate(key, label, artifact, Path(path), digest))
+        return candidates, duplicates
+
+    @staticmethod
+    def _specs(candidates: list[Candidate]) -> list[InputSpec]:
+        """Input specs of the float model; every other model must take exactly the same inputs."""
+        specs = input_specs(load_model(candidates[0].path, check=False))
+        want = [(s.name, s.shape, s.dtype) for s in specs]
+        for c in candidates[1:]:
+            try:
+                got = [(s.name, s.shape, s.dtype) for s in input_specs(load_model(c.path, check=False))]
+            except PipelineError as exc:
+                raise StageError(f"cannot evaluate {c.label} model {c.artifact}: {exc}") from None
+            if got != want:
+                raise StageError(f"{c.label} model {c.artifact} takes inputs {got}, but the float model "
+                                 f"export/model.onnx takes {want}; both must have the same static inputs")
+        return specs
+
+    # ------------------------------------------------------------------ accuracy and agreement
+    def _score(self, ctx: StageContext, backend: Backend, candidates: list[Candidate], specs: list[InputSpec],
+               max_batches: int | None) -> tuple[dict[str, ModelScores], int]:
+        """One pass over the evaluation data; every model runs each batch, so nothing is stored."""
+        provider = DataProvider(ctx.cfg, specs)
+        top_k = int(ctx.cfg.evaluate.top_k)
+        scores = {c.key: ModelScores(top_k=top_k) for c in candidates}
+        prepared: dict[str, PreparedModel] = {}
+        batches = 0
+        try:
+            for c in candidates:
+                prepared[c.key] = self._prepare(backend, c)
+            bar = progress_bar(bool(ctx.cfg.progress), total=provider.count("evaluation", max_batches),
+                               desc="evaluate", unit="batch")
+            with bar:
+                for batch in provider.batches("evaluation", max_batches):
+                    reference = self._run(prepared["float"], candidates[0], batch.feeds, backend)
+                    scores["float"].update(reference, reference, batch.labels, batch.valid)
+                    for c in candidates[1:]:
+                        outputs = self._run(prepared[c.key], c, batch.feeds, backend)
+                        got, want = [o.shape for o in outputs], [r.shape for r in reference]
+                        if got != want:
+                            raise StageError(f"{c.label} model {c.artifact} produces outputs of shapes {got}, "
+                                             f"the float model {want}; they cannot be compared")
+                        scores[c.key].update(reference, outputs, batch.labels, batch.valid)
+                    batches += 1
+                    bar.update(1)
+        finally:
+            for pm in prepared.values():
+                pm.close()
+        if batches == 0:
+            raise StageError(f"the evaluation data (data.source={resolved_data_source(ctx.cfg)}) yielded no "
+                             f"batches; nothing to evaluate")
+        return scores, batches
+
+    @staticmethod
+    def _prepare(backend: Backend, c: Candidate) -> PreparedModel:
+        try:
+            return backend.prepare(c.path)
+        except Exception as exc:  # noqa: BLE001 - runtimes raise their own types for unloadable models
+            log.debug("prepare %s failed", c.path, exc_info=True)
+            raise StageError(f"{c.label} model {c.artifact} cannot be loaded by {backend.name}: "
+                             f"{_first_line(exc)}") from None
+
+    @staticmethod
+    def _run(pm: PreparedModel, c: Candidate, feeds: dict[str, np.ndarray], backend: Backend) -> list[np.ndarray]:
+        try:
+            return [np.asarray(o) for o in pm.run(feeds)]
+        except Exception as exc:  # noqa: BLE001 - runtimes raise their own types for failed runs
+            log.debug("run %s failed", c.path, exc_info=True)
+            raise StageError(f"{c.label} model {c.artifact} failed to run on {backend.name}: "
+                             f"{_first_line(exc)}") from None
+
+    # ------------------------------------------------------------------ latency
+    @staticmethod
+    def _latency(backend: Backend, candidates: list[Candidate], rounds: int) -> dict[str, Any]:
+        runs = max(1, backend.timing_runs // rounds)
+        timings = compare_interleaved(backend, [c.path for c in candidates], rounds=rounds, runs_per_round=runs)
+        for c, t in zip(candidates, timings, strict=True):
+            if not t.ok:
+                raise StageError(f"latency of the {c.label} model {c.artifact} could not be measured on "
+                                 f"{backend.name}: {(t.error or 'unknown error').strip().splitlines()[0]}")
+        return {"rounds": rounds, "runs_per_round": runs, "warmup_runs": backend.warmup_runs,
+                "timings": dict(zip((c.key for c in candidates), timings, strict=True))}
+
+    # ------------------------------------------------------------------ assembling the metrics
+    def _metrics(self, ctx: StageContext, backend: Backend, candidates: list[Candidate],
+                 duplicates: list[dict[str, str]], scores: dict[str, ModelScores], latency: dict[str, Any] | None,
+                 batches: int, specs: list[InputSpec]) -> dict[str, Any]:
+        info = backend.describe()
+        baseline = f"{_precision(candidates[0].path)} float model on {_backend_text(info)}"
+        base_t: Timing | None = latency["timings"]["float"] if latency else None
+        models: dict[str, Any] = {}
+        for c in candidates:
+            m: dict[str, Any] = {"label": c.label, "file": c.artifact, "sha256": c.sha256}
+            m.update(scores[c.key].result())
+            if latency:
+                t: Timing = latency["timings"][c.key]
+                m["latency_ms"] = {"median": t.median_ms, "p10": t.p10_ms, "p90": t.p90_ms, "min": t.min_ms,
+                                   "samples": t.n}
+                m["speedup"] = base_t.median_ms / t.median_ms if t.median_ms > 0 else None
+                m["speedup_p10"] = base_t.p10_ms / t.p10_ms if t.p10_ms > 0 else None
+            models[c.key] = m
+        first = models["float"]
+        top_k = int(ctx.cfg.evaluate.top_k)
+        metrics: dict[str, Any] = {
+            "baseline": baseline,
+            "backend": info,
+            "data": {
+                "source": resolved_data_source(ctx.cfg),
+                "samples": first["samples"],
+                "batches": batches,
+                "batch_size": specs[0].batch if specs else 1,
+                "labelled": first["top1"] is not None,
+                "max_batches": ctx.cfg.evaluate.max_batches,
+            },
+            "top_k": top_k,
+            "models": models,
+            "duplicates": duplicates,
+            "latency": None if latency is None else {k: latency[k] for k in ("rounds", "runs_per_round",
+                                                                               "warmup_runs")},
+            "model_name": str(ctx.cfg.model.name),
+            "reproduce": _reproduce_commands(ctx),
+        }
+        if latency:
+            spread = max(t.p90_ms / t.p10_ms for t in latency["timings"].values() if t.p10_ms > 0)
+            metrics["latency"]["max_p90_over_p10"] = spread
+            if spread > _NOISY_SPREAD:
+                note = (f"timings were noisy (p90/p10 up to {spread:.1f}x): other processes were busy; "
+                        f"trust the p10 ratio or re-run with more evaluate.latency_repeats")
+                metrics["latency"]["warning"] = note
+                log.warning("%s", note)
+        metrics["headline"] = headline(metrics)
+        return metrics
+
+
+def headline(metrics: dict[str, Any]) -> str:
+    """One line for the end-of-run table, e.g. 'float 97.0% 1.2 ms | ptq 96.8% 2.10x (p10 2.20x) | ...'.
+
+    Both ratios are shown because on a busy machine the median drifts with other processes' load
+    while the ratio of p10s holds up (shared/reference/field-notes.md).
+    """
+    parts = []
+    for key, m in metrics["models"].items():
+        text = key
+        if m.get("top1") is not None:
+            text += f" {100 * m['top1']:.1f}%"
+        elif key != "float" and m.get("agreement") is not None:
+            text += f" agree {100 * m['agreement']:.1f}%"
+        if key == "float" and m.get("latency_ms"):
+            text += f" {m['latency_ms']['median']:.3g} ms"
+        elif m.get("speedup") is not None:
+            text += f" {m['speedup']:.2f}x"
+            if m.get("speedup_p10") is not None:
+                text += f" (p10 {m['speedup_p10']:.2f}x)"
+        parts.append(text)
+    return " | ".join(parts)
+
+
+def _precision(path: Path) -> str:
+    """FP32 unless most float weights of the baseline are FP16/BF16 (a user's half-precision ONNX)."""
+    from onnx import TensorProto
+
+    model = load_model(path, check=False)
+    counts: dict[int, int] = {}
+    for init in model.graph.initializer:
+        counts[init.data_type] = counts.get(init.data_type, 0) + 1
+    names = {TensorProto.FLOAT: "FP32", TensorProto.FLOAT16: "FP16", TensorProto.BFLOAT16: "BF16"}
+    floats = {t: n for t, n in counts.items() if t in names}
+    return names[max(floats, key=floats.__getitem__)] if floats else "FP32"
+
+
+def _backend_text(info: dict[str, Any]) -> str:
+    name = info.get("backend", "?")
+    details = [f"{k} {v}" for k, v in info.items() if k not in ("backend", "providers", "threads")
+               and isinstance(v, (str, int, float))]
+    if info.get("providers"):
+        details.append(", ".join(info["providers"]))
+    if info.get("threads"):
+        details.append(f"{info['threads']} threads")
+    return f"{name} ({'; '.join(details)})" if details else str(name)
+
+
+def _reproduce_commands(ctx: StageContext) -> dict[str, str]:
+    """`tune` command lines that rebuild this results_dir and that re-run only the evaluation."""
+    import shlex
+
+    done = {s for s, e in ctx.manifest.stages.items() if e.get("status") == "done"}
+    stages = [s for s in STAGE_ORDER if s in done or s == "evaluate"]
+    overrides: list[str] = []
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            overrides = [o for o in HydraConfig.get().overrides.task
+                         if o.split("=", 1)[0].lstrip("+~") not in ("results_dir", "stages")]
+    except Exception:  # noqa: BLE001 - outside a Hydra app (library use) there are no overrides to repeat
+        overrides = []
+    rd = str(ctx.results_dir.resolve())
+
+    def cmd(stage_list: list[str]) -> str:
+        args = [*overrides, f"stages=[{','.join(stage_list)}]", f"results_dir={rd}"]
+        return " ".join(["tune", *(shlex.quote(a) for a in args)])
+
+    return {"full": cmd(stages), "evaluate_only": cmd(["evaluate"])}

@@ -1,0 +1,135 @@
+"""The gen_trt_engine stage: builds a deployable engine from the newest model in results_dir.
+
+The model is autotune's optimized_final.onnx, else quantize's quantized_model.onnx, else export's
+model.onnx (or `gen_trt_engine.onnx_file`). With a TensorRT backend (tensorrt, tensorrt_rtx, trtexec)
+it writes gen_trt_engine/model.engine and the builder log build.log; with backend=onnxruntime there
+is no engine to build, so it writes the graph ONNX Runtime actually runs after its fusions
+(model.ort.onnx) and the build facts (build.json) instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.backends import create_backend
+from pipeline.errors import StageError
+from pipeline.graph import check_onnx_path
+from pipeline.stage import Stage, StageContext, StageResult
+
+log = logging.getLogger("tune.gen_trt_engine")
+
+# newest first: the model gen_trt_engine builds from when gen_trt_engine.onnx_file is not set
+MODEL_KEYS = ("autotune/optimized_final.onnx", "quantize/quantized_model.onnx", "export/model.onnx")
+ONNX_FILE_KEY = "gen_trt_engine.onnx_file"
+
+
+def _enum(v: Any) -> str:
+    return v.value if hasattr(v, "value") else str(v)
+
+
+def _shapes(node: Any) -> dict[str, list[int]]:
+    if not node:
+        return {}
+    return {str(k): [int(d) for d in v] for k, v in OmegaConf.to_container(node, resolve=True).items()}
+
+
+class GenTrtEngineStage(Stage):
+    name = "gen_trt_engine"
+    optional_inputs = MODEL_KEYS
+    outputs = ()  # which files depends on the backend (engine + build.log, or model.ort.onnx + build.json)
+    config_keys = ("gen_trt_engine", "backend")
+
+    def resolve_inputs(self, ctx: StageContext) -> dict[str, Path]:
+        # an explicit onnx_file is the only input: its content (not results_dir's models) decides re-runs
+        explicit = self._onnx_file(ctx.cfg)
+        if explicit is not None:
+            return {ONNX_FILE_KEY: explicit}
+        return super().resolve_inputs(ctx)
+
+    @staticmethod
+    def _onnx_file(cfg: DictConfig) -> Path | None:
+        f = cfg.gen_trt_engine.get("onnx_file")
+        if not f:
+            return None
+        from hydra.utils import to_absolute_path
+
+        return check_onnx_path(to_absolute_path(str(f)), ONNX_FILE_KEY)
+
+    def _pick_model(self, ctx: StageContext) -> tuple[Path, str]:
+        explicit = self._onnx_file(ctx.cfg)
+        if explicit is not None:
+            return explicit, ONNX_FILE_KEY
+        for key in MODEL_KEYS:
+            p = ctx.artifact(key)
+            if p is not None:
+                return p, key
+        raise StageError(f"gen_trt_engine has no model to build in {ctx.results_dir}: run stage 'export' first "
+                         f"(e.g. stages=[export,gen_trt_engine]) or set gen_trt_engine.onnx_file=<file.onnx>")
+
+    @staticmethod
+    def engine_options(cfg: DictConfig):
+        """gen_trt_engine.tensorrt.* (plus the backend's timing cache and plugins) as build options."""
+        from hydra.utils import to_absolute_path
+
+        from pipeline.backends.tensorrt import EngineOptions
+
+        t = cfg.gen_trt_engine.tensorrt
+        timing_cache = t.get("timing_cache") or cfg.backend.get("timing_cache")
+        plugins = [*(cfg.backend.get("plugin_libraries") or []), *(t.get("plugin_libraries") or [])]
+        return EngineOptions(
+            data_type=_enum(t.data_type), workspace_mb=int(t.workspace_size),
+            min_batch=int(t.min_batch_size), opt_batch=int(t.opt_batch_size), max_batch=int(t.max_batch_size),
+            min_shapes=_shapes(t.min_shapes), opt_shapes=_shapes(t.opt_shapes), max_shapes=_shapes(t.max_shapes),
+            timing_cache=Path(to_absolute_path(str(timing_cache))) if timing_cache else None,
+            plugin_libraries=[str(to_absolute_path(str(p))) for p in dict.fromkeys(plugins)],
+        )
+
+    def run(self, ctx: StageContext) -> StageResult:
+        model_path, source = self._pick_model(ctx)
+        out_dir = ctx.stage_dir("gen_trt_engine")
+        backend = create_backend(ctx.cfg.backend)
+        if backend.name == "onnxruntime":
+            return self._ort(backend, model_path, source, out_dir)
+        engine, build_log = out_dir / "model.engine", out_dir / "build.log"
+        log.info("building a %s engine from %s (%s)", backend.name, model_path, source)
+        result = backend.build(model_path, engine, build_log, options=self.engine_options(ctx.cfg))
+        info = result.info
+        size = engine.stat().st_size
+        seconds = float(info.get("build_seconds", 0.0))
+        precision = "strongly typed (Q/DQ)" if info.get("strongly_typed") else str(info.get("data_type", "FP32"))
+        metrics: dict[str, Any] = {
+            "source": source, "model": str(model_path), "backend": backend.describe(),
+            "engine_bytes": size, "build_seconds": seconds, "precision": precision,
+            "strongly_typed": bool(info.get("strongly_typed")),
+        }
+        for k in ("profile", "layers"):
+            if info.get(k) is not None:
+                metrics[k] = info[k]
+        metrics["headline"] = (f"{backend.name} engine from {source}: {size / 2**20:.2f} MB, {precision}, "
+                               f"built in {seconds:.1f} s")
+        log.info("wrote %s (%s)", engine, metrics["headline"])
+        return StageResult(artifacts={"gen_trt_engine/model.engine": engine, "gen_trt_engine/build.log": build_log},
+                           metrics=metrics)
+
+    @staticmethod
+    def _ort(backend: Any, model_path: Path, source: str, out_dir: Path) -> StageResult:
+        out, facts = out_dir / "model.ort.onnx", out_dir / "build.json"
+        log.info("backend=onnxruntime has no TensorRT engine to build: writing the graph ONNX Runtime runs "
+                 "(after its fusions) to %s", out)
+        result = backend.build(model_path, out, facts)
+        ops = result.info.get("optimized_op_counts", {})
+        seconds = float(result.info.get("build_seconds", 0.0))
+        fused = {k: v for k, v in ops.items() if k.startswith(("QLinear", "QGemm", "MatMulInteger", "ConvInteger"))}
+        metrics: dict[str, Any] = {
+            "source": source, "model": str(model_path), "backend": backend.describe(),
+            "engine_bytes": out.stat().st_size, "build_seconds": seconds, "optimized_op_counts": ops,
+        }
+        shown = ", ".join(f"{k} x{v}" for k, v in fused.items()) or "no integer kernels"
+        metrics["headline"] = (f"onnxruntime optimized graph from {source}: {sum(ops.values())} nodes ({shown}), "
+                               f"{out.stat().st_size / 2**20:.2f} MB in {seconds:.1f} s")
+        return StageResult(artifacts={"gen_trt_engine/model.ort.onnx": out, "gen_trt_engine/build.json": facts},
+                           metrics=metrics)

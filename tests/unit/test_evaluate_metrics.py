@@ -1,0 +1,135 @@
+"""The evaluate stage's metric functions: padding, degenerate inputs, and the report/headline text."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from tasks.evaluate._metrics import (
+    ModelScores,
+    cosine_similarities,
+    json_safe,
+    prediction_agreement,
+    snr_db,
+    snr_from_energies,
+    topk_hits,
+)
+
+
+def test_topk_ignores_padding_rows():
+    logits = np.array([[0.9, 0.1, 0.0], [0.05, 0.8, 0.15], [0.2, 0.3, 0.5], [0.9, 0.1, 0.0]], np.float32)
+    labels = np.array([0, 2, 2, 0])
+    assert topk_hits(logits, labels, 1) == 3
+    # the 4th row is a padded copy: it must not count
+    assert topk_hits(logits, labels, 1, valid=3) == 2
+    assert topk_hits(logits, labels, 2, valid=3) == 3
+    assert topk_hits(logits, labels, 3, valid=1) == 1
+    with pytest.raises(ValueError, match="top-5 needs at least 5 classes"):
+        topk_hits(logits, labels, 5)
+
+
+def test_agreement_over_valid_samples_and_positions():
+    ref = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
+    test = np.array([[0.9, 0.1], [0.7, 0.3], [0.0, 1.0]])
+    assert prediction_agreement(ref, test) == (1, 3)
+    assert prediction_agreement(ref, test, valid=1) == (1, 1)
+    # [N, seq, classes]: one prediction per position
+    seq = np.zeros((2, 3, 4))
+    seq[..., 0] = 1.0
+    other = seq.copy()
+    other[1, 2] = [0, 0, 1, 0]
+    assert prediction_agreement(seq, other) == (5, 6)
+    assert prediction_agreement(seq, other, valid=1) == (3, 3)
+    # integer outputs are class ids already; a single float per sample has no argmax
+    assert prediction_agreement(np.array([1, 2, 3]), np.array([1, 0, 3])) == (2, 3)
+    assert prediction_agreement(np.array([0.5, 0.2]), np.array([0.5, 0.1])) == (0, 0)
+
+
+def test_cosine_per_sample_with_zero_vectors():
+    ref = np.array([[1.0, 0.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [3.0, 4.0]])
+    test = np.array([[2.0, 0.0], [-1.0, -1.0], [0.0, 0.0], [1.0, 0.0], [9.0, 9.0]])
+    cos = cosine_similarities(ref, test, valid=4)
+    np.testing.assert_allclose(cos, [1.0, -1.0, 1.0, 0.0])
+    assert cosine_similarities(np.ones((2, 3, 4)), np.ones((2, 3, 4))).shape == (2,)
+
+
+def test_snr_known_value_and_identical_outputs():
+    ref = np.ones((4, 25), np.float32)
+    assert snr_db(ref, ref + 0.1) == pytest.approx(20.0, abs=1e-4)
+    # padding rows with large errors are ignored
+    noisy = ref + 0.1
+    noisy[3] += 100
+    assert snr_db(ref, noisy, valid=3) == pytest.approx(20.0, abs=1e-4)
+    assert snr_db(ref, ref) == math.inf
+    assert snr_db(np.zeros(3), np.zeros(3)) == math.inf
+    assert snr_from_energies(0.0, 1.0) == -math.inf
+    assert math.isnan(snr_from_energies(math.nan, 1.0))
+    safe = json_safe({"snr_db": math.inf, "per": [math.nan, 3.5], "n": 2})
+    assert safe == {"snr_db": None, "per": [None, 3.5], "n": 2}
+    json.dumps(safe, allow_nan=False)
+
+
+def test_model_scores_accumulate_across_padded_batches():
+    rng = np.random.default_rng(0)
+    s = ModelScores(top_k=5)
+    ref_s = ModelScores(top_k=5)
+    total_agree = 0
+    for valid in (8, 8, 3):
+        ref = rng.standard_normal((8, 10)).astype(np.float32)
+        out = ref + rng.standard_normal((8, 10)).astype(np.float32) * 0.3
+        labels = rng.integers(0, 10, 8)
+        s.update([ref, ref[:, :2]], [out, ref[:, :2]], labels, valid)
+        ref_s.update([ref, ref[:, :2]], [ref, ref[:, :2]], labels, valid)
+        total_agree += int(np.sum(np.argmax(ref[:valid], 1) == np.argmax(out[:valid], 1)))
+    r, f = s.result(), ref_s.result()
+    assert r["samples"] == 19 and r["top1"] is not None and r["top5"] is not None
+    assert r["agreement"] == pytest.approx(total_agree / 19)
+    assert 0.5 < r["cosine"] < 1.0 and math.isfinite(r["snr_db"])
+    # second output is identical: its own SNR is infinite, the total is not
+    assert r["snr_db_per_output"][1] == math.inf and not r["identical_outputs"]
+    assert f["agreement"] == 1.0 and f["cosine"] == pytest.approx(1.0) and f["snr_db"] == math.inf
+    assert f["identical_outputs"]
+
+
+def test_model_scores_without_labels_or_enough_classes():
+    s = ModelScores(top_k=5)
+    x = np.eye(3, dtype=np.float32)
+    s.update([x], [x], None, 3)
+    assert s.result()["top1"] is None and s.result()["top5"] is None and s.result()["agreement"] == 1.0
+    s = ModelScores(top_k=5)
+    s.update([x], [x], np.array([0, 1, 1]), 3)
+    r = s.result()
+    assert r["top1"] == pytest.approx(2 / 3) and r["top5"] is None
+    # top_k=1 must not shadow top1
+    s = ModelScores(top_k=1)
+    s.update([x], [x], np.array([0, 1, 2]), 3)
+    assert s.result()["top1"] == 1.0 and "top5" not in s.result()
+
+
+def test_headline_and_report_text():
+    from tasks.evaluate._report import markdown
+    from tasks.evaluate.stage import headline
+
+    lat = {"median": 2.0, "p10": 1.9, "p90": 2.2, "min": 1.8, "samples": 50}
+    metrics = {
+        "baseline": "FP32 float model on onnxruntime", "top_k": 5, "model_name": "m",
+        "data": {"source": "digits", "samples": 10, "batches": 1, "batch_size": 16, "labelled": True},
+        "latency": {"rounds": 5, "runs_per_round": 10, "warmup_runs": 10},
+        "models": {
+            "float": {"label": "float", "file": "export/model.onnx", "top1": 0.97, "top5": 1.0, "agreement": 1.0,
+                      "cosine": 1.0, "snr_db": math.inf, "identical_outputs": True, "latency_ms": lat,
+                      "speedup": 1.0, "speedup_p10": 1.0},
+            "ptq": {"label": "PTQ", "file": "quantize/quantized_model.onnx", "top1": 0.968, "top5": 1.0,
+                    "agreement": 0.99, "cosine": 0.999, "snr_db": 25.3, "identical_outputs": False,
+                    "latency_ms": {**lat, "median": 1.0, "p10": 0.95}, "speedup": 2.0, "speedup_p10": 2.0},
+        },
+        "duplicates": [{"model": "autotuned", "file": "autotune/optimized_final.onnx", "identical_to": "ptq"}],
+        "reproduce": {"full": "tune stages=[export,evaluate]", "evaluate_only": "tune stages=[evaluate]"},
+    }
+    assert headline(metrics) == "float 97.0% 2 ms | ptq 96.8% 2.00x (p10 2.00x)"
+    text = markdown(metrics)
+    assert "| PTQ | `quantize/quantized_model.onnx` | 96.80% | 100.00% | 99.00% | 0.99900 | 25.3 |" in text
+    assert "byte-identical to the PTQ model" in text and "FP32 float model on onnxruntime" in text
