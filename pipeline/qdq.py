@@ -168,6 +168,8 @@ class QDQPlan:
     node_rules: dict[str, str] = field(default_factory=dict)
     # node name -> why a node its rule would quantize was left float
     skipped: dict[str, str] = field(default_factory=dict)
+    # tensor -> tensor whose scale it must share (outputs of quantized data-movement ops)
+    aliases: dict[str, str] = field(default_factory=dict)
 
     def quantized_tensors(self) -> set[str]:
         return {a.tensor for a in self.activations}
@@ -186,6 +188,14 @@ class Calibration:
         self.default_scale = default_scale
         self.default_zero_point = default_zero_point
         self.defaulted: set[str] = set()
+
+    def with_aliases(self, aliases: dict[str, str]) -> Calibration:
+        """A copy where each ``tensor`` takes the statistics of its ``source``."""
+        c = Calibration(dict(self.tensors), self.default_scale, self.default_zero_point)
+        c.defaulted = self.defaulted
+        for t, src in aliases.items():
+            c.alias(t, src)
+        return c
 
     def alias(self, tensor: str, source: str) -> None:
         """Give ``tensor`` the statistics of ``source`` (data-movement ops must keep their input's scale)."""
@@ -249,6 +259,8 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
     out = onnx.ModelProto()
     out.CopyFrom(model)
     out = _raise_opset(out, required_opset(plan))
+    if plan.aliases:
+        calibration = calibration.with_aliases(plan.aliases)
     graph = out.graph
     nodes = {n.name: n for n in graph.node}
     types = tensor_elem_types(out)

@@ -165,8 +165,7 @@ class QuantizeStage(Stage):
 
                 plan.activations = [replace(a, dtype="uint8") if a.dtype == "int8" else a for a in plan.activations]
         calibration = Calibration(doc["tensors"])
-        for out_t, in_t in pass_through_outputs(model, plan).items():
-            calibration.alias(out_t, in_t)
+        plan.aliases.update(pass_through_outputs(model, plan))
         if not plan.activations and not plan.weights:
             raise StageError("quantize: the rules match no quantizable op in this model (Conv, Gemm, MatMul, ...); "
                              "check quantize.layers / skip_names / op_types_to_quantize")

@@ -1,0 +1,479 @@
+"""QDQAutotuner: the ask/tell driver of the region-mode search.
+
+    autotuner = QDQAutotuner(model)
+    autotuner.initialize(config, pattern_cache)
+    for region in autotuner.regions:
+        autotuner.set_profile_region(region, commit=True)
+        if autotuner.current_profile_pattern_schemes is None:
+            continue                      # pattern already profiled
+        while (idx := autotuner.generate()) != -1:
+            data = autotuner.export_onnx(None)
+            autotuner.submit(measure(data))
+    autotuner.set_profile_region(None, commit=True)
+    autotuner.export_onnx("optimized_final.onnx")
+
+Every region of a pattern shares the scheme being profiled. While a pattern is profiled, patterns
+already profiled use their committed best and patterns not yet profiled use their QDQ-baseline
+scheme, so each candidate is measured in the context of a realistic quantized model: fusions in a
+runtime depend on the neighbours (a Q is only free if the next op consumes it quantized).
+
+Scheme generation is deterministic given the state (so a resumed run continues exactly where the
+killed one stopped): seeds first (QDQ baseline, pattern-cache entries, none, all), then coordinate
+descent (toggle one fused group of the best scheme so far), then random mutations of the top
+schemes (``top_percent_to_mutate``, at least ``minimum_schemes_to_mutate``, up to
+``maximum_mutations`` group toggles), giving up after ``maximum_generation_attempts`` duplicates.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+import yaml
+
+from pipeline.artifacts import atomic_write_text
+from pipeline.errors import StateError
+from pipeline.graph import model_hash, save_model
+from pipeline.placement import (
+    PASS_THROUGH_OPS,
+    GraphIndex,
+    NodeDtypes,
+    _weight_inputs,
+    act_dtype,
+    weight_axis,
+)
+from pipeline.qdq import ActivationQ, BiasQ, Calibration, QDQPlan, WeightQ, apply_plan
+from tasks.autotune.insertion_points import InsertionPoint, candidate_points, point_groups, resolve
+from tasks.autotune.pattern import RegionPattern
+from tasks.autotune.pattern_cache import PatternCache
+from tasks.autotune.region import Region
+from tasks.autotune.scheme import InsertionScheme, Measurement, PatternSchemes, SchemeRecord
+
+log = logging.getLogger("tune.autotune")
+
+STATE_VERSION = 1
+
+
+@dataclass
+class Config:
+    """Autotuner settings; the first block carries the reference tool's names and defaults."""
+
+    default_quant_type: str = "int8"  # int8 | fp8
+    default_dq_dtype: str = "float32"  # DQ output type where the consumer's type is unknown
+    default_q_scale: float = 0.1  # only where calibration.json has no range for a tensor
+    default_q_zero_point: int = 0
+    top_percent_to_mutate: float = 0.1
+    minimum_schemes_to_mutate: int = 10
+    maximum_mutations: int = 3
+    maximum_generation_attempts: int = 100
+    pattern_cache_minimum_distance: int = 4
+    pattern_cache_max_entries_per_pattern: int = 32
+    maximum_sequence_region_size: int = 10
+    minimum_topdown_search_size: int = 10
+    verbose: bool = False
+    # qdq-tune additions
+    schemes_per_region: int = 30
+    placement: str = "tensorrt"  # whose fusions shape the search space: tensorrt | onnxruntime
+    activation_type: str = "int8"  # storage of int8 activations: int8 (symmetric) | uint8 (ORT CPU)
+    seed: int = 0
+    node_filter_list: list[str] = field(default_factory=list)  # node-name wildcards; others are skipped
+    # node -> dtypes from the quantize stage's rules (real mixed precision); None: uniform quant type
+    node_dtypes: dict[str, NodeDtypes] | None = None
+
+
+def _uniform_dtypes(model: onnx.ModelProto, quant_type: str) -> dict[str, NodeDtypes]:
+    dt = "fp8_e4m3fn" if quant_type == "fp8" else "int8"
+    return {n.name: NodeDtypes(dt, dt, f"autotune quant_type={quant_type}") for n in model.graph.node}
+
+
+class QDQAutotunerBase:
+    """Search machinery over a given list of regions (subclasses choose the regions)."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+        self.index = GraphIndex(model)
+        self.regions: list[Region] = []
+        self.config = Config()
+        self.calibration = Calibration(default_scale=0.1)
+        self.pattern_cache: PatternCache | None = None
+        self.patterns: dict[int, RegionPattern] = {}  # region id -> pattern
+        self.orders: dict[int, list[int]] = {}  # region id -> canonical node order
+        self.pattern_schemes: dict[str, PatternSchemes] = {}
+        self.pattern_regions: dict[str, list[Region]] = {}
+        self.skipped_regions: set[int] = set()
+        self.baseline_latency_ms: float | None = None
+        self.current_profile_region: Region | None = None
+        self.current_profile_pattern_schemes: PatternSchemes | None = None
+        self._pending: SchemeRecord | None = None
+        self._dtypes: dict[str, NodeDtypes] = {}
+        self._initialized = False
+
+    # ------------------------------------------------------------------ setup
+    def initialize(self, config: Config | None = None, pattern_cache: PatternCache | None = None,
+                   calibration: Calibration | None = None) -> None:
+        self.config = config or Config()
+        self.pattern_cache = pattern_cache or PatternCache(self.config.pattern_cache_minimum_distance,
+                                                           self.config.pattern_cache_max_entries_per_pattern)
+        self.calibration = calibration or Calibration(default_scale=self.config.default_q_scale,
+                                                      default_zero_point=self.config.default_q_zero_point)
+        self._dtypes = (dict(self.config.node_dtypes) if self.config.node_dtypes is not None
+                        else _uniform_dtypes(self.model, self.config.default_quant_type))
+        if not self.regions:
+            self.regions = self.discover_regions()
+        filters = list(self.config.node_filter_list)
+        names = [n.name for n in self.model.graph.node]
+        for r in self.regions:
+            pattern, order = RegionPattern.with_order(r, self.model, self.index)
+            self.patterns[r.id] = pattern
+            self.orders[r.id] = order
+            if filters and not any(fnmatch.fnmatchcase(names[i], f) for i in order for f in filters):
+                self.skipped_regions.add(r.id)
+                continue
+            self.pattern_regions.setdefault(pattern.signature, []).append(r)
+        allowed = {n for n, d in self._dtypes.items() if d.activations != "native"}
+        for sig, regions in self.pattern_regions.items():
+            r0 = regions[0]
+            cands = candidate_points(r0, self.orders[r0.id], self.model, self.index, self.config.placement,
+                                     allowed, self.config.default_quant_type)
+            self.pattern_schemes[sig] = PatternSchemes(sig, cands)
+        self._initialized = True
+
+    def discover_regions(self) -> list[Region]:
+        raise NotImplementedError("QDQAutotunerBase needs regions: set self.regions before initialize()")
+
+    @property
+    def num_patterns(self) -> int:
+        return len(self.pattern_schemes)
+
+    # ------------------------------------------------------------------ baseline import
+    def import_insertion_points(self, tensor_names: set[str] | list[str]) -> int:
+        """Seed each pattern with the points that quantize the given tensors (e.g. a QDQ baseline's
+        get_quantized_tensors). Returns the number of patterns seeded."""
+        return self._import(set(tensor_names), None)
+
+    def import_qdq_baseline(self, baseline: onnx.ModelProto) -> int:
+        """Seed from a Q/DQ model, consumer by consumer (exact for placements that quantize a tensor
+        for some consumers only)."""
+        from pipeline.qdq import get_quantized_tensors
+
+        tensors = {t[: -len("_prequant")] if t.endswith("_prequant") else t for t in get_quantized_tensors(baseline)}
+        dq_out = {n.output[0] for n in baseline.graph.node if n.op_type == "DequantizeLinear"}
+        readers = {(n.name, k) for n in baseline.graph.node for k, t in enumerate(n.input) if t in dq_out}
+        return self._import(tensors, readers)
+
+    def _import(self, tensors: set[str], readers: set[tuple[str, int]] | None) -> int:
+        seeded = 0
+        for sig, regions in self.pattern_regions.items():
+            ps = self.pattern_schemes[sig]
+            votes: dict[InsertionScheme, int] = {}
+            for r in regions:
+                pts = []
+                for p in ps.candidates:
+                    rp = resolve(p, r, self.orders[r.id], self.model, self.index)
+                    if rp is None or rp.tensor not in tensors:
+                        continue
+                    if readers is not None and rp.consumers is not None and not set(rp.consumers) <= readers:
+                        continue
+                    pts.append(p)
+                s = InsertionScheme(frozenset(pts))
+                votes[s] = votes.get(s, 0) + 1
+            best = max(votes.items(), key=lambda kv: (kv[1], len(kv[0])))[0]
+            ps.baseline_scheme = best
+            seeded += 1 if len(best) else 0
+        return seeded
+
+    # ------------------------------------------------------------------ ask / tell
+    def set_profile_region(self, region: Region | None, commit: bool = True) -> None:
+        """Commit the current pattern's best scheme (if ``commit``) and profile ``region``'s pattern.
+
+        ``current_profile_pattern_schemes`` is None afterwards when the pattern is already profiled
+        (or the region is skipped by node_filter_list): there is nothing to generate for it."""
+        if commit and self.current_profile_pattern_schemes is not None:
+            self.commit_current()
+        self._pending = None
+        self.current_profile_region = region
+        self.current_profile_pattern_schemes = None
+        if region is None or region.id in self.skipped_regions:
+            return
+        ps = self.pattern_schemes[self.patterns[region.id].signature]
+        if not ps.done:
+            self.current_profile_pattern_schemes = ps
+
+    def commit_current(self) -> None:
+        ps = self.current_profile_pattern_schemes
+        if ps is None:
+            return
+        best = ps.best_scheme
+        ps.best = best.scheme if best is not None else ps.baseline_scheme
+        ps.done = True
+        if best is not None and self.pattern_cache is not None:
+            self.pattern_cache.add(ps.pattern, best.scheme, best.ratio)
+
+    def _seeds(self, ps: PatternSchemes) -> list[tuple[InsertionScheme, str]]:
+        seeds: list[tuple[InsertionScheme, str]] = []
+        if ps.baseline_scheme is not None:
+            seeds.append((ps.baseline_scheme, "seed:baseline"))
+        if self.pattern_cache is not None:
+            cand = set(ps.candidates)
+            for s in self.pattern_cache.schemes_for(ps.pattern):
+                seeds.append((InsertionScheme(frozenset(p for p in s.points if p in cand)), "seed:cache"))
+        seeds.append((InsertionScheme(), "seed:none"))
+        seeds.append((InsertionScheme(frozenset(ps.candidates)), "seed:all"))
+        return seeds
+
+    def _ranked(self, ps: PatternSchemes) -> list[SchemeRecord]:
+        return sorted((r for r in ps.records if r.ok), key=lambda r: (r.ratio, r.scheme.key))
+
+    def generate(self) -> int:
+        """Create the next unique scheme for the current pattern; its index, or -1 when exhausted."""
+        ps = self.current_profile_pattern_schemes
+        if ps is None:
+            return -1
+        if self._pending is not None and not self._pending.measurements:
+            return ps.records.index(self._pending)
+        if len(ps.records) >= self.config.schemes_per_region:
+            return -1
+        tried = {r.scheme for r in ps.records}
+        for scheme, origin in self._seeds(ps):
+            if scheme not in tried:
+                return self._add(ps, scheme, origin)
+        groups = point_groups(ps.candidates)
+        ranked = self._ranked(ps)
+        if ranked:
+            best = ranked[0].scheme
+            for grp in groups:  # coordinate descent: flip one fused group of the best scheme
+                pts = set(best.points)
+                if set(grp) <= pts:
+                    pts -= set(grp)
+                else:
+                    pts |= set(grp)
+                s = InsertionScheme(frozenset(pts))
+                if s not in tried:
+                    return self._add(ps, s, "toggle")
+        if not groups:
+            return -1
+        pool = ranked[: max(self.config.minimum_schemes_to_mutate,
+                            math.ceil(self.config.top_percent_to_mutate * len(ranked)))] or \
+            [SchemeRecord(InsertionScheme(), "empty")]
+        for _ in range(self.config.maximum_generation_attempts):
+            ps.generation_attempts += 1
+            rng = random.Random(f"{self.config.seed}:{ps.pattern}:{ps.generation_attempts}")
+            parent = rng.choice(pool).scheme
+            pts = set(parent.points)
+            for grp in rng.sample(groups, k=min(len(groups), rng.randint(1, self.config.maximum_mutations))):
+                if set(grp) <= pts:
+                    pts -= set(grp)
+                else:
+                    pts |= set(grp)
+            s = InsertionScheme(frozenset(pts))
+            if s not in tried:
+                return self._add(ps, s, "mutation")
+        return -1
+
+    def _add(self, ps: PatternSchemes, scheme: InsertionScheme, origin: str) -> int:
+        rec = SchemeRecord(scheme, origin)
+        ps.records.append(rec)
+        self._pending = rec
+        return len(ps.records) - 1
+
+    @property
+    def pending_scheme(self) -> SchemeRecord | None:
+        return self._pending
+
+    def submit(self, latency_ms: float | Measurement, success: bool = True) -> None:
+        """Record the measurement of the last generated scheme (before any region: the baseline)."""
+        if isinstance(latency_ms, Measurement):
+            m = latency_ms
+        elif not success or not math.isfinite(float(latency_ms)):
+            m = Measurement.failed("measurement failed")
+        else:
+            ref = self.baseline_latency_ms or float(latency_ms)
+            m = Measurement(float(latency_ms), float(latency_ms) / ref, ref)
+        if self.current_profile_pattern_schemes is None and self._pending is None:
+            if m.ok:
+                self.baseline_latency_ms = m.latency_ms
+            return
+        if self._pending is None:
+            raise RuntimeError("submit() without a scheme from generate()")
+        self._pending.measurements.append(m)
+        self._pending = None
+
+    # ------------------------------------------------------------------ export
+    def assignment(self, candidate: InsertionScheme | None = None) -> dict[int, InsertionScheme]:
+        """Region id -> scheme used for it now: committed best, the candidate for the pattern being
+        profiled, the QDQ-baseline scheme for patterns not yet profiled and for skipped regions."""
+        current = self.current_profile_pattern_schemes
+        if candidate is None and self._pending is not None:
+            candidate = self._pending.scheme
+        out: dict[int, InsertionScheme] = {}
+        for r in self.regions:
+            sig = self.patterns[r.id].signature
+            ps = self.pattern_schemes.get(sig)
+            if ps is None or r.id in self.skipped_regions:
+                base = self._baseline_for_skipped(r)
+                if base is not None:
+                    out[r.id] = base
+                continue
+            if current is not None and ps is current and candidate is not None:
+                out[r.id] = candidate
+            elif ps.done and ps.best is not None:
+                out[r.id] = ps.best
+            elif ps.baseline_scheme is not None:
+                out[r.id] = ps.baseline_scheme
+        return out
+
+    def _baseline_for_skipped(self, region: Region) -> InsertionScheme | None:
+        ps = self.pattern_schemes.get(self.patterns[region.id].signature)
+        return None if ps is None else ps.baseline_scheme
+
+    def build_plan(self, assignment: dict[int, InsertionScheme]) -> QDQPlan:
+        plan = QDQPlan()
+        g, nodes = self.index, self.model.graph.node
+        by_name = {n.name: n for n in nodes}
+        weight_nodes: set[str] = set()
+        act: dict[tuple[str, str], set[tuple[str, int]] | None] = {}
+        quantized_tensors: set[str] = set()
+        for r in self.regions:
+            scheme = assignment.get(r.id)
+            if scheme is None:
+                continue
+            order = self.orders[r.id]
+            for p in scheme.points:
+                rp = resolve(p, r, order, self.model, g)
+                if rp is None:
+                    continue
+                dtype = self._dtype_for(p, rp, r, order)
+                if dtype is None:
+                    continue
+                key = (rp.tensor, dtype)
+                if rp.consumers is None or act.get(key, set()) is None:
+                    act[key] = None
+                else:
+                    act.setdefault(key, set()).update(rp.consumers)  # type: ignore[union-attr]
+                quantized_tensors.add(rp.tensor)
+                if rp.weight_node:
+                    weight_nodes.add(rp.weight_node)
+                if rp.consumers:
+                    for name, _ in rp.consumers:
+                        plan.node_rules[name] = self._dtypes[name].rule if name in self._dtypes else "autotune"
+        for (tensor, dtype), who in sorted(act.items(), key=lambda kv: kv[0]):
+            plan.activations.append(ActivationQ(tensor, dtype, None if who is None else tuple(sorted(who))))
+        outputs_q = {t for (t, _), who in act.items() if who is None}
+        for name in sorted(weight_nodes):
+            node = by_name[name]
+            d = self._dtypes.get(name)
+            if d is None or d.weights == "native":
+                continue
+            for i in _weight_inputs(g, node):
+                w = g.weight_array(node.input[i])
+                plan.weights.append(WeightQ(name, i, d.weights, weight_axis(node, i, w)))
+                if (self.config.placement == "onnxruntime" and node.op_type in ("Conv", "Gemm") and len(node.input) > 2
+                        and node.input[2] in g.inits and d.weights == "int8"):
+                    adt = act_dtype(d, self.config.activation_type)
+                    plan.biases.append(BiasQ(name, 2, node.input[0], adt, i))
+        # data-movement ops with both sides quantized keep their input's scale so ORT drops the pair
+        for node in nodes:
+            if node.op_type in PASS_THROUGH_OPS and node.output and node.output[0] in outputs_q \
+                    and node.input and node.input[0] in quantized_tensors:
+                plan.aliases[node.output[0]] = node.input[0]
+        return plan
+
+    def _dtype_for(self, p: InsertionPoint, rp, region: Region, order: list[int]) -> str | None:
+        """Storage dtype at a point: the consumer's rule for an input, the producer's for an output."""
+        if p.kind == "node_output":
+            name: str | None = self.model.graph.node[order[p.index]].name
+        elif rp.consumers:
+            name = rp.consumers[0][0]
+        else:
+            prod = self.index.producer.get(rp.tensor)
+            name = prod.name if prod is not None else None
+            if name not in self._dtypes:
+                cons = self.index.consumers.get(rp.tensor, [])
+                name = cons[0][0].name if cons else None
+        d = self._dtypes.get(name) if name else None
+        if d is None or d.activations == "native":
+            return None
+        return act_dtype(d, self.config.activation_type)
+
+    def export_model(self, insert_qdq: bool = True, assignment: dict[int, InsertionScheme] | None = None) -> onnx.ModelProto:
+        if not insert_qdq:
+            m = onnx.ModelProto()
+            m.CopyFrom(self.model)
+            return m
+        plan = self.build_plan(self.assignment() if assignment is None else assignment)
+        return apply_plan(self.model, plan, self.calibration)
+
+    def export_onnx(self, output_path: str | Path | None = None, insert_qdq: bool = True) -> bytes | None:
+        """Write the current model (or return its bytes when ``output_path`` is None)."""
+        model = self.export_model(insert_qdq)
+        if output_path is None:
+            return model.SerializeToString()
+        save_model(model, output_path)
+        return None
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "model_sha256": model_hash(self.model),
+            "quant_type": self.config.default_quant_type,
+            "placement": self.config.placement,
+            "baseline_latency_ms": self.baseline_latency_ms,
+            "patterns": {sig: ps.to_dict() for sig, ps in self.pattern_schemes.items()},
+        }
+
+    def save_state(self, path: str | Path) -> None:
+        """Atomically write the state, and the pattern cache next to it (<stem>_pattern_cache.yaml)."""
+        p = Path(path)
+        atomic_write_text(p, yaml.safe_dump(self.state_dict(), sort_keys=False, width=200))
+        if self.pattern_cache is not None:
+            self.pattern_cache.save(p.with_name(f"{p.stem}_pattern_cache.yaml"))
+
+    def load_state(self, path: str | Path) -> None:
+        p = Path(path)
+        try:
+            doc = yaml.safe_load(p.read_text())
+            if not isinstance(doc, dict) or "patterns" not in doc:
+                raise ValueError("no 'patterns' table")
+        except (yaml.YAMLError, ValueError, OSError) as exc:
+            raise StateError(f"autotune state file {p} is corrupt ({exc}); delete it to start the search afresh") \
+                from None
+        if doc.get("model_sha256") != model_hash(self.model):
+            raise StateError(f"autotune state file {p} belongs to a different model; delete it or set "
+                             f"autotune.state_file to another path")
+        for key in ("quant_type", "placement"):
+            want = getattr(self.config, "default_quant_type" if key == "quant_type" else key)
+            if doc.get(key) != want:
+                raise StateError(f"autotune state file {p} was made with {key}={doc.get(key)}, this run uses "
+                                 f"{want}; delete it or set autotune.state_file to another path")
+        self.baseline_latency_ms = doc.get("baseline_latency_ms")
+        try:
+            for sig, d in doc["patterns"].items():
+                if sig in self.pattern_schemes:
+                    loaded = PatternSchemes.from_dict(d)
+                    loaded.candidates = self.pattern_schemes[sig].candidates
+                    if loaded.baseline_scheme is None:
+                        loaded.baseline_scheme = self.pattern_schemes[sig].baseline_scheme
+                    self.pattern_schemes[sig] = loaded
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StateError(f"autotune state file {p} is corrupt ({type(exc).__name__}: {exc}); delete it") from None
+
+    @property
+    def num_measurements(self) -> int:
+        return sum(len(r.measurements) for ps in self.pattern_schemes.values() for r in ps.records)
+
+
+class QDQAutotuner(QDQAutotunerBase):
+    """Autotuner with automatic region discovery (CombinedRegionSearch)."""
+
+    def discover_regions(self) -> list[Region]:
+        from tasks.autotune.region_search import discover_regions
+
+        return discover_regions(self.model, self.config.maximum_sequence_region_size,
+                                self.config.minimum_topdown_search_size)

@@ -1,0 +1,95 @@
+"""Noise-robust latency measurement for the search: every candidate is paired with a live baseline.
+
+These machines drift in phases (the same model measured 52 ms and 36 ms seconds apart), so an
+absolute latency says little. The float baseline stays loaded for the whole run; a candidate is
+measured in alternating blocks with it (one untimed run after each switch, since the previous
+session's spinning threads slow the first run), and the result is the ratio of their low
+percentiles (p10), which held up best here. Identical models (by content hash) are measured once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.backends import Backend, PreparedModel
+from pipeline.graph import model_hash
+from tasks.autotune.scheme import Measurement
+
+log = logging.getLogger("tune.autotune")
+
+
+class PairedBenchmark:
+    """Measures models against a live reference model with one backend."""
+
+    def __init__(self, backend: Backend, reference: str | Path, warmup_runs: int = 5, timing_runs: int = 40,
+                 rounds: int = 4):
+        self.backend = backend
+        self.reference_path = Path(reference)
+        self.warmup_runs = warmup_runs
+        self.runs_per_round = max(2, timing_runs // max(rounds, 1))
+        self.rounds = rounds
+        self._reference: PreparedModel | None = None
+        self._cache: dict[str, Measurement] = {}
+        self.count = 0  # measurements actually run (cache hits excluded)
+
+    def _ref(self) -> PreparedModel:
+        if self._reference is None:
+            self._reference = self.backend.prepare(self.reference_path)
+            self._reference.time_runs(self.warmup_runs)
+        return self._reference
+
+    def close(self) -> None:
+        if self._reference is not None:
+            self._reference.close()
+            self._reference = None
+
+    def measure(self, model: str | Path | bytes, rounds: int | None = None, use_cache: bool = True) -> Measurement:
+        key = model_hash(model)
+        if use_cache and key in self._cache:
+            return self._cache[key]
+        tmp = None
+        if isinstance(model, bytes):
+            tmp = tempfile.NamedTemporaryFile(suffix=".onnx", delete=False)
+            tmp.write(model)
+            tmp.close()
+            path = Path(tmp.name)
+        else:
+            path = Path(model)
+        try:
+            result = self._measure(path, rounds or self.rounds)
+        finally:
+            if tmp is not None:
+                Path(tmp.name).unlink(missing_ok=True)
+        self.count += 1
+        if result.ok and use_cache:
+            self._cache[key] = result
+        return result
+
+    def _measure(self, path: Path, rounds: int) -> Measurement:
+        ref = self._ref()
+        try:
+            cand = self.backend.prepare(path)
+        except Exception as exc:  # noqa: BLE001 - a candidate the runtime rejects is a failed measurement
+            return Measurement.failed(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        try:
+            cand.time_runs(self.warmup_runs)
+            ref_s: list[float] = []
+            cand_s: list[float] = []
+            for r in range(rounds):
+                pair = [(ref, ref_s), (cand, cand_s)] if r % 2 == 0 else [(cand, cand_s), (ref, ref_s)]
+                for pm, samples in pair:
+                    pm.time_runs(1)
+                    samples.extend(pm.time_runs(self.runs_per_round))
+        except Exception as exc:  # noqa: BLE001
+            return Measurement.failed(f"{type(exc).__name__}: {exc}")
+        finally:
+            cand.close()
+        c10, r10 = float(np.percentile(cand_s, 10)), float(np.percentile(ref_s, 10))
+        if not (math.isfinite(c10) and math.isfinite(r10)) or r10 <= 0:
+            return Measurement.failed("non-finite timing")
+        return Measurement(latency_ms=c10, ratio=c10 / r10, reference_ms=r10)

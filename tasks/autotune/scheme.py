@@ -1,0 +1,149 @@
+"""Insertion schemes and the per-pattern record of every scheme measured."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from tasks.autotune.insertion_points import InsertionPoint
+
+
+@dataclass(frozen=True)
+class InsertionScheme:
+    """A set of pattern-relative insertion points (a frozen set: order never matters)."""
+
+    points: frozenset[InsertionPoint] = frozenset()
+
+    @property
+    def key(self) -> str:
+        return ";".join(sorted(p.key for p in self.points)) or "none"
+
+    @classmethod
+    def from_keys(cls, keys: list[str] | str) -> InsertionScheme:
+        if isinstance(keys, str):
+            keys = [] if keys in ("", "none") else keys.split(";")
+        return cls(frozenset(InsertionPoint.from_key(k) for k in keys))
+
+    def distance(self, other: InsertionScheme) -> int:
+        """Number of points in one scheme but not the other."""
+        return len(self.points ^ other.points)
+
+    def __len__(self) -> int:
+        return len(self.points)
+
+
+@dataclass
+class Measurement:
+    """One measured scheme. ``ratio`` = candidate / live baseline latency in the same paired run
+    (lower is better); ``ok=False`` keeps the error and log path instead of a fake latency."""
+
+    latency_ms: float
+    ratio: float
+    reference_ms: float
+    ok: bool = True
+    error: str | None = None
+    log_path: str | None = None
+    remeasure: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"latency_ms": self.latency_ms, "ratio": self.ratio, "reference_ms": self.reference_ms,
+                "ok": self.ok, "error": self.error, "log_path": self.log_path, "remeasure": self.remeasure}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Measurement:
+        return cls(float(d["latency_ms"]), float(d["ratio"]), float(d["reference_ms"]), bool(d.get("ok", True)),
+                   d.get("error"), d.get("log_path"), bool(d.get("remeasure", False)))
+
+    @classmethod
+    def failed(cls, error: str, log_path: str | None = None) -> Measurement:
+        return cls(math.nan, math.nan, math.nan, False, error, log_path)
+
+
+@dataclass
+class SchemeRecord:
+    scheme: InsertionScheme
+    origin: str  # seed:baseline / seed:none / seed:all / seed:cache / toggle / mutation
+    measurements: list[Measurement] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return any(m.ok for m in self.measurements)
+
+    @property
+    def ratio(self) -> float:
+        """Best estimate: the re-measurement when there is one, else the search measurement."""
+        good = [m for m in self.measurements if m.ok]
+        if not good:
+            return math.inf
+        re = [m for m in good if m.remeasure]
+        use = re or good
+        return sum(m.ratio for m in use) / len(use)
+
+    @property
+    def latency_ms(self) -> float:
+        good = [m for m in self.measurements if m.ok]
+        return min((m.latency_ms for m in good), default=math.nan)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"scheme": self.scheme.key, "origin": self.origin,
+                "measurements": [m.to_dict() for m in self.measurements]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SchemeRecord:
+        return cls(InsertionScheme.from_keys(d["scheme"]), d.get("origin", "?"),
+                   [Measurement.from_dict(m) for m in d.get("measurements", [])])
+
+
+@dataclass
+class PatternSchemes:
+    """Everything tried for one pattern: the candidate points, every scheme with its measurements,
+    and the committed best."""
+
+    pattern: str
+    candidates: list[InsertionPoint] = field(default_factory=list)
+    records: list[SchemeRecord] = field(default_factory=list)
+    baseline_scheme: InsertionScheme | None = None
+    best: InsertionScheme | None = None
+    done: bool = False
+    generation_attempts: int = 0
+
+    @property
+    def best_scheme(self) -> SchemeRecord | None:
+        """Best by ratio; once winners were re-measured, only re-measured schemes compete (a scheme
+        measured once would win on its lucky draw)."""
+        good = [r for r in self.records if r.ok]
+        remeasured = [r for r in good if any(m.remeasure and m.ok for m in r.measurements)]
+        pool = remeasured or good
+        return min(pool, key=lambda r: (r.ratio, r.scheme.key)) if pool else None
+
+    def find(self, scheme: InsertionScheme) -> SchemeRecord | None:
+        for r in self.records:
+            if r.scheme == scheme:
+                return r
+        return None
+
+    @property
+    def num_measured(self) -> int:
+        return sum(1 for r in self.records if r.measurements)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pattern": self.pattern,
+            "candidates": [p.key for p in self.candidates],
+            "baseline_scheme": None if self.baseline_scheme is None else self.baseline_scheme.key,
+            "best": None if self.best is None else self.best.key,
+            "done": self.done,
+            "generation_attempts": self.generation_attempts,
+            "records": [r.to_dict() for r in self.records],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PatternSchemes:
+        ps = cls(d["pattern"], [InsertionPoint.from_key(k) for k in d.get("candidates", [])])
+        ps.records = [SchemeRecord.from_dict(r) for r in d.get("records", [])]
+        ps.baseline_scheme = None if d.get("baseline_scheme") is None else InsertionScheme.from_keys(d["baseline_scheme"])
+        ps.best = None if d.get("best") is None else InsertionScheme.from_keys(d["best"])
+        ps.done = bool(d.get("done", False))
+        ps.generation_attempts = int(d.get("generation_attempts", 0))
+        return ps

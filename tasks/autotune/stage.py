@@ -1,0 +1,249 @@
+"""The autotune stage (region mode): Q/DQ placement chosen by paired latency measurements.
+
+Inputs: export's float model, quantize's calibration.json (Q/DQ get calibrated scales; a default
+scale only where a tensor has no statistics, with a warning) and quantize's quantized_model.onnx as
+QDQ baseline (``autotune.qdq_baseline`` overrides it). Outputs, as the reference tool lists them:
+autotune/baseline.onnx, optimized_final.onnx, autotuner_state.yaml,
+autotuner_state_pattern_cache.yaml, logs/ and region_models/.
+
+The shipped optimized_final.onnx is decided by a fresh interleaved measurement of the float model,
+the PTQ model and the tuned model (not by the search's best-of-N): it must beat the
+precision-matched float baseline by ``performance_threshold`` or the float model ships, and if the
+PTQ model measures faster than the tuned one, the PTQ model ships. Either way the stage says so,
+and the file written is byte for byte the model that was measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from pipeline.backends import compare_interleaved, create_backend
+from pipeline.errors import StageError
+from pipeline.graph import load_model, model_hash, save_model
+from pipeline.placement import resolve_rules
+from pipeline.progress import progress_bar
+from pipeline.qdq import Calibration
+from pipeline.stage import Stage, StageContext, StageResult
+from tasks.autotune.config import PRESETS
+
+log = logging.getLogger("tune.autotune")
+
+
+def _enum(v: Any) -> str:
+    return v.value if hasattr(v, "value") else str(v)
+
+
+def _node_filters(entries: list[str]) -> list[str]:
+    """Wildcards from the config; an entry naming an existing file contributes its lines."""
+    from hydra.utils import to_absolute_path
+
+    out: list[str] = []
+    for e in entries:
+        p = Path(to_absolute_path(e))
+        if p.is_file():
+            out += [ln.strip() for ln in p.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+        else:
+            out.append(e)
+    return out
+
+
+def settings(cfg: DictConfig) -> tuple[int, int, int]:
+    """(schemes_per_region, warmup_runs, timing_runs): the preset, overridden by explicit keys."""
+    a = cfg.autotune
+    s, w, t = PRESETS[_enum(a.preset)]
+    return (a.schemes_per_region or s, a.warmup_runs if a.warmup_runs is not None else w,
+            a.timing_runs or t)
+
+
+def quant_type_of(cfg: DictConfig) -> str:
+    """autotune.quant_type, defaulting from the quantize stage's first rule."""
+    if cfg.autotune.quant_type is not None:
+        return _enum(cfg.autotune.quant_type)
+    for rule in cfg.quantize.layers:
+        dt = _enum(rule.activations.dtype)
+        if dt != "native":
+            return "fp8" if dt.startswith("fp8") else "int8"
+    return "int8"
+
+
+class AutotuneStage(Stage):
+    name = "autotune"
+    inputs = ("export/model.onnx",)
+    optional_inputs = ("quantize/calibration.json", "quantize/quantized_model.onnx")
+    outputs = ("autotune/optimized_final.onnx", "autotune/baseline.onnx", "autotune/autotuner_state.yaml")
+    config_keys = ("autotune", "backend", "quantize", "seed")
+
+    def run(self, ctx: StageContext) -> StageResult:
+        from tasks.autotune.autotuner import Config
+        from tasks.autotune.workflows import init_benchmark_instance, region_pattern_autotuning_workflow
+        from tasks.quantize.stage import activation_type, load_calibration, placement_kind
+
+        cfg = ctx.cfg
+        a = cfg.autotune
+        if _enum(a.mode) != "region":
+            raise StageError("autotune.mode=subgraph is not built yet in this version of qdq-tune; "
+                             "use autotune.mode=region")
+        out = ctx.stage_dir("autotune")
+        inputs = self.resolve_inputs(ctx)
+        model = load_model(inputs["export/model.onnx"])
+        quant_type = quant_type_of(cfg)
+        backend = create_backend(cfg.backend)
+        if not backend.has_fast_kernels(quant_type):
+            log.warning("backend %s has no fast %s kernels: tuning can only find that fewer Q/DQ is faster. "
+                        "Use a backend that runs %s (e.g. backend=tensorrt on an Ada/Hopper GPU for fp8, "
+                        "backend=onnxruntime for int8)", backend.name, quant_type, quant_type)
+        schemes, warmup, timing = settings(cfg)
+        placement = placement_kind(cfg)
+
+        calibration = self._calibration(inputs, a, load_calibration)
+        baseline_model = self._qdq_baseline(ctx, inputs)
+        rules = resolve_rules(model, cfg.quantize.layers, cfg.quantize.skip_names, cfg.quantize.op_types_to_quantize)
+        node_dtypes = None if a.quant_type is not None else rules
+        if node_dtypes is not None and not node_dtypes:
+            raise StageError("autotune: the quantize rules leave every node float (quantize=none?); set "
+                             "autotune.quant_type=int8 to tune anyway")
+        config = Config(
+            default_quant_type=quant_type, default_dq_dtype=_enum(a.default_dq_dtype),
+            default_q_scale=float(a.default_q_scale), default_q_zero_point=int(a.default_q_zero_point),
+            top_percent_to_mutate=float(a.top_percent_to_mutate),
+            minimum_schemes_to_mutate=int(a.minimum_schemes_to_mutate), maximum_mutations=int(a.maximum_mutations),
+            maximum_generation_attempts=int(a.maximum_generation_attempts),
+            pattern_cache_minimum_distance=int(a.pattern_cache_minimum_distance),
+            pattern_cache_max_entries_per_pattern=int(a.pattern_cache_max_entries_per_pattern),
+            maximum_sequence_region_size=int(a.maximum_sequence_region_size),
+            minimum_topdown_search_size=int(a.minimum_topdown_search_size), verbose=bool(a.verbose),
+            schemes_per_region=schemes, placement=placement,
+            activation_type=activation_type(cfg) if quant_type == "int8" else "int8",
+            seed=int(cfg.seed), node_filter_list=_node_filters(list(a.node_filter_list)), node_dtypes=node_dtypes,
+        )
+        baseline_path = out / "baseline.onnx"
+        save_model(model, baseline_path)
+        rounds = 4
+        bench = init_benchmark_instance(backend, baseline_path, warmup, timing, rounds)
+        first = bench.measure(baseline_path, use_cache=False)  # fails fast if the backend cannot measure here
+        if not first.ok:
+            raise StageError(f"autotune: cannot measure the float model on {backend.name}: {first.error}")
+        pattern_cache = None
+        if a.pattern_cache:
+            from hydra.utils import to_absolute_path
+
+            from tasks.autotune.pattern_cache import PatternCache
+
+            pattern_cache = PatternCache.load(to_absolute_path(a.pattern_cache), config.pattern_cache_minimum_distance,
+                                              config.pattern_cache_max_entries_per_pattern)
+            log.info("warm start: %d patterns from %s", pattern_cache.num_patterns, a.pattern_cache)
+        state_file = None
+        if a.state_file:
+            from hydra.utils import to_absolute_path
+
+            state_file = to_absolute_path(a.state_file)
+
+        bar = progress_bar(bool(cfg.progress), total=None, desc="autotune", unit="pattern")
+
+        def on_progress(ev: dict) -> None:
+            bar.total = ev["patterns"]
+            bar.n = ev["patterns_done"]
+            sp = ev.get("best_speedup")
+            bar.set_postfix(schemes=ev["measurements"], best=f"{sp:.2f}x" if sp else "-", refresh=False)
+            bar.refresh()
+
+        try:
+            tuner = region_pattern_autotuning_workflow(model, out, bench, config, calibration, pattern_cache,
+                                                       state_file, baseline_model, on_progress)
+        finally:
+            bar.close()
+        if calibration.defaulted:
+            log.warning("autotune: %d tensors had no calibration statistics and use the default scale %.3g: "
+                        "run the quantize stage first for calibrated scales", len(calibration.defaulted),
+                        config.default_q_scale)
+        tuned = out / "optimized_tuned.onnx"
+        tuned_model = tuner.export_model()
+        save_model(tuned_model, tuned)
+        metrics = self._finalize(ctx, backend, bench, baseline_path, inputs.get("quantize/quantized_model.onnx"),
+                                 tuned, out / "optimized_final.onnx", float(a.performance_threshold), timing, warmup)
+        bench.close()
+        metrics.update(
+            regions=len(tuner.regions), patterns=tuner.num_patterns, measurements=tuner.num_measurements,
+            benchmark_runs=bench.count, quant_type=quant_type, placement=placement,
+            schemes_per_region=schemes, defaulted_scales=len(calibration.defaulted),
+        )
+        artifacts = {
+            "autotune/optimized_final.onnx": out / "optimized_final.onnx",
+            "autotune/baseline.onnx": baseline_path,
+            "autotune/autotuner_state.yaml": Path(state_file) if state_file else out / "autotuner_state.yaml",
+        }
+        cache_file = artifacts["autotune/autotuner_state.yaml"]
+        cache_file = cache_file.with_name(f"{cache_file.stem}_pattern_cache.yaml")
+        if cache_file.exists():
+            artifacts["autotune/autotuner_state_pattern_cache.yaml"] = cache_file
+        tuned.unlink(missing_ok=True)
+        return StageResult(artifacts, metrics)
+
+    @staticmethod
+    def _calibration(inputs: dict[str, Path], a: DictConfig, load_calibration) -> Calibration:
+        path = inputs.get("quantize/calibration.json")
+        if path is None:
+            log.warning("autotune: no quantize/calibration.json; Q/DQ get the placeholder scale %.3g, so the tuned "
+                        "model's accuracy is meaningless. Run stages=[quantize,autotune] for calibrated scales",
+                        float(a.default_q_scale))
+            return Calibration(default_scale=float(a.default_q_scale), default_zero_point=float(a.default_q_zero_point))
+        return load_calibration(path, float(a.default_q_scale), float(a.default_q_zero_point))
+
+    @staticmethod
+    def _qdq_baseline(ctx: StageContext, inputs: dict[str, Path]):
+        from hydra.utils import to_absolute_path
+
+        a = ctx.cfg.autotune
+        if a.qdq_baseline:
+            return load_model(to_absolute_path(a.qdq_baseline), what="autotune.qdq_baseline")
+        p = inputs.get("quantize/quantized_model.onnx")
+        return load_model(p) if p is not None else None
+
+    @staticmethod
+    def _finalize(ctx: StageContext, backend, bench, baseline: Path, ptq: Path | None, tuned: Path, final: Path,
+                  threshold: float, timing: int, warmup: int) -> dict[str, Any]:
+        """Fresh interleaved measurement of float, PTQ and tuned models; ship the honest winner."""
+        bench.close()  # free the search's live reference before the final comparison
+        paths = [baseline, tuned] + ([ptq] if ptq is not None and model_hash(ptq) != model_hash(tuned) else [])
+        rounds = 6
+        timings = compare_interleaved(backend, paths, rounds=rounds, runs_per_round=max(2, timing // 2),
+                                      warmup_runs=warmup)
+        if not all(t.ok for t in timings[:2]):
+            bad = next(t for t in timings if not t.ok)
+            raise StageError(f"autotune: final measurement failed: {bad.error}")
+        base_t, tuned_t = timings[0], timings[1]
+        ptq_t = timings[2] if len(timings) > 2 and timings[2].ok else None
+        choice, why = tuned, "tuned placement"
+        if ptq_t is not None and ptq_t.p10_ms < tuned_t.p10_ms * 0.98:
+            choice, why = ptq, "the quantize stage's model measured faster than the tuned placement"
+        chosen_t = ptq_t if choice == ptq else tuned_t
+        speedup = base_t.p10_ms / chosen_t.p10_ms
+        if speedup < threshold:
+            choice, why = baseline, (f"no Q/DQ model beat the float baseline by the performance threshold "
+                                     f"{threshold:.2f}x (best {speedup:.3f}x): shipping the float model")
+            chosen_t = base_t
+        shutil.copyfile(choice, final)
+        speedup = base_t.p10_ms / chosen_t.p10_ms
+        runtime = backend.describe()
+        precision = "FP32" if backend.name == "onnxruntime" else "float (builder precision per gen_trt_engine)"
+        line = (f"Baseline: {base_t.p10_ms:.3f} ms / Final: {chosen_t.p10_ms:.3f} ms ({speedup:.2f}x speedup) "
+                f"[p10 of {chosen_t.n} interleaved runs; baseline = {precision} float model on {backend.name}]")
+        log.info(line)
+        if choice != tuned:
+            log.warning("autotune: optimized_final.onnx is %s because %s", choice.name, why)
+        metrics: dict[str, Any] = {
+            "baseline_ms": base_t.p10_ms, "final_ms": chosen_t.p10_ms, "speedup": speedup,
+            "baseline_median_ms": base_t.median_ms, "final_median_ms": chosen_t.median_ms,
+            "tuned_ms": tuned_t.p10_ms, "tuned_speedup": base_t.p10_ms / tuned_t.p10_ms,
+            "ptq_ms": ptq_t.p10_ms if ptq_t else None,
+            "ptq_speedup": (base_t.p10_ms / ptq_t.p10_ms) if ptq_t else None,
+            "shipped": {baseline: "float", tuned: "tuned", ptq: "ptq"}.get(choice, "tuned"), "shipped_reason": why,
+            "baseline_precision": precision, "runtime": runtime, "final_line": line,
+            "headline": f"{speedup:.2f}x vs {precision} float ({'tuned' if choice == tuned else why})",
+        }
+        return metrics

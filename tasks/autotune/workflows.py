@@ -1,0 +1,161 @@
+"""The region-pattern autotuning workflow, and the reference tool's benchmark entry points.
+
+``region_pattern_autotuning_workflow`` drives QDQAutotuner over every region: it measures each
+generated scheme paired against the live float baseline, saves the state after every measurement
+(so a killed run resumes at the next unmeasured scheme), re-measures a pattern's best schemes with
+more rounds before committing the winner (the best of many noisy measurements is biased low), and
+writes one log per measurement and the model after each committed pattern.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx
+
+from pipeline.artifacts import atomic_write_text
+from pipeline.backends import Backend
+from pipeline.graph import load_model, save_model
+from pipeline.qdq import Calibration
+from tasks.autotune.autotuner import Config, QDQAutotuner
+from tasks.autotune.benchmark import PairedBenchmark
+from tasks.autotune.pattern_cache import PatternCache
+from tasks.autotune.scheme import Measurement, PatternSchemes
+
+log = logging.getLogger("tune.autotune")
+
+REMEASURE_TOP = 3
+
+
+def init_benchmark_instance(backend: Backend, reference_model: str | Path, warmup_runs: int = 5,
+                            timing_runs: int = 40, rounds: int = 4) -> PairedBenchmark:
+    """A benchmark paired against ``reference_model`` (pass it explicitly; there is no global one)."""
+    return PairedBenchmark(backend, reference_model, warmup_runs, timing_runs, rounds)
+
+
+def benchmark_onnx_model(model: str | Path | bytes, benchmark: PairedBenchmark) -> Measurement:
+    """Measure one model (path or serialized bytes) against the benchmark's live reference."""
+    return benchmark.measure(model)
+
+
+def _log_measurement(path: Path, region_id: int, idx: int, ps: PatternSchemes, origin: str, scheme_key: str,
+                     m: Measurement) -> None:
+    atomic_write_text(path, json.dumps({
+        "region": region_id, "scheme_index": idx, "pattern": ps.pattern, "origin": origin, "scheme": scheme_key,
+        "ok": m.ok, "latency_ms_p10": m.latency_ms, "reference_ms_p10": m.reference_ms, "ratio": m.ratio,
+        "error": m.error, "remeasure": m.remeasure,
+    }, indent=2) + "\n")
+
+
+def region_pattern_autotuning_workflow(
+    model: onnx.ModelProto | str | Path,
+    output_dir: str | Path,
+    benchmark: PairedBenchmark,
+    config: Config | None = None,
+    calibration: Calibration | None = None,
+    pattern_cache: PatternCache | str | Path | None = None,
+    state_file: str | Path | None = None,
+    qdq_baseline: onnx.ModelProto | None = None,
+    on_progress: Callable[[dict], None] | None = None,
+) -> QDQAutotuner:
+    """Tune every pattern; returns the autotuner with every pattern committed."""
+    config = config or Config()
+    out = Path(output_dir)
+    logs, region_models = out / "logs", out / "region_models"
+    logs.mkdir(parents=True, exist_ok=True)
+    region_models.mkdir(parents=True, exist_ok=True)
+    if not isinstance(model, onnx.ModelProto):
+        model = load_model(model)
+    if isinstance(pattern_cache, (str, Path)):
+        pattern_cache = PatternCache.load(pattern_cache, config.pattern_cache_minimum_distance,
+                                          config.pattern_cache_max_entries_per_pattern)
+    autotuner = QDQAutotuner(model)
+    autotuner.initialize(config, pattern_cache, calibration)
+    if qdq_baseline is not None:
+        n = autotuner.import_qdq_baseline(qdq_baseline)
+        log.info("QDQ baseline: seeded %d of %d patterns", n, autotuner.num_patterns)
+    state_path = Path(state_file) if state_file else out / "autotuner_state.yaml"
+    if state_path.exists():
+        autotuner.load_state(state_path)
+        done = sum(ps.done for ps in autotuner.pattern_schemes.values())
+        log.info("resuming from %s: %d/%d patterns done, %d measurements kept", state_path, done,
+                 autotuner.num_patterns, autotuner.num_measurements)
+
+    def progress(event: str, **kw) -> None:
+        if on_progress is not None:
+            done = sum(ps.done for ps in autotuner.pattern_schemes.values())
+            best = min((r.ratio for ps in autotuner.pattern_schemes.values() for r in ps.records if r.ok),
+                       default=math.inf)
+            on_progress({"event": event, "patterns_done": done, "patterns": autotuner.num_patterns,
+                         "measurements": autotuner.num_measurements,
+                         "best_speedup": (1.0 / best) if math.isfinite(best) and best > 0 else None, **kw})
+
+    progress("start")
+    for region in autotuner.regions:
+        autotuner.set_profile_region(region, commit=False)
+        ps = autotuner.current_profile_pattern_schemes
+        if ps is None:
+            continue
+        while (idx := autotuner.generate()) != -1:
+            rec = autotuner.pending_scheme
+            assert rec is not None
+            try:
+                data = autotuner.export_onnx(None)
+            except Exception as exc:  # noqa: BLE001 - an unbuildable candidate is a failed measurement
+                log.debug("export of scheme %s failed", rec.scheme.key, exc_info=True)
+                m = Measurement.failed(f"export failed: {type(exc).__name__}: {exc}")
+            else:
+                m = benchmark.measure(data)
+            log_path = logs / f"region_{region.id}_scheme_{idx}.log"
+            m.log_path = str(log_path.relative_to(out))
+            _log_measurement(log_path, region.id, idx, ps, rec.origin, rec.scheme.key, m)
+            autotuner.submit(m)
+            if config.verbose:
+                log.info("  region %d scheme %d (%s, %d points): %s", region.id, idx, rec.origin, len(rec.scheme),
+                         f"{m.ratio:.3f}x of float" if m.ok else f"failed: {m.error}")
+            autotuner.save_state(state_path)
+            progress("measured", region=region.id)
+        _remeasure_winners(autotuner, ps, benchmark, logs, region.id, out, state_path)
+        autotuner.commit_current()
+        autotuner.save_state(state_path)
+        best = ps.find(ps.best) if ps.best is not None else None
+        save_model(autotuner.export_model(), region_models / f"region_{region.id}_level_{region.level}.onnx")
+        log.info("pattern %s (%d regions, %d nodes): best of %d schemes %s", ps.pattern[:10],
+                 len(autotuner.pattern_regions[ps.pattern]), autotuner.patterns[region.id].num_nodes,
+                 len(ps.records), f"{best.ratio:.3f}x of float ({best.origin})" if best else "none measurable")
+        progress("committed", region=region.id)
+    autotuner.set_profile_region(None, commit=False)
+    autotuner.save_state(state_path)
+    return autotuner
+
+
+def _remeasure_winners(autotuner: QDQAutotuner, ps: PatternSchemes, benchmark: PairedBenchmark, logs: Path,
+                       region_id: int, out: Path, state_path: Path) -> None:
+    """Re-measure the best few schemes (and the baseline scheme) with twice the rounds, uncached."""
+    if len(ps.records) < 2:
+        return
+    search = sorted((r for r in ps.records if any(m.ok and not m.remeasure for m in r.measurements)),
+                    key=lambda r: (min(m.ratio for m in r.measurements if m.ok and not m.remeasure), r.scheme.key))
+    chosen = search[:REMEASURE_TOP]
+    if ps.baseline_scheme is not None:
+        base = ps.find(ps.baseline_scheme)
+        if base is not None and base not in chosen and base.ok:
+            chosen.append(base)
+    if len(chosen) < 2:
+        return
+    for rec in chosen:
+        if any(m.remeasure for m in rec.measurements):
+            continue  # done before an interruption
+        data = autotuner.export_model(assignment=autotuner.assignment(candidate=rec.scheme)).SerializeToString()
+        m = benchmark.measure(data, rounds=benchmark.rounds * 2, use_cache=False)
+        m.remeasure = True
+        idx = ps.records.index(rec)
+        log_path = logs / f"region_{region_id}_scheme_{idx}_remeasure.log"
+        m.log_path = str(log_path.relative_to(out))
+        _log_measurement(log_path, region_id, idx, ps, rec.origin, rec.scheme.key, m)
+        rec.measurements.append(m)
+        autotuner.save_state(state_path)
