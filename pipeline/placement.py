@@ -11,7 +11,7 @@ Two placements build a ``QDQPlan`` from those assignments:
   MatMul/Gemm with K or N < 16 stay float (too small to gain).
 - ``onnxruntime_plan`` builds the node groups ORT's CPU execution provider fuses into integer
   kernels: DQ -> Conv/Gemm/MatMul -> Q (QLinearConv, QGemm, QLinearMatMul; MatMul without a Q on
-  its output becomes MatMulIntegerToFloat), int32 biases, QLinearAdd/Mul for residual adds whose
+  its output becomes MatMulIntegerToFloat), QLinearAdd/Mul for residual adds whose
   output feeds quantized ops, QLinear(Global)AveragePool/Concat, and data-movement ops (MaxPool,
   Reshape, Transpose, Flatten, ...) run on int8 when they sit between quantized ops (their Q/DQ
   pair keeps the input's scale so ORT can drop it). A Relu/Clip right after an op is skipped over:
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from pipeline.qdq import ActivationQ, BiasQ, QDQPlan, WeightQ
+from pipeline.qdq import ActivationQ, QDQPlan, WeightQ
 
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 # ops whose Q/DQ ORT drops, running them directly on 8-bit data
@@ -341,9 +341,6 @@ def onnxruntime_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activ
             for i in _weight_inputs(g, node):
                 w = g.weight_array(node.input[i])
                 plan.weights.append(WeightQ(node.name, i, r.weights, weight_axis(node, i, w)))
-                if op in ("Conv", "Gemm") and len(node.input) > 2 and node.input[2] in g.inits \
-                        and r.weights == "int8" and dt in ("int8", "uint8"):
-                    plan.biases.append(BiasQ(node.name, 2, node.input[0], dt, i))
     for tensor, dtype in requested.items():
         if tensor in outputs_q or quantized_source(tensor):
             plan.activations.append(ActivationQ(tensor, dtype, None))

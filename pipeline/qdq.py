@@ -1,7 +1,9 @@
 """Q/DQ insertion shared by quantize and autotune.
 
-A ``QDQPlan`` says what to quantize: activation tensors (for all or some of their consumers),
-weights (per output channel) and int32 biases. ``apply_plan`` writes QuantizeLinear /
+A ``QDQPlan`` says what to quantize: activation tensors (for all or some of their consumers) and
+weights (per output channel). Biases stay float: TensorRT rejects int32 DequantizeLinear inputs, and
+ORT's CPU EP quantizes float biases itself when it fuses QLinearConv/QGemm (same fused graph,
+checked on ORT 1.31), so one Q/DQ model serves both runtimes. ``apply_plan`` writes QuantizeLinear /
 DequantizeLinear nodes into a copy of a float model with scales from a ``Calibration``:
 
 - zero-point dtype always equals the quantized dtype (int8, uint8, float8e4m3fn, float8e5m2);
@@ -148,22 +150,10 @@ class WeightQ:
     axis: int | None
 
 
-@dataclass(frozen=True)
-class BiasQ:
-    """int32 bias of ``node`` with scale = input scale x weight scales (ORT's QLinearConv/QGemm)."""
-
-    node: str
-    input_index: int
-    activation: str  # the activation input tensor whose scale multiplies in
-    activation_dtype: str
-    weight_index: int
-
-
 @dataclass
 class QDQPlan:
     activations: list[ActivationQ] = field(default_factory=list)
     weights: list[WeightQ] = field(default_factory=list)
-    biases: list[BiasQ] = field(default_factory=list)
     # node name -> rule description, for logs and tests
     node_rules: dict[str, str] = field(default_factory=dict)
     # node name -> why a node its rule would quantize was left float
@@ -326,7 +316,6 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
             rewired[(node_name, idx)] = dq_out
 
     # -- weights: stored quantized, followed by a DequantizeLinear
-    weight_scales: dict[tuple[str, int], QuantParams] = {}
     for w in plan.weights:
         node = nodes[w.node]
         name = node.input[w.input_index]
@@ -335,7 +324,6 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
             raise ValueError(f"weight input {w.input_index} of node {w.node} ({name}) is not an initializer")
         values = numpy_helper.to_array(init).astype(np.float32)
         p = weight_params(values, w.axis, w.dtype)
-        weight_scales[(w.node, w.input_index)] = p
         ft = init.data_type if init.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16) \
             else default_float_type
         base = unique(f"{name}_{w.node}" if len(consumers.get(name, [])) > 1 else name)
@@ -347,27 +335,6 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
         new_nodes.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [dq_out],
                                           name=unique(f"{base}_DequantizeLinear"), **attrs))
         node.input[w.input_index] = dq_out
-
-    # -- int32 biases (scale = activation scale x per-channel weight scale, zero point 0)
-    for b in plan.biases:
-        node = nodes[b.node]
-        name = node.input[b.input_index]
-        init = inits.get(name)
-        wp = weight_scales.get((b.node, b.weight_index))
-        if init is None or wp is None:
-            continue
-        ap = calibration.params(b.activation, b.activation_dtype)
-        scale = (np.float32(ap.scale) * wp.scale).astype(np.float32)
-        values = numpy_helper.to_array(init).astype(np.float64)
-        q = np.clip(np.rint(values / scale), -(2**31), 2**31 - 1).astype(np.int32)
-        base = unique(f"{name}_{b.node}")
-        q_name, s_name, z_name, dq_out = (unique(f"{base}_quantized"), unique(f"{base}_scale"),
-                                          unique(f"{base}_zero_point"), unique(f"{base}_dequantized"))
-        new_inits += [numpy_helper.from_array(q, q_name), _scalar_or_vector(s_name, scale, init.data_type),
-                      numpy_helper.from_array(np.zeros(scale.shape, np.int32), z_name)]
-        new_nodes.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [dq_out],
-                                          name=unique(f"{base}_DequantizeLinear"), axis=0))
-        node.input[b.input_index] = dq_out
 
     graph.initializer.extend(new_inits)
     graph.node.extend(new_nodes)

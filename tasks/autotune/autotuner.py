@@ -48,7 +48,7 @@ from pipeline.placement import (
     act_dtype,
     weight_axis,
 )
-from pipeline.qdq import ActivationQ, BiasQ, Calibration, QDQPlan, WeightQ, apply_plan
+from pipeline.qdq import ActivationQ, Calibration, QDQPlan, WeightQ, apply_plan
 from tasks.autotune.insertion_points import InsertionPoint, candidate_points, point_groups, resolve
 from tasks.autotune.pattern import RegionPattern
 from tasks.autotune.pattern_cache import PatternCache
@@ -373,10 +373,6 @@ class QDQAutotunerBase:
             for i in _weight_inputs(g, node):
                 w = g.weight_array(node.input[i])
                 plan.weights.append(WeightQ(name, i, d.weights, weight_axis(node, i, w)))
-                if (self.config.placement == "onnxruntime" and node.op_type in ("Conv", "Gemm") and len(node.input) > 2
-                        and node.input[2] in g.inits and d.weights == "int8"):
-                    adt = act_dtype(d, self.config.activation_type)
-                    plan.biases.append(BiasQ(name, 2, node.input[0], adt, i))
         # data-movement ops with both sides quantized keep their input's scale so ORT drops the pair
         for node in nodes:
             if node.op_type in PASS_THROUGH_OPS and node.output and node.output[0] in outputs_q \

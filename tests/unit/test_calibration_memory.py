@@ -1,0 +1,42 @@
+"""Calibration streams: 10x more batches must not raise peak memory by more than 20%."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests import models
+
+SCRIPT = r"""
+import json, resource, sys
+import numpy as np, onnx
+from pipeline.data import Batch
+from tasks.quantize._calibrate import collect
+model = onnx.load(sys.argv[1])
+n = int(sys.argv[2])
+def batches():
+    rng = np.random.default_rng(0)
+    for _ in range(n):
+        yield Batch({"input": rng.standard_normal((8, 3, 64, 64)).astype(np.float32)}, None, 8)
+stats = collect(model, batches, "entropy", 99.9, 2048, 1, lambda it, d: it)
+print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "tensors": len(stats),
+                  "samples": next(iter(stats.values()))["samples"]}))
+"""
+
+
+@pytest.mark.slow
+def test_peak_memory_does_not_grow_with_batches(tmp_path):
+    path = models.save(models.conv_chain(batch=8, channels=32, size=64), tmp_path, "big")
+
+    def run(n: int) -> dict:
+        out = subprocess.run([sys.executable, "-c", SCRIPT, str(path), str(n)], capture_output=True, text=True,
+                             check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    small, large = run(8), run(80)
+    assert large["samples"] == 10 * small["samples"]
+    # every batch exposes ~16 MB of activations: keeping them would add > 1 GB
+    assert large["maxrss_kb"] <= 1.2 * small["maxrss_kb"], (small, large)
