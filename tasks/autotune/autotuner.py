@@ -178,8 +178,11 @@ class QDQAutotunerBase:
                     rp = resolve(p, r, self.orders[r.id], self.model, self.index)
                     if rp is None or rp.tensor not in tensors:
                         continue
-                    if readers is not None and rp.consumers is not None and not set(rp.consumers) <= readers:
-                        continue
+                    if readers is not None:
+                        who = rp.consumers if rp.consumers is not None else tuple(
+                            (c.name, k) for c, k in self.index.consumers.get(rp.tensor, []))
+                        if not set(who) <= readers:
+                            continue
                     pts.append(p)
                 s = InsertionScheme(frozenset(pts))
                 votes[s] = votes.get(s, 0) + 1

@@ -10,7 +10,8 @@ every region of a pattern and transfers between models:
 - ``region_output`` (j): Q/DQ on the region's j-th boundary output, for every consumer.
 
 Which points are candidates depends on the backend (``candidate_points``): TensorRT fuses Q/DQ into
-the inputs of weighted ops and residual Adds, ORT CPU needs whole DQ -> op -> Q groups.
+the inputs of weighted ops and residual Adds (node inputs), ORT CPU needs whole DQ -> op -> Q
+groups (node inputs and node outputs).
 """
 
 from __future__ import annotations
@@ -124,8 +125,9 @@ def candidate_points(region: Region, order: list[int], model: onnx.ModelProto, g
         else:
             if op in WEIGHTED_OPS or (op == "Add" and len(acts) == 2):
                 points += [InsertionPoint("node_input", k, s) for s in acts if s < 2]
-    if placement != "onnxruntime":
-        points += [InsertionPoint("region_output", j) for j, t in enumerate(region.outputs) if g.is_activation(t)]
+    # region_output / child_input points are resolvable (custom schemes, caches) but not searched:
+    # every placement here is expressible per consumer (node_input) or per producer (node_output),
+    # and a second name for the same Q/DQ would only duplicate schemes
     return sorted(set(points))
 
 

@@ -1,0 +1,208 @@
+"""Show how region discovery partitions a model, before spending hours profiling it.
+
+    python -m tasks.autotune.region_inspect --model model.onnx [--verbose] [--max-sequence-size N]
+                                            [--include-all-regions]
+
+Prints a summary (regions by type, node coverage by LEAF regions, LEAF size histogram, unique
+patterns among the regions the autotuner profiles: optimisation time grows with patterns, not
+regions) and the region tree. By default regions without a quantizable op are left out of the tree
+(they are still counted); ``--include-all-regions`` lists them too. ``--verbose`` adds every node's
+op type and name and the boundary tensor names.
+
+Patterns come from ``tasks.autotune.pattern.RegionPattern`` when it is importable, so the count is
+the one the autotuner will see; otherwise a local signature (op types, attributes, internal edges in
+a canonical order) stands in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import heapq
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import onnx
+
+from pipeline.errors import PipelineError
+from pipeline.graph import load_model
+from pipeline.placement import QUANTIZABLE_OPS, GraphIndex
+from tasks.autotune.region import Region, RegionType
+from tasks.autotune.region_search import CombinedRegionSearch
+
+try:
+    from tasks.autotune.pattern import RegionPattern
+except ImportError:  # pattern module not available: fall back to the local signature below
+    RegionPattern = None  # type: ignore[assignment,misc]
+
+PROG = "region_inspect"
+
+
+def _attrs(node: onnx.NodeProto) -> str:
+    parts = []
+    for a in sorted(node.attribute, key=lambda a: a.name):
+        if a.type == onnx.AttributeProto.TENSOR:
+            v: object = ("tensor", a.t.data_type)  # payload and shape are data, not structure
+        elif a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
+            v = "graph"
+        else:
+            v = onnx.helper.get_attribute_value(a)
+        parts.append(f"{a.name}={v!r}")
+    return ",".join(parts)
+
+
+def _local_signature(region: Region, model: onnx.ModelProto, g: GraphIndex) -> str:
+    """Op types, attributes and internal edges in a canonical topological order (ties by op type,
+    attributes, then graph order); names and shapes are left out."""
+    nodes = model.graph.node
+    members = region.all_nodes()
+    made = {o: i for i in members for o in nodes[i].output}
+    deps = {i: {made[t] for t in nodes[i].input if t in made} - {i} for i in members}
+    users: dict[int, list[int]] = {i: [] for i in members}
+    for i, ds in deps.items():
+        for d in ds:
+            users[d].append(i)
+    key = {i: (nodes[i].op_type, _attrs(nodes[i]), i) for i in members}
+    indeg = {i: len(ds) for i, ds in deps.items()}
+    ready = [key[i] for i in members if indeg[i] == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        *_, i = heapq.heappop(ready)
+        order.append(i)
+        for u in users[i]:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(ready, key[u])
+    pos = {i: k for k, i in enumerate(order)}
+    parts = []
+    for i in order:
+        ins = []
+        for t in nodes[i].input:
+            if not t:
+                ins.append("-")
+            elif t in made:
+                src = made[t]
+                ins.append(f"n{pos[src]}.{list(nodes[src].output).index(t)}")
+            else:
+                ins.append("c" if t in g.constants else "b")
+        parts.append(f"{nodes[i].op_type}[{key[i][1]}]({' '.join(ins)})")
+    shape = [sorted(pos[i] for i in c.all_nodes()) for c in region.children]
+    text = "|".join(parts) + f"#{sorted(shape)}@{region.type.value}"
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _signature(region: Region, model: onnx.ModelProto, g: GraphIndex) -> str:
+    if RegionPattern is not None:
+        return RegionPattern.from_region(region, model, g).signature
+    return _local_signature(region, model, g)
+
+
+def _quantizable(region: Region, model: onnx.ModelProto) -> bool:
+    return any(model.graph.node[i].op_type in QUANTIZABLE_OPS for i in region.all_nodes())
+
+
+def _tree(items: list[tuple[str, list]], prefix: str = "") -> list[str]:
+    """Render (label, sub-items) pairs as a box-drawing tree."""
+    lines = []
+    for k, (label, subs) in enumerate(items):
+        last = k == len(items) - 1
+        lines.append(f"{prefix}{'└─' if last else '├─'} {label}")
+        lines += _tree(subs, prefix + ("   " if last else "│  "))
+    return lines
+
+
+def inspect_model(path: str | Path, verbose: bool = False, max_sequence_size: int = 10,
+                  include_all_regions: bool = False) -> str:
+    """The inspection report for the model at ``path`` (raises PipelineError for unusable files)."""
+    model = load_model(path)
+    search = CombinedRegionSearch(model, maximum_sequence_region_size=max_sequence_size)
+    root = search.search()
+    g = search.index
+    nodes = model.graph.node
+    regions = root.descendants()
+    leaves = [r for r in regions if r.type == RegionType.LEAF]
+    composites = [r for r in regions if r.type == RegionType.COMPOSITE]
+    total = len(nodes)
+    counts = Counter(i for r in leaves for i in r.nodes)
+    once = sum(1 for i in range(total) if counts[i] == 1)
+    pct = 100.0 * once / total if total else 100.0
+
+    top_sigs = {r.id: _signature(r, model, g) for r in root.children}
+    uses = Counter(top_sigs.values())
+    all_sigs = {_signature(r, model, g) for r in regions}
+
+    shown = {r.id for r in regions if include_all_regions or _quantizable(r, model)}
+
+    def item(r: Region) -> tuple[str, list]:
+        subs: list = [(f"Direct nodes: {len(r.nodes)}", []), (f"Total nodes (recursive): {len(r.all_nodes())}", []),
+                      (f"Children: {len(r.children)}", [])]
+        if r.id in top_sigs:
+            sig = top_sigs[r.id]
+            subs.append((f"Pattern: {sig[:12]} (shared by {uses[sig]} region{'s' * (uses[sig] != 1)})", []))
+        if verbose:
+            subs.append((f"Nodes: {len(r.nodes)}", [(f"{nodes[i].op_type}  {nodes[i].name}", []) for i in r.nodes]))
+            subs.append((f"Inputs: {len(r.inputs)} tensors", [(t, []) for t in r.inputs]))
+            subs.append((f"Outputs: {len(r.outputs)} tensors", [(t, []) for t in r.outputs]))
+        else:
+            if r.nodes:
+                subs.append((f"Ops: {', '.join(nodes[i].op_type for i in r.nodes)}", []))
+            subs.append((f"Inputs: {len(r.inputs)} tensors", []))
+            subs.append((f"Outputs: {len(r.outputs)} tensors", []))
+        subs += [item(c) for c in r.children if c.id in shown]
+        return f"Region {r.id} (Level {r.level}, Type: {r.type.value})", subs
+
+    sizes = [len(r.nodes) for r in leaves]
+    lines = [
+        f"Model: {path} ({total} nodes, {len(g.graph_inputs)} inputs, {len(g.graph_outputs)} outputs)",
+        f"Region search: maximum_sequence_region_size={max_sequence_size}, "
+        f"minimum_topdown_search_size={search.min_topdown}",
+        f"Summary: {len(regions)} regions ({len(leaves)} LEAF, {len(composites)} COMPOSITE), "
+        f"{once}/{total} nodes ({pct:.1f}%)",
+        f"Coverage: {once}/{total} nodes in exactly one LEAF region ({pct:.1f}%)",
+    ]
+    if sizes:
+        lines.append(f"LEAF region sizes: min={min(sizes)}, max={max(sizes)}, avg={sum(sizes) / len(sizes):.1f}")
+        lines.append("LEAF size histogram (nodes: regions):")
+        hist = Counter(sizes)
+        peak = max(hist.values())
+        for size in sorted(hist):
+            bar = "#" * max(1, round(30 * hist[size] / peak))
+            lines.append(f"  {size:>4}: {bar} {hist[size]}")
+    source = "tasks.autotune.pattern" if RegionPattern is not None else "local signature"
+    lines.append(f"Unique patterns: {len(uses)} among {len(root.children)} top-level regions "
+                 f"({len(all_sigs)} among all {len(regions)} regions; {source})")
+    hidden = len(regions) - len(shown)
+    if hidden:
+        lines.append(f"Not listed: {hidden} regions without quantizable ops (--include-all-regions lists them)")
+    lines.append("")
+    lines.append(f"Region {root.id} (Level {root.level}, Type: {root.type.value}): {len(root.all_nodes())} nodes, "
+                 f"{len(root.children)} children, {len(root.inputs)} inputs, {len(root.outputs)} outputs")
+    lines += _tree([item(c) for c in root.children if c.id in shown])
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description="Show the regions the Q/DQ autotuner finds in a model.")
+    parser.add_argument("--model", "-m", required=True, help="path of the ONNX model")
+    parser.add_argument("--verbose", "-v", action="store_true", help="list nodes and boundary tensors")
+    parser.add_argument("--max-sequence-size", type=int, default=10,
+                        help="maximum nodes in a sequence region (default: 10)")
+    parser.add_argument("--include-all-regions", action="store_true",
+                        help="also list regions without quantizable ops")
+    args = parser.parse_args(argv)
+    if args.max_sequence_size < 1:
+        parser.error(f"--max-sequence-size={args.max_sequence_size}: must be >= 1")
+    try:
+        report = inspect_model(args.model, args.verbose, args.max_sequence_size, args.include_all_regions)
+    except PipelineError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

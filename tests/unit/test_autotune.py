@@ -1,0 +1,188 @@
+"""The autotuner's ask/tell loop, schemes, state, pattern cache and the exactness of its export."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from pipeline.data import Batch
+from pipeline.errors import StateError
+from pipeline.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
+from pipeline.qdq import Calibration, activation_params, apply_plan, get_quantized_tensors
+from tasks.autotune.autotuner import Config, QDQAutotuner
+from tasks.autotune.insertion_points import InsertionPoint
+from tasks.autotune.pattern import RegionPattern
+from tasks.autotune.pattern_cache import PatternCache
+from tasks.autotune.scheme import InsertionScheme, Measurement
+from tasks.quantize._calibrate import collect
+from tests import models
+
+INT8 = [{"module_name": "*", "weights": {"dtype": "int8"}, "activations": {"dtype": "int8"}}]
+
+
+def _calibration(model):
+    rng = np.random.default_rng(0)
+    shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+
+    def batches():
+        for _ in range(3):
+            yield Batch({"input": rng.standard_normal(shape).astype(np.float32)}, None, shape[0])
+
+    return Calibration(collect(model, batches, "minmax", 99.9, 2048, 1, lambda it, d: it))
+
+
+def _tuner(model, placement="onnxruntime", **kw) -> QDQAutotuner:
+    t = QDQAutotuner(model)
+    cfg = Config(placement=placement, activation_type="uint8" if placement == "onnxruntime" else "int8", **kw)
+    t.initialize(cfg, calibration=_calibration(model))
+    return t
+
+
+def _drive(t: QDQAutotuner, latency) -> int:
+    """Run the loop with a fake latency function of the exported model; returns measurements."""
+    n = 0
+    for region in t.regions:
+        t.set_profile_region(region, commit=True)
+        if t.current_profile_pattern_schemes is None:
+            continue
+        while t.generate() != -1:
+            data = t.export_onnx(None)
+            assert isinstance(data, bytes)
+            t.submit(Measurement(latency(onnx.load_from_string(data)), latency(onnx.load_from_string(data)) / 10, 10))
+            n += 1
+    t.set_profile_region(None, commit=True)
+    return n
+
+
+def _num_q(model: onnx.ModelProto) -> float:
+    return float(sum(n.op_type == "QuantizeLinear" for n in model.graph.node))
+
+
+def test_patterns_are_shared_by_identical_blocks():
+    model = models.residual_block(blocks=3)
+    t = _tuner(model)
+    sigs = [t.patterns[r.id].signature for r in t.regions]
+    assert len(set(sigs)) < len(sigs)
+    assert t.num_patterns == len(set(sigs) & set(t.pattern_schemes))
+    again = _tuner(model)
+    assert [again.patterns[r.id].signature for r in again.regions] == sigs  # deterministic
+
+
+def test_generate_is_unique_bounded_and_exhausts():
+    model = models.residual_block(blocks=2)
+    t = _tuner(model, schemes_per_region=5)
+    region = t.regions[0]
+    t.set_profile_region(region, commit=False)
+    ps = t.current_profile_pattern_schemes
+    seen = set()
+    while t.generate() != -1:
+        seen.add(t.pending_scheme.scheme)
+        t.submit(Measurement(1.0, 1.0, 1.0))
+    assert len(seen) == len(ps.records) <= 5
+    assert ps.records[0].origin.startswith("seed:")
+
+
+def test_search_minimises_and_final_export_is_exactly_the_best_placement():
+    model = models.residual_block(blocks=2)
+    t = _tuner(model, schemes_per_region=8)
+    _drive(t, _num_q)  # fake cost: fewer Q nodes is faster
+    final = t.export_model()
+    # every committed pattern is the best-measured scheme
+    for ps in t.pattern_schemes.values():
+        best = min((r for r in ps.records if r.ok), key=lambda r: r.ratio)
+        assert ps.best == best.scheme
+    # the exported placement is exactly what the committed schemes resolve to (nothing lost or added)
+    expected = t.build_plan(t.assignment())
+    assert get_quantized_tensors(final) == {a.tensor for a in expected.activations}
+    # and the scales are the calibrated ones
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in final.graph.initializer}
+    for q in (n for n in final.graph.node if n.op_type == "QuantizeLinear"):
+        tensor = q.input[0][: -len("_prequant")] if q.input[0].endswith("_prequant") else q.input[0]
+        dtype = "uint8" if inits[q.input[2]].dtype == np.uint8 else "int8"
+        want = activation_params(t.calibration.tensors[tensor], dtype)
+        assert float(inits[q.input[1]]) == pytest.approx(float(want.scale))
+        assert float(inits[q.input[2]]) == float(want.zero_point)
+
+
+@pytest.mark.parametrize("placement", ["onnxruntime", "tensorrt"])
+def test_qdq_baseline_import_reproduces_the_ptq_placement(placement):
+    model = models.attention_block() if placement == "onnxruntime" else models.residual_block(channels=16)
+    rules = resolve_rules(model, INT8)
+    t = _tuner(model, placement)
+    plan = onnxruntime_plan(model, rules, "uint8") if placement == "onnxruntime" else tensorrt_plan(model, rules)
+    ptq = apply_plan(model, plan, t.calibration)
+    t.import_qdq_baseline(ptq)
+    asg = {r.id: t.pattern_schemes[t.patterns[r.id].signature].baseline_scheme for r in t.regions
+           if t.patterns[r.id].signature in t.pattern_schemes}
+    mine = t.export_model(assignment=asg)
+
+    def readers(m):
+        inits = {i.name for i in m.graph.initializer}
+        dq = {n.output[0] for n in m.graph.node if n.op_type == "DequantizeLinear" and n.input[0] not in inits}
+        return {(n.name, k) for n in m.graph.node for k, x in enumerate(n.input) if x in dq}
+
+    assert get_quantized_tensors(mine) == get_quantized_tensors(ptq)
+    assert readers(mine) == readers(ptq)
+
+
+def test_state_roundtrip_and_errors(tmp_path):
+    model = models.residual_block(blocks=2)
+    t = _tuner(model, schemes_per_region=4)
+    _drive(t, _num_q)
+    path = tmp_path / "autotuner_state.yaml"
+    t.save_state(path)
+    assert (tmp_path / "autotuner_state_pattern_cache.yaml").exists()
+    u = _tuner(model, schemes_per_region=4)
+    u.load_state(path)
+    assert u.num_measurements == t.num_measurements
+    assert all(ps.done for ps in u.pattern_schemes.values())
+    for region in u.regions:  # nothing left to generate
+        u.set_profile_region(region, commit=False)
+        assert u.current_profile_pattern_schemes is None
+    other = _tuner(models.residual_block(blocks=2, seed=5))
+    with pytest.raises(StateError, match="different model"):
+        other.load_state(path)
+    path.write_text("patterns: [unclosed")
+    with pytest.raises(StateError, match="corrupt"):
+        u.load_state(path)
+
+
+def test_pattern_cache_distance_cap_and_roundtrip(tmp_path):
+    cache = PatternCache(minimum_distance=2, max_entries_per_pattern=2)
+    a = InsertionScheme(frozenset({InsertionPoint("node_input", 0, 0), InsertionPoint("node_output", 0)}))
+    b = InsertionScheme(frozenset({InsertionPoint("node_input", 0, 0)}))  # distance 1 from a
+    c = InsertionScheme(frozenset(InsertionPoint("node_input", k, 0) for k in (1, 2, 3)))  # distance 4 from b
+    assert cache.add("p", a, 0.9)
+    assert not cache.add("p", b, 0.95)  # near-duplicate, slower: dropped
+    assert cache.add("p", b, 0.8)  # near-duplicate, faster: replaces a
+    assert cache.add("p", c, 0.7) and [e.scheme for e in cache.entries["p"]] == [c, b]
+    cache.save(tmp_path / "c.yaml")
+    loaded = PatternCache.load(tmp_path / "c.yaml")
+    assert loaded.num_patterns == 1 and loaded.schemes_for("p") == [c, b]
+    (tmp_path / "bad.yaml").write_text("patterns: {p: [{schemex: 1}]}")
+    with pytest.raises(StateError, match="corrupt"):
+        PatternCache.load(tmp_path / "bad.yaml")
+
+
+def test_pattern_cache_warm_start_seeds_first():
+    model = models.residual_block(blocks=2)
+    t = _tuner(model, schemes_per_region=6)
+    _drive(t, _num_q)
+    u = QDQAutotuner(model)
+    u.initialize(Config(placement="onnxruntime", activation_type="uint8", schemes_per_region=6), t.pattern_cache,
+                 t.calibration)
+    region = next(r for r in u.regions if u.patterns[r.id].signature in u.pattern_schemes)
+    u.set_profile_region(region, commit=False)
+    u.generate()
+    assert u.pending_scheme.origin == "seed:cache"
+
+
+def test_pattern_signature_ignores_names_but_not_structure():
+    a, b = models.conv_chain(seed=0), models.conv_chain(seed=1)
+    for n in b.graph.node:
+        n.name = "renamed_" + n.name
+    ta, tb = _tuner(a), _tuner(b)
+    sig = [ta.patterns[r.id].signature for r in ta.regions]
+    assert sig == [tb.patterns[r.id].signature for r in tb.regions]
+    assert isinstance(RegionPattern.from_region(ta.regions[0], a).signature, str)
