@@ -33,11 +33,11 @@ def main() -> None:
     args = ap.parse_args()
 
     from quantize_vs_ort import _accuracy, _ort_quantize
-    from tests.conftest import compose
 
     from pipeline.backends import compare_interleaved, create_backend
     from pipeline.data import DataProvider
     from pipeline.graph import input_specs, load_model
+    from tests.conftest import compose
 
     rd = Path(args.results_dir or tempfile.mkdtemp(prefix=f"bench_at_{args.model}_"))
     overrides = [f"model={args.model}", *args.extra]

@@ -9,7 +9,11 @@ alike, which is how candidates are compared against a baseline.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -194,3 +198,28 @@ def compare_interleaved(backend: Backend, model_paths: list[str | Path], rounds:
 
 def specs_of(model_path: str | Path) -> list[InputSpec]:
     return input_specs(load_model(model_path, check=False))
+
+
+@contextlib.contextmanager
+def tensorrt_qdq_view(model_path: Path, note: Callable[[str], None] | None = None) -> Iterator[Path]:
+    """The model as TensorRT can parse it: uint8 asymmetric Q/DQ (ORT's CPU convention) rewritten as
+    symmetric int8 in a temporary copy next to the original (so external data still resolves)."""
+    import onnx
+
+    from pipeline.qdq import has_asymmetric_uint8, to_symmetric_int8
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    if not has_asymmetric_uint8(model):
+        yield model_path
+        return
+    converted, n = to_symmetric_int8(model)
+    fd, tmp = tempfile.mkstemp(prefix=f".{model_path.stem}.s8.", suffix=".onnx", dir=model_path.parent)
+    os.close(fd)
+    try:
+        Path(tmp).write_bytes(converted.SerializeToString())
+        if note is not None:
+            note(f"{model_path.name}: rewrote {n} uint8 asymmetric Q/DQ scale/zero-point pairs as symmetric int8 "
+                 f"(TensorRT takes symmetric int8 only; same placement and calibrated ranges)")
+        yield Path(tmp)
+    finally:
+        Path(tmp).unlink(missing_ok=True)

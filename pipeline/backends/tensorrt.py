@@ -31,7 +31,7 @@ import onnx
 from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_output, atomic_write_text
-from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing, fixed_feeds
+from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing, fixed_feeds, tensorrt_qdq_view
 from pipeline.errors import BackendUnavailable, InputError, StageError
 from pipeline.graph import InputSpec, graph_inputs, has_qdq, input_specs
 
@@ -559,7 +559,8 @@ class TensorRTBackend(Backend):
             self._load_plugins(list(options.plugin_libraries), logger)
             return model_path.read_bytes(), {"source": str(model_path)}, logger
         try:
-            serialized, info = self._build_serialized(model_path, options, logger)
+            with tensorrt_qdq_view(model_path, logger.note) as parse_path:
+                serialized, info = self._build_serialized(parse_path, options, logger)
         except _ParseError as exc:
             where = self._write_log(logger, log_path)
             n = len(exc.errors)

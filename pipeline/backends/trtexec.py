@@ -38,7 +38,7 @@ import onnx
 from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_output, atomic_write_text
-from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing
+from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing, tensorrt_qdq_view
 from pipeline.backends.tensorrt import EngineOptions, parse_layer_info, profile_shapes, specs_at
 from pipeline.errors import BackendUnavailable, InputError, StageError
 from pipeline.graph import InputSpec, has_qdq, model_hash
@@ -412,6 +412,14 @@ class TrtexecBackend(Backend):
         Returns the output and the log path; a failed run raises StageError naming the log, and
         one that finds no GPU raises BackendUnavailable.
         """
+        with tensorrt_qdq_view(Path(run.onnx), lambda msg: log.info("trtexec: %s", msg)) as onnx_path:
+            original, run.onnx = run.onnx, onnx_path
+            try:
+                return self._invoke(run, kind, stem, log_path)
+            finally:
+                run.onnx = original
+
+    def _invoke(self, run: TrtexecRun, kind: str, stem: str, log_path: Path | None) -> tuple[str, Path]:
         argv = run.argv(self._exe())
         if not self.profiling_supported:
             argv = strip_profiling(argv)

@@ -140,13 +140,9 @@ def _remeasure_winners(autotuner: QDQAutotuner, ps: PatternSchemes, benchmark: P
         return
     search = sorted((r for r in ps.records if any(m.ok and not m.remeasure for m in r.measurements)),
                     key=lambda r: (min(m.ratio for m in r.measurements if m.ok and not m.remeasure), r.scheme.key))
-    chosen = search[:REMEASURE_TOP]
-    if ps.baseline_scheme is not None:
-        base = ps.find(ps.baseline_scheme)
-        if base is not None and base not in chosen and base.ok:
-            chosen.append(base)
-    if len(chosen) < 2:
-        return
+    base = ps.find(ps.baseline_scheme) if ps.baseline_scheme is not None else None
+    # always the baseline scheme plus the top others: a fixed number of re-measurements per pattern
+    chosen = ([base] if base is not None and base.ok else []) + [r for r in search if r is not base][:REMEASURE_TOP]
     for rec in chosen:
         if any(m.remeasure for m in rec.measurements):
             continue  # done before an interruption
