@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from pipeline.qdq import ActivationQ, QDQPlan, WeightQ
+from pipeline.qdq import ActivationQ, BiasQ, QDQPlan, WeightQ
 
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 # ops whose Q/DQ ORT drops, running them directly on 8-bit data
@@ -111,16 +111,25 @@ class GraphIndex:
         init = self.inits.get(tensor)
         return None if init is None else onnx.numpy_helper.to_array(init)
 
+    def bias_add(self, node: onnx.NodeProto) -> tuple[onnx.NodeProto, int] | None:
+        """For a MatMul followed only by an Add of a constant (its bias): that Add and the bias slot."""
+        if node.op_type != "MatMul" or node.output[0] in self.graph_outputs:
+            return None
+        cons = self.consumers.get(node.output[0], [])
+        if len(cons) != 1 or cons[0][0].op_type != "Add":
+            return None
+        add = cons[0][0]
+        slots = [i for i, t in enumerate(add.input) if t in self.inits]
+        return (add, slots[0]) if len(slots) == 1 and len(add.input) == 2 else None
+
     def tail(self, node: onnx.NodeProto) -> str:
         """Where the node's output Q goes: after a directly following bias Add (MatMul: ORT fuses
         MatMul+Add into one Gemm) and Relu/Clip (folded into the Q when its zero point is at the
         bottom of the range)."""
         out = node.output[0]
-        if node.op_type == "MatMul":
-            cons = self.consumers.get(out, [])
-            if (len(cons) == 1 and cons[0][0].op_type == "Add" and out not in self.graph_outputs
-                    and any(t in self.constants for t in cons[0][0].input)):
-                out = cons[0][0].output[0]
+        bias = self.bias_add(node)
+        if bias is not None:
+            out = bias[0].output[0]
         while True:
             cons = self.consumers.get(out, [])
             if len(cons) == 1 and cons[0][0].op_type in ACTIVATION_TAILS and out not in self.graph_outputs:
@@ -232,8 +241,37 @@ def tensorrt_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes]) -> QDQPl
     return plan
 
 
+def bias_slot(g: GraphIndex, node: onnx.NodeProto) -> tuple[str, int] | None:
+    """(node name, input index) of a weighted op's bias: Gemm's C, or the constant of a MatMul's bias Add."""
+    if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] in g.inits:
+        return node.name, 2
+    if node.op_type == "MatMul":
+        b = g.bias_add(node)
+        if b is not None:
+            return b[0].name, b[1]
+    return None
+
+
+def int32_bias(g: GraphIndex, node: onnx.NodeProto, act_dtype_: str) -> BiasQ | None:
+    """The int32 bias ORT needs to run a Gemm / MatMul+bias with DQ inputs and a float output as QGemm."""
+    slot = bias_slot(g, node)
+    widx = _weight_inputs(g, node)
+    if slot is None or not widx or act_dtype_ not in ("int8", "uint8"):
+        return None
+    return BiasQ(slot[0], slot[1], node.input[0], act_dtype_, node.name, widx[0])
+
+
 def onnxruntime_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activation_type: str = "uint8") -> QDQPlan:
     g = GraphIndex(model)
+
+    def float_output_ok(node: onnx.NodeProto, r: NodeDtypes) -> bool:
+        return r.weights == "int8" and int32_bias(g, node, act_dtype(r, activation_type)) is not None
+
+    def add_bias(plan: QDQPlan, node: onnx.NodeProto, r: NodeDtypes, dt: str) -> None:
+        b = int32_bias(g, node, dt) if r.weights == "int8" else None
+        if b is not None:
+            plan.biases.append(b)
+
     qnodes: dict[str, NodeDtypes] = {}
     plan_skipped: dict[str, str] = {}
 
@@ -329,9 +367,12 @@ def onnxruntime_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activ
         # bias Add becomes QGemm only with a Q after the Add (else ORT's MatMul+Add fusion leaves a
         # float Gemm behind DQs); a bare MatMul without quantized consumers is better off as
         # MatMulIntegerToFloat (float output, no Q/DQ pair)
-        if op == "MatMul" and out == node.output[0]:
-            if feeds_quantized(out):
+        if op in ("MatMul", "Gemm"):
+            if feeds_quantized(out) or (op == "MatMul" and out != node.output[0] and not float_output_ok(node, r)):
                 want(out, dt, output=True)
+            elif out != node.output[0] or op == "Gemm":
+                # no quantized consumer: a float-output QGemm, which needs the bias as an int32 DQ
+                add_bias(plan, node, r, dt)
         elif op in PASS_THROUGH_OPS:
             if feeds_quantized(out):
                 want(out, dt, output=True)

@@ -1,9 +1,10 @@
 """Q/DQ insertion shared by quantize and autotune.
 
-A ``QDQPlan`` says what to quantize: activation tensors (for all or some of their consumers) and
-weights (per output channel). Biases stay float: TensorRT rejects int32 DequantizeLinear inputs, and
-ORT's CPU EP quantizes float biases itself when it fuses QLinearConv/QGemm (same fused graph,
-checked on ORT 1.31), so one Q/DQ model serves both runtimes. ``apply_plan`` writes QuantizeLinear /
+A ``QDQPlan`` says what to quantize: activation tensors (for all or some of their consumers),
+weights (per output channel) and, where a runtime needs them, int32 biases. ORT's CPU EP fuses a
+Gemm (or MatMul + bias Add) with DQ inputs and no Q on its output into a float-output QGemm only
+when the bias also comes from an int32 DequantizeLinear; with a Q on the output it quantizes a
+float bias itself. TensorRT rejects int32 DQ, so its backends fold them back to float biases. ``apply_plan`` writes QuantizeLinear /
 DequantizeLinear nodes into a copy of a float model with scales from a ``Calibration``:
 
 - zero-point dtype always equals the quantized dtype (int8, uint8, float8e4m3fn, float8e5m2);
@@ -150,10 +151,25 @@ class WeightQ:
     axis: int | None
 
 
+@dataclass(frozen=True)
+class BiasQ:
+    """int32 bias at ``node``'s input ``input_index`` (a Gemm's C or a bias Add's constant), with
+    scale = scale of ``activation`` x per-channel scales of weight input ``weight_index`` of
+    ``weight_node``."""
+
+    node: str
+    input_index: int
+    activation: str
+    activation_dtype: str
+    weight_node: str
+    weight_index: int
+
+
 @dataclass
 class QDQPlan:
     activations: list[ActivationQ] = field(default_factory=list)
     weights: list[WeightQ] = field(default_factory=list)
+    biases: list[BiasQ] = field(default_factory=list)
     # node name -> rule description, for logs and tests
     node_rules: dict[str, str] = field(default_factory=dict)
     # node name -> why a node its rule would quantize was left float
@@ -316,6 +332,7 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
             rewired[(node_name, idx)] = dq_out
 
     # -- weights: stored quantized, followed by a DequantizeLinear
+    weight_scales: dict[tuple[str, int], QuantParams] = {}
     for w in plan.weights:
         node = nodes[w.node]
         name = node.input[w.input_index]
@@ -324,6 +341,7 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
             raise ValueError(f"weight input {w.input_index} of node {w.node} ({name}) is not an initializer")
         values = numpy_helper.to_array(init).astype(np.float32)
         p = weight_params(values, w.axis, w.dtype)
+        weight_scales[(w.node, w.input_index)] = p
         ft = init.data_type if init.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16) \
             else default_float_type
         base = unique(f"{name}_{w.node}" if len(consumers.get(name, [])) > 1 else name)
@@ -335,6 +353,31 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
         new_nodes.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [dq_out],
                                           name=unique(f"{base}_DequantizeLinear"), **attrs))
         node.input[w.input_index] = dq_out
+
+    # -- int32 biases (scale = activation scale x per-channel weight scale, zero point 0)
+    for b in plan.biases:
+        node = nodes[b.node]
+        name = node.input[b.input_index]
+        init = inits.get(name)
+        wp = weight_scales.get((b.weight_node, b.weight_index))
+        if init is None or wp is None or not wp.dtype == "int8":
+            continue
+        ap = calibration.params(b.activation, b.activation_dtype)
+        scale = (np.float32(ap.scale) * np.asarray(wp.scale, np.float32)).astype(np.float32).reshape(-1)
+        values = numpy_helper.to_array(init).astype(np.float64).reshape(-1)
+        if scale.size not in (1, values.size):
+            continue
+        q = np.clip(np.rint(values / scale), -(2**31), 2**31 - 1).astype(np.int32)
+        base = unique(f"{name}_{b.node}")
+        q_name, s_name, z_name, dq_out = (unique(f"{base}_quantized"), unique(f"{base}_scale"),
+                                          unique(f"{base}_zero_point"), unique(f"{base}_dequantized"))
+        scale = np.broadcast_to(scale, values.shape).astype(np.float32)
+        new_inits += [numpy_helper.from_array(q.reshape(numpy_helper.to_array(init).shape), q_name),
+                      _scalar_or_vector(s_name, scale, init.data_type),
+                      numpy_helper.from_array(np.zeros(scale.shape, np.int32), z_name)]
+        new_nodes.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [dq_out],
+                                          name=unique(f"{base}_DequantizeLinear"), axis=0))
+        node.input[b.input_index] = dq_out
 
     graph.initializer.extend(new_inits)
     graph.node.extend(new_nodes)
@@ -358,6 +401,34 @@ def qdq_summary(model: onnx.ModelProto) -> dict[str, int]:
     q = sum(n.op_type == "QuantizeLinear" for n in model.graph.node)
     dq = sum(n.op_type == "DequantizeLinear" for n in model.graph.node)
     return {"QuantizeLinear": q, "DequantizeLinear": dq}
+
+
+def fold_int32_biases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """Replace DequantizeLinear nodes of int32 initializers (ORT-style biases) by float initializers."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    inits = {i.name: i for i in out.graph.initializer}
+    keep, count = [], 0
+    for n in out.graph.node:
+        if n.op_type == "DequantizeLinear" and n.input[0] in inits and inits[n.input[0]].data_type == TensorProto.INT32:
+            q = numpy_helper.to_array(inits[n.input[0]]).astype(np.float64)
+            s = numpy_helper.to_array(inits[n.input[1]])
+            axis = next((a.i for a in n.attribute if a.name == "axis"), 1)
+            if s.ndim == 1 and q.ndim > 0:
+                shape = [1] * q.ndim
+                shape[axis if axis >= 0 else q.ndim + axis] = -1
+                s = s.reshape(shape)
+            out.graph.initializer.append(numpy_helper.from_array((q * s).astype(s.dtype), n.output[0]))
+            count += 1
+        else:
+            keep.append(n)
+    del out.graph.node[:]
+    out.graph.node.extend(keep)
+    used = {i for n in out.graph.node for i in n.input}
+    live = [i for i in out.graph.initializer if i.name in used]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(live)
+    return out, count
 
 
 def has_asymmetric_uint8(model: onnx.ModelProto) -> bool:

@@ -202,24 +202,29 @@ def specs_of(model_path: str | Path) -> list[InputSpec]:
 
 @contextlib.contextmanager
 def tensorrt_qdq_view(model_path: Path, note: Callable[[str], None] | None = None) -> Iterator[Path]:
-    """The model as TensorRT can parse it: uint8 asymmetric Q/DQ (ORT's CPU convention) rewritten as
-    symmetric int8 in a temporary copy next to the original (so external data still resolves)."""
+    """The model as TensorRT can parse it: ORT's CPU conventions (uint8 asymmetric Q/DQ, int32 bias
+    DQs) rewritten as symmetric int8 and float biases in a temporary copy next to the original (so
+    external data still resolves)."""
     import onnx
 
-    from pipeline.qdq import has_asymmetric_uint8, to_symmetric_int8
+    from pipeline.qdq import fold_int32_biases, has_asymmetric_uint8, to_symmetric_int8
 
     model = onnx.load(str(model_path), load_external_data=False)
-    if not has_asymmetric_uint8(model):
+    converted, nb = fold_int32_biases(model)
+    n = 0
+    if has_asymmetric_uint8(converted):
+        converted, n = to_symmetric_int8(converted)
+    if n == 0 and nb == 0:
         yield model_path
         return
-    converted, n = to_symmetric_int8(model)
     fd, tmp = tempfile.mkstemp(prefix=f".{model_path.stem}.s8.", suffix=".onnx", dir=model_path.parent)
     os.close(fd)
     try:
         Path(tmp).write_bytes(converted.SerializeToString())
         if note is not None:
             note(f"{model_path.name}: rewrote {n} uint8 asymmetric Q/DQ scale/zero-point pairs as symmetric int8 "
-                 f"(TensorRT takes symmetric int8 only; same placement and calibrated ranges)")
+                 f"and {nb} int32 bias DQs as float biases (TensorRT takes symmetric int8 only; same placement "
+                 f"and calibrated ranges)")
         yield Path(tmp)
     finally:
         Path(tmp).unlink(missing_ok=True)

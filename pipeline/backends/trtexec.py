@@ -412,6 +412,8 @@ class TrtexecBackend(Backend):
         Returns the output and the log path; a failed run raises StageError naming the log, and
         one that finds no GPU raises BackendUnavailable.
         """
+        if run.onnx is None:  # running a saved engine
+            return self._invoke(run, kind, stem, log_path)
         with tensorrt_qdq_view(Path(run.onnx), lambda msg: log.info("trtexec: %s", msg)) as onnx_path:
             original, run.onnx = run.onnx, onnx_path
             try:

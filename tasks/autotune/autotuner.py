@@ -46,6 +46,7 @@ from pipeline.placement import (
     NodeDtypes,
     _weight_inputs,
     act_dtype,
+    int32_bias,
     weight_axis,
 )
 from pipeline.qdq import ActivationQ, Calibration, QDQPlan, WeightQ, apply_plan
@@ -376,6 +377,11 @@ class QDQAutotunerBase:
             for i in _weight_inputs(g, node):
                 w = g.weight_array(node.input[i])
                 plan.weights.append(WeightQ(name, i, d.weights, weight_axis(node, i, w)))
+            if (self.config.placement == "onnxruntime" and d.weights == "int8" and node.op_type in ("MatMul", "Gemm")
+                    and g.tail(node) not in outputs_q):
+                b = int32_bias(g, node, act_dtype(d, self.config.activation_type))
+                if b is not None:
+                    plan.biases.append(b)  # float-output QGemm (see pipeline.placement.int32_bias)
         # data-movement ops with both sides quantized keep their input's scale so ORT drops the pair
         for node in nodes:
             if node.op_type in PASS_THROUGH_OPS and node.output and node.output[0] in outputs_q \
