@@ -251,7 +251,7 @@ class QDQAutotunerBase:
         ranked = self._ranked(ps)
         if ranked:
             best = ranked[0].scheme
-            for grp in groups:  # coordinate descent: flip one fused group of the best scheme
+            for grp in self._toggle_order(ps, groups, best):  # coordinate descent: flip one fused group
                 pts = set(best.points)
                 if set(grp) <= pts:
                     pts -= set(grp)
@@ -279,6 +279,25 @@ class QDQAutotunerBase:
             if s not in tried:
                 return self._add(ps, s, "mutation")
         return -1
+
+    # binary elementwise groups decide fusions like Conv+Add / QLinearAdd vs SkipLayerNorm, weighted
+    # ops carry the compute; data movement rarely matters: try toggles in that order
+    _TOGGLE_PRIORITY = {"Add": 0, "Mul": 0, "Concat": 0, "Conv": 1, "ConvTranspose": 1, "Gemm": 1, "MatMul": 1,
+                        "AveragePool": 2, "GlobalAveragePool": 2}
+
+    def _toggle_order(self, ps: PatternSchemes, groups: list[tuple[InsertionPoint, ...]],
+                      best: InsertionScheme) -> list[tuple[InsertionPoint, ...]]:
+        """Additions before removals (the baseline already quantizes what usually pays), then by op."""
+        r0 = self.pattern_regions[ps.pattern][0]
+        ops = self.patterns[r0.id].op_types
+
+        def key(grp: tuple[InsertionPoint, ...]) -> tuple[int, int, int]:
+            p = grp[0]
+            op = ops[p.index] if p.kind in ("node_input", "node_output") and p.index < len(ops) else ""
+            adding = 0 if not set(grp) <= best.points else 1
+            return adding, self._TOGGLE_PRIORITY.get(op, 3), p.index
+
+        return sorted(groups, key=key)
 
     def _add(self, ps: PatternSchemes, scheme: InsertionScheme, origin: str) -> int:
         rec = SchemeRecord(scheme, origin)

@@ -4,7 +4,9 @@ These machines drift in phases (the same model measured 52 ms and 36 ms seconds 
 absolute latency says little. The float baseline stays loaded for the whole run; a candidate is
 measured in alternating blocks with it (one untimed run after each switch, since the previous
 session's spinning threads slow the first run), and the result is the ratio of their low
-percentiles (p10), which held up best here. Identical models (by content hash) are measured once.
+percentiles, which held up best here: each round keeps the fastest run of a short block per model,
+and the result is the median over rounds of the per-round candidate/baseline ratios. Identical
+models (by content hash) are measured once.
 """
 
 from __future__ import annotations
@@ -78,18 +80,21 @@ class PairedBenchmark:
             return Measurement.failed(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         try:
             cand.time_runs(self.warmup_runs)
-            ref_s: list[float] = []
-            cand_s: list[float] = []
+            ref_min: list[float] = []
+            cand_min: list[float] = []
             for r in range(rounds):
-                pair = [(ref, ref_s), (cand, cand_s)] if r % 2 == 0 else [(cand, cand_s), (ref, ref_s)]
-                for pm, samples in pair:
+                pair = [(ref, ref_min), (cand, cand_min)] if r % 2 == 0 else [(cand, cand_min), (ref, ref_min)]
+                for pm, mins in pair:
                     pm.time_runs(1)
-                    samples.extend(pm.time_runs(self.runs_per_round))
+                    mins.append(min(pm.time_runs(self.runs_per_round)))
         except Exception as exc:  # noqa: BLE001
             return Measurement.failed(f"{type(exc).__name__}: {exc}")
         finally:
             cand.close()
-        c10, r10 = float(np.percentile(cand_s, 10)), float(np.percentile(ref_s, 10))
-        if not (math.isfinite(c10) and math.isfinite(r10)) or r10 <= 0:
+        # per round: the best run of each short block (spikes removed); across rounds: the median of
+        # the candidate/reference ratios, so a slow phase that hits one round does not decide
+        ratios = [c / r for c, r in zip(cand_min, ref_min, strict=True) if r > 0]
+        if not ratios or not all(math.isfinite(x) for x in ratios):
             return Measurement.failed("non-finite timing")
-        return Measurement(latency_ms=c10, ratio=c10 / r10, reference_ms=r10)
+        return Measurement(latency_ms=float(np.median(cand_min)), ratio=float(np.median(ratios)),
+                           reference_ms=float(np.median(ref_min)))

@@ -33,7 +33,7 @@ class DqDtype(str, Enum):
 
 # preset -> (schemes_per_region, warmup_runs, timing_runs); explicit keys override the preset
 PRESETS: dict[str, tuple[int, int, int]] = {
-    "quick": (8, 3, 20),
+    "quick": (12, 3, 24),
     "default": (30, 5, 40),
     "extensive": (80, 10, 100),
 }
