@@ -221,12 +221,12 @@ class QDQAutotunerBase:
 
     def _seeds(self, ps: PatternSchemes) -> list[tuple[InsertionScheme, str]]:
         seeds: list[tuple[InsertionScheme, str]] = []
-        if ps.baseline_scheme is not None:
-            seeds.append((ps.baseline_scheme, "seed:baseline"))
-        if self.pattern_cache is not None:
+        if self.pattern_cache is not None:  # measured winners from an earlier run come first
             cand = set(ps.candidates)
             for s in self.pattern_cache.schemes_for(ps.pattern):
                 seeds.append((InsertionScheme(frozenset(p for p in s.points if p in cand)), "seed:cache"))
+        if ps.baseline_scheme is not None:
+            seeds.append((ps.baseline_scheme, "seed:baseline"))
         seeds.append((InsertionScheme(), "seed:none"))
         seeds.append((InsertionScheme(frozenset(ps.candidates)), "seed:all"))
         return seeds

@@ -1,0 +1,75 @@
+"""Warm start: a sibling model tuned with another run's pattern cache needs fewer schemes.
+
+Tunes model A (bert_tiny, 2 layers), then its sibling B (3 layers: the same patterns, one more
+layer) twice: cold, and warm with A's autotuner_state_pattern_cache.yaml. For each run it prints the
+measurements made and, per pattern, how many schemes were measured before the scheme that was
+finally committed was first measured ("schemes to reach the final placement"); then the two final
+models of B are measured side by side to show they reach the same latency.
+
+    python bench/pattern_cache_warm_start.py
+    python bench/pattern_cache_warm_start.py --extra model.batch_size=8
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def tune(rd: Path, overrides: list[str]) -> None:
+    subprocess.run([sys.executable, "-m", "pipeline.cli", "stages=[export,quantize,autotune]", f"results_dir={rd}",
+                    "progress=false", *overrides], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+
+
+def counts(rd: Path) -> tuple[int, int]:
+    """(measurements in total, schemes measured until the committed one was first measured)."""
+    doc = yaml.safe_load((rd / "autotune" / "autotuner_state.yaml").read_text())
+    total = reach = 0
+    for p in doc["patterns"].values():
+        recs = p["records"]
+        total += sum(len(r["measurements"]) for r in recs)
+        best = p.get("best")
+        idx = next((i for i, r in enumerate(recs) if r["scheme"] == best), len(recs) - 1)
+        reach += idx + 1
+    return total, reach
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--extra", nargs="*", default=[], help="more tune overrides for all runs")
+    ap.add_argument("--root", default=None)
+    args = ap.parse_args()
+    root = Path(args.root or tempfile.mkdtemp(prefix="bench_cache_"))
+    common = ["model=bert_tiny", "autotune.preset=quick", *args.extra]
+    a, cold, warm = root / "a", root / "b_cold", root / "b_warm"
+    tune(a, [*common, "model.num_layers=2"])
+    cache = a / "autotune" / "autotuner_state_pattern_cache.yaml"
+    tune(cold, [*common, "model.num_layers=3"])
+    tune(warm, [*common, "model.num_layers=3", f"autotune.pattern_cache={cache}"])
+
+    from pipeline.backends import compare_interleaved, create_backend
+    from tests.conftest import compose
+
+    backend = create_backend(compose([*common, "model.num_layers=3"]).backend)
+    t_float, t_cold, t_warm = compare_interleaved(
+        backend, [cold / "export" / "model.onnx", cold / "autotune" / "optimized_final.onnx",
+                  warm / "autotune" / "optimized_final.onnx"], rounds=10, runs_per_round=20)
+    (c_total, c_reach), (w_total, w_reach) = counts(cold), counts(warm)
+    print(f"\nsibling model B = bert_tiny 3 layers {' '.join(args.extra)}; cache from A = 2 layers ({cache})")
+    print(f"{'run':10s} {'measurements':>13s} {'schemes to reach final':>23s} {'final p10 ms':>13s} {'vs float':>9s}")
+    print(f"{'cold':10s} {c_total:13d} {c_reach:23d} {t_cold.p10_ms:13.3f} {t_float.p10_ms / t_cold.p10_ms:8.2f}x")
+    print(f"{'warm':10s} {w_total:13d} {w_reach:23d} {t_warm.p10_ms:13.3f} {t_float.p10_ms / t_warm.p10_ms:8.2f}x")
+    print(f"\nwarm start reached its final placement after {w_reach} schemes instead of {c_reach} "
+          f"({c_reach / max(w_reach, 1):.1f}x fewer); final latency warm/cold = {t_warm.p10_ms / t_cold.p10_ms:.3f}")
+
+
+if __name__ == "__main__":
+    main()
