@@ -316,6 +316,11 @@ def _unknown_keys(node: Any, path: str) -> list[str]:
     return out
 
 
+def enum_value(v: Any) -> str:
+    """The string of an enum config value (OmegaConf hands enums back as Enum members)."""
+    return v.value if isinstance(v, Enum) else str(v)
+
+
 def resolved_data_source(cfg: DictConfig) -> str:
     """`data.source` with `auto` resolved from the model."""
     src = cfg.data.source

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from pipeline.config import enum_value
 from pipeline.qdq import ActivationQ, BiasQ, QDQPlan, WeightQ
 
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -52,8 +53,6 @@ class NodeDtypes:
     rule: str
 
 
-def _enum(v: object) -> str:
-    return v.value if hasattr(v, "value") else str(v)
 
 
 def resolve_rules(model: onnx.ModelProto, layers: Iterable, skip_names: Iterable[str] = (),
@@ -71,8 +70,8 @@ def resolve_rules(model: onnx.ModelProto, layers: Iterable, skip_names: Iterable
         for i, rule in enumerate(rules):
             pat = str(rule["module_name"] if isinstance(rule, dict) else rule.module_name)
             if pat == "*" or pat == node.op_type or fnmatch.fnmatchcase(node.name, pat):
-                w = _enum(rule["weights"]["dtype"] if isinstance(rule, dict) else rule.weights.dtype)
-                a = _enum(rule["activations"]["dtype"] if isinstance(rule, dict) else rule.activations.dtype)
+                w = enum_value(rule["weights"]["dtype"] if isinstance(rule, dict) else rule.weights.dtype)
+                a = enum_value(rule["activations"]["dtype"] if isinstance(rule, dict) else rule.activations.dtype)
                 if a != "native" or w != "native":
                     out[node.name] = NodeDtypes(w, a, f"layers[{i}] ({pat})")
                 break

@@ -93,6 +93,11 @@ def _uniform_dtypes(model: onnx.ModelProto, quant_type: str) -> dict[str, NodeDt
     return {n.name: NodeDtypes(dt, dt, f"autotune quant_type={quant_type}") for n in model.graph.node}
 
 
+def _flip(points: set[InsertionPoint], group: tuple[InsertionPoint, ...]) -> set[InsertionPoint]:
+    """Remove a fused group that is fully in ``points``, else add all of it."""
+    return points - set(group) if set(group) <= points else points | set(group)
+
+
 class QDQAutotunerBase:
     """Search machinery over a given list of regions (subclasses choose the regions)."""
 
@@ -252,12 +257,7 @@ class QDQAutotunerBase:
         if ranked:
             best = ranked[0].scheme
             for grp in self._toggle_order(ps, groups, best):  # coordinate descent: flip one fused group
-                pts = set(best.points)
-                if set(grp) <= pts:
-                    pts -= set(grp)
-                else:
-                    pts |= set(grp)
-                s = InsertionScheme(frozenset(pts))
+                s = InsertionScheme(frozenset(_flip(set(best.points), grp)))
                 if s not in tried:
                     return self._add(ps, s, "toggle")
         if not groups:
@@ -271,10 +271,7 @@ class QDQAutotunerBase:
             parent = rng.choice(pool).scheme
             pts = set(parent.points)
             for grp in rng.sample(groups, k=min(len(groups), rng.randint(1, self.config.maximum_mutations))):
-                if set(grp) <= pts:
-                    pts -= set(grp)
-                else:
-                    pts |= set(grp)
+                pts = _flip(pts, grp)
             s = InsertionScheme(frozenset(pts))
             if s not in tried:
                 return self._add(ps, s, "mutation")

@@ -9,16 +9,13 @@ regions) and the region tree. By default regions without a quantizable op are le
 (they are still counted); ``--include-all-regions`` lists them too. ``--verbose`` adds every node's
 op type and name and the boundary tensor names.
 
-Patterns come from ``tasks.autotune.pattern.RegionPattern`` when it is importable, so the count is
-the one the autotuner will see; otherwise a local signature (op types, attributes, internal edges in
-a canonical order) stands in.
+Patterns come from ``tasks.autotune.pattern.RegionPattern``, so the count is the one the autotuner
+will see.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import heapq
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -29,75 +26,15 @@ import onnx
 from pipeline.errors import PipelineError
 from pipeline.graph import load_model
 from pipeline.placement import QUANTIZABLE_OPS, GraphIndex
+from tasks.autotune.pattern import RegionPattern
 from tasks.autotune.region import Region, RegionType
 from tasks.autotune.region_search import CombinedRegionSearch
-
-try:
-    from tasks.autotune.pattern import RegionPattern
-except ImportError:  # pattern module not available: fall back to the local signature below
-    RegionPattern = None  # type: ignore[assignment,misc]
 
 PROG = "region_inspect"
 
 
-def _attrs(node: onnx.NodeProto) -> str:
-    parts = []
-    for a in sorted(node.attribute, key=lambda a: a.name):
-        if a.type == onnx.AttributeProto.TENSOR:
-            v: object = ("tensor", a.t.data_type)  # payload and shape are data, not structure
-        elif a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
-            v = "graph"
-        else:
-            v = onnx.helper.get_attribute_value(a)
-        parts.append(f"{a.name}={v!r}")
-    return ",".join(parts)
-
-
-def _local_signature(region: Region, model: onnx.ModelProto, g: GraphIndex) -> str:
-    """Op types, attributes and internal edges in a canonical topological order (ties by op type,
-    attributes, then graph order); names and shapes are left out."""
-    nodes = model.graph.node
-    members = region.all_nodes()
-    made = {o: i for i in members for o in nodes[i].output}
-    deps = {i: {made[t] for t in nodes[i].input if t in made} - {i} for i in members}
-    users: dict[int, list[int]] = {i: [] for i in members}
-    for i, ds in deps.items():
-        for d in ds:
-            users[d].append(i)
-    key = {i: (nodes[i].op_type, _attrs(nodes[i]), i) for i in members}
-    indeg = {i: len(ds) for i, ds in deps.items()}
-    ready = [key[i] for i in members if indeg[i] == 0]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        *_, i = heapq.heappop(ready)
-        order.append(i)
-        for u in users[i]:
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                heapq.heappush(ready, key[u])
-    pos = {i: k for k, i in enumerate(order)}
-    parts = []
-    for i in order:
-        ins = []
-        for t in nodes[i].input:
-            if not t:
-                ins.append("-")
-            elif t in made:
-                src = made[t]
-                ins.append(f"n{pos[src]}.{list(nodes[src].output).index(t)}")
-            else:
-                ins.append("c" if t in g.constants else "b")
-        parts.append(f"{nodes[i].op_type}[{key[i][1]}]({' '.join(ins)})")
-    shape = [sorted(pos[i] for i in c.all_nodes()) for c in region.children]
-    text = "|".join(parts) + f"#{sorted(shape)}@{region.type.value}"
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
 def _signature(region: Region, model: onnx.ModelProto, g: GraphIndex) -> str:
-    if RegionPattern is not None:
-        return RegionPattern.from_region(region, model, g).signature
-    return _local_signature(region, model, g)
+    return RegionPattern.from_region(region, model, g).signature
 
 
 def _quantizable(region: Region, model: onnx.ModelProto) -> bool:
@@ -171,7 +108,7 @@ def inspect_model(path: str | Path, verbose: bool = False, max_sequence_size: in
         for size in sorted(hist):
             bar = "#" * max(1, round(30 * hist[size] / peak))
             lines.append(f"  {size:>4}: {bar} {hist[size]}")
-    source = "tasks.autotune.pattern" if RegionPattern is not None else "local signature"
+    source = "tasks.autotune.pattern"
     lines.append(f"Unique patterns: {len(uses)} among {len(root.children)} top-level regions "
                  f"({len(all_sigs)} among all {len(regions)} regions; {source})")
     hidden = len(regions) - len(shown)

@@ -23,6 +23,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pipeline.backends import compare_interleaved, create_backend
+from pipeline.config import enum_value
 from pipeline.errors import StageError
 from pipeline.graph import load_model, model_hash, save_model
 from pipeline.placement import resolve_rules
@@ -34,8 +35,6 @@ from tasks.autotune.config import PRESETS
 log = logging.getLogger("tune.autotune")
 
 
-def _enum(v: Any) -> str:
-    return v.value if hasattr(v, "value") else str(v)
 
 
 def _node_filters(entries: list[str]) -> list[str]:
@@ -55,7 +54,7 @@ def _node_filters(entries: list[str]) -> list[str]:
 def settings(cfg: DictConfig) -> tuple[int, int, int]:
     """(schemes_per_region, warmup_runs, timing_runs): the preset, overridden by explicit keys."""
     a = cfg.autotune
-    s, w, t = PRESETS[_enum(a.preset)]
+    s, w, t = PRESETS[enum_value(a.preset)]
     return (a.schemes_per_region or s, a.warmup_runs if a.warmup_runs is not None else w,
             a.timing_runs or t)
 
@@ -63,9 +62,9 @@ def settings(cfg: DictConfig) -> tuple[int, int, int]:
 def quant_type_of(cfg: DictConfig) -> str:
     """autotune.quant_type, defaulting from the quantize stage's first rule."""
     if cfg.autotune.quant_type is not None:
-        return _enum(cfg.autotune.quant_type)
+        return enum_value(cfg.autotune.quant_type)
     for rule in cfg.quantize.layers:
-        dt = _enum(rule.activations.dtype)
+        dt = enum_value(rule.activations.dtype)
         if dt != "native":
             return "fp8" if dt.startswith("fp8") else "int8"
     return "int8"
@@ -85,7 +84,7 @@ class AutotuneStage(Stage):
 
         cfg = ctx.cfg
         a = cfg.autotune
-        if _enum(a.mode) != "region":
+        if enum_value(a.mode) != "region":
             raise StageError("autotune.mode=subgraph is not built yet in this version of qdq-tune; "
                              "use autotune.mode=region")
         out = ctx.stage_dir("autotune")
@@ -108,7 +107,7 @@ class AutotuneStage(Stage):
             raise StageError("autotune: the quantize rules leave every node float (quantize=none?); set "
                              "autotune.quant_type=int8 to tune anyway")
         config = Config(
-            default_quant_type=quant_type, default_dq_dtype=_enum(a.default_dq_dtype),
+            default_quant_type=quant_type, default_dq_dtype=enum_value(a.default_dq_dtype),
             default_q_scale=float(a.default_q_scale), default_q_zero_point=int(a.default_q_zero_point),
             top_percent_to_mutate=float(a.top_percent_to_mutate),
             minimum_schemes_to_mutate=int(a.minimum_schemes_to_mutate), maximum_mutations=int(a.maximum_mutations),

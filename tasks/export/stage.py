@@ -16,7 +16,7 @@ import onnx
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.artifacts import atomic_output, fingerprint
-from pipeline.config import section
+from pipeline.config import enum_value, section
 from pipeline.errors import ConfigError, InputError, StageError
 from pipeline.graph import (
     ensure_node_names,
@@ -32,8 +32,6 @@ from pipeline.stage import Stage, StageContext, StageResult
 log = logging.getLogger("tune.export")
 
 
-def _enum(v: Any) -> str:
-    return v.value if hasattr(v, "value") else str(v)
 
 
 class ExportStage(Stage):
@@ -99,7 +97,7 @@ class ExportStage(Stage):
         module, example, in_names, out_names = self._build(ctx, mcfg, out_dir, metrics)
         module.eval()
         opset = int(mcfg.opset)
-        exporter = _enum(mcfg.exporter)
+        exporter = enum_value(mcfg.exporter)
         with atomic_output(out) as tmp, torch.no_grad():
             kwargs: dict[str, Any] = dict(input_names=in_names, output_names=out_names, opset_version=opset)
             try:

@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.backends import create_backend
+from pipeline.config import enum_value
 from pipeline.errors import StageError
 from pipeline.graph import check_onnx_path
 from pipeline.stage import Stage, StageContext, StageResult
@@ -27,8 +28,6 @@ MODEL_KEYS = ("autotune/optimized_final.onnx", "quantize/quantized_model.onnx", 
 ONNX_FILE_KEY = "gen_trt_engine.onnx_file"
 
 
-def _enum(v: Any) -> str:
-    return v.value if hasattr(v, "value") else str(v)
 
 
 def _shapes(node: Any) -> dict[str, list[int]]:
@@ -81,7 +80,7 @@ class GenTrtEngineStage(Stage):
         timing_cache = t.get("timing_cache") or cfg.backend.get("timing_cache")
         plugins = [*(cfg.backend.get("plugin_libraries") or []), *(t.get("plugin_libraries") or [])]
         return EngineOptions(
-            data_type=_enum(t.data_type), workspace_mb=int(t.workspace_size),
+            data_type=enum_value(t.data_type), workspace_mb=int(t.workspace_size),
             min_batch=int(t.min_batch_size), opt_batch=int(t.opt_batch_size), max_batch=int(t.max_batch_size),
             min_shapes=_shapes(t.min_shapes), opt_shapes=_shapes(t.opt_shapes), max_shapes=_shapes(t.max_shapes),
             timing_cache=Path(to_absolute_path(str(timing_cache))) if timing_cache else None,

@@ -18,6 +18,7 @@ import onnx
 from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_write_json
+from pipeline.config import enum_value
 from pipeline.data import DataProvider
 from pipeline.errors import StageError
 from pipeline.graph import input_specs, load_model, save_model
@@ -38,21 +39,19 @@ from pipeline.stage import Stage, StageContext, StageResult
 log = logging.getLogger("tune.quantize")
 
 
-def _enum(v: Any) -> str:
-    return v.value if hasattr(v, "value") else str(v)
 
 
 def placement_kind(cfg: DictConfig) -> str:
     """`quantize.placement`, with `auto` resolved from the backend."""
-    kind = _enum(cfg.quantize.placement)
+    kind = enum_value(cfg.quantize.placement)
     if kind != "auto":
         return kind
-    return "onnxruntime" if _enum(cfg.backend.name) == "onnxruntime" else "tensorrt"
+    return "onnxruntime" if enum_value(cfg.backend.name) == "onnxruntime" else "tensorrt"
 
 
 def activation_type(cfg: DictConfig) -> str:
     """int8 activations are stored as uint8 (asymmetric) for ORT's CPU kernels, int8 otherwise."""
-    t = _enum(cfg.quantize.activation_type)
+    t = enum_value(cfg.quantize.activation_type)
     if t != "auto":
         return t
     return "uint8" if placement_kind(cfg) == "onnxruntime" else "int8"
@@ -87,7 +86,7 @@ def calibration_document(stats: dict[str, dict], model: onnx.ModelProto, cfg: Di
         tensors[name] = rec
     return {
         "version": 1,
-        "algorithm": _enum(cfg.quantize.algorithm),
+        "algorithm": enum_value(cfg.quantize.algorithm),
         "percentile": float(cfg.quantize.percentile),
         "batches": int(cfg.quantize.calibration.batches),
         "tensors": tensors,
@@ -143,14 +142,14 @@ class QuantizeStage(Stage):
         from tasks.quantize._calibrate import collect
 
         t0 = time.time()
-        stats = collect(model, batches, _enum(q.algorithm), float(q.percentile), int(q.calibration.num_bins),
+        stats = collect(model, batches, enum_value(q.algorithm), float(q.percentile), int(q.calibration.num_bins),
                         physical_cores(), progress)
         calib_seconds = time.time() - t0
         doc = calibration_document(stats, model, cfg)
         atomic_write_json(out_calib, doc)
         samples = next(iter(stats.values()))["samples"] if stats else 0
         log.info("calibrated %d tensors on %d samples with %s in %.1f s", len(stats), samples,
-                 _enum(q.algorithm), calib_seconds)
+                 enum_value(q.algorithm), calib_seconds)
 
         kind = placement_kind(cfg)
         act_type = activation_type(cfg)
@@ -177,7 +176,7 @@ class QuantizeStage(Stage):
         self._log_rules(model, plan, rules, act_type)
         counts = qdq_summary(qmodel)
         dtypes = Counter(a.dtype for a in plan.activations) + Counter(w.dtype for w in plan.weights)
-        headline = (f"{_enum(q.algorithm)} calibration, {kind} placement: {len(plan.node_rules)} nodes quantized "
+        headline = (f"{enum_value(q.algorithm)} calibration, {kind} placement: {len(plan.node_rules)} nodes quantized "
                     f"({', '.join(f'{k} x{v}' for k, v in sorted(dtypes.items()))}), "
                     f"{counts['QuantizeLinear']} Q / {counts['DequantizeLinear']} DQ")
         log.info("wrote %s (%s)", out_model, headline)
