@@ -95,6 +95,9 @@ class SchemeRecord:
                    [Measurement.from_dict(m) for m in d.get("measurements", [])])
 
 
+WIN_MARGIN = 0.02
+
+
 @dataclass
 class PatternSchemes:
     """Everything tried for one pattern: the candidate points, every scheme with its measurements,
@@ -104,18 +107,28 @@ class PatternSchemes:
     candidates: list[InsertionPoint] = field(default_factory=list)
     records: list[SchemeRecord] = field(default_factory=list)
     baseline_scheme: InsertionScheme | None = None
+    incumbent: InsertionScheme | None = None  # what the finalists dueled against
     best: InsertionScheme | None = None
     done: bool = False
     generation_attempts: int = 0
 
     @property
     def best_scheme(self) -> SchemeRecord | None:
-        """Best by ratio; once winners were re-measured, only re-measured schemes compete (a scheme
-        measured once would win on its lucky draw)."""
+        """Best by ratio; once finalists dueled the incumbent, only they and the incumbent compete (a
+        scheme measured once would win on its lucky draw), and a challenger must beat the incumbent
+        by WIN_MARGIN."""
         good = [r for r in self.records if r.ok]
-        remeasured = [r for r in good if any(m.remeasure and m.ok for m in r.measurements)]
-        pool = remeasured or good
-        return min(pool, key=lambda r: (r.ratio, r.scheme.key)) if pool else None
+        inc = self.find(self.incumbent) if self.incumbent is not None else None
+        finalists = [r for r in good if any(m.remeasure and m.ok for m in r.measurements)]
+        if inc is not None and inc.ok and inc not in finalists:
+            finalists.append(inc)
+        pool = finalists or good
+        if not pool:
+            return None
+        best = min(pool, key=lambda r: (r.ratio, r.scheme.key))
+        if inc is not None and inc in pool and best is not inc and best.ratio > inc.ratio * (1 - WIN_MARGIN):
+            return inc  # a challenger must win its duel clearly, not by noise
+        return best
 
     def find(self, scheme: InsertionScheme) -> SchemeRecord | None:
         for r in self.records:
@@ -132,6 +145,7 @@ class PatternSchemes:
             "pattern": self.pattern,
             "candidates": [p.key for p in self.candidates],
             "baseline_scheme": None if self.baseline_scheme is None else self.baseline_scheme.key,
+            "incumbent": None if self.incumbent is None else self.incumbent.key,
             "best": None if self.best is None else self.best.key,
             "done": self.done,
             "generation_attempts": self.generation_attempts,
@@ -144,6 +158,7 @@ class PatternSchemes:
         ps.records = [SchemeRecord.from_dict(r) for r in d.get("records", [])]
         ps.baseline_scheme = None if d.get("baseline_scheme") is None else InsertionScheme.from_keys(d["baseline_scheme"])
         ps.best = None if d.get("best") is None else InsertionScheme.from_keys(d["best"])
+        ps.incumbent = None if d.get("incumbent") is None else InsertionScheme.from_keys(d["incumbent"])
         ps.done = bool(d.get("done", False))
         ps.generation_attempts = int(d.get("generation_attempts", 0))
         return ps

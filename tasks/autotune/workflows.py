@@ -43,8 +43,8 @@ def benchmark_onnx_model(model: str | Path | bytes, benchmark: PairedBenchmark) 
 
 
 def _log_measurement(path: Path, region_id: int, idx: int, ps: PatternSchemes, origin: str, scheme_key: str,
-                     m: Measurement) -> None:
-    atomic_write_text(path, json.dumps({
+                     m: Measurement, extra: dict | None = None) -> None:
+    atomic_write_text(path, json.dumps({**(extra or {}),
         "region": region_id, "scheme_index": idx, "pattern": ps.pattern, "origin": origin, "scheme": scheme_key,
         "ok": m.ok, "latency_ms_p10": m.latency_ms, "reference_ms_p10": m.reference_ms, "ratio": m.ratio,
         "error": m.error, "remeasure": m.remeasure,
@@ -135,23 +135,44 @@ def region_pattern_autotuning_workflow(
 
 def _remeasure_winners(autotuner: QDQAutotuner, ps: PatternSchemes, benchmark: PairedBenchmark, logs: Path,
                        region_id: int, out: Path, state_path: Path) -> None:
-    """Re-measure the best few schemes (and the baseline scheme) with twice the rounds, uncached."""
-    if len(ps.records) < 2:
-        return
+    """Settle the pattern's winner in a duel against the incumbent, not against float.
+
+    The search ranks schemes against the float baseline, which is cheap but noisy: these machines
+    slow int8 models more than float ones in their slow phases, so float-relative ratios of int8
+    candidates drift. The finalists (best few of the search) are therefore re-measured with twice
+    the rounds against the incumbent (the QDQ-baseline scheme, else the search's best), int8
+    against int8, and their ratios are rescaled by the incumbent's float-relative ratio.
+    """
     search = sorted((r for r in ps.records if any(m.ok and not m.remeasure for m in r.measurements)),
                     key=lambda r: (min(m.ratio for m in r.measurements if m.ok and not m.remeasure), r.scheme.key))
+    if len(search) < 2:
+        return
     base = ps.find(ps.baseline_scheme) if ps.baseline_scheme is not None else None
-    # always the baseline scheme plus the top others: a fixed number of re-measurements per pattern
-    chosen = ([base] if base is not None and base.ok else []) + [r for r in search if r is not base][:REMEASURE_TOP]
-    for rec in chosen:
-        if any(m.remeasure for m in rec.measurements):
-            continue  # done before an interruption
-        data = autotuner.export_model(assignment=autotuner.assignment(candidate=rec.scheme)).SerializeToString()
-        m = benchmark.measure(data, rounds=benchmark.rounds * 2, use_cache=False)
-        m.remeasure = True
-        idx = ps.records.index(rec)
-        log_path = logs / f"region_{region_id}_scheme_{idx}_remeasure.log"
-        m.log_path = str(log_path.relative_to(out))
-        _log_measurement(log_path, region_id, idx, ps, rec.origin, rec.scheme.key, m)
-        rec.measurements.append(m)
-        autotuner.save_state(state_path)
+    incumbent = base if base is not None and base in search else search[0]
+    finalists = [r for r in search if r is not incumbent][:REMEASURE_TOP]
+    inc_ratio = incumbent.ratio  # its float-relative estimate: the scale the duel results are put on
+    ps.incumbent = incumbent.scheme
+    todo = [r for r in finalists if not any(m.remeasure for m in r.measurements)]  # some may be done already
+    if not todo:
+        return
+    inc_path = out / f"incumbent_region_{region_id}.onnx"
+    save_model(autotuner.export_model(assignment=autotuner.assignment(candidate=incumbent.scheme)), inc_path)
+    duel = PairedBenchmark(benchmark.backend, inc_path, benchmark.warmup_runs,
+                           benchmark.runs_per_round * benchmark.rounds, benchmark.rounds * 2)
+    try:
+        for rec in todo:
+            data = autotuner.export_model(assignment=autotuner.assignment(candidate=rec.scheme)).SerializeToString()
+            rel = duel.measure(data, use_cache=False)
+            m = (Measurement(rel.latency_ms, rel.ratio * inc_ratio, rel.reference_ms, remeasure=True) if rel.ok
+                 else Measurement.failed(rel.error or "duel failed"))
+            m.remeasure = True
+            idx = ps.records.index(rec)
+            log_path = logs / f"region_{region_id}_scheme_{idx}_remeasure.log"
+            m.log_path = str(log_path.relative_to(out))
+            _log_measurement(log_path, region_id, idx, ps, rec.origin, rec.scheme.key, m,
+                             {"versus": "incumbent", "incumbent": incumbent.scheme.key, "relative_ratio": rel.ratio})
+            rec.measurements.append(m)
+            autotuner.save_state(state_path)
+    finally:
+        duel.close()
+        inc_path.unlink(missing_ok=True)

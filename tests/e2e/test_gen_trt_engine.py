@@ -97,3 +97,18 @@ def test_no_model_says_to_run_export(tmp_path):
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert "run stage 'export' first" in last and "gen_trt_engine.onnx_file" in last
+
+
+@pytest.mark.rtx
+@needs_rtx
+def test_default_model_builds_with_tensorrt_rtx(digits_results, tmp_path):
+    """The default digits model, exported once per session: `tune stages=[export,gen_trt_engine] backend=tensorrt_rtx`."""
+    import shutil
+
+    results = tmp_path / "digits"
+    shutil.copytree(digits_results, results, ignore=shutil.ignore_patterns(".lock"))
+    proc = run_tune(["stages=[export,gen_trt_engine]", "backend=tensorrt_rtx", f"results_dir={results}"],
+                    cwd=tmp_path, check=True)
+    assert "export: up to date, skipped" in proc.stderr
+    assert (results / "gen_trt_engine" / "model.engine").stat().st_size > 0
+    assert (results / "gen_trt_engine" / "build.log").stat().st_size > 0
