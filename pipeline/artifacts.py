@@ -30,6 +30,12 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike, suffix: str | None = None) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; on success fsync it and rename it onto ``path``.
@@ -45,6 +51,7 @@ def atomic_output(path: str | os.PathLike, suffix: str | None = None) -> Iterato
         yield tmp_path
         with open(tmp_path, "rb+") as fh:
             os.fsync(fh.fileno())
+        os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; results are ordinary files
         os.replace(tmp_path, target)
         _fsync_dir(target.parent)
     finally:

@@ -165,6 +165,10 @@ class OnnxRuntimeBackendConfig(BackendConfig):
     # 0 = one thread per physical core
     intra_op_threads: int = 0
     graph_optimization_level: str = "all"  # disable | basic | extended | layout | all
+    # ORT worker threads spin after each run by default; when models are measured in alternation,
+    # one session's spinning threads slow the next session's runs (measured here: up to 30% on the
+    # model measured right after another), so measurement sessions do not spin unless asked to
+    allow_spinning: bool = False
 
 
 @dataclass

@@ -180,9 +180,11 @@ def compare_interleaved(backend: Backend, model_paths: list[str | Path], rounds:
             errors.append(f"{type(exc).__name__}: {exc}")
     samples: list[list[float]] = [[] for _ in model_paths]
     try:
+        n = len(prepared)
         for r in range(rounds):
-            order = range(len(prepared)) if r % 2 == 0 else reversed(range(len(prepared)))
-            for i in order:
+            # rotate the order every round: each model follows every other one equally often, so
+            # no model always pays for its predecessor's lingering worker threads
+            for i in [(r + k) % n for k in range(n)]:
                 pm = prepared[i]
                 if pm is None:
                     continue

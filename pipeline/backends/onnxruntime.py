@@ -138,6 +138,7 @@ class OnnxRuntimeBackend(Backend):
         so.inter_op_num_threads = 1
         so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[self.cfg.graph_optimization_level])
         so.log_severity_level = 3
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.cfg.allow_spinning else "0")
         if optimized_path:
             so.optimized_model_filepath = optimized_path
         return so

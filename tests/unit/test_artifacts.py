@@ -15,6 +15,7 @@ def test_atomic_write_leaves_no_temp_files(tmp_path):
     atomic_write_text(tmp_path / "a.txt", "one")
     atomic_write_json(tmp_path / "b.json", {"x": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.json"]
+    assert (tmp_path / "a.txt").stat().st_mode & 0o044  # readable like any other file, not 0600
     assert read_json(tmp_path / "b.json") == {"x": 1}
 
 
