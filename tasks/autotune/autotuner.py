@@ -83,6 +83,7 @@ class Config:
     placement: str = "tensorrt"  # whose fusions shape the search space: tensorrt | onnxruntime
     activation_type: str = "int8"  # storage of int8 activations: int8 (symmetric) | uint8 (ORT CPU)
     seed: int = 0
+    warm_start_budget: float = 0.5  # share of schemes_per_region for patterns found in the pattern cache
     node_filter_list: list[str] = field(default_factory=list)  # node-name wildcards; others are skipped
     # node -> dtypes from the quantize stage's rules (real mixed precision); None: uniform quant type
     node_dtypes: dict[str, NodeDtypes] | None = None
@@ -236,6 +237,15 @@ class QDQAutotunerBase:
         seeds.append((InsertionScheme(frozenset(ps.candidates)), "seed:all"))
         return seeds
 
+    def _budget(self, ps: PatternSchemes) -> int:
+        """schemes_per_region; a pattern the cache already holds winners for gets
+        ``warm_start_budget`` of it (its seeds are tuned results: verify and refine them)."""
+        budget = self.config.schemes_per_region
+        cached = self.pattern_cache.schemes_for(ps.pattern) if self.pattern_cache is not None else []
+        if cached:
+            budget = max(len(cached) + 2, math.ceil(budget * self.config.warm_start_budget))
+        return min(budget, self.config.schemes_per_region)
+
     def _ranked(self, ps: PatternSchemes) -> list[SchemeRecord]:
         return sorted((r for r in ps.records if r.ok), key=lambda r: (r.ratio, r.scheme.key))
 
@@ -246,7 +256,7 @@ class QDQAutotunerBase:
             return -1
         if self._pending is not None and not self._pending.measurements:
             return ps.records.index(self._pending)
-        if len(ps.records) >= self.config.schemes_per_region:
+        if len(ps.records) >= self._budget(ps):
             return -1
         tried = {r.scheme for r in ps.records}
         for scheme, origin in self._seeds(ps):

@@ -48,6 +48,9 @@ class AutotuneConfig:
     timing_runs: Optional[int] = None
     pattern_cache: Optional[str] = None  # another run's autotuner_state_pattern_cache.yaml (warm start)
     qdq_baseline: Optional[str] = None  # default: quantize/quantized_model.onnx
+    # seed the search with the QDQ baseline's placement (and use it for patterns not yet profiled);
+    # false: start from no Q/DQ, as the reference tool does
+    import_qdq_baseline: bool = True
     state_file: Optional[str] = None  # default: autotune/autotuner_state.yaml
     node_filter_list: list[str] = field(default_factory=list)  # node-name wildcards, or a file of them
     quant_type: Optional[QuantType] = None  # default: from the quantize stage's rules
@@ -64,6 +67,9 @@ class AutotuneConfig:
     minimum_topdown_search_size: int = 10
     # the final Q/DQ model must beat the precision-matched float model by this factor, else float ships
     performance_threshold: float = 1.02
+    # patterns with pattern-cache entries get this share of schemes_per_region (their seeds are
+    # another run's winners: the rest of the budget verifies and refines them)
+    warm_start_budget: float = 0.5
     verbose: bool = False
 
 
@@ -77,6 +83,8 @@ def validate(cfg: DictConfig) -> list[str]:
         problems.append(f"autotune.schemes_per_region={a.schemes_per_region}: must be >= 1")
     if not 0.0 < a.top_percent_to_mutate <= 1.0:
         problems.append(f"autotune.top_percent_to_mutate={a.top_percent_to_mutate}: must be in (0, 1]")
+    if not 0.0 < a.warm_start_budget <= 1.0:
+        problems.append(f"autotune.warm_start_budget={a.warm_start_budget}: must be in (0, 1]")
     if a.performance_threshold < 1.0:
         problems.append(f"autotune.performance_threshold={a.performance_threshold}: must be >= 1.0")
     for key in ("maximum_mutations", "maximum_generation_attempts", "maximum_sequence_region_size",

@@ -118,7 +118,7 @@ class AutotuneStage(Stage):
             minimum_topdown_search_size=int(a.minimum_topdown_search_size), verbose=bool(a.verbose),
             schemes_per_region=schemes, placement=placement,
             activation_type=activation_type(cfg) if quant_type == "int8" else "int8",
-            seed=int(cfg.seed), node_filter_list=_node_filters(list(a.node_filter_list)), node_dtypes=node_dtypes,
+            seed=int(cfg.seed), warm_start_budget=float(a.warm_start_budget), node_filter_list=_node_filters(list(a.node_filter_list)), node_dtypes=node_dtypes,
         )
         baseline_path = out / "baseline.onnx"
         save_model(model, baseline_path)
@@ -198,6 +198,8 @@ class AutotuneStage(Stage):
         from hydra.utils import to_absolute_path
 
         a = ctx.cfg.autotune
+        if not a.import_qdq_baseline:
+            return None
         if a.qdq_baseline:
             return load_model(to_absolute_path(a.qdq_baseline), what="autotune.qdq_baseline")
         p = inputs.get("quantize/quantized_model.onnx")
