@@ -202,7 +202,24 @@ def _hydra_app(cfg: DictConfig) -> None:
     print_summary(summary, results_dir)
 
 
+def _group_listing() -> str:
+    """Config groups and their options for `tune --help` (schemas, stored as base_*, are not options)."""
+    import conf
+
+    root = Path(conf.__file__).parent
+    lines = []
+    for group in sorted(p for p in root.iterdir() if p.is_dir() and p.name not in ("hydra", "__pycache__")):
+        options = sorted(f.stem for f in group.glob("*.yaml"))
+        if options:
+            lines.append(f"{group.name}: {', '.join(options)}")
+    return "\n".join(lines)
+
+
 def main() -> None:
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("tune_groups"):
+        OmegaConf.register_new_resolver("tune_groups", _group_listing)
     register_configs()
     argv = _open_dict_overrides(_rewrite_config_path(sys.argv[1:]))
     _precheck(argv)
