@@ -174,6 +174,9 @@ class OnnxRuntimeBackendConfig(BackendConfig):
 @dataclass
 class TensorRTBackendConfig(BackendConfig):
     name: BackendName = BackendName.tensorrt
+    # builder precision of float (no Q/DQ) models in measurement builds: the precision-matched
+    # baseline every speedup is reported against (Q/DQ models are strongly typed)
+    float_precision: str = "FP16"
     device: int = 0
     workspace_size: int = 1024  # MB
     builder_optimization_level: int = 3
@@ -184,6 +187,7 @@ class TensorRTBackendConfig(BackendConfig):
 @dataclass
 class TrtexecBackendConfig(BackendConfig):
     name: BackendName = BackendName.trtexec
+    float_precision: str = "FP16"  # as for backend=tensorrt; FP32 for TensorRT 11 (strongly typed only)
     trtexec_path: str = "trtexec"
     # measure for a fixed time instead of timing_runs iterations (seconds; 0 = use iterations)
     duration: float = 0.0
@@ -286,6 +290,9 @@ def validate(cfg: DictConfig) -> None:
         problems.append("data._target_: required for data=custom (dotted path of a callable)")
     if not 0.0 < cfg.data.test_fraction < 1.0:
         problems.append(f"data.test_fraction={cfg.data.test_fraction}: must be in (0, 1)")
+    fp = cfg.backend.get("float_precision")
+    if fp is not None and str(fp).upper() not in ("FP32", "FP16", "BF16"):
+        problems.append(f"backend.float_precision={fp}: choose FP32, FP16 or BF16")
     if cfg.backend.warmup_runs < 0 or cfg.backend.timing_runs < 1:
         problems.append("backend.warmup_runs must be >= 0 and backend.timing_runs >= 1")
     if len(set(cfg.stages)) != len(cfg.stages):

@@ -390,6 +390,7 @@ class TensorRTBackend(Backend):
 
         tc = self.cfg.get("timing_cache")
         return EngineOptions(
+            data_type=str(self.cfg.get("float_precision") or "FP32").upper(),
             workspace_mb=int(self.cfg.workspace_size),
             timing_cache=Path(to_absolute_path(tc)) if tc else None,
             plugin_libraries=list(self.cfg.get("plugin_libraries") or []),

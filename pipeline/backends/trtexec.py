@@ -471,7 +471,8 @@ class TrtexecBackend(Backend):
         from hydra.utils import to_absolute_path
 
         tc = self.cfg.get("timing_cache")
-        return EngineOptions(timing_cache=Path(to_absolute_path(tc)) if tc else None,
+        return EngineOptions(data_type=str(self.cfg.get("float_precision") or "FP32").upper(),
+                             timing_cache=Path(to_absolute_path(tc)) if tc else None,
                              plugin_libraries=list(self.cfg.get("plugin_libraries") or []))
 
     def _build_run(self, model_path: Path, options: EngineOptions) -> tuple[TrtexecRun, onnx.ModelProto]:

@@ -438,7 +438,9 @@ class QDQAutotunerBase:
             m.CopyFrom(self.model)
             return m
         plan = self.build_plan(self.assignment() if assignment is None else assignment)
-        return apply_plan(self.model, plan, self.calibration)
+        dq_type = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16,
+                   "bfloat16": onnx.TensorProto.BFLOAT16}[self.config.default_dq_dtype]
+        return apply_plan(self.model, plan, self.calibration, default_float_type=dq_type)
 
     def export_onnx(self, output_path: str | Path | None = None, insert_qdq: bool = True) -> bytes | None:
         """Write the current model (or return its bytes when ``output_path`` is None)."""

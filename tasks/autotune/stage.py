@@ -231,7 +231,8 @@ class AutotuneStage(Stage):
         shutil.copyfile(choice, final)
         speedup = base_t.p10_ms / chosen_t.p10_ms
         runtime = backend.describe()
-        precision = "FP32" if backend.name == "onnxruntime" else "float (builder precision per gen_trt_engine)"
+        # the CPU EP runs float models in FP32; TensorRT backends build them at backend.float_precision
+        precision = "FP32" if backend.name == "onnxruntime" else str(backend.cfg.get("float_precision", "FP32")).upper()
         line = (f"Baseline: {base_t.p10_ms:.3f} ms / Final: {chosen_t.p10_ms:.3f} ms ({speedup:.2f}x speedup) "
                 f"[p10 of {chosen_t.n} interleaved runs; baseline = {precision} float model on {backend.name}]")
         log.info(line)
