@@ -186,3 +186,19 @@ def test_pattern_signature_ignores_names_but_not_structure():
     sig = [ta.patterns[r.id].signature for r in ta.regions]
     assert sig == [tb.patterns[r.id].signature for r in tb.regions]
     assert isinstance(RegionPattern.from_region(ta.regions[0], a).signature, str)
+
+
+def test_node_filter_list_skips_regions_without_matching_nodes():
+    model = models.residual_block(blocks=2)
+    t = _tuner(model, node_filter_list=["block1/*"])
+    profiled = []
+    for region in t.regions:
+        t.set_profile_region(region, commit=False)
+        names = {model.graph.node[i].name for i in region.all_nodes()}
+        if t.current_profile_pattern_schemes is not None:
+            profiled.append(region)
+            assert any(n.startswith("block1/") for n in names) or t.patterns[region.id].signature in {
+                t.patterns[r.id].signature for r in t.regions if r.id not in t.skipped_regions}
+        else:
+            assert not any(n.startswith("block1/") for n in names)
+    assert profiled and len(t.skipped_regions) >= 1
