@@ -327,6 +327,26 @@ def _unknown_keys(node: Any, path: str) -> list[str]:
     return out
 
 
+def import_target(path: str, key: str) -> Any:
+    """The object a `_target_` names ("pkg.module.Name"); a ConfigError naming ``key`` if it cannot be
+    imported. User code raising while it is imported keeps its traceback (that is not a typo)."""
+    import importlib
+
+    module_name, _, attr = str(path).rpartition(".")
+    if not module_name:
+        raise ConfigError(f"{key}={path}: give a dotted path like my_pkg.module.Name")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            raise ConfigError(f"{key}={path}: no module named '{exc.name}' (is it installed / on PYTHONPATH?)") \
+                from None
+        raise
+    if not hasattr(module, attr):
+        raise ConfigError(f"{key}={path}: module '{module_name}' has no attribute '{attr}'")
+    return getattr(module, attr)
+
+
 def enum_value(v: Any) -> str:
     """The string of an enum config value (OmegaConf hands enums back as Enum members)."""
     return v.value if isinstance(v, Enum) else str(v)

@@ -238,12 +238,9 @@ def _npz_batches(path: str, specs: list[InputSpec], labels_key: str) -> Iterator
 
 
 def _custom_iterable(target: str, args: dict[str, Any], split: str) -> Iterable[Any]:
-    from hydra.utils import get_method
+    from pipeline.config import import_target
 
-    try:
-        fn = get_method(target)
-    except Exception as exc:  # noqa: BLE001 - hydra wraps import errors
-        raise ConfigError(f"data._target_={target}: cannot import it ({str(exc).splitlines()[0]})") from None
+    fn = import_target(target, "data._target_")
     kwargs = dict(args)
     try:
         if "split" in inspect.signature(fn).parameters:

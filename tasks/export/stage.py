@@ -16,7 +16,7 @@ import onnx
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.artifacts import atomic_output, fingerprint
-from pipeline.config import enum_value, section
+from pipeline.config import enum_value, import_target, section
 from pipeline.errors import ConfigError, InputError, StageError
 from pipeline.graph import (
     ensure_node_names,
@@ -197,13 +197,10 @@ class ExportStage(Stage):
     @staticmethod
     def _custom(mcfg: DictConfig, seed: int):
         import torch
-        from hydra.utils import get_class, to_absolute_path
+        from hydra.utils import to_absolute_path
 
         target = mcfg.get("_target_")
-        try:
-            cls = get_class(target)
-        except Exception as exc:  # noqa: BLE001 - hydra wraps import errors
-            raise ConfigError(f"model._target_={target}: cannot import it ({str(exc).splitlines()[0]})") from None
+        cls = import_target(target, "model._target_")
         args = OmegaConf.to_container(mcfg.args, resolve=True) if mcfg.args else {}
         module = cls(**args)
         if mcfg.checkpoint:
