@@ -16,8 +16,9 @@ def tune_command() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "pipeline.cli"]
 
 
-def run_tune(args: list[str], cwd: Path, timeout: float = 900, check: bool = False) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def run_tune(args: list[str], cwd: Path, timeout: float = 900, check: bool = False,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run([*tune_command(), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"tune {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")

@@ -64,3 +64,42 @@ def test_onnx_model_input(tmp_path):
               f"results_dir={tmp_path / 'b'}"], cwd=tmp_path, check=True)
     fixed = onnx.load(str(tmp_path / "b" / "export" / "model.onnx"))
     assert [d.dim_value for d in fixed.graph.input[0].type.tensor_type.shape.dim] == [4, 3, 16, 16]
+
+
+USER_MODEL = '''
+import torch
+class Net(torch.nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, width, 3, padding=1)
+        self.fc = torch.nn.Linear(width, 4)
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).mean((2, 3)))
+'''
+
+
+def test_user_model_target_with_checkpoint(tmp_path):
+    import torch
+
+    (tmp_path / "user_net.py").write_text(USER_MODEL)
+    env = {"PYTHONPATH": str(tmp_path)}
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("user_net", tmp_path / "user_net.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch.manual_seed(3)
+    torch.save(mod.Net(width=16).state_dict(), tmp_path / "net.pt")
+    base = ["stages=[export]", "model=custom", "model._target_=user_net.Net", "model.args.width=16",
+            "model.input_shapes={input:[2,3,16,16]}"]
+    run_tune([*base, f"model.checkpoint={tmp_path / 'net.pt'}", f"results_dir={tmp_path / 'r'}"], cwd=tmp_path,
+             check=True, env=env)
+    entry = json.loads((tmp_path / "r" / "manifest.json").read_text())["stages"]["export"]
+    assert entry["metrics"]["inputs"] == {"input": [2, 3, 16, 16]} and entry["metrics"]["max_abs_diff"] < 1e-4
+    bad = run_tune([*base[:2], "model._target_=user_net.Nope", *base[3:], f"results_dir={tmp_path / 'b'}"],
+                   cwd=tmp_path, env=env)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == \
+        "tune: error: model._target_=user_net.Nope: module 'user_net' has no attribute 'Nope'"
+    wrong = run_tune([*base, f"model.checkpoint={tmp_path / 'missing.pt'}", f"results_dir={tmp_path / 'c'}"],
+                     cwd=tmp_path, env=env)
+    assert wrong.returncode != 0 and "missing.pt does not exist" in wrong.stderr
