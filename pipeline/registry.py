@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -37,17 +38,12 @@ def stage_validators() -> dict[str, Callable[[DictConfig], list[str]]]:
     return {name: importlib.import_module(e.config).validate for name, e in STAGES.items()}
 
 
+def import_object(spec: str) -> Any:
+    """The object an internal "package.module:Name" spec points at (stages, backends)."""
+    module_name, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
 def load_stage(name: str):
     """Instantiate the Stage registered under ``name``."""
-    from pipeline.errors import StageError
-
-    entry = STAGES[name]
-    module_name, _, cls_name = entry.stage.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name == module_name:
-            raise StageError(f"stage '{name}' is not built yet in this version of qdq-tune; "
-                             f"remove it from stages=[...]") from None
-        raise
-    return getattr(module, cls_name)()
+    return import_object(STAGES[name].stage)()

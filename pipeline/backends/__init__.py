@@ -17,22 +17,14 @@ BACKENDS: dict[str, str] = {
 
 def create_backend(cfg: DictConfig) -> Backend:
     """Instantiate the configured backend and check that it can run here (BackendUnavailable if not)."""
-    import importlib
+    from pipeline.config import enum_value
+    from pipeline.errors import ConfigError
+    from pipeline.registry import import_object
 
-    from pipeline.errors import ConfigError, StageError
-
-    name = cfg.name.value if hasattr(cfg.name, "value") else str(cfg.name)
+    name = enum_value(cfg.name)
     if name not in BACKENDS:
         raise ConfigError(f"backend.name={name}: choose one of {', '.join(BACKENDS)}")
-    module_name, _, cls = BACKENDS[name].partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name == module_name:
-            raise StageError(f"backend '{name}' is not built yet in this version of qdq-tune; "
-                             f"use backend=onnxruntime") from None
-        raise
-    backend = getattr(module, cls)(cfg)
+    backend = import_object(BACKENDS[name])(cfg)
     backend.check_available()
     return backend
 

@@ -50,6 +50,7 @@ from pipeline.placement import (
     weight_axis,
 )
 from pipeline.qdq import ActivationQ, Calibration, QDQPlan, WeightQ, apply_plan
+from tasks.autotune.config import AutotuneConfig
 from tasks.autotune.insertion_points import InsertionPoint, candidate_points, point_groups, resolve
 from tasks.autotune.pattern import RegionPattern
 from tasks.autotune.pattern_cache import PatternCache
@@ -61,29 +62,38 @@ log = logging.getLogger("tune.autotune")
 STATE_VERSION = 1
 
 
+# Config takes its defaults from the stage schema: one place for every number the two share
+_SCHEMA = AutotuneConfig()
+# fields Config shares with the `autotune` config group, by name (the stage copies them over)
+SHARED_FIELDS = ("default_q_scale", "default_q_zero_point", "top_percent_to_mutate", "minimum_schemes_to_mutate",
+                 "maximum_mutations", "maximum_generation_attempts", "pattern_cache_minimum_distance",
+                 "pattern_cache_max_entries_per_pattern", "maximum_sequence_region_size",
+                 "minimum_topdown_search_size", "verbose", "warm_start_budget")
+
+
 @dataclass
 class Config:
     """Autotuner settings; the first block carries the reference tool's names and defaults."""
 
     default_quant_type: str = "int8"  # int8 | fp8
-    default_dq_dtype: str = "float32"  # DQ output type where the consumer's type is unknown
-    default_q_scale: float = 0.1  # only where calibration.json has no range for a tensor
-    default_q_zero_point: int = 0
-    top_percent_to_mutate: float = 0.1
-    minimum_schemes_to_mutate: int = 10
-    maximum_mutations: int = 3
-    maximum_generation_attempts: int = 100
-    pattern_cache_minimum_distance: int = 4
-    pattern_cache_max_entries_per_pattern: int = 32
-    maximum_sequence_region_size: int = 10
-    minimum_topdown_search_size: int = 10
-    verbose: bool = False
+    default_dq_dtype: str = _SCHEMA.default_dq_dtype.value  # DQ output type where the consumer's is unknown
+    default_q_scale: float = _SCHEMA.default_q_scale  # only where calibration.json has no range for a tensor
+    default_q_zero_point: int = _SCHEMA.default_q_zero_point
+    top_percent_to_mutate: float = _SCHEMA.top_percent_to_mutate
+    minimum_schemes_to_mutate: int = _SCHEMA.minimum_schemes_to_mutate
+    maximum_mutations: int = _SCHEMA.maximum_mutations
+    maximum_generation_attempts: int = _SCHEMA.maximum_generation_attempts
+    pattern_cache_minimum_distance: int = _SCHEMA.pattern_cache_minimum_distance
+    pattern_cache_max_entries_per_pattern: int = _SCHEMA.pattern_cache_max_entries_per_pattern
+    maximum_sequence_region_size: int = _SCHEMA.maximum_sequence_region_size
+    minimum_topdown_search_size: int = _SCHEMA.minimum_topdown_search_size
+    verbose: bool = _SCHEMA.verbose
     # qdq-tune additions
     schemes_per_region: int = 30
     placement: str = "tensorrt"  # whose fusions shape the search space: tensorrt | onnxruntime
     activation_type: str = "int8"  # storage of int8 activations: int8 (symmetric) | uint8 (ORT CPU)
     seed: int = 0
-    warm_start_budget: float = 0.5  # share of schemes_per_region for patterns found in the pattern cache
+    warm_start_budget: float = _SCHEMA.warm_start_budget  # share of schemes_per_region for cached patterns
     node_filter_list: list[str] = field(default_factory=list)  # node-name wildcards; others are skipped
     # node -> dtypes from the quantize stage's rules (real mixed precision); None: uniform quant type
     node_dtypes: dict[str, NodeDtypes] | None = None

@@ -78,7 +78,7 @@ class AutotuneStage(Stage):
     config_keys = ("autotune", "backend", "quantize", "seed")
 
     def run(self, ctx: StageContext) -> StageResult:
-        from tasks.autotune.autotuner import Config
+        from tasks.autotune.autotuner import SHARED_FIELDS, Config
         from tasks.autotune.workflows import init_benchmark_instance, region_pattern_autotuning_workflow
         from tasks.quantize.stage import activation_type, load_calibration, placement_kind
 
@@ -107,18 +107,11 @@ class AutotuneStage(Stage):
             raise StageError("autotune: the quantize rules leave every node float (quantize=none?); set "
                              "autotune.quant_type=int8 to tune anyway")
         config = Config(
+            **{k: a[k] for k in SHARED_FIELDS},
             default_quant_type=quant_type, default_dq_dtype=enum_value(a.default_dq_dtype),
-            default_q_scale=float(a.default_q_scale), default_q_zero_point=int(a.default_q_zero_point),
-            top_percent_to_mutate=float(a.top_percent_to_mutate),
-            minimum_schemes_to_mutate=int(a.minimum_schemes_to_mutate), maximum_mutations=int(a.maximum_mutations),
-            maximum_generation_attempts=int(a.maximum_generation_attempts),
-            pattern_cache_minimum_distance=int(a.pattern_cache_minimum_distance),
-            pattern_cache_max_entries_per_pattern=int(a.pattern_cache_max_entries_per_pattern),
-            maximum_sequence_region_size=int(a.maximum_sequence_region_size),
-            minimum_topdown_search_size=int(a.minimum_topdown_search_size), verbose=bool(a.verbose),
             schemes_per_region=schemes, placement=placement,
             activation_type=activation_type(cfg) if quant_type == "int8" else "int8",
-            seed=int(cfg.seed), warm_start_budget=float(a.warm_start_budget), node_filter_list=_node_filters(list(a.node_filter_list)), node_dtypes=node_dtypes,
+            seed=int(cfg.seed), node_filter_list=_node_filters(list(a.node_filter_list)), node_dtypes=node_dtypes,
         )
         baseline_path = out / "baseline.onnx"
         save_model(model, baseline_path)
