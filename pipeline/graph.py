@@ -4,14 +4,15 @@ content hashes, topological order and tensor-type lookups."""
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
-from pipeline.artifacts import atomic_output, sha256_bytes
+from pipeline.artifacts import atomic_output, sha256_bytes, sha256_file
 from pipeline.errors import InputError
 
 
@@ -56,14 +57,27 @@ def load_model(path: str | os.PathLike, what: str = "model", check: bool = True)
 
 
 def save_model(model: onnx.ModelProto, path: str | os.PathLike, external_data: bool = False) -> Path:
-    """Atomically write an ONNX model (external data for > 2 GB models or when asked)."""
+    """Atomically write an ONNX model (external data for > 2 GB models or when asked).
+
+    With external data, both files are written in a private temporary folder next to the target and
+    renamed into place (data first), and the caller's model keeps its weights in memory.
+    """
     target = Path(path)
     if external_data or model.ByteSize() > 2**31 - 1:
+        target.parent.mkdir(parents=True, exist_ok=True)
         data_name = target.name + ".data"
-        with atomic_output(target) as tmp:
-            onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)  # onnx's external-data save empties the tensors of the model it is given
+        with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as tmpdir:
+            staged = Path(tmpdir) / target.name
+            onnx.save_model(copy, str(staged), save_as_external_data=True, all_tensors_to_one_file=True,
                             location=data_name, size_threshold=1024)
-            # onnx writes the data next to tmp under data_name; it is already at its final place
+            for produced in (Path(tmpdir) / data_name, staged):
+                if produced.exists():
+                    with open(produced, "rb+") as fh:
+                        os.fsync(fh.fileno())
+                    os.chmod(produced, 0o644)
+                    os.replace(produced, target.parent / produced.name)
         return target
     with atomic_output(target) as tmp:
         tmp.write_bytes(model.SerializeToString())
@@ -76,7 +90,7 @@ def model_hash(model: onnx.ModelProto | bytes | str | os.PathLike) -> str:
     elif isinstance(model, bytes):
         data = model
     else:
-        data = Path(model).read_bytes()
+        return sha256_file(model)
     return sha256_bytes(data)
 
 
@@ -145,9 +159,11 @@ def fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], sourc
         return model
 
 
-def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
-    """Static input specs; integer inputs feeding a Gather get the table size as their upper bound."""
-    dyn = dynamic_inputs(model)
+def input_specs(model: onnx.ModelProto, shapes: dict[str, list[int]] | None = None) -> list[InputSpec]:
+    """Static input specs; integer inputs feeding a Gather get the table size as their upper bound.
+    ``shapes`` gives the shape of inputs whose dims are dynamic in the model (an optimization profile)."""
+    shapes = shapes or {}
+    dyn = {k: v for k, v in dynamic_inputs(model).items() if k not in shapes}
     if dyn:
         raise InputError(f"model has dynamic input dims {dyn}; fix them with model.input_shapes")
     inits = {i.name: i for i in model.graph.initializer}
@@ -163,23 +179,13 @@ def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
                     axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
                     high = int(table.dims[axis])
                     break
-        specs.append(InputSpec(vi.name, tuple(int(d) for d in _dims(vi)), np.dtype(dtype), high))
+        shape = shapes.get(vi.name) or _dims(vi)
+        specs.append(InputSpec(vi.name, tuple(int(d) for d in shape), np.dtype(dtype), high))
     return specs
 
 
 def output_names(model: onnx.ModelProto) -> list[str]:
     return [o.name for o in model.graph.output]
-
-
-def initializer_map(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
-    return {i.name: i for i in model.graph.initializer}
-
-
-def initializer_array(model: onnx.ModelProto, name: str) -> np.ndarray | None:
-    for init in model.graph.initializer:
-        if init.name == name:
-            return numpy_helper.to_array(init)
-    return None
 
 
 def tensor_elem_types(model: onnx.ModelProto) -> dict[str, int]:
@@ -194,35 +200,35 @@ def tensor_elem_types(model: onnx.ModelProto) -> dict[str, int]:
 
 
 def topological_sort(model: onnx.ModelProto) -> None:
-    """Sort graph nodes in place so every input is produced before use (stable for sorted graphs)."""
+    """Sort graph nodes in place so every input is produced before use (Kahn's algorithm; stable:
+    ready nodes keep their current relative order)."""
+    import heapq
+
     graph = model.graph
-    available = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
-    producers: dict[str, int] = {}
-    for idx, node in enumerate(graph.node):
-        for o in node.output:
-            producers[o] = idx
     nodes = list(graph.node)
-    done = [False] * len(nodes)
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    users: dict[int, list[int]] = {i: [] for i in range(len(nodes))}
+    indeg = [0] * len(nodes)
+    for i, n in enumerate(nodes):
+        deps = {producer[t] for t in n.input if t in producer and producer[t] != i}
+        indeg[i] = len(deps)
+        for d in deps:
+            users[d].append(i)
+    ready = [i for i in range(len(nodes)) if indeg[i] == 0]
+    heapq.heapify(ready)
     order: list[int] = []
-
-    def ready(n: onnx.NodeProto) -> bool:
-        return all(i in available or i not in producers for i in n.input)
-
-    progress = True
-    while progress:
-        progress = False
-        for idx, node in enumerate(nodes):
-            if not done[idx] and ready(node):
-                done[idx] = True
-                order.append(idx)
-                available.update(node.output)
-                progress = True
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for u in users[i]:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(ready, u)
     if len(order) != len(nodes):
-        bad = [nodes[i].name for i in range(len(nodes)) if not done[i]][:5]
-        raise ValueError(f"graph has a cycle or dangling inputs near nodes {bad}")
-    sorted_nodes = [nodes[i] for i in order]
+        bad = [nodes[i].name for i in range(len(nodes)) if indeg[i] > 0][:5]
+        raise ValueError(f"graph has a cycle near nodes {bad}")
     del graph.node[:]
-    graph.node.extend(sorted_nodes)
+    graph.node.extend(nodes[i] for i in order)
 
 
 def ensure_node_names(model: onnx.ModelProto) -> None:
