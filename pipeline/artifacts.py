@@ -94,6 +94,9 @@ def read_json(path: str | os.PathLike, what: str = "file") -> Any:
         raise StateError(
             f"{what} {p} is corrupt ({exc.msg} at line {exc.lineno}); delete it to start that part afresh"
         ) from None
+    except ValueError as exc:  # not UTF-8 text at all
+        raise StateError(f"{what} {p} is corrupt ({type(exc).__name__}); delete it to start that part afresh") \
+            from None
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

@@ -158,13 +158,21 @@ class BackendConfig:
     timing_runs: int = 50
 
 
+class GraphOptimizationLevel(str, Enum):
+    disable = "disable"
+    basic = "basic"
+    extended = "extended"
+    layout = "layout"
+    all = "all"
+
+
 @dataclass
 class OnnxRuntimeBackendConfig(BackendConfig):
     name: BackendName = BackendName.onnxruntime
     providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
     # 0 = one thread per physical core
     intra_op_threads: int = 0
-    graph_optimization_level: str = "all"  # disable | basic | extended | layout | all
+    graph_optimization_level: GraphOptimizationLevel = GraphOptimizationLevel.all
     # ORT worker threads spin after each run by default; when models are measured in alternation,
     # one session's spinning threads slow the next session's runs (measured here: up to 30% on the
     # model measured right after another), so measurement sessions do not spin unless asked to
@@ -338,7 +346,7 @@ def import_target(path: str, key: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name and module_name.startswith(exc.name):
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
             raise ConfigError(f"{key}={path}: no module named '{exc.name}' (is it installed / on PYTHONPATH?)") \
                 from None
         raise
@@ -355,7 +363,7 @@ def enum_value(v: Any) -> str:
 def resolved_data_source(cfg: DictConfig) -> str:
     """`data.source` with `auto` resolved from the model."""
     src = cfg.data.source
-    src = src.value if isinstance(src, Enum) else str(src)
+    src = enum_value(src)
     if src != "auto":
         return src
     name = str(cfg.model.name)
@@ -368,7 +376,7 @@ def resolved_data_source(cfg: DictConfig) -> str:
 
 def ordered_stages(cfg: DictConfig) -> list[str]:
     """The requested stages in pipeline order (the order in the spec does not matter)."""
-    wanted = {s.value if isinstance(s, Enum) else str(s) for s in cfg.stages}
+    wanted = {enum_value(s) for s in cfg.stages}
     return [s for s in STAGE_ORDER if s in wanted]
 
 

@@ -10,9 +10,10 @@ last one is padded, with ``Batch.valid`` telling how many samples are real.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.errors import ConfigError, InputError
+from pipeline.errors import InputError
 from pipeline.graph import InputSpec
 
 log = logging.getLogger("tune.data")
@@ -48,7 +49,7 @@ def to_feeds(batch: Any, specs: list[InputSpec], key: str | None = None) -> tupl
     """Split one loader batch into {input name: array} and optional labels."""
     names = [s.name for s in specs]
     labels = None
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # dicts and dict-likes (e.g. tokenizer BatchEncoding)
         if all(n in batch for n in names):
             feeds = {n: batch[n] for n in names}
         else:
@@ -102,7 +103,6 @@ def rebatch(batches: Iterable[tuple[dict[str, np.ndarray], np.ndarray | None]], 
             max_batches: int | None = None) -> Iterator[Batch]:
     """Re-cut a stream of (feeds, labels) of any size into batches of exactly ``batch_size``."""
     pending: list[tuple[dict[str, np.ndarray], np.ndarray | None]] = []
-    count = 0
     have = 0
     emitted = 0
 
@@ -138,7 +138,6 @@ def rebatch(batches: Iterable[tuple[dict[str, np.ndarray], np.ndarray | None]], 
             continue
         pending.append((feeds, labels))
         have += m
-        count += 1
         while have >= batch_size:
             yield cut(batch_size)
             emitted += 1
@@ -160,6 +159,7 @@ def _resize_images(x: np.ndarray, h: int, w: int) -> np.ndarray:
     return zoom(x, (1, h / x.shape[1], w / x.shape[2]), order=1).astype(np.float32)
 
 
+@functools.lru_cache(maxsize=8)
 def digits_arrays(split: str, seed: int, test_fraction: float, image_shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's bundled digits as (N, C, H, W) float32 in [0, 1] and int64 labels.
 
@@ -207,20 +207,20 @@ def _npz_batches(path: str, specs: list[InputSpec], labels_key: str) -> Iterator
     p = Path(path).expanduser()
     if not p.exists():
         raise InputError(f"data path {p} does not exist; give a .npz file or a folder of .npy files")
-    if p.is_dir():
-        files = sorted(p.glob("*.npy"))
-        if not files:
-            raise InputError(f"data folder {p} holds no .npy files")
-        arrays = {f.stem: np.load(f, mmap_mode="r") for f in files}
-    elif p.suffix == ".npz":
-        try:
-            arrays = dict(np.load(p))
-        except Exception as exc:  # noqa: BLE001
-            raise InputError(f"data file {p} could not be read as .npz ({exc})") from None
-    elif p.suffix == ".npy":
-        arrays = {p.stem: np.load(p, mmap_mode="r")}
-    else:
+    if p.suffix not in (".npz", ".npy") and not p.is_dir():
         raise InputError(f"data file {p} is neither .npz nor .npy")
+    try:
+        if p.is_dir():
+            files = sorted(p.glob("*.npy"))
+            if not files:
+                raise InputError(f"data folder {p} holds no .npy files")
+            arrays = {f.stem: np.load(f, mmap_mode="r") for f in files}
+        elif p.suffix == ".npz":
+            arrays = dict(np.load(p))
+        else:
+            arrays = {p.stem: np.load(p, mmap_mode="r")}
+    except (OSError, ValueError, EOFError) as exc:  # numpy's errors for files that are not arrays
+        raise InputError(f"data {p} could not be read as numpy arrays ({type(exc).__name__}: {exc})") from None
     labels = arrays.pop(labels_key, None)
     names = [s.name for s in specs]
     if all(n in arrays for n in names):
@@ -281,10 +281,14 @@ class DataProvider:
             yield from _npz_batches(path, self.specs, self.cfg.labels_key)
         elif src == "custom":
             args = OmegaConf.to_container(self.cfg.args, resolve=True) if self.cfg.args else {}
-            for raw in _custom_iterable(self.cfg._target_, args, split):  # type: ignore[arg-type]
+            source = _custom_iterable(self.cfg._target_, args, split)  # type: ignore[arg-type]
+            try:
+                items = iter(source)
+            except TypeError:
+                raise InputError(f"data._target_={self.cfg._target_} returned a {type(source).__name__}, not a "
+                                 f"DataLoader or iterable of batches") from None
+            for raw in items:
                 yield to_feeds(raw, self.specs, self.cfg.key)
-        else:
-            raise ConfigError(f"data.source={src}: unknown source")
 
     def batches(self, split: str, max_batches: int | None = None) -> Iterator[Batch]:
         """``split`` is "calibration" (train data) or "evaluation" (held-out data)."""

@@ -106,9 +106,9 @@ class GraphIndex:
     def is_activation(self, tensor: str) -> bool:
         return bool(tensor) and tensor not in self.constants and tensor in self.float_tensors
 
-    def weight_array(self, tensor: str) -> np.ndarray | None:
-        init = self.inits.get(tensor)
-        return None if init is None else onnx.numpy_helper.to_array(init)
+    def weight_shape(self, tensor: str) -> tuple[int, ...]:
+        """Shape of an initializer, read from its header (no decoding of the values)."""
+        return tuple(int(d) for d in self.inits[tensor].dims)
 
     def bias_add(self, node: onnx.NodeProto) -> tuple[onnx.NodeProto, int] | None:
         """For a MatMul followed only by an Add of a constant (its bias): that Add and the bias slot."""
@@ -137,35 +137,31 @@ class GraphIndex:
                 return out
 
 
-def weight_axis(node: onnx.NodeProto, index: int, w: np.ndarray) -> int | None:
-    """Output-channel axis of a weight input, or None for per-tensor."""
-    if w.ndim < 2:
+def _trans_b(node: onnx.NodeProto) -> bool:
+    return any(a.name == "transB" and a.i for a in node.attribute)
+
+
+def weight_axis(node: onnx.NodeProto, index: int, shape: tuple[int, ...], per_channel: bool = True) -> int | None:
+    """Output-channel axis of a weight input of shape ``shape``, or None for per-tensor scales."""
+    if not per_channel or len(shape) < 2:
         return None
-    attrs = {a.name: helper_attr(a) for a in node.attribute}
     if node.op_type == "Conv":
         return 0
     if node.op_type == "ConvTranspose":
         return 1
-    if node.op_type == "Gemm":
-        if index == 1:
-            return 0 if attrs.get("transB", 0) else 1
-        return None
+    if node.op_type == "Gemm" and index == 1:
+        return 0 if _trans_b(node) else 1
     if node.op_type == "MatMul" and index == 1:
-        return w.ndim - 1
+        return len(shape) - 1
     return None
 
 
-def helper_attr(a: onnx.AttributeProto) -> object:
-    return onnx.helper.get_attribute_value(a)
-
-
-def _gemm_dims(node: onnx.NodeProto, w: np.ndarray) -> tuple[int, int]:
-    """(K, N) of a Gemm/MatMul weight."""
+def _gemm_dims(node: onnx.NodeProto, shape: tuple[int, ...]) -> tuple[int, int]:
+    """(K, N) of a Gemm/MatMul weight of shape ``shape``."""
     if node.op_type == "Gemm":
-        trans_b = any(a.name == "transB" and a.i for a in node.attribute)
-        n, k = (w.shape[0], w.shape[1]) if trans_b else (w.shape[1], w.shape[0])
+        n, k = (shape[0], shape[1]) if _trans_b(node) else (shape[1], shape[0])
         return k, n
-    return w.shape[-2], w.shape[-1]
+    return shape[-2], shape[-1]
 
 
 MIN_DOT = 16  # K or N below this: too little work to gain, and FP8's 3-bit mantissa error dominates
@@ -182,19 +178,17 @@ def too_small(g: GraphIndex, node: onnx.NodeProto, dtype: str) -> bool:
     widx = _weight_inputs(g, node)
     if not widx:
         return False
-    w = g.weight_array(node.input[widx[0]])
+    shape = g.weight_shape(node.input[widx[0]])
     if node.op_type in ("Gemm", "MatMul"):
-        k, n = _gemm_dims(node, w)
+        k, n = _gemm_dims(node, shape)
         return k < MIN_DOT or n < MIN_DOT
     if node.op_type == "Conv" and dtype.startswith("fp8"):
-        return int(np.prod(w.shape[1:])) < MIN_DOT or w.shape[0] < MIN_DOT
+        return int(np.prod(shape[1:])) < MIN_DOT or shape[0] < MIN_DOT
     return False
 
 
 def _weight_inputs(g: GraphIndex, node: onnx.NodeProto) -> list[int]:
-    if node.op_type in ("Conv", "ConvTranspose", "Gemm") and len(node.input) > 1 and node.input[1] in g.inits:
-        return [1]
-    if node.op_type == "MatMul" and len(node.input) > 1 and node.input[1] in g.inits:
+    if node.op_type in WEIGHTED_OPS and len(node.input) > 1 and node.input[1] in g.inits:
         return [1]
     return []
 
@@ -204,7 +198,8 @@ def act_dtype(rule: NodeDtypes, activation_type: str) -> str:
     return "uint8" if rule.activations == "int8" and activation_type == "uint8" else rule.activations
 
 
-def tensorrt_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes]) -> QDQPlan:
+def tensorrt_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activation_type: str = "int8",
+                  per_channel: bool = True) -> QDQPlan:
     g = GraphIndex(model)
     plan = QDQPlan()
     for node in model.graph.node:
@@ -220,22 +215,24 @@ def tensorrt_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes]) -> QDQPl
             continue
         plan.node_rules[node.name] = rule.rule
         for i in acts:
-            plan.activations.append(ActivationQ(node.input[i], rule.activations, ((node.name, i),)))
+            plan.activations.append(ActivationQ(node.input[i], act_dtype(rule, activation_type), ((node.name, i),)))
         if rule.weights != "native":
             for i in widx:
-                w = g.weight_array(node.input[i])
-                plan.weights.append(WeightQ(node.name, i, rule.weights, weight_axis(node, i, w)))
+                axis = weight_axis(node, i, g.weight_shape(node.input[i]), per_channel)
+                plan.weights.append(WeightQ(node.name, i, rule.weights, axis))
     # residual Add: quantize the input that does NOT come from a quantized Conv, so Conv+Add fuses
     quantized_convs = {n for n in plan.node_rules if g.nodes[n].op_type == "Conv"}
     for node in model.graph.node:
-        if node.op_type != "Add" or len(node.input) != 2 or not all(g.is_activation(t) for t in node.input):
-            continue
+        if (node.op_type != "Add" or len(node.input) != 2 or rules.get(node.name) is None
+                or not all(g.is_activation(t) for t in node.input)):
+            continue  # (an Add in skip_names or without a rule stays float)
         from_conv = [i for i, t in enumerate(node.input)
                      if t in g.producer and g.producer[t].name in quantized_convs]
         if len(from_conv) == 1:
             other = 1 - from_conv[0]
             conv_rule = rules[g.producer[node.input[from_conv[0]]].name]
-            plan.activations.append(ActivationQ(node.input[other], conv_rule.activations, ((node.name, other),)))
+            plan.activations.append(ActivationQ(node.input[other], act_dtype(conv_rule, activation_type),
+                                                ((node.name, other),)))
             plan.node_rules[node.name] = conv_rule.rule
     return plan
 
@@ -260,7 +257,8 @@ def int32_bias(g: GraphIndex, node: onnx.NodeProto, act_dtype_: str) -> BiasQ | 
     return BiasQ(slot[0], slot[1], node.input[0], act_dtype_, node.name, widx[0])
 
 
-def onnxruntime_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activation_type: str = "uint8") -> QDQPlan:
+def onnxruntime_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activation_type: str = "uint8",
+                     per_channel: bool = True) -> QDQPlan:
     g = GraphIndex(model)
 
     def float_output_ok(node: onnx.NodeProto, r: NodeDtypes) -> bool:
@@ -391,8 +389,8 @@ def onnxruntime_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activ
             want(out, dt, output=True)
         if r.weights != "native":
             for i in _weight_inputs(g, node):
-                w = g.weight_array(node.input[i])
-                plan.weights.append(WeightQ(node.name, i, r.weights, weight_axis(node, i, w)))
+                axis = weight_axis(node, i, g.weight_shape(node.input[i]), per_channel)
+                plan.weights.append(WeightQ(node.name, i, r.weights, axis))
     for tensor, dtype in requested.items():
         if tensor in outputs_q or quantized_source(tensor):
             plan.activations.append(ActivationQ(tensor, dtype, None))
@@ -401,15 +399,14 @@ def onnxruntime_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activ
             # float consumers keep the original tensor (no stray DequantizeLinear, no rounding)
             cons = tuple((c.name, i) for c, i in g.consumers.get(tensor, []) if c.name in qnodes)
             plan.activations.append(ActivationQ(tensor, dtype, cons))
+    plan.aliases.update(pass_through_aliases(g, plan))
     return plan
 
 
-def pass_through_outputs(model: onnx.ModelProto, plan: QDQPlan) -> dict[str, str]:
-    """Output tensor -> input tensor of quantized data-movement ops: they must share Q params."""
-    g = GraphIndex(model)
-    out = {}
-    for name in plan.node_rules:
-        node = g.nodes[name]
-        if node.op_type in PASS_THROUGH_OPS or node.op_type == "MaxPool":
-            out[node.output[0]] = node.input[0]
-    return out
+def pass_through_aliases(g: GraphIndex, plan: QDQPlan) -> dict[str, str]:
+    """Output -> input of data-movement ops quantized on both sides: the two Q/DQ pairs must share
+    scale and zero point for ORT to drop them and run the op on 8-bit data."""
+    quantized = {a.tensor for a in plan.activations}
+    return {n.output[0]: n.input[0] for n in g.model.graph.node
+            if n.op_type in PASS_THROUGH_OPS and n.output and n.input
+            and n.output[0] in quantized and n.input[0] in quantized}

@@ -19,7 +19,7 @@ DequantizeLinear nodes into a copy of a float model with scales from a ``Calibra
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from pipeline.errors import StageError
 from pipeline.graph import opset_version, tensor_elem_types, topological_sort
 
 log = logging.getLogger("tune.qdq")
@@ -39,15 +40,11 @@ QTYPES: dict[str, tuple[int, Any, float, float]] = {
     "fp8_e5m2": (TensorProto.FLOAT8E5M2, None, -57344.0, 57344.0),
 }
 FP8 = ("fp8_e4m3fn", "fp8_e5m2")
-_ONNX_TO_QTYPE = {v[0]: k for k, v in QTYPES.items()}
+PREQUANT_SUFFIX = "_prequant"  # a quantized graph output's float tensor, renamed so the DQ keeps its name
 
 
 def is_fp8(dtype: str) -> bool:
     return dtype in FP8
-
-
-def qtype_of_elem(elem_type: int) -> str | None:
-    return _ONNX_TO_QTYPE.get(elem_type)
 
 
 def _fp8_bytes(values: np.ndarray, dtype: str) -> bytes:
@@ -177,12 +174,15 @@ class QDQPlan:
     # tensor -> tensor whose scale it must share (outputs of quantized data-movement ops)
     aliases: dict[str, str] = field(default_factory=dict)
 
-    def quantized_tensors(self) -> set[str]:
-        return {a.tensor for a in self.activations}
 
 
-class MissingCalibration(Exception):
-    """Raised by a Calibration without a fallback when a tensor has no statistics."""
+class MissingCalibration(StageError):
+    """A tensor to quantize has no statistics and the Calibration has no fallback scale."""
+
+    def __init__(self, tensor: str):
+        super().__init__(f"no calibration statistics for tensor '{tensor}'; re-run the quantize stage "
+                         f"(stages=[quantize,...]) so calibration.json covers it")
+        self.tensor = tensor
 
 
 class Calibration:
@@ -239,7 +239,8 @@ def required_opset(plan: QDQPlan) -> int:
     return 13
 
 
-def _raise_opset(model: onnx.ModelProto, target: int) -> onnx.ModelProto:
+def raise_opset(model: onnx.ModelProto, target: int) -> onnx.ModelProto:
+    """The model at opset >= ``target`` (per-axis Q/DQ needs 13, FP8 19)."""
     current = opset_version(model)
     if current >= target:
         return model
@@ -251,7 +252,12 @@ def _raise_opset(model: onnx.ModelProto, target: int) -> onnx.ModelProto:
         converted = version_converter.convert_version(model, target)
         onnx.checker.check_model(converted)
         return converted
-    except Exception:  # noqa: BLE001 - the converter lacks adapters for some ops; Q/DQ semantics are unchanged
+    except Exception:  # noqa: BLE001 - the converter lacks adapters for some ops
+        if current < 13:
+            # below 13, ops such as Squeeze/Unsqueeze/Split/Reduce* changed signature: a bump is unsafe
+            raise StageError(f"cannot convert the model from opset {current} to {target} for Q/DQ; re-export it "
+                             f"with model.opset=17 (or any opset >= 13)") from None
+        # from 13 on, the ops that changed keep their old forms valid; Q/DQ semantics are unchanged
         log.debug("version converter failed; raising opset_import to %d directly", target)
         for imp in model.opset_import:
             if imp.domain in ("", "ai.onnx"):
@@ -260,11 +266,11 @@ def _raise_opset(model: onnx.ModelProto, target: int) -> onnx.ModelProto:
 
 
 def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
-               default_float_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
+               default_float_type: int = TensorProto.FLOAT, check: bool = True) -> onnx.ModelProto:
     """A copy of ``model`` with the plan's Q/DQ nodes inserted (see module docstring)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    out = _raise_opset(out, required_opset(plan))
+    out = raise_opset(out, required_opset(plan))
     if plan.aliases:
         calibration = calibration.with_aliases(plan.aliases)
     graph = out.graph
@@ -301,6 +307,7 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
             wanted[key] = None
         else:
             wanted.setdefault(key, set()).update(a.consumers)  # type: ignore[union-attr]
+    dtypes_per_tensor = Counter(t for t, _ in wanted)
     rewired: dict[Consumer, str] = {}
     for (tensor, dtype), who in sorted(wanted.items(), key=lambda kv: kv[0]):
         targets = consumers.get(tensor, []) if who is None else sorted(who)
@@ -309,7 +316,7 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
             continue
         p = calibration.params(tensor, dtype)
         ft = float_type(tensor)
-        suffix = "" if sum(1 for (t, _) in wanted if t == tensor) == 1 else f"_{dtype}"
+        suffix = "" if dtypes_per_tensor[tensor] == 1 else f"_{dtype}"
         base = f"{tensor}{suffix}"
         s_name, z_name = unique(f"{base}_scale"), unique(f"{base}_zero_point")
         q_out, dq_out = unique(f"{base}_quantized"), unique(f"{base}_dequantized")
@@ -317,7 +324,7 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
         q_in = tensor
         if tensor in graph_outputs and who is None:
             # a quantized graph output keeps its name on the DQ side, so the producer + Q can fuse
-            q_in = unique(f"{tensor}_prequant")
+            q_in = unique(f"{tensor}{PREQUANT_SUFFIX}")
             for n in graph.node:
                 for k, o in enumerate(n.output):
                     if o == tensor:
@@ -387,14 +394,17 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
     del graph.initializer[:]
     graph.initializer.extend(keep)
     topological_sort(out)
-    onnx.checker.check_model(out)
+    if check:  # the autotuner skips it per candidate: a broken candidate fails its measurement anyway
+        onnx.checker.check_model(out)
     return out
 
 
 def get_quantized_tensors(model: onnx.ModelProto) -> set[str]:
-    """Activation tensors that feed a QuantizeLinear (the placement of a Q/DQ model)."""
+    """Activation tensors that feed a QuantizeLinear (the placement of a Q/DQ model), by their
+    float-model names."""
     inits = {i.name for i in model.graph.initializer}
-    return {n.input[0] for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] not in inits}
+    return {n.input[0].removesuffix(PREQUANT_SUFFIX) for n in model.graph.node
+            if n.op_type == "QuantizeLinear" and n.input[0] not in inits}
 
 
 def qdq_summary(model: onnx.ModelProto) -> dict[str, int]:

@@ -35,14 +35,14 @@ class StageContext:
     def artifact(self, key: str) -> Path | None:
         return self.manifest.artifact(key)
 
-    def require(self, key: str, producer_hint: str | None = None) -> Path:
+    def require(self, key: str) -> Path:
         """Path of an earlier stage's artifact, or a StageError naming the stage to run first."""
         p = self.artifact(key)
         if p is None:
             stage = key.split("/", 1)[0]
             raise StageError(
-                f"missing input {key} in {self.results_dir}: run stage '{producer_hint or stage}' first "
-                f"(e.g. stages=[{producer_hint or stage},...])"
+                f"missing input {key} in {self.results_dir}: run stage '{stage}' first "
+                f"(e.g. stages=[{stage},...])"
             )
         return p
 

@@ -7,6 +7,7 @@ during graph optimization, so the optimized graph shows which placements really 
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ import numpy as np
 
 from pipeline.artifacts import atomic_output
 from pipeline.backends.base import Backend, BuildResult, PreparedModel, fixed_feeds, specs_of
+from pipeline.config import enum_value
 from pipeline.errors import BackendUnavailable
 
 _LEVELS = {
@@ -27,6 +29,7 @@ _LEVELS = {
 }
 
 
+@functools.lru_cache(maxsize=1)
 def physical_cores() -> int:
     """Physical cores available to this process (hyper-threads share a core's int8 units)."""
     try:
@@ -136,7 +139,8 @@ class OnnxRuntimeBackend(Backend):
         so = ort.SessionOptions()
         so.intra_op_num_threads = self.threads
         so.inter_op_num_threads = 1
-        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[self.cfg.graph_optimization_level])
+        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel,
+                                              _LEVELS[enum_value(self.cfg.graph_optimization_level)])
         so.log_severity_level = 3
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.cfg.allow_spinning else "0")
         if optimized_path:
@@ -185,6 +189,4 @@ class OnnxRuntimeBackend(Backend):
 
     def has_fast_kernels(self, quant_type: str) -> bool:
         # the CPU EP has integer kernels for int8/uint8 but none for fp8: FP8 Q/DQ only adds casts
-        if quant_type == "fp8":
-            return False
-        return True
+        return quant_type != "fp8"
