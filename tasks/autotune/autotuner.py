@@ -41,15 +41,15 @@ from pipeline.artifacts import atomic_write_text
 from pipeline.errors import StateError
 from pipeline.graph import model_hash, save_model
 from pipeline.placement import (
-    PASS_THROUGH_OPS,
     GraphIndex,
     NodeDtypes,
     _weight_inputs,
     act_dtype,
     int32_bias,
+    pass_through_aliases,
     weight_axis,
 )
-from pipeline.qdq import ActivationQ, Calibration, QDQPlan, WeightQ, apply_plan
+from pipeline.qdq import ActivationQ, Calibration, QDQPlan, WeightQ, apply_plan, raise_opset
 from tasks.autotune.config import AutotuneConfig
 from tasks.autotune.insertion_points import InsertionPoint, candidate_points, point_groups, resolve
 from tasks.autotune.pattern import RegionPattern
@@ -129,7 +129,12 @@ class QDQAutotunerBase:
         self.current_profile_pattern_schemes: PatternSchemes | None = None
         self._pending: SchemeRecord | None = None
         self._dtypes: dict[str, NodeDtypes] = {}
-        self._initialized = False
+        self.profiled_patterns: set[str] = set()
+        self._model_sha = ""
+        self._export_base: onnx.ModelProto | None = None
+        # fingerprint of everything besides the model that measurements depend on (calibration, QDQ
+        # baseline, backend, rules); a state file made under another context is refused
+        self.context: str | None = None
 
     # ------------------------------------------------------------------ setup
     def initialize(self, config: Config | None = None, pattern_cache: PatternCache | None = None,
@@ -149,24 +154,27 @@ class QDQAutotunerBase:
             pattern, order = RegionPattern.with_order(r, self.model, self.index)
             self.patterns[r.id] = pattern
             self.orders[r.id] = order
+            self.pattern_regions.setdefault(pattern.signature, []).append(r)
             if filters and not any(fnmatch.fnmatchcase(names[i], f) for i in order for f in filters):
                 self.skipped_regions.add(r.id)
-                continue
-            self.pattern_regions.setdefault(pattern.signature, []).append(r)
+        # patterns with a region node_filter_list keeps; skipped regions still get their pattern's
+        # QDQ-baseline scheme, they are just never profiled
+        self.profiled_patterns = {self.patterns[r.id].signature for r in self.regions if r.id not in self.skipped_regions}
         allowed = {n for n, d in self._dtypes.items() if d.activations != "native"}
         for sig, regions in self.pattern_regions.items():
             r0 = regions[0]
             cands = candidate_points(r0, self.orders[r0.id], self.model, self.index, self.config.placement,
                                      allowed, self.config.default_quant_type)
             self.pattern_schemes[sig] = PatternSchemes(sig, cands)
-        self._initialized = True
+        self._model_sha = model_hash(self.model)
 
     def discover_regions(self) -> list[Region]:
         raise NotImplementedError("QDQAutotunerBase needs regions: set self.regions before initialize()")
 
     @property
     def num_patterns(self) -> int:
-        return len(self.pattern_schemes)
+        """Patterns to profile (those with a region node_filter_list keeps)."""
+        return len(self.profiled_patterns)
 
     # ------------------------------------------------------------------ baseline import
     def import_insertion_points(self, tensor_names: set[str] | list[str]) -> int:
@@ -179,7 +187,7 @@ class QDQAutotunerBase:
         for some consumers only)."""
         from pipeline.qdq import get_quantized_tensors
 
-        tensors = {t[: -len("_prequant")] if t.endswith("_prequant") else t for t in get_quantized_tensors(baseline)}
+        tensors = get_quantized_tensors(baseline)
         dq_out = {n.output[0] for n in baseline.graph.node if n.op_type == "DequantizeLinear"}
         readers = {(n.name, k) for n in baseline.graph.node for k, t in enumerate(n.input) if t in dq_out}
         return self._import(tensors, readers)
@@ -353,32 +361,24 @@ class QDQAutotunerBase:
             candidate = self._pending.scheme
         out: dict[int, InsertionScheme] = {}
         for r in self.regions:
-            sig = self.patterns[r.id].signature
-            ps = self.pattern_schemes.get(sig)
-            if ps is None or r.id in self.skipped_regions:
-                base = self._baseline_for_skipped(r)
-                if base is not None:
-                    out[r.id] = base
-                continue
-            if current is not None and ps is current and candidate is not None:
-                out[r.id] = candidate
+            ps = self.pattern_schemes[self.patterns[r.id].signature]
+            if r.id in self.skipped_regions:
+                chosen = ps.baseline_scheme
+            elif current is not None and ps is current and candidate is not None:
+                chosen = candidate
             elif ps.done and ps.best is not None:
-                out[r.id] = ps.best
-            elif ps.baseline_scheme is not None:
-                out[r.id] = ps.baseline_scheme
+                chosen = ps.best
+            else:
+                chosen = ps.baseline_scheme
+            if chosen is not None:
+                out[r.id] = chosen
         return out
-
-    def _baseline_for_skipped(self, region: Region) -> InsertionScheme | None:
-        ps = self.pattern_schemes.get(self.patterns[region.id].signature)
-        return None if ps is None else ps.baseline_scheme
 
     def build_plan(self, assignment: dict[int, InsertionScheme]) -> QDQPlan:
         plan = QDQPlan()
-        g, nodes = self.index, self.model.graph.node
-        by_name = {n.name: n for n in nodes}
+        g = self.index
         weight_nodes: set[str] = set()
         act: dict[tuple[str, str], set[tuple[str, int]] | None] = {}
-        quantized_tensors: set[str] = set()
         for r in self.regions:
             scheme = assignment.get(r.id)
             if scheme is None:
@@ -396,7 +396,6 @@ class QDQAutotunerBase:
                     act[key] = None
                 else:
                     act.setdefault(key, set()).update(rp.consumers)  # type: ignore[union-attr]
-                quantized_tensors.add(rp.tensor)
                 if rp.weight_node:
                     weight_nodes.add(rp.weight_node)
                 if rp.consumers:
@@ -406,23 +405,18 @@ class QDQAutotunerBase:
             plan.activations.append(ActivationQ(tensor, dtype, None if who is None else tuple(sorted(who))))
         outputs_q = {t for (t, _), who in act.items() if who is None}
         for name in sorted(weight_nodes):
-            node = by_name[name]
+            node = g.nodes[name]
             d = self._dtypes.get(name)
             if d is None or d.weights == "native":
                 continue
             for i in _weight_inputs(g, node):
-                w = g.weight_array(node.input[i])
-                plan.weights.append(WeightQ(name, i, d.weights, weight_axis(node, i, w)))
+                plan.weights.append(WeightQ(name, i, d.weights, weight_axis(node, i, g.weight_shape(node.input[i]))))
             if (self.config.placement == "onnxruntime" and d.weights == "int8" and node.op_type in ("MatMul", "Gemm")
                     and g.tail(node) not in outputs_q):
                 b = int32_bias(g, node, act_dtype(d, self.config.activation_type))
                 if b is not None:
                     plan.biases.append(b)  # float-output QGemm (see pipeline.placement.int32_bias)
-        # data-movement ops with both sides quantized keep their input's scale so ORT drops the pair
-        for node in nodes:
-            if node.op_type in PASS_THROUGH_OPS and node.output and node.output[0] in outputs_q \
-                    and node.input and node.input[0] in quantized_tensors:
-                plan.aliases[node.output[0]] = node.input[0]
+        plan.aliases.update(pass_through_aliases(g, plan))
         return plan
 
     def _dtype_for(self, p: InsertionPoint, rp, region: Region, order: list[int]) -> str | None:
@@ -442,15 +436,21 @@ class QDQAutotunerBase:
             return None
         return act_dtype(d, self.config.activation_type)
 
-    def export_model(self, insert_qdq: bool = True, assignment: dict[int, InsertionScheme] | None = None) -> onnx.ModelProto:
+    def export_model(self, insert_qdq: bool = True, assignment: dict[int, InsertionScheme] | None = None,
+                     check: bool = True) -> onnx.ModelProto:
         if not insert_qdq:
             m = onnx.ModelProto()
             m.CopyFrom(self.model)
             return m
         plan = self.build_plan(self.assignment() if assignment is None else assignment)
+        if self._export_base is None:
+            # raise the opset once, not per candidate (the version converter is the slow part)
+            target = 19 if any(d.activations.startswith("fp8") or d.weights.startswith("fp8")
+                               for d in self._dtypes.values()) else 13
+            self._export_base = raise_opset(self.model, target)
         dq_type = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16,
                    "bfloat16": onnx.TensorProto.BFLOAT16}[self.config.default_dq_dtype]
-        return apply_plan(self.model, plan, self.calibration, default_float_type=dq_type)
+        return apply_plan(self._export_base, plan, self.calibration, default_float_type=dq_type, check=check)
 
     def export_onnx(self, output_path: str | Path | None = None, insert_qdq: bool = True) -> bytes | None:
         """Write the current model (or return its bytes when ``output_path`` is None)."""
@@ -464,7 +464,8 @@ class QDQAutotunerBase:
     def state_dict(self) -> dict[str, Any]:
         return {
             "version": STATE_VERSION,
-            "model_sha256": model_hash(self.model),
+            "model_sha256": self._model_sha,
+            "context": self.context,
             "quant_type": self.config.default_quant_type,
             "placement": self.config.placement,
             "baseline_latency_ms": self.baseline_latency_ms,
@@ -487,7 +488,7 @@ class QDQAutotunerBase:
         except (yaml.YAMLError, ValueError, OSError) as exc:
             raise StateError(f"autotune state file {p} is corrupt ({exc}); delete it to start the search afresh") \
                 from None
-        if doc.get("model_sha256") != model_hash(self.model):
+        if doc.get("model_sha256") != self._model_sha:
             raise StateError(f"autotune state file {p} belongs to a different model; delete it or set "
                              f"autotune.state_file to another path")
         for key in ("quant_type", "placement"):
@@ -495,6 +496,10 @@ class QDQAutotunerBase:
             if doc.get(key) != want:
                 raise StateError(f"autotune state file {p} was made with {key}={doc.get(key)}, this run uses "
                                  f"{want}; delete it or set autotune.state_file to another path")
+        if self.context is not None and doc.get("context") not in (None, self.context):
+            raise StateError(f"autotune state file {p} was measured with other inputs or settings (calibration, QDQ "
+                             f"baseline, backend or quantize rules changed); delete it to tune afresh or set "
+                             f"autotune.state_file to another path")
         self.baseline_latency_ms = doc.get("baseline_latency_ms")
         try:
             for sig, d in doc["patterns"].items():
@@ -504,7 +509,11 @@ class QDQAutotunerBase:
                     if loaded.baseline_scheme is None:
                         loaded.baseline_scheme = self.pattern_schemes[sig].baseline_scheme
                     self.pattern_schemes[sig] = loaded
-        except (KeyError, TypeError, ValueError) as exc:
+                    best = loaded.find(loaded.best) if loaded.done and loaded.best is not None else None
+                    if best is not None and best.ok and self.pattern_cache is not None:
+                        # committed before the interruption: keep it in the cache saved next to the state
+                        self.pattern_cache.add(sig, best.scheme, best.ratio)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise StateError(f"autotune state file {p} is corrupt ({type(exc).__name__}: {exc}); delete it") from None
 
     @property

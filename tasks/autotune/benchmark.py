@@ -11,6 +11,7 @@ models (by content hash) are measured once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import tempfile
@@ -53,7 +54,7 @@ class PairedBenchmark:
     def measure(self, model: str | Path | bytes, rounds: int | None = None, use_cache: bool = True) -> Measurement:
         key = model_hash(model)
         if use_cache and key in self._cache:
-            return self._cache[key]
+            return dataclasses.replace(self._cache[key])  # callers annotate their copy (log path)
         tmp = None
         if isinstance(model, bytes):
             tmp = tempfile.NamedTemporaryFile(suffix=".onnx", delete=False)

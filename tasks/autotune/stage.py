@@ -16,14 +16,14 @@ and the file written is byte for byte the model that was measured.
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
+from pipeline.artifacts import atomic_write_bytes, fingerprint, sha256_file
 from pipeline.backends import compare_interleaved, create_backend
-from pipeline.config import enum_value
+from pipeline.config import enum_value, section
 from pipeline.errors import StageError
 from pipeline.graph import load_model, model_hash, save_model
 from pipeline.placement import resolve_rules
@@ -144,9 +144,17 @@ class AutotuneStage(Stage):
             bar.set_postfix(schemes=ev["measurements"], best=f"{sp:.2f}x" if sp else "-", refresh=False)
             bar.refresh()
 
+        context = fingerprint({
+            "calibration": sha256_file(inputs["quantize/calibration.json"]) if "quantize/calibration.json" in inputs
+            else None,
+            "qdq_baseline": model_hash(baseline_model) if baseline_model is not None else None,
+            "backend": section(cfg, "backend"), "activation_type": config.activation_type,
+            "default_dq_dtype": config.default_dq_dtype, "node_filter_list": config.node_filter_list,
+            "node_dtypes": sorted((k, v.weights, v.activations) for k, v in (node_dtypes or {}).items()),
+        })
         try:
             tuner = region_pattern_autotuning_workflow(model, out, bench, config, calibration, pattern_cache,
-                                                       state_file, baseline_model, on_progress)
+                                                       state_file, baseline_model, on_progress, context)
         finally:
             bar.close()
         if calibration.defaulted:
@@ -158,7 +166,6 @@ class AutotuneStage(Stage):
         save_model(tuned_model, tuned)
         metrics = self._finalize(ctx, backend, bench, baseline_path, inputs.get("quantize/quantized_model.onnx"),
                                  tuned, out / "optimized_final.onnx", float(a.performance_threshold), timing, warmup)
-        bench.close()
         metrics.update(
             regions=len(tuner.regions), patterns=tuner.num_patterns, measurements=tuner.num_measurements,
             benchmark_runs=bench.count, quant_type=quant_type, placement=placement,
@@ -221,7 +228,7 @@ class AutotuneStage(Stage):
             choice, why = baseline, (f"no Q/DQ model beat the float baseline by the performance threshold "
                                      f"{threshold:.2f}x (best {speedup:.3f}x): shipping the float model")
             chosen_t = base_t
-        shutil.copyfile(choice, final)
+        atomic_write_bytes(final, choice.read_bytes())
         speedup = base_t.p10_ms / chosen_t.p10_ms
         runtime = backend.describe()
         # the CPU EP runs float models in FP32; TensorRT backends build them at backend.float_precision

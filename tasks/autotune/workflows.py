@@ -61,6 +61,7 @@ def region_pattern_autotuning_workflow(
     state_file: str | Path | None = None,
     qdq_baseline: onnx.ModelProto | None = None,
     on_progress: Callable[[dict], None] | None = None,
+    context: str | None = None,
 ) -> QDQAutotuner:
     """Tune every pattern; returns the autotuner with every pattern committed."""
     config = config or Config()
@@ -75,6 +76,7 @@ def region_pattern_autotuning_workflow(
                                           config.pattern_cache_max_entries_per_pattern)
     autotuner = QDQAutotuner(model)
     autotuner.initialize(config, pattern_cache, calibration)
+    autotuner.context = context
     if qdq_baseline is not None:
         n = autotuner.import_qdq_baseline(qdq_baseline)
         log.info("QDQ baseline: seeded %d of %d patterns", n, autotuner.num_patterns)
@@ -104,7 +106,7 @@ def region_pattern_autotuning_workflow(
             rec = autotuner.pending_scheme
             assert rec is not None
             try:
-                data = autotuner.export_onnx(None)
+                data = autotuner.export_model(check=False).SerializeToString()
             except Exception as exc:  # noqa: BLE001 - an unbuildable candidate is a failed measurement
                 log.debug("export of scheme %s failed", rec.scheme.key, exc_info=True)
                 m = Measurement.failed(f"export failed: {type(exc).__name__}: {exc}")
@@ -161,11 +163,12 @@ def _remeasure_winners(autotuner: QDQAutotuner, ps: PatternSchemes, benchmark: P
                            benchmark.runs_per_round * benchmark.rounds, benchmark.rounds * 2)
     try:
         for rec in todo:
-            data = autotuner.export_model(assignment=autotuner.assignment(candidate=rec.scheme)).SerializeToString()
+            data = autotuner.export_model(assignment=autotuner.assignment(candidate=rec.scheme),
+                                          check=False).SerializeToString()
             rel = duel.measure(data, use_cache=False)
             m = (Measurement(rel.latency_ms, rel.ratio * inc_ratio, rel.reference_ms, remeasure=True) if rel.ok
                  else Measurement.failed(rel.error or "duel failed"))
-            m.remeasure = True
+            m.remeasure = True  # failed duels too: they count as the finalist's re-measurement
             idx = ps.records.index(rec)
             log_path = logs / f"region_{region_id}_scheme_{idx}_remeasure.log"
             m.log_path = str(log_path.relative_to(out))

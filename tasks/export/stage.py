@@ -202,12 +202,19 @@ class ExportStage(Stage):
         target = mcfg.get("_target_")
         cls = import_target(target, "model._target_")
         args = OmegaConf.to_container(mcfg.args, resolve=True) if mcfg.args else {}
-        module = cls(**args)
+        try:
+            module = cls(**args)
+        except TypeError as exc:  # wrong or missing model.args for the constructor
+            raise ConfigError(f"model.args={args} do not fit {target}: {exc}") from None
         if mcfg.checkpoint:
             ckpt = Path(to_absolute_path(mcfg.checkpoint))
             if not ckpt.exists():
                 raise InputError(f"model.checkpoint {ckpt} does not exist")
-            state = torch.load(ckpt, map_location="cpu", weights_only=True)
+            try:
+                state = torch.load(ckpt, map_location="cpu", weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - torch raises many types for files it cannot read
+                raise InputError(f"model.checkpoint {ckpt} could not be read by torch.load: "
+                                 f"{str(exc).strip().splitlines()[0]}") from None
             if isinstance(state, dict) and "state_dict" in state:
                 state = state["state_dict"]
             try:
@@ -221,8 +228,12 @@ class ExportStage(Stage):
         names = list(mcfg.input_names) or list(mcfg.input_shapes.keys())
         examples = []
         for name in names:
+            if name not in mcfg.input_shapes:
+                raise ConfigError(f"model.input_names lists '{name}', which has no entry in model.input_shapes")
             shape = list(mcfg.input_shapes[name])
             dtype = str(mcfg.input_dtypes.get(name, "float32"))
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise ConfigError(f"model.input_dtypes.{name}={dtype}: not a torch dtype (float32, float16, int64, ...)")
             if "int" in dtype:
                 examples.append(torch.randint(0, 100, shape, generator=g, dtype=getattr(torch, dtype)))
             else:

@@ -29,15 +29,15 @@ log = logging.getLogger("tune.quantize")
 def candidate_tensors(model: onnx.ModelProto) -> list[str]:
     """Float activations: graph inputs and outputs of non-constant nodes."""
     g = GraphIndex(model)
-    seen: list[str] = []
+    seen: dict[str, None] = {}  # ordered set
     for name in sorted(g.graph_inputs):
         if name in g.float_tensors:
-            seen.append(name)
+            seen[name] = None
     for node in model.graph.node:
         for o in node.output:
-            if o and g.is_activation(o) and o not in seen:
-                seen.append(o)
-    return seen
+            if o and g.is_activation(o):
+                seen[o] = None
+    return list(seen)
 
 
 def _augmented(model: onnx.ModelProto, tensors: list[str]) -> bytes:

@@ -27,7 +27,6 @@ from pipeline.placement import (
     NodeDtypes,
     _weight_inputs,
     onnxruntime_plan,
-    pass_through_outputs,
     resolve_rules,
     tensorrt_plan,
     weight_axis,
@@ -66,8 +65,8 @@ def weight_records(model: onnx.ModelProto) -> dict[str, Any]:
             name = node.input[i]
             if name in out:
                 continue
-            w = g.weight_array(name).astype(np.float32)
-            axis = weight_axis(node, i, w)
+            w = onnx.numpy_helper.to_array(g.inits[name]).astype(np.float32)
+            axis = weight_axis(node, i, w.shape)
             rec: dict[str, Any] = {"node": node.name, "op_type": node.op_type, "axis": axis,
                                    "shape": list(w.shape), "absmax": float(np.abs(w).max()) if w.size else 0.0}
             for dt in ("int8", *FP8):
@@ -153,25 +152,13 @@ class QuantizeStage(Stage):
 
         kind = placement_kind(cfg)
         act_type = activation_type(cfg)
-        if kind == "onnxruntime":
-            plan = onnxruntime_plan(model, rules, act_type)
-        else:
-            if act_type == "uint8":
-                rules = {k: NodeDtypes(v.weights, v.activations, v.rule) for k, v in rules.items()}
-            plan = tensorrt_plan(model, rules)
-            if act_type == "uint8":
-                from dataclasses import replace
-
-                plan.activations = [replace(a, dtype="uint8") if a.dtype == "int8" else a for a in plan.activations]
+        builder = onnxruntime_plan if kind == "onnxruntime" else tensorrt_plan
+        plan = builder(model, rules, act_type, per_channel=bool(q.per_channel))
         calibration = Calibration(doc["tensors"])
-        plan.aliases.update(pass_through_outputs(model, plan))
         if not plan.activations and not plan.weights:
             raise StageError("quantize: the rules match no quantizable op in this model (Conv, Gemm, MatMul, ...); "
                              "check quantize.layers / skip_names / op_types_to_quantize")
-        try:
-            qmodel = apply_plan(model, plan, calibration)
-        except KeyError as exc:
-            raise StageError(f"quantize: no calibration statistics for tensor {exc}") from None
+        qmodel = apply_plan(model, plan, calibration)
         save_model(qmodel, out_model, external_data=bool(q.use_external_data_format))
         self._log_rules(model, plan, rules, act_type)
         counts = qdq_summary(qmodel)

@@ -202,3 +202,20 @@ def test_node_filter_list_skips_regions_without_matching_nodes():
         else:
             assert not any(n.startswith("block1/") for n in names)
     assert profiled and len(t.skipped_regions) >= 1
+
+
+def test_state_from_another_context_is_refused_and_resume_keeps_the_cache(tmp_path):
+    model = models.residual_block(blocks=2)
+    t = _tuner(model, schemes_per_region=3)
+    t.context = "calibration-a"
+    _drive(t, _num_q)
+    path = tmp_path / "autotuner_state.yaml"
+    t.save_state(path)
+    u = _tuner(model, schemes_per_region=3)
+    u.context = "calibration-b"
+    with pytest.raises(StateError, match="other inputs or settings"):
+        u.load_state(path)
+    v = _tuner(model, schemes_per_region=3)
+    v.context = "calibration-a"
+    v.load_state(path)
+    assert v.pattern_cache.num_patterns == t.pattern_cache.num_patterns > 0
