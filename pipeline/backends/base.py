@@ -2,9 +2,10 @@
 
 Every backend prepares a model once (`prepare`) into a ``PreparedModel`` that can run feeds and
 time a number of runs. Statistics are computed here, the same way for every backend: warm-up,
-timed runs, median with p10/p90 spread. ``compare_interleaved`` measures several models in
-alternating blocks (with one untimed run after each switch) so that machine drift hits all of them
-alike, which is how candidates are compared against a baseline.
+timed runs, median with p10/p90 spread. ``compare_interleaved`` (``compare_prepared`` for models
+already prepared) measures several models in alternating blocks (with one untimed run after each
+switch) so that machine drift hits all of them alike, which is how candidates are compared against
+a baseline.
 """
 
 from __future__ import annotations
@@ -141,16 +142,21 @@ class Backend:
         key = (model_hash(model_path), warm, runs)
         if key in self._cache:
             return self._cache[key]
+        timing = self._measure_uncached(model_path, warm, runs)
+        if timing.ok:
+            self._cache[key] = timing
+        return timing
+
+    def _measure_uncached(self, model_path: str | Path, warmup_runs: int, timing_runs: int) -> Timing:
+        """One measurement, no cache: prepare, warm up, time. A failure is a failed Timing."""
         try:
             with self.prepare(model_path) as pm:
-                if warm:
-                    pm.time_runs(warm)
-                timing = Timing.from_samples(pm.time_runs(runs), self.name)
+                if warmup_runs:
+                    pm.time_runs(warmup_runs)
+                return Timing.from_samples(pm.time_runs(timing_runs), self.name)
         except Exception as exc:  # noqa: BLE001 - a failed build/run is a failed measurement, reported as such
             log.debug("measurement of %s failed", model_path, exc_info=True)
             return Timing.failed(self.name, f"{type(exc).__name__}: {exc}")
-        self._cache[key] = timing
-        return timing
 
     def run(self, model_path: str | Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         with self.prepare(model_path) as pm:
@@ -161,40 +167,69 @@ def compare_interleaved(backend: Backend, model_paths: list[str | Path], rounds:
                         runs_per_round: int | None = None, warmup_runs: int | None = None) -> list[Timing]:
     """Measure several models in alternating blocks; one Timing per model over all its samples.
 
-    All models are prepared up front; each round times every model for ``runs_per_round`` runs,
-    after one untimed run (the previous model's worker threads slow the first run after a switch).
+    Prepares every model, then times them with ``compare_prepared``; a model that cannot be prepared
+    gets a failed Timing. Every prepared model is closed on the way out, also on Ctrl-C.
     """
     runs = runs_per_round or max(1, backend.timing_runs // max(rounds, 1))
     warm = backend.warmup_runs if warmup_runs is None else warmup_runs
     prepared: list[PreparedModel | None] = []
     errors: list[str | None] = []
-    for p in model_paths:
-        try:
-            pm = backend.prepare(p)
-            if warm:
-                pm.time_runs(warm)
-            prepared.append(pm)
-            errors.append(None)
-        except Exception as exc:  # noqa: BLE001 - reported as a failed Timing
-            prepared.append(None)
-            errors.append(f"{type(exc).__name__}: {exc}")
-    samples: list[list[float]] = [[] for _ in model_paths]
     try:
-        n = len(prepared)
-        for r in range(rounds):
-            # rotate the order every round: each model follows every other one equally often, so
-            # no model always pays for its predecessor's lingering worker threads
-            for i in [(r + k) % n for k in range(n)]:
-                pm = prepared[i]
-                if pm is None:
-                    continue
-                pm.time_runs(1)
-                samples[i].extend(pm.time_runs(runs))
+        for p in model_paths:
+            try:
+                prepared.append(backend.prepare(p))
+                errors.append(None)
+            except Exception as exc:  # noqa: BLE001 - reported as a failed Timing
+                log.debug("prepare %s failed", p, exc_info=True)
+                prepared.append(None)
+                errors.append(f"{type(exc).__name__}: {exc}")
+        ready = [pm for pm in prepared if pm is not None]
+        timed = iter(compare_prepared(backend.name, ready, rounds, runs, warm))
+        return [next(timed) if pm is not None else Timing.failed(backend.name, e or "not prepared")
+                for pm, e in zip(prepared, errors, strict=True)]
     finally:
         for pm in prepared:
             if pm is not None:
                 pm.close()
-    return [Timing.from_samples(s, backend.name) if e is None else Timing.failed(backend.name, e)
+
+
+def compare_prepared(backend_name: str, prepared: list[PreparedModel], rounds: int = 5, runs_per_round: int = 1,
+                     warmup_runs: int = 0) -> list[Timing]:
+    """Time already prepared models in alternating blocks; one Timing per model (the caller closes them).
+
+    Each model is warmed up once (``warmup_runs``); each round times every model for
+    ``runs_per_round`` runs after one untimed run (the previous model's worker threads slow the
+    first run after a switch). A model whose runs raise gets a failed Timing and drops out; the
+    others go on.
+    """
+    n = len(prepared)
+    samples: list[list[float]] = [[] for _ in prepared]
+    errors: list[str | None] = [None] * n
+
+    def fail(i: int, exc: Exception) -> None:
+        log.debug("timing model %d of %d failed", i + 1, n, exc_info=True)
+        errors[i] = f"{type(exc).__name__}: {exc}"
+
+    for i, pm in enumerate(prepared):
+        if warmup_runs:
+            try:
+                pm.time_runs(warmup_runs)
+            except Exception as exc:  # noqa: BLE001 - reported as a failed Timing
+                fail(i, exc)
+    for r in range(rounds):
+        # rotate the order every round: each model follows every other one equally often, so
+        # no model always pays for its predecessor's lingering worker threads
+        for i in [(r + k) % n for k in range(n)]:
+            if errors[i] is not None:
+                continue
+            pm = prepared[i]
+            try:
+                pm.time_runs(1)
+                samples[i].extend(pm.time_runs(runs_per_round))
+            except Exception as exc:  # noqa: BLE001 - reported as a failed Timing
+                fail(i, exc)
+    return [Timing.from_samples(s, backend_name) if e is None and s else
+            Timing.failed(backend_name, e or "no timed runs")
             for s, e in zip(samples, errors, strict=True)]
 
 

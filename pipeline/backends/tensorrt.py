@@ -32,8 +32,9 @@ from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_output, atomic_write_text
 from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing, fixed_feeds, tensorrt_qdq_view
+from pipeline.config import enum_value
 from pipeline.errors import BackendUnavailable, InputError, StageError
-from pipeline.graph import InputSpec, graph_inputs, has_qdq, input_specs
+from pipeline.graph import InputSpec, _dims, graph_inputs, has_qdq, input_specs
 
 log = logging.getLogger("tune.backend")
 
@@ -60,15 +61,64 @@ class EngineOptions:
     timing_cache: Path | None = None
     plugin_libraries: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        # enum members (OmegaConf) and any case ("fp16") become one upper-case name, once
+        self.data_type = enum_value(self.data_type).upper()
 
-def _input_dims(model: onnx.ModelProto) -> dict[str, list[int]]:
-    """Graph inputs with -1 for every dim that is not a positive number."""
-    out: dict[str, list[int]] = {}
-    for vi in graph_inputs(model):
-        t = vi.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else -1 for d in t.shape.dim]
-        out[vi.name] = dims
-    return out
+    @classmethod
+    def from_backend_cfg(cls, cfg: DictConfig) -> EngineOptions:
+        """Build options for measurement builds, from the backend section alone (tensorrt*, trtexec)."""
+        from hydra.utils import to_absolute_path
+
+        tc = cfg.get("timing_cache")
+        ws = cfg.get("workspace_size")
+        return cls(data_type=cfg.get("float_precision") or "FP32",
+                   workspace_mb=int(ws) if ws is not None else None,
+                   timing_cache=Path(to_absolute_path(str(tc))) if tc else None,
+                   plugin_libraries=list(cfg.get("plugin_libraries") or []))
+
+
+PLUGIN_KEYS = "backend.plugin_libraries / gen_trt_engine.tensorrt.plugin_libraries"
+
+
+def plugin_paths(libraries: list[str] | Any, key: str = PLUGIN_KEYS) -> list[str]:
+    """Plugin libraries as absolute paths (relative to where tune started), each an existing file,
+    duplicates dropped; a missing one is an InputError naming ``key``."""
+    from hydra.utils import to_absolute_path
+
+    out: list[str] = []
+    for lib in libraries or []:
+        p = Path(to_absolute_path(str(lib)))
+        if not p.is_file():
+            raise InputError(f"plugin library {p} does not exist ({key})")
+        out.append(str(p))
+    return list(dict.fromkeys(out))
+
+
+def shape_problems(min_shapes: Any, opt_shapes: Any, max_shapes: Any,
+                   key: str = "gen_trt_engine.tensorrt") -> list[str]:
+    """min/opt/max shapes name the same inputs, with equal ranks, dims >= 1 and min <= opt <= max per dim.
+
+    The one check of explicit profile shapes: config validation and every build call it.
+    """
+    keys = ("min_shapes", "opt_shapes", "max_shapes")
+    tables = [min_shapes or {}, opt_shapes or {}, max_shapes or {}]
+    problems = []
+    for name in sorted({str(n) for t in tables for n in t}):
+        missing = [k for k, t in zip(keys, tables, strict=True) if name not in t]
+        if missing:
+            problems.append(f"{key}: input '{name}' needs all of min_shapes, opt_shapes and max_shapes "
+                            f"(missing from {', '.join(missing)})")
+            continue
+        lo, opt, hi = trio = [[int(v) for v in t[name]] for t in tables]
+        bad = [f"{key}.{k}.{name}={s}" for k, s in zip(keys, trio, strict=True) if any(d < 1 for d in s)]
+        if bad:
+            problems.append(f"{', '.join(bad)}: every dim must be >= 1 (a concrete size, not -1 or 0)")
+        elif not len(lo) == len(opt) == len(hi):
+            problems.append(f"{key}: shapes of '{name}' differ in rank: {lo}, {opt}, {hi}")
+        elif not all(a <= b <= c for a, b, c in zip(lo, opt, hi, strict=True)):
+            problems.append(f"{key}: shapes of '{name}' need min <= opt <= max in every dim, got {lo}, {opt}, {hi}")
+    return problems
 
 
 def profile_shapes(model: onnx.ModelProto, options: EngineOptions,
@@ -79,19 +129,20 @@ def profile_shapes(model: onnx.ModelProto, options: EngineOptions,
     first takes the batch shortcut (TAO's min/opt/max batch size); any other dynamic input is an
     error naming the keys to set.
     """
-    dims = _input_dims(model)
+    # -1 for every dim that is not a positive number
+    dims = {vi.name: [d if isinstance(d, int) and d > 0 else -1 for d in _dims(vi)] for vi in graph_inputs(model)}
     named = set(options.min_shapes) | set(options.opt_shapes) | set(options.max_shapes)
     unknown = sorted(named - set(dims))
     if unknown:
         raise StageError(f"gen_trt_engine.tensorrt shapes name {unknown}, but {source} has inputs {sorted(dims)}")
+    problems = shape_problems(options.min_shapes, options.opt_shapes, options.max_shapes)
+    if problems:
+        raise StageError("; ".join(problems))
     out: dict[str, tuple[list[int], list[int], list[int]]] = {}
     for name, d in dims.items():
         if name in named:
-            trio = [options.min_shapes.get(name), options.opt_shapes.get(name), options.max_shapes.get(name)]
-            if any(s is None for s in trio):
-                raise StageError(f"gen_trt_engine.tensorrt: input '{name}' needs all of min_shapes, opt_shapes "
-                                 f"and max_shapes")
-            shapes = tuple([int(v) for v in s] for s in trio)  # type: ignore[union-attr]
+            shapes = tuple([int(v) for v in s[name]] for s in (options.min_shapes, options.opt_shapes,
+                                                               options.max_shapes))
             for s in shapes:
                 if len(s) != len(d):
                     raise StageError(f"gen_trt_engine.tensorrt shapes for '{name}' have rank {len(s)}, but "
@@ -111,23 +162,6 @@ def profile_shapes(model: onnx.ModelProto, options: EngineOptions,
             f"gen_trt_engine.tensorrt.opt_shapes='{{{name}: [{', '.join('1' if v == -1 else str(v) for v in d)}]}}'"
         )
     return out
-
-
-def specs_at(model: onnx.ModelProto, shapes: dict[str, tuple[list[int], list[int], list[int]]]) -> list[InputSpec]:
-    """Input specs for running an engine: static inputs as declared, profiled ones at their opt shape."""
-    if not shapes:
-        return input_specs(model)
-    from onnx import helper
-
-    specs = []
-    for vi in graph_inputs(model):
-        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type))
-        if vi.name in shapes:
-            shape = tuple(shapes[vi.name][1])
-        else:
-            shape = tuple(d.dim_value for d in vi.type.tensor_type.shape.dim)
-        specs.append(InputSpec(vi.name, shape, dtype))
-    return specs
 
 
 # --------------------------------------------------------------------------- layer information
@@ -253,11 +287,20 @@ class TensorRTPrepared(PreparedModel):
         dt = self.engine.get_tensor_dtype(name)
         return getattr(self.torch, _TORCH_DTYPES.get(getattr(dt, "name", str(dt)), "float32"))
 
+    def _allowed(self, name: str) -> str:
+        """The shapes the engine accepts for an input, for error messages."""
+        try:
+            lo, opt, hi = ([int(d) for d in s] for s in self.engine.get_tensor_profile_shape(name, 0))
+        except Exception:  # noqa: BLE001 - a static engine has no profile
+            return f"the engine was built for {list(self.engine.get_tensor_shape(name))}"
+        return f"the engine's optimization profile allows min {lo}, opt {opt}, max {hi}"
+
     def _bind(self, shapes: dict[str, tuple[int, ...]]) -> None:
         torch = self.torch
         for name in self.input_names:
             shape = tuple(shapes[name])
-            self.context.set_input_shape(name, shape)
+            if not self.context.set_input_shape(name, shape):
+                raise StageError(f"TensorRT rejected shape {list(shape)} for input '{name}': {self._allowed(name)}")
             buf = self.buffers.get(name)
             if buf is None or tuple(buf.shape) != shape:
                 self.buffers[name] = torch.empty(shape, dtype=self._torch_dtype(name), device=self.device)
@@ -386,15 +429,7 @@ class TensorRTBackend(Backend):
     # ------------------------------------------------------------------ options
     def default_options(self) -> EngineOptions:
         """Build options for measurement builds, from the backend section alone."""
-        from hydra.utils import to_absolute_path
-
-        tc = self.cfg.get("timing_cache")
-        return EngineOptions(
-            data_type=str(self.cfg.get("float_precision") or "FP32").upper(),
-            workspace_mb=int(self.cfg.workspace_size),
-            timing_cache=Path(to_absolute_path(tc)) if tc else None,
-            plugin_libraries=list(self.cfg.get("plugin_libraries") or []),
-        )
+        return EngineOptions.from_backend_cfg(self.cfg)
 
     # ------------------------------------------------------------------ build
     def _load_plugins(self, libraries: list[str], logger: Any) -> None:
@@ -405,15 +440,9 @@ class TensorRTBackend(Backend):
             except Exception:  # noqa: BLE001 - the standard plugins are optional for plain ONNX models
                 log.debug("init_libnvinfer_plugins failed", exc_info=True)
             self._std_plugins_ready = True
-        from hydra.utils import to_absolute_path
-
-        for lib in libraries:
-            path = Path(to_absolute_path(str(lib)))
+        for path in map(Path, plugin_paths(libraries)):
             if str(path) in self._plugins_loaded:
                 continue
-            if not path.is_file():
-                raise InputError(f"plugin library {path} does not exist (backend.plugin_libraries / "
-                                 f"gen_trt_engine.tensorrt.plugin_libraries)")
             try:
                 handle = trt.get_plugin_registry().load_library(str(path))
             except Exception as exc:  # noqa: BLE001 - pybind raises RuntimeError/TypeError
@@ -437,14 +466,20 @@ class TensorRTBackend(Backend):
             out.append(f"node '{node}' ({op}): {detail}")
         return out
 
-    def _build_serialized(self, model_path: Path, options: EngineOptions, logger: Any) -> tuple[Any, dict[str, Any]]:
-        """Parse and build; returns the serialized engine (IHostMemory) and facts about the build."""
+    def _build_serialized(self, model_path: Path, options: EngineOptions, logger: Any,
+                          source: Path | None = None) -> tuple[Any, dict[str, Any]]:
+        """Parse ``model_path`` and build; returns the serialized engine (IHostMemory) and facts about the build.
+
+        ``source`` is the file the user gave when ``model_path`` is a temporary rewrite of it
+        (``tensorrt_qdq_view``): messages, the log and ``info["source"]`` name it, not the copy.
+        """
         trt = self.trt
+        source = source or model_path
         model = onnx.load(str(model_path), load_external_data=False)
         strongly_typed = has_qdq(model)
-        shapes = profile_shapes(model, options, source=model_path.name)
-        info: dict[str, Any] = {**self.describe(), "source": str(model_path), "strongly_typed": strongly_typed}
-        logger.note(f"{self.trt.__name__} {getattr(trt, '__version__', '?')} building {model_path}")
+        shapes = profile_shapes(model, options, source=source.name)
+        info: dict[str, Any] = {**self.describe(), "source": str(source), "strongly_typed": strongly_typed}
+        logger.note(f"{self.trt.__name__} {getattr(trt, '__version__', '?')} building {source}")
         self._load_plugins(list(options.plugin_libraries), logger)
 
         try:
@@ -492,7 +527,7 @@ class TensorRTBackend(Backend):
         info["build_seconds"] = round(time.perf_counter() - t0, 3)
         if serialized is None:
             reason = "; ".join(logger.errors[-3:]) or "no reason given"
-            raise StageError(f"{self.name} failed to build an engine from {model_path.name}: {reason}")
+            raise StageError(f"{self.name} failed to build an engine from {source.name}: {reason}")
         self._save_timing_cache(config, options.timing_cache, logger)
         info["engine_bytes"] = int(serialized.nbytes)
         info["layers"] = len(parse_builder_layers(logger.layer_table)["layers"]) if logger.layer_table else None
@@ -500,7 +535,6 @@ class TensorRTBackend(Backend):
 
     def _set_precision(self, config: Any, data_type: str, strongly_typed: bool, logger: Any) -> str:
         trt = self.trt
-        data_type = str(getattr(data_type, "value", data_type)).upper()
         if strongly_typed:
             if data_type != "FP32":
                 logger.note(f"data_type={data_type} not applied: strongly typed network (precision comes from "
@@ -561,7 +595,7 @@ class TensorRTBackend(Backend):
             return model_path.read_bytes(), {"source": str(model_path)}, logger
         try:
             with tensorrt_qdq_view(model_path, logger.note) as parse_path:
-                serialized, info = self._build_serialized(parse_path, options, logger)
+                serialized, info = self._build_serialized(parse_path, options, logger, source=model_path)
         except _ParseError as exc:
             where = self._write_log(logger, log_path)
             n = len(exc.errors)
@@ -614,7 +648,8 @@ class TensorRTBackend(Backend):
             outputs: list[str] = []
         else:
             model = onnx.load(str(model_path), load_external_data=False)
-            specs = specs_at(model, profile_shapes(model, options, model_path.name))
+            shapes = profile_shapes(model, options, model_path.name)
+            specs = input_specs(model, {name: s[1] for name, s in shapes.items()})
             outputs = [o.name for o in model.graph.output]
         return TensorRTPrepared(self.trt, engine, specs, outputs, int(self.cfg.device), torch,
                                 keep_alive=(runtime, logger))
@@ -701,4 +736,4 @@ def _engine_specs(trt: Any, engine: Any) -> list[InputSpec]:
 
 
 __all__ = ["EngineOptions", "TensorRTBackend", "TensorRTRtxBackend", "onnx_nodes_of", "parse_builder_layers",
-           "parse_layer_info", "profile_shapes", "specs_at"]
+           "parse_layer_info", "plugin_paths", "profile_shapes", "shape_problems"]

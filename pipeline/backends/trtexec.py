@@ -39,9 +39,9 @@ from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_output, atomic_write_text
 from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing, tensorrt_qdq_view
-from pipeline.backends.tensorrt import EngineOptions, parse_layer_info, profile_shapes, specs_at
+from pipeline.backends.tensorrt import EngineOptions, parse_layer_info, plugin_paths, profile_shapes
 from pipeline.errors import BackendUnavailable, InputError, StageError
-from pipeline.graph import InputSpec, has_qdq, model_hash
+from pipeline.graph import InputSpec, has_qdq, input_specs
 
 log = logging.getLogger("tune.backend")
 
@@ -82,7 +82,7 @@ class TrtexecRun:
     load_engine: Path | None = None
     save_engine: Path | None = None
     strongly_typed: bool = False
-    data_type: str = "FP32"  # --fp16/--bf16 for float models only
+    data_type: str = "FP32"  # --fp16/--bf16 for float models only (upper case, as EngineOptions holds it)
     workspace_mb: int | None = None
     shapes: dict[str, tuple[list[int], list[int], list[int]]] = field(default_factory=dict)
     timing_cache: Path | None = None
@@ -116,7 +116,7 @@ class TrtexecRun:
         if self.onnx is not None:  # build options
             if self.strongly_typed:
                 add("--stronglyTyped")
-            elif self.data_type.upper() in ("FP16", "BF16"):
+            elif self.data_type in ("FP16", "BF16"):
                 add(f"--{self.data_type.lower()}")
             if self.workspace_mb:
                 add(f"--memPoolSize=workspace:{int(self.workspace_mb)}M")
@@ -293,13 +293,30 @@ def parse_times(text: str, warmup_ms: float = 0.0, key: str = "computeMs") -> li
     return [float(r[key]) for r in (timed or records)]
 
 
-def parse_outputs(text: str) -> dict[str, np.ndarray]:
-    """--exportOutput JSON: ``[{"name", "dimensions": "2x10", "values": [...]}, ...]``."""
+def parse_outputs(text: str, dtypes: dict[str, np.dtype] | None = None) -> dict[str, np.ndarray]:
+    """--exportOutput JSON: ``[{"name", "dimensions": "2x10", "values": [...]}, ...]``.
+
+    Each output takes its element type from ``dtypes`` (the ONNX graph's outputs), so integer
+    outputs (ArgMax ids) stay integers; outputs not listed there are float32.
+    """
+    dtypes = dtypes or {}
     out = {}
     for rec in _loads_lenient(text):
         dims = [int(d) for d in str(rec.get("dimensions", "")).split("x") if d]
-        out[rec["name"]] = np.asarray(rec.get("values", []), dtype=np.float32).reshape(dims)
+        dtype = dtypes.get(rec["name"], np.dtype(np.float32))
+        values = np.asarray(rec.get("values", []), dtype=np.float64)
+        if np.issubdtype(dtype, np.integer) or dtype == np.bool_:
+            values = np.rint(values)
+        out[rec["name"]] = values.astype(dtype).reshape(dims)
     return out
+
+
+def output_dtypes(model: onnx.ModelProto) -> dict[str, np.dtype]:
+    """Element type of every graph output whose type the model declares."""
+    from onnx import helper
+
+    return {o.name: np.dtype(helper.tensor_dtype_to_np_dtype(o.type.tensor_type.elem_type))
+            for o in model.graph.output if o.type.tensor_type.elem_type}
 
 
 def _error_lines(text: str, limit: int = 3) -> str:
@@ -320,13 +337,15 @@ class TrtexecPrepared(PreparedModel):
 
     def __init__(self, backend: TrtexecBackend, workdir: Path, engine: Path, specs: list[InputSpec],
                  output_names: list[str], shapes: dict[str, tuple[list[int], list[int], list[int]]],
-                 plugins: list[str]):
+                 plugins: list[str], output_types: dict[str, np.dtype] | None = None):
         self.backend, self.workdir, self.engine, self.specs = backend, workdir, engine, specs
         self.output_names, self.shapes, self.plugins = output_names, shapes, plugins
+        self.output_types = output_types or {}
 
     def time_runs(self, n: int) -> list[float]:
         b = self.backend
         times = self.workdir / "times.json"
+        times.unlink(missing_ok=True)  # a stale file from the previous call must not stand in for this one
         run = TrtexecRun(load_engine=self.engine, shapes=self.shapes, plugins=self.plugins, warmup_ms=b.warmup_ms,
                          iterations=n, export_times=times, extra_args=b.run_args())
         text, log_path = b.invoke(run, "time", self.engine.stem)
@@ -347,13 +366,14 @@ class TrtexecPrepared(PreparedModel):
             p.write_bytes(np.ascontiguousarray(feeds[spec.name], dtype=spec.dtype).tobytes())
             inputs[spec.name] = p
         out_json = self.workdir / "outputs.json"
+        out_json.unlink(missing_ok=True)  # a stale file from the previous call must not stand in for this one
         run = TrtexecRun(load_engine=self.engine, shapes=self.shapes, plugins=self.plugins, warmup_ms=0,
                          iterations=1, percentiles=None, load_inputs=inputs, export_output=out_json,
                          extra_args=b.run_args())
         _, log_path = b.invoke(run, "run", self.engine.stem)
         if not out_json.exists():
             raise StageError(f"trtexec wrote no outputs; see {log_path}")
-        outs = parse_outputs(out_json.read_text())
+        outs = parse_outputs(out_json.read_text(), self.output_types)
         return [outs[n] for n in self.output_names if n in outs] or list(outs.values())
 
     def close(self) -> None:
@@ -468,26 +488,13 @@ class TrtexecBackend(Backend):
 
     # ------------------------------------------------------------------ build options
     def default_options(self) -> EngineOptions:
-        from hydra.utils import to_absolute_path
-
-        tc = self.cfg.get("timing_cache")
-        return EngineOptions(data_type=str(self.cfg.get("float_precision") or "FP32").upper(),
-                             timing_cache=Path(to_absolute_path(tc)) if tc else None,
-                             plugin_libraries=list(self.cfg.get("plugin_libraries") or []))
+        """Build options for measurement builds, from the backend section alone."""
+        return EngineOptions.from_backend_cfg(self.cfg)
 
     def _build_run(self, model_path: Path, options: EngineOptions) -> tuple[TrtexecRun, onnx.ModelProto]:
-        from hydra.utils import to_absolute_path
-
         model = onnx.load(str(model_path), load_external_data=False)
-        plugins = []
-        for lib in options.plugin_libraries:
-            p = Path(to_absolute_path(str(lib)))
-            if not p.is_file():
-                raise InputError(f"plugin library {p} does not exist (backend.plugin_libraries / "
-                                 f"gen_trt_engine.tensorrt.plugin_libraries)")
-            plugins.append(str(p))
-        run = TrtexecRun(onnx=model_path, strongly_typed=has_qdq(model),
-                         data_type=str(getattr(options.data_type, "value", options.data_type)),
+        plugins = plugin_paths(options.plugin_libraries)
+        run = TrtexecRun(onnx=model_path, strongly_typed=has_qdq(model), data_type=options.data_type,
                          workspace_mb=options.workspace_mb, shapes=profile_shapes(model, options, model_path.name),
                          timing_cache=options.timing_cache, plugins=plugins, extra_args=self.run_args())
         return run, model
@@ -515,7 +522,10 @@ class TrtexecBackend(Backend):
                 _, written_log = self.invoke(run, "build", model_path.stem, Path(log_path) if log_path else None)
             seconds = time.perf_counter() - t0
             info: dict[str, Any] = {**self.describe(), "source": str(model_path), "build_seconds": round(seconds, 3),
-                                    "strongly_typed": run.strongly_typed, "log": str(written_log)}
+                                    "strongly_typed": run.strongly_typed,
+                                    # as TensorRTBackend reports it: Q/DQ models take no precision flag
+                                    "data_type": "strongly_typed" if run.strongly_typed else run.data_type,
+                                    "log": str(written_log)}
             if run.shapes:
                 info["profile"] = {n: {"min": s[0], "opt": s[1], "max": s[2]} for n, s in run.shapes.items()}
             if out_path is not None:
@@ -525,21 +535,17 @@ class TrtexecBackend(Backend):
                 info["layers"] = len(self.last_layer_info["layers"])
         return BuildResult(Path(out_path) if out_path else None, written_log, info)
 
-    def measure(self, model_path: str | Path, warmup_runs: int | None = None,
-                timing_runs: int | None = None) -> Timing:
-        """Build and time in one trtexec run (warm-up: backend.warmup_ms; runs: timing_runs or backend.duration)."""
+    def _measure_uncached(self, model_path: str | Path, warmup_runs: int, timing_runs: int) -> Timing:
+        """Build and time in one trtexec run (warm-up: backend.warmup_ms, not warmup_runs; runs: timing_runs
+        or backend.duration). Backend.measure caches the result by content hash."""
         model_path = Path(model_path)
-        runs = self.timing_runs if timing_runs is None else timing_runs
-        key = (model_hash(model_path), self.warmup_ms, runs)
-        if key in self._cache:
-            return self._cache[key]
         with tempfile.TemporaryDirectory(prefix="qdq-tune-trtexec-") as tmpdir:
             tmp = Path(tmpdir)
             try:
                 run, _ = self._build_run(model_path, self.default_options())
             except (StageError, InputError) as exc:
                 return Timing.failed(self.name, str(exc))
-            run.warmup_ms, run.iterations = self.warmup_ms, runs
+            run.warmup_ms, run.iterations = self.warmup_ms, timing_runs
             run.duration_s = float(self.cfg.duration) or None
             run.export_times = tmp / "times.json"
             if self.cfg.export_profile:
@@ -563,7 +569,6 @@ class TrtexecBackend(Backend):
                                  if run.export_profile is not None and run.export_profile.exists() else None)
             if run.export_layer_info is not None and run.export_layer_info.exists():
                 self.last_layer_info = parse_layer_info(_loads_lenient(run.export_layer_info.read_text()), "trtexec")
-        self._cache[key] = timing
         return timing
 
     def prepare(self, model_path: str | Path) -> TrtexecPrepared:
@@ -576,8 +581,9 @@ class TrtexecBackend(Backend):
             run.skip_inference = True
             run.save_engine = engine
             self.invoke(run, "build", model_path.stem)
-            return TrtexecPrepared(self, workdir, engine, specs_at(model, run.shapes),
-                                   [o.name for o in model.graph.output], run.shapes, run.plugins)
+            specs = input_specs(model, {name: s[1] for name, s in run.shapes.items()})
+            return TrtexecPrepared(self, workdir, engine, specs, [o.name for o in model.graph.output], run.shapes,
+                                   run.plugins, output_dtypes(model))
         except BaseException:
             shutil.rmtree(workdir, ignore_errors=True)
             raise

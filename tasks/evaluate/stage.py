@@ -4,21 +4,24 @@ The float model (export/model.onnx) is the reference for agreement, cosine simil
 the baseline for speedups. Each quantized model present (PTQ from quantize, the autotuned one from
 autotune) is run on the same evaluation batches through the configured backend; a file identical to
 one already listed is not measured twice. Latency comes from one interleaved run over all models,
-so machine drift hits every model alike.
+so machine drift hits every model alike. Each model is prepared (on TensorRT: its engine built) once
+and serves both the scoring pass and the latency run.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 
 from pipeline.artifacts import atomic_write_json, atomic_write_text, sha256_file
-from pipeline.backends import compare_interleaved, create_backend
-from pipeline.backends.base import Backend, PreparedModel, Timing
+from pipeline.backends import create_backend
+from pipeline.backends.base import Backend, PreparedModel, Timing, compare_prepared
 from pipeline.config import STAGE_ORDER, resolved_data_source
 from pipeline.data import DataProvider
 from pipeline.errors import PipelineError, StageError
@@ -69,23 +72,35 @@ class EvaluateStage(Stage):
         out_dir = ctx.stage_dir("evaluate")
         candidates, duplicates = self._candidates(ctx)
         backend = create_backend(ctx.cfg.backend)
-        specs = self._specs(candidates)
+        float_model = load_model(candidates[0].path, check=False)
+        specs = self._specs(candidates, float_model)
         max_batches = int(ecfg.max_batches) if ecfg.max_batches is not None else None
 
-        scores, batches = self._score(ctx, backend, candidates, specs, max_batches)
-        timings = self._latency(backend, candidates, int(ecfg.latency_repeats)) if ecfg.latency else None
+        # every model is prepared once (a full engine build on TensorRT) for scoring and latency alike
+        prepared: dict[str, PreparedModel] = {}
+        try:
+            for c in candidates:
+                prepared[c.key] = self._prepare(backend, c)
+            scores, batches = self._score(ctx, backend, candidates, specs, max_batches, prepared)
+            timings = (self._latency(backend, candidates, prepared, int(ecfg.latency_repeats))
+                       if ecfg.latency else None)
+        finally:
+            for pm in prepared.values():
+                pm.close()
 
-        metrics = self._metrics(ctx, backend, candidates, duplicates, scores, timings, batches, specs)
+        metrics = self._metrics(ctx, backend, candidates, duplicates, scores, timings, batches, specs,
+                                _precision(float_model))
         from tasks.evaluate import _report
 
-        metrics_path = atomic_write_json(out_dir / "metrics.json", json_safe(metrics))
+        safe = json_safe(metrics)
+        metrics_path = atomic_write_json(out_dir / "metrics.json", safe)
         report_path = atomic_write_text(out_dir / "report.md", _report.markdown(metrics))
         artifacts = {"evaluate/metrics.json": metrics_path, "evaluate/report.md": report_path}
         if ecfg.plot:
             artifacts["evaluate/summary.png"] = _report.plot(metrics, out_dir / "summary.png")
         log.info("%s", metrics["headline"])
         notes = [metrics["latency"]["warning"]] if metrics["latency"] and "warning" in metrics["latency"] else []
-        return StageResult(artifacts=artifacts, metrics=json_safe(metrics), notes=notes)
+        return StageResult(artifacts=artifacts, metrics=safe, notes=notes)
 
     # ------------------------------------------------------------------ which models
     @staticmethod
@@ -108,9 +123,9 @@ class EvaluateStage(Stage):
         return candidates, duplicates
 
     @staticmethod
-    def _specs(candidates: list[Candidate]) -> list[InputSpec]:
+    def _specs(candidates: list[Candidate], float_model: onnx.ModelProto) -> list[InputSpec]:
         """Input specs of the float model; every other model must take exactly the same inputs."""
-        specs = input_specs(load_model(candidates[0].path, check=False))
+        specs = input_specs(float_model)
         want = [(s.name, s.shape, s.dtype) for s in specs]
         for c in candidates[1:]:
             try:
@@ -124,34 +139,28 @@ class EvaluateStage(Stage):
 
     # ------------------------------------------------------------------ accuracy and agreement
     def _score(self, ctx: StageContext, backend: Backend, candidates: list[Candidate], specs: list[InputSpec],
-               max_batches: int | None) -> tuple[dict[str, ModelScores], int]:
-        """One pass over the evaluation data; every model runs each batch, so nothing is stored."""
+               max_batches: int | None, prepared: dict[str, PreparedModel]) -> tuple[dict[str, ModelScores], int]:
+        """One pass over the evaluation data; every model runs each batch, so nothing is stored.
+        ``prepared`` holds every candidate, prepared by the caller (who also closes them)."""
         provider = DataProvider(ctx.cfg, specs)
         top_k = int(ctx.cfg.evaluate.top_k)
         scores = {c.key: ModelScores(top_k=top_k) for c in candidates}
-        prepared: dict[str, PreparedModel] = {}
         batches = 0
-        try:
-            for c in candidates:
-                prepared[c.key] = self._prepare(backend, c)
-            bar = progress_bar(bool(ctx.cfg.progress), total=provider.count("evaluation", max_batches),
-                               desc="evaluate", unit="batch")
-            with bar:
-                for batch in provider.batches("evaluation", max_batches):
-                    reference = self._run(prepared["float"], candidates[0], batch.feeds, backend)
-                    scores["float"].update(reference, reference, batch.labels, batch.valid)
-                    for c in candidates[1:]:
-                        outputs = self._run(prepared[c.key], c, batch.feeds, backend)
-                        got, want = [o.shape for o in outputs], [r.shape for r in reference]
-                        if got != want:
-                            raise StageError(f"{c.label} model {c.artifact} produces outputs of shapes {got}, "
-                                             f"the float model {want}; they cannot be compared")
-                        scores[c.key].update(reference, outputs, batch.labels, batch.valid)
-                    batches += 1
-                    bar.update(1)
-        finally:
-            for pm in prepared.values():
-                pm.close()
+        bar = progress_bar(bool(ctx.cfg.progress), total=provider.count("evaluation", max_batches),
+                           desc="evaluate", unit="batch")
+        with bar:
+            for batch in provider.batches("evaluation", max_batches):
+                reference = self._run(prepared["float"], candidates[0], batch.feeds, backend)
+                scores["float"].update(reference, reference, batch.labels, batch.valid)
+                for c in candidates[1:]:
+                    outputs = self._run(prepared[c.key], c, batch.feeds, backend)
+                    got, want = [o.shape for o in outputs], [r.shape for r in reference]
+                    if got != want:
+                        raise StageError(f"{c.label} model {c.artifact} produces outputs of shapes {got}, "
+                                         f"the float model {want}; they cannot be compared")
+                    scores[c.key].update(reference, outputs, batch.labels, batch.valid)
+                batches += 1
+                bar.update(1)
         if batches == 0:
             raise StageError(f"the evaluation data (data.source={resolved_data_source(ctx.cfg)}) yielded no "
                              f"batches; nothing to evaluate")
@@ -177,9 +186,12 @@ class EvaluateStage(Stage):
 
     # ------------------------------------------------------------------ latency
     @staticmethod
-    def _latency(backend: Backend, candidates: list[Candidate], rounds: int) -> dict[str, Any]:
+    def _latency(backend: Backend, candidates: list[Candidate], prepared: dict[str, PreparedModel],
+                 rounds: int) -> dict[str, Any]:
+        """Interleaved timing of the models already prepared for scoring (no second build)."""
         runs = max(1, backend.timing_runs // rounds)
-        timings = compare_interleaved(backend, [c.path for c in candidates], rounds=rounds, runs_per_round=runs)
+        timings = compare_prepared(backend.name, [prepared[c.key] for c in candidates], rounds=rounds,
+                                   runs_per_round=runs, warmup_runs=backend.warmup_runs)
         for c, t in zip(candidates, timings, strict=True):
             if not t.ok:
                 raise StageError(f"latency of the {c.label} model {c.artifact} could not be measured on "
@@ -190,9 +202,9 @@ class EvaluateStage(Stage):
     # ------------------------------------------------------------------ assembling the metrics
     def _metrics(self, ctx: StageContext, backend: Backend, candidates: list[Candidate],
                  duplicates: list[dict[str, str]], scores: dict[str, ModelScores], latency: dict[str, Any] | None,
-                 batches: int, specs: list[InputSpec]) -> dict[str, Any]:
+                 batches: int, specs: list[InputSpec], precision: str = "FP32") -> dict[str, Any]:
         info = backend.describe()
-        baseline = f"{_precision(candidates[0].path)} float model on {_backend_text(info)}"
+        baseline = f"{precision} float model on {_backend_text(info)}"
         base_t: Timing | None = latency["timings"]["float"] if latency else None
         models: dict[str, Any] = {}
         for c in candidates:
@@ -227,9 +239,10 @@ class EvaluateStage(Stage):
             "reproduce": _reproduce_commands(ctx),
         }
         if latency:
-            spread = max(t.p90_ms / t.p10_ms for t in latency["timings"].values() if t.p10_ms > 0)
+            ratios = (t.p90_ms / t.p10_ms for t in latency["timings"].values() if t.p10_ms > 0)
+            spread = max((r for r in ratios if not math.isnan(r)), default=None)
             metrics["latency"]["max_p90_over_p10"] = spread
-            if spread > _NOISY_SPREAD:
+            if spread is not None and spread > _NOISY_SPREAD:
                 note = (f"timings were noisy (p90/p10 up to {spread:.1f}x): other processes were busy; "
                         f"trust the p10 ratio or re-run with more evaluate.latency_repeats")
                 metrics["latency"]["warning"] = note
@@ -261,11 +274,10 @@ def headline(metrics: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
-def _precision(path: Path) -> str:
+def _precision(model: onnx.ModelProto) -> str:
     """FP32 unless most float weights of the baseline are FP16/BF16 (a user's half-precision ONNX)."""
     from onnx import TensorProto
 
-    model = load_model(path, check=False)
     counts: dict[int, int] = {}
     for init in model.graph.initializer:
         counts[init.data_type] = counts.get(init.data_type, 0) + 1

@@ -56,20 +56,8 @@ def validate(cfg: DictConfig) -> list[str]:
 
 
 def _shape_problems(t: DictConfig) -> list[str]:
-    """min/opt/max shapes name the same inputs, with equal ranks and min <= opt <= max per dim."""
-    keys = ("min_shapes", "opt_shapes", "max_shapes")
-    names = [set(t[k] or {}) for k in keys]
-    problems = []
-    for name in sorted(set().union(*names)):
-        missing = [k for k, n in zip(keys, names, strict=True) if name not in n]
-        if missing:
-            problems.append(f"gen_trt_engine.tensorrt: input '{name}' needs all of min_shapes, opt_shapes and "
-                            f"max_shapes (missing from {', '.join(missing)})")
-            continue
-        lo, opt, hi = (list(t[k][name]) for k in keys)
-        if not len(lo) == len(opt) == len(hi):
-            problems.append(f"gen_trt_engine.tensorrt: shapes of '{name}' differ in rank: {lo}, {opt}, {hi}")
-        elif not all(a <= b <= c for a, b, c in zip(lo, opt, hi, strict=True)):
-            problems.append(f"gen_trt_engine.tensorrt: shapes of '{name}' need min <= opt <= max in every dim, "
-                            f"got {lo}, {opt}, {hi}")
-    return problems
+    """min/opt/max shapes name the same inputs, with equal ranks, dims >= 1 and min <= opt <= max per dim
+    (the same check every TensorRT build runs)."""
+    from pipeline.backends.tensorrt import shape_problems
+
+    return shape_problems(t.min_shapes, t.opt_shapes, t.max_shapes, "gen_trt_engine.tensorrt")

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.backends import create_backend
 from pipeline.config import enum_value
 from pipeline.errors import StageError
-from pipeline.graph import check_onnx_path
+from pipeline.graph import check_onnx_path, load_model
 from pipeline.stage import Stage, StageContext, StageResult
 
 log = logging.getLogger("tune.gen_trt_engine")
@@ -26,8 +26,6 @@ log = logging.getLogger("tune.gen_trt_engine")
 # newest first: the model gen_trt_engine builds from when gen_trt_engine.onnx_file is not set
 MODEL_KEYS = ("autotune/optimized_final.onnx", "quantize/quantized_model.onnx", "export/model.onnx")
 ONNX_FILE_KEY = "gen_trt_engine.onnx_file"
-
-
 
 
 def _shapes(node: Any) -> dict[str, list[int]]:
@@ -61,6 +59,8 @@ class GenTrtEngineStage(Stage):
     def _pick_model(self, ctx: StageContext) -> tuple[Path, str]:
         explicit = self._onnx_file(ctx.cfg)
         if explicit is not None:
+            # a corrupt or non-ONNX file is one line naming the key, not a protobuf traceback
+            load_model(explicit, what=ONNX_FILE_KEY, check=False)
             return explicit, ONNX_FILE_KEY
         for key in MODEL_KEYS:
             p = ctx.artifact(key)
@@ -74,17 +74,18 @@ class GenTrtEngineStage(Stage):
         """gen_trt_engine.tensorrt.* (plus the backend's timing cache and plugins) as build options."""
         from hydra.utils import to_absolute_path
 
-        from pipeline.backends.tensorrt import EngineOptions
+        from pipeline.backends.tensorrt import EngineOptions, plugin_paths
 
         t = cfg.gen_trt_engine.tensorrt
         timing_cache = t.get("timing_cache") or cfg.backend.get("timing_cache")
-        plugins = [*(cfg.backend.get("plugin_libraries") or []), *(t.get("plugin_libraries") or [])]
+        plugins = [*plugin_paths(cfg.backend.get("plugin_libraries"), "backend.plugin_libraries"),
+                   *plugin_paths(t.get("plugin_libraries"), "gen_trt_engine.tensorrt.plugin_libraries")]
         return EngineOptions(
             data_type=enum_value(t.data_type), workspace_mb=int(t.workspace_size),
             min_batch=int(t.min_batch_size), opt_batch=int(t.opt_batch_size), max_batch=int(t.max_batch_size),
             min_shapes=_shapes(t.min_shapes), opt_shapes=_shapes(t.opt_shapes), max_shapes=_shapes(t.max_shapes),
             timing_cache=Path(to_absolute_path(str(timing_cache))) if timing_cache else None,
-            plugin_libraries=[str(to_absolute_path(str(p))) for p in dict.fromkeys(plugins)],
+            plugin_libraries=list(dict.fromkeys(plugins)),
         )
 
     def run(self, ctx: StageContext) -> StageResult:

@@ -112,3 +112,15 @@ def test_default_model_builds_with_tensorrt_rtx(digits_results, tmp_path):
     assert "export: up to date, skipped" in proc.stderr
     assert (results / "gen_trt_engine" / "model.engine").stat().st_size > 0
     assert (results / "gen_trt_engine" / "build.log").stat().st_size > 0
+
+
+def test_garbage_onnx_file_is_a_one_line_error(tmp_path):
+    bad = tmp_path / "garbage.onnx"
+    bad.write_bytes(b"\x08\xff\xff this is not a protobuf \x00\x01\x02" * 8)
+    results = tmp_path / "r"
+    proc = run_tune(["stages=[gen_trt_engine]", f"gen_trt_engine.onnx_file={bad}", f"results_dir={results}"],
+                    cwd=tmp_path)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("tune: error:") and "gen_trt_engine.onnx_file" in last and "could not be read" in last
+    assert "Traceback" not in proc.stderr

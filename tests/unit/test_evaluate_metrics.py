@@ -133,3 +133,60 @@ def test_headline_and_report_text():
     text = markdown(metrics)
     assert "| PTQ | `quantize/quantized_model.onnx` | 96.80% | 100.00% | 99.00% | 0.99900 | 25.3 |" in text
     assert "byte-identical to the PTQ model" in text and "FP32 float model on onnxruntime" in text
+
+
+# --------------------------------------------------------------------------- interleaved timing of prepared models
+
+
+class _FakePrepared:
+    def __init__(self, ms: float, fail_after: int | None = None, log: list[str] | None = None, name: str = ""):
+        self.ms, self.fail_after, self.calls, self.log, self.name = ms, fail_after, 0, log, name
+        self.closed = False
+
+    def time_runs(self, n: int) -> list[float]:
+        self.calls += 1
+        if self.log is not None:
+            self.log.append(self.name)
+        if self.fail_after is not None and self.calls > self.fail_after:
+            raise RuntimeError("device lost")
+        return [self.ms] * n
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_compare_prepared_rotates_and_fails_only_the_broken_model():
+    from pipeline.backends.base import compare_prepared
+
+    order: list[str] = []
+    a, b, c = (_FakePrepared(1.0, log=order, name="a"), _FakePrepared(2.0, fail_after=2, log=order, name="b"),
+               _FakePrepared(3.0, log=order, name="c"))
+    ta, tb, tc = compare_prepared("fake", [a, b, c], rounds=3, runs_per_round=4, warmup_runs=0)
+    assert ta.ok and tc.ok and ta.n == 12 and tc.median_ms == 3.0
+    assert not tb.ok and "device lost" in tb.error
+    # each round starts one model later: a b c | b c a | c a (b has dropped out)
+    firsts = [order[i] for i in range(0, len(order), 2)]
+    assert firsts[:3] == ["a", "b", "c"] and not any(m.closed for m in (a, b, c))  # the caller closes them
+
+
+def test_compare_interleaved_closes_what_it_prepared_on_interrupt(tmp_path):
+    from pipeline.backends.base import Timing, compare_interleaved
+
+    made: list[_FakePrepared] = []
+
+    class Backend:
+        name, timing_runs, warmup_runs = "fake", 10, 0
+
+        def prepare(self, path):
+            if str(path) == "bad":
+                raise ValueError("cannot load")
+            if str(path) == "stop":
+                raise KeyboardInterrupt
+            made.append(_FakePrepared(1.0))
+            return made[-1]
+
+    ok, bad = compare_interleaved(Backend(), ["good", "bad"], rounds=2)
+    assert isinstance(ok, Timing) and ok.ok and not bad.ok and "cannot load" in bad.error
+    with pytest.raises(KeyboardInterrupt):
+        compare_interleaved(Backend(), ["good", "stop"], rounds=2)
+    assert len(made) == 2 and all(m.closed for m in made)

@@ -262,3 +262,88 @@ def test_tensorrt_missing_fails_at_startup_through_the_cli(tmp_path):
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert "pip install 'qdq-tune[tensorrt]'" in err
     assert not (tmp_path / "r" / "export").exists()  # failed before any stage ran
+
+
+# --------------------------------------------------------------------------- review follow-ups
+
+
+def uint8_conv_chain() -> onnx.ModelProto:
+    """conv_chain with a uint8 asymmetric Q/DQ pair on its input: TensorRT parses a rewritten copy."""
+    m = models.conv_chain()
+    g = m.graph
+    g.initializer.extend([numpy_helper.from_array(np.array(0.05, np.float32), "s"),
+                          helper.make_tensor("z", TensorProto.UINT8, [], [128])])
+    q = helper.make_node("QuantizeLinear", ["input", "s", "z"], ["input_q"], name="conv1/in_q")
+    dq = helper.make_node("DequantizeLinear", ["input_q", "s", "z"], ["input_dq"], name="conv1/in_dq")
+    g.node[0].input[0] = "input_dq"
+    g.node.insert(0, dq)
+    g.node.insert(0, q)
+    return m
+
+
+@pytest.mark.rtx
+def test_build_info_and_log_name_the_original_not_the_rewritten_copy(rtx, tmp_path):
+    path = tmp_path / "u8.onnx"
+    onnx.save(uint8_conv_chain(), str(path))
+    log_path = tmp_path / "build.log"
+    res = rtx.build(path, tmp_path / "u8.engine", log_path)
+    assert res.info["source"] == str(path) and res.info["data_type"] == "strongly_typed"
+    text = log_path.read_text()
+    assert "rewrote 1 uint8 asymmetric" in text and f"building {path}" in text
+    # our own notes name the user's file (TensorRT's parser logs the path it was handed)
+    assert not any(".s8." in ln for ln in text.splitlines() if ln.startswith("[qdq-tune]"))
+    assert not list(tmp_path.glob(".u8.s8.*"))  # the temporary copy is gone
+
+
+def test_engine_options_normalise_data_type_and_read_the_backend_section():
+    from pipeline.backends.tensorrt import EngineOptions
+    from tasks.gen_trt_engine.config import DataType
+
+    assert EngineOptions(data_type="fp16").data_type == "FP16"
+    assert EngineOptions(data_type=DataType.BF16).data_type == "BF16"
+    cfg = compose(["backend=tensorrt_rtx", "backend.float_precision=bf16", "backend.workspace_size=64"])
+    opts = EngineOptions.from_backend_cfg(cfg.backend)
+    assert opts.data_type == "BF16" and opts.workspace_mb == 64 and opts.timing_cache is None
+    assert TensorRTBackend(cfg.backend).default_options() == opts
+
+
+def test_plugin_paths_are_absolute_checked_and_name_the_key(tmp_path, monkeypatch):
+    from pipeline.backends.tensorrt import plugin_paths
+    from pipeline.errors import InputError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "libp.so").write_bytes(b"\x7fELF")
+    assert plugin_paths(["libp.so", str(tmp_path / "libp.so")]) == [str(tmp_path / "libp.so")]
+    with pytest.raises(InputError, match=r"libq\.so does not exist \(gen_trt_engine\.tensorrt\.plugin_libraries\)"):
+        plugin_paths(["libq.so"], "gen_trt_engine.tensorrt.plugin_libraries")
+
+
+def test_shape_problems_reject_dims_below_one_naming_the_key():
+    from pipeline.backends.tensorrt import shape_problems
+
+    (msg,) = shape_problems({"x": [0, 3]}, {"x": [1, 3]}, {"x": [2, 3]})
+    assert "gen_trt_engine.tensorrt.min_shapes.x=[0, 3]" in msg and ">= 1" in msg
+    assert shape_problems({"x": [1, 3]}, {"x": [1, 3]}, {"x": [2, 3]}) == []
+    (msg,) = shape_problems({}, {"x": [1, 3]}, {})
+    assert "needs all of min_shapes, opt_shapes and max_shapes" in msg
+
+
+def test_rejected_input_shape_is_one_line_naming_input_and_profile():
+    from pipeline.backends.tensorrt import TensorRTPrepared
+
+    class Context:
+        def set_input_shape(self, name, shape):
+            return False
+
+    class Engine:
+        def get_tensor_profile_shape(self, name, i):
+            return [(1, 3, 16, 16), (4, 3, 16, 16), (8, 3, 16, 16)]
+
+    pm = TensorRTPrepared.__new__(TensorRTPrepared)
+    pm.context, pm.engine, pm.input_names, pm.engine_outputs, pm.buffers = Context(), Engine(), ["input"], [], {}
+    pm.torch = None
+    with pytest.raises(StageError) as exc:
+        pm._bind({"input": (16, 3, 16, 16)})
+    msg = str(exc.value)
+    assert len(msg.splitlines()) == 1 and "'input'" in msg and "[16, 3, 16, 16]" in msg
+    assert "min [1, 3, 16, 16], opt [4, 3, 16, 16], max [8, 3, 16, 16]" in msg

@@ -378,3 +378,54 @@ def test_prepare_time_runs_and_run(tmp_path):
         workdir = pm.workdir
     assert not workdir.exists()
     assert os.access(exe, os.X_OK)
+
+
+# --------------------------------------------------------------------------- review follow-ups
+
+
+def test_parse_outputs_keeps_each_outputs_element_type():
+    from pipeline.backends.trtexec import parse_outputs
+
+    text = json.dumps([{"name": "ids", "dimensions": "2", "values": [3, 7]},
+                       {"name": "logits", "dimensions": "2x2", "values": [0.5, 1.5, 2.5, 3.5]}])
+    outs = parse_outputs(text, {"ids": np.dtype(np.int64), "logits": np.dtype(np.float16)})
+    assert outs["ids"].dtype == np.int64 and outs["ids"].tolist() == [3, 7]
+    assert outs["logits"].dtype == np.float16 and outs["logits"].shape == (2, 2)
+    assert parse_outputs(text)["ids"].dtype == np.float32  # undeclared: float32 as before
+
+
+def test_build_info_reports_data_type(tmp_path):
+    exe, _ = fake_trtexec(tmp_path)
+    b = backend(exe)
+    float_model = models.save(models.conv_chain(), tmp_path, "float")
+    qdq_model = tmp_path / "qdq.onnx"
+    onnx.save(qdq_conv_chain(), str(qdq_model))
+    assert b.build(float_model, None, None, EngineOptions(data_type="fp16")).info["data_type"] == "FP16"
+    assert b.build(float_model, None, None, EngineOptions()).info["data_type"] == "FP32"
+    assert b.build(qdq_model, None, None, EngineOptions(data_type="FP16")).info["data_type"] == "strongly_typed"
+
+
+def test_prepared_runs_never_read_a_stale_times_or_outputs_file(tmp_path):
+    exe, _ = fake_trtexec(tmp_path)
+    b = backend(exe, "backend.warmup_ms=0")
+    model = models.save(models.conv_chain(), tmp_path, "m")
+    with b.prepare(model) as pm:
+        (pm.workdir / "times.json").write_text(json.dumps([{"startComputeMs": 1.0, "computeMs": 999.0}] * 3))
+        (pm.workdir / "outputs.json").write_text(json.dumps([{"name": "logits", "dimensions": "1", "values": [-1]}]))
+        # a trtexec that writes neither file: the stale ones must not be read back
+        exe.write_text(f"#!{sys.executable}\nprint({(FIXTURES / 'perf_10x.log').read_text()!r})\n")
+        assert 999.0 not in pm.time_runs(3)
+        with pytest.raises(StageError, match="wrote no outputs"):
+            pm.run({"input": np.zeros((2, 3, 16, 16), np.float32)})
+
+
+def test_measure_cache_lives_in_the_base_class(tmp_path):
+    from pipeline.backends.base import Backend
+
+    assert "measure" not in TrtexecBackend.__dict__ and "_measure_uncached" in TrtexecBackend.__dict__
+    exe, calls = fake_trtexec(tmp_path)
+    b = backend(exe, "backend.timing_runs=50")
+    model = models.save(models.conv_chain(), tmp_path, "m")
+    t = Backend.measure(b, model)
+    assert t.ok and b.measure(model) is t and len(calls_of(calls)) == 1
+    assert b.measure(model, timing_runs=20) is not t and len(calls_of(calls)) == 2
