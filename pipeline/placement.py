@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
+from omegaconf import DictConfig
 
 from pipeline.config import enum_value
 from pipeline.qdq import ActivationQ, BiasQ, QDQPlan, WeightQ
@@ -42,6 +43,37 @@ ORT_QLINEAR_OPS = ("Add", "Mul", "AveragePool", "GlobalAveragePool", "Concat")
 ACTIVATION_TAILS = ("Relu", "Clip")
 QUANTIZABLE_OPS = (*WEIGHTED_OPS, *ORT_QLINEAR_OPS, *PASS_THROUGH_OPS, "Softmax", "Sigmoid", "LeakyRelu",
                    "Where", "Relu", "Clip")
+
+
+WEIGHT_RANGES = ("full", "reduced", "uint8")
+
+
+def placement_kind(cfg: DictConfig) -> str:
+    """`quantize.placement`, with `auto` resolved from the backend."""
+    kind = enum_value(cfg.quantize.placement)
+    if kind != "auto":
+        return kind
+    return "onnxruntime" if enum_value(cfg.backend.name) == "onnxruntime" else "tensorrt"
+
+
+def activation_type(cfg: DictConfig) -> str:
+    """int8 activations are stored as uint8 (asymmetric) for ORT's CPU kernels, int8 otherwise."""
+    t = enum_value(cfg.quantize.activation_type)
+    if t != "auto":
+        return t
+    return "uint8" if placement_kind(cfg) == "onnxruntime" else "int8"
+
+
+def weight_q(node: onnx.NodeProto, index: int, shape: tuple[int, ...], dtype: str, per_channel: bool = True,
+             weight_range: str = "full") -> WeightQ:
+    """How one weight is stored: int8 rules follow ``weight_range`` (full: int8 +-127; reduced: int8
+    +-64; uint8: uint8 with zero point 128); fp8 rules are unaffected."""
+    if weight_range not in WEIGHT_RANGES:
+        raise ValueError(f"weight_range {weight_range!r}: choose one of {', '.join(WEIGHT_RANGES)}")
+    axis = weight_axis(node, index, shape, per_channel)
+    if dtype != "int8":
+        return WeightQ(node.name, index, dtype, axis)
+    return WeightQ(node.name, index, "uint8" if weight_range == "uint8" else "int8", axis, weight_range == "reduced")
 
 
 @dataclass(frozen=True)
@@ -199,7 +231,7 @@ def act_dtype(rule: NodeDtypes, activation_type: str) -> str:
 
 
 def tensorrt_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activation_type: str = "int8",
-                  per_channel: bool = True) -> QDQPlan:
+                  per_channel: bool = True, weight_range: str = "full") -> QDQPlan:
     g = GraphIndex(model)
     plan = QDQPlan()
     for node in model.graph.node:
@@ -218,8 +250,8 @@ def tensorrt_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activati
             plan.activations.append(ActivationQ(node.input[i], act_dtype(rule, activation_type), ((node.name, i),)))
         if rule.weights != "native":
             for i in widx:
-                axis = weight_axis(node, i, g.weight_shape(node.input[i]), per_channel)
-                plan.weights.append(WeightQ(node.name, i, rule.weights, axis))
+                plan.weights.append(weight_q(node, i, g.weight_shape(node.input[i]), rule.weights, per_channel,
+                                             weight_range))
     # residual Add: quantize the input that does NOT come from a quantized Conv, so Conv+Add fuses
     quantized_convs = {n for n in plan.node_rules if g.nodes[n].op_type == "Conv"}
     for node in model.graph.node:
@@ -258,7 +290,7 @@ def int32_bias(g: GraphIndex, node: onnx.NodeProto, act_dtype_: str) -> BiasQ | 
 
 
 def onnxruntime_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activation_type: str = "uint8",
-                     per_channel: bool = True) -> QDQPlan:
+                     per_channel: bool = True, weight_range: str = "full") -> QDQPlan:
     g = GraphIndex(model)
 
     def float_output_ok(node: onnx.NodeProto, r: NodeDtypes) -> bool:
@@ -389,8 +421,8 @@ def onnxruntime_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activ
             want(out, dt, output=True)
         if r.weights != "native":
             for i in _weight_inputs(g, node):
-                axis = weight_axis(node, i, g.weight_shape(node.input[i]), per_channel)
-                plan.weights.append(WeightQ(node.name, i, r.weights, axis))
+                plan.weights.append(weight_q(node, i, g.weight_shape(node.input[i]), r.weights, per_channel,
+                                             weight_range))
     for tensor, dtype in requested.items():
         if tensor in outputs_q or quantized_source(tensor):
             plan.activations.append(ActivationQ(tensor, dtype, None))

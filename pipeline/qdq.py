@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -99,30 +100,40 @@ def activation_params(stats: dict[str, float], dtype: str) -> QuantParams:
     return QuantParams.scalar(dtype, t / qmax if t > 0 else 1.0, 0.0)
 
 
-def weight_params(w: np.ndarray, axis: int | None, dtype: str) -> QuantParams:
-    """Symmetric per-channel (``axis``) or per-tensor scales for a weight."""
-    qmax = QTYPES[dtype][3] if is_fp8(dtype) else 127.0
+# int8 weights in 7 bits (ONNX Runtime's reduce_range): 2 x 255 x 64 = 32640 fits the int16 pair sums
+# of u8 x s8 kernels on x86 without VNNI, so they cannot saturate there
+REDUCED_QMAX = 64.0
+
+
+def weight_params(w: np.ndarray, axis: int | None, dtype: str, reduced: bool = False) -> QuantParams:
+    """Symmetric per-channel (``axis``) or per-tensor scales for a weight.
+
+    ``reduced`` limits int8 weights to +-64 (7 bits). uint8 weights are the same symmetric grid shifted
+    by a zero point of 128 (ORT's U8U8 kernels, exact on every CPU).
+    """
+    qmax = QTYPES[dtype][3] if is_fp8(dtype) else (REDUCED_QMAX if reduced else 127.0)
     a = np.abs(w.astype(np.float32))
     if axis is None:
         amax = np.asarray(a.max() if a.size else 0.0)
     else:
         amax = np.moveaxis(a, axis, 0).reshape(a.shape[axis], -1).max(axis=1)
     scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
-    return QuantParams(dtype, scale, np.zeros_like(scale), axis)
+    zero = np.full_like(scale, 128.0 if dtype == "uint8" else 0.0)
+    return QuantParams(dtype, scale, zero, axis)
 
 
 def quantize_values(w: np.ndarray, p: QuantParams) -> np.ndarray:
-    if p.axis is None:
-        q = w / p.scale
-    else:
+    scale, zp = np.asarray(p.scale), np.asarray(p.zero_point)
+    if p.axis is not None:
         shape = [1] * w.ndim
         shape[p.axis] = -1
-        q = w / p.scale.reshape(shape)
+        scale, zp = scale.reshape(shape), zp.reshape(shape)
+    q = w / scale
     if is_fp8(p.dtype):
         lim = QTYPES[p.dtype][3]
         return np.clip(q, -lim, lim)
     lo = -127 if p.dtype == "int8" else 0  # symmetric weights use the restricted range
-    return np.clip(np.rint(q) + (0 if p.dtype == "int8" else p.zero_point), lo, QTYPES[p.dtype][3])
+    return np.clip(np.rint(q) + (0 if p.dtype == "int8" else zp), lo, QTYPES[p.dtype][3])
 
 
 # --------------------------------------------------------------------------- plans
@@ -142,10 +153,14 @@ class ActivationQ:
 
 @dataclass(frozen=True)
 class WeightQ:
+    """Weight input ``input_index`` of ``node`` stored as ``dtype`` (per-channel along ``axis``);
+    ``reduced``: 7-bit int8 (see REDUCED_QMAX)."""
+
     node: str
     input_index: int
     dtype: str
     axis: int | None
+    reduced: bool = False
 
 
 @dataclass(frozen=True)
@@ -217,6 +232,18 @@ class Calibration:
             zp = self.default_zero_point if dtype in ("int8", "uint8") else 0.0
             return QuantParams.scalar(dtype, self.default_scale, zp)
         return activation_params(stats, dtype)
+
+
+def load_calibration(path: str | Path, default_scale: float | None = None,
+                     default_zero_point: float = 0.0) -> Calibration:
+    """The Calibration of a quantize/calibration.json (StateError if the file is not one)."""
+    from pipeline.artifacts import read_json
+    from pipeline.errors import StateError
+
+    doc = read_json(path, "calibration file")
+    if not isinstance(doc, dict) or not isinstance(doc.get("tensors"), dict):
+        raise StateError(f"calibration file {path} has no 'tensors' table; re-run the quantize stage")
+    return Calibration(doc["tensors"], default_scale, default_zero_point)
 
 
 def _scalar_or_vector(name: str, values: np.ndarray, elem_type: int) -> onnx.TensorProto:
@@ -347,7 +374,7 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
         if init is None:
             raise ValueError(f"weight input {w.input_index} of node {w.node} ({name}) is not an initializer")
         values = numpy_helper.to_array(init).astype(np.float32)
-        p = weight_params(values, w.axis, w.dtype)
+        p = weight_params(values, w.axis, w.dtype, w.reduced)
         weight_scales[(w.node, w.input_index)] = p
         ft = init.data_type if init.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16) \
             else default_float_type
@@ -367,7 +394,7 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
         name = node.input[b.input_index]
         init = inits.get(name)
         wp = weight_scales.get((b.weight_node, b.weight_index))
-        if init is None or wp is None or not wp.dtype == "int8":
+        if init is None or wp is None or wp.dtype not in ("int8", "uint8"):
             continue
         ap = calibration.params(b.activation, b.activation_dtype)
         scale = (np.float32(ap.scale) * np.asarray(wp.scale, np.float32)).astype(np.float32).reshape(-1)

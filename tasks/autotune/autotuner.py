@@ -47,9 +47,9 @@ from pipeline.placement import (
     act_dtype,
     int32_bias,
     pass_through_aliases,
-    weight_axis,
+    weight_q,
 )
-from pipeline.qdq import ActivationQ, Calibration, QDQPlan, WeightQ, apply_plan, raise_opset
+from pipeline.qdq import ActivationQ, Calibration, QDQPlan, apply_plan, raise_opset
 from tasks.autotune.config import AutotuneConfig
 from tasks.autotune.insertion_points import InsertionPoint, candidate_points, point_groups, resolve
 from tasks.autotune.pattern import RegionPattern
@@ -92,6 +92,7 @@ class Config:
     schemes_per_region: int = 30
     placement: str = "tensorrt"  # whose fusions shape the search space: tensorrt | onnxruntime
     activation_type: str = "int8"  # storage of int8 activations: int8 (symmetric) | uint8 (ORT CPU)
+    weight_range: str = "full"  # storage of int8 weights: full | reduced (7-bit) | uint8 (the quantize stage's choice)
     seed: int = 0
     warm_start_budget: float = _SCHEMA.warm_start_budget  # share of schemes_per_region for cached patterns
     node_filter_list: list[str] = field(default_factory=list)  # node-name wildcards; others are skipped
@@ -410,7 +411,8 @@ class QDQAutotunerBase:
             if d is None or d.weights == "native":
                 continue
             for i in _weight_inputs(g, node):
-                plan.weights.append(WeightQ(name, i, d.weights, weight_axis(node, i, g.weight_shape(node.input[i]))))
+                plan.weights.append(weight_q(node, i, g.weight_shape(node.input[i]), d.weights,
+                                             weight_range=self.config.weight_range))
             if (self.config.placement == "onnxruntime" and d.weights == "int8" and node.op_type in ("MatMul", "Gemm")
                     and g.tail(node) not in outputs_q):
                 b = int32_bias(g, node, act_dtype(d, self.config.activation_type))

@@ -26,9 +26,9 @@ from pipeline.backends import compare_interleaved, create_backend
 from pipeline.config import enum_value, section
 from pipeline.errors import StageError
 from pipeline.graph import load_model, model_hash, save_model
-from pipeline.placement import resolve_rules
+from pipeline.placement import activation_type, placement_kind, resolve_rules
 from pipeline.progress import progress_bar
-from pipeline.qdq import Calibration
+from pipeline.qdq import Calibration, load_calibration
 from pipeline.stage import Stage, StageContext, StageResult
 from tasks.autotune.config import PRESETS
 
@@ -80,7 +80,6 @@ class AutotuneStage(Stage):
     def run(self, ctx: StageContext) -> StageResult:
         from tasks.autotune.autotuner import SHARED_FIELDS, Config
         from tasks.autotune.workflows import init_benchmark_instance, region_pattern_autotuning_workflow
-        from tasks.quantize.stage import activation_type, load_calibration, placement_kind
 
         cfg = ctx.cfg
         a = cfg.autotune

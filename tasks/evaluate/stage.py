@@ -26,9 +26,9 @@ from pipeline.config import STAGE_ORDER, resolved_data_source
 from pipeline.data import DataProvider
 from pipeline.errors import PipelineError, StageError
 from pipeline.graph import InputSpec, input_specs, load_model
+from pipeline.metrics import ModelScores, json_safe
 from pipeline.progress import progress_bar
 from pipeline.stage import Stage, StageContext, StageResult
-from tasks.evaluate._metrics import ModelScores, json_safe
 
 log = logging.getLogger("tune.evaluate")
 

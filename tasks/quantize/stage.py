@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,7 +25,9 @@ from pipeline.placement import (
     GraphIndex,
     NodeDtypes,
     _weight_inputs,
+    activation_type,
     onnxruntime_plan,
+    placement_kind,
     resolve_rules,
     tensorrt_plan,
     weight_axis,
@@ -38,22 +39,6 @@ from pipeline.stage import Stage, StageContext, StageResult
 log = logging.getLogger("tune.quantize")
 
 
-
-
-def placement_kind(cfg: DictConfig) -> str:
-    """`quantize.placement`, with `auto` resolved from the backend."""
-    kind = enum_value(cfg.quantize.placement)
-    if kind != "auto":
-        return kind
-    return "onnxruntime" if enum_value(cfg.backend.name) == "onnxruntime" else "tensorrt"
-
-
-def activation_type(cfg: DictConfig) -> str:
-    """int8 activations are stored as uint8 (asymmetric) for ORT's CPU kernels, int8 otherwise."""
-    t = enum_value(cfg.quantize.activation_type)
-    if t != "auto":
-        return t
-    return "uint8" if placement_kind(cfg) == "onnxruntime" else "int8"
 
 
 def weight_records(model: onnx.ModelProto) -> dict[str, Any]:
@@ -91,17 +76,6 @@ def calibration_document(stats: dict[str, dict], model: onnx.ModelProto, cfg: Di
         "tensors": tensors,
         "weights": weight_records(model),
     }
-
-
-def load_calibration(path: str | Path, default_scale: float | None = None,
-                     default_zero_point: float = 0.0) -> Calibration:
-    from pipeline.artifacts import read_json
-    from pipeline.errors import StateError
-
-    doc = read_json(path, "calibration file")
-    if not isinstance(doc, dict) or not isinstance(doc.get("tensors"), dict):
-        raise StateError(f"calibration file {path} has no 'tensors' table; re-run the quantize stage")
-    return Calibration(doc["tensors"], default_scale, default_zero_point)
 
 
 class QuantizeStage(Stage):

@@ -52,8 +52,8 @@ def test_outputs_final_line_and_exact_placement(tiny, tmp_path):
     onnx.checker.check_model(final)
     # the shipped file is exactly the measured winner: rebuild the committed placement from the state
     from pipeline.graph import load_model
+    from pipeline.qdq import load_calibration
     from tasks.autotune.autotuner import Config, QDQAutotuner
-    from tasks.quantize.stage import load_calibration
 
     tuner = QDQAutotuner(load_model(rd / "export" / "model.onnx"))
     tuner.initialize(Config(placement="onnxruntime", activation_type="uint8", schemes_per_region=4),

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from tasks.evaluate._metrics import (
+from pipeline.metrics import (
     ModelScores,
     cosine_similarities,
     json_safe,

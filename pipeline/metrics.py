@@ -1,4 +1,5 @@
-"""Metric functions for the evaluate stage, and an accumulator that applies them batch by batch.
+"""Output-fidelity metrics (top-k, agreement, cosine, SNR) and a batch-by-batch accumulator, shared by
+evaluate (float vs quantized models) and the accuracy budget of quantize and autotune.
 
 Every function takes whole (padded) batches plus ``valid``, the number of real samples at the front
 of the batch: DataProvider pads the last batch by repeating its last sample, and those copies must
