@@ -121,6 +121,11 @@ class Backend:
               log_path: str | Path | None = None) -> BuildResult:
         raise NotImplementedError
 
+    def prepare_reference(self, model_path: str | Path) -> PreparedModel | None:
+        """The model run as plain Q/DQ math (no fused low-precision kernels), for the kernel-fidelity
+        check; None where the runtime has no such mode."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         """Runtime name and version, recorded with every measurement."""
         return {"backend": self.name}

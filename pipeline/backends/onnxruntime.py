@@ -157,6 +157,16 @@ class OnnxRuntimeBackend(Backend):
     def prepare(self, model_path: str | Path) -> OrtPrepared:
         return OrtPrepared(self.session(model_path), specs_of(model_path))
 
+    def prepare_reference(self, model_path: str | Path) -> OrtPrepared:
+        """Without graph optimizations ORT runs every QuantizeLinear, DequantizeLinear and float op as
+        written: the Q/DQ math the fused integer kernels must reproduce."""
+        import onnxruntime as ort
+
+        so = self.session_options()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        session = ort.InferenceSession(str(model_path), sess_options=so, providers=list(self.cfg.providers))
+        return OrtPrepared(session, specs_of(model_path))
+
     def build(self, model_path: str | Path, out_path: str | Path | None = None,
               log_path: str | Path | None = None) -> BuildResult:
         """Create a session; with ``out_path``, save the graph ORT actually runs (after its fusions)."""

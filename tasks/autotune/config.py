@@ -31,6 +31,32 @@ class DqDtype(str, Enum):
     bfloat16 = "bfloat16"
 
 
+class AccuracyMetric(str, Enum):
+    auto = "auto"  # top1 with labels; class scores: agreement or SNR; other outputs: SNR
+    top1 = "top1"
+    agreement = "agreement"
+    snr = "snr"
+    cosine = "cosine"
+
+
+@dataclass
+class AccuracyConfig:
+    """The accuracy budget every quantized model is held to (quantize's PTQ model, every autotune
+    candidate, the shipped model), checked against the float model on calibration batches the
+    calibrator did not see."""
+
+    enabled: bool = True
+    metric: AccuracyMetric = AccuracyMetric.auto
+    max_drop: float = 1.0  # points of top-1 (with labels) or of top-1 agreement with the float model
+    min_snr_db: float = 20.0  # output SNR vs float (20 dB = 10% relative L2 error)
+    min_cosine: float = 0.99
+    holdout_batches: int = 8  # calibration batches after quantize.calibration.batches
+    # when the PTQ model misses the budget, leave its most error-sensitive nodes float (at most this
+    # share of the quantized nodes) until it meets it
+    recovery: bool = True
+    max_float_fraction: float = 0.5
+
+
 # preset -> (schemes_per_region, warmup_runs, timing_runs); explicit keys override the preset
 PRESETS: dict[str, tuple[int, int, int]] = {
     "quick": (12, 3, 24),
@@ -70,6 +96,7 @@ class AutotuneConfig:
     # patterns with pattern-cache entries get this share of schemes_per_region (their seeds are
     # another run's winners: the rest of the budget verifies and refines them)
     warm_start_budget: float = 0.5
+    accuracy: AccuracyConfig = field(default_factory=AccuracyConfig)
     verbose: bool = False
 
 
@@ -85,6 +112,15 @@ def validate(cfg: DictConfig) -> list[str]:
         problems.append(f"autotune.top_percent_to_mutate={a.top_percent_to_mutate}: must be in (0, 1]")
     if not 0.0 < a.warm_start_budget <= 1.0:
         problems.append(f"autotune.warm_start_budget={a.warm_start_budget}: must be in (0, 1]")
+    acc = a.accuracy
+    if acc.max_drop < 0:
+        problems.append(f"autotune.accuracy.max_drop={acc.max_drop}: must be >= 0 (points)")
+    if not -1.0 <= acc.min_cosine <= 1.0:
+        problems.append(f"autotune.accuracy.min_cosine={acc.min_cosine}: must be in [-1, 1]")
+    if acc.holdout_batches < 1:
+        problems.append(f"autotune.accuracy.holdout_batches={acc.holdout_batches}: must be >= 1")
+    if not 0.0 < acc.max_float_fraction <= 1.0:
+        problems.append(f"autotune.accuracy.max_float_fraction={acc.max_float_fraction}: must be in (0, 1]")
     if a.performance_threshold < 1.0:
         problems.append(f"autotune.performance_threshold={a.performance_threshold}: must be >= 1.0")
     for key in ("maximum_mutations", "maximum_generation_attempts", "maximum_sequence_region_size",

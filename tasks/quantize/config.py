@@ -34,6 +34,15 @@ class ActivationType(str, Enum):
     uint8 = "uint8"
 
 
+class WeightRange(str, Enum):
+    """Storage of int8 weights (ONNX Runtime placement; TensorRT placements keep full range unless forced)."""
+
+    auto = "auto"  # full where the fused kernels are exact here, else the fastest exact variant (measured)
+    full = "full"  # int8 in [-127, 127]
+    reduced = "reduced"  # int8 in [-64, 64]: ORT's reduce_range, exact in u8 x s8 kernels without VNNI
+    uint8 = "uint8"  # uint8 with zero point 128: ORT's U8U8 kernels, exact on every CPU
+
+
 @dataclass
 class DtypeSpec:
     dtype: QDtype = QDtype.int8
@@ -66,6 +75,7 @@ class QuantizeConfig:
     placement: Placement = Placement.auto
     activation_type: ActivationType = ActivationType.auto
     per_channel: bool = True
+    weight_range: WeightRange = WeightRange.auto
     use_external_data_format: bool = False
 
 

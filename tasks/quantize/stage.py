@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +24,7 @@ from pipeline.data import DataProvider
 from pipeline.errors import StageError
 from pipeline.graph import input_specs, load_model, save_model
 from pipeline.placement import (
+    PASS_THROUGH_OPS,
     GraphIndex,
     NodeDtypes,
     _weight_inputs,
@@ -78,11 +81,23 @@ def calibration_document(stats: dict[str, dict], model: onnx.ModelProto, cfg: Di
     }
 
 
+def _ort_backend(cfg: DictConfig):
+    """The ONNX Runtime backend checks run on: the configured one, or ORT's defaults under TensorRT."""
+    from omegaconf import OmegaConf
+
+    from pipeline.backends.onnxruntime import OnnxRuntimeBackend
+    from pipeline.config import OnnxRuntimeBackendConfig
+
+    bcfg = cfg.backend if enum_value(cfg.backend.name) == "onnxruntime" else \
+        OmegaConf.structured(OnnxRuntimeBackendConfig())
+    return OnnxRuntimeBackend(bcfg)
+
+
 class QuantizeStage(Stage):
     name = "quantize"
     inputs = ("export/model.onnx",)
     outputs = ("quantize/quantized_model.onnx", "quantize/calibration.json")
-    config_keys = ("quantize", "data", "seed", "backend.name")
+    config_keys = ("quantize", "data", "seed", "backend.name", "autotune.accuracy")
 
     def run(self, ctx: StageContext) -> StageResult:
         cfg = ctx.cfg
@@ -119,7 +134,6 @@ class QuantizeStage(Stage):
                         physical_cores(), progress)
         calib_seconds = time.time() - t0
         doc = calibration_document(stats, model, cfg)
-        atomic_write_json(out_calib, doc)
         samples = next(iter(stats.values()))["samples"] if stats else 0
         log.info("calibrated %d tensors on %d samples with %s in %.1f s", len(stats), samples,
                  enum_value(q.algorithm), calib_seconds)
@@ -127,12 +141,20 @@ class QuantizeStage(Stage):
         kind = placement_kind(cfg)
         act_type = activation_type(cfg)
         builder = onnxruntime_plan if kind == "onnxruntime" else tensorrt_plan
-        plan = builder(model, rules, act_type, per_channel=bool(q.per_channel))
         calibration = Calibration(doc["tensors"])
-        if not plan.activations and not plan.weights:
-            raise StageError("quantize: the rules match no quantizable op in this model (Conv, Gemm, MatMul, ...); "
-                             "check quantize.layers / skip_names / op_types_to_quantize")
-        qmodel = apply_plan(model, plan, calibration)
+
+        def build(weight_range: str, float_nodes: set[str] = frozenset()):
+            kept = {k: v for k, v in rules.items() if k not in float_nodes}
+            plan = builder(model, kept, act_type, per_channel=bool(q.per_channel), weight_range=weight_range)
+            if not plan.activations and not plan.weights:
+                raise StageError("quantize: the rules match no quantizable op in this model (Conv, Gemm, MatMul, "
+                                 "...); check quantize.layers / skip_names / op_types_to_quantize")
+            return plan, apply_plan(model, plan, calibration)
+
+        decisions, sensitivity = self._decide(ctx, float_path, specs, kind, build)
+        plan, qmodel = build(decisions["weight_range"], set(decisions["float_nodes"]))
+        doc["decisions"] = decisions
+        atomic_write_json(out_calib, doc)
         save_model(qmodel, out_model, external_data=bool(q.use_external_data_format))
         self._log_rules(model, plan, rules, act_type)
         counts = qdq_summary(qmodel)
@@ -141,14 +163,115 @@ class QuantizeStage(Stage):
                     f"({', '.join(f'{k} x{v}' for k, v in sorted(dtypes.items()))}), "
                     f"{counts['QuantizeLinear']} Q / {counts['DequantizeLinear']} DQ")
         log.info("wrote %s (%s)", out_model, headline)
+        artifacts = {"quantize/quantized_model.onnx": out_model, "quantize/calibration.json": out_calib}
+        if sensitivity is not None:
+            artifacts["quantize/sensitivity.json"] = atomic_write_json(out_dir / "sensitivity.json", sensitivity)
+        acc = decisions.get("accuracy") or {}
+        if acc:
+            headline += f"; holdout {acc.get('what')}" + ("" if acc.get("ok") else " OVER BUDGET")
+        if decisions["weight_range"] != "full":
+            headline += f"; weights {decisions['weight_range']}"
+        if decisions["float_nodes"]:
+            headline += f"; {len(decisions['float_nodes'])} sensitive nodes left float"
         metrics = {
+            "weight_range": decisions["weight_range"], "weight_range_reason": decisions["weight_range_reason"],
+            "cpu": decisions["cpu"], "kernel_fidelity": decisions.get("kernel_fidelity"),
+            "accuracy": acc, "float_nodes": decisions["float_nodes"],
             "placement": kind, "activation_type": act_type, "calibrated_tensors": len(stats),
             "calibration_samples": samples, "calibration_seconds": round(calib_seconds, 2),
             "quantized_nodes": len(plan.node_rules), "node_rules": plan.node_rules, **counts,
             "headline": headline,
         }
-        return StageResult({"quantize/quantized_model.onnx": out_model, "quantize/calibration.json": out_calib},
-                           metrics)
+        return StageResult(artifacts, metrics)
+
+    @staticmethod
+    def _decide(ctx: StageContext, float_path: Path, specs: list, kind: str,
+                build: Callable[..., tuple[Any, onnx.ModelProto]]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Weight storage and float nodes, decided on held-out calibration batches (see _accuracy)."""
+        import math
+
+        from pipeline.accuracy import AccuracyBudget, Holdout
+        from pipeline.backends.base import compare_interleaved
+        from pipeline.cpu import cpu_facts, describe
+        from tasks.quantize import _accuracy as acc
+
+        cfg = ctx.cfg
+        q, a = cfg.quantize, cfg.autotune.accuracy
+        budget = AccuracyBudget.from_config(cfg)
+        backend = _ort_backend(cfg)
+        facts = cpu_facts()
+        holdout = Holdout.from_config(cfg, specs, int(q.calibration.batches), int(a.holdout_batches))
+        with backend.prepare(float_path) as pm:
+            holdout.set_reference(pm)
+        requested = enum_value(q.weight_range)
+
+        def measure(paths: list[Path]) -> list[float | None]:
+            timings = compare_interleaved(backend, paths, rounds=4, runs_per_round=max(2, backend.timing_runs // 8),
+                                          warmup_runs=backend.warmup_runs)
+            return [t.p10_ms if t.ok else None for t in timings]
+
+        with acc.temp_workdir(ctx.results_dir / "quantize") as tmp:
+            checker = acc.Checker(backend, holdout, budget, fused=kind == "onnxruntime", workdir=Path(tmp))
+            if kind == "onnxruntime":
+                weight_range, why, checked = acc.choose_weight_range(lambda wr: build(wr)[1], checker, requested,
+                                                                     facts["u8s8_saturates"], measure)
+                chosen = next(c for c in checked if c.name == f"weights_{weight_range}")
+            else:
+                weight_range = "full" if requested == "auto" else requested
+                why = ("TensorRT placement: full-range int8 (TensorRT's integer kernels do not saturate)"
+                       if requested == "auto" else f"quantize.weight_range={requested}")
+                chosen = checker.check(build(weight_range)[1], f"weights_{weight_range}")
+                checked = [chosen]
+            if chosen.error is not None:
+                raise StageError(f"quantize: the quantized model is not written because {chosen.error}")
+            if weight_range == "full":
+                log.info("quantize: full-range int8 weights on %s (%s)", describe(facts), why)
+            else:
+                log.warning("quantize: %s [%s]", why, describe(facts))
+            verdict = chosen.verdict
+            float_nodes: list[str] = []
+            sensitivity = None
+            if verdict is not None and not verdict.ok and budget.enabled and bool(a.recovery):
+                plan, _ = build(weight_range)
+                ops = {n.name: n.op_type for n in onnx.load(str(float_path)).graph.node}
+                units = [n for n in plan.node_rules if ops.get(n) not in PASS_THROUGH_OPS]
+                log.warning("quantize: the PTQ model misses the accuracy budget on %d held-out samples (%s); "
+                            "ranking %d quantized nodes by their contribution to the output error",
+                            holdout.samples, verdict.what, len(units))
+
+                def bar(it):
+                    return progress_bar(bool(cfg.progress), iterable=it, total=len(units),
+                                        desc="quantize: sensitivity", unit="node")
+
+                ranking = acc.rank_sensitivity(units, lambda s: build(weight_range, s)[1], checker, bar)
+                limit = max(1, math.floor(float(a.max_float_fraction) * len(units)))
+                float_nodes, recovered = acc.recover(ranking, lambda s: build(weight_range, s)[1], checker, limit)
+                for r in ranking:
+                    r["op_type"] = ops.get(r["node"])
+                    r["left_float"] = r["node"] in float_nodes
+                if recovered is not None:
+                    log.warning("quantize: leaving %d of %d quantized nodes float to meet the budget (%s): %s",
+                                len(float_nodes), len(units), recovered.verdict.what, ", ".join(float_nodes))
+                    verdict = recovered.verdict
+                else:
+                    log.warning("quantize: even %d float nodes do not bring the PTQ model within the accuracy budget; "
+                                "writing the full placement (autotune will ship the best model that meets it)", limit)
+                sensitivity = {
+                    "budget": budget.describe(), "holdout": holdout.source, "samples": holdout.samples,
+                    "full_placement": chosen.verdict.to_dict() if chosen.verdict else None,
+                    "method": "each node left float alone; ranked by the output error that remains (lowest first)",
+                    "ranking": ranking, "float_nodes": float_nodes,
+                    "met": recovered is not None,
+                    "accuracy": verdict.to_dict() if verdict else None,
+                }
+        decisions = {
+            "weight_range": weight_range, "weight_range_reason": why, "cpu": facts,
+            "kernel_fidelity": chosen.fidelity.to_dict() if chosen.fidelity else None,
+            "variants": [c.to_dict() for c in checked],
+            "budget": budget.describe(), "holdout": holdout.source, "holdout_samples": holdout.samples,
+            "accuracy": verdict.to_dict() if verdict else None, "float_nodes": float_nodes,
+        }
+        return decisions, sensitivity
 
     @staticmethod
     def _log_rules(model: onnx.ModelProto, plan, rules: dict[str, NodeDtypes], act_type: str) -> None:

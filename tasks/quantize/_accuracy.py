@@ -1,0 +1,183 @@
+"""Accuracy decisions of the quantize stage: which weight storage this CPU computes exactly, and which
+nodes stay float so the PTQ model meets the accuracy budget.
+
+``Checker`` runs candidate models on the held-out calibration batches with the ONNX Runtime backend:
+fused kernels for ORT placements (what will be deployed), plain Q/DQ math for TensorRT placements
+(TensorRT's integer kernels are exact; its numbers cannot be measured on this machine).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from pipeline.accuracy import FIDELITY_MIN_SNR_DB, AccuracyBudget, AccuracyVerdict, FidelityResult, Holdout
+from pipeline.errors import StageError
+
+log = logging.getLogger("tune.quantize")
+
+# kernels that add more than this share of the model's own quantization noise are wrong, not merely
+# rounded differently (measured: resnet18 0.26 with exact VNNI kernels, 1.9 with saturating AVX2 ones)
+FIDELITY_MAX_NOISE_RATIO = 0.5
+
+
+@dataclass
+class Candidate:
+    """A quantized model checked on the holdout: loads, runs, kernel fidelity, accuracy verdict."""
+
+    name: str
+    path: Path
+    verdict: AccuracyVerdict | None = None
+    fidelity: FidelityResult | None = None
+    latency_p10_ms: float | None = None
+    error: str | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.error is None and (self.fidelity is None or self.fidelity.ok)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "error": self.error, "latency_p10_ms": self.latency_p10_ms,
+                "fidelity": self.fidelity.to_dict() if self.fidelity else None,
+                "accuracy": self.verdict.to_dict() if self.verdict else None}
+
+
+@dataclass
+class Checker:
+    backend: Any  # an OnnxRuntimeBackend
+    holdout: Holdout
+    budget: AccuracyBudget
+    fused: bool  # run with the backend's fused kernels (ORT placement) or as plain Q/DQ math
+    workdir: Path
+    checked: int = field(default=0)
+
+    def write(self, model: onnx.ModelProto, name: str) -> Path:
+        path = self.workdir / f"{name}.onnx"
+        path.write_bytes(model.SerializeToString())
+        return path
+
+    def check(self, model: onnx.ModelProto, name: str, fidelity: bool = False) -> Candidate:
+        """Load and run ``model`` on the holdout; never raises for a model the runtime rejects."""
+        from pipeline.accuracy import kernel_fidelity
+
+        c = Candidate(name, self.write(model, name))
+        self.checked += 1
+        try:
+            pm = self.backend.prepare(c.path) if self.fused else self.backend.prepare_reference(c.path)
+        except Exception as exc:  # noqa: BLE001 - a model the runtime cannot load is a rejected candidate
+            c.error = f"{self.backend.name} cannot load it: {_first_line(exc)}"
+            return c
+        try:
+            outputs = self.holdout.outputs(pm)
+            c.verdict = self.budget.judge(self.holdout._scores(outputs), self.holdout.float_top1)
+            if fidelity and self.fused:
+                c.fidelity = kernel_fidelity(self.backend, c.path, self.holdout.feeds, prepared=pm,
+                                             quantization_noise=_noise(self.holdout, c.path, self.backend),
+                                             max_noise_ratio=FIDELITY_MAX_NOISE_RATIO,
+                                             min_snr_db=FIDELITY_MIN_SNR_DB)
+        except Exception as exc:  # noqa: BLE001 - a model that fails to run is a rejected candidate
+            c.error = f"{self.backend.name} cannot run it: {_first_line(exc)}"
+        finally:
+            pm.close()
+        return c
+
+
+def _noise(holdout: Holdout, path: Path, backend: Any) -> float:
+    """Energy of (plain Q/DQ math - float) on the holdout: the model's own quantization noise."""
+    from pipeline.metrics import energies
+
+    ref = backend.prepare_reference(path)
+    try:
+        total = 0.0
+        for feeds, float_out in zip(holdout.feeds, holdout.reference, strict=True):
+            for f, q in zip(float_out, ref.run(feeds), strict=True):
+                total += energies(f, q)[1] if f.dtype.kind == "f" else 0.0
+        return total
+    finally:
+        ref.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def temp_workdir(parent: Path) -> tempfile.TemporaryDirectory:
+    return tempfile.TemporaryDirectory(prefix=".checks.", dir=parent)
+
+
+def choose_weight_range(build: Callable[[str], onnx.ModelProto], checker: Checker, requested: str,
+                        saturates: bool | None, measure: Callable[[list[Path]], list[float | None]]
+                        ) -> tuple[str, str, list[Candidate]]:
+    """(weight range, why, candidates checked) for an ORT placement.
+
+    ``auto``: full range where its fused kernels agree with the Q/DQ reference and the CPU has int8
+    dot-product instructions; otherwise the fastest variant whose kernels are exact and that meets the
+    budget (else the most accurate exact one). A forced value is checked and reported, not changed.
+    """
+    if requested != "auto":
+        cand = checker.check(build(requested), f"weights_{requested}", fidelity=True)
+        return requested, f"quantize.weight_range={requested}", [cand]
+    full = checker.check(build("full"), "weights_full", fidelity=True)
+    if full.usable and not saturates:
+        return "full", "fused kernels agree with the Q/DQ reference", [full]
+    why = ("this CPU's u8s8 kernels saturate (AVX2 without VNNI)" if saturates else
+           f"this CPU's fused kernels disagree with the Q/DQ reference ({full.fidelity.reason if full.fidelity else full.error})")
+    variants = [checker.check(build(v), f"weights_{v}", fidelity=True) for v in ("reduced", "uint8")]
+    exact = [c for c in variants if c.usable]
+    if not exact:
+        raise StageError(f"quantize: no int8 weight storage runs exactly on this CPU ({why}; "
+                         + "; ".join(f"{c.name}: {c.error or c.fidelity.reason}" for c in variants)
+                         + "); use backend=tensorrt or quantize=none")
+    for c, t in zip(exact, measure([c.path for c in exact]), strict=True):
+        c.latency_p10_ms = t
+    within = [c for c in exact if c.verdict is not None and c.verdict.ok]
+    pool = within or exact
+    best = min(pool, key=lambda c: (c.latency_p10_ms if c.latency_p10_ms is not None else math.inf)) if within \
+        else min(pool, key=lambda c: c.verdict.error if c.verdict else math.inf)
+    choice = best.name.removeprefix("weights_")
+    desc = {"reduced": "weights use 7-bit range", "uint8": "weights stored as uint8 (U8U8 kernels)"}[choice]
+    timing = ", ".join(f"{c.name.removeprefix('weights_')} {c.latency_p10_ms:.3f} ms" for c in exact
+                       if c.latency_p10_ms is not None)
+    return choice, f"{desc}: {why} (fastest exact variant within the budget; {timing})", [full, *variants]
+
+
+def rank_sensitivity(units: list[str], build: Callable[[set[str]], onnx.ModelProto], checker: Checker,
+                     progress: Callable | None = None) -> list[dict[str, Any]]:
+    """Leave one node float at a time; rank by the output error that remains (lowest first: the
+    node whose quantization costs most)."""
+    ranking = []
+    it = progress(units) if progress is not None else units
+    for name in it:
+        c = checker.check(build({name}), "sensitivity")
+        err = c.verdict.error if c.verdict is not None and c.error is None else math.inf
+        ranking.append({"node": name, "error_without": err,
+                        "snr_db_without": c.verdict.snr_db if c.verdict else None, "error": c.error})
+    ranking.sort(key=lambda r: (r["error_without"], r["node"]))
+    return ranking
+
+
+def recover(ranking: list[dict[str, Any]], build: Callable[[set[str]], onnx.ModelProto], checker: Checker,
+            max_nodes: int) -> tuple[list[str], Candidate | None]:
+    """Fewest most sensitive nodes to leave float so the model meets the budget (binary search over
+    the ranking's prefixes: the error falls as more nodes stay float). Returns ([], None) if even
+    ``max_nodes`` float nodes miss it."""
+    order = [r["node"] for r in ranking]
+    lo, hi = 1, min(max_nodes, len(order))
+    best: tuple[list[str], Candidate] | None = None
+    while lo <= hi:
+        k = (lo + hi) // 2
+        c = checker.check(build(set(order[:k])), f"recovery_{k}")
+        if c.error is None and c.verdict is not None and c.verdict.ok:
+            best = (order[:k], c)
+            hi = k - 1
+        else:
+            lo = k + 1
+    return best if best is not None else ([], None)
