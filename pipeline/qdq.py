@@ -246,6 +246,19 @@ def load_calibration(path: str | Path, default_scale: float | None = None,
     return Calibration(doc["tensors"], default_scale, default_zero_point)
 
 
+def quantize_decisions(path: str | Path | None) -> dict[str, Any]:
+    """The quantize stage's decisions in calibration.json (weight storage, nodes left float, CPU and
+    accuracy facts); defaults for a file written before they existed or when there is none."""
+    from pipeline.artifacts import read_json
+
+    doc = read_json(path, "calibration file") if path is not None else {}
+    d = doc.get("decisions") if isinstance(doc, dict) else None
+    d = dict(d) if isinstance(d, dict) else {}
+    d.setdefault("weight_range", "full")
+    d.setdefault("float_nodes", [])
+    return d
+
+
 def _scalar_or_vector(name: str, values: np.ndarray, elem_type: int) -> onnx.TensorProto:
     arr = np.asarray(values, dtype=helper.tensor_dtype_to_np_dtype(elem_type))
     return numpy_helper.from_array(arr, name)

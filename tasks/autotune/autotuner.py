@@ -98,6 +98,8 @@ class Config:
     node_filter_list: list[str] = field(default_factory=list)  # node-name wildcards; others are skipped
     # node -> dtypes from the quantize stage's rules (real mixed precision); None: uniform quant type
     node_dtypes: dict[str, NodeDtypes] | None = None
+    # nodes the quantize stage left float to meet the accuracy budget (never quantized here either)
+    float_nodes: list[str] = field(default_factory=list)
 
 
 def _uniform_dtypes(model: onnx.ModelProto, quant_type: str) -> dict[str, NodeDtypes]:
@@ -147,6 +149,8 @@ class QDQAutotunerBase:
                                                       default_zero_point=self.config.default_q_zero_point)
         self._dtypes = (dict(self.config.node_dtypes) if self.config.node_dtypes is not None
                         else _uniform_dtypes(self.model, self.config.default_quant_type))
+        for name in self.config.float_nodes:
+            self._dtypes.pop(name, None)
         if not self.regions:
             self.regions = self.discover_regions()
         filters = list(self.config.node_filter_list)

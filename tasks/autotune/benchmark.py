@@ -15,7 +15,9 @@ import dataclasses
 import logging
 import math
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -27,16 +29,22 @@ log = logging.getLogger("tune.autotune")
 
 
 class PairedBenchmark:
-    """Measures models against a live reference model with one backend."""
+    """Measures models against a live reference model with one backend.
+
+    With ``accuracy`` (a callable judging a prepared model, e.g. on held-out batches against the
+    float model), every candidate is checked first, on the very engine that is timed; one over the
+    budget is rejected like a failed build, without being timed.
+    """
 
     def __init__(self, backend: Backend, reference: str | Path, warmup_runs: int = 5, timing_runs: int = 40,
-                 rounds: int = 4):
+                 rounds: int = 4, accuracy: Callable[[PreparedModel], Any] | None = None):
         self.backend = backend
         self.reference_path = Path(reference)
         self.warmup_runs = warmup_runs
         self.runs_per_round = max(2, timing_runs // max(rounds, 1))
         self.rounds = rounds
         self._reference: PreparedModel | None = None
+        self.accuracy = accuracy
         self._cache: dict[str, Measurement] = {}
         self.count = 0  # measurements actually run (cache hits excluded)
 
@@ -69,7 +77,7 @@ class PairedBenchmark:
             if tmp is not None:
                 Path(tmp.name).unlink(missing_ok=True)
         self.count += 1
-        if result.ok and use_cache:
+        if (result.ok or result.over_budget) and use_cache:
             self._cache[key] = result
         return result
 
@@ -79,7 +87,14 @@ class PairedBenchmark:
             cand = self.backend.prepare(path)
         except Exception as exc:  # noqa: BLE001 - a candidate the runtime rejects is a failed measurement
             return Measurement.failed(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        verdict = None
         try:
+            if self.accuracy is not None:
+                verdict = self.accuracy(cand)
+                if not verdict.ok:
+                    m = Measurement.failed(f"over the accuracy budget: {verdict.what}")
+                    m.accuracy = verdict.to_dict()
+                    return m
             cand.time_runs(self.warmup_runs)
             ref_min: list[float] = []
             cand_min: list[float] = []
@@ -98,4 +113,5 @@ class PairedBenchmark:
         if not ratios or not all(math.isfinite(x) for x in ratios):
             return Measurement.failed("non-finite timing")
         return Measurement(latency_ms=float(np.median(cand_min)), ratio=float(np.median(ratios)),
-                           reference_ms=float(np.median(ref_min)))
+                           reference_ms=float(np.median(ref_min)),
+                           accuracy=verdict.to_dict() if verdict is not None else None)

@@ -45,15 +45,23 @@ class Measurement:
     error: str | None = None
     log_path: str | None = None
     remeasure: bool = False
+    # the accuracy verdict on the held-out batches (AccuracyVerdict.to_dict()); a candidate over the
+    # budget is a failed measurement (ok=False) that keeps its verdict
+    accuracy: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"latency_ms": self.latency_ms, "ratio": self.ratio, "reference_ms": self.reference_ms,
-                "ok": self.ok, "error": self.error, "log_path": self.log_path, "remeasure": self.remeasure}
+                "ok": self.ok, "error": self.error, "log_path": self.log_path, "remeasure": self.remeasure,
+                "accuracy": self.accuracy}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Measurement:
         return cls(float(d["latency_ms"]), float(d["ratio"]), float(d["reference_ms"]), bool(d.get("ok", True)),
-                   d.get("error"), d.get("log_path"), bool(d.get("remeasure", False)))
+                   d.get("error"), d.get("log_path"), bool(d.get("remeasure", False)), d.get("accuracy"))
+
+    @property
+    def over_budget(self) -> bool:
+        return self.accuracy is not None and not self.accuracy.get("ok", True)
 
     @classmethod
     def failed(cls, error: str, log_path: str | None = None) -> Measurement:

@@ -21,14 +21,15 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from pipeline.accuracy import AccuracyBudget, Holdout
 from pipeline.artifacts import atomic_write_bytes, fingerprint, sha256_file
-from pipeline.backends import compare_interleaved, create_backend
+from pipeline.backends import create_backend
 from pipeline.config import enum_value, section
 from pipeline.errors import StageError
-from pipeline.graph import load_model, model_hash, save_model
+from pipeline.graph import input_specs, load_model, model_hash, save_model
 from pipeline.placement import activation_type, placement_kind, resolve_rules
 from pipeline.progress import progress_bar
-from pipeline.qdq import Calibration, load_calibration
+from pipeline.qdq import Calibration, load_calibration, quantize_decisions
 from pipeline.stage import Stage, StageContext, StageResult
 from tasks.autotune.config import PRESETS
 
@@ -99,6 +100,7 @@ class AutotuneStage(Stage):
         placement = placement_kind(cfg)
 
         calibration = self._calibration(inputs, a, load_calibration)
+        decisions = quantize_decisions(inputs.get("quantize/calibration.json"))
         baseline_model = self._qdq_baseline(ctx, inputs)
         rules = resolve_rules(model, cfg.quantize.layers, cfg.quantize.skip_names, cfg.quantize.op_types_to_quantize)
         node_dtypes = None if a.quant_type is not None else rules
@@ -111,11 +113,27 @@ class AutotuneStage(Stage):
             schemes_per_region=schemes, placement=placement,
             activation_type=activation_type(cfg) if quant_type == "int8" else "int8",
             seed=int(cfg.seed), node_filter_list=_node_filters(list(a.node_filter_list)), node_dtypes=node_dtypes,
+            weight_range=decisions["weight_range"], float_nodes=list(decisions["float_nodes"]),
         )
+        if decisions["weight_range"] != "full" or decisions["float_nodes"]:
+            log.info("autotune: following the quantize stage: %s weights%s", decisions["weight_range"],
+                     f", {len(decisions['float_nodes'])} nodes float" if decisions["float_nodes"] else "")
         baseline_path = out / "baseline.onnx"
         save_model(model, baseline_path)
         rounds = 4
-        bench = init_benchmark_instance(backend, baseline_path, warmup, timing, rounds)
+        budget = AccuracyBudget.from_config(cfg)
+        holdout = Holdout.from_config(cfg, input_specs(model), int(cfg.quantize.calibration.batches),
+                                      int(a.accuracy.holdout_batches))
+        with backend.prepare(baseline_path) as pm:
+            holdout.set_reference(pm)
+        log.info("autotune: every candidate is held to the accuracy budget (%s) on %d samples of %s",
+                 budget.describe(), holdout.samples, holdout.source)
+
+        def judge(pm):
+            return holdout.score(pm, budget)
+
+        bench = init_benchmark_instance(backend, baseline_path, warmup, timing, rounds,
+                                        judge if budget.enabled else None)
         first = bench.measure(baseline_path, use_cache=False)  # fails fast if the backend cannot measure here
         if not first.ok:
             raise StageError(f"autotune: cannot measure the float model on {backend.name}: {first.error}")
@@ -150,6 +168,8 @@ class AutotuneStage(Stage):
             "backend": section(cfg, "backend"), "activation_type": config.activation_type,
             "default_dq_dtype": config.default_dq_dtype, "node_filter_list": config.node_filter_list,
             "node_dtypes": sorted((k, v.weights, v.activations) for k, v in (node_dtypes or {}).items()),
+            "weight_range": config.weight_range, "float_nodes": config.float_nodes,
+            "accuracy": section(cfg, "autotune.accuracy"),
         })
         try:
             tuner = region_pattern_autotuning_workflow(model, out, bench, config, calibration, pattern_cache,
@@ -163,12 +183,16 @@ class AutotuneStage(Stage):
         tuned = out / "optimized_tuned.onnx"
         tuned_model = tuner.export_model()
         save_model(tuned_model, tuned)
-        metrics = self._finalize(ctx, backend, bench, baseline_path, inputs.get("quantize/quantized_model.onnx"),
-                                 tuned, out / "optimized_final.onnx", float(a.performance_threshold), timing, warmup)
+        metrics = self._finalize(backend, bench, baseline_path, inputs.get("quantize/quantized_model.onnx"),
+                                 tuned, out / "optimized_final.onnx", float(a.performance_threshold), timing, warmup,
+                                 judge, budget)
         metrics.update(
             regions=len(tuner.regions), patterns=tuner.num_patterns, measurements=tuner.num_measurements,
             benchmark_runs=bench.count, quant_type=quant_type, placement=placement,
             schemes_per_region=schemes, defaulted_scales=len(calibration.defaulted),
+            weight_range=config.weight_range, float_nodes=config.float_nodes, budget=budget.describe(),
+            over_budget_candidates=sum(1 for ps in tuner.pattern_schemes.values() for r in ps.records
+                                       for m in r.measurements if m.over_budget),
         )
         artifacts = {
             "autotune/optimized_final.onnx": out / "optimized_final.onnx",
@@ -205,46 +229,76 @@ class AutotuneStage(Stage):
         return load_model(p) if p is not None else None
 
     @staticmethod
-    def _finalize(ctx: StageContext, backend, bench, baseline: Path, ptq: Path | None, tuned: Path, final: Path,
-                  threshold: float, timing: int, warmup: int) -> dict[str, Any]:
-        """Fresh interleaved measurement of float, PTQ and tuned models; ship the honest winner."""
+    def _finalize(backend, bench, baseline: Path, ptq: Path | None, tuned: Path, final: Path, threshold: float,
+                  timing: int, warmup: int, judge, budget: AccuracyBudget) -> dict[str, Any]:
+        """Fresh interleaved measurement of float, PTQ and tuned models, each also checked against the
+        accuracy budget on the held-out batches; ship the fastest model that meets the budget and beats
+        float by ``threshold``, else the float model."""
+        from pipeline.backends.base import compare_prepared
+
         bench.close()  # free the search's live reference before the final comparison
         paths = [baseline, tuned] + ([ptq] if ptq is not None and model_hash(ptq) != model_hash(tuned) else [])
-        rounds = 6
-        timings = compare_interleaved(backend, paths, rounds=rounds, runs_per_round=max(2, timing // 2),
-                                      warmup_runs=warmup)
+        prepared, verdicts = [], []
+        try:
+            for p in paths:
+                try:
+                    pm = backend.prepare(p)
+                except Exception as exc:  # noqa: BLE001 - a model the runtime rejects is not shipped
+                    raise StageError(f"autotune: {p.name} cannot be loaded by {backend.name}: "
+                                     f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc}") from None
+                prepared.append(pm)
+                verdicts.append(judge(pm))
+            timings = compare_prepared(backend.name, prepared, rounds=6, runs_per_round=max(2, timing // 2),
+                                       warmup_runs=warmup)
+        finally:
+            for pm in prepared:
+                pm.close()
         if not all(t.ok for t in timings[:2]):
             bad = next(t for t in timings if not t.ok)
             raise StageError(f"autotune: final measurement failed: {bad.error}")
         base_t, tuned_t = timings[0], timings[1]
         ptq_t = timings[2] if len(timings) > 2 and timings[2].ok else None
+        tuned_v = verdicts[1]
+        ptq_v = verdicts[2] if len(verdicts) > 2 else None
+        ok = {tuned: tuned_v.ok or not budget.enabled, ptq: ptq_v is not None and (ptq_v.ok or not budget.enabled)}
         choice, why = tuned, "tuned placement"
-        if ptq_t is not None and ptq_t.p10_ms < tuned_t.p10_ms * 0.98:
+        if not ok[tuned]:
+            choice, why = ptq, f"the tuned placement misses the accuracy budget ({tuned_v.what})"
+        elif ptq_t is not None and ok[ptq] and ptq_t.p10_ms < tuned_t.p10_ms * 0.98:
             choice, why = ptq, "the quantize stage's model measured faster than the tuned placement"
-        chosen_t = ptq_t if choice == ptq else tuned_t
+        if choice == ptq and (ptq_t is None or not ok[ptq]):
+            choice = baseline
+            why = (f"no quantized model meets the accuracy budget ({budget.describe()}; tuned: {tuned_v.what}"
+                   + (f"; PTQ: {ptq_v.what}" if ptq_v is not None else "") + "): shipping the float model")
+        chosen_t = {baseline: base_t, tuned: tuned_t, ptq: ptq_t}[choice]
         speedup = base_t.p10_ms / chosen_t.p10_ms
-        if speedup < threshold:
+        if choice != baseline and speedup < threshold:
             choice, why = baseline, (f"no Q/DQ model beat the float baseline by the performance threshold "
                                      f"{threshold:.2f}x (best {speedup:.3f}x): shipping the float model")
             chosen_t = base_t
         atomic_write_bytes(final, choice.read_bytes())
         speedup = base_t.p10_ms / chosen_t.p10_ms
+        chosen_v = {baseline: verdicts[0], tuned: tuned_v, ptq: ptq_v}[choice]
         runtime = backend.describe()
         # the CPU EP runs float models in FP32; TensorRT backends build them at backend.float_precision
         precision = "FP32" if backend.name == "onnxruntime" else str(backend.cfg.get("float_precision", "FP32")).upper()
-        line = (f"Baseline: {base_t.p10_ms:.3f} ms / Final: {chosen_t.p10_ms:.3f} ms ({speedup:.2f}x speedup) "
-                f"[p10 of {chosen_t.n} interleaved runs; baseline = {precision} float model on {backend.name}]")
+        line = (f"Baseline: {base_t.p10_ms:.3f} ms / Final: {chosen_t.p10_ms:.3f} ms ({speedup:.2f}x speedup), "
+                f"accuracy {chosen_v.what} [p10 of {chosen_t.n} interleaved runs; baseline = {precision} float "
+                f"model on {backend.name}]")
         log.info(line)
         if choice != tuned:
             log.warning("autotune: optimized_final.onnx is %s because %s", choice.name, why)
+        shipped = {baseline: "float", tuned: "tuned", ptq: "ptq"}.get(choice, "tuned")
         metrics: dict[str, Any] = {
             "baseline_ms": base_t.p10_ms, "final_ms": chosen_t.p10_ms, "speedup": speedup,
             "baseline_median_ms": base_t.median_ms, "final_median_ms": chosen_t.median_ms,
             "tuned_ms": tuned_t.p10_ms, "tuned_speedup": base_t.p10_ms / tuned_t.p10_ms,
             "ptq_ms": ptq_t.p10_ms if ptq_t else None,
             "ptq_speedup": (base_t.p10_ms / ptq_t.p10_ms) if ptq_t else None,
-            "shipped": {baseline: "float", tuned: "tuned", ptq: "ptq"}.get(choice, "tuned"), "shipped_reason": why,
+            "accuracy": {"final": chosen_v.to_dict(), "tuned": tuned_v.to_dict(),
+                         "ptq": ptq_v.to_dict() if ptq_v is not None else None},
+            "shipped": shipped, "shipped_reason": why,
             "baseline_precision": precision, "runtime": runtime, "final_line": line,
-            "headline": f"{speedup:.2f}x vs {precision} float ({'tuned' if choice == tuned else why})",
+            "headline": f"{speedup:.2f}x vs {precision} float, {chosen_v.what} ({shipped if choice == tuned else why})",
         }
         return metrics

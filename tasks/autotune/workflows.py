@@ -14,11 +14,12 @@ import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import onnx
 
 from pipeline.artifacts import atomic_write_text
-from pipeline.backends import Backend
+from pipeline.backends import Backend, PreparedModel
 from pipeline.graph import load_model, save_model
 from pipeline.qdq import Calibration
 from tasks.autotune.autotuner import Config, QDQAutotuner
@@ -32,9 +33,11 @@ REMEASURE_TOP = 3
 
 
 def init_benchmark_instance(backend: Backend, reference_model: str | Path, warmup_runs: int = 5,
-                            timing_runs: int = 40, rounds: int = 4) -> PairedBenchmark:
-    """A benchmark paired against ``reference_model`` (pass it explicitly; there is no global one)."""
-    return PairedBenchmark(backend, reference_model, warmup_runs, timing_runs, rounds)
+                            timing_runs: int = 40, rounds: int = 4,
+                            accuracy: Callable[[PreparedModel], Any] | None = None) -> PairedBenchmark:
+    """A benchmark paired against ``reference_model`` (pass it explicitly; there is no global one);
+    ``accuracy`` judges each candidate before it is timed (see PairedBenchmark)."""
+    return PairedBenchmark(backend, reference_model, warmup_runs, timing_runs, rounds, accuracy)
 
 
 def benchmark_onnx_model(model: str | Path | bytes, benchmark: PairedBenchmark) -> Measurement:
@@ -47,7 +50,7 @@ def _log_measurement(path: Path, region_id: int, idx: int, ps: PatternSchemes, o
     atomic_write_text(path, json.dumps({**(extra or {}),
         "region": region_id, "scheme_index": idx, "pattern": ps.pattern, "origin": origin, "scheme": scheme_key,
         "ok": m.ok, "latency_ms_p10": m.latency_ms, "reference_ms_p10": m.reference_ms, "ratio": m.ratio,
-        "error": m.error, "remeasure": m.remeasure,
+        "error": m.error, "remeasure": m.remeasure, "accuracy": m.accuracy,
     }, indent=2) + "\n")
 
 
