@@ -78,6 +78,35 @@ def markdown(metrics: dict[str, Any]) -> str:
         else:
             row += ["–", "–", "–", "–"]
         lines.append("| " + " | ".join(row) + " |")
+    if metrics.get("budget"):
+        lines += ["", "## Accuracy budget", "", f"Budget: {metrics['budget']} (`autotune.accuracy.*`)."]
+        for key, m in metrics["models"].items():
+            v = m.get("budget")
+            if key == "float" or not v:
+                continue
+            fid = m.get("kernel_fidelity") or {}
+            fid_text = ("" if not fid.get("checked") else
+                        f"; kernels {'agree with' if fid.get('ok') else 'DISAGREE with'} the plain Q/DQ math "
+                        f"(SNR {_num(fid.get('snr_db'), '.1f')} dB)")
+            verdict = "within budget" if v.get("ok") else "**OVER BUDGET**"
+            lines.append(f"- {m['label']}: {verdict}: {v.get('what')}{fid_text}.")
+        for text in metrics.get("over_budget", []):
+            lines.append(f"- **{text}**")
+    q = metrics.get("quantization") or {}
+    mach = metrics.get("machine") or {}
+    if mach:
+        lines += ["", "## Machine and quantization", "", f"CPU: {mach.get('cpu_line')}."]
+        sat = (mach.get("cpu") or {}).get("u8s8_saturates")
+        if sat is not None:
+            lines.append("u8 x s8 integer kernels: " + ("may saturate (no VNNI): exact variants needed." if sat
+                                                        else "exact (int32 dot-product instructions)."))
+        if q.get("weight_range"):
+            lines.append(f"Weight storage: {q['weight_range']} ({q.get('weight_range_reason')}).")
+        if mach.get("quantized_on") and mach.get("quantized_on") != (mach.get("cpu") or {}).get("brand"):
+            lines.append(f"Quantized on a different CPU: {mach['quantized_on']}.")
+        if q.get("float_nodes"):
+            lines.append(f"Left float to meet the accuracy budget ({len(q['float_nodes'])} most error-sensitive nodes, "
+                         f"see quantize/sensitivity.json): {', '.join(f'`{n}`' for n in q['float_nodes'])}.")
     for d in metrics.get("duplicates", []):
         same = metrics["models"][d["identical_to"]]["label"]
         lines += ["", f"`{d['file']}` ({d['model']}) is byte-identical to the {same} model and was evaluated once."]

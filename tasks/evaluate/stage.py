@@ -63,9 +63,9 @@ def _first_line(exc: BaseException) -> str:
 class EvaluateStage(Stage):
     name = "evaluate"
     inputs = ("export/model.onnx",)
-    optional_inputs = ("quantize/quantized_model.onnx", "autotune/optimized_final.onnx")
+    optional_inputs = ("quantize/quantized_model.onnx", "autotune/optimized_final.onnx", "quantize/calibration.json")
     outputs = ("evaluate/metrics.json", "evaluate/report.md")
-    config_keys = ("evaluate", "data", "backend", "seed")
+    config_keys = ("evaluate", "data", "backend", "seed", "autotune.accuracy")
 
     def run(self, ctx: StageContext) -> StageResult:
         ecfg = ctx.cfg.evaluate
@@ -82,6 +82,7 @@ class EvaluateStage(Stage):
             for c in candidates:
                 prepared[c.key] = self._prepare(backend, c)
             scores, batches = self._score(ctx, backend, candidates, specs, max_batches, prepared)
+            fidelity = self._fidelity(ctx, backend, candidates, specs, prepared)
             timings = (self._latency(backend, candidates, prepared, int(ecfg.latency_repeats))
                        if ecfg.latency else None)
         finally:
@@ -90,6 +91,7 @@ class EvaluateStage(Stage):
 
         metrics = self._metrics(ctx, backend, candidates, duplicates, scores, timings, batches, specs,
                                 _precision(float_model))
+        self._judge(ctx, metrics, fidelity)
         from tasks.evaluate import _report
 
         safe = json_safe(metrics)
@@ -184,6 +186,66 @@ class EvaluateStage(Stage):
             raise StageError(f"{c.label} model {c.artifact} failed to run on {backend.name}: "
                              f"{_first_line(exc)}") from None
 
+    @staticmethod
+    def _fidelity(ctx: StageContext, backend: Backend, candidates: list[Candidate], specs: list[InputSpec],
+                  prepared: dict[str, PreparedModel]) -> dict[str, Any]:
+        """Kernel fidelity of each quantized model on the first evaluation batches (fused kernels vs
+        plain Q/DQ math), where the backend has a reference runner."""
+        from pipeline.accuracy import kernel_fidelity
+
+        batches = list(DataProvider(ctx.cfg, specs).batches("evaluation", 2))
+        feeds = [b.feeds for b in batches]
+        floats = [[np.asarray(o) for o in prepared["float"].run(f)] for f in feeds]
+        out = {}
+        for c in candidates[1:]:
+            try:
+                out[c.key] = kernel_fidelity(backend, c.path, feeds, prepared=prepared[c.key], float_outputs=floats)
+            except Exception as exc:  # noqa: BLE001 - the reference runner may reject what the fused one runs
+                log.debug("fidelity check of %s failed", c.path, exc_info=True)
+                out[c.key] = None
+                log.warning("kernel-fidelity check of the %s model could not run: %s", c.label, _first_line(exc))
+        return out
+
+    @staticmethod
+    def _judge(ctx: StageContext, metrics: dict[str, Any], fidelity: dict[str, Any]) -> None:
+        """Hold every quantized model to the accuracy budget; say in words which ones miss it and why."""
+        from pipeline.accuracy import AccuracyBudget
+        from pipeline.cpu import cpu_facts, describe
+        from pipeline.qdq import quantize_decisions
+
+        budget = AccuracyBudget.from_config(ctx.cfg)
+        decisions = quantize_decisions(ctx.artifact("quantize/calibration.json"))
+        facts = cpu_facts()
+        metrics["machine"] = {"cpu": facts, "cpu_line": describe(facts),
+                              "quantized_on": (decisions.get("cpu") or {}).get("brand")}
+        metrics["quantization"] = {k: decisions.get(k) for k in ("weight_range", "weight_range_reason",
+                                                                 "float_nodes", "budget")}
+        metrics["budget"] = budget.describe()
+        float_top1 = metrics["models"]["float"].get("top1")
+        flagged = []
+        for key, m in metrics["models"].items():
+            if key == "float":
+                continue
+            v = budget.judge(m, float_top1)
+            fid = fidelity.get(key)
+            m["budget"] = v.to_dict()
+            m["kernel_fidelity"] = fid.to_dict() if fid is not None else None
+            if v.ok:
+                continue
+            cause = ""
+            if fid is not None and fid.checked and not fid.ok:
+                cause = f"likely cause: {fid.reason} on {describe(facts)}"
+                if facts.get("u8s8_saturates") and decisions.get("weight_range") == "full":
+                    cause += ", whose u8s8 kernels saturate with full-range int8 weights (AVX2 without VNNI)"
+            elif decisions.get("cpu") and decisions["cpu"].get("brand") != facts.get("brand"):
+                cause = (f"likely cause: quantized on {decisions['cpu'].get('brand')}, evaluated on "
+                         f"{facts.get('brand')}: re-run stages=[quantize,...] on this machine")
+            m["over_budget"] = f"{m['label']} model misses the accuracy budget: {v.what}" + (f"; {cause}" if cause else "")
+            flagged.append(m["over_budget"])
+            log.warning("%s", m["over_budget"])
+        metrics["over_budget"] = flagged
+        metrics["headline"] = headline(metrics)
+
     # ------------------------------------------------------------------ latency
     @staticmethod
     def _latency(backend: Backend, candidates: list[Candidate], prepared: dict[str, PreparedModel],
@@ -264,6 +326,8 @@ def headline(metrics: dict[str, Any]) -> str:
             text += f" {100 * m['top1']:.1f}%"
         elif key != "float" and m.get("agreement") is not None:
             text += f" agree {100 * m['agreement']:.1f}%"
+        if m.get("over_budget"):
+            text += " OVER BUDGET"
         if key == "float" and m.get("latency_ms"):
             text += f" {m['latency_ms']['median']:.3g} ms"
         elif m.get("speedup") is not None:

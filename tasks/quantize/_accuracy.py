@@ -18,14 +18,10 @@ from typing import Any
 
 import onnx
 
-from pipeline.accuracy import FIDELITY_MIN_SNR_DB, AccuracyBudget, AccuracyVerdict, FidelityResult, Holdout
+from pipeline.accuracy import AccuracyBudget, AccuracyVerdict, FidelityResult, Holdout
 from pipeline.errors import StageError
 
 log = logging.getLogger("tune.quantize")
-
-# kernels that add more than this share of the model's own quantization noise are wrong, not merely
-# rounded differently (measured: resnet18 0.26 with exact VNNI kernels, 1.9 with saturating AVX2 ones)
-FIDELITY_MAX_NOISE_RATIO = 0.5
 
 
 @dataclass
@@ -79,29 +75,12 @@ class Checker:
             c.verdict = self.budget.judge(self.holdout._scores(outputs), self.holdout.float_top1)
             if fidelity and self.fused:
                 c.fidelity = kernel_fidelity(self.backend, c.path, self.holdout.feeds, prepared=pm,
-                                             quantization_noise=_noise(self.holdout, c.path, self.backend),
-                                             max_noise_ratio=FIDELITY_MAX_NOISE_RATIO,
-                                             min_snr_db=FIDELITY_MIN_SNR_DB)
+                                             float_outputs=self.holdout.reference)
         except Exception as exc:  # noqa: BLE001 - a model that fails to run is a rejected candidate
             c.error = f"{self.backend.name} cannot run it: {_first_line(exc)}"
         finally:
             pm.close()
         return c
-
-
-def _noise(holdout: Holdout, path: Path, backend: Any) -> float:
-    """Energy of (plain Q/DQ math - float) on the holdout: the model's own quantization noise."""
-    from pipeline.metrics import energies
-
-    ref = backend.prepare_reference(path)
-    try:
-        total = 0.0
-        for feeds, float_out in zip(holdout.feeds, holdout.reference, strict=True):
-            for f, q in zip(float_out, ref.run(feeds), strict=True):
-                total += energies(f, q)[1] if f.dtype.kind == "f" else 0.0
-        return total
-    finally:
-        ref.close()
 
 
 def _first_line(exc: BaseException) -> str:
