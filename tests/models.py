@@ -126,3 +126,33 @@ def with_dynamic_batch(model: onnx.ModelProto) -> onnx.ModelProto:
         d.dim_param = "batch"
     del m.graph.value_info[:]
     return m
+
+
+def outlier_branch(batch: int = 1, size: int = 16, classes: int = 10, seed: int = 0) -> onnx.ModelProto:
+    """conv_a -> relu -> conv_b -> relu -> pool -> fc, where conv_a's channel 0 is 1000x larger and
+    conv_b reads it 1000x smaller: the same float function, but one activation tensor whose range is
+    all outlier. Quantized per tensor, its other channels round to zero: one extremely sensitive spot."""
+    rng = np.random.default_rng(seed)
+    c = 8
+    wa = (rng.standard_normal((c, 3, 3, 3)) * 0.3).astype(np.float32)
+    wb = (rng.standard_normal((c, c, 3, 3)) * 0.2).astype(np.float32)
+    wa[0] *= 1000.0
+    wb[:, 0] /= 1000.0
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, 3, size, size])
+    y = helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, classes])
+    inits = [numpy_helper.from_array(wa, "wa"), _init(rng, "ba", (c,), 0.05),
+             numpy_helper.from_array(wb, "wb"), _init(rng, "bb", (c,), 0.05),
+             _init(rng, "wc", (c, c, 3, 3), 0.2), _init(rng, "bc", (c,), 0.05),
+             _init(rng, "fc_w", (classes, c)), _init(rng, "fc_b", (classes,), 0.05)]
+    nodes = [
+        helper.make_node("Conv", ["input", "wa", "ba"], ["a"], name="conv_a", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["a"], ["ra"], name="relu_a"),
+        helper.make_node("Conv", ["ra", "wb", "bb"], ["b"], name="conv_b", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["b"], ["rb"], name="relu_b"),
+        helper.make_node("Conv", ["rb", "wc", "bc"], ["cc"], name="conv_c", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["cc"], ["rc"], name="relu_c"),
+        helper.make_node("GlobalAveragePool", ["rc"], ["p"], name="pool"),
+        helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
+        helper.make_node("Gemm", ["f", "fc_w", "fc_b"], ["logits"], name="fc", transB=1),
+    ]
+    return _model(nodes, [x], [y], inits, "outlier_branch")

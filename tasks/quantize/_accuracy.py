@@ -23,6 +23,9 @@ from pipeline.errors import StageError
 
 log = logging.getLogger("tune.quantize")
 
+# an exact weight storage that is more accurate wins unless the faster one is faster by more than this
+ACCURACY_BAND = 1.10
+
 
 @dataclass
 class Candidate:
@@ -118,14 +121,24 @@ def choose_weight_range(build: Callable[[str], onnx.ModelProto], checker: Checke
     for c, t in zip(exact, measure([c.path for c in exact]), strict=True):
         c.latency_p10_ms = t
     within = [c for c in exact if c.verdict is not None and c.verdict.ok]
-    pool = within or exact
-    best = min(pool, key=lambda c: (c.latency_p10_ms if c.latency_p10_ms is not None else math.inf)) if within \
-        else min(pool, key=lambda c: c.verdict.error if c.verdict else math.inf)
+    if within:
+        # the fastest within the budget, unless the most accurate is within ACCURACY_BAND of its speed:
+        # 7-bit weights cost ~3-6 dB of output SNR, worth it only for a clear speed gain
+        fastest = min(within, key=lambda c: c.latency_p10_ms if c.latency_p10_ms is not None else math.inf)
+        accurate = min(within, key=lambda c: c.verdict.error)
+        slow, fast = accurate.latency_p10_ms, fastest.latency_p10_ms
+        best = accurate if slow is not None and fast is not None and slow <= fast * ACCURACY_BAND else fastest
+        rule = (f"most accurate exact variant within {ACCURACY_BAND - 1:.0%} of the fastest" if best is accurate
+                else "fastest exact variant within the budget")
+    else:
+        best = min(exact, key=lambda c: c.verdict.error if c.verdict else math.inf)
+        rule = "most accurate exact variant; none meets the budget"
     choice = best.name.removeprefix("weights_")
     desc = {"reduced": "weights use 7-bit range", "uint8": "weights stored as uint8 (U8U8 kernels)"}[choice]
     timing = ", ".join(f"{c.name.removeprefix('weights_')} {c.latency_p10_ms:.3f} ms" for c in exact
                        if c.latency_p10_ms is not None)
-    return choice, f"{desc}: {why} (fastest exact variant within the budget; {timing})", [full, *variants]
+    snr = ", ".join(f"{c.name.removeprefix('weights_')} {c.verdict.what}" for c in exact if c.verdict is not None)
+    return choice, f"{desc}: {why} ({rule}; p10 {timing}; {snr})", [full, *variants]
 
 
 def rank_sensitivity(units: list[str], build: Callable[[set[str]], onnx.ModelProto], checker: Checker,

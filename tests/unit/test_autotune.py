@@ -219,3 +219,24 @@ def test_state_from_another_context_is_refused_and_resume_keeps_the_cache(tmp_pa
     v.context = "calibration-a"
     v.load_state(path)
     assert v.pattern_cache.num_patterns == t.pattern_cache.num_patterns > 0
+
+
+@pytest.mark.parametrize("weight_range,dtype,limit", [("reduced", onnx.TensorProto.INT8, 64),
+                                                     ("uint8", onnx.TensorProto.UINT8, 255)])
+def test_candidates_follow_quantize_weight_storage_and_float_nodes(weight_range, dtype, limit):
+    from onnx import numpy_helper
+
+    model = models.conv_chain()
+    t = _tuner(model, weight_range=weight_range, float_nodes=["conv2"])
+    all_points = {sig: InsertionScheme(frozenset(ps.candidates)) for sig, ps in t.pattern_schemes.items()}
+    exported = t.export_model(assignment={r.id: all_points[t.patterns[r.id].signature] for r in t.regions})
+    weights = [i for i in exported.graph.initializer if i.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)
+               and len(i.dims) > 1]
+    assert weights and all(w.data_type == dtype for w in weights)
+    assert max(int(np.abs(numpy_helper.to_array(w).astype(int)).max()) for w in weights) <= limit
+    conv2 = next(n for n in exported.graph.node if n.name == "conv2")
+    dq = {n.output[0] for n in exported.graph.node if n.op_type == "DequantizeLinear"}
+    assert conv2.input[1] not in dq  # a float node keeps its float weight even when every point is on
+    import onnxruntime as ort
+
+    ort.InferenceSession(exported.SerializeToString(), providers=["CPUExecutionProvider"])  # it loads

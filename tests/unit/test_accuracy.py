@@ -1,0 +1,201 @@
+"""The accuracy machinery: budget verdicts, the kernel-fidelity check and the weight-storage fallback."""
+
+from __future__ import annotations
+
+import math
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from omegaconf import OmegaConf
+from onnx import TensorProto, helper, numpy_helper
+
+from pipeline.accuracy import AccuracyBudget, Holdout, kernel_fidelity
+from pipeline.backends.onnxruntime import OnnxRuntimeBackend, OrtPrepared
+from pipeline.config import OnnxRuntimeBackendConfig
+from pipeline.cpu import cpu_facts
+from pipeline.data import Batch, synthetic_batches
+from pipeline.graph import input_specs
+from pipeline.placement import onnxruntime_plan, resolve_rules
+from pipeline.qdq import Calibration, apply_plan
+from tasks.quantize import _accuracy
+from tasks.quantize._calibrate import collect
+from tests import models
+
+
+def _backend() -> OnnxRuntimeBackend:
+    return OnnxRuntimeBackend(OmegaConf.structured(OnnxRuntimeBackendConfig(warmup_runs=1, timing_runs=4)))
+
+
+# ------------------------------------------------------------------ budget verdicts
+def test_budget_uses_top1_with_labels_and_agreement_or_snr_without():
+    b = AccuracyBudget()
+    assert b.judge({"top1": 0.965, "agreement": 0.9, "snr_db": 5.0}, 0.97).ok  # 0.5 points: labels decide
+    v = b.judge({"top1": 0.95, "agreement": 1.0, "snr_db": 40.0}, 0.97)
+    assert not v.ok and v.metric == "top1" and "2.00 points" in v.what
+    # class scores without labels: agreement OR SNR (near-tied random logits flip argmax on noise)
+    assert b.judge({"top1": None, "agreement": 0.95, "snr_db": 30.0}, None).ok
+    assert not b.judge({"top1": None, "agreement": 0.95, "snr_db": 12.0}, None).ok
+    # no class scores: SNR alone
+    assert b.judge({"agreement": None, "snr_db": 25.0}, None).ok
+    assert not b.judge({"agreement": None, "snr_db": 15.0}, None).ok
+    cos = AccuracyBudget(metric="cosine", min_cosine=0.99)
+    assert cos.judge({"cosine": 0.995}, None).ok and not cos.judge({"cosine": 0.98}, None).ok
+    assert AccuracyBudget(enabled=False).judge({"agreement": None, "snr_db": 1.0}, None).ok
+
+
+# ------------------------------------------------------------------ kernel fidelity
+def saturating_model() -> onnx.ModelProto:
+    """u8 activations at 255 times s8 weights at 127: VPMADDUBSW's int16 pair sums (AVX2 without VNNI)
+    saturate at 32767 < 2 x 255 x 127, VNNI's int32 sums do not."""
+    c = 16
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])
+    inits = [numpy_helper.from_array(np.array(1 / 255, np.float32), "xs"),
+             numpy_helper.from_array(np.array(0, np.uint8), "xz"),
+             numpy_helper.from_array(np.full((4, c, 1, 1), 127, np.int8), "wq"),
+             numpy_helper.from_array(np.full(4, 0.01, np.float32), "ws"),
+             numpy_helper.from_array(np.zeros(4, np.int8), "wz"),
+             numpy_helper.from_array(np.array(0.5, np.float32), "ys"),
+             numpy_helper.from_array(np.array(0, np.uint8), "yz")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"], axis=0),
+             helper.make_node("Conv", ["xd", "wd"], ["c"]),
+             helper.make_node("QuantizeLinear", ["c", "ys", "yz"], ["cq"]),
+             helper.make_node("DequantizeLinear", ["cq", "ys", "yz"], ["y"])]
+    m = helper.make_model(helper.make_graph(nodes, "saturate", [x], [y], inits),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+_SATURATION_SCRIPT = """
+import sys, json
+sys.path.insert(0, {root!r})
+import numpy as np
+from tests.unit.test_accuracy import _backend, saturating_model
+from pipeline.accuracy import kernel_fidelity
+from pipeline.cpu import cpu_facts
+path = {path!r}
+r = kernel_fidelity(_backend(), path, [{{"x": np.ones((1, 16, 8, 8), np.float32)}}])
+print(json.dumps({{"ok": r.ok, "snr": r.snr_db, "saturates": cpu_facts()["u8s8_saturates"]}}))
+"""
+
+
+def test_fidelity_check_on_a_graph_that_saturates_u8s8_without_vnni(tmp_path):
+    path = tmp_path / "saturate.onnx"
+    onnx.save(saturating_model(), str(path))
+    r = kernel_fidelity(_backend(), path, [{"x": np.ones((1, 16, 8, 8), np.float32)}])
+    assert r.checked
+    if cpu_facts()["u8s8_saturates"]:
+        assert not r.ok and "disagree" in r.reason
+    else:  # VNNI: the fused kernels are exact
+        assert r.ok and r.snr_db == math.inf or r.snr_db > 60
+
+
+def qemu_haswell() -> list[str] | None:
+    """A command prefix that runs this Python on an emulated AVX2 CPU without VNNI (qemu-user)."""
+    qemu = shutil.which("qemu-x86_64")
+    if qemu is None or platform.machine() != "x86_64":
+        return None
+    return [qemu, "-cpu", "Haswell", sys.executable]
+
+
+@pytest.mark.slow
+def test_fidelity_check_fires_on_an_emulated_avx2_cpu(tmp_path):
+    prefix = qemu_haswell()
+    if prefix is None:
+        pytest.skip("needs qemu-user (apt-get install qemu-user) on x86_64 to emulate an AVX2 CPU without VNNI")
+    path = tmp_path / "saturate.onnx"
+    onnx.save(saturating_model(), str(path))
+    root = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run([*prefix, "-c", _SATURATION_SCRIPT.format(root=root, path=str(path))],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["saturates"] is True  # archspec reads CPUID: the emulated CPU, not the host
+    assert got["ok"] is False and got["snr"] < 20
+
+
+# ------------------------------------------------------------------ fallback chosen when kernels disagree
+class PerturbingBackend(OnnxRuntimeBackend):
+    """ORT, except that models with full-range int8 weights come out wrong, as saturating kernels would."""
+
+    def prepare(self, model_path):
+        pm = super().prepare(model_path)
+        m = onnx.load(str(model_path))
+        full = any(i.data_type == TensorProto.INT8 and np.abs(numpy_helper.to_array(i).astype(int)).max() > 64
+                   for i in m.graph.initializer)
+        if not full:
+            return pm
+
+        class Wrong(OrtPrepared):
+            def run(self, feeds):
+                return [o * 0.5 + 1.0 for o in pm.run(feeds)]
+
+        wrong = Wrong.__new__(Wrong)
+        wrong.__dict__.update(pm.__dict__)
+        return wrong
+
+
+def _conv_setup(tmp_path, backend):
+    model = models.conv_chain(batch=2)
+    specs = input_specs(model)
+    feeds = [f for f, _ in synthetic_batches(specs, 16, 0)]
+    stats = collect(model, lambda: iter([Batch(f, None, 2) for f in feeds[:4]]), "minmax", 99.99, 2048, 1,
+                    lambda it, desc: it)
+    calib = Calibration(stats)
+    rules = resolve_rules(model, [{"module_name": "*", "weights": {"dtype": "int8"},
+                                   "activations": {"dtype": "int8"}}])
+    float_path = tmp_path / "float.onnx"
+    onnx.save(model, str(float_path))
+    holdout = Holdout(feeds[4:8], [None] * 4, [2] * 4)
+    with backend.prepare(float_path) as pm:
+        holdout.set_reference(pm)
+
+    def build(wr: str, float_nodes=frozenset()):
+        kept = {k: v for k, v in rules.items() if k not in float_nodes}
+        return apply_plan(model, onnxruntime_plan(model, kept, "uint8", weight_range=wr), calib)
+
+    return build, holdout
+
+
+def test_fidelity_failure_switches_to_an_exact_weight_storage(tmp_path):
+    backend = PerturbingBackend(_backend().cfg)
+    build, holdout = _conv_setup(tmp_path, backend)
+    checker = _accuracy.Checker(backend, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
+    measured = []
+
+    def measure(paths):
+        measured.append(paths)
+        return [1.0 + i for i in range(len(paths))]  # the first exact variant is "fastest"
+
+    choice, why, checked = _accuracy.choose_weight_range(build, checker, "auto", False, measure)
+    full = next(c for c in checked if c.name == "weights_full")
+    assert full.fidelity is not None and not full.fidelity.ok
+    assert choice == "reduced" and "disagree with the Q/DQ reference" in why
+    assert len(measured) == 1 and len(measured[0]) == 2  # both exact variants timed side by side
+    # the reduced model really stores 7-bit weights
+    m = build("reduced")
+    w = [numpy_helper.to_array(i) for i in m.graph.initializer if i.data_type == TensorProto.INT8]
+    assert w and max(int(np.abs(a.astype(int)).max()) for a in w) <= 64
+
+
+def test_known_saturating_cpu_never_gets_full_range_weights(tmp_path):
+    backend = _backend()
+    build, holdout = _conv_setup(tmp_path, backend)
+    checker = _accuracy.Checker(backend, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
+    choice, why, _ = _accuracy.choose_weight_range(build, checker, "auto", True, lambda p: [2.0, 1.0])
+    assert choice == "uint8" and "saturate (AVX2 without VNNI)" in why
+    choice, _, _ = _accuracy.choose_weight_range(build, checker, "auto", False, lambda p: [1.0] * len(p))
+    assert choice == "full"
+    choice, why, _ = _accuracy.choose_weight_range(build, checker, "reduced", False, lambda p: [1.0] * len(p))
+    assert choice == "reduced" and why == "quantize.weight_range=reduced"
