@@ -70,22 +70,12 @@ def main() -> None:
 
 
 def _ort_quantize(float_path: Path, out: Path, provider, n_batches: int, rd: Path) -> None:
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from accuracy_vs_ort import ort_quantize
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     pre = rd / "ort_preprocessed.onnx"
     quant_pre_process(str(float_path), str(pre))
-
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.it = iter(provider.batches("calibration", n_batches))
-
-        def get_next(self):
-            b = next(self.it, None)
-            return None if b is None else b.feeds
-
-    quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ, activation_type=QuantType.QUInt8,
-                    weight_type=QuantType.QInt8, per_channel=True)
+    ort_quantize(pre, out, provider, n_batches, reduce_range=False)
 
 
 def _accuracy(backend, paths, provider) -> list[str]:

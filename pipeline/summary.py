@@ -19,3 +19,6 @@ def print_summary(summary: dict[str, Any], results_dir: Path) -> None:
     print(f"\nresults_dir: {results_dir}")
     for stage, status, headline in rows:
         print(f"  {stage:<{w1}}  {status:<{w2}}  {headline}")
+    for info in summary.values():  # models past the accuracy budget, with the likely cause, in words
+        for text in (info.get("metrics") or {}).get("over_budget") or []:
+            print(f"  WARNING: {text}")

@@ -199,3 +199,13 @@ def test_known_saturating_cpu_never_gets_full_range_weights(tmp_path):
     assert choice == "full"
     choice, why, _ = _accuracy.choose_weight_range(build, checker, "reduced", False, lambda p: [1.0] * len(p))
     assert choice == "reduced" and why == "quantize.weight_range=reduced"
+
+
+def test_final_summary_says_which_models_miss_the_budget(capsys, tmp_path):
+    from pipeline.summary import print_summary
+
+    text = "PTQ model misses the accuracy budget: top-1 drop 64.0 points (max 1); likely cause: ..."
+    print_summary({"evaluate": {"status": "done", "metrics": {"headline": "float 97.0% | ptq 33.0% OVER BUDGET",
+                                                              "over_budget": [text]}}}, tmp_path)
+    out = capsys.readouterr().out
+    assert "OVER BUDGET" in out and f"WARNING: {text}" in out
