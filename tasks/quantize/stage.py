@@ -126,12 +126,11 @@ class QuantizeStage(Stage):
         def progress(it, desc):
             return progress_bar(bool(cfg.progress), iterable=it, total=total, desc=f"quantize: {desc}", unit="batch")
 
-        from pipeline.backends.onnxruntime import physical_cores
         from tasks.quantize._calibrate import collect
 
         t0 = time.time()
         stats = collect(model, batches, enum_value(q.algorithm), float(q.percentile), int(q.calibration.num_bins),
-                        physical_cores(), progress)
+                        _ort_backend(cfg).threads, progress)
         calib_seconds = time.time() - t0
         doc = calibration_document(stats, model, cfg)
         samples = next(iter(stats.values()))["samples"] if stats else 0
