@@ -132,6 +132,10 @@ class DataConfig:
     eval_path: Optional[str] = None
     # array names in an .npz holding labels (ignored for inputs)
     labels_key: str = "labels"
+    # single .npz / .npy data: the axis each input's samples run along (default 0); null for an input
+    # without a batch axis (a scalar sample rate, ...), fed whole with every batch. A folder of .npz
+    # files instead holds one complete feed per file (every input at the model's exact shape).
+    batch_axes: dict[str, Optional[int]] = field(default_factory=dict)
     # custom: dotted path of a callable returning a DataLoader/iterable; gets `split=` if it accepts it
     _target_: Optional[str] = None
     args: dict[str, Any] = field(default_factory=dict)
@@ -265,6 +269,12 @@ def register_configs() -> None:
     _registered = True
 
 
+# sizes of the built-in architectures: zero or negative values would fail deep inside torch
+_POSITIVE_MODEL_KEYS = ("input_size", "image_size", "in_channels", "num_classes", "hidden_size", "num_layers",
+                        "num_heads", "intermediate_size", "seq_len", "vocab_size", "num_labels", "epochs",
+                        "train_batch_size", "depth")
+
+
 def validate(cfg: DictConfig) -> None:
     """Cross-field checks for the whole config; raises one ConfigError listing every problem."""
     from pipeline.registry import stage_validators
@@ -280,6 +290,10 @@ def validate(cfg: DictConfig) -> None:
     problems += [f"{k}: required value is missing; set it with {k}=..." for k in missing]
     if cfg.model.batch_size < 1:
         problems.append(f"model.batch_size={cfg.model.batch_size}: must be >= 1")
+    for key in _POSITIVE_MODEL_KEYS:
+        v = cfg.model.get(key)
+        if isinstance(v, int) and v < 1:
+            problems.append(f"model.{key}={v}: must be >= 1")
     if not 7 <= cfg.model.opset <= 23:
         problems.append(f"model.opset={cfg.model.opset}: supported opsets are 7..23")
     if cfg.model.name == "onnx" and not OmegaConf.is_missing(cfg.model, "onnx_path"):

@@ -203,24 +203,53 @@ def synthetic_batches(specs: list[InputSpec], num_samples: int, seed: int) -> It
         yield feeds, None
 
 
-def _npz_batches(path: str, specs: list[InputSpec], labels_key: str) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray | None]]:
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise InputError(f"data path {p} does not exist; give a .npz file or a folder of .npy files")
-    if p.suffix not in (".npz", ".npy") and not p.is_dir():
-        raise InputError(f"data file {p} is neither .npz nor .npy")
+def _read_arrays(p: Path) -> dict[str, np.ndarray]:
     try:
         if p.is_dir():
             files = sorted(p.glob("*.npy"))
             if not files:
-                raise InputError(f"data folder {p} holds no .npy files")
-            arrays = {f.stem: np.load(f, mmap_mode="r") for f in files}
-        elif p.suffix == ".npz":
-            arrays = dict(np.load(p))
-        else:
-            arrays = {p.stem: np.load(p, mmap_mode="r")}
+                raise InputError(f"data folder {p} holds no .npy or .npz files")
+            return {f.stem: np.load(f, mmap_mode="r") for f in files}
+        if p.suffix == ".npz":
+            with np.load(p) as z:
+                return dict(z)
+        return {p.stem: np.load(p, mmap_mode="r")}
     except (OSError, ValueError, EOFError) as exc:  # numpy's errors for files that are not arrays
         raise InputError(f"data {p} could not be read as numpy arrays ({type(exc).__name__}: {exc})") from None
+
+
+def _feed_files(folder: Path, specs: list[InputSpec], labels_key: str) -> Iterator[Batch]:
+    """A folder of .npz files, each one complete feed: every model input by name, at its exact shape
+    (the form Polygraphy's and TensorRT's calibrators take; state inputs need no batch axis)."""
+    names = [s.name for s in specs]
+    for f in sorted(folder.glob("*.npz")):
+        arrays = _read_arrays(f)
+        labels = arrays.pop(labels_key, None)
+        feeds = {}
+        for s in specs:
+            if s.name not in arrays:
+                raise InputError(f"feed file {f} has no array '{s.name}' (it holds {sorted(arrays)}); each .npz "
+                                 f"in {folder} must hold every model input by name: {names}")
+            a = np.asarray(arrays[s.name])
+            if a.shape != tuple(s.shape):
+                raise InputError(f"feed file {f}: input '{s.name}' has shape {a.shape}, the model wants "
+                                 f"{tuple(s.shape)}")
+            feeds[s.name] = np.ascontiguousarray(a.astype(s.dtype, copy=False))
+        yield Batch(feeds, None if labels is None else np.asarray(labels).reshape(-1), specs[0].batch if specs else 1)
+
+
+def _npz_batches(path: str, specs: list[InputSpec], labels_key: str,
+                 batch_axes: Mapping[str, int | None] | None = None, step: int = 1
+                 ) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray | None]]:
+    """Samples of one .npz/.npy (or a folder of .npy named after the inputs), cut along each input's
+    batch axis (``batch_axes``, default 0) and moved to the front for re-batching (see ``_restore_axes``)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise InputError(f"data path {p} does not exist; give a .npz file, a folder of .npy files or a folder "
+                         f"of per-feed .npz files")
+    if p.suffix not in (".npz", ".npy") and not p.is_dir():
+        raise InputError(f"data file {p} is neither .npz nor .npy")
+    arrays = _read_arrays(p)
     labels = arrays.pop(labels_key, None)
     names = [s.name for s in specs]
     if all(n in arrays for n in names):
@@ -229,12 +258,56 @@ def _npz_batches(path: str, specs: list[InputSpec], labels_key: str) -> Iterator
         chosen = {names[0]: next(iter(arrays.values()))}
     else:
         raise InputError(f"data {p} holds arrays {sorted(arrays)}; name them after the model inputs {names}")
-    n = min(a.shape[0] for a in chosen.values())
-    step = max(specs[0].batch, 1)
+    axes = dict(batch_axes or {})
+    unknown = sorted(set(axes) - set(names))
+    if unknown:
+        raise InputError(f"data.batch_axes names {unknown}, which are not model inputs {names}")
+    fixed: dict[str, np.ndarray] = {}
+    for s in specs:
+        a, ax = chosen[s.name], axes.get(s.name, 0)
+        if ax is None:  # no batch axis: the same array goes with every batch
+            if tuple(a.shape) != tuple(s.shape):
+                raise InputError(f"data {p}: input '{s.name}' (data.batch_axes.{s.name}=null) has shape "
+                                 f"{tuple(a.shape)}, the model wants {tuple(s.shape)}")
+            fixed[s.name] = np.asarray(a)
+            continue
+        if not -a.ndim <= ax < a.ndim or len(s.shape) != a.ndim:
+            raise InputError(f"data {p}: input '{s.name}' has shape {tuple(a.shape)}, the model wants "
+                             f"{tuple(s.shape)} (batch axis {ax}); set data.batch_axes.{s.name} to the axis its "
+                             f"samples run along, or give a folder of per-feed .npz files")
+        want = tuple(d for i, d in enumerate(s.shape) if i != ax % a.ndim)
+        got = tuple(d for i, d in enumerate(a.shape) if i != ax % a.ndim)
+        if got != want:
+            raise InputError(f"data {p}: input '{s.name}' has samples of shape {got} (array {tuple(a.shape)}), "
+                             f"the model wants {want} (input shape {tuple(s.shape)}, batch axis {ax})")
+        chosen[s.name] = np.moveaxis(a, ax, 0) if ax % a.ndim else a
+    cut = {k: v for k, v in chosen.items() if k not in fixed}
+    if not cut:
+        raise InputError(f"data {p}: every input has data.batch_axes null; give a folder of per-feed .npz files")
+    n = min(a.shape[0] for a in cut.values())
+    step = max(step, 1)
     for start in range(0, n, step):
-        feeds = {k: np.asarray(v[start:start + step]) for k, v in chosen.items()}
+        feeds = {k: np.asarray(v[start:start + step]).astype(_dtype(specs, k), copy=False) for k, v in cut.items()}
         lab = None if labels is None else np.asarray(labels[start:start + step])
         yield feeds, lab
+
+
+def _dtype(specs: list[InputSpec], name: str) -> Any:
+    return next(s.dtype for s in specs if s.name == name)
+
+
+def _restore_axes(batch: Batch, specs: list[InputSpec], axes: Mapping[str, int | None], fixed: dict[str, np.ndarray]
+                  ) -> Batch:
+    """Undo _npz_batches' move of each batch axis to the front, and add the inputs without one."""
+    feeds = {}
+    for s in specs:
+        ax = axes.get(s.name, 0)
+        if ax is None:
+            feeds[s.name] = fixed[s.name]
+        else:
+            v = batch.feeds[s.name]
+            feeds[s.name] = np.ascontiguousarray(np.moveaxis(v, 0, ax)) if ax % v.ndim else v
+    return Batch(feeds, batch.labels, batch.valid)
 
 
 def _custom_iterable(target: str, args: dict[str, Any], split: str) -> Iterable[Any]:
@@ -259,8 +332,12 @@ class DataProvider:
         self.cfg = cfg.data
         self.specs = specs
         self.seed = int(cfg.seed)
-        self.batch_size = specs[0].batch if specs else 1
         self.source = resolved_data_source(cfg)
+        self.batch_size = specs[0].batch if specs else 1
+        axes = dict(self.cfg.get("batch_axes") or {}) if self.source == "npz" else {}
+        first = next(((s, axes.get(s.name, 0)) for s in specs if axes.get(s.name, 0) is not None), None)
+        if first is not None and first[1] and -len(first[0].shape) <= first[1] < len(first[0].shape):
+            self.batch_size = int(first[0].shape[first[1]])
 
     def _raw(self, split: str) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray | None]]:
         src = self.source
@@ -277,8 +354,8 @@ class DataProvider:
             offset = 0 if split == "calibration" else 1_000_003
             yield from synthetic_batches(self.specs, int(self.cfg.num_samples), self.seed + offset)
         elif src == "npz":
-            path = self.cfg.path if split == "calibration" or not self.cfg.eval_path else self.cfg.eval_path
-            yield from _npz_batches(path, self.specs, self.cfg.labels_key)
+            yield from _npz_batches(self._npz_path(split), self.specs, self.cfg.labels_key, self.cfg.batch_axes,
+                                    self.batch_size)
         elif src == "custom":
             args = OmegaConf.to_container(self.cfg.args, resolve=True) if self.cfg.args else {}
             source = _custom_iterable(self.cfg._target_, args, split)  # type: ignore[arg-type]
@@ -290,11 +367,28 @@ class DataProvider:
             for raw in items:
                 yield to_feeds(raw, self.specs, self.cfg.key)
 
+    def _npz_path(self, split: str) -> str:
+        return self.cfg.path if split == "calibration" or not self.cfg.eval_path else self.cfg.eval_path
+
     def batches(self, split: str, max_batches: int | None = None) -> Iterator[Batch]:
         """``split`` is "calibration" (train data) or "evaluation" (held-out data)."""
         if split == "calibration" and self.source == "none":
             log.warning("no calibration data configured: calibrating on SYNTHETIC random data; accuracy "
                         "will suffer. Configure data=digits|npz|custom for real data.")
+        if self.source == "npz":
+            p = Path(self._npz_path(split)).expanduser()
+            if p.is_dir() and any(p.glob("*.npz")):
+                for i, b in enumerate(_feed_files(p, self.specs, self.cfg.labels_key)):
+                    if max_batches is not None and i >= max_batches:
+                        return
+                    yield b
+                return
+            axes = dict(self.cfg.batch_axes or {})
+            if any(v != 0 for v in axes.values()):
+                fixed = {s.name: np.asarray(_read_arrays(p)[s.name]) for s in self.specs if axes.get(s.name, 0) is None}
+                for b in rebatch(self._raw(split), self.batch_size, max_batches):
+                    yield _restore_axes(b, self.specs, axes, fixed)
+                return
         yield from rebatch(self._raw(split), self.batch_size, max_batches)
 
     def count(self, split: str, max_batches: int | None = None) -> int | None:

@@ -25,7 +25,9 @@ class ConfigError(PipelineError):
 
 
 class InputError(PipelineError):
-    """A missing, unreadable or unsuitable input file or data source."""
+    """A missing, unreadable or unsuitable input file or data source (bad usage: exit 2)."""
+
+    exit_code = 2
 
 
 class StageError(PipelineError):
@@ -43,4 +45,18 @@ class ResultsDirLocked(PipelineError):
 
 
 class StateError(PipelineError):
-    """A state or cache file is corrupt or belongs to a different model."""
+    """A state or cache file is corrupt or belongs to a different model (the user deletes or
+    points elsewhere: exit 2, like other bad input)."""
+
+    exit_code = 2
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message (runtimes and parsers write several)."""
+    import yaml
+
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem:
+        where = f" at line {exc.problem_mark.line + 1}, column {exc.problem_mark.column + 1}" if exc.problem_mark else ""
+        return f"{exc.problem}{where}"
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else type(exc).__name__

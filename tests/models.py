@@ -156,3 +156,26 @@ def outlier_branch(batch: int = 1, size: int = 16, classes: int = 10, seed: int 
         helper.make_node("Gemm", ["f", "fc_w", "fc_b"], ["logits"], name="fc", transB=1),
     ]
     return _model(nodes, [x], [y], inits, "outlier_branch")
+
+
+def stateful_rnn(batch: int = 2, steps: int = 5, features: int = 16, hidden: int = 32, layers: int = 1,
+                 seed: int = 0) -> onnx.ModelProto:
+    """An LSTM with state inputs h0/c0 of shape [layers, batch, hidden] (no leading batch axis) and a
+    Gemm head on the last hidden state: the input layout of exported recurrent models."""
+    rng = np.random.default_rng(seed)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [steps, batch, features])
+    h0 = helper.make_tensor_value_info("h0", TensorProto.FLOAT, [layers, batch, hidden])
+    c0 = helper.make_tensor_value_info("c0", TensorProto.FLOAT, [layers, batch, hidden])
+    y = helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, 8])
+    inits = [_init(rng, "W", (1, 4 * hidden, features), 0.2), _init(rng, "R", (1, 4 * hidden, hidden), 0.2),
+             _init(rng, "B", (1, 8 * hidden), 0.05), _init(rng, "proj_w", (features, features), 0.3),
+             _init(rng, "head_w", (hidden, 8), 0.3), _init(rng, "head_b", (8,), 0.05)]
+    nodes = [
+        helper.make_node("MatMul", ["x", "proj_w"], ["xp"], name="proj"),
+        helper.make_node("LSTM", ["xp", "W", "R", "B", "", "h0", "c0"], ["Y", "Y_h", "Y_c"], name="lstm",
+                         hidden_size=hidden),
+        helper.make_node("ReduceMean", ["Y_h"], ["h_last"], name="layer_mean", axes=[0], keepdims=0),
+        helper.make_node("MatMul", ["h_last", "head_w"], ["hw"], name="head"),
+        helper.make_node("Add", ["hw", "head_b"], ["logits"], name="head_bias"),
+    ]
+    return _model(nodes, [x, h0, c0], [y], inits, "stateful_rnn")

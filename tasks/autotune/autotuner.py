@@ -38,7 +38,7 @@ import onnx
 import yaml
 
 from pipeline.artifacts import atomic_write_text
-from pipeline.errors import StateError
+from pipeline.errors import StateError, first_line
 from pipeline.graph import model_hash, save_model
 from pipeline.placement import (
     GraphIndex,
@@ -492,7 +492,8 @@ class QDQAutotunerBase:
             if not isinstance(doc, dict) or "patterns" not in doc:
                 raise ValueError("no 'patterns' table")
         except (yaml.YAMLError, ValueError, OSError) as exc:
-            raise StateError(f"autotune state file {p} is corrupt ({exc}); delete it to start the search afresh") \
+            raise StateError(f"autotune state file {p} is corrupt ({first_line(exc)}); delete it to start the search "
+                             f"afresh") \
                 from None
         if doc.get("model_sha256") != self._model_sha:
             raise StateError(f"autotune state file {p} belongs to a different model; delete it or set "
@@ -520,7 +521,8 @@ class QDQAutotunerBase:
                         # committed before the interruption: keep it in the cache saved next to the state
                         self.pattern_cache.add(sig, best.scheme, best.ratio)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise StateError(f"autotune state file {p} is corrupt ({type(exc).__name__}: {exc}); delete it") from None
+            raise StateError(f"autotune state file {p} is corrupt ({type(exc).__name__}: {first_line(exc)}); "
+                             f"delete it") from None
 
     @property
     def num_measurements(self) -> int:

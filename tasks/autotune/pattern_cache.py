@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from pipeline.artifacts import atomic_write_text
-from pipeline.errors import StateError
+from pipeline.errors import StateError, first_line
 from tasks.autotune.scheme import InsertionScheme
 
 
@@ -81,6 +81,6 @@ class PatternCache:
                 for item in items:
                     cache.add(str(pattern), InsertionScheme.from_keys(item["scheme"]), float(item["ratio"]))
         except (yaml.YAMLError, KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise StateError(f"pattern cache {p} is corrupt ({type(exc).__name__}: {exc}); "
+            raise StateError(f"pattern cache {p} is corrupt ({type(exc).__name__}: {first_line(exc)}); "
                              f"delete it or point autotune.pattern_cache at another file") from None
         return cache

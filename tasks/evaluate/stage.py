@@ -24,7 +24,7 @@ from pipeline.backends import create_backend
 from pipeline.backends.base import Backend, PreparedModel, Timing, compare_prepared
 from pipeline.config import STAGE_ORDER, resolved_data_source
 from pipeline.data import DataProvider
-from pipeline.errors import PipelineError, StageError
+from pipeline.errors import PipelineError, StageError, first_line
 from pipeline.graph import InputSpec, input_specs, load_model
 from pipeline.metrics import ModelScores, json_safe
 from pipeline.progress import progress_bar
@@ -53,11 +53,6 @@ _MODELS = (
     ("ptq", "PTQ", "quantize/quantized_model.onnx"),
     ("autotuned", "autotuned", "autotune/optimized_final.onnx"),
 )
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    return lines[0] if lines else type(exc).__name__
 
 
 class EvaluateStage(Stage):
@@ -175,7 +170,7 @@ class EvaluateStage(Stage):
         except Exception as exc:  # noqa: BLE001 - runtimes raise their own types for unloadable models
             log.debug("prepare %s failed", c.path, exc_info=True)
             raise StageError(f"{c.label} model {c.artifact} cannot be loaded by {backend.name}: "
-                             f"{_first_line(exc)}") from None
+                             f"{first_line(exc)}") from None
 
     @staticmethod
     def _run(pm: PreparedModel, c: Candidate, feeds: dict[str, np.ndarray], backend: Backend) -> list[np.ndarray]:
@@ -184,7 +179,7 @@ class EvaluateStage(Stage):
         except Exception as exc:  # noqa: BLE001 - runtimes raise their own types for failed runs
             log.debug("run %s failed", c.path, exc_info=True)
             raise StageError(f"{c.label} model {c.artifact} failed to run on {backend.name}: "
-                             f"{_first_line(exc)}") from None
+                             f"{first_line(exc)}") from None
 
     @staticmethod
     def _fidelity(ctx: StageContext, backend: Backend, candidates: list[Candidate], specs: list[InputSpec],
@@ -203,7 +198,7 @@ class EvaluateStage(Stage):
             except Exception as exc:  # noqa: BLE001 - the reference runner may reject what the fused one runs
                 log.debug("fidelity check of %s failed", c.path, exc_info=True)
                 out[c.key] = None
-                log.warning("kernel-fidelity check of the %s model could not run: %s", c.label, _first_line(exc))
+                log.warning("kernel-fidelity check of the %s model could not run: %s", c.label, first_line(exc))
         return out
 
     @staticmethod

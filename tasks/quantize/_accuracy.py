@@ -19,7 +19,7 @@ from typing import Any
 import onnx
 
 from pipeline.accuracy import AccuracyBudget, AccuracyVerdict, FidelityResult, Holdout
-from pipeline.errors import StageError
+from pipeline.errors import StageError, first_line
 
 log = logging.getLogger("tune.quantize")
 
@@ -71,7 +71,7 @@ class Checker:
         try:
             pm = self.backend.prepare(c.path) if self.fused else self.backend.prepare_reference(c.path)
         except Exception as exc:  # noqa: BLE001 - a model the runtime cannot load is a rejected candidate
-            c.error = f"{self.backend.name} cannot load it: {_first_line(exc)}"
+            c.error = f"{self.backend.name} cannot load it: {first_line(exc)}"
             return c
         try:
             outputs = self.holdout.outputs(pm)
@@ -80,15 +80,10 @@ class Checker:
                 c.fidelity = kernel_fidelity(self.backend, c.path, self.holdout.feeds, prepared=pm,
                                              float_outputs=self.holdout.reference)
         except Exception as exc:  # noqa: BLE001 - a model that fails to run is a rejected candidate
-            c.error = f"{self.backend.name} cannot run it: {_first_line(exc)}"
+            c.error = f"{self.backend.name} cannot run it: {first_line(exc)}"
         finally:
             pm.close()
         return c
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    return lines[0] if lines else type(exc).__name__
 
 
 def temp_workdir(parent: Path) -> tempfile.TemporaryDirectory:

@@ -100,3 +100,43 @@ def test_custom_dataloader_source():
     out = list(DataProvider(cfg, specs).batches("evaluation"))
     assert [b.valid for b in out] == [2, 2, 1]
     assert out[2].labels[0] == 4
+
+
+def _rnn_specs():
+    return input_specs(models.stateful_rnn(batch=2))
+
+
+def test_folder_of_per_feed_npz_calibrates_state_inputs(tmp_path):
+    """Recurrent models take h/c of shape [layers, batch, hidden]: one .npz per complete feed."""
+    rng = np.random.default_rng(0)
+    feeds = tmp_path / "feeds"
+    feeds.mkdir()
+    for i in range(3):
+        np.savez(feeds / f"{i:03d}.npz", x=rng.standard_normal((5, 2, 16)).astype(np.float32),
+                 h0=rng.standard_normal((1, 2, 32)), c0=np.zeros((1, 2, 32), np.float32))
+    cfg = compose(["model=onnx", "model.onnx_path=x.onnx", "data=npz", f"data.path={feeds}"])
+    out = list(DataProvider(cfg, _rnn_specs()).batches("calibration"))
+    assert len(out) == 3 and out[0].feeds["h0"].shape == (1, 2, 32) and out[0].feeds["h0"].dtype == np.float32
+    np.savez(feeds / "bad.npz", x=np.zeros((5, 2, 16), np.float32), h0=np.zeros((2, 32), np.float32),
+             c0=np.zeros((1, 2, 32), np.float32))
+    with pytest.raises(InputError, match=r"input 'h0' has shape \(2, 32\), the model wants \(1, 2, 32\)"):
+        list(DataProvider(cfg, _rnn_specs()).batches("calibration"))
+
+
+def test_single_npz_with_batch_axes(tmp_path):
+    n = 6
+    np.savez(tmp_path / "d.npz", x=np.arange(5 * n * 16, dtype=np.float32).reshape(5, n, 16),
+             h0=np.ones((1, n, 32), np.float32), c0=np.zeros((1, 32), np.float32).reshape(1, 1, 32).repeat(2, 1))
+    cfg = compose(["model=onnx", "model.onnx_path=x.onnx", "data=npz", f"data.path={tmp_path / 'd.npz'}",
+                   "+data.batch_axes={x: 1, h0: 1, c0: null}"])
+    out = list(DataProvider(cfg, _rnn_specs()).batches("calibration"))
+    assert len(out) == 3 and all(b.feeds["x"].shape == (5, 2, 16) and b.feeds["c0"].shape == (1, 2, 32) for b in out)
+    assert out[1].feeds["x"][0, 0, 0] == 2 * 16  # sample 2 of step 0: cut along axis 1, not axis 0
+
+
+def test_npz_of_the_wrong_shape_names_the_input(tmp_path):
+    specs = input_specs(models.conv_chain(batch=2))
+    np.savez(tmp_path / "d.npz", input=np.zeros((4, 3, 8, 8), np.float32))
+    cfg = compose(["model=onnx", "model.onnx_path=x.onnx", "data=npz", f"data.path={tmp_path / 'd.npz'}"])
+    with pytest.raises(InputError, match=r"input 'input' has samples of shape \(3, 8, 8\).*wants \(3, 16, 16\)"):
+        list(DataProvider(cfg, specs).batches("calibration"))
