@@ -76,9 +76,8 @@ def test_default_pipeline_keeps_top1_within_a_point_on_avx2_without_vnni(digits_
     assert m["quantization"]["weight_range"] in ("reduced", "uint8")
     assert "saturate (AVX2 without VNNI)" in proc.stderr
     _assert_within_a_point(m)
-    for key in ("ptq", "autotuned"):
-        fid = m["models"].get(key, {}).get("kernel_fidelity")
-        assert fid is None or fid["ok"], (key, fid)
+    # the PTQ model's storage was chosen for this CPU: its fused kernels compute the Q/DQ math
+    assert m["models"]["ptq"]["kernel_fidelity"]["ok"], m["models"]["ptq"]["kernel_fidelity"]
     decisions = json.loads((rd / "quantize" / "calibration.json").read_text())["decisions"]
     full = next(v for v in decisions["variants"] if v["name"] == "weights_full")
     assert full["fidelity"]["ok"] is False, full
