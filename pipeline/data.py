@@ -185,21 +185,21 @@ def digits_arrays(split: str, seed: int, test_fraction: float, image_shape: tupl
 
 
 def synthetic_batches(specs: list[InputSpec], num_samples: int, seed: int) -> Iterator[tuple[dict[str, np.ndarray], None]]:
+    """Seeded random feeds in whole batches (the last one as well: the caller knows how many samples
+    are real). An input whose first dim is not the batch size (a recurrent state [layers, batch,
+    hidden], a scalar sample rate) is generated at its full shape."""
     rng = np.random.default_rng(seed)
     bs = specs[0].batch if specs else 1
-    done = 0
-    while done < num_samples:
-        n = min(bs, num_samples - done)
+    for _ in range(-(-num_samples // max(bs, 1))):
         feeds = {}
         for s in specs:
-            shape = (n, *s.shape[1:])
+            shape = tuple(s.shape)
             if np.issubdtype(s.dtype, np.integer):
                 feeds[s.name] = rng.integers(0, s.int_high or 100, size=shape).astype(s.dtype)
             elif s.dtype == np.bool_:
                 feeds[s.name] = np.ones(shape, dtype=np.bool_)
             else:
                 feeds[s.name] = rng.standard_normal(shape).astype(s.dtype)
-        done += n
         yield feeds, None
 
 
@@ -375,6 +375,13 @@ class DataProvider:
         if split == "calibration" and self.source == "none":
             log.warning("no calibration data configured: calibrating on SYNTHETIC random data; accuracy "
                         "will suffer. Configure data=digits|npz|custom for real data.")
+        if self.source in ("synthetic", "none"):  # whole batches already: no re-cutting along axis 0
+            n = int(self.cfg.num_samples)
+            for i, (feeds, _) in enumerate(self._raw(split)):
+                if max_batches is not None and i >= max_batches:
+                    return
+                yield Batch(feeds, None, min(self.batch_size, n - i * self.batch_size))
+            return
         if self.source == "npz":
             p = Path(self._npz_path(split)).expanduser()
             if p.is_dir() and any(p.glob("*.npz")):

@@ -3,6 +3,7 @@ content hashes, topological order and tensor-type lookups."""
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ from onnx import helper
 
 from pipeline.artifacts import atomic_output, sha256_bytes, sha256_file
 from pipeline.errors import InputError
+
+log = logging.getLogger("tune.graph")
 
 
 @dataclass(frozen=True)
@@ -116,8 +119,55 @@ def dynamic_inputs(model: onnx.ModelProto) -> dict[str, list[int | str]]:
     return out
 
 
+# metadata key holding model.input_shapes for a model whose graph inputs stay dynamic
+SHAPES_KEY = "qdq_tune.input_shapes"
+
+
+def recorded_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
+    """The input shapes stored with a model that keeps dynamic dims (see fix_input_shapes)."""
+    import json
+
+    for p in model.metadata_props:
+        if p.key == SHAPES_KEY:
+            return {k: [int(d) for d in v] for k, v in json.loads(p.value).items()}
+    return {}
+
+
+def _loads_in_ort(model: onnx.ModelProto) -> str | None:
+    """None if ONNX Runtime can create a session for the model, else its first error line."""
+    import onnxruntime as ort
+
+    try:
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        return None
+    except Exception as exc:  # noqa: BLE001 - ORT raises generic errors for models it rejects
+        return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+
+
 def fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], source: str) -> onnx.ModelProto:
-    """Make every graph input static, using ``shapes`` for the dynamic ones; re-infer shapes."""
+    """Make every graph input static, using ``shapes`` for the dynamic ones; re-infer shapes.
+
+    When the static graph no longer loads in ONNX Runtime but the original does (an If whose other
+    branch only type-checks with other shapes, e.g. an audio model's 8 kHz branch), the graph keeps
+    its dynamic dims and the shapes are stored in its metadata instead: ``input_specs`` reads them.
+    """
+    original = onnx.ModelProto()
+    original.CopyFrom(model)
+    fixed = _fix_input_shapes(model, shapes, source)
+    if shapes and dynamic_inputs(original) and _loads_in_ort(fixed) is not None and _loads_in_ort(original) is None:
+        import json
+
+        log.info("%s: with static input shapes ONNX Runtime rejects the model (%s); keeping its dynamic dims and "
+                 "recording model.input_shapes in its metadata", source, _loads_in_ort(fixed))
+        kept = [p for p in original.metadata_props if p.key != SHAPES_KEY]
+        del original.metadata_props[:]
+        original.metadata_props.extend(kept)
+        original.metadata_props.add(key=SHAPES_KEY, value=json.dumps({k: list(v) for k, v in shapes.items()}))
+        return original
+    return fixed
+
+
+def _fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], source: str) -> onnx.ModelProto:
     names = {vi.name for vi in graph_inputs(model)}
     unknown = sorted(set(shapes) - names)
     if unknown:
@@ -162,7 +212,7 @@ def fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], sourc
 def input_specs(model: onnx.ModelProto, shapes: dict[str, list[int]] | None = None) -> list[InputSpec]:
     """Static input specs; integer inputs feeding a Gather get the table size as their upper bound.
     ``shapes`` gives the shape of inputs whose dims are dynamic in the model (an optimization profile)."""
-    shapes = shapes or {}
+    shapes = {**recorded_shapes(model), **(shapes or {})}
     dyn = {k: v for k, v in dynamic_inputs(model).items() if k not in shapes}
     if dyn:
         raise InputError(f"model has dynamic input dims {dyn}; fix them with model.input_shapes")
@@ -254,6 +304,62 @@ def opset_version(model: onnx.ModelProto) -> int:
 
 def has_qdq(model: onnx.ModelProto) -> bool:
     return any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph.node)
+
+
+WEIGHT_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+
+
+def constant_weights(model: onnx.ModelProto) -> int:
+    """Weighted ops (main graph) whose weight input comes from a Constant node, not an initializer."""
+    consts = {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
+    return sum(1 for n in model.graph.node if n.op_type in WEIGHT_OPS and len(n.input) > 1 and n.input[1] in consts)
+
+
+def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, int]]:
+    """Constant nodes and constant subgraphs (shape arithmetic on constants) folded into initializers.
+
+    paddle2onnx and tf2onnx store weights as Constant nodes; a weight is a weight wherever it lives, so
+    every later stage sees them as initializers. onnx-graphsurgeon evaluates what it folds with ONNX
+    Runtime (also inside If/Loop bodies). Returns the model (unchanged when there is nothing to fold)
+    and counts: Constant nodes before and after, weights that came from Constant nodes.
+    """
+    def constants(m: onnx.ModelProto) -> int:
+        return sum(1 for n in m.graph.node if n.op_type == "Constant")
+
+    before, weights = constants(model), constant_weights(model)
+    import onnx_graphsurgeon as gs
+
+    graph = gs.import_onnx(model)
+    graph.fold_constants().cleanup().toposort()
+    out = gs.export_onnx(graph)
+    out.ir_version = model.ir_version
+    out.producer_name, out.producer_version = model.producer_name, model.producer_version
+    del out.metadata_props[:]
+    out.metadata_props.extend(model.metadata_props)
+    removed = len(model.graph.node) - len(out.graph.node)
+    if removed <= 0 and before == 0:
+        return model, {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0}
+    return out, {"constant_nodes": before - constants(out), "constant_weights": weights, "nodes_removed": removed}
+
+
+def control_flow(model: onnx.ModelProto) -> dict[str, int]:
+    """If/Loop/Scan nodes of the main graph and what their bodies hold (counted recursively): quantize
+    places Q/DQ in the main graph only, so the bodies stay float."""
+    def body_nodes(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+        out: list[onnx.NodeProto] = []
+        for attr in node.attribute:
+            graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+            for g in graphs:
+                for n in g.node:
+                    out.append(n)
+                    out.extend(body_nodes(n))
+        return out
+
+    control = [n for n in model.graph.node if n.op_type in ("If", "Loop", "Scan")]
+    inside = [b for n in control for b in body_nodes(n)]
+    return {"control_nodes": len(control), "nodes": len(inside),
+            "weighted_inside": sum(1 for n in inside if n.op_type in (*WEIGHT_OPS, "LSTM", "GRU", "RNN")),
+            "weighted_outside": sum(1 for n in model.graph.node if n.op_type in WEIGHT_OPS)}
 
 
 def fold_constant_identities(model: onnx.ModelProto) -> int:

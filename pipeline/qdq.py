@@ -409,6 +409,11 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
         wp = weight_scales.get((b.weight_node, b.weight_index))
         if init is None or wp is None or wp.dtype not in ("int8", "uint8"):
             continue
+        shape = tuple(init.dims)
+        # per-axis DQ needs one scale per element along one axis: a bias [N] runs along axis 0, a
+        # tf2onnx-style [1, N] along its last axis; any other layout stays a float bias
+        if not shape or any(d != 1 for d in shape[:-1]):
+            continue
         ap = calibration.params(b.activation, b.activation_dtype)
         scale = (np.float32(ap.scale) * np.asarray(wp.scale, np.float32)).astype(np.float32).reshape(-1)
         values = numpy_helper.to_array(init).astype(np.float64).reshape(-1)
@@ -419,11 +424,11 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
         q_name, s_name, z_name, dq_out = (unique(f"{base}_quantized"), unique(f"{base}_scale"),
                                           unique(f"{base}_zero_point"), unique(f"{base}_dequantized"))
         scale = np.broadcast_to(scale, values.shape).astype(np.float32)
-        new_inits += [numpy_helper.from_array(q.reshape(numpy_helper.to_array(init).shape), q_name),
+        new_inits += [numpy_helper.from_array(q.reshape(shape), q_name),
                       _scalar_or_vector(s_name, scale, init.data_type),
                       numpy_helper.from_array(np.zeros(scale.shape, np.int32), z_name)]
         new_nodes.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [dq_out],
-                                          name=unique(f"{base}_DequantizeLinear"), axis=0))
+                                          name=unique(f"{base}_DequantizeLinear"), axis=len(shape) - 1))
         node.input[b.input_index] = dq_out
 
     graph.initializer.extend(new_inits)

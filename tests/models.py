@@ -179,3 +179,21 @@ def stateful_rnn(batch: int = 2, steps: int = 5, features: int = 16, hidden: int
         helper.make_node("Add", ["hw", "head_b"], ["logits"], name="head_bias"),
     ]
     return _model(nodes, [x, h0, c0], [y], inits, "stateful_rnn")
+
+
+def dense_2d_bias(batch: int = 2, features: int = 32, hidden: int = 32, classes: int = 16, seed: int = 0
+                  ) -> onnx.ModelProto:
+    """tf2onnx-style dense layers: MatMul + Add of a bias stored as [1, N], not [N]."""
+    rng = np.random.default_rng(seed)
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, features])
+    y = helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, classes])
+    inits = [_init(rng, "w1", (features, hidden), 0.3), _init(rng, "b1", (1, hidden), 0.1),
+             _init(rng, "w2", (hidden, classes), 0.3), _init(rng, "b2", (1, classes), 0.1)]
+    nodes = [
+        helper.make_node("MatMul", ["input", "w1"], ["m1"], name="dense1/MatMul"),
+        helper.make_node("Add", ["m1", "b1"], ["a1"], name="dense1/BiasAdd"),
+        helper.make_node("Relu", ["a1"], ["r1"], name="dense1/Relu"),
+        helper.make_node("MatMul", ["r1", "w2"], ["m2"], name="dense2/MatMul"),
+        helper.make_node("Add", ["m2", "b2"], ["logits"], name="dense2/BiasAdd"),
+    ]
+    return _model(nodes, [x], [y], inits, "dense_2d_bias")

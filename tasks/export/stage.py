@@ -19,9 +19,11 @@ from pipeline.artifacts import atomic_output, fingerprint
 from pipeline.config import enum_value, import_target, section
 from pipeline.errors import ConfigError, InputError, StageError
 from pipeline.graph import (
+    control_flow,
     ensure_node_names,
     fix_input_shapes,
     fold_constant_identities,
+    fold_constants,
     input_specs,
     load_model,
     opset_version,
@@ -44,7 +46,7 @@ class ExportStage(Stage):
         out_dir = ctx.stage_dir("export")
         out = out_dir / "model.onnx"
         if mcfg.name == "onnx":
-            metrics = self._from_onnx(mcfg, out)
+            metrics = self._from_onnx(ctx.cfg, out)
         else:
             metrics = self._from_torch(ctx, mcfg, out_dir, out)
         model = onnx.load(str(out), load_external_data=False)
@@ -57,20 +59,30 @@ class ExportStage(Stage):
             headline += f", ORT vs torch max |diff| {metrics['max_abs_diff']:.2e}"
         if "torch_test_top1" in metrics:
             headline += f", float top-1 {100 * metrics['torch_test_top1']:.2f}%"
+        folded = metrics.get("folded") or {}
+        if folded.get("constant_nodes"):
+            headline += (f", folded {folded['constant_nodes']} Constant nodes into initializers "
+                         f"({folded['constant_weights']} weights)")
+        cf = metrics.get("control_flow") or {}
+        if cf.get("nodes"):
+            headline += f", {cf['nodes']} nodes inside If/Loop bodies stay float"
         metrics["headline"] = headline
         log.info("wrote %s (%s)", out, headline)
         return StageResult(artifacts={"export/model.onnx": out}, metrics=metrics)
 
     # ------------------------------------------------------------------ existing ONNX
-    def _from_onnx(self, mcfg: DictConfig, out: Path) -> dict[str, Any]:
+    def _from_onnx(self, cfg: DictConfig, out: Path) -> dict[str, Any]:
         from hydra.utils import to_absolute_path
 
+        mcfg = cfg.model
         src = Path(to_absolute_path(mcfg.onnx_path))
         model = load_model(src, what="model.onnx_path")
         shapes = {k: list(v) for k, v in (mcfg.input_shapes or {}).items()}
         model = fix_input_shapes(model, shapes, source=str(src))
         fold_constant_identities(model)
         ensure_node_names(model)
+        feeds = self._smoke_feeds(cfg, model)
+        model, folded = self._fold(model, src, feeds)
         try:
             onnx.checker.check_model(model)
         except onnx.checker.ValidationError as exc:
@@ -81,12 +93,57 @@ class ExportStage(Stage):
 
         try:
             sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
-            from pipeline.backends.base import fixed_feeds
-
-            sess.run(None, fixed_feeds(input_specs(model)))
+            sess.run(None, feeds)
         except Exception as exc:  # noqa: BLE001 - ORT raises generic errors for bad models
             raise InputError(f"{src} does not run in ONNX Runtime: {str(exc).splitlines()[0]}") from None
-        return {"source": str(src)}
+        control = control_flow(model)
+        if control["nodes"]:
+            log.warning("export: %d If/Loop/Scan nodes hold %d nodes in their bodies (%d of the model's %d weighted "
+                        "ops); quantize leaves those bodies float", control["control_nodes"], control["nodes"],
+                        control["weighted_inside"], control["weighted_inside"] + control["weighted_outside"])
+        return {"source": str(src), "folded": folded, "control_flow": control}
+
+    @staticmethod
+    def _smoke_feeds(cfg: DictConfig, model: onnx.ModelProto) -> dict[str, Any]:
+        """The first calibration batch when data is configured (a model may only run on real values: an
+        audio model's sample rate selects an If branch), else seeded synthetic feeds."""
+        from pipeline.backends.base import fixed_feeds
+        from pipeline.config import resolved_data_source
+        from pipeline.data import DataProvider
+
+        specs = input_specs(model)
+        if resolved_data_source(cfg) in ("npz", "custom"):
+            for batch in DataProvider(cfg, specs).batches("calibration", 1):
+                return batch.feeds
+        return fixed_feeds(specs)
+
+    @staticmethod
+    def _fold(model: onnx.ModelProto, src: Path, feeds: dict[str, Any]) -> tuple[onnx.ModelProto, dict[str, int]]:
+        """Fold Constant-node weights into initializers; keep the original if folding changes outputs."""
+        import numpy as np
+        import onnxruntime as ort
+
+        folded, counts = fold_constants(model)
+        if folded is model:
+            return model, counts
+        try:
+            a = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+        except Exception:  # noqa: BLE001 - the unfolded model's own smoke run reports why it does not run
+            log.debug("the unfolded model does not run", exc_info=True)
+            return model, {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0}
+        try:
+            b = ort.InferenceSession(folded.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+            same = all(np.allclose(x, y, rtol=1e-4, atol=1e-5, equal_nan=True) for x, y in zip(a, b, strict=True))
+        except Exception:  # noqa: BLE001 - a folded model that does not run is not used
+            log.debug("the folded model does not run", exc_info=True)
+            same = False
+        if not same:
+            log.warning("export: constant folding changed %s's outputs; keeping its Constant nodes (their weights "
+                        "stay float)", src.name)
+            return model, {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0}
+        log.info("export: folded %d Constant nodes into initializers (%d of them weights of Conv/Gemm/MatMul), "
+                 "%d nodes fewer", counts["constant_nodes"], counts["constant_weights"], counts["nodes_removed"])
+        return folded, counts
 
     # ------------------------------------------------------------------ PyTorch models
     def _from_torch(self, ctx: StageContext, mcfg: DictConfig, out_dir: Path, out: Path) -> dict[str, Any]:

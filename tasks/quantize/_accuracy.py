@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +63,18 @@ class Checker:
         path.write_bytes(model.SerializeToString())
         return path
 
+    def runs(self, model: onnx.ModelProto) -> str | None:
+        """None if the model loads and runs on a holdout batch with the fused kernels and as plain Q/DQ
+        math (the fidelity reference), else the runtime's first error line."""
+        path = self.write(model, "runs")
+        for prepare in (self.backend.prepare, self.backend.prepare_reference):
+            try:
+                with prepare(path) as pm:
+                    pm.run(self.holdout.feeds[0])
+            except Exception as exc:  # noqa: BLE001 - the runtime's own error types
+                return first_line(exc)
+        return None
+
     def check(self, model: onnx.ModelProto, name: str, fidelity: bool = False) -> Candidate:
         """Load and run ``model`` on the holdout; never raises for a model the runtime rejects."""
         from pipeline.accuracy import kernel_fidelity
@@ -84,6 +97,69 @@ class Checker:
         finally:
             pm.close()
         return c
+
+
+_NODE_IN_ERROR = re.compile(r"Node \(([^)]+)\)|Name:'([^']+)'|In Node, \(\"([^\"]+)\"")
+_WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+
+
+def culprits(error: str, qmodel: onnx.ModelProto, originals: set[str]) -> set[str]:
+    """The original nodes behind the node an ONNX Runtime error names: the node itself, or the
+    consumers of an inserted Q/DQ node, plus the quantized weighted ops feeding such a consumer (a
+    bias Add belongs to its MatMul's fused group)."""
+    m = _NODE_IN_ERROR.search(error)
+    name = next((g for g in m.groups() if g), None) if m else None
+    if name is None:
+        return set()
+    if name in originals:
+        return {name}
+    nodes = {n.name: n for n in qmodel.graph.node}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    producer: dict[str, onnx.NodeProto] = {}
+    for n in qmodel.graph.node:
+        for t in n.input:
+            readers.setdefault(t, []).append(n)
+        for t in n.output:
+            producer[t] = n
+    found: set[str] = set()
+    frontier, seen = [name], set()
+    while frontier:
+        cur = frontier.pop()
+        if cur in seen or cur not in nodes:
+            continue
+        seen.add(cur)
+        for t in nodes[cur].output:
+            for c in readers.get(t, []):
+                if c.name in originals:
+                    found.add(c.name)
+                elif c.op_type in ("QuantizeLinear", "DequantizeLinear"):
+                    frontier.append(c.name)
+    for c in list(found):
+        if nodes[c].op_type not in _WEIGHTED:
+            found |= {p.name for t in nodes[c].input if (p := producer.get(t)) is not None
+                      and p.name in originals and p.op_type in _WEIGHTED}
+    return found
+
+
+def runnable(build: Callable[[set[str]], onnx.ModelProto], checker: Checker, originals: set[str],
+             max_rounds: int = 8) -> set[str]:
+    """Nodes to leave float so that the quantized model loads and runs, both with the fused kernels
+    and as plain Q/DQ math; each one is logged with the runtime's reason."""
+    skip: set[str] = set()
+    for _ in range(max_rounds):
+        model = build(skip)
+        error = checker.runs(model)
+        if error is None:
+            return skip
+        found = culprits(error, model, originals) - skip
+        if not found:
+            raise StageError(f"quantize: the quantized model does not run in {checker.backend.name} ({error}) and "
+                             f"the failing node could not be left float; add it to quantize.skip_names")
+        log.warning("quantize: %s left float: %s cannot run its quantized form (%s)", ", ".join(sorted(found)),
+                    checker.backend.name, error)
+        skip |= found
+    raise StageError(f"quantize: the quantized model still does not run after leaving {len(skip)} nodes float "
+                     f"({', '.join(sorted(skip))}); add the failing nodes to quantize.skip_names")
 
 
 def temp_workdir(parent: Path) -> tempfile.TemporaryDirectory:

@@ -22,7 +22,7 @@ from pipeline.artifacts import atomic_write_json
 from pipeline.config import enum_value
 from pipeline.data import DataProvider
 from pipeline.errors import StageError
-from pipeline.graph import input_specs, load_model, save_model
+from pipeline.graph import control_flow, input_specs, load_model, save_model
 from pipeline.placement import (
     PASS_THROUGH_OPS,
     GraphIndex,
@@ -146,6 +146,11 @@ class QuantizeStage(Stage):
             kept = {k: v for k, v in rules.items() if k not in float_nodes}
             plan = builder(model, kept, act_type, per_channel=bool(q.per_channel), weight_range=weight_range)
             if not plan.activations and not plan.weights:
+                cf = control_flow(model)
+                if cf["weighted_inside"] and not cf["weighted_outside"]:
+                    raise StageError(f"quantize: all {cf['weighted_inside']} weighted ops of this model sit inside "
+                                     f"If/Loop/Scan bodies ({cf['nodes']} nodes), which qdq-tune leaves float; the "
+                                     f"main graph has nothing to quantize")
                 raise StageError("quantize: the rules match no quantizable op in this model (Conv, Gemm, MatMul, "
                                  "...); check quantize.layers / skip_names / op_types_to_quantize")
             return plan, apply_plan(model, plan, calibration)
@@ -211,6 +216,14 @@ class QuantizeStage(Stage):
 
         with acc.temp_workdir(ctx.results_dir / "quantize") as tmp:
             checker = acc.Checker(backend, holdout, budget, fused=kind == "onnxruntime", workdir=Path(tmp))
+            originals = {n.name for n in onnx.load(str(float_path), load_external_data=False).graph.node}
+            start = "full" if requested == "auto" else requested
+            unsupported = acc.runnable(lambda s: build(start, s)[1], checker, originals)
+            base = build
+
+            def build(wr: str, float_nodes: set[str] = frozenset()):  # noqa: F811 - the runnable placements
+                return base(wr, set(float_nodes) | unsupported)
+
             if kind == "onnxruntime":
                 weight_range, why, checked = acc.choose_weight_range(lambda wr: build(wr)[1], checker, requested,
                                                                      facts["u8s8_saturates"], measure)
@@ -265,10 +278,12 @@ class QuantizeStage(Stage):
                 }
         decisions = {
             "weight_range": weight_range, "weight_range_reason": why, "cpu": facts,
+            "unsupported_nodes": sorted(unsupported),
             "kernel_fidelity": chosen.fidelity.to_dict() if chosen.fidelity else None,
             "variants": [c.to_dict() for c in checked],
             "budget": budget.describe(), "holdout": holdout.source, "holdout_samples": holdout.samples,
-            "accuracy": verdict.to_dict() if verdict else None, "float_nodes": float_nodes,
+            "accuracy": verdict.to_dict() if verdict else None,
+            "float_nodes": sorted(set(float_nodes) | unsupported),
         }
         return decisions, sensitivity
 

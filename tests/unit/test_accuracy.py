@@ -209,3 +209,52 @@ def test_final_summary_says_which_models_miss_the_budget(capsys, tmp_path):
                                                               "over_budget": [text]}}}, tmp_path)
     out = capsys.readouterr().out
     assert "OVER BUDGET" in out and f"WARNING: {text}" in out
+
+
+# ------------------------------------------------------------------ no model that does not run is written
+def _dense_setup(tmp_path):
+    from pipeline.placement import resolve_rules as rr
+
+    model = models.dense_2d_bias()
+    specs = input_specs(model)
+    feeds = [f for f, _ in synthetic_batches(specs, 8, 0)]
+    stats = collect(model, lambda: iter([Batch(f, None, 2) for f in feeds]), "minmax", 99.9, 2048, 1,
+                    lambda it, desc: it)
+    rules = rr(model, [{"module_name": "*", "weights": {"dtype": "int8"}, "activations": {"dtype": "int8"}}])
+    backend = _backend()
+    float_path = tmp_path / "float.onnx"
+    onnx.save(model, str(float_path))
+    holdout = Holdout(feeds[:2], [None] * 2, [2] * 2)
+    with backend.prepare(float_path) as pm:
+        holdout.set_reference(pm)
+    checker = _accuracy.Checker(backend, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
+    return model, rules, Calibration(stats), checker
+
+
+def test_tf2onnx_style_2d_biases_run_as_int32_per_axis(tmp_path):
+    model, rules, calib, checker = _dense_setup(tmp_path)
+    q = apply_plan(model, onnxruntime_plan(model, rules, "uint8"), calib)
+    bias_dq = [n for n in q.graph.node if n.op_type == "DequantizeLinear" and "b2" in n.input[0]]
+    assert bias_dq and next(a.i for a in bias_dq[0].attribute if a.name == "axis") == 1
+    assert checker.runs(q) is None  # fused and as plain Q/DQ math
+
+
+def test_a_placement_the_runtime_rejects_is_caught_and_its_nodes_stay_float(tmp_path, caplog):
+    """The per-axis bias DQ along the size-1 axis (what qdq-tune wrote for [1, N] biases before): ORT
+    fuses it away with optimizations on, but the plain Q/DQ run fails; the nodes are left float."""
+    model, rules, calib, checker = _dense_setup(tmp_path)
+
+    def build(skip):
+        q = apply_plan(model, onnxruntime_plan(model, {k: v for k, v in rules.items() if k not in skip}, "uint8"), calib)
+        for n in q.graph.node:
+            if n.op_type == "DequantizeLinear" and any(a.name == "axis" and a.i == 1 for a in n.attribute) \
+                    and "b2" in n.input[0]:
+                next(a for a in n.attribute if a.name == "axis").i = 0  # the old, invalid layout
+        return q
+
+    assert "per axis quantization" in checker.runs(build(set()))
+    with caplog.at_level("WARNING"):
+        skip = _accuracy.runnable(build, checker, {n.name for n in model.graph.node})
+    assert skip == {"dense2/BiasAdd", "dense2/MatMul"}
+    assert "left float: onnxruntime cannot run its quantized form" in caplog.text
+    assert checker.runs(build(skip)) is None
