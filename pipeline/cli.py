@@ -57,7 +57,7 @@ def _rewrite_config_path(argv: list[str]) -> list[str]:
 
 # Dict-typed schema fields: Hydra's struct mode refuses new keys inside them on plain `key=value`
 # overrides, so such overrides are passed as `++key=value` (add-or-override) on the user's behalf.
-_DICT_FIELDS = ("input_shapes", "min_shapes", "opt_shapes", "max_shapes", "args", "input_dtypes")
+_DICT_FIELDS = ("input_shapes", "min_shapes", "opt_shapes", "max_shapes", "args", "input_dtypes", "batch_axes")
 
 
 def _open_dict_overrides(argv: list[str]) -> list[str]:

@@ -128,7 +128,7 @@ def test_single_npz_with_batch_axes(tmp_path):
     np.savez(tmp_path / "d.npz", x=np.arange(5 * n * 16, dtype=np.float32).reshape(5, n, 16),
              h0=np.ones((1, n, 32), np.float32), c0=np.zeros((1, 32), np.float32).reshape(1, 1, 32).repeat(2, 1))
     cfg = compose(["model=onnx", "model.onnx_path=x.onnx", "data=npz", f"data.path={tmp_path / 'd.npz'}",
-                   "+data.batch_axes={x: 1, h0: 1, c0: null}"])
+                   "++data.batch_axes={x: 1, h0: 1, c0: null}"])
     out = list(DataProvider(cfg, _rnn_specs()).batches("calibration"))
     assert len(out) == 3 and all(b.feeds["x"].shape == (5, 2, 16) and b.feeds["c0"].shape == (1, 2, 32) for b in out)
     assert out[1].feeds["x"][0, 0, 0] == 2 * 16  # sample 2 of step 0: cut along axis 1, not axis 0
