@@ -342,6 +342,65 @@ def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, i
     return out, {"constant_nodes": before - constants(out), "constant_weights": weights, "nodes_removed": removed}
 
 
+def fold_batchnorm(model: onnx.ModelProto) -> int:
+    """Fold inference BatchNormalization nodes into the Conv feeding them (in place); returns how many.
+
+    Exporters such as paddle2onnx keep BatchNormalization separate; ONNX Runtime fuses it into the
+    Conv in a float model, but a Q/DQ pair between the two blocks that fusion and leaves a float op
+    between integer kernels. W' = W * g / sqrt(v + eps) per output channel, b' = (b - m) * g /
+    sqrt(v + eps) + beta.
+    """
+    from onnx import numpy_helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    consumers: dict[str, int] = {}
+    for n in g.node:
+        for t in n.input:
+            consumers[t] = consumers.get(t, 0) + 1
+    producer = {o: n for n in g.node for o in n.output}
+    outputs = {o.name for o in g.output}
+    drop: list[onnx.NodeProto] = []
+    for bn in g.node:
+        if bn.op_type != "BatchNormalization" or len(bn.output) != 1 or len(bn.input) != 5:
+            continue
+        conv = producer.get(bn.input[0])
+        if (conv is None or conv.op_type != "Conv" or consumers.get(conv.output[0]) != 1
+                or conv.output[0] in outputs or len(conv.input) < 2 or conv.input[1] not in inits
+                or not all(t in inits for t in bn.input[1:])
+                or (len(conv.input) > 2 and conv.input[2] and conv.input[2] not in inits)):
+            continue
+        eps = next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5)
+        gamma, beta, mean, var = (numpy_helper.to_array(inits[t]).astype(np.float64) for t in bn.input[1:])
+        w_init = inits[conv.input[1]]
+        w = numpy_helper.to_array(w_init).astype(np.float64)
+        b = (numpy_helper.to_array(inits[conv.input[2]]).astype(np.float64)
+             if len(conv.input) > 2 and conv.input[2] else np.zeros(w.shape[0]))
+        if gamma.shape != (w.shape[0],) or sum(1 for n in g.node for t in n.input if t == conv.input[1]) != 1:
+            continue  # a shared weight cannot take one BN's factors
+        factor = gamma / np.sqrt(var + eps)
+        dtype = numpy_helper.to_array(w_init).dtype
+        new_w = numpy_helper.from_array((w * factor.reshape(-1, *([1] * (w.ndim - 1)))).astype(dtype), conv.input[1])
+        new_b_name = f"{conv.name or conv.output[0]}_folded_bias"
+        new_b = numpy_helper.from_array(((b - mean) * factor + beta).astype(dtype), new_b_name)
+        w_init.CopyFrom(new_w)
+        g.initializer.append(new_b)
+        inits[new_b_name] = new_b
+        while len(conv.input) < 3:
+            conv.input.append("")
+        conv.input[2] = new_b_name
+        conv.output[0] = bn.output[0]
+        drop.append(bn)
+    for bn in drop:
+        g.node.remove(bn)
+    if drop:
+        used = {t for n in g.node for t in n.input} | outputs
+        keep = [i for i in g.initializer if i.name in used]
+        del g.initializer[:]
+        g.initializer.extend(keep)
+    return len(drop)
+
+
 def control_flow(model: onnx.ModelProto) -> dict[str, int]:
     """If/Loop/Scan nodes of the main graph and what their bodies hold (counted recursively): quantize
     places Q/DQ in the main graph only, so the bodies stay float."""

@@ -22,6 +22,7 @@ from pipeline.graph import (
     control_flow,
     ensure_node_names,
     fix_input_shapes,
+    fold_batchnorm,
     fold_constant_identities,
     fold_constants,
     input_specs,
@@ -63,6 +64,8 @@ class ExportStage(Stage):
         if folded.get("constant_nodes"):
             headline += (f", folded {folded['constant_nodes']} Constant nodes into initializers "
                          f"({folded['constant_weights']} weights)")
+        if folded.get("batchnorm"):
+            headline += f", {folded['batchnorm']} BatchNormalization folded into Conv"
         cf = metrics.get("control_flow") or {}
         if cf.get("nodes"):
             headline += f", {cf['nodes']} nodes inside If/Loop bodies stay float"
@@ -125,12 +128,16 @@ class ExportStage(Stage):
 
         folded, counts = fold_constants(model)
         if folded is model:
+            folded = onnx.ModelProto()
+            folded.CopyFrom(model)
+        counts["batchnorm"] = fold_batchnorm(folded)
+        if not counts["constant_nodes"] and not counts["batchnorm"] and not counts["nodes_removed"]:
             return model, counts
         try:
             a = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
         except Exception:  # noqa: BLE001 - the unfolded model's own smoke run reports why it does not run
             log.debug("the unfolded model does not run", exc_info=True)
-            return model, {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0}
+            return model, {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0, "batchnorm": 0}
         try:
             b = ort.InferenceSession(folded.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
             same = all(np.allclose(x, y, rtol=1e-4, atol=1e-5, equal_nan=True) for x, y in zip(a, b, strict=True))
@@ -140,9 +147,10 @@ class ExportStage(Stage):
         if not same:
             log.warning("export: constant folding changed %s's outputs; keeping its Constant nodes (their weights "
                         "stay float)", src.name)
-            return model, {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0}
-        log.info("export: folded %d Constant nodes into initializers (%d of them weights of Conv/Gemm/MatMul), "
-                 "%d nodes fewer", counts["constant_nodes"], counts["constant_weights"], counts["nodes_removed"])
+            return model, {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0, "batchnorm": 0}
+        log.info("export: folded %d Constant nodes into initializers (%d of them weights of Conv/Gemm/MatMul) and "
+                 "%d BatchNormalization nodes into their Convs", counts["constant_nodes"], counts["constant_weights"],
+                 counts["batchnorm"])
         return folded, counts
 
     # ------------------------------------------------------------------ PyTorch models

@@ -74,3 +74,31 @@ def test_unavailable_provider_is_clear():
     cfg = compose(["backend.providers=[CUDAExecutionProvider]"])
     with pytest.raises(BackendUnavailable, match="CUDAExecutionProvider"):
         create_backend(cfg.backend)
+
+
+def test_batchnorm_folds_into_its_conv_and_outputs_stay_the_same():
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from pipeline.graph import fold_batchnorm
+
+    rng = np.random.default_rng(0)
+    c = 6
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, c, 8, 8])
+    inits = [numpy_helper.from_array(rng.standard_normal((c, 3, 3, 3)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.uniform(0.5, 2, c).astype(np.float32), "g"),
+             numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "b"),
+             numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "m"),
+             numpy_helper.from_array(rng.uniform(0.5, 2, c).astype(np.float32), "v")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c", "g", "b", "m", "v"], ["bn"], name="bn", epsilon=1e-3),
+             helper.make_node("Relu", ["bn"], ["y"], name="relu")]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits),
+                              opset_imports=[helper.make_opsetid("", 11)])
+    feeds = {"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32)}
+    before = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    assert fold_batchnorm(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["Conv", "Relu"] and len(model.graph.node[0].input) == 3
+    after = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-5)
