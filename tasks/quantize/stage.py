@@ -219,20 +219,20 @@ class QuantizeStage(Stage):
             originals = {n.name for n in onnx.load(str(float_path), load_external_data=False).graph.node}
             start = "full" if requested == "auto" else requested
             unsupported = acc.runnable(lambda s: build(start, s)[1], checker, originals)
-            base = build
 
-            def build(wr: str, float_nodes: set[str] = frozenset()):  # noqa: F811 - the runnable placements
-                return base(wr, set(float_nodes) | unsupported)
+            def placed(wr: str, float_nodes: set[str] = frozenset()) -> onnx.ModelProto:
+                """The quantized model with the nodes the runtime cannot run quantized left float."""
+                return build(wr, set(float_nodes) | unsupported)[1]
 
             if kind == "onnxruntime":
-                weight_range, why, checked = acc.choose_weight_range(lambda wr: build(wr)[1], checker, requested,
+                weight_range, why, checked = acc.choose_weight_range(placed, checker, requested,
                                                                      facts["u8s8_saturates"], measure)
                 chosen = next(c for c in checked if c.name == f"weights_{weight_range}")
             else:
                 weight_range = "full" if requested == "auto" else requested
                 why = ("TensorRT placement: full-range int8 (TensorRT's integer kernels do not saturate)"
                        if requested == "auto" else f"quantize.weight_range={requested}")
-                chosen = checker.check(build(weight_range)[1], f"weights_{weight_range}")
+                chosen = checker.check(placed(weight_range), f"weights_{weight_range}")
                 checked = [chosen]
             if chosen.error is not None:
                 raise StageError(f"quantize: the quantized model is not written because {chosen.error}")
@@ -244,7 +244,7 @@ class QuantizeStage(Stage):
             float_nodes: list[str] = []
             sensitivity = None
             if verdict is not None and not verdict.ok and budget.enabled and bool(a.recovery):
-                plan, _ = build(weight_range)
+                plan, _ = build(weight_range, unsupported)
                 ops = {n.name: n.op_type for n in onnx.load(str(float_path)).graph.node}
                 units = [n for n in plan.node_rules if ops.get(n) not in PASS_THROUGH_OPS]
                 log.warning("quantize: the PTQ model misses the accuracy budget on %d held-out samples (%s); "
@@ -255,9 +255,9 @@ class QuantizeStage(Stage):
                     return progress_bar(bool(cfg.progress), iterable=it, total=len(units),
                                         desc="quantize: sensitivity", unit="node")
 
-                ranking = acc.rank_sensitivity(units, lambda s: build(weight_range, s)[1], checker, bar)
+                ranking = acc.rank_sensitivity(units, lambda s: placed(weight_range, s), checker, bar)
                 limit = max(1, math.floor(float(a.max_float_fraction) * len(units)))
-                float_nodes, recovered = acc.recover(ranking, lambda s: build(weight_range, s)[1], checker, limit)
+                float_nodes, recovered = acc.recover(ranking, lambda s: placed(weight_range, s), checker, limit)
                 for r in ranking:
                     r["op_type"] = ops.get(r["node"])
                     r["left_float"] = r["node"] in float_nodes
