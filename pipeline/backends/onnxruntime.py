@@ -173,7 +173,9 @@ class OnnxRuntimeBackend(Backend):
         t0 = time.perf_counter()
         if out_path is not None:
             with atomic_output(out_path, suffix=".onnx") as tmp:
-                self.session(model_path, optimized_path=str(tmp))
+                session = self.session(model_path, optimized_path=str(tmp))
+                # run once before the file is committed: a graph that loads but fails to run is not written
+                session.run(None, fixed_feeds(specs_of(model_path)))
         else:
             self.session(model_path)
         seconds = time.perf_counter() - t0

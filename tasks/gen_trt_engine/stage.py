@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.backends import create_backend
 from pipeline.config import enum_value
-from pipeline.errors import StageError
+from pipeline.errors import StageError, first_line
 from pipeline.graph import check_onnx_path, load_model
 from pipeline.stage import Stage, StageContext, StageResult
 
@@ -120,7 +120,11 @@ class GenTrtEngineStage(Stage):
         out, facts = out_dir / "model.ort.onnx", out_dir / "build.json"
         log.info("backend=onnxruntime has no TensorRT engine to build: writing the graph ONNX Runtime runs "
                  "(after its fusions) to %s", out)
-        result = backend.build(model_path, out, facts)
+        try:
+            result = backend.build(model_path, out, facts)
+        except Exception as exc:  # noqa: BLE001 - ORT's own error types for models it cannot load or run
+            raise StageError(f"gen_trt_engine: onnxruntime cannot load and run {source} ({model_path}): "
+                             f"{first_line(exc)}") from None
         ops = result.info.get("optimized_op_counts", {})
         seconds = float(result.info.get("build_seconds", 0.0))
         fused = {k: v for k, v in ops.items() if k.startswith(("QLinear", "QGemm", "MatMulInteger", "ConvInteger"))}

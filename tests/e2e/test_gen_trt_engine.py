@@ -124,3 +124,22 @@ def test_garbage_onnx_file_is_a_one_line_error(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("tune: error:") and "gen_trt_engine.onnx_file" in last and "could not be read" in last
     assert "Traceback" not in proc.stderr
+
+
+def test_onnxruntime_graph_that_loads_but_does_not_run_is_not_written(tmp_path):
+    import numpy as np
+    from onnx import numpy_helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])
+    idx = numpy_helper.from_array(np.array([7], np.int64), "idx")  # row 7 of a 4-row input
+    graph = helper.make_graph([helper.make_node("Gather", ["x", "idx"], ["y"], name="gather")], "g", [x], [y], [idx])
+    bad = tmp_path / "gather.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(bad))
+    results = tmp_path / "r"
+    proc = run_tune(["stages=[gen_trt_engine]", f"gen_trt_engine.onnx_file={bad}", f"results_dir={results}"],
+                    cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("tune: error: gen_trt_engine: onnxruntime cannot load and run"), last
+    assert not (results / "gen_trt_engine" / "model.ort.onnx").exists()
