@@ -197,3 +197,47 @@ def dense_2d_bias(batch: int = 2, features: int = 32, hidden: int = 32, classes:
         helper.make_node("Add", ["m2", "b2"], ["logits"], name="dense2/BiasAdd"),
     ]
     return _model(nodes, [x], [y], inits, "dense_2d_bias")
+
+
+def transformer_layer(batch: int = 1, seq: int = 16, hidden: int = 32, ff: int = 64, seed: int = 0
+                      ) -> onnx.ModelProto:
+    """Post-norm encoder layer as torch exports it: attention (MatMul + bias Add projections), residual
+    Add + LayerNormalization, FFN with the erf GELU (x * 0.5 * (1 + erf(x / sqrt 2))), residual + LN."""
+    rng = np.random.default_rng(seed)
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, seq, hidden])
+    y = helper.make_tensor_value_info("output", TensorProto.FLOAT, [batch, seq, hidden])
+    inits = [_init(rng, n, (hidden, hidden)) for n in ("wq", "wk", "wv", "wo")]
+    inits += [_init(rng, n, (hidden,), 0.05) for n in ("bq", "bk", "bv", "bo")]
+    inits += [_init(rng, "w1", (hidden, ff)), _init(rng, "b1", (ff,), 0.05), _init(rng, "w2", (ff, hidden)),
+              _init(rng, "b2", (hidden,), 0.05)]
+    inits += [numpy_helper.from_array(np.ones(hidden, np.float32), f"ln{i}_g") for i in (1, 2)]
+    inits += [numpy_helper.from_array(np.zeros(hidden, np.float32), f"ln{i}_b") for i in (1, 2)]
+    inits += [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in
+              (("scale", 1 / np.sqrt(hidden)), ("sqrt2", np.sqrt(2.0)), ("one", 1.0), ("half", 0.5))]
+    nodes = []
+    for p in ("q", "k", "v"):
+        nodes += [helper.make_node("MatMul", ["input", f"w{p}"], [f"{p}_mm"], name=f"attn/{p}/MatMul"),
+                  helper.make_node("Add", [f"{p}_mm", f"b{p}"], [p], name=f"attn/{p}/Add")]
+    nodes += [
+        helper.make_node("Transpose", ["k"], ["kt"], name="attn/k_t", perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["q", "kt"], ["s0"], name="attn/scores"),
+        helper.make_node("Mul", ["s0", "scale"], ["s1"], name="attn/scale"),
+        helper.make_node("Softmax", ["s1"], ["probs"], name="attn/softmax", axis=-1),
+        helper.make_node("MatMul", ["probs", "v"], ["ctx"], name="attn/ctx"),
+        helper.make_node("MatMul", ["ctx", "wo"], ["o_mm"], name="attn/out/MatMul"),
+        helper.make_node("Add", ["o_mm", "bo"], ["o"], name="attn/out/Add"),
+        helper.make_node("Add", ["o", "input"], ["res1"], name="attn/residual"),
+        helper.make_node("LayerNormalization", ["res1", "ln1_g", "ln1_b"], ["h1"], name="ln1", axis=-1),
+        helper.make_node("MatMul", ["h1", "w1"], ["f_mm"], name="ffn/fc1/MatMul"),
+        helper.make_node("Add", ["f_mm", "b1"], ["f1"], name="ffn/fc1/Add"),
+        helper.make_node("Div", ["f1", "sqrt2"], ["g0"], name="ffn/gelu/Div"),
+        helper.make_node("Erf", ["g0"], ["g1"], name="ffn/gelu/Erf"),
+        helper.make_node("Add", ["g1", "one"], ["g2"], name="ffn/gelu/Add"),
+        helper.make_node("Mul", ["f1", "g2"], ["g3"], name="ffn/gelu/Mul"),
+        helper.make_node("Mul", ["g3", "half"], ["gelu"], name="ffn/gelu/Mul_1"),
+        helper.make_node("MatMul", ["gelu", "w2"], ["f2_mm"], name="ffn/fc2/MatMul"),
+        helper.make_node("Add", ["f2_mm", "b2"], ["f2"], name="ffn/fc2/Add"),
+        helper.make_node("Add", ["f2", "h1"], ["res2"], name="ffn/residual"),
+        helper.make_node("LayerNormalization", ["res2", "ln2_g", "ln2_b"], ["output"], name="ln2", axis=-1),
+    ]
+    return _model(nodes, [x], [y], inits, "transformer_layer")

@@ -1,0 +1,117 @@
+"""Fusion groups: the units a runtime really fuses, as Regions of the original graph (subgraph mode,
+phase 1).
+
+ONNX Runtime: a session of the model is built with its optimized graph saved (level ``extended``:
+every fusion, no NCHWc layout rewrite that would rename tensors), and each optimized node is mapped
+back to the original nodes it replaced by its boundary tensors, never by node names (fusions rename
+nodes; they keep the tensors at a group's edges). Optimized nodes joined by tensors the original
+graph does not have (the Reshape -> Gemm -> Reshape a MatMul + Add fusion makes) form one group.
+The original nodes of a group are those on the paths from its input tensors to its output tensors.
+
+Each group is a LEAF ``Region``, so the region-mode machinery (RegionPattern signatures, insertion
+points, schemes) applies to it unchanged: structurally identical groups share a signature.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from tasks.autotune.pattern import RegionPattern
+from tasks.autotune.region import Region, RegionType
+
+
+@dataclass(frozen=True)
+class FusionGroup:
+    """Original nodes the runtime runs as ``fused_ops`` (its own op types, in its graph order)."""
+
+    region: Region
+    names: tuple[str, ...]
+    fused_ops: tuple[str, ...]
+    signature: str
+
+
+def ort_optimized_graph(model: onnx.ModelProto | str | Path, level: str = "extended") -> onnx.ModelProto:
+    """The graph ONNX Runtime's CPU EP runs after its optimizations at ``level``."""
+    import onnxruntime as ort
+
+    levels = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+              "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+              "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else Path(model).read_bytes()
+    with tempfile.TemporaryDirectory() as d:
+        so = ort.SessionOptions()
+        so.graph_optimization_level = levels[level]
+        so.optimized_model_filepath = os.path.join(d, "optimized.onnx")
+        so.log_severity_level = 3
+        ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+        return onnx.load(so.optimized_model_filepath)
+
+
+def map_fusions(original: onnx.ModelProto, optimized: onnx.ModelProto) -> list[FusionGroup]:
+    """Fusion groups of ``original`` as ``optimized`` (the runtime's graph of it) runs them, in the
+    original graph's order. Original nodes with no path to a group (folded constants) belong to none."""
+    og = original.graph
+    inits = {i.name for i in og.initializer}
+    known = inits | {i.name for i in og.input} | {o for n in og.node for o in n.output}
+    producer = {o: k for k, n in enumerate(og.node) for o in n.output}
+
+    # optimized nodes joined through tensors the original graph does not have form one group
+    opt = list(optimized.graph.node)
+    parent = list(range(len(opt)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    opt_producer = {o: k for k, n in enumerate(opt) for o in n.output}
+    for k, n in enumerate(opt):
+        for t in n.input:
+            if t and t not in known and t in opt_producer:
+                parent[find(k)] = find(opt_producer[t])
+    members: dict[int, list[int]] = {}
+    for k in range(len(opt)):
+        members.setdefault(find(k), []).append(k)
+
+    groups: list[tuple[list[int], list[str], list[str], tuple[str, ...]]] = []
+    claimed: set[int] = set()
+    for ks in members.values():
+        inside = {o for k in ks for o in opt[k].output}
+        ins = sorted({t for k in ks for t in opt[k].input if t and t in known and t not in inside})
+        outs = sorted({t for k in ks for t in opt[k].output if t in known})
+        nodes: set[int] = set()
+        stack = [producer[t] for t in outs if t in producer]
+        while stack:
+            i = stack.pop()
+            if i in nodes or i in claimed:
+                continue
+            nodes.add(i)
+            for t in og.node[i].input:
+                if t and t not in ins and t not in inits and t in producer:
+                    stack.append(producer[t])
+        if not nodes:
+            continue  # runtime-only nodes (a cast, a reorder) with no original counterpart
+        claimed |= nodes
+        groups.append((sorted(nodes), [t for t in ins if t not in inits], outs, tuple(opt[k].op_type for k in ks)))
+
+    groups.sort(key=lambda g: g[0][0])
+    out: list[FusionGroup] = []
+    from pipeline.placement import GraphIndex
+
+    index = GraphIndex(original)
+    for gid, (nodes, ins, outs, fused) in enumerate(groups):
+        region = Region(gid, RegionType.LEAF, 1, nodes=nodes, inputs=ins, outputs=outs)
+        pattern, _ = RegionPattern.with_order(region, original, index)
+        out.append(FusionGroup(region, tuple(og.node[i].name for i in nodes), fused, pattern.signature))
+    return out
+
+
+def ort_fusion_groups(model: onnx.ModelProto, level: str = "extended") -> list[FusionGroup]:
+    """The fusion groups ONNX Runtime's CPU EP forms for ``model`` (see the module docstring)."""
+    return map_fusions(model, ort_optimized_graph(model, level))
