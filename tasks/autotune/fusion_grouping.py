@@ -8,6 +8,12 @@ nodes; they keep the tensors at a group's edges). Optimized nodes joined by tens
 graph does not have (the Reshape -> Gemm -> Reshape a MatMul + Add fusion makes) form one group.
 The original nodes of a group are those on the paths from its input tensors to its output tensors.
 
+TensorRT: the layer information JSON (``trtexec --exportLayerInfo=graph.json
+--profilingVerbosity=detailed``, or the engine inspector) names, in each layer's Metadata, the ONNX
+nodes it was built from. Layers that share an ONNX node are one group (TensorRT may split a node
+into a prologue kernel and the fused kernel); layers with no ONNX node (Reformat, Shuffle copies
+TensorRT inserts) belong to none.
+
 Each group is a LEAF ``Region``, so the region-mode machinery (RegionPattern signatures, insertion
 points, schemes) applies to it unchanged: structurally identical groups share a signature.
 """
@@ -100,16 +106,68 @@ def map_fusions(original: onnx.ModelProto, optimized: onnx.ModelProto) -> list[F
         claimed |= nodes
         groups.append((sorted(nodes), [t for t in ins if t not in inits], outs, tuple(opt[k].op_type for k in ks)))
 
-    groups.sort(key=lambda g: g[0][0])
-    out: list[FusionGroup] = []
+    return _as_groups(original, [(nodes, ins, outs, fused) for nodes, ins, outs, fused in groups])
+
+
+def _as_groups(model: onnx.ModelProto, groups: list[tuple[list[int], list[str], list[str], tuple[str, ...]]]
+               ) -> list[FusionGroup]:
     from pipeline.placement import GraphIndex
 
-    index = GraphIndex(original)
-    for gid, (nodes, ins, outs, fused) in enumerate(groups):
+    index = GraphIndex(model)
+    out: list[FusionGroup] = []
+    for gid, (nodes, ins, outs, fused) in enumerate(sorted(groups, key=lambda g: g[0][0])):
         region = Region(gid, RegionType.LEAF, 1, nodes=nodes, inputs=ins, outputs=outs)
-        pattern, _ = RegionPattern.with_order(region, original, index)
-        out.append(FusionGroup(region, tuple(og.node[i].name for i in nodes), fused, pattern.signature))
+        pattern, _ = RegionPattern.with_order(region, model, index)
+        out.append(FusionGroup(region, tuple(model.graph.node[i].name for i in nodes), fused, pattern.signature))
     return out
+
+
+def _boundaries(model: onnx.ModelProto, nodes: list[int]) -> tuple[list[str], list[str]]:
+    """Activation tensors a node set reads from outside, and those it produces for outside (or as outputs)."""
+    g = model.graph
+    inits = {i.name for i in g.initializer}
+    inside = set(nodes)
+    produced = {o for i in nodes for o in g.node[i].output}
+    ins = sorted({t for i in nodes for t in g.node[i].input if t and t not in produced and t not in inits})
+    read_outside = {t for k, n in enumerate(g.node) if k not in inside for t in n.input}
+    outs = sorted(t for t in produced if t in read_outside or t in {o.name for o in g.output})
+    return ins, outs
+
+
+def trt_fusion_groups(model: onnx.ModelProto, layer_info: dict) -> list[FusionGroup]:
+    """Fusion groups of ``model`` from TensorRT layer information (as ``parse_layer_info`` returns it,
+    or the raw --exportLayerInfo JSON)."""
+    from pipeline.backends.tensorrt import parse_layer_info
+
+    if "layers" not in layer_info:
+        layer_info = parse_layer_info(layer_info, "graph json")
+    names = {n.name: k for k, n in enumerate(model.graph.node)}
+    layers = [(rec, [names[x] for x in rec.get("onnx_nodes", []) if x in names]) for rec in layer_info["layers"]]
+    layers = [(rec, nodes) for rec, nodes in layers if nodes]
+    parent = list(range(len(layers)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[int, int] = {}
+    for k, (_, nodes) in enumerate(layers):
+        for n in nodes:
+            if n in owner:
+                parent[find(k)] = find(owner[n])
+            else:
+                owner[n] = k
+    merged: dict[int, list[int]] = {}
+    for k in range(len(layers)):
+        merged.setdefault(find(k), []).append(k)
+    groups = []
+    for ks in merged.values():
+        nodes = sorted({n for k in ks for n in layers[k][1]})
+        ins, outs = _boundaries(model, nodes)
+        groups.append((nodes, ins, outs, tuple(str(layers[k][0].get("LayerType", "?")) for k in ks)))
+    return _as_groups(model, groups)
 
 
 def ort_fusion_groups(model: onnx.ModelProto, level: str = "extended") -> list[FusionGroup]:

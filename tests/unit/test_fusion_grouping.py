@@ -38,3 +38,30 @@ def test_transformer_layer_layernorm_and_gelu_fusions():
     assert groups[("ffn/fc1/MatMul", "ffn/fc1/Add")] == ("Reshape", "Gemm", "Reshape")
     g = next(g for g in ort_fusion_groups(models.transformer_layer()) if g.names == ("attn/residual", "ln1"))
     assert g.region.inputs == ["input", "o"] and g.region.outputs == ["h1"]  # boundary tensors, not node names
+
+
+def test_trtexec_graph_json_groups_and_skips_layers_of_no_onnx_node():
+    """--exportLayerInfo of an FP16 build (TensorRT 10 format): Reformat copies and the Shuffle/NoOp
+    layers TensorRT inserts around the Gemm name no ONNX node and belong to no group."""
+    import json
+    from pathlib import Path
+
+    from tasks.autotune.fusion_grouping import trt_fusion_groups
+
+    doc = json.loads((Path(__file__).parents[1] / "fixtures" / "trtexec" / "graph_fp16_conv_chain.json").read_text())
+    groups = {g.names: g.fused_ops for g in trt_fusion_groups(models.conv_chain(), doc)}
+    assert groups == {("conv1", "relu1"): ("CaskConvolution",), ("conv2", "relu2"): ("CaskConvolution",),
+                      ("gap",): ("CaskPooling",), ("flatten",): ("NoOp",), ("fc",): ("CaskGemmConvolution",)}
+
+
+def test_trt_layers_sharing_an_onnx_node_are_one_group():
+    """TensorRT's Q/DQ builds split a node into a prologue kernel and the fused kernel (layer_info_10x.json)."""
+    import json
+    from pathlib import Path
+
+    from tasks.autotune.fusion_grouping import trt_fusion_groups
+
+    doc = json.loads((Path(__file__).parents[1] / "fixtures" / "trtexec" / "layer_info_10x.json").read_text())
+    g = next(g for g in trt_fusion_groups(models.conv_chain(), doc) if "conv1" in g.names)
+    assert g.names == ("conv1", "relu1") and g.fused_ops == ("kgen", "CaskConvolution")
+    assert g.region.inputs == ["input"] and g.region.outputs == ["r1"]
