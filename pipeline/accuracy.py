@@ -159,11 +159,11 @@ class Holdout:
 
     def set_reference(self, prepared: Any) -> None:
         """Run the float model (a PreparedModel) once; its outputs are what candidates are compared with."""
-        self.reference = [[np.asarray(o) for o in prepared.run(f)] for f in self.feeds]
-        scores = self._scores([self.reference[i] for i in range(len(self.feeds))])
-        self.float_top1 = scores["top1"]
+        self.reference = self.outputs(prepared)
+        self.float_top1 = self.scores(self.reference)["top1"]
 
-    def _scores(self, outputs: list[list[np.ndarray]]) -> dict[str, Any]:
+    def scores(self, outputs: list[list[np.ndarray]]) -> dict[str, Any]:
+        """ModelScores.result() of a model's outputs on the holdout against the float outputs."""
         s = ModelScores(top_k=1)
         for ref, out, labels, valid in zip(self.reference, outputs, self.labels, self.valid, strict=True):
             s.update(ref, out, labels, valid)
@@ -176,7 +176,7 @@ class Holdout:
         """Run ``prepared`` on the holdout and judge it against ``budget``."""
         if not self.reference:
             raise RuntimeError("Holdout.score before set_reference")
-        return budget.judge(self._scores(self.outputs(prepared)), self.float_top1)
+        return budget.judge(self.scores(self.outputs(prepared)), self.float_top1)
 
     @property
     def samples(self) -> int:
