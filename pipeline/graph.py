@@ -14,7 +14,7 @@ import onnx
 from onnx import helper
 
 from pipeline.artifacts import atomic_output, sha256_bytes, sha256_file
-from pipeline.errors import InputError
+from pipeline.errors import InputError, first_line
 
 log = logging.getLogger("tune.graph")
 
@@ -141,7 +141,7 @@ def _loads_in_ort(model: onnx.ModelProto) -> str | None:
         ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
         return None
     except Exception as exc:  # noqa: BLE001 - ORT raises generic errors for models it rejects
-        return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        return first_line(exc)
 
 
 def fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], source: str) -> onnx.ModelProto:
@@ -154,11 +154,12 @@ def fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], sourc
     original = onnx.ModelProto()
     original.CopyFrom(model)
     fixed = _fix_input_shapes(model, shapes, source)
-    if shapes and dynamic_inputs(original) and _loads_in_ort(fixed) is not None and _loads_in_ort(original) is None:
+    rejected = _loads_in_ort(fixed) if shapes and dynamic_inputs(original) else None
+    if rejected is not None and _loads_in_ort(original) is None:
         import json
 
         log.info("%s: with static input shapes ONNX Runtime rejects the model (%s); keeping its dynamic dims and "
-                 "recording model.input_shapes in its metadata", source, _loads_in_ort(fixed))
+                 "recording model.input_shapes in its metadata", source, rejected)
         kept = [p for p in original.metadata_props if p.key != SHAPES_KEY]
         del original.metadata_props[:]
         original.metadata_props.extend(kept)
@@ -306,13 +307,13 @@ def has_qdq(model: onnx.ModelProto) -> bool:
     return any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph.node)
 
 
-WEIGHT_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 
 
 def constant_weights(model: onnx.ModelProto) -> int:
     """Weighted ops (main graph) whose weight input comes from a Constant node, not an initializer."""
     consts = {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
-    return sum(1 for n in model.graph.node if n.op_type in WEIGHT_OPS and len(n.input) > 1 and n.input[1] in consts)
+    return sum(1 for n in model.graph.node if n.op_type in WEIGHTED_OPS and len(n.input) > 1 and n.input[1] in consts)
 
 
 def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, int]]:
@@ -376,7 +377,7 @@ def fold_batchnorm(model: onnx.ModelProto) -> int:
         w = numpy_helper.to_array(w_init).astype(np.float64)
         b = (numpy_helper.to_array(inits[conv.input[2]]).astype(np.float64)
              if len(conv.input) > 2 and conv.input[2] else np.zeros(w.shape[0]))
-        if gamma.shape != (w.shape[0],) or sum(1 for n in g.node for t in n.input if t == conv.input[1]) != 1:
+        if gamma.shape != (w.shape[0],) or consumers.get(conv.input[1]) != 1:
             continue  # a shared weight cannot take one BN's factors
         factor = gamma / np.sqrt(var + eps)
         dtype = numpy_helper.to_array(w_init).dtype
@@ -417,8 +418,8 @@ def control_flow(model: onnx.ModelProto) -> dict[str, int]:
     control = [n for n in model.graph.node if n.op_type in ("If", "Loop", "Scan")]
     inside = [b for n in control for b in body_nodes(n)]
     return {"control_nodes": len(control), "nodes": len(inside),
-            "weighted_inside": sum(1 for n in inside if n.op_type in (*WEIGHT_OPS, "LSTM", "GRU", "RNN")),
-            "weighted_outside": sum(1 for n in model.graph.node if n.op_type in WEIGHT_OPS)}
+            "weighted_inside": sum(1 for n in inside if n.op_type in (*WEIGHTED_OPS, "LSTM", "GRU", "RNN")),
+            "weighted_outside": sum(1 for n in model.graph.node if n.op_type in WEIGHTED_OPS)}
 
 
 def fold_constant_identities(model: onnx.ModelProto) -> int:

@@ -32,9 +32,9 @@ import onnx
 from omegaconf import DictConfig
 
 from pipeline.config import enum_value
+from pipeline.graph import WEIGHTED_OPS
 from pipeline.qdq import ActivationQ, BiasQ, QDQPlan, WeightQ
 
-WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 # ops whose Q/DQ ORT drops, running them directly on 8-bit data
 PASS_THROUGH_OPS = ("MaxPool", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Split",
                     "Resize", "Gather", "Identity")

@@ -13,7 +13,7 @@ import math
 import re
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import onnx
 
 from pipeline.accuracy import AccuracyBudget, AccuracyVerdict, FidelityResult, Holdout
 from pipeline.errors import StageError, first_line
+from pipeline.placement import WEIGHTED_OPS, GraphIndex
 
 log = logging.getLogger("tune.quantize")
 
@@ -56,7 +57,6 @@ class Checker:
     budget: AccuracyBudget
     fused: bool  # run with the backend's fused kernels (ORT placement) or as plain Q/DQ math
     workdir: Path
-    checked: int = field(default=0)
 
     def write(self, model: onnx.ModelProto, name: str) -> Path:
         path = self.workdir / f"{name}.onnx"
@@ -80,7 +80,6 @@ class Checker:
         from pipeline.accuracy import kernel_fidelity
 
         c = Candidate(name, self.write(model, name))
-        self.checked += 1
         try:
             pm = self.backend.prepare(c.path) if self.fused else self.backend.prepare_reference(c.path)
         except Exception as exc:  # noqa: BLE001 - a model the runtime cannot load is a rejected candidate
@@ -100,7 +99,6 @@ class Checker:
 
 
 _NODE_IN_ERROR = re.compile(r"Node \(([^)]+)\)|Name:'([^']+)'|In Node, \(\"([^\"]+)\"")
-_WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 
 
 def culprits(error: str, qmodel: onnx.ModelProto, originals: set[str]) -> set[str]:
@@ -113,31 +111,24 @@ def culprits(error: str, qmodel: onnx.ModelProto, originals: set[str]) -> set[st
         return set()
     if name in originals:
         return {name}
-    nodes = {n.name: n for n in qmodel.graph.node}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    producer: dict[str, onnx.NodeProto] = {}
-    for n in qmodel.graph.node:
-        for t in n.input:
-            readers.setdefault(t, []).append(n)
-        for t in n.output:
-            producer[t] = n
+    g = GraphIndex(qmodel)
     found: set[str] = set()
     frontier, seen = [name], set()
     while frontier:
         cur = frontier.pop()
-        if cur in seen or cur not in nodes:
+        if cur in seen or cur not in g.nodes:
             continue
         seen.add(cur)
-        for t in nodes[cur].output:
-            for c in readers.get(t, []):
+        for t in g.nodes[cur].output:
+            for c, _ in g.consumers.get(t, []):
                 if c.name in originals:
                     found.add(c.name)
                 elif c.op_type in ("QuantizeLinear", "DequantizeLinear"):
                     frontier.append(c.name)
     for c in list(found):
-        if nodes[c].op_type not in _WEIGHTED:
-            found |= {p.name for t in nodes[c].input if (p := producer.get(t)) is not None
-                      and p.name in originals and p.op_type in _WEIGHTED}
+        if g.nodes[c].op_type not in WEIGHTED_OPS:
+            found |= {p.name for t in g.nodes[c].input if (p := g.producer.get(t)) is not None
+                      and p.name in originals and p.op_type in WEIGHTED_OPS}
     return found
 
 

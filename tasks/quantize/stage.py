@@ -129,8 +129,9 @@ class QuantizeStage(Stage):
         from tasks.quantize._calibrate import collect
 
         t0 = time.time()
+        backend = _ort_backend(cfg)  # calibration and every check run on it
         stats = collect(model, batches, enum_value(q.algorithm), float(q.percentile), int(q.calibration.num_bins),
-                        _ort_backend(cfg).threads, progress)
+                        backend.threads, progress)
         calib_seconds = time.time() - t0
         doc = calibration_document(stats, model, cfg)
         samples = next(iter(stats.values()))["samples"] if stats else 0
@@ -155,7 +156,7 @@ class QuantizeStage(Stage):
                                  "...); check quantize.layers / skip_names / op_types_to_quantize")
             return plan, apply_plan(model, plan, calibration)
 
-        decisions, sensitivity = self._decide(ctx, float_path, specs, kind, build)
+        decisions, sensitivity = self._decide(ctx, model, float_path, specs, kind, build, backend)
         plan, qmodel = build(decisions["weight_range"], set(decisions["float_nodes"]))
         doc["decisions"] = decisions
         atomic_write_json(out_calib, doc)
@@ -189,8 +190,9 @@ class QuantizeStage(Stage):
         return StageResult(artifacts, metrics)
 
     @staticmethod
-    def _decide(ctx: StageContext, float_path: Path, specs: list, kind: str,
-                build: Callable[..., tuple[Any, onnx.ModelProto]]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    def _decide(ctx: StageContext, model: onnx.ModelProto, float_path: Path, specs: list, kind: str,
+                build: Callable[..., tuple[Any, onnx.ModelProto]], backend: Any
+                ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Weight storage and float nodes, decided on held-out calibration batches (see _accuracy)."""
         import math
 
@@ -202,7 +204,6 @@ class QuantizeStage(Stage):
         cfg = ctx.cfg
         q, a = cfg.quantize, cfg.autotune.accuracy
         budget = AccuracyBudget.from_config(cfg)
-        backend = _ort_backend(cfg)
         facts = cpu_facts()
         holdout = Holdout.from_config(cfg, specs, int(q.calibration.batches), int(a.holdout_batches))
         with backend.prepare(float_path) as pm:
@@ -216,9 +217,9 @@ class QuantizeStage(Stage):
 
         with acc.temp_workdir(ctx.results_dir / "quantize") as tmp:
             checker = acc.Checker(backend, holdout, budget, fused=kind == "onnxruntime", workdir=Path(tmp))
-            originals = {n.name for n in onnx.load(str(float_path), load_external_data=False).graph.node}
+            ops = {n.name: n.op_type for n in model.graph.node}
             start = "full" if requested == "auto" else requested
-            unsupported = acc.runnable(lambda s: build(start, s)[1], checker, originals)
+            unsupported = acc.runnable(lambda s: build(start, s)[1], checker, set(ops))
 
             def placed(wr: str, float_nodes: set[str] = frozenset()) -> onnx.ModelProto:
                 """The quantized model with the nodes the runtime cannot run quantized left float."""
@@ -245,7 +246,6 @@ class QuantizeStage(Stage):
             sensitivity = None
             if verdict is not None and not verdict.ok and budget.enabled and bool(a.recovery):
                 plan, _ = build(weight_range, unsupported)
-                ops = {n.name: n.op_type for n in onnx.load(str(float_path)).graph.node}
                 units = [n for n in plan.node_rules if ops.get(n) not in PASS_THROUGH_OPS]
                 log.warning("quantize: the PTQ model misses the accuracy budget on %d held-out samples (%s); "
                             "ranking %d quantized nodes by their contribution to the output error",
