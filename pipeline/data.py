@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -218,7 +219,7 @@ def _read_arrays(p: Path) -> dict[str, np.ndarray]:
         raise InputError(f"data {p} could not be read as numpy arrays ({type(exc).__name__}: {exc})") from None
 
 
-def _feed_files(folder: Path, specs: list[InputSpec], labels_key: str) -> Iterator[Batch]:
+def _feed_files(folder: Path, specs: list[InputSpec], labels_key: str, batch_size: int) -> Iterator[Batch]:
     """A folder of .npz files, each one complete feed: every model input by name, at its exact shape
     (the form Polygraphy's and TensorRT's calibrators take; state inputs need no batch axis)."""
     names = [s.name for s in specs]
@@ -235,14 +236,13 @@ def _feed_files(folder: Path, specs: list[InputSpec], labels_key: str) -> Iterat
                 raise InputError(f"feed file {f}: input '{s.name}' has shape {a.shape}, the model wants "
                                  f"{tuple(s.shape)}")
             feeds[s.name] = np.ascontiguousarray(a.astype(s.dtype, copy=False))
-        yield Batch(feeds, None if labels is None else np.asarray(labels).reshape(-1), specs[0].batch if specs else 1)
+        yield Batch(feeds, None if labels is None else np.asarray(labels).reshape(-1), batch_size)
 
 
-def _npz_batches(path: str, specs: list[InputSpec], labels_key: str,
-                 batch_axes: Mapping[str, int | None] | None = None, step: int = 1
-                 ) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray | None]]:
-    """Samples of one .npz/.npy (or a folder of .npy named after the inputs), cut along each input's
-    batch axis (``batch_axes``, default 0) and moved to the front for re-batching (see ``_restore_axes``)."""
+def _npz_arrays(path: str, specs: list[InputSpec], labels_key: str, batch_axes: Mapping[str, int | None]
+                ) -> tuple[dict[str, np.ndarray], np.ndarray | None, dict[str, np.ndarray]]:
+    """One .npz/.npy (or a folder of .npy named after the inputs), checked against the model's inputs:
+    (inputs with a batch axis, that axis moved to the front; labels; inputs without one, whole)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise InputError(f"data path {p} does not exist; give a .npz file, a folder of .npy files or a folder "
@@ -258,18 +258,18 @@ def _npz_batches(path: str, specs: list[InputSpec], labels_key: str,
         chosen = {names[0]: next(iter(arrays.values()))}
     else:
         raise InputError(f"data {p} holds arrays {sorted(arrays)}; name them after the model inputs {names}")
-    axes = dict(batch_axes or {})
-    unknown = sorted(set(axes) - set(names))
+    unknown = sorted(set(batch_axes) - set(names))
     if unknown:
         raise InputError(f"data.batch_axes names {unknown}, which are not model inputs {names}")
+    cut: dict[str, np.ndarray] = {}
     fixed: dict[str, np.ndarray] = {}
     for s in specs:
-        a, ax = chosen[s.name], axes.get(s.name, 0)
+        a, ax = chosen[s.name], batch_axes.get(s.name, 0)
         if ax is None:  # no batch axis: the same array goes with every batch
             if tuple(a.shape) != tuple(s.shape):
                 raise InputError(f"data {p}: input '{s.name}' (data.batch_axes.{s.name}=null) has shape "
                                  f"{tuple(a.shape)}, the model wants {tuple(s.shape)}")
-            fixed[s.name] = np.asarray(a)
+            fixed[s.name] = np.asarray(a, dtype=s.dtype)
             continue
         if not -a.ndim <= ax < a.ndim or len(s.shape) != a.ndim:
             raise InputError(f"data {p}: input '{s.name}' has shape {tuple(a.shape)}, the model wants "
@@ -280,25 +280,25 @@ def _npz_batches(path: str, specs: list[InputSpec], labels_key: str,
         if got != want:
             raise InputError(f"data {p}: input '{s.name}' has samples of shape {got} (array {tuple(a.shape)}), "
                              f"the model wants {want} (input shape {tuple(s.shape)}, batch axis {ax})")
-        chosen[s.name] = np.moveaxis(a, ax, 0) if ax % a.ndim else a
-    cut = {k: v for k, v in chosen.items() if k not in fixed}
+        cut[s.name] = np.moveaxis(a, ax, 0) if ax % a.ndim else a
     if not cut:
         raise InputError(f"data {p}: every input has data.batch_axes null; give a folder of per-feed .npz files")
+    return cut, labels, fixed
+
+
+def _chunks(cut: dict[str, np.ndarray], labels: np.ndarray | None, specs: list[InputSpec], step: int
+            ) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray | None]]:
+    """Consecutive slices of ``step`` samples along axis 0 (cast to the inputs' dtypes)."""
+    dtypes = {s.name: s.dtype for s in specs}
     n = min(a.shape[0] for a in cut.values())
-    step = max(step, 1)
-    for start in range(0, n, step):
-        feeds = {k: np.asarray(v[start:start + step]).astype(_dtype(specs, k), copy=False) for k, v in cut.items()}
-        lab = None if labels is None else np.asarray(labels[start:start + step])
-        yield feeds, lab
-
-
-def _dtype(specs: list[InputSpec], name: str) -> Any:
-    return next(s.dtype for s in specs if s.name == name)
+    for start in range(0, n, max(step, 1)):
+        feeds = {k: np.asarray(v[start:start + step]).astype(dtypes[k], copy=False) for k, v in cut.items()}
+        yield feeds, None if labels is None else np.asarray(labels[start:start + step])
 
 
 def _restore_axes(batch: Batch, specs: list[InputSpec], axes: Mapping[str, int | None], fixed: dict[str, np.ndarray]
                   ) -> Batch:
-    """Undo _npz_batches' move of each batch axis to the front, and add the inputs without one."""
+    """Undo _npz_arrays' move of each batch axis to the front, and add the inputs without one."""
     feeds = {}
     for s in specs:
         ax = axes.get(s.name, 0)
@@ -333,11 +333,12 @@ class DataProvider:
         self.specs = specs
         self.seed = int(cfg.seed)
         self.source = resolved_data_source(cfg)
+        # npz data may name each input's batch axis: the batch size is that axis of the first batched input
+        self.batch_axes = dict(self.cfg.get("batch_axes") or {}) if self.source == "npz" else {}
+        batched = [(s, self.batch_axes.get(s.name, 0)) for s in specs if self.batch_axes.get(s.name, 0) is not None]
         self.batch_size = specs[0].batch if specs else 1
-        axes = dict(self.cfg.get("batch_axes") or {}) if self.source == "npz" else {}
-        first = next(((s, axes.get(s.name, 0)) for s in specs if axes.get(s.name, 0) is not None), None)
-        if first is not None and first[1] and -len(first[0].shape) <= first[1] < len(first[0].shape):
-            self.batch_size = int(first[0].shape[first[1]])
+        if batched and -len(batched[0][0].shape) <= batched[0][1] < len(batched[0][0].shape):
+            self.batch_size = int(batched[0][0].shape[batched[0][1]])
 
     def _raw(self, split: str) -> Iterator[tuple[dict[str, np.ndarray], np.ndarray | None]]:
         src = self.source
@@ -353,9 +354,6 @@ class DataProvider:
         elif src in ("synthetic", "none"):
             offset = 0 if split == "calibration" else 1_000_003
             yield from synthetic_batches(self.specs, int(self.cfg.num_samples), self.seed + offset)
-        elif src == "npz":
-            yield from _npz_batches(self._npz_path(split), self.specs, self.cfg.labels_key, self.cfg.batch_axes,
-                                    self.batch_size)
         elif src == "custom":
             args = OmegaConf.to_container(self.cfg.args, resolve=True) if self.cfg.args else {}
             source = _custom_iterable(self.cfg._target_, args, split)  # type: ignore[arg-type]
@@ -375,28 +373,21 @@ class DataProvider:
         if split == "calibration" and self.source == "none":
             log.warning("no calibration data configured: calibrating on SYNTHETIC random data; accuracy "
                         "will suffer. Configure data=digits|npz|custom for real data.")
+        bs = self.batch_size
         if self.source in ("synthetic", "none"):  # whole batches already: no re-cutting along axis 0
             n = int(self.cfg.num_samples)
-            for i, (feeds, _) in enumerate(self._raw(split)):
-                if max_batches is not None and i >= max_batches:
-                    return
-                yield Batch(feeds, None, min(self.batch_size, n - i * self.batch_size))
-            return
-        if self.source == "npz":
-            p = Path(self._npz_path(split)).expanduser()
-            if p.is_dir() and any(p.glob("*.npz")):
-                for i, b in enumerate(_feed_files(p, self.specs, self.cfg.labels_key)):
-                    if max_batches is not None and i >= max_batches:
-                        return
-                    yield b
-                return
-            axes = dict(self.cfg.batch_axes or {})
-            if any(v != 0 for v in axes.values()):
-                fixed = {s.name: np.asarray(_read_arrays(p)[s.name]) for s in self.specs if axes.get(s.name, 0) is None}
-                for b in rebatch(self._raw(split), self.batch_size, max_batches):
-                    yield _restore_axes(b, self.specs, axes, fixed)
-                return
-        yield from rebatch(self._raw(split), self.batch_size, max_batches)
+            out: Iterator[Batch] = (Batch(feeds, None, min(bs, n - i * bs))
+                                    for i, (feeds, _) in enumerate(self._raw(split)))
+        elif self.source == "npz" and (p := Path(self._npz_path(split)).expanduser()).is_dir() \
+                and any(p.glob("*.npz")):
+            out = _feed_files(p, self.specs, self.cfg.labels_key, bs)
+        elif self.source == "npz":
+            cut, labels, fixed = _npz_arrays(str(p), self.specs, self.cfg.labels_key, self.batch_axes)
+            out = (_restore_axes(b, self.specs, self.batch_axes, fixed)
+                   for b in rebatch(_chunks(cut, labels, self.specs, bs), bs))
+        else:
+            out = rebatch(self._raw(split), bs)
+        yield from itertools.islice(out, max_batches)
 
     def count(self, split: str, max_batches: int | None = None) -> int | None:
         """Number of batches a split yields (None when it cannot be known without reading it)."""
