@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.artifacts import atomic_output, fingerprint
 from pipeline.config import enum_value, import_target, section
-from pipeline.errors import ConfigError, InputError, StageError
+from pipeline.errors import ConfigError, InputError, StageError, first_line
 from pipeline.graph import (
     control_flow,
     ensure_node_names,
@@ -35,6 +35,19 @@ from pipeline.stage import Stage, StageContext, StageResult
 log = logging.getLogger("tune.export")
 
 
+
+
+_NOTHING_FOLDED = {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0, "batchnorm": 0}
+
+
+def _run_in_ort(model: onnx.ModelProto, feeds: dict[str, Any], src: Path) -> list[Any]:
+    """The model's outputs on ``feeds`` in ONNX Runtime; InputError (one line) if it does not run."""
+    import onnxruntime as ort
+
+    try:
+        return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    except Exception as exc:  # noqa: BLE001 - ORT raises generic errors for bad models
+        raise InputError(f"{src} does not run in ONNX Runtime: {first_line(exc)}") from None
 
 
 class ExportStage(Stage):
@@ -84,21 +97,16 @@ class ExportStage(Stage):
         model = fix_input_shapes(model, shapes, source=str(src))
         fold_constant_identities(model)
         ensure_node_names(model)
+        # an ORT smoke run on real data proves the model runs before later stages rely on it (nothing is
+        # written before that); its outputs are what constant folding must reproduce
         feeds = self._smoke_feeds(cfg, model)
-        model, folded = self._fold(model, src, feeds)
+        reference = _run_in_ort(model, feeds, src)
+        model, folded = self._fold(model, src, feeds, reference)
         try:
             onnx.checker.check_model(model)
         except onnx.checker.ValidationError as exc:
-            raise InputError(f"{src} fails onnx.checker after fixing shapes: {str(exc).splitlines()[0]}") from None
+            raise InputError(f"{src} fails onnx.checker after fixing shapes: {first_line(exc)}") from None
         save_model(model, out)
-        # a quick ORT smoke run proves the file is runnable before later stages rely on it
-        import onnxruntime as ort
-
-        try:
-            sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
-            sess.run(None, feeds)
-        except Exception as exc:  # noqa: BLE001 - ORT raises generic errors for bad models
-            raise InputError(f"{src} does not run in ONNX Runtime: {str(exc).splitlines()[0]}") from None
         control = control_flow(model)
         if control["nodes"]:
             log.warning("export: %d If/Loop/Scan nodes hold %d nodes in their bodies (%d of the model's %d weighted "
@@ -121,33 +129,34 @@ class ExportStage(Stage):
         return fixed_feeds(specs)
 
     @staticmethod
-    def _fold(model: onnx.ModelProto, src: Path, feeds: dict[str, Any]) -> tuple[onnx.ModelProto, dict[str, int]]:
-        """Fold Constant-node weights into initializers; keep the original if folding changes outputs."""
+    def _fold(model: onnx.ModelProto, src: Path, feeds: dict[str, Any], reference: list[Any]
+              ) -> tuple[onnx.ModelProto, dict[str, int]]:
+        """Fold Constant-node weights into initializers and BatchNormalization into Convs; keep the
+        original if the folded model does not reproduce ``reference`` (the original's outputs)."""
         import numpy as np
-        import onnxruntime as ort
 
-        folded, counts = fold_constants(model)
+        try:
+            folded, counts = fold_constants(model)
+        except Exception as exc:  # noqa: BLE001 - folding is an optimization: a graph it cannot take stays as it is
+            log.warning("export: constant folding failed on %s (%s); keeping its Constant nodes", src.name,
+                        first_line(exc))
+            return model, _NOTHING_FOLDED
         if folded is model:
             folded = onnx.ModelProto()
             folded.CopyFrom(model)
         counts["batchnorm"] = fold_batchnorm(folded)
-        if not counts["constant_nodes"] and not counts["batchnorm"] and not counts["nodes_removed"]:
-            return model, counts
+        if not (counts["constant_nodes"] or counts["batchnorm"] or counts["nodes_removed"]):
+            return model, _NOTHING_FOLDED
         try:
-            a = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
-        except Exception:  # noqa: BLE001 - the unfolded model's own smoke run reports why it does not run
-            log.debug("the unfolded model does not run", exc_info=True)
-            return model, {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0, "batchnorm": 0}
-        try:
-            b = ort.InferenceSession(folded.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
-            same = all(np.allclose(x, y, rtol=1e-4, atol=1e-5, equal_nan=True) for x, y in zip(a, b, strict=True))
-        except Exception:  # noqa: BLE001 - a folded model that does not run is not used
+            got = _run_in_ort(folded, feeds, src)
+            same = all(np.allclose(x, y, rtol=1e-4, atol=1e-5, equal_nan=True) for x, y in zip(reference, got, strict=True))
+        except InputError:  # a folded model that does not run is not used
             log.debug("the folded model does not run", exc_info=True)
             same = False
         if not same:
             log.warning("export: constant folding changed %s's outputs; keeping its Constant nodes (their weights "
                         "stay float)", src.name)
-            return model, {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0, "batchnorm": 0}
+            return model, _NOTHING_FOLDED
         log.info("export: folded %d Constant nodes into initializers (%d of them weights of Conv/Gemm/MatMul) and "
                  "%d BatchNormalization nodes into their Convs", counts["constant_nodes"], counts["constant_weights"],
                  counts["batchnorm"])
