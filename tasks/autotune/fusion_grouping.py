@@ -68,26 +68,13 @@ def map_fusions(original: onnx.ModelProto, optimized: onnx.ModelProto) -> list[F
 
     # optimized nodes joined through tensors the original graph does not have form one group
     opt = list(optimized.graph.node)
-    parent = list(range(len(opt)))
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
     opt_producer = {o: k for k, n in enumerate(opt) for o in n.output}
-    for k, n in enumerate(opt):
-        for t in n.input:
-            if t and t not in known and t in opt_producer:
-                parent[find(k)] = find(opt_producer[t])
-    members: dict[int, list[int]] = {}
-    for k in range(len(opt)):
-        members.setdefault(find(k), []).append(k)
+    members = _connected(len(opt), [(k, opt_producer[t]) for k, n in enumerate(opt) for t in n.input
+                                    if t and t not in known and t in opt_producer])
 
     groups: list[tuple[list[int], list[str], list[str], tuple[str, ...]]] = []
     claimed: set[int] = set()
-    for ks in members.values():
+    for ks in members:
         inside = {o for k in ks for o in opt[k].output}
         ins = sorted({t for k in ks for t in opt[k].input if t and t in known and t not in inside})
         outs = sorted({t for k in ks for t in opt[k].output if t in known})
@@ -107,6 +94,24 @@ def map_fusions(original: onnx.ModelProto, optimized: onnx.ModelProto) -> list[F
         groups.append((sorted(nodes), [t for t in ins if t not in inits], outs, tuple(opt[k].op_type for k in ks)))
 
     return _as_groups(original, [(nodes, ins, outs, fused) for nodes, ins, outs, fused in groups])
+
+
+def _connected(n: int, links: list[tuple[int, int]]) -> list[list[int]]:
+    """Items 0..n-1 grouped by the links between them (union-find), each group in item order."""
+    parent = list(range(n))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for a, b in links:
+        parent[find(a)] = find(b)
+    groups: dict[int, list[int]] = {}
+    for k in range(n):
+        groups.setdefault(find(k), []).append(k)
+    return list(groups.values())
 
 
 def _as_groups(model: onnx.ModelProto, groups: list[tuple[list[int], list[str], list[str], tuple[str, ...]]]
@@ -144,26 +149,12 @@ def trt_fusion_groups(model: onnx.ModelProto, layer_info: dict) -> list[FusionGr
     names = {n.name: k for k, n in enumerate(model.graph.node)}
     layers = [(rec, [names[x] for x in rec.get("onnx_nodes", []) if x in names]) for rec in layer_info["layers"]]
     layers = [(rec, nodes) for rec, nodes in layers if nodes]
-    parent = list(range(len(layers)))
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
     owner: dict[int, int] = {}
     for k, (_, nodes) in enumerate(layers):
         for n in nodes:
-            if n in owner:
-                parent[find(k)] = find(owner[n])
-            else:
-                owner[n] = k
-    merged: dict[int, list[int]] = {}
-    for k in range(len(layers)):
-        merged.setdefault(find(k), []).append(k)
+            owner.setdefault(n, k)
     groups = []
-    for ks in merged.values():
+    for ks in _connected(len(layers), [(k, owner[n]) for k, (_, nodes) in enumerate(layers) for n in nodes]):
         nodes = sorted({n for k in ks for n in layers[k][1]})
         ins, outs = _boundaries(model, nodes)
         groups.append((nodes, ins, outs, tuple(str(layers[k][0].get("LayerType", "?")) for k in ks)))

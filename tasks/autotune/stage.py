@@ -25,7 +25,7 @@ from pipeline.accuracy import AccuracyBudget, Holdout
 from pipeline.artifacts import atomic_write_bytes, fingerprint, sha256_file
 from pipeline.backends import create_backend
 from pipeline.config import enum_value, section
-from pipeline.errors import StageError
+from pipeline.errors import StageError, first_line
 from pipeline.graph import input_specs, load_model, model_hash, save_model
 from pipeline.placement import activation_type, placement_kind, resolve_rules
 from pipeline.progress import progress_bar
@@ -245,7 +245,7 @@ class AutotuneStage(Stage):
                     pm = backend.prepare(p)
                 except Exception as exc:  # noqa: BLE001 - a model the runtime rejects is not shipped
                     raise StageError(f"autotune: {p.name} cannot be loaded by {backend.name}: "
-                                     f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc}") from None
+                                     f"{first_line(exc)}") from None
                 prepared.append(pm)
                 verdicts.append(judge(pm))
             timings = compare_prepared(backend.name, prepared, rounds=6, runs_per_round=max(2, timing // 2),

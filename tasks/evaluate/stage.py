@@ -85,8 +85,7 @@ class EvaluateStage(Stage):
                 pm.close()
 
         metrics = self._metrics(ctx, backend, candidates, duplicates, scores, timings, batches, specs,
-                                _precision(float_model))
-        self._judge(ctx, metrics, fidelity)
+                                _precision(float_model), fidelity)
         from tasks.evaluate import _report
 
         safe = json_safe(metrics)
@@ -239,7 +238,6 @@ class EvaluateStage(Stage):
             flagged.append(m["over_budget"])
             log.warning("%s", m["over_budget"])
         metrics["over_budget"] = flagged
-        metrics["headline"] = headline(metrics)
 
     # ------------------------------------------------------------------ latency
     @staticmethod
@@ -259,7 +257,8 @@ class EvaluateStage(Stage):
     # ------------------------------------------------------------------ assembling the metrics
     def _metrics(self, ctx: StageContext, backend: Backend, candidates: list[Candidate],
                  duplicates: list[dict[str, str]], scores: dict[str, ModelScores], latency: dict[str, Any] | None,
-                 batches: int, specs: list[InputSpec], precision: str = "FP32") -> dict[str, Any]:
+                 batches: int, specs: list[InputSpec], precision: str = "FP32",
+                 fidelity: dict[str, Any] | None = None) -> dict[str, Any]:
         info = backend.describe()
         baseline = f"{precision} float model on {_backend_text(info)}"
         base_t: Timing | None = latency["timings"]["float"] if latency else None
@@ -304,6 +303,7 @@ class EvaluateStage(Stage):
                         f"trust the p10 ratio or re-run with more evaluate.latency_repeats")
                 metrics["latency"]["warning"] = note
                 log.warning("%s", note)
+        self._judge(ctx, metrics, fidelity or {})
         metrics["headline"] = headline(metrics)
         return metrics
 
