@@ -137,11 +137,13 @@ class Holdout:
     source: str = ""
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, specs: list, skip: int, count: int) -> Holdout:
-        """Batches ``skip`` .. ``skip + count`` of the calibration data; when the data runs out before
-        that, its last ``count`` batches (then overlapping calibration, and said so)."""
+    def from_config(cls, cfg: DictConfig, specs: list) -> Holdout:
+        """The ``autotune.accuracy.holdout_batches`` calibration batches after the
+        ``quantize.calibration.batches`` calibrated on; when the data runs out before that, its last
+        batches (then overlapping calibration, and said so). Quantize and autotune use the same slice."""
         from pipeline.data import DataProvider
 
+        skip, count = int(cfg.quantize.calibration.batches), int(cfg.autotune.accuracy.holdout_batches)
         provider = DataProvider(cfg, specs)
         window: list = []
         seen = 0

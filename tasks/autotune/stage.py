@@ -122,8 +122,7 @@ class AutotuneStage(Stage):
         save_model(model, baseline_path)
         rounds = 4
         budget = AccuracyBudget.from_config(cfg)
-        holdout = Holdout.from_config(cfg, input_specs(model), int(cfg.quantize.calibration.batches),
-                                      int(a.accuracy.holdout_batches))
+        holdout = Holdout.from_config(cfg, input_specs(model))
         with backend.prepare(baseline_path) as pm:
             holdout.set_reference(pm)
         log.info("autotune: every candidate is held to the accuracy budget (%s) on %d samples of %s",

@@ -205,7 +205,7 @@ class QuantizeStage(Stage):
         q, a = cfg.quantize, cfg.autotune.accuracy
         budget = AccuracyBudget.from_config(cfg)
         facts = cpu_facts()
-        holdout = Holdout.from_config(cfg, specs, int(q.calibration.batches), int(a.holdout_batches))
+        holdout = Holdout.from_config(cfg, specs)
         with backend.prepare(float_path) as pm:
             holdout.set_reference(pm)
         requested = enum_value(q.weight_range)
