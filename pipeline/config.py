@@ -94,6 +94,9 @@ class OnnxModelConfig(ModelConfig):
 
     name: str = "onnx"
     onnx_path: str = MISSING
+    # keep the file's dynamic dims (a deployable dynamic-batch model): model.input_shapes then gives the
+    # shapes calibration, timing and subgraph extraction use, recorded in the model's metadata
+    keep_dynamic_shapes: bool = False
 
 
 @dataclass

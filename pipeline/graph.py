@@ -144,27 +144,34 @@ def _loads_in_ort(model: onnx.ModelProto) -> str | None:
         return first_line(exc)
 
 
-def fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], source: str) -> onnx.ModelProto:
+def fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], source: str,
+                     keep_dynamic: bool = False) -> onnx.ModelProto:
     """Make every graph input static, using ``shapes`` for the dynamic ones; re-infer shapes.
 
-    When the static graph no longer loads in ONNX Runtime but the original does (an If whose other
-    branch only type-checks with other shapes, e.g. an audio model's 8 kHz branch), the graph keeps
-    its dynamic dims and the shapes are stored in its metadata instead: ``input_specs`` reads them.
+    With ``keep_dynamic`` (model.keep_dynamic_shapes), or when the static graph no longer loads in
+    ONNX Runtime but the original does (an If whose other branch only type-checks with other shapes,
+    e.g. an audio model's 8 kHz branch), the graph keeps its dynamic dims and the shapes are stored
+    in its metadata instead: ``input_specs`` reads them.
     """
     original = onnx.ModelProto()
     original.CopyFrom(model)
     fixed = _fix_input_shapes(model, shapes, source)
-    rejected = _loads_in_ort(fixed) if shapes and dynamic_inputs(original) else None
-    if rejected is not None and _loads_in_ort(original) is None:
+    rejected = _loads_in_ort(fixed) if shapes and dynamic_inputs(original) and not keep_dynamic else None
+    if (keep_dynamic and shapes and dynamic_inputs(original)) or (
+            rejected is not None and _loads_in_ort(original) is None):
         import json
 
-        log.info("%s: with static input shapes ONNX Runtime rejects the model (%s); keeping its dynamic dims and "
-                 "recording model.input_shapes in its metadata", source, rejected)
+        if rejected is not None:
+            log.info("%s: with static input shapes ONNX Runtime rejects the model (%s); keeping its dynamic dims "
+                     "and recording model.input_shapes in its metadata", source, rejected)
         kept = [p for p in original.metadata_props if p.key != SHAPES_KEY]
         del original.metadata_props[:]
         original.metadata_props.extend(kept)
         original.metadata_props.add(key=SHAPES_KEY, value=json.dumps({k: list(v) for k, v in shapes.items()}))
-        return original
+        try:  # element types of intermediate tensors (symbolic dims stay symbolic)
+            return onnx.shape_inference.infer_shapes(original, strict_mode=False)
+        except Exception:  # noqa: BLE001 - shape inference is best effort for custom ops
+            return original
     return fixed
 
 

@@ -81,6 +81,17 @@ class PreparedModel:
         """Run ``n`` times on fixed inputs; per-run latency in ms."""
         raise NotImplementedError
 
+    def layer_samples(self) -> list[list[dict[str, float]]] | None:
+        """Per-layer times (ms) of the timed runs so far, one list per ``time_runs`` call and in it one
+        dict per run (or one dict of averages where the runtime reports those); None when the model
+        was not prepared with ``profile=True`` or the runtime has no per-layer timing here. May end
+        the profiling: call it once, after the last ``time_runs``."""
+        return None
+
+    # layers that only adapt data at the model's edges (reformats, layout transposes, the Q of an
+    # input and the DQ of an output): left out when comparing the compute of extracted subgraphs
+    overhead_layers: frozenset[str] = frozenset()
+
     def close(self) -> None:
         pass
 
@@ -114,7 +125,8 @@ class Backend:
     def check_available(self) -> None:
         raise NotImplementedError
 
-    def prepare(self, model_path: str | Path) -> PreparedModel:
+    def prepare(self, model_path: str | Path, profile: bool = False) -> PreparedModel:
+        """Load a model to run and time; ``profile=True`` asks for per-layer timing (layer_samples)."""
         raise NotImplementedError
 
     def build(self, model_path: str | Path, out_path: str | Path | None = None,
@@ -133,6 +145,16 @@ class Backend:
     def layer_info(self, model_path: str | Path) -> dict[str, Any] | None:
         """Per-layer engine information (fused ONNX nodes per layer) where the runtime exposes it."""
         return None
+
+    def for_subgraphs(self) -> Backend:
+        """The backend to measure extracted subgraphs with (static shapes, other input names): this
+        one, unless its settings name the full model's inputs."""
+        return self
+
+    def opt_shapes(self) -> dict[str, list[int]]:
+        """Input shapes this backend's own settings give a dynamic-shape model (its optimization
+        profile's opt shapes), if any."""
+        return {}
 
     def has_fast_kernels(self, quant_type: str) -> bool:
         """Whether this backend runs ``quant_type`` ("int8"/"fp8") Q/DQ models with real low-precision kernels."""

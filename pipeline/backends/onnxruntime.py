@@ -7,6 +7,7 @@ during graph optimization, so the optimized graph shows which placements really 
 
 from __future__ import annotations
 
+import bisect
 import functools
 import os
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 
 from pipeline.artifacts import atomic_output
 from pipeline.backends.base import Backend, BuildResult, PreparedModel, fixed_feeds, specs_of
@@ -112,6 +114,92 @@ class OrtPrepared(PreparedModel):
         self.session = None
 
 
+# ops ORT puts at a graph's edges to adapt data: NCHWc reorders and NHWC transposes, the Q of an input
+# (a quantized producer would emit it fused) and the DQ of an output (a quantized consumer would read
+# the int8 tensor). A DQ after an input's Q, or a Q before an output, is real work: a float op's
+# fake quantization, paid in the full model too.
+_EDGE_IN = ("ReorderInput", "Transpose", "QuantizeLinear", "Cast")
+_EDGE_OUT = ("ReorderOutput", "Transpose", "DequantizeLinear", "Cast")
+
+
+def edge_nodes(graph: onnx.GraphProto) -> frozenset[str]:
+    """Nodes of an (optimized) graph that only adapt data at its edges: chains of ``_EDGE_IN`` ops that
+    start at a graph input and of ``_EDGE_OUT`` ops that end at a graph output."""
+    outputs = {o.name for o in graph.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for t in n.input:
+            readers.setdefault(t, []).append(n)
+    edge: set[str] = set()
+    reached = {i.name for i in graph.input}
+    for n in graph.node:  # graph order: forward from the inputs
+        if n.op_type in _EDGE_IN and n.input and n.input[0] in reached:
+            edge.add(n.name)
+            reached.update(n.output)
+    back = set(outputs)
+    for n in reversed(graph.node):  # backward from the outputs
+        if n.op_type in _EDGE_OUT and n.output and all(
+                t in back and all(r.name in edge for r in readers.get(t, [])) for t in n.output):
+            edge.add(n.name)
+            back.update(t for t in n.input[:1] if t)
+    return frozenset(edge)
+
+
+def parse_ort_profile(events: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Per run (``model_run`` events, in time order), the kernel time in ms of each node that ran,
+    keyed by node name (the profiler's ``<node>_kernel_time`` events)."""
+    runs = sorted((e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"),
+                  key=lambda e: e["ts"])
+    starts = [int(e["ts"]) for e in runs]
+    out: list[dict[str, float]] = [{} for _ in runs]
+    for e in events:
+        name = e.get("name", "")
+        if e.get("cat") != "Node" or not name.endswith("_kernel_time"):
+            continue
+        k = bisect.bisect_right(starts, int(e["ts"])) - 1
+        if k < 0 or int(e["ts"]) > starts[k] + int(runs[k]["dur"]):
+            continue
+        node = name[: -len("_kernel_time")]
+        out[k][node] = out[k].get(node, 0.0) + float(e["dur"]) / 1e3
+    return out
+
+
+class OrtProfiled(OrtPrepared):
+    """A session with ORT's profiler on: layer_samples() splits its per-node kernel times by run."""
+
+    def __init__(self, session: Any, specs: list, workdir: Path, optimized: onnx.ModelProto):
+        super().__init__(session, specs)
+        self.workdir = workdir
+        self.overhead_layers = edge_nodes(optimized.graph)
+        self._calls: list[int] = []
+
+    def time_runs(self, n: int) -> list[float]:
+        self._calls.append(n)
+        return super().time_runs(n)
+
+    def layer_samples(self) -> list[list[dict[str, float]]] | None:
+        import json
+
+        path = self.session.end_profiling()
+        try:
+            runs = parse_ort_profile(json.loads(Path(path).read_text()))
+        finally:
+            Path(path).unlink(missing_ok=True)
+        if len(runs) != sum(self._calls):
+            return None  # the profiler dropped runs (buffer limit): no per-run split
+        out, k = [], 0
+        for n in self._calls:
+            out.append(runs[k:k + n])
+            k += n
+        return out
+
+    def close(self) -> None:
+        super().close()
+        import shutil
+
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
 
@@ -154,8 +242,21 @@ class OnnxRuntimeBackend(Backend):
         disable_qdq_fusion_if_fp8(so, model_path)
         return ort.InferenceSession(str(model_path), sess_options=so, providers=list(self.cfg.providers))
 
-    def prepare(self, model_path: str | Path) -> OrtPrepared:
-        return OrtPrepared(self.session(model_path), specs_of(model_path))
+    def prepare(self, model_path: str | Path, profile: bool = False) -> OrtPrepared:
+        if not profile:
+            return OrtPrepared(self.session(model_path), specs_of(model_path))
+        import tempfile
+
+        import onnxruntime as ort
+
+        workdir = Path(tempfile.mkdtemp(prefix="qdq-tune-ort-profile-"))
+        so = self.session_options(str(workdir / "optimized.onnx"))
+        so.enable_profiling = True
+        so.profile_file_prefix = str(workdir / "profile")
+        disable_qdq_fusion_if_fp8(so, model_path)
+        session = ort.InferenceSession(str(model_path), sess_options=so, providers=list(self.cfg.providers))
+        optimized = onnx.load(str(workdir / "optimized.onnx"), load_external_data=False)
+        return OrtProfiled(session, specs_of(model_path), workdir, optimized)
 
     def prepare_reference(self, model_path: str | Path) -> OrtPrepared:
         """Without graph optimizations ORT runs every QuantizeLinear, DequantizeLinear and float op as

@@ -632,7 +632,9 @@ class TensorRTBackend(Backend):
         return BuildResult(Path(out_path) if out_path else None, Path(log_path) if log_path else None, info)
 
     # ------------------------------------------------------------------ run
-    def prepare(self, model_path: str | Path) -> TensorRTPrepared:
+    def prepare(self, model_path: str | Path, profile: bool = False) -> TensorRTPrepared:
+        """``profile`` is not honoured here (layer_samples stays None: callers compare total latency);
+        backend=trtexec gives per-layer times with --exportProfile."""
         torch = self._cuda("measure latency")
         torch.cuda.set_device(int(self.cfg.device))
         model_path = Path(model_path)

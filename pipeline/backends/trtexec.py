@@ -53,6 +53,29 @@ _NO_GPU = re.compile(r"no CUDA-capable device|CUDA initialization failure|CUDA d
                      r"cudaErrorNoDevice|Cuda failure: (?:no|100)", re.IGNORECASE)
 
 
+# TensorRT's names for the layers it inserts to convert formats ("Reformatting CopyNode for Input
+# Tensor 0 to ...", "... reformatter 0"): overhead, not compute, when subgraphs are compared
+REFORMAT_LAYER = re.compile(r"reformat", re.IGNORECASE)
+
+
+SHAPE_FLAGS = ("--minShapes", "--optShapes", "--maxShapes", "--shapes")
+
+
+def parse_shape_spec(spec: str) -> dict[str, list[int]]:
+    """``name:1x3x224x224,other:1x128`` (trtexec's shape syntax; names may be quoted) -> shapes."""
+    out: dict[str, list[int]] = {}
+    for part in spec.split(","):
+        name, _, dims = part.strip().rpartition(":")
+        if not name:
+            raise InputError(f"trtexec shape spec '{spec}': '{part}' is not NAME:DxDx...")
+        try:
+            out[name.strip("'\"")] = [int(d) for d in dims.split("x")]
+        except ValueError:
+            raise InputError(f"trtexec shape spec '{spec}': '{dims}' is not a list of dims like 1x3x224x224") \
+                from None
+    return out
+
+
 def option_name(arg: str) -> str:
     return arg.split("=", 1)[0]
 
@@ -337,18 +360,27 @@ class TrtexecPrepared(PreparedModel):
 
     def __init__(self, backend: TrtexecBackend, workdir: Path, engine: Path, specs: list[InputSpec],
                  output_names: list[str], shapes: dict[str, tuple[list[int], list[int], list[int]]],
-                 plugins: list[str], output_types: dict[str, np.dtype] | None = None):
+                 plugins: list[str], output_types: dict[str, np.dtype] | None = None, profile: bool = False):
         self.backend, self.workdir, self.engine, self.specs = backend, workdir, engine, specs
         self.output_names, self.shapes, self.plugins = output_names, shapes, plugins
         self.output_types = output_types or {}
+        self.profile = profile
+        self._samples: list[list[dict[str, float]]] = []
 
     def time_runs(self, n: int) -> list[float]:
         b = self.backend
         times = self.workdir / "times.json"
         times.unlink(missing_ok=True)  # a stale file from the previous call must not stand in for this one
+        prof = self.workdir / "profile.json" if self.profile and b.profiling_supported else None
+        if prof is not None:
+            prof.unlink(missing_ok=True)
         run = TrtexecRun(load_engine=self.engine, shapes=self.shapes, plugins=self.plugins, warmup_ms=b.warmup_ms,
-                         iterations=n, export_times=times, extra_args=b.run_args())
+                         iterations=n, export_times=times, export_profile=prof, extra_args=b.run_args())
         text, log_path = b.invoke(run, "time", self.engine.stem)
+        if self.profile:
+            layers = parse_profile(prof.read_text())["layers"] if prof is not None and prof.exists() else []
+            # one record of per-layer averages per call (trtexec reports no per-run layer times)
+            self._samples.append([{str(r["name"]): float(r["averageMs"]) for r in layers}] if layers else [])
         samples = parse_times(times.read_text(), b.warmup_ms) if times.exists() else []
         if samples:
             return samples[:n]
@@ -357,6 +389,13 @@ class TrtexecPrepared(PreparedModel):
             raise StageError(f"trtexec printed no performance summary; see {log_path}")
         # no per-iteration times: the median stands for every run (documented in the module docstring)
         return [t.median_ms] * n
+
+    def layer_samples(self) -> list[list[dict[str, float]]] | None:
+        if not self.profile or not self._samples or not all(self._samples):
+            return None  # not profiled, or this trtexec rejected the profiling flags
+        self.overhead_layers = frozenset(name for call in self._samples for run in call for name in run
+                                         if REFORMAT_LAYER.search(name))
+        return self._samples
 
     def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         b = self.backend
@@ -425,6 +464,27 @@ class TrtexecBackend(Backend):
 
     def run_args(self) -> list[str]:
         return [str(a) for a in self.cfg.trtexec_args]
+
+    def for_subgraphs(self) -> TrtexecBackend:
+        """This backend without the shape flags of backend.trtexec_args (they name the full model's inputs)."""
+        from omegaconf import OmegaConf
+
+        args = [a for a in self.run_args() if option_name(a) not in SHAPE_FLAGS]
+        if len(args) == len(self.cfg.trtexec_args):
+            return self
+        cfg = OmegaConf.merge(self.cfg, {"trtexec_args": args})
+        other = TrtexecBackend(cfg)
+        other.exe, other.version, other.logs_dir = self.exe, self.version, self.logs_dir
+        other.profiling_supported = self.profiling_supported
+        return other
+
+    def opt_shapes(self) -> dict[str, list[int]]:
+        """--optShapes (else --shapes) of backend.trtexec_args, e.g. ``--optShapes=input:8x3x224x224``."""
+        for flag in ("--optShapes", "--shapes"):
+            for a in self.run_args():
+                if option_name(a) == flag and "=" in a:
+                    return parse_shape_spec(a.split("=", 1)[1])
+        return {}
 
     def invoke(self, run: TrtexecRun, kind: str, stem: str, log_path: Path | None = None) -> tuple[str, Path]:
         """Run trtexec; save its log; retry once without profiling flags on "Unknown option".
@@ -571,8 +631,9 @@ class TrtexecBackend(Backend):
                 self.last_layer_info = parse_layer_info(_loads_lenient(run.export_layer_info.read_text()), "trtexec")
         return timing
 
-    def prepare(self, model_path: str | Path) -> TrtexecPrepared:
-        """Build the engine once into a private folder; runs load it with --loadEngine."""
+    def prepare(self, model_path: str | Path, profile: bool = False) -> TrtexecPrepared:
+        """Build the engine once into a private folder; runs load it with --loadEngine (``profile``:
+        each run also exports a per-layer profile)."""
         model_path = Path(model_path)
         workdir = Path(tempfile.mkdtemp(prefix="qdq-tune-trtexec-"))
         try:
@@ -583,7 +644,7 @@ class TrtexecBackend(Backend):
             self.invoke(run, "build", model_path.stem)
             specs = input_specs(model, {name: s[1] for name, s in run.shapes.items()})
             return TrtexecPrepared(self, workdir, engine, specs, [o.name for o in model.graph.output], run.shapes,
-                                   run.plugins, output_dtypes(model))
+                                   run.plugins, output_dtypes(model), profile)
         except BaseException:
             shutil.rmtree(workdir, ignore_errors=True)
             raise

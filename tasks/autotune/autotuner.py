@@ -383,6 +383,7 @@ class QDQAutotunerBase:
         plan = QDQPlan()
         g = self.index
         weight_nodes: set[str] = set()
+        weights_only: set[str] = set()  # their activations stay float: no int32 bias for them
         act: dict[tuple[str, str], set[tuple[str, int]] | None] = {}
         for r in self.regions:
             scheme = assignment.get(r.id)
@@ -392,6 +393,9 @@ class QDQAutotunerBase:
             for p in scheme.points:
                 rp = resolve(p, r, order, self.model, g)
                 if rp is None:
+                    continue
+                if rp.tensor is None:
+                    weights_only.add(rp.weight_node)
                     continue
                 dtype = self._dtype_for(p, rp, r, order)
                 if dtype is None:
@@ -409,7 +413,8 @@ class QDQAutotunerBase:
         for (tensor, dtype), who in sorted(act.items(), key=lambda kv: kv[0]):
             plan.activations.append(ActivationQ(tensor, dtype, None if who is None else tuple(sorted(who))))
         outputs_q = {t for (t, _), who in act.items() if who is None}
-        for name in sorted(weight_nodes):
+        weights_only -= weight_nodes
+        for name in sorted(weight_nodes | weights_only):
             node = g.nodes[name]
             d = self._dtypes.get(name)
             if d is None or d.weights == "native":
@@ -418,7 +423,7 @@ class QDQAutotunerBase:
                 plan.weights.append(weight_q(node, i, g.weight_shape(node.input[i]), d.weights,
                                              weight_range=self.config.weight_range))
             if (self.config.placement == "onnxruntime" and d.weights == "int8" and node.op_type in ("MatMul", "Gemm")
-                    and g.tail(node) not in outputs_q):
+                    and name not in weights_only and g.tail(node) not in outputs_q):
                 b = int32_bias(g, node, act_dtype(d, self.config.activation_type))
                 if b is not None:
                     plan.biases.append(b)  # float-output QGemm (see pipeline.placement.int32_bias)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.backends import Backend, PreparedModel
+from pipeline.errors import first_line
 from pipeline.graph import model_hash
 from tasks.autotune.scheme import Measurement
 
@@ -112,6 +113,97 @@ class PairedBenchmark:
         ratios = [c / r for c, r in zip(cand_min, ref_min, strict=True) if r > 0]
         if not ratios or not all(math.isfinite(x) for x in ratios):
             return Measurement.failed("non-finite timing")
-        return Measurement(latency_ms=float(np.median(cand_min)), ratio=float(np.median(ratios)),
+        ratio = float(np.median(ratios))
+        return Measurement(latency_ms=float(np.median(cand_min)), ratio=ratio,
                            reference_ms=float(np.median(ref_min)),
-                           accuracy=verdict.to_dict() if verdict is not None else None)
+                           accuracy=verdict.to_dict() if verdict is not None else None,
+                           noise=float(np.median(np.abs(np.asarray(ratios) - ratio))))
+
+
+@dataclasses.dataclass
+class ProfiledTiming:
+    """One model of an interleaved, profiled comparison. Times are medians over rounds of each round's
+    best run; ratios are medians of the per-round ratios to the first model. ``compute_*`` count only
+    layers that are not edge overhead (None where the runtime gave no per-layer times)."""
+
+    ok: bool
+    total_ms: float = math.nan
+    total_ratio: float = math.nan
+    compute_ms: float | None = None
+    compute_ratio: float | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ProfiledTiming:
+        return cls(**{f.name: d.get(f.name) for f in dataclasses.fields(cls)})
+
+
+def compare_profiled(backend: Backend, paths: list[Path], rounds: int, runs_per_round: int,
+                     warmup_runs: int) -> list[ProfiledTiming]:
+    """Interleaved rounds over all models (the first is the reference), each prepared with per-layer
+    profiling: one untimed run after every switch, then ``runs_per_round`` timed runs."""
+    prepared: list[PreparedModel | None] = []
+    errors: list[str | None] = []
+    for p in paths:
+        try:
+            prepared.append(backend.prepare(p, profile=True))
+            errors.append(None)
+        except Exception as exc:  # noqa: BLE001 - a scheme the runtime rejects is a failed measurement
+            prepared.append(None)
+            errors.append(f"{type(exc).__name__}: {first_line(exc)}")
+    totals: list[list[float]] = [[] for _ in paths]
+    try:
+        for k, pm in enumerate(prepared):
+            if pm is not None:
+                try:
+                    pm.time_runs(max(1, warmup_runs))
+                except Exception as exc:  # noqa: BLE001
+                    errors[k] = f"{type(exc).__name__}: {first_line(exc)}"
+        live = [k for k in range(len(paths)) if errors[k] is None]
+        for r in range(rounds):
+            for k in (live if r % 2 == 0 else live[::-1]):
+                try:
+                    prepared[k].time_runs(1)  # type: ignore[union-attr]
+                    totals[k].append(min(prepared[k].time_runs(runs_per_round)))  # type: ignore[union-attr]
+                except Exception as exc:  # noqa: BLE001
+                    errors[k] = f"{type(exc).__name__}: {first_line(exc)}"
+        computes = [_round_compute(pm) if pm is not None and errors[k] is None else None
+                    for k, pm in enumerate(prepared)]
+    finally:
+        for pm in prepared:
+            if pm is not None:
+                pm.close()
+    out = []
+    for k in range(len(paths)):
+        if errors[k] is not None or len(totals[k]) != rounds:
+            out.append(ProfiledTiming(False, error=errors[k] or "interrupted measurement"))
+            continue
+        t = ProfiledTiming(True, float(np.median(totals[k])), _ratio(totals[k], totals[0]))
+        if computes[k] is not None and computes[0] is not None:
+            t.compute_ms, t.compute_ratio = float(np.median(computes[k])), _ratio(computes[k], computes[0])
+        out.append(t)
+    return out
+
+
+def _ratio(values: list[float], reference: list[float]) -> float:
+    ratios = [v / r for v, r in zip(values, reference, strict=False) if r > 0]
+    return float(np.median(ratios)) if ratios else math.nan
+
+
+def _round_compute(pm: PreparedModel) -> list[float] | None:
+    """Per round, the best run's time summed over non-overhead layers (calls: warm-up, then an untimed
+    switch run and a timed block per round)."""
+    calls = pm.layer_samples()
+    if calls is None:
+        return None
+    skip = pm.overhead_layers
+    out = []
+    for block in calls[2::2]:
+        sums = [sum(ms for name, ms in run.items() if name not in skip) for run in block]
+        if not sums:
+            return None
+        out.append(min(sums))
+    return out if out and all(s > 0 for s in out) else None

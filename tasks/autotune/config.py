@@ -67,7 +67,16 @@ PRESETS: dict[str, tuple[int, int, int]] = {
 
 @dataclass
 class AutotuneConfig:
+    # region: pattern search over regions of the full model; subgraph: the runtime's fusion groups,
+    # profiled as extracted subgraphs, then validated on the full model (faster on large models)
     mode: Mode = Mode.region
+    # subgraph mode: TensorRT layer information (trtexec --exportLayerInfo=graph.json
+    # --profilingVerbosity=detailed) giving the fusion groups; default: the backend's own (ONNX Runtime's
+    # optimized graph, or one float TensorRT build written as <model>.<precision>.graph.json)
+    graph_json: Optional[str] = None
+    # subgraph mode: apply group winners to the full model one at a time, keeping only those that make
+    # it faster (optimized_final.onnx); false: every local winner at once (= optimized_raw.onnx)
+    incremental_validation: bool = True
     preset: Preset = Preset.default
     schemes_per_region: Optional[int] = None
     warmup_runs: Optional[int] = None

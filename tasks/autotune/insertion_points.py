@@ -7,7 +7,11 @@ every region of a pattern and transfers between models:
 - ``node_output``  (node k): Q/DQ after the node's output "tail" (past a bias Add for MatMul and a
   Relu/Clip), read by every consumer: this is what makes ORT fuse DQ -> op -> Q into an integer kernel;
 - ``child_input``  (child c, boundary input j): Q/DQ on a child region's input, for the consumers in it;
-- ``region_output`` (j): Q/DQ on the region's j-th boundary output, for every consumer.
+- ``region_output`` (j): Q/DQ on the region's j-th boundary output, for every consumer;
+- ``activation_input`` (node k, input slot s): like ``node_input``, but a weighted op's weights stay
+  float (subgraph mode's activations-only scheme);
+- ``weight`` (node k): Q/DQ on a weighted op's weights only, its activations stay float (subgraph
+  mode's weights-only scheme).
 
 Which points are candidates depends on the backend (``candidate_points``): TensorRT fuses Q/DQ into
 the inputs of weighted ops and residual Adds (node inputs), ORT CPU needs whole DQ -> op -> Q
@@ -23,8 +27,9 @@ import onnx
 from pipeline.placement import PASS_THROUGH_OPS, WEIGHTED_OPS, GraphIndex, _weight_inputs, too_small
 from tasks.autotune.region import Region
 
-KINDS = ("node_input", "node_output", "child_input", "region_output")
-_SHORT = {"node_input": "ni", "node_output": "no", "child_input": "ci", "region_output": "ro"}
+KINDS = ("node_input", "node_output", "child_input", "region_output", "activation_input", "weight")
+_SHORT = {"node_input": "ni", "node_output": "no", "child_input": "ci", "region_output": "ro",
+          "activation_input": "ai", "weight": "w"}
 _LONG = {v: k for k, v in _SHORT.items()}
 
 # ops that get a Q/DQ'd input in ORT's fused groups (besides weighted ops)
@@ -60,9 +65,9 @@ class InsertionPoint:
 @dataclass(frozen=True)
 class ResolvedPoint:
     """A point on a concrete region: the tensor, who reads the DQ copy (None = all), the node whose
-    weights go with it (a weighted op's data input)."""
+    weights go with it (a weighted op's data input). ``tensor`` is None for a weights-only point."""
 
-    tensor: str
+    tensor: str | None
     consumers: tuple[tuple[str, int], ...] | None
     weight_node: str | None = None
 
@@ -70,14 +75,21 @@ class ResolvedPoint:
 def resolve(point: InsertionPoint, region: Region, order: list[int], model: onnx.ModelProto,
             g: GraphIndex) -> ResolvedPoint | None:
     nodes = model.graph.node
-    if point.kind == "node_input":
+    if point.kind in ("node_input", "activation_input"):
         if point.index >= len(order):
             return None
         node = nodes[order[point.index]]
         if point.slot >= len(node.input) or not g.is_activation(node.input[point.slot]):
             return None
-        weight_node = node.name if node.op_type in WEIGHTED_OPS and point.slot == 0 and _weight_inputs(g, node) else None
+        weight_node = node.name if (point.kind == "node_input" and node.op_type in WEIGHTED_OPS and point.slot == 0
+                                    and _weight_inputs(g, node)) else None
         return ResolvedPoint(node.input[point.slot], ((node.name, point.slot),), weight_node)
+    if point.kind == "weight":
+        if point.index >= len(order):
+            return None
+        node = nodes[order[point.index]]
+        return ResolvedPoint(None, None, node.name) if node.op_type in WEIGHTED_OPS and _weight_inputs(g, node) \
+            else None
     if point.kind == "node_output":
         if point.index >= len(order):
             return None
@@ -136,7 +148,7 @@ def point_groups(points: list[InsertionPoint]) -> list[tuple[InsertionPoint, ...
     by_node: dict[int, list[InsertionPoint]] = {}
     others: list[tuple[InsertionPoint, ...]] = []
     for p in points:
-        if p.kind in ("node_input", "node_output"):
+        if p.kind in ("node_input", "node_output", "activation_input", "weight"):
             by_node.setdefault(p.index, []).append(p)
         else:
             others.append((p,))

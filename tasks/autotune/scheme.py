@@ -48,16 +48,19 @@ class Measurement:
     # the accuracy verdict on the held-out batches (AccuracyVerdict.to_dict()); a candidate over the
     # budget is a failed measurement (ok=False) that keeps its verdict
     accuracy: dict[str, Any] | None = None
+    # median absolute deviation of the per-round ratios: the measurement's own noise
+    noise: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"latency_ms": self.latency_ms, "ratio": self.ratio, "reference_ms": self.reference_ms,
                 "ok": self.ok, "error": self.error, "log_path": self.log_path, "remeasure": self.remeasure,
-                "accuracy": self.accuracy}
+                "accuracy": self.accuracy, "noise": self.noise}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Measurement:
         return cls(float(d["latency_ms"]), float(d["ratio"]), float(d["reference_ms"]), bool(d.get("ok", True)),
-                   d.get("error"), d.get("log_path"), bool(d.get("remeasure", False)), d.get("accuracy"))
+                   d.get("error"), d.get("log_path"), bool(d.get("remeasure", False)), d.get("accuracy"),
+                   float(d.get("noise") or 0.0))
 
     @property
     def over_budget(self) -> bool:

@@ -22,11 +22,11 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pipeline.accuracy import AccuracyBudget, Holdout
-from pipeline.artifacts import atomic_write_bytes, fingerprint, sha256_file
+from pipeline.artifacts import atomic_write_bytes, atomic_write_text, fingerprint, sha256_file
 from pipeline.backends import create_backend
 from pipeline.config import enum_value, section
-from pipeline.errors import StageError, first_line
-from pipeline.graph import input_specs, load_model, model_hash, save_model
+from pipeline.errors import InputError, StageError, first_line
+from pipeline.graph import input_specs, load_model, model_hash, recorded_shapes, save_model
 from pipeline.placement import activation_type, placement_kind, resolve_rules
 from pipeline.progress import progress_bar
 from pipeline.qdq import Calibration, load_calibration, quantize_decisions
@@ -75,7 +75,8 @@ class AutotuneStage(Stage):
     name = "autotune"
     inputs = ("export/model.onnx",)
     optional_inputs = ("quantize/calibration.json", "quantize/quantized_model.onnx")
-    outputs = ("autotune/optimized_final.onnx", "autotune/baseline.onnx", "autotune/autotuner_state.yaml")
+    # region mode adds autotuner_state.yaml; subgraph mode optimized_raw.onnx and autotune_cache.json
+    outputs = ("autotune/optimized_final.onnx", "autotune/baseline.onnx")
     config_keys = ("autotune", "backend", "quantize", "seed")
 
     def run(self, ctx: StageContext) -> StageResult:
@@ -84,9 +85,7 @@ class AutotuneStage(Stage):
 
         cfg = ctx.cfg
         a = cfg.autotune
-        if enum_value(a.mode) != "region":
-            raise StageError("autotune.mode=subgraph is not built yet in this version of qdq-tune; "
-                             "use autotune.mode=region")
+        mode = enum_value(a.mode)
         out = ctx.stage_dir("autotune")
         inputs = self.resolve_inputs(ctx)
         model = load_model(inputs["export/model.onnx"])
@@ -136,6 +135,19 @@ class AutotuneStage(Stage):
         first = bench.measure(baseline_path, use_cache=False)  # fails fast if the backend cannot measure here
         if not first.ok:
             raise StageError(f"autotune: cannot measure the float model on {backend.name}: {first.error}")
+        context_items = {
+            "calibration": sha256_file(inputs["quantize/calibration.json"]) if "quantize/calibration.json" in inputs
+            else None,
+            "qdq_baseline": model_hash(baseline_model) if baseline_model is not None else None,
+            "backend": section(cfg, "backend"), "activation_type": config.activation_type,
+            "default_dq_dtype": config.default_dq_dtype, "node_filter_list": config.node_filter_list,
+            "node_dtypes": sorted((k, v.weights, v.activations) for k, v in (node_dtypes or {}).items()),
+            "weight_range": config.weight_range, "float_nodes": config.float_nodes,
+            "accuracy": section(cfg, "autotune.accuracy"),
+        }
+        if mode == "subgraph":
+            return self._subgraph(ctx, model, inputs, backend, config, calibration, budget, holdout, judge,
+                                  baseline_path, bench, context_items, (schemes, warmup, timing, rounds))
         pattern_cache = None
         if a.pattern_cache:
             from hydra.utils import to_absolute_path
@@ -160,16 +172,7 @@ class AutotuneStage(Stage):
             bar.set_postfix(schemes=ev["measurements"], best=f"{sp:.2f}x" if sp else "-", refresh=False)
             bar.refresh()
 
-        context = fingerprint({
-            "calibration": sha256_file(inputs["quantize/calibration.json"]) if "quantize/calibration.json" in inputs
-            else None,
-            "qdq_baseline": model_hash(baseline_model) if baseline_model is not None else None,
-            "backend": section(cfg, "backend"), "activation_type": config.activation_type,
-            "default_dq_dtype": config.default_dq_dtype, "node_filter_list": config.node_filter_list,
-            "node_dtypes": sorted((k, v.weights, v.activations) for k, v in (node_dtypes or {}).items()),
-            "weight_range": config.weight_range, "float_nodes": config.float_nodes,
-            "accuracy": section(cfg, "autotune.accuracy"),
-        })
+        context = fingerprint(context_items)
         try:
             tuner = region_pattern_autotuning_workflow(model, out, bench, config, calibration, pattern_cache,
                                                        state_file, baseline_model, on_progress, context)
@@ -186,6 +189,7 @@ class AutotuneStage(Stage):
                                  tuned, out / "optimized_final.onnx", float(a.performance_threshold), timing, warmup,
                                  judge, budget)
         metrics.update(
+            mode="region", full_model_measurements=tuner.num_measurements,
             regions=len(tuner.regions), patterns=tuner.num_patterns, measurements=tuner.num_measurements,
             benchmark_runs=bench.count, quant_type=quant_type, placement=placement,
             schemes_per_region=schemes, defaulted_scales=len(calibration.defaulted),
@@ -204,6 +208,117 @@ class AutotuneStage(Stage):
             artifacts["autotune/autotuner_state_pattern_cache.yaml"] = cache_file
         tuned.unlink(missing_ok=True)
         return StageResult(artifacts, metrics)
+
+    def _subgraph(self, ctx: StageContext, model, inputs: dict[str, Path], backend, config, calibration: Calibration,
+                  budget: AccuracyBudget, holdout: Holdout, judge, baseline_path: Path, bench,
+                  context_items: dict[str, Any], settings_: tuple[int, int, int, int]) -> StageResult:
+        """Subgraph mode (tasks/autotune/subgraph_workflow.py): fusion groups, per-group profiling of
+        extracted subgraphs, incremental validation on the full model, then the same final guard."""
+        import time
+
+        from tasks.autotune.subgraph_workflow import subgraph_autotuning_workflow
+
+        cfg, a = ctx.cfg, ctx.cfg.autotune
+        out = ctx.stage_dir("autotune")
+        _, warmup, timing, rounds = settings_
+        bench.close()
+        t0 = time.time()
+        groups, graph_json, source = self._fusion_groups(cfg, backend, baseline_path, model, out)
+        log.info("autotune: %d fusion groups from %s", len(groups), source)
+        context = fingerprint({**context_items, "mode": "subgraph", "groups": source,
+                               "graph_json": sha256_file(graph_json) if graph_json is not None else None})
+        bars: dict[str, Any] = {}
+
+        def on_progress(phase: str, done: int, total: int) -> None:
+            bar = bars.get(phase)
+            if bar is None:
+                for b in bars.values():
+                    b.close()
+                bar = bars[phase] = progress_bar(bool(cfg.progress), total=total, desc=phase, unit="step")
+            bar.total = total
+            bar.n = done
+            bar.refresh()
+
+        try:
+            result = subgraph_autotuning_workflow(
+                model, out, backend, groups, config, calibration, warmup, timing, rounds,
+                judge if budget.enabled else None, shapes={**backend.opt_shapes(), **recorded_shapes(model)},
+                incremental_validation=bool(a.incremental_validation), context=context, on_progress=on_progress)
+        finally:
+            for b in bars.values():
+                b.close()
+        tuned = out / "optimized_tuned.onnx"
+        save_model(result.tuner.export_model(assignment=result.assignment), tuned)
+        tuning_s = time.time() - t0
+        metrics = self._finalize(backend, bench, baseline_path, inputs.get("quantize/quantized_model.onnx"), tuned,
+                                 out / "optimized_final.onnx", float(a.performance_threshold), timing, warmup,
+                                 judge, budget)
+        kept = sum(1 for g in result.report if g["validation"] == "kept")
+        metrics.update(
+            mode="subgraph", fusion_groups=len(groups), groups=result.groups, distinct_groups=result.keys,
+            measurements=result.measurements, full_model_measurements=result.full_model_measurements,
+            subgraph_measurements=result.measurements - result.full_model_measurements, kept_groups=kept, tuning_seconds=round(tuning_s, 1),
+            incremental_validation=bool(a.incremental_validation), group_report=result.report,
+            quant_type=config.default_quant_type, placement=config.placement, budget=budget.describe(),
+            weight_range=config.weight_range, float_nodes=config.float_nodes,
+            defaulted_scales=len(calibration.defaulted),
+        )
+        write_group_report(out / "report.md", metrics)
+        tuned.unlink(missing_ok=True)
+        artifacts = {
+            "autotune/optimized_final.onnx": out / "optimized_final.onnx",
+            "autotune/optimized_raw.onnx": out / "optimized_raw.onnx",
+            "autotune/baseline.onnx": baseline_path,
+            "autotune/autotune_cache.json": out / "autotune_cache.json",
+            "autotune/report.md": out / "report.md",
+        }
+        if graph_json is not None and graph_json.parent == out:
+            artifacts[f"autotune/{graph_json.name}"] = graph_json
+        return StageResult(artifacts, metrics)
+
+    @staticmethod
+    def _fusion_groups(cfg: DictConfig, backend, model_path: Path, model, out: Path):
+        """Phase 1: (groups, graph JSON used or written, description of the source).
+
+        autotune.graph_json names a TensorRT layer-information file; without it, ONNX Runtime groups
+        come from its own optimized graph, TensorRT groups from one float build of the model
+        (``<model>.<precision>.graph.json`` in the autotune folder, reused when present)."""
+        import json
+
+        from hydra.utils import to_absolute_path
+
+        from pipeline.backends.tensorrt import parse_layer_info
+        from tasks.autotune.fusion_grouping import ort_fusion_groups, trt_fusion_groups
+
+        a = cfg.autotune
+        if a.graph_json:
+            path = Path(to_absolute_path(a.graph_json))
+            if not path.is_file():
+                raise InputError(f"autotune.graph_json={a.graph_json}: no such file (write one with trtexec "
+                                 f"--onnx=MODEL --exportLayerInfo=graph.json --profilingVerbosity=detailed)")
+            try:
+                info = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise InputError(f"autotune.graph_json={a.graph_json} is not JSON ({first_line(exc)})") from None
+            groups = trt_fusion_groups(model, info)
+            if not groups:
+                raise InputError(f"autotune.graph_json={a.graph_json} names none of this model's nodes in its layers' "
+                                 f"metadata: export it with --profilingVerbosity=detailed from this model")
+            return groups, path, f"{path.name} (TensorRT layer information)"
+        if backend.name == "onnxruntime":
+            return ort_fusion_groups(model), None, "ONNX Runtime's optimized graph"
+        precision = str(backend.cfg.get("float_precision", "FP16")).lower()
+        path = out / f"{model_path.stem}.{precision}.graph.json"
+        if not path.exists():
+            info = backend.layer_info(model_path)
+            if not info or not info.get("layers"):
+                raise StageError(f"autotune: {backend.name} gave no layer information for {model_path.name}; pass "
+                                 f"autotune.graph_json=PATH (trtexec --onnx=MODEL --exportLayerInfo=graph.json "
+                                 f"--profilingVerbosity=detailed)")
+            atomic_write_text(path, json.dumps({"Layers": info["layers"], "Bindings": info.get("io_tensors", [])},
+                                               indent=1) + "\n")
+        return trt_fusion_groups(model, parse_layer_info(json.loads(path.read_text()), path.name)), path, \
+            f"{path.name} ({backend.name} {precision.upper()} build)"
 
     @staticmethod
     def _calibration(inputs: dict[str, Path], a: DictConfig, load_calibration) -> Calibration:
@@ -301,3 +416,26 @@ class AutotuneStage(Stage):
             "headline": f"{speedup:.2f}x vs {precision} float, {chosen_v.what} ({shipped if choice == tuned else why})",
         }
         return metrics
+
+
+def write_group_report(path: Path, metrics: dict[str, Any]) -> None:
+    """autotune/report.md of a subgraph-mode run: the final line and one row per distinct group."""
+    rows = metrics.get("group_report") or []
+    lines = [
+        "# autotune (subgraph mode)", "",
+        metrics["final_line"], "",
+        f"Shipped: {metrics['shipped']} ({metrics['shipped_reason']}).", "",
+        f"{metrics['fusion_groups']} fusion groups, {metrics['groups']} with something to quantize, "
+        f"{metrics['distinct_groups']} distinct (each measured once on its subgraph); {metrics['measurements']} "
+        f"measurements in {metrics['tuning_seconds']:.0f} s; incremental validation "
+        f"{'on' if metrics['incremental_validation'] else 'off'}, {metrics['kept_groups']} groups kept.", "",
+        "| group | instances | nodes | scheme (subgraph) | local gain | validation | full model | note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for g in rows:
+        nodes = ", ".join(g["nodes"][:4]) + (f" (+{len(g['nodes']) - 4})" if len(g["nodes"]) > 4 else "")
+        full = f"{1.0 / g['full_model_ratio']:.3f}x" if g.get("full_model_ratio") else "-"
+        lines.append(f"| {g['group']} | {g['instances']} | {nodes} | {g['scheme']} | {g['local_gain']:.2f}x "
+                     f"({g['metric']}) | {g['validation']}{' (' + g['kept_scheme'] + ')' if g.get('kept_scheme') else ''}"
+                     f" | {full} | {g.get('reason') or ''} |")
+    atomic_write_text(path, "\n".join(lines) + "\n")

@@ -94,7 +94,7 @@ class ExportStage(Stage):
         src = Path(to_absolute_path(mcfg.onnx_path))
         model = load_model(src, what="model.onnx_path")
         shapes = {k: list(v) for k, v in (mcfg.input_shapes or {}).items()}
-        model = fix_input_shapes(model, shapes, source=str(src))
+        model = fix_input_shapes(model, shapes, source=str(src), keep_dynamic=bool(mcfg.keep_dynamic_shapes))
         fold_constant_identities(model)
         ensure_node_names(model)
         # an ORT smoke run on real data proves the model runs before later stages rely on it (nothing is

@@ -1,0 +1,239 @@
+"""autotune.mode=subgraph end to end on tiny models: outputs and report, group reuse, resume after
+kill -9 in phase 2 and in phase 3, a dynamic-batch model, fp8, TensorRT-RTX builds of the outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from tests import models
+from tests.conftest import run_tune, tune_command
+from tests.e2e.test_autotune import QUICK
+
+SUBGRAPH = ["autotune.mode=subgraph", *QUICK]
+
+
+def _args(model: Path, rd: Path, extra: list[str] | None = None) -> list[str]:
+    return ["stages=[export,quantize,autotune]", "model=onnx", f"model.onnx_path={model}", "data=synthetic",
+            f"results_dir={rd}", *SUBGRAPH, *(extra or [])]
+
+
+def _cache(rd: Path) -> dict:
+    return json.loads((rd / "autotune" / "autotune_cache.json").read_text())
+
+
+def _check_consistent(cache: dict) -> None:
+    """Every measurement is recorded once: one per profiled group, one per validation step, and the
+    steps are exactly the ones an uninterrupted run takes for these phase-2 results."""
+    steps = cache["phase3"]["steps"]
+    assert cache["measurements"] == len(cache["groups"]) + len(steps)
+    assert len({(s["key"], s["scheme"]) for s in steps}) == len(steps)
+    tried = {}
+    for s in steps:
+        tried.setdefault(s["key"], []).append(s["scheme"])
+    for key, schemes in tried.items():
+        ranked = cache["groups"][key]["ranked"]
+        assert schemes == ranked[:len(schemes)]  # in order, none skipped, none repeated
+        assert all(s["over_budget"] for s in steps if s["key"] == key and s["scheme"] != schemes[-1])
+
+
+@pytest.fixture
+def blocks(tmp_path) -> Path:
+    return models.save(models.residual_block(blocks=3, channels=32, size=24), tmp_path, "blocks")
+
+
+@pytest.mark.slow
+def test_outputs_report_and_group_reuse(blocks, tmp_path):
+    rd = tmp_path / "r"
+    proc = run_tune(_args(blocks, rd), cwd=tmp_path, check=True)
+    out = rd / "autotune"
+    for name in ("optimized_raw.onnx", "optimized_final.onnx", "autotune_cache.json", "report.md", "baseline.onnx"):
+        assert (out / name).exists(), name
+    assert "Baseline: " in proc.stderr and "x speedup)" in proc.stderr
+    cache = _cache(rd)
+    _check_consistent(cache)
+    # the three residual blocks have the same structure and shapes: their groups are measured once
+    instances = [len(g["instances"]) for g in cache["groups"].values()]
+    assert max(instances) == 3
+    assert sorted((out / "subgraphs").glob("group_*.onnx")) and len(list((out / "subgraphs").glob("*.onnx"))) == \
+        len(cache["groups"])
+    assert len(list((out / "logs").glob("group_*.json"))) == len(cache["groups"])
+    assert len(list((out / "logs").glob("validation_step_*.json"))) == len(cache["phase3"]["steps"])
+    # every extracted subgraph runs on its own, and every group tried the heuristic schemes
+    import onnxruntime as ort
+
+    from pipeline.backends.base import fixed_feeds, specs_of
+
+    for sub in (out / "subgraphs").glob("*.onnx"):
+        sess = ort.InferenceSession(str(sub), providers=["CPUExecutionProvider"])
+        sess.run(None, fixed_feeds(specs_of(sub)))
+    conv_groups = [g for g in cache["groups"].values() if any("conv" in n for n in g["nodes"])]
+    assert conv_groups and all({"none", "preferred", "weights_only"} <= set(g["schemes"]) for g in conv_groups)
+    metrics = json.loads((rd / "manifest.json").read_text())["stages"]["autotune"]["metrics"]
+    assert metrics["mode"] == "subgraph" and metrics["measurements"] == cache["measurements"]
+    report = (out / "report.md").read_text()
+    assert "| group | instances | nodes |" in report and metrics["final_line"] in report
+    assert len([ln for ln in report.splitlines() if ln.startswith("| ") and ln[2].isdigit()]) == len(cache["groups"])
+    # the shipped model meets the budget and runs
+    assert metrics["accuracy"]["final"]["ok"]
+    for name in ("optimized_raw.onnx", "optimized_final.onnx"):
+        m = onnx.load(str(out / name))
+        onnx.checker.check_model(m)
+        ort.InferenceSession(str(out / name), providers=["CPUExecutionProvider"]).run(None, fixed_feeds(specs_of(
+            out / name)))
+    # re-running the same command is up to date; a forced autotune re-run resumes and measures nothing
+    again = run_tune(_args(blocks, rd, ["autotune.performance_threshold=1.01"]), cwd=tmp_path, check=True)
+    assert "resuming from" in again.stderr
+    assert _cache(rd)["measurements"] == cache["measurements"]
+
+
+def _wait(proc: subprocess.Popen, rd: Path, ready, timeout: float = 300) -> dict:
+    path = rd / "autotune" / "autotune_cache.json"
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists():
+            try:
+                doc = json.loads(path.read_text())
+                if ready(doc):
+                    return doc
+            except (json.JSONDecodeError, OSError):  # read while being replaced: retry
+                pass
+        time.sleep(0.02)
+    raise AssertionError("the run ended before it could be killed; make the test model slower")
+
+
+@pytest.mark.slow
+def test_kill_in_phase2_and_in_phase3_then_resume(tmp_path):
+    # more distinct groups (different widths) so that both phases last long enough to be killed in
+    model = models.save(models.residual_block(blocks=3, channels=48, size=32), tmp_path, "wide")
+    rd = tmp_path / "killed"
+    extra = ["autotune.accuracy.enabled=false"]
+    args = [*tune_command(), *_args(model, rd, extra)]
+
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    doc = _wait(proc, rd, lambda d: len(d["groups"]) >= 1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    phase2_before = len(_cache(rd)["groups"])
+    assert not _cache(rd)["phase3"]["steps"]
+
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True, text=True)
+    try:
+        doc = _wait(proc, rd, lambda d: len(d["phase3"]["steps"]) >= 1)
+    except AssertionError:
+        # phase 3 ended too fast to catch (no or one candidate step): phase-2 resume is still checked
+        proc.wait()
+        doc = None
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    cache = _cache(rd)
+    assert len(cache["groups"]) >= phase2_before
+    again = run_tune(_args(model, rd, extra), cwd=tmp_path, check=True)
+    assert "resuming from" in again.stderr
+    final = _cache(rd)
+    _check_consistent(final)
+    if doc is not None:
+        # the steps done before the kill were kept as they were, not measured again
+        assert final["phase3"]["steps"][:len(cache["phase3"]["steps"])] == cache["phase3"]["steps"]
+    assert all(final["groups"][k] == v for k, v in cache["groups"].items())
+    # same number of distinct groups as an uninterrupted run of the same command
+    full = tmp_path / "full"
+    run_tune(_args(model, full, extra), cwd=tmp_path, check=True)
+    assert len(_cache(full)["groups"]) == len(final["groups"])
+    assert doc is None or len(final["phase3"]["steps"]) >= 1
+
+
+@pytest.mark.slow
+def test_dynamic_batch_model_keeps_its_dynamic_dim(tmp_path):
+    model = models.save(models.with_dynamic_batch(models.conv_chain(channels=16, size=24)), tmp_path, "dyn")
+    rd = tmp_path / "r"
+    run_tune(_args(model, rd, ["model.keep_dynamic_shapes=true", "model.input_shapes={input: [4,3,24,24]}"]),
+             cwd=tmp_path, check=True)
+    import onnxruntime as ort
+
+    for name in ("export/model.onnx", "autotune/optimized_raw.onnx", "autotune/optimized_final.onnx"):
+        m = onnx.load(str(rd / name))
+        dim = m.graph.input[0].type.tensor_type.shape.dim[0]
+        assert dim.dim_param == "batch" and not dim.HasField("dim_value"), name
+        sess = ort.InferenceSession(str(rd / name), providers=["CPUExecutionProvider"])
+        for batch in (1, 3):
+            (y,) = sess.run(None, {"input": np.zeros((batch, 3, 24, 24), np.float32)})
+            assert y.shape == (batch, 10)
+    # subgraphs were extracted at the given shapes
+    sub = next((rd / "autotune" / "subgraphs").glob("*.onnx"))
+    assert onnx.load(str(sub)).graph.input[0].type.tensor_type.shape.dim[0].dim_value == 4
+
+
+@pytest.mark.slow
+def test_fp8_subgraph_mode_warns_and_ships_what_the_guard_allows(tmp_path):
+    model = models.save(models.conv_chain(channels=32, size=24), tmp_path, "m")
+    rd = tmp_path / "r"
+    proc = run_tune(_args(model, rd, ["quantize=fp8"]), cwd=tmp_path, check=True)
+    assert "no fast fp8 kernels" in proc.stderr
+    metrics = json.loads((rd / "manifest.json").read_text())["stages"]["autotune"]["metrics"]
+    assert metrics["quant_type"] == "fp8" and (rd / "autotune" / "optimized_final.onnx").exists()
+    assert metrics["shipped"] in ("float", "tuned", "ptq") and metrics["accuracy"]["final"]["ok"]
+
+
+def test_foreign_and_corrupt_cache_are_one_line_errors(tmp_path):
+    model = models.save(models.conv_chain(), tmp_path, "m")
+    rd = tmp_path / "r"
+    (rd / "autotune").mkdir(parents=True)
+    cache = rd / "autotune" / "autotune_cache.json"
+    cache.write_text("{not json")
+    proc = run_tune(_args(model, rd), cwd=tmp_path)
+    assert proc.returncode == 2 and "autotune_cache.json is corrupt" in proc.stderr and "Traceback" not in proc.stderr
+    cache.write_text(json.dumps({"version": 1, "model_sha256": "0" * 64, "context": None, "groups": {},
+                                 "phase3": {"steps": []}}))
+    proc = run_tune(_args(model, rd), cwd=tmp_path)
+    assert proc.returncode == 2 and "belongs to a different model" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_missing_graph_json_is_a_one_line_error(tmp_path):
+    model = models.save(models.conv_chain(), tmp_path, "m")
+    proc = run_tune(_args(model, tmp_path / "r", ["autotune.graph_json=nope.json"]), cwd=tmp_path)
+    assert proc.returncode == 2 and "autotune.graph_json=nope.json: no such file" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_trt_graph_json_gives_the_groups(tmp_path):
+    """A TensorRT 10 layer-information file (fixture) decides the groups; ORT measures them."""
+    fixture = Path(__file__).parents[1] / "fixtures" / "trtexec" / "graph_fp16_conv_chain.json"
+    model = models.save(models.conv_chain(channels=16, size=24), tmp_path, "m")
+    rd = tmp_path / "r"
+    proc = run_tune(_args(model, rd, [f"autotune.graph_json={fixture}"]), cwd=tmp_path, check=True)
+    assert "fusion groups from graph_fp16_conv_chain.json" in proc.stderr
+    nodes = sorted(tuple(g["nodes"]) for g in _cache(rd)["groups"].values())
+    assert ("conv1", "relu1") in nodes and ("conv2", "relu2") in nodes
+
+
+@pytest.mark.rtx
+@pytest.mark.slow
+def test_subgraph_outputs_build_with_tensorrt_rtx(blocks, tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("tensorrt_rtx") is None:
+        pytest.importorskip("tensorrt_rtx_bindings")
+    from pipeline.backends import create_backend
+    from tests.conftest import compose
+
+    rtx = create_backend(compose(["backend=tensorrt_rtx"]).backend)
+    for placement in ("onnxruntime", "tensorrt"):
+        rd = tmp_path / placement
+        run_tune(_args(blocks, rd, [f"quantize.placement={placement}"]), cwd=tmp_path, check=True)
+        for name in ("optimized_raw", "optimized_final"):
+            res = rtx.build(rd / "autotune" / f"{name}.onnx", tmp_path / f"{placement}_{name}.engine",
+                            tmp_path / f"{placement}_{name}.log")
+            assert res.engine_path.stat().st_size > 0
