@@ -290,10 +290,9 @@ def subgraph_autotuning_workflow(
     assignment = assign(chosen)
 
     report = []
-    decided = {(s["key"], s["scheme"]): s for s in cache.steps}
     for key, regions in sorted(by_key.items(), key=lambda kv: kv[1][0].id):
         rec = cache.groups[key]
-        steps = [decided[(key, n)] for n in rec["ranked"] if (key, n) in decided]
+        steps = [st for st in cache.steps if st["key"] == key]
         report.append({
             "group": regions[0].id, "instances": len(regions), "nodes": rec["nodes"], "fused_ops": rec["fused_ops"],
             "scheme": rec["winner"], "local_gain": rec["local_gain"], "metric": rec["metric"],
@@ -334,21 +333,41 @@ def _profile_group(backend: Backend, sub_tuner: QDQAutotunerBase, schemes: dict[
     return {"schemes": results, "metric": "compute" if compute else "total"}
 
 
+def _attempts(cache: SubgraphCache, order: list[str], keys: list[str]) -> list[tuple[int, str, list[str]]]:
+    """Pass 1: the local winners, largest expected gain first, each with its next locally faster
+    schemes as fallbacks for a step over the accuracy budget. Pass 2, in context: every group not
+    kept, in graph order, once more with its winner (or, with no local winner, its preferred form):
+    a data-movement group or a lone conversion only pays once its neighbours are quantized."""
+    first = [(1, k, list(cache.groups[k]["ranked"])) for k in order]
+    second = []
+    for k in keys:
+        rec = cache.groups[k]
+        ranked = rec["ranked"]
+        pick = ranked[0] if ranked else ("preferred" if rec["schemes"].get("preferred", {}).get("ok") else None)
+        if pick is not None:
+            second.append((2, k, [pick]))
+    return first + second
+
+
 def _validate(cache: SubgraphCache, order: list[str], by_key: dict[str, list[Region]], tuner: QDQAutotunerBase,
               assign: Callable[[dict[str, str]], dict[int, InsertionScheme]], backend: Backend, warmup_runs: int,
               timing_runs: int, rounds: int, accuracy: Callable[[Any], Any] | None, out: Path, logs: Path,
               on_progress: Callable[[str, int, int], None] | None) -> dict[str, str]:
-    """Apply the groups' winners one reuse key at a time, keeping each step that pays on the full model."""
+    """Apply the groups' schemes one reuse key at a time, keeping each step that pays on the full model."""
     chosen: dict[str, str] = {}
-    done = {(s["key"], s["scheme"]): s for s in cache.steps}
+    over_budget: set[str] = set()  # keys whose every pass-1 scheme missed the budget: not retried
+    done = {(s.get("pass", 1), s["key"], s["scheme"]): s for s in cache.steps}
     current = out / "validation_current.onnx"
     bench: PairedBenchmark | None = None
+    attempts = _attempts(cache, order, list(by_key))
     try:
-        for n, key in enumerate(order):
+        for n, (pass_, key, schemes) in enumerate(attempts):
             if on_progress:
-                on_progress("phase 3: validation", n, len(order))
-            for name in cache.groups[key]["ranked"]:
-                step = done.get((key, name))
+                on_progress("phase 3: validation", n, len(attempts))
+            if key in chosen or (pass_ == 2 and key in over_budget):
+                continue
+            for name in schemes:
+                step = done.get((pass_, key, name))
                 if step is None:
                     if bench is None:
                         save_model(tuner.export_model(assignment=assign(chosen)), current)
@@ -356,13 +375,13 @@ def _validate(cache: SubgraphCache, order: list[str], by_key: dict[str, list[Reg
                     trial = {**chosen, key: name}
                     data = tuner.export_model(assignment=assign(trial), check=False).SerializeToString()
                     m = bench.measure(data, use_cache=False)
-                    step = _step_record(key, name, m, len(cache.steps))
+                    step = {**_step_record(key, name, m, len(cache.steps)), "pass": pass_}
                     cache.steps.append(step)
                     cache.count()
                     cache.save()
                     atomic_write_text(logs / f"validation_step_{step['index']}.json", json.dumps(step, indent=1) + "\n")
-                    log.info("validation %d/%d: group %d %s -> %s", n + 1, len(order), by_key[key][0].id, name,
-                             step["reason"])
+                    log.info("validation pass %d, step %d: group %d %s -> %s", pass_, step["index"] + 1,
+                             by_key[key][0].id, name, step["reason"])
                 if step["kept"]:
                     chosen[key] = name
                     if bench is not None:
@@ -371,8 +390,11 @@ def _validate(cache: SubgraphCache, order: list[str], by_key: dict[str, list[Reg
                     break
                 if not step["over_budget"]:
                     break  # slower on the full model: the group's other schemes are slower locally too
+            else:
+                if pass_ == 1:
+                    over_budget.add(key)
         if on_progress:
-            on_progress("phase 3: validation", len(order), len(order))
+            on_progress("phase 3: validation", len(attempts), len(attempts))
     finally:
         if bench is not None:
             bench.close()

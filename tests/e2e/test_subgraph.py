@@ -35,14 +35,18 @@ def _check_consistent(cache: dict) -> None:
     steps are exactly the ones an uninterrupted run takes for these phase-2 results."""
     steps = cache["phase3"]["steps"]
     assert cache["measurements"] == len(cache["groups"]) + len(steps)
-    assert len({(s["key"], s["scheme"]) for s in steps}) == len(steps)
-    tried = {}
+    assert len({(s["pass"], s["key"], s["scheme"]) for s in steps}) == len(steps)
+    assert [s["pass"] for s in steps] == sorted(s["pass"] for s in steps)
+    tried: dict[str, list[str]] = {}
     for s in steps:
-        tried.setdefault(s["key"], []).append(s["scheme"])
+        if s["pass"] == 1:
+            tried.setdefault(s["key"], []).append(s["scheme"])
     for key, schemes in tried.items():
         ranked = cache["groups"][key]["ranked"]
         assert schemes == ranked[:len(schemes)]  # in order, none skipped, none repeated
-        assert all(s["over_budget"] for s in steps if s["key"] == key and s["scheme"] != schemes[-1])
+        assert all(s["over_budget"] for s in steps if s["key"] == key and s["pass"] == 1 and s["scheme"] != schemes[-1])
+    kept1 = {s["key"] for s in steps if s["kept"] and s["pass"] == 1}
+    assert not any(s["key"] in kept1 for s in steps if s["pass"] == 2)  # a kept group is not retried
 
 
 @pytest.fixture
