@@ -223,7 +223,8 @@ class AutotuneStage(Stage):
         _, warmup, timing, rounds = settings_
         bench.close()
         t0 = time.time()
-        groups, graph_json, source = self._fusion_groups(cfg, backend, baseline_path, model, out)
+        groups, graph_json, source = self._fusion_groups(cfg, backend, baseline_path, model, out,
+                                                         inputs["export/model.onnx"].stem)
         log.info("autotune: %d fusion groups from %s", len(groups), source)
         context = fingerprint({**context_items, "mode": "subgraph", "groups": source,
                                "graph_json": sha256_file(graph_json) if graph_json is not None else None})
@@ -277,7 +278,7 @@ class AutotuneStage(Stage):
         return StageResult(artifacts, metrics)
 
     @staticmethod
-    def _fusion_groups(cfg: DictConfig, backend, model_path: Path, model, out: Path):
+    def _fusion_groups(cfg: DictConfig, backend, model_path: Path, model, out: Path, name: str):
         """Phase 1: (groups, graph JSON used or written, description of the source).
 
         autotune.graph_json names a TensorRT layer-information file; without it, ONNX Runtime groups
@@ -308,7 +309,7 @@ class AutotuneStage(Stage):
         if backend.name == "onnxruntime":
             return ort_fusion_groups(model), None, "ONNX Runtime's optimized graph"
         precision = str(backend.cfg.get("float_precision", "FP16")).lower()
-        path = out / f"{model_path.stem}.{precision}.graph.json"
+        path = out / f"{name}.{precision}.graph.json"
         if not path.exists():
             info = backend.layer_info(model_path)
             if not info or not info.get("layers"):

@@ -50,8 +50,10 @@ def qdq_conv_chain() -> onnx.ModelProto:
     return m
 
 
-def fake_trtexec(tmp_path: Path, reject_profiling: bool = False, no_gpu: bool = False) -> tuple[Path, Path]:
-    """An executable standing in for trtexec: records its argv, writes the files it is asked for."""
+def fake_trtexec(tmp_path: Path, reject_profiling: bool = False, no_gpu: bool = False,
+                 layer_info: str = "layer_info_10x.json") -> tuple[Path, Path]:
+    """An executable standing in for trtexec: records its argv, writes the files it is asked for
+    (``layer_info``: the fixture it writes for --exportLayerInfo)."""
     calls = tmp_path / "calls.jsonl"
     script = tmp_path / "trtexec"
     script.write_text(f"""#!{sys.executable}
@@ -75,7 +77,7 @@ if {reject_profiling!r} and profiling:
 if "--saveEngine" in opts:
     Path(opts["--saveEngine"]).write_bytes(b"fake serialized engine")
 if "--exportLayerInfo" in opts:
-    shutil.copy(FIX / "layer_info_10x.json", opts["--exportLayerInfo"])
+    shutil.copy(FIX / {layer_info!r}, opts["--exportLayerInfo"])
 if "--skipInference" in opts:
     print("[03/14/2025-10:21:11] [I] Engine built in 1.86 sec.")
     print("[03/14/2025-10:21:11] [I] Skipped inference phase since --skipInference is added.")
