@@ -169,6 +169,16 @@ def test_dynamic_batch_model_keeps_its_dynamic_dim(tmp_path):
     # subgraphs were extracted at the given shapes
     sub = next((rd / "autotune" / "subgraphs").glob("*.onnx"))
     assert onnx.load(str(sub)).graph.input[0].type.tensor_type.shape.dim[0].dim_value == 4
+    import importlib.util
+
+    if importlib.util.find_spec("tensorrt_rtx_bindings") or importlib.util.find_spec("tensorrt_rtx"):
+        from pipeline.backends import create_backend
+        from tests.conftest import compose
+
+        rtx = create_backend(compose(["backend=tensorrt_rtx"]).backend)
+        for name in ("optimized_raw", "optimized_final"):  # dynamic batch: built with an optimization profile
+            res = rtx.build(rd / "autotune" / f"{name}.onnx", tmp_path / f"{name}.engine", tmp_path / f"{name}.log")
+            assert res.engine_path.stat().st_size > 0
 
 
 @pytest.mark.slow
