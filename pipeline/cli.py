@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import register_configs
 from pipeline.errors import ConfigError, PipelineError
@@ -183,23 +184,57 @@ def _precheck(argv: list[str]) -> None:
 
 
 @hydra.main(config_path="pkg://conf", config_name="tune", version_base="1.3")
-def _hydra_app(cfg: DictConfig) -> None:
+def _hydra_app(cfg: DictConfig) -> tuple[float, float] | None:
+    """One run; in a multirun, returns (speedup, accuracy drop) of the shipped model for sweepers."""
     from hydra.core.hydra_config import HydraConfig
 
     from pipeline.runner import run_pipeline
     from pipeline.summary import print_summary
 
-    results_dir = Path(HydraConfig.get().runtime.output_dir)
+    hc = HydraConfig.get()
+    results_dir = Path(hc.runtime.output_dir)
+    multirun = hc.mode == RunMode.MULTIRUN
+    if multirun:
+        _job_status(results_dir, cfg, "running")
     try:
         summary = run_pipeline(cfg, results_dir)
     except PipelineError as exc:
         log.debug("failure", exc_info=True)
-        _fail(str(exc), exc.exit_code)
+        if not multirun:
+            _fail(str(exc), exc.exit_code)
+        # one failed job of a sweep must not stop the others: it becomes a row of the summary
+        print(f"tune: error: {exc}", file=sys.stderr)
+        _job_status(results_dir, cfg, "failed", str(exc))
+        return None
     except KeyboardInterrupt:
         print(f"\ntune: interrupted; state saved in {results_dir}. Re-run the same command to resume.",
               file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
     print_summary(summary, results_dir)
+    if multirun:
+        from pipeline.sweep import job_objectives
+
+        _job_status(results_dir, cfg, "done")
+        return job_objectives(summary)
+    return None
+
+
+def _job_status(results_dir: Path, cfg: DictConfig, status: str, reason: str | None = None) -> None:
+    """results_dir/job.json of a multirun job: what the sweep summary reads besides the manifest."""
+    import socket
+
+    from hydra.core.hydra_config import HydraConfig
+
+    from pipeline.artifacts import atomic_write_json
+    from pipeline.config import enum_value
+    from pipeline.sweep import reproduce_command
+
+    hc = OmegaConf.to_container(HydraConfig.get(), resolve=False)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(results_dir / "job.json", {
+        "status": status, "reason": reason, "host": socket.gethostname(),
+        "backend": enum_value(cfg.backend.name), "command": reproduce_command(hc),
+    })
 
 
 def _group_listing() -> str:

@@ -37,6 +37,38 @@ def _version() -> str:
 _VERSION = _version()
 
 
+_PACKAGES = ("qdq-tune", "onnx", "onnxruntime", "torch", "numpy", "hydra-core", "onnx-graphsurgeon",
+             "tensorrt", "tensorrt-rtx-cu13-bindings")
+
+
+def environment() -> dict[str, Any]:
+    """What a result depends on besides the config: host, Python, package versions, CPU and GPU."""
+    import platform
+    import shutil
+    import socket
+    import subprocess
+    from importlib.metadata import PackageNotFoundError, version
+
+    from pipeline.cpu import describe
+
+    packages = {}
+    for name in _PACKAGES:
+        try:
+            packages[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    gpus: list[str] = []
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=10)
+            gpus = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return {"host": socket.gethostname(), "python": platform.python_version(), "packages": packages,
+            "cpu": describe(), "gpus": gpus}
+
+
 def _outputs_intact(manifest: Manifest, entry: dict[str, Any]) -> bool:
     for rec in entry.get("outputs", {}).values():
         p = manifest.results_dir / rec["path"]
@@ -70,6 +102,7 @@ def run_pipeline(cfg: DictConfig, results_dir: Path) -> dict[str, Any]:
             log.warning("took over a stale lock in %s (pid %s is gone)", results_dir,
                         lock.took_over_from.get("pid", "?"))
         manifest = Manifest(results_dir)
+        manifest.data["environment"] = environment()  # of the latest invocation
         ctx = StageContext(cfg=cfg, results_dir=results_dir, manifest=manifest, log=log)
         rerun_rest = bool(cfg.get("force", False))
         for stage in stages:
