@@ -237,6 +237,21 @@ def _job_status(results_dir: Path, cfg: DictConfig, status: str, reason: str | N
     })
 
 
+def _job_dirname(override_dirname: str, num: int) -> str:
+    """A multirun job's folder: its overrides, or (past what file systems allow in one name) its job
+    number and a hash of them (the overrides are in the job's .hydra/overrides.yaml either way)."""
+    import hashlib
+
+    if all(len(part.encode()) <= 200 for part in str(override_dirname).split("/")):
+        return str(override_dirname)
+    return f"job{int(num)}_{hashlib.sha1(str(override_dirname).encode()).hexdigest()[:10]}"
+
+
+# registered on import: launchers that run jobs in other processes (Ray) resolve the sweep subdir there
+if not OmegaConf.has_resolver("tune_job_dir"):
+    OmegaConf.register_new_resolver("tune_job_dir", _job_dirname)
+
+
 def _group_listing() -> str:
     """Config groups and their options for `tune --help` (schemas, stored as base_*, are not options)."""
     import conf
