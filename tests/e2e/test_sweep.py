@@ -114,8 +114,8 @@ def test_ray_launcher_runs_jobs_on_a_local_instance(tmp_path):
         pytest.skip("the ray extra is not installed (pip install 'qdq-tune[ray]')")
     rd = tmp_path / "ray"
     proc = run_tune(["-m", "hydra/launcher=ray", "seed=1,2", "stages=[export]", f"results_dir={rd}",
-                     "model.epochs=1", "progress=false", "hydra.launcher.ray.init.num_cpus=2",
-                     "hydra.launcher.ray.remote.num_cpus=1", "hydra.launcher.ray.remote.num_gpus=0"],
+                     "model.epochs=1", "progress=false", "+hydra.launcher.ray.init.num_cpus=2",
+                     "+hydra.launcher.ray.remote.num_cpus=1", "+hydra.launcher.ray.remote.num_gpus=0"],
                     cwd=tmp_path, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads((rd / "multirun" / "summary.json").read_text())
