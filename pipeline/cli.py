@@ -159,6 +159,9 @@ def _precheck(argv: list[str]) -> None:
         return  # let Hydra print its own usage error
     if args.help or args.hydra_help or args.info or args.shell_completion:
         return
+    if args.multirun and args.cfg:
+        _fail("-m and --cfg cannot be combined: print one job's config with --cfg job and single values",
+              EXIT_USAGE)
     overrides = [o for o in args.overrides if not o.startswith("hydra.") and not o.startswith("hydra/")]
     GlobalHydra.instance().clear()
     try:

@@ -123,3 +123,9 @@ def test_ray_launcher_runs_jobs_on_a_local_instance(tmp_path):
     assert all(r["status"] == "done" for r in s["jobs"])
     for r in s["jobs"]:
         assert (Path(r["dir"]) / "export" / "model.onnx").exists()
+
+
+def test_multirun_with_cfg_is_a_one_line_error(tmp_path):
+    proc = run_tune(["-m", "seed=1,2", "--cfg", "job"], cwd=tmp_path)
+    assert proc.returncode == 2 and "-m and --cfg cannot be combined" in proc.stderr
+    assert "Traceback" not in proc.stderr
