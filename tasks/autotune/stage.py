@@ -248,6 +248,7 @@ class AutotuneStage(Stage):
         finally:
             for b in bars.values():
                 b.close()
+        raw = self._check_raw(backend, out / "optimized_raw.onnx", judge)
         tuned = out / "optimized_tuned.onnx"
         save_model(result.tuner.export_model(assignment=result.assignment), tuned)
         tuning_s = time.time() - t0
@@ -258,8 +259,9 @@ class AutotuneStage(Stage):
         metrics.update(
             mode="subgraph", fusion_groups=len(groups), groups=result.groups, distinct_groups=result.keys,
             measurements=result.measurements, full_model_measurements=result.full_model_measurements,
-            subgraph_measurements=result.measurements - result.full_model_measurements, kept_groups=kept, tuning_seconds=round(tuning_s, 1),
-            incremental_validation=bool(a.incremental_validation), group_report=result.report,
+            subgraph_measurements=result.measurements - result.full_model_measurements, kept_groups=kept,
+            tuning_seconds=round(tuning_s, 1),
+            incremental_validation=bool(a.incremental_validation), group_report=result.report, raw=raw,
             quant_type=config.default_quant_type, placement=config.placement, budget=budget.describe(),
             weight_range=config.weight_range, float_nodes=config.float_nodes,
             defaulted_scales=len(calibration.defaulted),
@@ -276,6 +278,21 @@ class AutotuneStage(Stage):
         if graph_json is not None and graph_json.parent == out:
             artifacts[f"autotune/{graph_json.name}"] = graph_json
         return StageResult(artifacts, metrics)
+
+    @staticmethod
+    def _check_raw(backend, path: Path, judge) -> dict[str, Any]:
+        """optimized_raw.onnx (every local winner, unvalidated) is run once and judged on the held-out
+        batches, so its report line says whether it loads, runs and meets the budget."""
+        try:
+            with backend.prepare(path) as pm:
+                verdict = judge(pm)
+        except Exception as exc:  # noqa: BLE001 - reported, not shipped
+            log.warning("autotune: optimized_raw.onnx does not run on %s: %s", backend.name, first_line(exc))
+            return {"runs": False, "error": first_line(exc)}
+        if not verdict.ok:
+            log.warning("autotune: optimized_raw.onnx (all local winners, unvalidated) misses the accuracy budget: %s",
+                        verdict.what)
+        return {"runs": True, "accuracy": verdict.to_dict()}
 
     @staticmethod
     def _fusion_groups(cfg: DictConfig, backend, model_path: Path, model, out: Path, name: str):
@@ -428,8 +445,12 @@ def write_group_report(path: Path, metrics: dict[str, Any]) -> None:
         f"Shipped: {metrics['shipped']} ({metrics['shipped_reason']}).", "",
         f"{metrics['fusion_groups']} fusion groups, {metrics['groups']} with something to quantize, "
         f"{metrics['distinct_groups']} distinct (each measured once on its subgraph); {metrics['measurements']} "
-        f"measurements in {metrics['tuning_seconds']:.0f} s; incremental validation "
+        f"measurements ({metrics['tuning_seconds']:.0f} s of tuning in this invocation); incremental validation "
         f"{'on' if metrics['incremental_validation'] else 'off'}, {metrics['kept_groups']} groups kept.", "",
+        "optimized_raw.onnx (every local winner, unvalidated): " + (
+            f"runs; accuracy {metrics['raw']['accuracy']['what']}"
+            f"{'' if metrics['raw']['accuracy']['ok'] else ' (OVER BUDGET)'}" if metrics["raw"].get("runs")
+            else f"does not run ({metrics['raw'].get('error')})") + ".", "",
         "| group | instances | nodes | scheme (subgraph) | local gain | validation | full model | note |",
         "|---|---|---|---|---|---|---|---|",
     ]
