@@ -159,6 +159,8 @@ def write_summary(sweep_dir: Path) -> dict[str, Any] | None:
         r["comparable"] = r["job"] not in flagged
         r["label"] = ",".join(o for o in r["overrides"] if o.split("=", 1)[0] in varying) or r["job"]
     rows.sort(key=lambda r: (r["status"] != "done", -(r["speedup"] or 0.0), r["job"]))
+    for k, r in enumerate(rows, 1):
+        r["rank"] = k  # the number the chart labels each job with
     ok = [r for r in rows if r["status"] == "done" and r["speedup"] is not None and r["accuracy_ok"]]
     best = max(ok, key=lambda r: r["speedup"])["job"] if ok else None
     summary = {"sweep_dir": str(sweep_dir), "jobs": rows, "best": best, "pareto": pareto(rows),
@@ -189,7 +191,7 @@ def _markdown(s: dict[str, Any]) -> str:
         lines += [f"**Latencies of {names} are not comparable**: these jobs timed at "
                   f"the same time on one machine's CPU (a parallel launcher); run timing sweeps with the default "
                   f"sequential launcher or one job per machine.", ""]
-    lines += ["| | job | status | float ms | PTQ ms | tuned ms | speedup | accuracy | tuning s | measurements |",
+    lines += ["| # | job | status | float ms | PTQ ms | tuned ms | speedup | accuracy | tuning s | measurements |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mark = ("★" if r["job"] == s["best"] else "") + ("P" if r["job"] in s["pareto"] else "")
@@ -198,7 +200,7 @@ def _markdown(s: dict[str, Any]) -> str:
         if r["accuracy_ok"] is False:
             acc += " (over budget)"
         flag = "" if r["comparable"] else " (not comparable)"
-        lines.append(f"| {mark} | `{r['label']}` | {status} | {_fmt(r['float_ms'], '.3f')} | {_fmt(r['ptq_ms'], '.3f')} | "
+        lines.append(f"| {r['rank']} {mark} | `{r['label']}` | {status} | {_fmt(r['float_ms'], '.3f')} | {_fmt(r['ptq_ms'], '.3f')} | "
                      f"{_fmt(r['tuned_ms'], '.3f')}{flag} | {_fmt(r['speedup'], '.2f', 'x')} | {acc} | "
                      f"{_fmt(r['tuning_seconds'], '.0f')} | {_fmt(r['measurements'], 'd') if isinstance(r['measurements'], int) else '-'} |")
     lines += ["", "## Reproduce", ""]
@@ -223,11 +225,11 @@ def _chart(s: dict[str, Any], path: Path) -> None:
         color = "#d62728" if r["job"] == s["best"] else ("#1f77b4" if r["comparable"] else "#999999")
         if r["accuracy_drop"] is not None:
             a1.scatter(r["accuracy_drop"], r["speedup"], color=color, zorder=3)
-            a1.annotate(r["label"][:40], (r["accuracy_drop"], r["speedup"]), fontsize=7, xytext=(3, 3),
+            a1.annotate(f"#{r['rank']}", (r["accuracy_drop"], r["speedup"]), fontsize=7, xytext=(3, 3),
                         textcoords="offset points")
         if r["tuning_seconds"] is not None:
             a2.scatter(r["tuning_seconds"], r["speedup"], color=color, zorder=3)
-            a2.annotate(r["label"][:40], (r["tuning_seconds"], r["speedup"]), fontsize=7, xytext=(3, 3),
+            a2.annotate(f"#{r['rank']}", (r["tuning_seconds"], r["speedup"]), fontsize=7, xytext=(3, 3),
                         textcoords="offset points")
     front = sorted((r for r in rows if r["job"] in s["pareto"]), key=lambda r: r["accuracy_drop"])
     if front:
@@ -237,7 +239,7 @@ def _chart(s: dict[str, Any], path: Path) -> None:
         a1.legend(fontsize=8)
     a1.set_xlabel("accuracy drop vs float (points)")
     a1.set_ylabel("speedup vs float (p10)")
-    a1.set_title("speed vs accuracy (red: fastest within budget)")
+    a1.set_title("speed vs accuracy (#: row of summary.md; red: fastest within budget)", fontsize=10)
     a2.set_xlabel("tuning wall time (s)")
     a2.set_ylabel("speedup vs float (p10)")
     a2.set_title("speed vs tuning time")
