@@ -222,6 +222,10 @@ class AutotuneStage(Stage):
         out = ctx.stage_dir("autotune")
         _, warmup, timing, rounds = settings_
         bench.close()
+        region_only = [k for k in ("pattern_cache", "state_file", "qdq_baseline") if a[k]]
+        if region_only:
+            log.warning("autotune: %s only apply to autotune.mode=region; subgraph mode ignores them",
+                        ", ".join(f"autotune.{k}" for k in region_only))
         t0 = time.time()
         groups, graph_json, source = self._fusion_groups(cfg, backend, baseline_path, model, out,
                                                          inputs["export/model.onnx"].stem)
