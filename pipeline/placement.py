@@ -138,6 +138,21 @@ class GraphIndex:
     def is_activation(self, tensor: str) -> bool:
         return bool(tensor) and tensor not in self.constants and tensor in self.float_tensors
 
+    def boundaries(self, nodes: list[int]) -> tuple[list[str], list[str]]:
+        """(inputs, outputs) of a set of graph.node indices: the non-initializer tensors it reads from
+        outside, in first-use order, and the tensors it produces that a node outside reads or that
+        are graph outputs, in production order."""
+        graph_nodes = self.model.graph.node
+        members = [graph_nodes[i] for i in nodes]
+        inside = {n.name for n in members}
+        produced = [o for n in members for o in n.output if o]
+        mine = set(produced)
+        ins = list(dict.fromkeys(t for n in members for t in n.input
+                                 if t and t not in mine and t not in self.inits))
+        outs = [t for t in produced if t in self.graph_outputs
+                or any(c.name not in inside for c, _ in self.consumers.get(t, ()))]
+        return ins, outs
+
     def weight_shape(self, tensor: str) -> tuple[int, ...]:
         """Shape of an initializer, read from its header (no decoding of the values)."""
         return tuple(int(d) for d in self.inits[tensor].dims)

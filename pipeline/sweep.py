@@ -115,13 +115,13 @@ def collect_jobs(sweep_dir: Path) -> list[dict[str, Any]]:
 
 def _varying(rows: list[dict[str, Any]]) -> set[str]:
     """Override keys whose values differ between jobs (what the sweep sweeps)."""
-    values: dict[str, set[str]] = {}
+    values: dict[str, list[str]] = {}
     for r in rows:
         for o in r["overrides"]:
             k, _, v = o.partition("=")
-            values.setdefault(k, set()).add(v)
-    return {k for k, vs in values.items() if len(vs) > 1 or sum(k == o.partition("=")[0] for r in rows
-                                                                   for o in r["overrides"]) < len(rows)}
+            values.setdefault(k, []).append(v)
+    # a key some jobs lack varies as well
+    return {k for k, vs in values.items() if len(set(vs)) > 1 or len(vs) < len(rows)}
 
 
 def _overlapping(rows: list[dict[str, Any]]) -> set[str]:

@@ -190,6 +190,29 @@ class Backend:
             return pm.run(feeds)
 
 
+@contextlib.contextmanager
+def prepared_models(backend: Backend, model_paths: list[str | Path], profile: bool = False
+                    ) -> Iterator[tuple[list[PreparedModel | None], list[str | None]]]:
+    """Prepare every model (``profile``: with per-layer timing); one that cannot be prepared is None
+    with its error. All are closed on the way out, also on Ctrl-C."""
+    prepared: list[PreparedModel | None] = []
+    errors: list[str | None] = []
+    try:
+        for p in model_paths:
+            try:
+                prepared.append(backend.prepare(p, profile=profile) if profile else backend.prepare(p))
+                errors.append(None)
+            except Exception as exc:  # noqa: BLE001 - reported as a failed measurement
+                log.debug("prepare %s failed", p, exc_info=True)
+                prepared.append(None)
+                errors.append(f"{type(exc).__name__}: {exc}")
+        yield prepared, errors
+    finally:
+        for pm in prepared:
+            if pm is not None:
+                pm.close()
+
+
 def compare_interleaved(backend: Backend, model_paths: list[str | Path], rounds: int = 5,
                         runs_per_round: int | None = None, warmup_runs: int | None = None) -> list[Timing]:
     """Measure several models in alternating blocks; one Timing per model over all its samples.
@@ -199,49 +222,38 @@ def compare_interleaved(backend: Backend, model_paths: list[str | Path], rounds:
     """
     runs = runs_per_round or max(1, backend.timing_runs // max(rounds, 1))
     warm = backend.warmup_runs if warmup_runs is None else warmup_runs
-    prepared: list[PreparedModel | None] = []
-    errors: list[str | None] = []
-    try:
-        for p in model_paths:
-            try:
-                prepared.append(backend.prepare(p))
-                errors.append(None)
-            except Exception as exc:  # noqa: BLE001 - reported as a failed Timing
-                log.debug("prepare %s failed", p, exc_info=True)
-                prepared.append(None)
-                errors.append(f"{type(exc).__name__}: {exc}")
-        ready = [pm for pm in prepared if pm is not None]
-        timed = iter(compare_prepared(backend.name, ready, rounds, runs, warm))
+    with prepared_models(backend, model_paths) as (prepared, errors):
+        timed = iter(compare_prepared(backend.name, [pm for pm in prepared if pm is not None], rounds, runs, warm))
         return [next(timed) if pm is not None else Timing.failed(backend.name, e or "not prepared")
                 for pm, e in zip(prepared, errors, strict=True)]
-    finally:
-        for pm in prepared:
-            if pm is not None:
-                pm.close()
 
 
-def compare_prepared(backend_name: str, prepared: list[PreparedModel], rounds: int = 5, runs_per_round: int = 1,
-                     warmup_runs: int = 0) -> list[Timing]:
-    """Time already prepared models in alternating blocks; one Timing per model (the caller closes them).
+def time_interleaved(prepared: list[PreparedModel | None], rounds: int, runs_per_round: int, warmup_runs: int = 0,
+                     errors: list[str | None] | None = None) -> tuple[list[list[list[float]]], list[str | None]]:
+    """Time prepared models in alternating blocks: per model, one list of run times per round, and
+    its error (None models, and models with an error already, are skipped).
 
     Each model is warmed up once (``warmup_runs``); each round times every model for
     ``runs_per_round`` runs after one untimed run (the previous model's worker threads slow the
-    first run after a switch). A model whose runs raise gets a failed Timing and drops out; the
-    others go on.
+    first run after a switch). A model whose runs raise keeps its error and drops out; the others
+    go on.
     """
     n = len(prepared)
-    samples: list[list[float]] = [[] for _ in prepared]
-    errors: list[str | None] = [None] * n
+    blocks: list[list[list[float]]] = [[] for _ in prepared]
+    errors = list(errors) if errors is not None else [None] * n
+    for i, pm in enumerate(prepared):
+        if pm is None:
+            errors[i] = errors[i] or "not prepared"
 
     def fail(i: int, exc: Exception) -> None:
         log.debug("timing model %d of %d failed", i + 1, n, exc_info=True)
         errors[i] = f"{type(exc).__name__}: {exc}"
 
     for i, pm in enumerate(prepared):
-        if warmup_runs:
+        if warmup_runs and errors[i] is None:
             try:
-                pm.time_runs(warmup_runs)
-            except Exception as exc:  # noqa: BLE001 - reported as a failed Timing
+                pm.time_runs(warmup_runs)  # type: ignore[union-attr]
+            except Exception as exc:  # noqa: BLE001 - reported as a failed measurement
                 fail(i, exc)
     for r in range(rounds):
         # rotate the order every round: each model follows every other one equally often, so
@@ -251,13 +263,21 @@ def compare_prepared(backend_name: str, prepared: list[PreparedModel], rounds: i
                 continue
             pm = prepared[i]
             try:
-                pm.time_runs(1)
-                samples[i].extend(pm.time_runs(runs_per_round))
-            except Exception as exc:  # noqa: BLE001 - reported as a failed Timing
+                pm.time_runs(1)  # type: ignore[union-attr]
+                blocks[i].append(pm.time_runs(runs_per_round))  # type: ignore[union-attr]
+            except Exception as exc:  # noqa: BLE001 - reported as a failed measurement
                 fail(i, exc)
-    return [Timing.from_samples(s, backend_name) if e is None and s else
+    return blocks, errors
+
+
+def compare_prepared(backend_name: str, prepared: list[PreparedModel], rounds: int = 5, runs_per_round: int = 1,
+                     warmup_runs: int = 0) -> list[Timing]:
+    """Time already prepared models (``time_interleaved``); one Timing per model over all its runs
+    (the caller closes them)."""
+    blocks, errors = time_interleaved(list(prepared), rounds, runs_per_round, warmup_runs)
+    return [Timing.from_samples([t for b in bl for t in b], backend_name) if e is None and bl else
             Timing.failed(backend_name, e or "no timed runs")
-            for s, e in zip(samples, errors, strict=True)]
+            for bl, e in zip(blocks, errors, strict=True)]
 
 
 def specs_of(model_path: str | Path) -> list[InputSpec]:

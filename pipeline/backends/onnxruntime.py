@@ -235,27 +235,32 @@ class OnnxRuntimeBackend(Backend):
             so.optimized_model_filepath = optimized_path
         return so
 
-    def session(self, model_path: str | Path, optimized_path: str | None = None) -> Any:
+    def session(self, model_path: str | Path, optimized_path: str | None = None,
+                profile_prefix: str | None = None) -> Any:
+        """A session with this backend's options; ``optimized_path`` saves the graph ORT runs,
+        ``profile_prefix`` turns its profiler on."""
         import onnxruntime as ort
 
         so = self.session_options(optimized_path)
+        if profile_prefix:
+            so.enable_profiling = True
+            so.profile_file_prefix = profile_prefix
         disable_qdq_fusion_if_fp8(so, model_path)
         return ort.InferenceSession(str(model_path), sess_options=so, providers=list(self.cfg.providers))
 
     def prepare(self, model_path: str | Path, profile: bool = False) -> OrtPrepared:
         if not profile:
             return OrtPrepared(self.session(model_path), specs_of(model_path))
+        import shutil
         import tempfile
 
-        import onnxruntime as ort
-
         workdir = Path(tempfile.mkdtemp(prefix="qdq-tune-ort-profile-"))
-        so = self.session_options(str(workdir / "optimized.onnx"))
-        so.enable_profiling = True
-        so.profile_file_prefix = str(workdir / "profile")
-        disable_qdq_fusion_if_fp8(so, model_path)
-        session = ort.InferenceSession(str(model_path), sess_options=so, providers=list(self.cfg.providers))
-        optimized = onnx.load(str(workdir / "optimized.onnx"), load_external_data=False)
+        try:
+            session = self.session(model_path, str(workdir / "optimized.onnx"), str(workdir / "profile"))
+            optimized = onnx.load(str(workdir / "optimized.onnx"), load_external_data=False)
+        except BaseException:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
         return OrtProfiled(session, specs_of(model_path), workdir, optimized)
 
     def prepare_reference(self, model_path: str | Path) -> OrtPrepared:
@@ -282,8 +287,6 @@ class OnnxRuntimeBackend(Backend):
         seconds = time.perf_counter() - t0
         info: dict[str, Any] = {"build_seconds": round(seconds, 3), **self.describe()}
         if out_path is not None:
-            import onnx
-
             ops: dict[str, int] = {}
             for node in onnx.load(str(out_path), load_external_data=False).graph.node:
                 ops[node.op_type] = ops.get(node.op_type, 0) + 1

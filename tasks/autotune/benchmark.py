@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.backends import Backend, PreparedModel
-from pipeline.errors import first_line
+from pipeline.backends.base import prepared_models, time_interleaved
 from pipeline.graph import model_hash
 from tasks.autotune.scheme import Measurement
 
@@ -143,39 +143,13 @@ class ProfiledTiming:
 
 def compare_profiled(backend: Backend, paths: list[Path], rounds: int, runs_per_round: int,
                      warmup_runs: int) -> list[ProfiledTiming]:
-    """Interleaved rounds over all models (the first is the reference), each prepared with per-layer
-    profiling: one untimed run after every switch, then ``runs_per_round`` timed runs."""
-    prepared: list[PreparedModel | None] = []
-    errors: list[str | None] = []
-    for p in paths:
-        try:
-            prepared.append(backend.prepare(p, profile=True))
-            errors.append(None)
-        except Exception as exc:  # noqa: BLE001 - a scheme the runtime rejects is a failed measurement
-            prepared.append(None)
-            errors.append(f"{type(exc).__name__}: {first_line(exc)}")
-    totals: list[list[float]] = [[] for _ in paths]
-    try:
-        for k, pm in enumerate(prepared):
-            if pm is not None:
-                try:
-                    pm.time_runs(max(1, warmup_runs))
-                except Exception as exc:  # noqa: BLE001
-                    errors[k] = f"{type(exc).__name__}: {first_line(exc)}"
-        live = [k for k in range(len(paths)) if errors[k] is None]
-        for r in range(rounds):
-            for k in (live if r % 2 == 0 else live[::-1]):
-                try:
-                    prepared[k].time_runs(1)  # type: ignore[union-attr]
-                    totals[k].append(min(prepared[k].time_runs(runs_per_round)))  # type: ignore[union-attr]
-                except Exception as exc:  # noqa: BLE001
-                    errors[k] = f"{type(exc).__name__}: {first_line(exc)}"
-        computes = [_round_compute(pm) if pm is not None and errors[k] is None else None
-                    for k, pm in enumerate(prepared)]
-    finally:
-        for pm in prepared:
-            if pm is not None:
-                pm.close()
+    """``time_interleaved`` over models prepared with per-layer profiling (the first is the reference)."""
+    with prepared_models(backend, paths, profile=True) as (prepared, errors):
+        # a warm-up call always: _round_compute reads the profile's calls as warm-up, then switch + block
+        blocks, errors = time_interleaved(prepared, rounds, runs_per_round, max(1, warmup_runs), errors)
+        computes = [_round_compute(pm) if pm is not None and e is None else None
+                    for pm, e in zip(prepared, errors, strict=True)]
+    totals = [[min(b) for b in bl] for bl in blocks]
     out = []
     for k in range(len(paths)):
         if errors[k] is not None or len(totals[k]) != rounds:

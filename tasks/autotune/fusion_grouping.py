@@ -114,29 +114,17 @@ def _connected(n: int, links: list[tuple[int, int]]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _as_groups(model: onnx.ModelProto, groups: list[tuple[list[int], list[str], list[str], tuple[str, ...]]]
-               ) -> list[FusionGroup]:
+def _as_groups(model: onnx.ModelProto, groups: list[tuple[list[int], list[str], list[str], tuple[str, ...]]],
+               index=None) -> list[FusionGroup]:
     from pipeline.placement import GraphIndex
 
-    index = GraphIndex(model)
+    index = index or GraphIndex(model)
     out: list[FusionGroup] = []
     for gid, (nodes, ins, outs, fused) in enumerate(sorted(groups, key=lambda g: g[0][0])):
         region = Region(gid, RegionType.LEAF, 1, nodes=nodes, inputs=ins, outputs=outs)
         pattern, _ = RegionPattern.with_order(region, model, index)
         out.append(FusionGroup(region, tuple(model.graph.node[i].name for i in nodes), fused, pattern.signature))
     return out
-
-
-def _boundaries(model: onnx.ModelProto, nodes: list[int]) -> tuple[list[str], list[str]]:
-    """Activation tensors a node set reads from outside, and those it produces for outside (or as outputs)."""
-    g = model.graph
-    inits = {i.name for i in g.initializer}
-    inside = set(nodes)
-    produced = {o for i in nodes for o in g.node[i].output}
-    ins = sorted({t for i in nodes for t in g.node[i].input if t and t not in produced and t not in inits})
-    read_outside = {t for k, n in enumerate(g.node) if k not in inside for t in n.input}
-    outs = sorted(t for t in produced if t in read_outside or t in {o.name for o in g.output})
-    return ins, outs
 
 
 def trt_fusion_groups(model: onnx.ModelProto, layer_info: dict) -> list[FusionGroup]:
@@ -146,6 +134,9 @@ def trt_fusion_groups(model: onnx.ModelProto, layer_info: dict) -> list[FusionGr
 
     if "layers" not in layer_info:
         layer_info = parse_layer_info(layer_info, "graph json")
+    from pipeline.placement import GraphIndex
+
+    index = GraphIndex(model)
     names = {n.name: k for k, n in enumerate(model.graph.node)}
     layers = [(rec, [names[x] for x in rec.get("onnx_nodes", []) if x in names]) for rec in layer_info["layers"]]
     layers = [(rec, nodes) for rec, nodes in layers if nodes]
@@ -156,9 +147,9 @@ def trt_fusion_groups(model: onnx.ModelProto, layer_info: dict) -> list[FusionGr
     groups = []
     for ks in _connected(len(layers), [(k, owner[n]) for k, (_, nodes) in enumerate(layers) for n in nodes]):
         nodes = sorted({n for k in ks for n in layers[k][1]})
-        ins, outs = _boundaries(model, nodes)
+        ins, outs = index.boundaries(nodes)
         groups.append((nodes, ins, outs, tuple(str(layers[k][0].get("LayerType", "?")) for k in ks)))
-    return _as_groups(model, groups)
+    return _as_groups(model, groups, index)
 
 
 def ort_fusion_groups(model: onnx.ModelProto, level: str = "extended") -> list[FusionGroup]:

@@ -322,6 +322,9 @@ class AutotuneStage(Stage):
                 info = json.loads(path.read_text())
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise InputError(f"autotune.graph_json={a.graph_json} is not JSON ({first_line(exc)})") from None
+            if not isinstance(info, (dict, list)):
+                raise InputError(f"autotune.graph_json={a.graph_json} is not TensorRT layer information (expected "
+                                 f"an object with 'Layers', as trtexec --exportLayerInfo writes)")
             groups = trt_fusion_groups(model, info)
             if not groups:
                 raise InputError(f"autotune.graph_json={a.graph_json} names none of this model's nodes in its layers' "

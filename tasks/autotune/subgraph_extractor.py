@@ -20,6 +20,7 @@ from onnx import helper, numpy_helper
 
 from pipeline.errors import StageError, first_line
 from pipeline.graph import graph_inputs, input_specs
+from pipeline.placement import GraphIndex
 from tasks.autotune.region import Region, RegionType
 
 
@@ -27,25 +28,6 @@ from tasks.autotune.region import Region, RegionType
 class TensorInfo:
     shape: tuple[int, ...]
     elem_type: int
-
-
-def boundaries(model: onnx.ModelProto, nodes: list[int]) -> tuple[list[str], list[str]]:
-    """(inputs, outputs) of a node set: non-constant tensors it reads from outside, in first-use order,
-    and tensors it produces that are read outside or are graph outputs, in graph order."""
-    g = model.graph
-    inits = {i.name for i in g.initializer}
-    produced = [o for i in nodes for o in g.node[i].output if o]
-    inside = set(nodes)
-    mine = set(produced)
-    ins: list[str] = []
-    for i in nodes:
-        for t in g.node[i].input:
-            if t and t not in mine and t not in inits and t not in ins:
-                ins.append(t)
-    read_outside = {t for k, n in enumerate(g.node) if k not in inside for t in n.input}
-    graph_outs = {o.name for o in g.output}
-    outs = [t for t in produced if t in read_outside or t in graph_outs]
-    return ins, outs
 
 
 def tensor_infos(model: onnx.ModelProto, tensors: list[str], shapes: dict[str, list[int]] | None = None
@@ -74,7 +56,7 @@ def tensor_infos(model: onnx.ModelProto, tensors: list[str], shapes: dict[str, l
     except Exception as exc:  # noqa: BLE001 - ORT's errors are generic
         raise StageError(f"autotune: cannot run the float model to read subgraph boundary shapes: "
                          f"{first_line(exc)}") from None
-    values.update({k: v for k, v in feeds.items()})
+    values.update(feeds)
     out = {}
     for t in tensors:
         v = np.asarray(values[t])
@@ -82,20 +64,20 @@ def tensor_infos(model: onnx.ModelProto, tensors: list[str], shapes: dict[str, l
     return out
 
 
-def extract_subgraph(model: onnx.ModelProto, nodes: list[int], infos: dict[str, TensorInfo],
+def extract_subgraph(index: GraphIndex, nodes: list[int], infos: dict[str, TensorInfo],
                      name: str) -> tuple[onnx.ModelProto, Region]:
-    """The nodes as a model of their own (static boundary shapes from ``infos``), and the LEAF region
-    covering it. Constant-node outputs it reads become initializers; other inputs are graph inputs."""
+    """The nodes of ``index.model`` as a model of their own (static boundary shapes from ``infos``),
+    and the LEAF region covering it. Constant-node outputs it reads become initializers; other
+    inputs are graph inputs."""
+    model = index.model
     g = model.graph
-    ins, outs = boundaries(model, nodes)
-    inits = {i.name: i for i in g.initializer}
-    producer = {o: n for n in g.node for o in n.output}
+    ins, outs = index.boundaries(nodes)
     sub_nodes = [g.node[i] for i in sorted(nodes)]
     used = {t for n in sub_nodes for t in n.input if t}
-    initializers = [inits[t] for t in sorted(used) if t in inits]
+    initializers = [index.inits[t] for t in sorted(used) if t in index.inits]
     graph_ins = []
     for t in ins:
-        p = producer.get(t)
+        p = index.producer.get(t)
         value = next((a.t for a in p.attribute if a.name == "value"), None) if p is not None and \
             p.op_type == "Constant" else None
         if value is not None:

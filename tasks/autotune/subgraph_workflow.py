@@ -45,7 +45,7 @@ from tasks.autotune.fusion_grouping import FusionGroup
 from tasks.autotune.insertion_points import InsertionPoint
 from tasks.autotune.region import Region, RegionType
 from tasks.autotune.scheme import InsertionScheme, Measurement
-from tasks.autotune.subgraph_extractor import boundaries, extract_subgraph, reuse_key, tensor_infos
+from tasks.autotune.subgraph_extractor import extract_subgraph, reuse_key, tensor_infos
 
 log = logging.getLogger("tune.autotune")
 
@@ -125,7 +125,7 @@ class SubgraphCache:
     def __init__(self, path: Path, model_sha: str, context: str | None):
         self.path = path
         self.doc: dict[str, Any] = {"version": CACHE_VERSION, "mode": "subgraph", "model_sha256": model_sha,
-                                    "context": context, "groups": {}, "phase3": {"steps": []}, "measurements": 0}
+                                    "context": context, "groups": {}, "phase3": {"steps": []}}
 
     def load(self) -> bool:
         if not self.path.exists():
@@ -148,6 +148,7 @@ class SubgraphCache:
         return True
 
     def save(self) -> None:
+        self.doc["measurements"] = self.measurements  # recorded for readers of the file
         atomic_write_text(self.path, json.dumps(self.doc, indent=1) + "\n")
 
     @property
@@ -158,8 +159,10 @@ class SubgraphCache:
     def steps(self) -> list[dict[str, Any]]:
         return self.doc["phase3"]["steps"]
 
-    def count(self) -> None:
-        self.doc["measurements"] = int(self.doc.get("measurements", 0)) + 1
+    @property
+    def measurements(self) -> int:
+        """One per profiled group (phase 2) and one per validation step (phase 3)."""
+        return len(self.groups) + len(self.steps)
 
 
 def _ranked(rec: dict[str, Any]) -> list[str]:
@@ -171,9 +174,12 @@ def _ranked(rec: dict[str, Any]) -> list[str]:
             if n != "none" and t.get("ok") and t.get(metric) is not None and t[metric] < 1.0 - MIN_LOCAL_GAIN}
     if not good:
         return []
-    best = min(good.values())
-    return sorted(good, key=lambda n: (good[n] > best * (1.0 + MIN_LOCAL_GAIN), good[n] if good[n] >
-                                       best * (1.0 + MIN_LOCAL_GAIN) else 0.0, SCHEMES.index(n)))
+    tie = min(good.values()) * (1.0 + MIN_LOCAL_GAIN)
+
+    def rank(n: str) -> tuple[float, int]:
+        return (0.0 if good[n] <= tie else good[n]), SCHEMES.index(n)
+
+    return sorted(good, key=rank)
 
 
 def subgraph_autotuning_workflow(
@@ -201,12 +207,10 @@ def subgraph_autotuning_workflow(
     # and its subgraph have the same pattern signature and the same pattern-relative points
     tuner = QDQAutotunerBase(model)
     tuner.regions = []
-    for fg in groups:
-        ins, outs = boundaries(model, fg.region.nodes)
-        tuner.regions.append(Region(len(tuner.regions), RegionType.LEAF, 1, nodes=list(fg.region.nodes),
-                                    inputs=ins, outputs=outs))
+    for k, fg in enumerate(groups):
+        ins, outs = tuner.index.boundaries(fg.region.nodes)
+        tuner.regions.append(Region(k, RegionType.LEAF, 1, nodes=list(fg.region.nodes), inputs=ins, outputs=outs))
     tuner.initialize(config, None, calibration)
-    fused = {k: fg.fused_ops for k, fg in enumerate(groups)}
     active = [r for r in tuner.regions if r.id not in tuner.skipped_regions
               and tuner.pattern_schemes[tuner.patterns[r.id].signature].candidates]
     infos = tensor_infos(model, sorted({t for r in active for t in (*r.inputs, *r.outputs)}), shapes)
@@ -233,10 +237,10 @@ def subgraph_autotuning_workflow(
         schemes = heuristic_schemes(tuner, rep)
         rec: dict[str, Any] = {
             "instances": [r.id for r in by_key[key]], "nodes": [names[i] for i in tuner.orders[rep.id]],
-            "fused_ops": list(fused.get(rep.id, ())), "pattern": tuner.patterns[rep.id].signature,
+            "fused_ops": list(groups[rep.id].fused_ops), "pattern": tuner.patterns[rep.id].signature,
             "schemes": {}, "metric": "total",
         }
-        sub, sub_region = extract_subgraph(model, rep.nodes, infos, f"group_{rep.id}")
+        sub, sub_region = extract_subgraph(tuner.index, rep.nodes, infos, f"group_{rep.id}")
         rec["subgraph"] = f"subgraphs/group_{rep.id}.onnx"
         save_model(sub, out / rec["subgraph"])
         sub_tuner = QDQAutotunerBase(sub)
@@ -253,7 +257,6 @@ def subgraph_autotuning_workflow(
         ratio = w.get("compute_ratio" if rec["metric"] == "compute" else "total_ratio")
         rec["local_gain"] = (1.0 / ratio) if rec["winner"] != "none" and ratio else 1.0
         cache.groups[key] = rec
-        cache.count()
         cache.save()
         atomic_write_text(logs / f"group_{rep.id}.json", json.dumps(rec, indent=1) + "\n")
         log.info("group %d (%s; %d instance%s): %s", rep.id, "+".join(rec["fused_ops"]) or rec["nodes"][0],
@@ -302,7 +305,7 @@ def subgraph_autotuning_workflow(
             "reason": steps[-1]["reason"] if steps else rec.get("error"),
         })
     return SubgraphResult(tuner, len(active), len(by_key), assignment, raw_assignment,
-                          int(cache.doc.get("measurements", 0)), len(cache.steps), report)
+                          cache.measurements, len(cache.steps), report)
 
 
 def _profile_group(backend: Backend, sub_tuner: QDQAutotunerBase, schemes: dict[str, InsertionScheme],
@@ -377,7 +380,6 @@ def _validate(cache: SubgraphCache, order: list[str], by_key: dict[str, list[Reg
                     m = bench.measure(data, use_cache=False)
                     step = {**_step_record(key, name, m, len(cache.steps)), "pass": pass_}
                     cache.steps.append(step)
-                    cache.count()
                     cache.save()
                     atomic_write_text(logs / f"validation_step_{step['index']}.json", json.dumps(step, indent=1) + "\n")
                     log.info("validation pass %d, step %d: group %d %s -> %s", pass_, step["index"] + 1,

@@ -21,7 +21,7 @@ from tasks.autotune.autotuner import Config, QDQAutotunerBase
 from tasks.autotune.benchmark import compare_profiled
 from tasks.autotune.fusion_grouping import ort_fusion_groups, ort_optimized_graph
 from tasks.autotune.region import Region, RegionType
-from tasks.autotune.subgraph_extractor import boundaries, extract_subgraph, reuse_key, tensor_infos
+from tasks.autotune.subgraph_extractor import extract_subgraph, reuse_key, tensor_infos
 from tasks.autotune.subgraph_workflow import SubgraphCache, _ranked, heuristic_schemes
 from tests import models
 from tests.conftest import compose
@@ -31,7 +31,7 @@ def _tuner(model: onnx.ModelProto) -> QDQAutotunerBase:
     t = QDQAutotunerBase(model)
     t.regions = []
     for g in ort_fusion_groups(model):
-        ins, outs = boundaries(model, g.region.nodes)
+        ins, outs = t.index.boundaries(g.region.nodes)
         t.regions.append(Region(len(t.regions), RegionType.LEAF, 1, nodes=list(g.region.nodes), inputs=ins,
                                 outputs=outs))
     t.initialize(Config(placement="onnxruntime", activation_type="uint8"), None, Calibration(default_scale=0.05))
@@ -56,7 +56,7 @@ def test_extracted_subgraphs_compute_what_the_full_model_computes():
     t = _tuner(model)
     infos = tensor_infos(model, sorted({x for r in t.regions for x in (*r.inputs, *r.outputs)}))
     for r in t.regions:
-        sub, region = extract_subgraph(model, r.nodes, infos, "g")
+        sub, region = extract_subgraph(t.index, r.nodes, infos, "g")
         onnx.checker.check_model(sub)
         sess = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"])
         outs = sess.run(region.outputs, {i.name: values[i.name] for i in sub.graph.input})
@@ -136,7 +136,7 @@ def test_edge_overhead_is_the_input_q_and_output_dq_and_layout_ops():
     names = [n.name for n in model.graph.node]
     conv2 = next(r for r in t.regions if names[t.orders[r.id][0]] == "conv2")
     infos = tensor_infos(model, [*conv2.inputs, *conv2.outputs])
-    sub, region = extract_subgraph(model, conv2.nodes, infos, "g")
+    sub, region = extract_subgraph(t.index, conv2.nodes, infos, "g")
     st = QDQAutotunerBase(sub)
     st.regions = [region]
     st.initialize(t.config, None, t.calibration)
@@ -182,7 +182,6 @@ def test_cache_refuses_other_models_settings_and_garbage(tmp_path):
     path = tmp_path / "autotune_cache.json"
     c = SubgraphCache(path, "abc", "ctx")
     c.groups["k"] = {"winner": "none"}
-    c.count()
     c.save()
     again = SubgraphCache(path, "abc", "ctx")
     assert again.load() and again.groups == {"k": {"winner": "none"}} and again.doc["measurements"] == 1
