@@ -20,6 +20,16 @@ def _init(rng: np.random.Generator, name: str, shape: tuple[int, ...], scale: fl
     return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
 
 
+def _head(rng: np.random.Generator, features: str, channels: int, classes: int
+          ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """GlobalAveragePool -> Flatten -> Gemm from ``features`` to the "logits" output."""
+    inits = [_init(rng, "fc_w", (classes, channels)), _init(rng, "fc_b", (classes,), 0.05)]
+    nodes = [helper.make_node("GlobalAveragePool", [features], ["gap"], name="gap"),
+             helper.make_node("Flatten", ["gap"], ["flat"], name="flatten"),
+             helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"], name="fc", transB=1)]
+    return nodes, inits
+
+
 def _model(nodes, inputs, outputs, inits, name: str) -> onnx.ModelProto:
     graph = helper.make_graph(nodes, name, inputs, outputs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="qdq-tune-tests")
@@ -33,18 +43,15 @@ def conv_chain(batch: int = 2, channels: int = 8, size: int = 16, classes: int =
     x = helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, 3, size, size])
     y = helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, classes])
     inits = [_init(rng, "w1", (channels, 3, 3, 3)), _init(rng, "b1", (channels,), 0.05),
-             _init(rng, "w2", (channels, channels, 3, 3), 0.1), _init(rng, "b2", (channels,), 0.05),
-             _init(rng, "fc_w", (classes, channels)), _init(rng, "fc_b", (classes,), 0.05)]
+             _init(rng, "w2", (channels, channels, 3, 3), 0.1), _init(rng, "b2", (channels,), 0.05)]
     nodes = [
         helper.make_node("Conv", ["input", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
         helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
         helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
         helper.make_node("Relu", ["c2"], ["r2"], name="relu2"),
-        helper.make_node("GlobalAveragePool", ["r2"], ["gap"], name="gap"),
-        helper.make_node("Flatten", ["gap"], ["flat"], name="flatten"),
-        helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"], name="fc", transB=1),
     ]
-    return _model(nodes, [x], [y], inits, "conv_chain")
+    head, head_inits = _head(rng, "r2", channels, classes)
+    return _model(nodes + head, [x], [y], inits + head_inits, "conv_chain")
 
 
 def residual_block(batch: int = 2, channels: int = 8, size: int = 16, blocks: int = 2, classes: int = 10,
@@ -66,11 +73,8 @@ def residual_block(batch: int = 2, channels: int = 8, size: int = 16, blocks: in
             helper.make_node("Add", [f"{p}_c2", h_in], [f"{p}_sum"], name=f"{p}/add"),
             helper.make_node("Relu", [f"{p}_sum"], [f"h{b + 1}"], name=f"{p}/relu2"),
         ]
-    inits += [_init(rng, "fc_w", (classes, channels)), _init(rng, "fc_b", (classes,), 0.05)]
-    nodes += [helper.make_node("GlobalAveragePool", [f"h{blocks}"], ["gap"], name="gap"),
-              helper.make_node("Flatten", ["gap"], ["flat"], name="flatten"),
-              helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"], name="fc", transB=1)]
-    return _model(nodes, [x], [y], inits, "residual_block")
+    head, head_inits = _head(rng, f"h{blocks}", channels, classes)
+    return _model(nodes + head, [x], [y], inits + head_inits, "residual_block")
 
 
 def attention_block(batch: int = 2, seq: int = 16, hidden: int = 32, seed: int = 0) -> onnx.ModelProto:
@@ -142,8 +146,7 @@ def outlier_branch(batch: int = 1, size: int = 16, classes: int = 10, seed: int 
     y = helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, classes])
     inits = [numpy_helper.from_array(wa, "wa"), _init(rng, "ba", (c,), 0.05),
              numpy_helper.from_array(wb, "wb"), _init(rng, "bb", (c,), 0.05),
-             _init(rng, "wc", (c, c, 3, 3), 0.2), _init(rng, "bc", (c,), 0.05),
-             _init(rng, "fc_w", (classes, c)), _init(rng, "fc_b", (classes,), 0.05)]
+             _init(rng, "wc", (c, c, 3, 3), 0.2), _init(rng, "bc", (c,), 0.05)]
     nodes = [
         helper.make_node("Conv", ["input", "wa", "ba"], ["a"], name="conv_a", pads=[1, 1, 1, 1]),
         helper.make_node("Relu", ["a"], ["ra"], name="relu_a"),
@@ -151,11 +154,9 @@ def outlier_branch(batch: int = 1, size: int = 16, classes: int = 10, seed: int 
         helper.make_node("Relu", ["b"], ["rb"], name="relu_b"),
         helper.make_node("Conv", ["rb", "wc", "bc"], ["cc"], name="conv_c", pads=[1, 1, 1, 1]),
         helper.make_node("Relu", ["cc"], ["rc"], name="relu_c"),
-        helper.make_node("GlobalAveragePool", ["rc"], ["p"], name="pool"),
-        helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
-        helper.make_node("Gemm", ["f", "fc_w", "fc_b"], ["logits"], name="fc", transB=1),
     ]
-    return _model(nodes, [x], [y], inits, "outlier_branch")
+    head, head_inits = _head(rng, "rc", c, classes)
+    return _model(nodes + head, [x], [y], inits + head_inits, "outlier_branch")
 
 
 def stateful_rnn(batch: int = 2, steps: int = 5, features: int = 16, hidden: int = 32, layers: int = 1,
