@@ -146,6 +146,22 @@ def _compose(config_dir: str | None, config_name: str, overrides: list[str]) -> 
     return cfg
 
 
+# Hydra plugins behind optional extras: group option -> (plugin module, extra)
+_PLUGINS = {"hydra/sweeper=optuna": ("hydra_plugins.hydra_optuna_sweeper", "optuna"),
+            "hydra/launcher=ray": ("hydra_plugins.hydra_ray_launcher", "ray"),
+            "hydra/launcher=ray_gpu": ("hydra_plugins.hydra_ray_launcher", "ray")}
+
+
+def _check_plugins(overrides: list[str]) -> None:
+    """A sweeper or launcher from an extra that is not installed: one line naming the extra."""
+    import importlib.util
+
+    for o in overrides:
+        module, extra = _PLUGINS.get(o, (None, None))
+        if module is not None and importlib.util.find_spec(module) is None:
+            _fail(f"{o} needs the {extra} extra: pip install 'qdq-tune[{extra}]'", EXIT_USAGE)
+
+
 def _precheck(argv: list[str]) -> None:
     """Compose and validate the config the command line asks for; exit 2 with one line if it is bad."""
     from hydra._internal.utils import get_args_parser
@@ -159,6 +175,7 @@ def _precheck(argv: list[str]) -> None:
         return  # let Hydra print its own usage error
     if args.help or args.hydra_help or args.info or args.shell_completion:
         return
+    _check_plugins(args.overrides)
     if args.multirun and args.cfg:
         _fail("-m and --cfg cannot be combined: print one job's config with --cfg job and single values",
               EXIT_USAGE)

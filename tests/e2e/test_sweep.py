@@ -130,3 +130,16 @@ def test_multirun_with_cfg_is_a_one_line_error(tmp_path):
     proc = run_tune(["-m", "seed=1,2", "--cfg", "job"], cwd=tmp_path)
     assert proc.returncode == 2 and "-m and --cfg cannot be combined" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_missing_sweep_extra_is_named(monkeypatch, capsys):
+    import importlib.util
+
+    from pipeline import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if "hydra_ray" in name else real(name, *a))
+    with pytest.raises(SystemExit) as exc:
+        cli._check_plugins(["seed=1", "hydra/launcher=ray"])
+    assert exc.value.code == 2
+    assert "hydra/launcher=ray needs the ray extra: pip install 'qdq-tune[ray]'" in capsys.readouterr().err
