@@ -152,13 +152,21 @@ _PLUGINS = {"hydra/sweeper=optuna": ("hydra_plugins.hydra_optuna_sweeper", "optu
             "hydra/launcher=ray_gpu": ("hydra_plugins.hydra_ray_launcher", "ray")}
 
 
-def _check_plugins(overrides: list[str]) -> None:
-    """A sweeper or launcher from an extra that is not installed: one line naming the extra."""
+def module_available(name: str) -> bool:
+    """Whether `name` can be imported; False (not an exception) when a parent package is missing too."""
     import importlib.util
 
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # find_spec("a.b") imports "a", which may itself be missing
+        return False
+
+
+def _check_plugins(overrides: list[str]) -> None:
+    """A sweeper or launcher from an extra that is not installed: one line naming the extra."""
     for o in overrides:
         module, extra = _PLUGINS.get(o, (None, None))
-        if module is not None and importlib.util.find_spec(module) is None:
+        if module is not None and not module_available(module):
             _fail(f"{o} needs the {extra} extra: pip install 'qdq-tune[{extra}]'", EXIT_USAGE)
 
 

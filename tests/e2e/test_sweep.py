@@ -3,7 +3,6 @@ sweeper over speed and accuracy, and jobs on a local Ray instance."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -91,9 +90,10 @@ def test_reproduce_command_names_spec_file_overrides_and_job_folder():
 
 
 @pytest.mark.slow
+@pytest.mark.extra
 def test_optuna_sweeper_searches_speed_and_accuracy(tmp_path):
-    if importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is None:
-        pytest.skip("the optuna extra is not installed (pip install 'qdq-tune[optuna]')")
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper",
+                        reason="needs the optuna extra: pip install -e '.[optuna]'")
     root = Path(__file__).resolve().parents[2]
     rd = tmp_path / "opt"
     proc = run_tune(["-m", "--config-path", str(root / "examples"), "--config-name", "optuna_digits",
@@ -110,9 +110,9 @@ def test_optuna_sweeper_searches_speed_and_accuracy(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extra
 def test_ray_launcher_runs_jobs_on_a_local_instance(tmp_path):
-    if importlib.util.find_spec("hydra_plugins.hydra_ray_launcher") is None:
-        pytest.skip("the ray extra is not installed (pip install 'qdq-tune[ray]')")
+    pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="needs the ray extra: pip install -e '.[ray]'")
     rd = tmp_path / "ray"
     proc = run_tune(["-m", "hydra/launcher=ray", "seed=1,2", "stages=[export]", f"results_dir={rd}",
                      "model.epochs=1", "progress=false", "+hydra.launcher.ray.init.num_cpus=2",
@@ -133,12 +133,13 @@ def test_multirun_with_cfg_is_a_one_line_error(tmp_path):
 
 
 def test_a_missing_sweep_extra_is_named(monkeypatch, capsys):
-    import importlib.util
-
     from pipeline import cli
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if "hydra_ray" in name else real(name, *a))
+    # a plugin whose parent namespace package is missing too is "not available", not an exception
+    assert not cli.module_available("qdq_tune_no_such_parent.hydra_ray_launcher")
+
+    real = cli.module_available
+    monkeypatch.setattr(cli, "module_available", lambda name: False if "hydra_ray" in name else real(name))
     with pytest.raises(SystemExit) as exc:
         cli._check_plugins(["seed=1", "hydra/launcher=ray"])
     assert exc.value.code == 2

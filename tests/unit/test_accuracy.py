@@ -108,6 +108,7 @@ def qemu_haswell() -> list[str] | None:
 
 
 @pytest.mark.slow
+@pytest.mark.extra
 def test_fidelity_check_fires_on_an_emulated_avx2_cpu(tmp_path):
     prefix = qemu_haswell()
     if prefix is None:

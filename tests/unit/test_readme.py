@@ -46,6 +46,40 @@ def test_usage_line_composes(line, tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
-def test_ci_runs_the_readme_test_command():
-    cmd = README.split("Run the test suite:", 1)[1].strip().splitlines()[0].strip()
-    assert cmd in (ROOT / ".ci" / "run").read_text()
+def _readme_commands() -> dict[str, str]:
+    import runpy
+
+    return runpy.run_path(str(ROOT / ".ci" / "readme_commands.py"))["commands"](README)
+
+
+def test_ci_runs_the_readme_commands_verbatim_before_the_extras():
+    cmds = _readme_commands()
+    assert cmds["setup"].startswith("python3 -m venv .venv") and cmds["setup"].endswith("&& tune")
+    assert cmds["test"] == "python -m pytest -q"
+    # the section's prose introduces each line: the set-up first, then the test suite
+    section = README.split("## The two commands", 1)[1].split("\n## ", 1)[0]
+    assert section.index(cmds["setup"]) < section.index("Run the test suite:") < section.index(cmds["test"])
+    ci = (ROOT / ".ci" / "run").read_text()
+    lines = [ln.strip() for ln in ci.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    order = [lines.index(x) for x in ('setup="$(python3 .ci/readme_commands.py setup)"',
+                                      'tests="$(python3 .ci/readme_commands.py test)"',
+                                      'eval "$setup"', 'eval "$tests"')]
+    assert order == sorted(order)
+    # the extras come after the README's commands, and only the tests that need them run again
+    assert lines.index('eval "$tests"') < min(i for i, ln in enumerate(lines) if "[optuna,ray]" in ln)
+    assert lines[-1] == "python -m pytest -q -m extra"
+
+
+def test_every_extra_test_is_marked_and_says_what_to_install():
+    """A test that needs an optional extra or qemu-user carries the `extra` marker (CI runs it again
+    after installing them) and skips naming what to install."""
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        if path.name == "test_readme.py":
+            continue
+        text = path.read_text()
+        for m in re.finditer(r"\ndef (test_\w+)\(.*?(?=\n(?:@|def |class )|\Z)", text, re.S):
+            body = m.group(0)
+            if "hydra_plugins." in body or "qemu_haswell()" in body:
+                before = text[:m.start() + 1].rstrip().splitlines()[-3:]
+                assert "@pytest.mark.extra" in before, f"{path.name}::{m.group(1)} lacks @pytest.mark.extra"
+                assert re.search(r"pip install|apt-get install", body), f"{path.name}::{m.group(1)}"
