@@ -2,10 +2,10 @@
 kernel-fidelity check.
 
 - ``AccuracyBudget`` (``autotune.accuracy.*``) says how far a quantized model may drift from the
-  float model: top-1 drop with labels; for class scores without labels, top-1 agreement or output
-  SNR (whichever holds: random-weight classifiers have near-tied logits, so agreement alone would
-  reject good models); otherwise output SNR. Explicit metrics (top1, agreement, snr, cosine) apply
-  alone.
+  float model: top-1 drop with labels; without labels every float output must meet the SNR floor on
+  its own (an embedding is never excused by argmax agreement), and for class scores top-1 agreement
+  on the decisive samples (a clear float top-1; near-tied random logits flip on any noise) must hold
+  too. Explicit metrics (top1, agreement, snr, cosine) apply alone; snr and cosine to every output.
 - ``Holdout`` is a slice of the calibration data the calibrator did not see (the batches after the
   first ``quantize.calibration.batches``), with the float model's outputs on it; ``score`` runs a
   prepared model on it and judges the result against the budget.
@@ -35,12 +35,15 @@ log = logging.getLogger("tune.accuracy")
 FIDELITY_MIN_SNR_DB = 40.0
 
 
-# ... or the kernels add at most as much noise as the quantization itself: integer kernels round at
-# other points than float Q/DQ math, which adds a fraction of the quantization noise (measured: resnet18
-# 0.26 with VNNI; digits_cnn placements 0.01-0.80 with exact U8U8 kernels on AVX2), while saturating
-# u8 x s8 kernels add more than the quantization itself (resnet18 1.9; digits_cnn even with its worst
-# conv left float 1.4)
-FIDELITY_MAX_NOISE_RATIO = 1.0
+# ... or the fused model is at most this much further from the float model than the Q/DQ reference
+# is (error energies). Integer kernels round at other points than float Q/DQ math, so with exact
+# kernels the fused model is one more quantized run of the same graph, about as far from float as the
+# reference; where quantization noise is large the two runs differ by about that noise (a paddle2onnx
+# detector on a VNNI CPU: fused-vs-reference 1.5x the quantization noise) and are still equally far
+# from float. Saturating u8 x s8 kernels add error of their own: the fused-vs-reference noise was
+# 1.9x the quantization noise for resnet18 on AVX2 (0.26x with VNNI), about 2.9x (1.3x) the
+# reference's error vs float when the two add; digits_cnn lost 65 points of top-1.
+FIDELITY_MAX_NOISE_RATIO = 2.0
 
 
 @dataclass(frozen=True)
@@ -62,38 +65,81 @@ class AccuracyBudget:
     def describe(self) -> str:
         return {"top1": f"top-1 drop <= {self.max_drop:g} points",
                 "agreement": f"top-1 agreement >= {100 - self.max_drop:g}%",
-                "snr": f"output SNR >= {self.min_snr_db:g} dB",
-                "cosine": f"output cosine >= {self.min_cosine:g}"}.get(
-            self.metric, f"top-1 drop <= {self.max_drop:g} points with labels, else agreement >= "
-                         f"{100 - self.max_drop:g}% or SNR >= {self.min_snr_db:g} dB")
+                "snr": f"SNR >= {self.min_snr_db:g} dB on every output",
+                "cosine": f"cosine >= {self.min_cosine:g} on every output"}.get(
+            self.metric, f"top-1 drop <= {self.max_drop:g} points with labels, else SNR >= {self.min_snr_db:g} dB "
+                         f"on every output and, for class scores, agreement >= {100 - self.max_drop:g}% on "
+                         f"decisive samples")
 
     def judge(self, scores: dict[str, Any], float_top1: float | None) -> AccuracyVerdict:
-        """Verdict for a model's ModelScores.result() (``float_top1``: the float model's top-1)."""
-        snr, cos, agree, top1 = scores.get("snr_db"), scores.get("cosine"), scores.get("agreement"), scores.get("top1")
+        """Verdict for a model's ModelScores.result() (``float_top1``: the float model's top-1).
+
+        Without labels every float output is held to the budget on its own (its SNR, or its cosine
+        with ``metric=cosine``) and the worst one decides; for class scores, top-1 agreement on the
+        decisive samples is an extra condition, never an excuse for a noisy output.
+        """
+        top1 = scores.get("top1")
         drop = None if top1 is None or float_top1 is None else 100.0 * (float_top1 - top1)
-        agree_drop = None if agree is None else 100.0 * (1.0 - agree)
+        agree = scores.get("agreement")
+        # ModelScores gives agreement on decisive samples; a bare dict (tests, old metrics) its plain agreement
+        decisive = scores.get("decisive_agreement") if "decisive_samples" in scores else agree
+        worst_snr, snr_out, n_out = _worst(scores, "snr_db_per_output", "snr_db")
+        worst_cos, cos_out, _ = _worst(scores, "cosine_per_output", "cosine")
         metric = self.metric
         if metric == "auto":
-            metric = "top1" if drop is not None else ("agreement_or_snr" if agree_drop is not None else "snr")
+            metric = "top1" if drop is not None else ("snr_and_agreement" if agree is not None else "snr")
         if metric == "top1" and drop is None:
-            metric = "agreement" if agree_drop is not None else "snr"
-        if metric == "agreement" and agree_drop is None:
+            metric = "agreement" if agree is not None else "snr"
+        if metric == "agreement" and agree is None:
             metric = "snr"
-        snr_ok = snr is not None and (snr == math.inf or snr >= self.min_snr_db)
+        of = f" of {n_out} outputs" if n_out > 1 else ""
+        snr_ok = worst_snr is not None and (worst_snr == math.inf or worst_snr >= self.min_snr_db)
+        snr_what = f"SNR {_db(worst_snr)} on {_name(snr_out)} (min {self.min_snr_db:g} dB{', worst' + of if of else ''})"
+        output = snr_out
         if metric == "top1":
             ok, what = drop <= self.max_drop, f"top-1 drop {drop:.2f} points (max {self.max_drop:g})"
+            output = None
         elif metric == "agreement":
-            ok, what = agree_drop <= self.max_drop, f"agreement {100 - agree_drop:.1f}% (min {100 - self.max_drop:g}%)"
-        elif metric == "agreement_or_snr":
-            ok = agree_drop <= self.max_drop or snr_ok
-            what = (f"agreement {100 - agree_drop:.1f}% (min {100 - self.max_drop:g}%), "
-                    f"SNR {_db(snr)} (min {self.min_snr_db:g} dB)")
+            ok = 100.0 * (1.0 - agree) <= self.max_drop
+            what = f"agreement {100 * agree:.1f}% (min {100 - self.max_drop:g}%)"
+        elif metric == "snr_and_agreement":
+            n_dec = scores.get("decisive_samples")
+            agree_ok = decisive is None or 100.0 * (1.0 - decisive) <= self.max_drop
+            ok = snr_ok and agree_ok
+            on = f" on {n_dec} decisive samples" if n_dec is not None else ""
+            what = snr_what + ("; agreement n/a (no decisive samples)" if decisive is None else
+                               f"; agreement {100 * decisive:.1f}%{on} (min {100 - self.max_drop:g}%)")
         elif metric == "cosine":
-            ok = cos is not None and cos >= self.min_cosine
-            what = f"cosine {cos if cos is not None else float('nan'):.4f} (min {self.min_cosine:g})"
+            ok = worst_cos is not None and worst_cos >= self.min_cosine
+            what = (f"cosine {worst_cos if worst_cos is not None else float('nan'):.4f} on {_name(cos_out)} "
+                    f"(min {self.min_cosine:g}{', worst' + of if of else ''})")
+            output = cos_out
         else:
-            ok, what = snr_ok, f"SNR {_db(snr)} (min {self.min_snr_db:g} dB)"
-        return AccuracyVerdict(bool(ok) or not self.enabled, metric, what, snr, cos, agree, top1, drop)
+            ok, what = snr_ok, snr_what
+        return AccuracyVerdict(bool(ok) or not self.enabled, metric, what, worst_snr, worst_cos, agree, top1, drop,
+                               output=_name(output) if output is not None else None)
+
+
+def _worst(scores: dict[str, Any], per_output: str, overall: str) -> tuple[float | None, str | int | None, int]:
+    """(lowest value over the float outputs, that output's name or index, number of outputs judged)."""
+    values = scores.get(per_output)
+    if not values:
+        v = scores.get(overall)
+        return v, None, 1
+    floats = scores.get("float_outputs") or [True] * len(values)
+    names = scores.get("output_names") or list(range(len(values)))
+    judged = [(v, n) for v, n, f in zip(values, names, floats, strict=False) if f and v is not None
+              and not (isinstance(v, float) and math.isnan(v))]
+    if not judged:
+        return scores.get(overall), None, 0
+    v, n = min(judged, key=lambda x: x[0])
+    return v, n, len(judged)
+
+
+def _name(output: str | int | None) -> str:
+    if output is None:
+        return "the output"
+    return f"output {output}" if isinstance(output, int) else f"output '{output}'"
 
 
 def _db(x: float | None) -> str:
@@ -111,6 +157,7 @@ class AccuracyVerdict:
     agreement: float | None = None
     top1: float | None = None
     top1_drop: float | None = None
+    output: str | None = None  # the output the verdict rests on (the worst one)
 
     def to_dict(self) -> dict[str, Any]:
         from pipeline.metrics import json_safe
@@ -135,6 +182,7 @@ class Holdout:
     reference: list[list[np.ndarray]] = field(default_factory=list)
     float_top1: float | None = None
     source: str = ""
+    output_names: list[str] | None = None
 
     @classmethod
     def from_config(cls, cfg: DictConfig, specs: list) -> Holdout:
@@ -162,11 +210,12 @@ class Holdout:
     def set_reference(self, prepared: Any) -> None:
         """Run the float model (a PreparedModel) once; its outputs are what candidates are compared with."""
         self.reference = self.outputs(prepared)
+        self.output_names = list(getattr(prepared, "output_names", None) or []) or None
         self.float_top1 = self.scores(self.reference)["top1"]
 
     def scores(self, outputs: list[list[np.ndarray]]) -> dict[str, Any]:
         """ModelScores.result() of a model's outputs on the holdout against the float outputs."""
-        s = ModelScores(top_k=1)
+        s = ModelScores(top_k=1, output_names=list(self.output_names or []))
         for ref, out, labels, valid in zip(self.reference, outputs, self.labels, self.valid, strict=True):
             s.update(ref, out, labels, valid)
         return s.result()
@@ -195,7 +244,7 @@ class FidelityResult:
     max_abs_diff: float | None = None
     batches: int = 0
     reason: str = ""
-    noise_ratio: float | None = None  # kernel noise / the model's own quantization noise
+    noise_ratio: float | None = None  # fused-vs-float error / reference-vs-float error (energies)
 
     def to_dict(self) -> dict[str, Any]:
         from pipeline.metrics import json_safe
@@ -210,18 +259,18 @@ def kernel_fidelity(backend: Any, model_path: str | Path, feeds: list[dict[str, 
     """Whether ``backend``'s fused kernels compute what ``model_path``'s Q/DQ graph says on ``feeds``.
 
     The fused outputs pass when their SNR against the reference is at least ``min_snr_db``, or, given
-    the float model's outputs on the same feeds, when the kernels add at most ``max_noise_ratio`` of
-    the model's own quantization noise (reference vs float): rounding differences between integer kernels and
-    float Q/DQ math grow with depth (resnet18: 34 dB) but stay a fraction of the quantization noise,
-    while saturating kernels add more than the quantization itself. ``prepared`` reuses a model the
-    caller prepared (not closed here). Backends without a reference runner give an unchecked result.
+    the float model's outputs on the same feeds, when the fused model is at most ``max_noise_ratio``
+    times as far from float as the reference is: two quantized runs of a noisy model differ by about
+    its quantization noise, which is no kernel fault; a faulty kernel adds error of its own.
+    ``prepared`` reuses a model the caller prepared (not closed here). Backends without a reference
+    runner give an unchecked result.
     """
     ref = backend.prepare_reference(model_path)
     if ref is None:
         return FidelityResult(False, True, reason=f"{backend.name} has no plain Q/DQ reference runner")
     own = prepared is None
     fused = backend.prepare(model_path) if own else prepared
-    quant_noise = 0.0
+    ref_err = fused_err = 0.0
     try:
         signal = noise = 0.0
         max_diff = 0.0
@@ -234,7 +283,8 @@ def kernel_fidelity(backend: Any, model_path: str | Path, feeds: list[dict[str, 
                 s, e = energies(r, o)
                 signal, noise = signal + s, noise + e
                 if floats is not None:
-                    quant_noise += energies(np.asarray(floats[j]), r)[1]
+                    ref_err += energies(np.asarray(floats[j]), r)[1]
+                    fused_err += energies(np.asarray(floats[j]), o)[1]
                 if r.size:
                     max_diff = max(max_diff, float(np.max(np.abs(r.astype(np.float64) - o))))
     finally:
@@ -242,10 +292,11 @@ def kernel_fidelity(backend: Any, model_path: str | Path, feeds: list[dict[str, 
         if own:
             fused.close()
     snr = snr_from_energies(signal, noise)
-    ratio = None if not quant_noise else noise / quant_noise
+    ratio = None if float_outputs is None else (fused_err / ref_err if ref_err else (0.0 if not fused_err else math.inf))
     ok = snr == math.inf or snr >= min_snr_db or (ratio is not None and ratio <= max_noise_ratio)
     reason = ""
     if not ok:
         reason = f"fused kernels disagree with the Q/DQ reference (output SNR {_db(snr)}"
-        reason += f", {ratio:.2f}x the quantization noise)" if ratio is not None else f" < {min_snr_db:g} dB)"
+        reason += (f"; {ratio:.2f}x the reference's error vs float)" if ratio is not None
+                   else f" < {min_snr_db:g} dB)")
     return FidelityResult(True, ok, snr, max_diff, len(feeds), reason, ratio)

@@ -89,6 +89,25 @@ def cosine_similarities(reference: np.ndarray, test: np.ndarray, valid: int | No
     return np.clip(cos, -1.0, 1.0)
 
 
+DECISIVE_MARGIN = 0.5
+
+
+def decisive_agreement(reference: np.ndarray, test: np.ndarray, valid: int | None = None,
+                       margin: float = DECISIVE_MARGIN) -> tuple[int, int]:
+    """(agreeing, compared) predictions over the valid samples (and positions) whose float top-1
+    score leads the runner-up by at least ``margin`` x the RMS of that sample's scores."""
+    if not _is_float(reference) or reference.ndim < 2 or reference.shape[-1] < 2 or not _is_float(test):
+        return 0, 0
+    batch = reference.shape[0]
+    r = valid_rows(reference, valid, batch).astype(np.float64)
+    t = valid_rows(test, valid, batch)
+    top2 = np.sort(r, axis=-1)[..., -2:]
+    rms = np.sqrt(np.mean(r * r, axis=-1))
+    decisive = (top2[..., 1] - top2[..., 0]) >= margin * rms
+    same = np.argmax(r, axis=-1) == np.argmax(t, axis=-1)
+    return int(np.sum(same & decisive)), int(np.sum(decisive))
+
+
 def energies(reference: np.ndarray, test: np.ndarray, valid: int | None = None) -> tuple[float, float]:
     """(sum of reference^2, sum of (test - reference)^2) over valid samples, in float64."""
     batch = reference.shape[0] if reference.ndim else None
@@ -135,10 +154,17 @@ class ModelScores:
     topk_possible: bool = True
     agree: int = 0
     compared: int = 0
-    cosine_sum: float = 0.0
-    cosine_n: int = 0
     signal: list[float] = field(default_factory=list)  # per output
     noise: list[float] = field(default_factory=list)
+    cosine_sums: list[float] = field(default_factory=list)  # per output (float outputs only)
+    cosine_counts: list[int] = field(default_factory=list)
+    float_outputs: list[bool] = field(default_factory=list)
+    # top-1 agreement on the samples whose float top-1 leads its runner-up by at least DECISIVE_MARGIN
+    # of the sample's score RMS: near-tied scores (random-weight classifiers) flip on any noise and say
+    # nothing about the model; a flip of a clear decision does
+    decisive_agree: int = 0
+    decisive_compared: int = 0
+    output_names: list[str] = field(default_factory=list)  # optional, for verdicts that name an output
 
     def update(self, reference: list[np.ndarray], outputs: list[np.ndarray], labels: np.ndarray | None,
                valid: int) -> None:
@@ -155,20 +181,28 @@ class ModelScores:
         a, n = prediction_agreement(ref_first, first, valid)
         self.agree += a
         self.compared += n
-        if _is_float(ref_first):
-            cos = cosine_similarities(ref_first, first, valid)
-            self.cosine_sum += float(np.sum(cos))
-            self.cosine_n += int(cos.size)
+        a, n = decisive_agreement(ref_first, first, valid)
+        self.decisive_agree += a
+        self.decisive_compared += n
         if not self.signal:
-            self.signal, self.noise = [0.0] * len(outputs), [0.0] * len(outputs)
+            k = len(outputs)
+            self.signal, self.noise = [0.0] * k, [0.0] * k
+            self.cosine_sums, self.cosine_counts = [0.0] * k, [0] * k
+            self.float_outputs = [_is_float(r) for r in reference]
         for i, (r, o) in enumerate(zip(reference, outputs, strict=True)):
             s, e = energies(r, o, valid)
             self.signal[i] += s
             self.noise[i] += e
+            if _is_float(r):
+                cos = cosine_similarities(r, o, valid)
+                self.cosine_sums[i] += float(np.sum(cos))
+                self.cosine_counts[i] += int(cos.size)
 
     def result(self) -> dict[str, Any]:
         """Metrics as plain floats; a metric that does not apply is None. SNR may be +inf here."""
         accuracy = self.labelled > 0 and self.labelled == self.samples
+        cosines = [c / n if f and n else None for c, n, f in
+                   zip(self.cosine_sums, self.cosine_counts, self.float_outputs, strict=True)]
         out: dict[str, Any] = {
             "samples": self.samples,
             "top1": self.top1_hits / self.labelled if accuracy else None,
@@ -177,9 +211,15 @@ class ModelScores:
             out[f"top{self.top_k}"] = self.topk_hits / self.labelled if accuracy and self.topk_possible else None
         out.update({
             "agreement": self.agree / self.compared if self.compared else None,
-            "cosine": self.cosine_sum / self.cosine_n if self.cosine_n else None,
+            "cosine": cosines[0] if cosines else None,  # of the first output
             "snr_db": snr_from_energies(sum(self.signal), sum(self.noise)),
             "snr_db_per_output": [snr_from_energies(s, n) for s, n in zip(self.signal, self.noise, strict=True)],
+            "cosine_per_output": cosines,
+            "float_outputs": list(self.float_outputs),
+            "decisive_agreement": self.decisive_agree / self.decisive_compared if self.decisive_compared else None,
+            "decisive_samples": self.decisive_compared,
         })
         out["identical_outputs"] = bool(self.noise) and all(n == 0.0 for n in self.noise)
+        if self.output_names and len(self.output_names) == len(self.signal):
+            out["output_names"] = list(self.output_names)
         return out

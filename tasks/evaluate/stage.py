@@ -140,7 +140,8 @@ class EvaluateStage(Stage):
         ``prepared`` holds every candidate, prepared by the caller (who also closes them)."""
         provider = DataProvider(ctx.cfg, specs)
         top_k = int(ctx.cfg.evaluate.top_k)
-        scores = {c.key: ModelScores(top_k=top_k) for c in candidates}
+        names = list(getattr(prepared["float"], "output_names", None) or [])
+        scores = {c.key: ModelScores(top_k=top_k, output_names=names) for c in candidates}
         batches = 0
         bar = progress_bar(bool(ctx.cfg.progress), total=provider.count("evaluation", max_batches),
                            desc="evaluate", unit="batch")

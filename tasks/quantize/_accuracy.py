@@ -157,23 +157,71 @@ def temp_workdir(parent: Path) -> tempfile.TemporaryDirectory:
     return tempfile.TemporaryDirectory(prefix=".checks.", dir=parent)
 
 
-def choose_weight_range(build: Callable[[str], onnx.ModelProto], checker: Checker, requested: str,
-                        saturates: bool | None, measure: Callable[[list[Path]], list[float | None]]
-                        ) -> tuple[str, str, list[Candidate]]:
-    """(weight range, why, candidates checked) for an ORT placement.
+def localize(units: list[str], fails: Callable[[set[str]], bool], max_checks: int | None = None) -> list[str]:
+    """The units responsible for a failure, by group testing: ``fails(S)`` tells whether the model with
+    only the units in S quantized fails; a failing set is split in halves until single units remain
+    (O(k log n) checks for k culprits among n). Past ``max_checks`` the failing sets left are returned
+    whole (a fault that every part shows is the model's, not a node's)."""
+    budget = max_checks if max_checks is not None else 8 + 4 * max(1, len(units)).bit_length()
+    found: list[str] = []
+    pending = [list(units)]
+    checks = 0
+    while pending:
+        group = pending.pop(0)
+        if len(group) == 1 or checks >= budget:
+            found.extend(group)
+            continue
+        half = len(group) // 2
+        for part in (group[:half], group[half:]):
+            checks += 1
+            if fails(set(part)):
+                pending.append(part)
+    return found
 
-    ``auto``: full range where its fused kernels agree with the Q/DQ reference and the CPU has int8
-    dot-product instructions; otherwise the fastest variant whose kernels are exact and that meets the
-    budget (else the most accurate exact one). A forced value is checked and reported, not changed.
+
+def choose_weight_range(build: Callable[..., onnx.ModelProto], checker: Checker, requested: str,
+                        saturates: bool | None, measure: Callable[[list[Path]], list[float | None]],
+                        units: list[str] | None = None) -> tuple[str, str, list[Candidate], list[str]]:
+    """(weight range, why, candidates checked, culprit nodes to leave float) for an ORT placement.
+
+    ``build(weight_range, float_nodes)`` places the model. ``auto``: full range where the fused kernels
+    agree with the Q/DQ reference and the CPU has int8 dot-product instructions. Where they disagree on
+    a CPU whose u8 x s8 kernels are not known to saturate, the disagreement is first localized to the
+    quantized ``units`` responsible (group testing on models with only some units quantized): a few
+    culprits stay float and the rest keeps full-range weights; only a fault most units show (or any on
+    a saturating CPU) switches the whole model to the fastest exact storage that meets the budget
+    (else the most accurate exact one). A forced value is checked and reported, not changed.
     """
     if requested != "auto":
         cand = checker.check(build(requested), f"weights_{requested}", fidelity=True)
-        return requested, f"quantize.weight_range={requested}", [cand]
+        return requested, f"quantize.weight_range={requested}", [cand], []
     full = checker.check(build("full"), "weights_full", fidelity=True)
     if full.usable and not saturates:
-        return "full", "fused kernels agree with the Q/DQ reference", [full]
+        return "full", "fused kernels agree with the Q/DQ reference", [full], []
     why = ("this CPU's u8s8 kernels saturate (AVX2 without VNNI)" if saturates else
            f"this CPU's fused kernels disagree with the Q/DQ reference ({full.fidelity.reason if full.fidelity else full.error})")
+    if not saturates and full.error is None and units:
+        everything = set(units)
+
+        def fails(quantized: set[str]) -> bool:
+            c = checker.check(build("full", everything - quantized), "fidelity_localize", fidelity=True)
+            return c.error is None and c.fidelity is not None and not c.fidelity.ok
+
+        culprits = localize(list(units), fails)
+        if culprits and len(culprits) * 2 <= len(units):
+            fixed = checker.check(build("full", set(culprits)), "weights_full", fidelity=True)
+            if fixed.usable:
+                log.warning("quantize: %s; localized to %d node(s) left float: %s", why, len(culprits),
+                            ", ".join(culprits))
+                return "full", (f"full-range int8 weights; {len(culprits)} node(s) whose fused kernels disagree "
+                                f"with the Q/DQ reference left float: {', '.join(culprits)}"), [fixed], culprits
+        if saturates is False and not culprits:
+            # exact kernels and no node to blame: what differs is the model's own quantization noise
+            log.warning("quantize: %s, but no node is responsible on its own; keeping full-range weights on a CPU "
+                        "whose u8s8 kernels are exact", why)
+            return "full", f"full-range int8 weights ({why}; no culprit node: not a kernel fault)", [full], []
+        if culprits:
+            why += f"; {len(culprits)} of {len(units)} quantized nodes show it"
     variants = [checker.check(build(v), f"weights_{v}", fidelity=True) for v in ("reduced", "uint8")]
     exact = [c for c in variants if c.usable]
     if not exact:
@@ -200,7 +248,7 @@ def choose_weight_range(build: Callable[[str], onnx.ModelProto], checker: Checke
     timing = ", ".join(f"{c.name.removeprefix('weights_')} {c.latency_p10_ms:.3f} ms" for c in exact
                        if c.latency_p10_ms is not None)
     snr = ", ".join(f"{c.name.removeprefix('weights_')} {c.verdict.what}" for c in exact if c.verdict is not None)
-    return choice, f"{desc}: {why} ({rule}; p10 {timing}; {snr})", [full, *variants]
+    return choice, f"{desc}: {why} ({rule}; p10 {timing}; {snr})", [full, *variants], []
 
 
 def rank_sensitivity(units: list[str], build: Callable[[set[str]], onnx.ModelProto], checker: Checker,

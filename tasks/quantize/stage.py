@@ -225,10 +225,13 @@ class QuantizeStage(Stage):
                 """The quantized model with the nodes the runtime cannot run quantized left float."""
                 return build(wr, set(float_nodes) | unsupported)[1]
 
+            culprits: list[str] = []
             if kind == "onnxruntime":
-                weight_range, why, checked = acc.choose_weight_range(placed, checker, requested,
-                                                                     facts["u8s8_saturates"], measure)
+                units = [n for n in build(start, unsupported)[0].node_rules if ops.get(n) not in (None, *PASS_THROUGH_OPS)]
+                weight_range, why, checked, culprits = acc.choose_weight_range(
+                    placed, checker, requested, facts["u8s8_saturates"], measure, units)
                 chosen = next(c for c in checked if c.name == f"weights_{weight_range}")
+                unsupported |= set(culprits)
             else:
                 weight_range = "full" if requested == "auto" else requested
                 why = ("TensorRT placement: full-range int8 (TensorRT's integer kernels do not saturate)"
@@ -278,7 +281,8 @@ class QuantizeStage(Stage):
                 }
         decisions = {
             "weight_range": weight_range, "weight_range_reason": why, "cpu": facts,
-            "unsupported_nodes": sorted(unsupported),
+            "unsupported_nodes": sorted(unsupported - set(culprits)),
+            "fidelity_culprits": culprits,
             "kernel_fidelity": chosen.fidelity.to_dict() if chosen.fidelity else None,
             "variants": [c.to_dict() for c in checked],
             "budget": budget.describe(), "holdout": holdout.source, "holdout_samples": holdout.samples,
