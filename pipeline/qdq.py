@@ -81,11 +81,14 @@ class QuantParams:
 def activation_params(stats: dict[str, float], dtype: str) -> QuantParams:
     """Scale/zero point of an activation from calibrated statistics.
 
-    ``stats`` holds min, max and threshold (the algorithm's clipping magnitude). int8 and fp8 are
-    symmetric; uint8 is asymmetric over [min, max] clipped to +-threshold and widened to include 0,
-    so a tensor that is never negative (a ReLU output) gets zero point 0: ORT then folds the ReLU.
+    ``stats`` holds min, max and threshold (the algorithm's clipping magnitude), and with the mse and
+    auto algorithms ``thresholds`` per dtype, which wins over ``threshold`` (the best clip differs
+    between symmetric int8 and asymmetric uint8). int8 and fp8 are symmetric; uint8 is asymmetric
+    over [min, max] clipped to +-threshold and widened to include 0, so a tensor that is never
+    negative (a ReLU output) gets zero point 0: ORT then folds the ReLU.
     """
-    t = float(stats["threshold"])
+    per_dtype = stats.get("thresholds") or {}
+    t = float(per_dtype.get(dtype, stats["threshold"]))
     if dtype == "uint8" and stats.get("algorithm") == "max":
         lo, hi = (-t if float(stats["min"]) < 0 else 0.0), t
         scale = (hi - lo) / 255.0 if hi > lo else 1.0
@@ -105,21 +108,70 @@ def activation_params(stats: dict[str, float], dtype: str) -> QuantParams:
 REDUCED_QMAX = 64.0
 
 
-def weight_params(w: np.ndarray, axis: int | None, dtype: str, reduced: bool = False) -> QuantParams:
+# clip ratios (of each channel's absmax) the mse weight search tries: a coarse grid, then a fine one
+# around each channel's best (at 8 bits the best clip is rarely below 0.9: a clipped value costs its
+# whole distance squared, a finer step saves step^2 / 12 per value)
+WEIGHT_CLIP_RATIOS = np.linspace(0.5, 1.0, 26)
+WEIGHT_CLIP_REFINE = np.linspace(-0.02, 0.02, 21)
+WEIGHT_SEARCHES = ("max", "mse")
+
+
+def weight_params(w: np.ndarray, axis: int | None, dtype: str, reduced: bool = False,
+                  search: str = "max") -> QuantParams:
     """Symmetric per-channel (``axis``) or per-tensor scales for a weight.
 
     ``reduced`` limits int8 weights to +-64 (7 bits). uint8 weights are the same symmetric grid shifted
-    by a zero point of 128 (ORT's U8U8 kernels, exact on every CPU).
+    by a zero point of 128 (ORT's U8U8 kernels, exact on every CPU). ``search="max"`` scales each
+    channel's absmax to the grid's end; ``"mse"`` picks per channel the clip (a ratio of its absmax in
+    0.48..1.0, see WEIGHT_CLIP_RATIOS) with the lowest ||w - dq(q(w))||^2. fp8 keeps absmax (its
+    relative rounding gains little from a clip), and so do reduced int8 weights: ``quantize_values``
+    clamps them to +-127, so a clipped outlier would leave 7 bits and break what reduced guarantees.
     """
+    if search not in WEIGHT_SEARCHES:
+        raise ValueError(f"weight search {search!r}: expected one of {', '.join(WEIGHT_SEARCHES)}")
     qmax = QTYPES[dtype][3] if is_fp8(dtype) else (REDUCED_QMAX if reduced else 127.0)
     a = np.abs(w.astype(np.float32))
     if axis is None:
         amax = np.asarray(a.max() if a.size else 0.0)
     else:
         amax = np.moveaxis(a, axis, 0).reshape(a.shape[axis], -1).max(axis=1)
+    if search == "mse" and not is_fp8(dtype) and not reduced and a.size:
+        w32 = w.astype(np.float32)
+        rows = w32.reshape(1, -1) if axis is None else np.moveaxis(w32, axis, 0).reshape(a.shape[axis], -1)
+        ratio = _best_clip_ratio(rows, amax.reshape(-1), qmax, -128.0 if dtype == "uint8" else -127.0)
+        amax = (amax * ratio.reshape(amax.shape)).astype(np.float32)  # the clip _clip_error scored
     scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
     zero = np.full_like(scale, 128.0 if dtype == "uint8" else 0.0)
     return QuantParams(dtype, scale, zero, axis)
+
+
+def _best_clip_ratio(rows: np.ndarray, amax: np.ndarray, qmax: float, qmin: float) -> np.ndarray:
+    """Per row, the clip ratio (of ``amax``) whose scale ratio * amax / qmax reconstructs the row with the
+    lowest squared error, rounded and clamped to [qmin, qmax] as quantize_values does. Ratio 1.0 is a
+    candidate and a ratio only replaces a strictly better one, so no row ends worse than with absmax."""
+    best = np.ones(rows.shape[0], np.float32)
+    best_err = _clip_error(rows, amax, best, qmax, qmin)
+
+    def keep_better(ratio: np.ndarray) -> None:
+        nonlocal best, best_err
+        err = _clip_error(rows, amax, ratio, qmax, qmin)
+        better = err < best_err
+        best, best_err = np.where(better, ratio, best), np.where(better, err, best_err)
+
+    for r in WEIGHT_CLIP_RATIOS[WEIGHT_CLIP_RATIOS < 1.0][::-1]:
+        keep_better(np.full_like(best, r))
+    center = best.copy()
+    for d in WEIGHT_CLIP_REFINE:
+        keep_better(np.clip(center + np.float32(d), 0.0, 1.0).astype(np.float32))
+    return best
+
+
+def _clip_error(rows: np.ndarray, amax: np.ndarray, ratio: np.ndarray, qmax: float, qmin: float
+                ) -> np.ndarray:
+    clip = (amax * ratio).astype(np.float32)
+    scale = np.where(clip > 0, clip / qmax, 1.0).astype(np.float32)[:, None]
+    deq = np.clip(np.rint(rows / scale), qmin, qmax) * scale
+    return np.square(rows - deq, dtype=np.float64).sum(axis=1)
 
 
 def quantize_values(w: np.ndarray, p: QuantParams) -> np.ndarray:
@@ -201,19 +253,52 @@ class MissingCalibration(StageError):
 
 
 class Calibration:
-    """Per-tensor statistics from calibration.json (or a default scale where there are none)."""
+    """Per-tensor statistics from calibration.json (or a default scale where there are none), and how
+    weight scales are searched (``weight_clip``: "max" or "mse").
+
+    Without an explicit ``weight_clip`` it follows the statistics' algorithm (see ``weight_clip_for``),
+    so statistics straight from calibration get the weights that calibration.json records.
+    """
 
     def __init__(self, tensors: dict[str, dict[str, Any]] | None = None, default_scale: float | None = None,
-                 default_zero_point: float = 0.0):
+                 default_zero_point: float = 0.0, weight_clip: str | None = None):
         self.tensors = tensors or {}
         self.default_scale = default_scale
         self.default_zero_point = default_zero_point
         self.defaulted: set[str] = set()
+        if weight_clip is None:
+            algorithms = {s.get("algorithm") for s in self.tensors.values() if isinstance(s, dict)}
+            weight_clip = "mse" if any(self.weight_clip_for(a) == "mse" for a in algorithms) else "max"
+        if weight_clip not in WEIGHT_SEARCHES:
+            raise ValueError(f"weight_clip={weight_clip!r}: expected one of {', '.join(WEIGHT_SEARCHES)}")
+        self.weight_clip = weight_clip
+        # (weight name, digest, axis, dtype, reduced) -> scales: the mse search is far costlier than the
+        # hash, and autotune applies a plan to the same weights for every candidate
+        self._weights: dict[tuple, QuantParams] = {}
+
+    @staticmethod
+    def weight_clip_for(algorithm: str | None) -> str:
+        """The weight scale search that goes with an activation calibration algorithm."""
+        return "mse" if algorithm in ("mse", "auto") else "max"
+
+    def weight_params(self, name: str, values: np.ndarray, axis: int | None, dtype: str,
+                      reduced: bool = False) -> QuantParams:
+        """``weight_params`` with this calibration's weight search (memoized for the mse search)."""
+        if self.weight_clip == "max":
+            return weight_params(values, axis, dtype, reduced)
+        import hashlib
+
+        digest = hashlib.blake2b(np.ascontiguousarray(values, np.float32).data, digest_size=16).hexdigest()
+        key = (name, digest, values.shape, axis, dtype, bool(reduced))
+        if key not in self._weights:
+            self._weights[key] = weight_params(values, axis, dtype, reduced, self.weight_clip)
+        return self._weights[key]
 
     def with_aliases(self, aliases: dict[str, str]) -> Calibration:
         """A copy where each ``tensor`` takes the statistics of its ``source``."""
-        c = Calibration(dict(self.tensors), self.default_scale, self.default_zero_point)
+        c = Calibration(dict(self.tensors), self.default_scale, self.default_zero_point, self.weight_clip)
         c.defaulted = self.defaulted
+        c._weights = self._weights
         for t, src in aliases.items():
             c.alias(t, src)
         return c
@@ -236,14 +321,19 @@ class Calibration:
 
 def load_calibration(path: str | Path, default_scale: float | None = None,
                      default_zero_point: float = 0.0) -> Calibration:
-    """The Calibration of a quantize/calibration.json (StateError if the file is not one)."""
+    """The Calibration of a quantize/calibration.json (StateError if the file is not one); its
+    ``weight_clip`` (absent before mse weights existed: "max") decides how weight scales are searched."""
     from pipeline.artifacts import read_json
     from pipeline.errors import StateError
 
     doc = read_json(path, "calibration file")
     if not isinstance(doc, dict) or not isinstance(doc.get("tensors"), dict):
         raise StateError(f"calibration file {path} has no 'tensors' table; re-run the quantize stage")
-    return Calibration(doc["tensors"], default_scale, default_zero_point)
+    clip = doc.get("weight_clip", "max")
+    if clip not in WEIGHT_SEARCHES:
+        raise StateError(f"calibration file {path}: weight_clip={clip!r}, expected one of "
+                         f"{', '.join(WEIGHT_SEARCHES)}; re-run the quantize stage")
+    return Calibration(doc["tensors"], default_scale, default_zero_point, clip)
 
 
 def quantize_decisions(path: str | Path | None) -> dict[str, Any]:
@@ -387,7 +477,7 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
         if init is None:
             raise ValueError(f"weight input {w.input_index} of node {w.node} ({name}) is not an initializer")
         values = numpy_helper.to_array(init).astype(np.float32)
-        p = weight_params(values, w.axis, w.dtype, w.reduced)
+        p = calibration.weight_params(name, values, w.axis, w.dtype, w.reduced)
         weight_scales[(w.node, w.input_index)] = p
         ft = init.data_type if init.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16) \
             else default_float_type

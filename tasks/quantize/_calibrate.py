@@ -3,7 +3,16 @@
 The float model is run with ONNX Runtime on the calibration batches, one batch at a time, with every
 candidate tensor exposed as an extra output; only running statistics are kept, so memory does not
 grow with the number of batches. min/max/absmax come from one pass; entropy and percentile take a
-second pass that fills a fixed-range histogram of |x| per tensor (2048 bins over [0, absmax]).
+second pass that fills a fixed-range histogram of |x| per tensor (2048 bins over [0, absmax]); mse
+fills a signed histogram over [min, max] instead (ORT's uint8 activations are asymmetric, so the
+error of a clip depends on both tails), and auto fills both.
+
+mse picks, per tensor and per storage dtype, the clip threshold with the lowest expected
+quantization error on that histogram (``range_mse``: clipped values cost their squared distance to
+the clip edge, in-range values their squared distance to the nearest level, exact zeros nothing);
+auto computes the minmax, percentile, entropy and mse thresholds and keeps the one with the lowest
+such error. Both record ``thresholds`` per dtype, which ``pipeline.qdq.activation_params`` prefers
+to ``threshold``: symmetric int8 and asymmetric uint8 are best clipped at different places.
 
 onnxruntime.quantization's calibrators were the first choice, but they keep intermediate outputs of
 many batches in memory (MinMax with CalibMaxIntermediateOutputs) or re-bin signed histograms with
@@ -15,6 +24,7 @@ TensorRT algorithm (reference distribution with clipped outliers folded into the
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -22,6 +32,7 @@ import onnx
 
 from pipeline.data import Batch
 from pipeline.placement import GraphIndex
+from pipeline.qdq import QTYPES
 
 log = logging.getLogger("tune.quantize")
 
@@ -122,9 +133,113 @@ def percentile_threshold(hist: np.ndarray, absmax: float, percentile: float) -> 
     return float(min((i + 1) * absmax / hist.size, absmax))
 
 
+# candidate clip thresholds of the mse search, as fractions of absmax (geometric: ~2.3% apart)
+MSE_GRID = np.geomspace(0.01, 1.0, 200)
+# exponent bits' floor (smallest normal exponent) and mantissa bits of the fp8 formats
+_FP8_FORMAT = {"fp8_e4m3fn": (-6, 3), "fp8_e5m2": (-14, 2)}
+# the order auto prefers on an exact tie: the simplest range first
+AUTO_CANDIDATES = ("minmax", "percentile", "entropy", "mse")
+
+
+def range_mse(hist: np.ndarray, lo: float, hi: float, dtype: str, thresholds: np.ndarray | float,
+              zeros: int = 0) -> np.ndarray:
+    """Expected squared quantization error per sample for each clip threshold in ``thresholds``.
+
+    ``hist`` counts the non-zero values over [lo, hi] (the tensor's min and max); ``zeros`` the exact
+    zeros, which every range represents exactly. The scale and zero point of a threshold are those of
+    ``pipeline.qdq.activation_params``. Values are taken as uniform within their bin, and the error is
+    integrated exactly over each bin: squared distance to the clip edge outside the representable
+    range, to the nearest grid point inside it (fp8: the grid step of the bin's binade). This is
+    step^2 / 12 where bins are wider than a step, and stays right for a spike on a grid point, such
+    as the extreme values that minmax maps onto the last level exactly.
+    """
+    t = np.atleast_1d(np.asarray(thresholds, np.float64))[:, None]
+    hist = np.asarray(hist, np.float64)
+    total = hist.sum() + zeros
+    if total == 0 or hi <= lo:
+        return np.zeros(t.shape[0])
+    width = (hi - lo) / hist.size
+    used = np.flatnonzero(hist)  # empty bins add nothing: skip them (outlier tails are mostly empty)
+    hist = hist[used]
+    left = (lo + used * width)[None, :]
+    right = left + width
+    if dtype == "uint8":
+        a = np.minimum(np.maximum(lo, -t), 0.0)
+        b = np.maximum(np.minimum(hi, t), 0.0)
+        exact = np.where(b > a, (b - a) / 255.0, 1.0)
+        zp = np.clip(np.rint(-a / exact), 0, 255)  # as activation_params: from the unrounded scale
+        step = exact.astype(np.float32).astype(np.float64)  # the float32 scale the graph stores
+        qlo, qhi = -zp * step, (255.0 - zp) * step
+    elif dtype == "int8":
+        step = np.where(t > 0, t / 127.0, 1.0).astype(np.float32).astype(np.float64)
+        qlo, qhi = -128.0 * step, 127.0 * step
+    else:
+        qmax = QTYPES[dtype][3]
+        emin, mant = _FP8_FORMAT[dtype]
+        scale = np.where(t > 0, t / qmax, 1.0).astype(np.float32).astype(np.float64)
+        qlo, qhi = -qmax * scale, qmax * scale
+        center = np.abs(left + width / 2)
+        step = np.exp2(np.floor(np.log2(np.maximum(center / scale, 2.0**emin))) - mant) * scale
+    inside = (_rounding_integral(np.clip(right, qlo, qhi), step)
+              - _rounding_integral(np.clip(left, qlo, qhi), step))
+    below = (np.maximum(qlo - left, 0.0) ** 3 - np.maximum(qlo - right, 0.0) ** 3) / 3.0
+    above = (np.maximum(right - qhi, 0.0) ** 3 - np.maximum(left - qhi, 0.0) ** 3) / 3.0
+    return ((below + inside + above) @ hist) / (width * total)
+
+
+def _rounding_integral(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """Integral from 0 to ``x`` of the squared distance to the nearest multiple of ``step``."""
+    k = np.floor(x / step)
+    r = x - k * step
+    part = np.where(r <= step / 2, r**3 / 3.0, step**3 / 12.0 - (step - r) ** 3 / 3.0)
+    return k * step**3 / 12.0 + part
+
+
+def mse_threshold(hist: np.ndarray, lo: float, hi: float, dtype: str, zeros: int = 0) -> float:
+    """The clip threshold in ``MSE_GRID`` x absmax with the lowest ``range_mse`` (the largest on a tie)."""
+    absmax = max(abs(lo), abs(hi))
+    if absmax <= 0 or hi <= lo or hist.sum() == 0:
+        return float(absmax)
+    candidates = absmax * MSE_GRID
+    mse = range_mse(hist, lo, hi, dtype, candidates, zeros)
+    return float(candidates[len(mse) - 1 - int(np.argmin(mse[::-1]))])
+
+
+def _signed_histogram(arr: np.ndarray, lo: float, hi: float, num_bins: int) -> tuple[np.ndarray, int]:
+    """Counts of the non-zero values over [lo, hi], and the number of exact zeros."""
+    a = arr.astype(np.float32, copy=False).ravel()
+    nz = a[a != 0]
+    idx = np.clip(((nz - lo) * (num_bins / (hi - lo))).astype(np.int64), 0, num_bins - 1)
+    return np.bincount(idx, minlength=num_bins), int(a.size - nz.size)
+
+
+def _error_minimizing(s: dict, signed: np.ndarray, zeros: int, absolute: np.ndarray | None, algorithm: str,
+                      percentile: float) -> None:
+    """Fill ``thresholds`` (and for auto ``chosen``) of one tensor's statistics."""
+    lo, hi = s["min"], s["max"]
+    thresholds, chosen = {}, {}
+    for dt in QTYPES:
+        best = mse_threshold(signed, lo, hi, dt, zeros)
+        if algorithm == "auto":
+            nonzero = absolute.copy()
+            nonzero[0] -= zeros  # the entropy pass leaves exact zeros out (see collect)
+            cands = {"minmax": s["absmax"], "mse": best,
+                     "percentile": percentile_threshold(absolute, s["absmax"], percentile),
+                     "entropy": kl_threshold(nonzero, s["absmax"])}
+            mse = range_mse(signed, lo, hi, dt, np.array([cands[k] for k in AUTO_CANDIDATES]), zeros)
+            chosen[dt] = AUTO_CANDIDATES[int(np.argmin(mse))]
+            best = cands[chosen[dt]]
+        thresholds[dt] = float(best)
+    s["thresholds"] = thresholds
+    s["threshold"] = thresholds["int8"]  # for readers that know one threshold only
+    if chosen:
+        s["chosen"] = chosen
+
+
 def collect(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]], algorithm: str, percentile: float,
             num_bins: int, threads: int, progress: Callable[[Iterable[Batch], str], Iterable[Batch]]) -> dict[str, dict]:
-    """Statistics per candidate tensor: min, max, absmax, threshold, algorithm, samples."""
+    """Statistics per candidate tensor: min, max, absmax, threshold, algorithm, samples; with mse and auto
+    also ``thresholds`` per storage dtype, and with auto ``chosen`` (the algorithm that won, per dtype)."""
     tensors = candidate_tensors(model)
     runner = _Runner(model, tensors, threads)
     mins = {t: np.inf for t in tensors}
@@ -146,6 +261,31 @@ def collect(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]], algo
             continue
         absmax = max(abs(mins[t]), abs(maxs[t]))
         stats[t] = {"min": mins[t], "max": maxs[t], "absmax": absmax}
+    if algorithm in ("mse", "auto"):
+        signed = {t: np.zeros(num_bins, np.int64) for t in stats}
+        zeros = dict.fromkeys(stats, 0)
+        absolute = {t: np.zeros(num_bins, np.int64) for t in stats} if algorithm == "auto" else {}
+        for batch in progress(batches(), "calibrating (pass 2: histograms)"):
+            for t, arr in runner(batch).items():
+                s = stats.get(t)
+                if s is None or s["absmax"] <= 0:
+                    continue
+                if s["max"] > s["min"]:
+                    h, z = _signed_histogram(arr, s["min"], s["max"], num_bins)
+                    signed[t] += h
+                    zeros[t] += z
+                if algorithm == "auto":  # with zeros: percentile counts them, entropy takes them out
+                    a = np.abs(arr.astype(np.float32, copy=False)).ravel()
+                    idx = np.minimum((a * (num_bins / s["absmax"])).astype(np.int64), num_bins - 1)
+                    absolute[t] += np.bincount(idx, minlength=num_bins)
+        for t, s in stats.items():
+            _error_minimizing(s, signed[t], zeros[t], absolute.get(t), algorithm, percentile)
+        if algorithm == "auto" and stats:
+            wins = {dt: Counter(s["chosen"][dt] for s in stats.values() if "chosen" in s) for dt in QTYPES}
+            log.info("auto ranges (lowest histogram MSE of %s per tensor, %d tensors): %s",
+                     "/".join(AUTO_CANDIDATES), len(stats),
+                     "; ".join(f"{dt}: " + ", ".join(f"{k} {c[k]}" for k in AUTO_CANDIDATES if c[k])
+                               for dt, c in wins.items()))
     if algorithm in ("entropy", "percentile"):
         hists = {t: np.zeros(num_bins, np.int64) for t in stats}
         for batch in progress(batches(), "calibrating (pass 2: histograms)"):

@@ -13,6 +13,10 @@ class Algorithm(str, Enum):
     max = "max"  # symmetric absolute max
     entropy = "entropy"  # KL-divergence threshold search over a histogram
     percentile = "percentile"  # `percentile` of |x|
+    # the clip with the lowest quantization MSE per tensor and dtype (signed histogram); weights get a
+    # per-channel clip search too
+    mse = "mse"
+    auto = "auto"  # per tensor and dtype, whichever of minmax/percentile/entropy/mse has the lowest MSE
 
 
 class QDtype(str, Enum):

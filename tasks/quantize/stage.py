@@ -44,8 +44,9 @@ log = logging.getLogger("tune.quantize")
 
 
 
-def weight_records(model: onnx.ModelProto) -> dict[str, Any]:
-    """Per-channel scales of every weight of a weighted op, for each weight dtype."""
+def weight_records(model: onnx.ModelProto, search: str = "max") -> dict[str, Any]:
+    """Per-channel scales of every weight of a weighted op, for each weight dtype (``search``: see
+    pipeline.qdq.weight_params)."""
     g = GraphIndex(model)
     out: dict[str, Any] = {}
     for node in model.graph.node:
@@ -58,12 +59,13 @@ def weight_records(model: onnx.ModelProto) -> dict[str, Any]:
             rec: dict[str, Any] = {"node": node.name, "op_type": node.op_type, "axis": axis,
                                    "shape": list(w.shape), "absmax": float(np.abs(w).max()) if w.size else 0.0}
             for dt in ("int8", *FP8):
-                rec[dt] = {"scale": weight_params(w, axis, dt).scale.tolist(), "zero_point": 0}
+                rec[dt] = {"scale": weight_params(w, axis, dt, search=search).scale.tolist(), "zero_point": 0}
             out[name] = rec
     return out
 
 
 def calibration_document(stats: dict[str, dict], model: onnx.ModelProto, cfg: DictConfig) -> dict[str, Any]:
+    weight_clip = Calibration.weight_clip_for(enum_value(cfg.quantize.algorithm))
     tensors = {}
     for name, s in stats.items():
         rec = dict(s)
@@ -77,7 +79,9 @@ def calibration_document(stats: dict[str, dict], model: onnx.ModelProto, cfg: Di
         "percentile": float(cfg.quantize.percentile),
         "batches": int(cfg.quantize.calibration.batches),
         "tensors": tensors,
-        "weights": weight_records(model),
+        # how weight scales are searched; load_calibration hands it to apply_plan (autotune's models)
+        "weight_clip": weight_clip,
+        "weights": weight_records(model, weight_clip),
     }
 
 
@@ -141,7 +145,7 @@ class QuantizeStage(Stage):
         kind = placement_kind(cfg)
         act_type = activation_type(cfg)
         builder = onnxruntime_plan if kind == "onnxruntime" else tensorrt_plan
-        calibration = Calibration(doc["tensors"])
+        calibration = Calibration(doc["tensors"], weight_clip=doc["weight_clip"])
 
         def build(weight_range: str, float_nodes: set[str] = frozenset()):
             kept = {k: v for k, v in rules.items() if k not in float_nodes}

@@ -1,0 +1,332 @@
+"""Error-minimizing ranges: the mse and auto calibration algorithms and the mse weight clip search."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+from omegaconf import OmegaConf
+from onnx import TensorProto, helper, numpy_helper
+
+from pipeline.data import Batch
+from pipeline.placement import resolve_rules, tensorrt_plan
+from pipeline.qdq import (
+    QTYPES,
+    Calibration,
+    QuantParams,
+    activation_params,
+    apply_plan,
+    load_calibration,
+    quantize_values,
+    weight_params,
+)
+from tasks.quantize._calibrate import AUTO_CANDIDATES, _signed_histogram, collect, range_mse
+from tasks.quantize.stage import calibration_document
+from tests import models
+
+SHAPE = (64, 4096)  # 262144 values per batch
+
+
+def _identity_model() -> onnx.ModelProto:
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, list(SHAPE))
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, list(SHAPE))
+    g = helper.make_graph([helper.make_node("Identity", ["input"], ["y"], name="id")], "ranges", [x], [y])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def _outlier_batches(n: int = 4, outliers: int = 1, factor: float = 30.0, relu: bool = False):
+    """Gaussian values with ``outliers`` values per batch at ``factor`` sigma (1 in 262144 by default),
+    positive in even batches, negative in odd ones."""
+
+    def batches():
+        rng = np.random.default_rng(0)
+        for k in range(n):
+            a = rng.standard_normal(SHAPE).astype(np.float32)
+            idx = rng.choice(a.size, outliers, replace=False)
+            a.ravel()[idx] = factor * (-1.0) ** k
+            yield Batch({"input": np.maximum(a, 0) if relu else a}, None, SHAPE[0])
+
+    return batches
+
+
+def _values(batches) -> np.ndarray:
+    return np.concatenate([b.feeds["input"].ravel() for b in batches()])
+
+
+def _fake_quant(x: np.ndarray, stats: dict, dtype: str) -> np.ndarray:
+    """What a Q/DQ pair with activation_params(stats, dtype) does to x (ONNX QuantizeLinear semantics)."""
+    p = activation_params(stats, dtype)
+    s, z = np.float64(p.scale), float(p.zero_point)
+    x = x.astype(np.float64)
+    if dtype in ("int8", "uint8"):
+        _, _, lo, hi = QTYPES[dtype]
+        return (np.clip(np.rint(x / s) + z, lo, hi) - z) * s
+    lim = QTYPES[dtype][3]
+    t = ml_dtypes.float8_e4m3fn if dtype == "fp8_e4m3fn" else ml_dtypes.float8_e5m2
+    return np.clip(x / s, -lim, lim).astype(t).astype(np.float64) * s
+
+
+def _mse(x: np.ndarray, stats: dict, dtype: str) -> float:
+    return float(np.mean((_fake_quant(x, stats, dtype) - x) ** 2))
+
+
+def _collect(batches, algorithm: str, percentile: float = 99.99) -> dict:
+    return collect(_identity_model(), batches, algorithm, percentile, 2048, 1, lambda it, d: it)["y"]
+
+
+# --------------------------------------------------------------------------- the histogram measure
+
+
+@pytest.mark.parametrize("dtype", list(QTYPES))
+@pytest.mark.parametrize("relu", [False, True])
+def test_histogram_mse_matches_the_quantization_error(dtype, relu):
+    x = _values(_outlier_batches(n=1, outliers=20, relu=relu))
+    lo, hi = float(x.min()), float(x.max())
+    hist, zeros = _signed_histogram(x, lo, hi, 2048)
+    absmax = max(-lo, hi)
+    for t in (absmax, 0.5 * absmax, 0.2 * absmax, 0.1 * absmax):
+        stats = {"min": lo, "max": hi, "threshold": t, "algorithm": "mse"}
+        est, true = range_mse(hist, lo, hi, dtype, t, zeros)[0], _mse(x, stats, dtype)
+        assert est == pytest.approx(true, rel=0.03), (t, est, true)
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def test_mse_thresholds_beat_minmax_on_rare_outliers():
+    batches = _outlier_batches()  # 4 values at 30 sigma among 1M
+    x = _values(batches)
+    mm, mse = _collect(batches, "minmax"), _collect(batches, "mse")
+    assert set(mse["thresholds"]) == set(QTYPES) and mse["threshold"] == mse["thresholds"]["int8"]
+    assert mse["algorithm"] == "mse" and mse["samples"] == mm["samples"]
+    for dt in ("int8", "uint8"):
+        assert mse["thresholds"][dt] < 0.5 * mm["threshold"], mse["thresholds"]
+        assert _mse(x, mse, dt) < 0.7 * _mse(x, mm, dt), dt
+    for dt in QTYPES:
+        assert _mse(x, mse, dt) <= _mse(x, mm, dt) * 1.01, dt
+
+
+def test_int8_and_uint8_get_their_own_clip():
+    # outliers on the positive side only: asymmetric uint8 spends its levels on [min, max] already, so
+    # it gains less from a clip than symmetric int8, which wastes half its levels on the empty side
+    def batches():
+        for b in _outlier_batches()():
+            a = b.feeds["input"]
+            yield Batch({"input": np.where(a < -20, -a, a)}, None, b.valid)
+
+    x = _values(batches)
+    mm, mse = _collect(batches, "minmax"), _collect(batches, "mse")
+    t = mse["thresholds"]
+    assert 0 < t["int8"] < t["uint8"] < mm["threshold"], t
+    for dt in ("int8", "uint8"):
+        assert _mse(x, mse, dt) < 0.8 * _mse(x, mm, dt), dt
+    # each dtype's own clip is the better one for it
+    swapped = {**mse, "thresholds": {"int8": t["uint8"], "uint8": t["int8"]}}
+    assert _mse(x, mse, "int8") < _mse(x, swapped, "int8")
+    assert _mse(x, mse, "uint8") < _mse(x, swapped, "uint8")
+
+
+def test_mse_keeps_frequent_outliers():
+    # 0.1% of the values at 30 sigma: clipping them costs far more than the finer grid saves
+    batches = _outlier_batches(n=2, outliers=262)
+    x = _values(batches)
+    mm, mse = _collect(batches, "minmax"), _collect(batches, "mse")
+    for dt in QTYPES:
+        assert _mse(x, mse, dt) <= _mse(x, mm, dt) * 1.01, dt
+    assert mse["thresholds"]["int8"] > 0.9 * mm["threshold"]
+
+
+def test_uint8_mse_on_a_relu_output_keeps_zero_point_zero():
+    batches = _outlier_batches(relu=True)
+    x = _values(batches)
+    mm, mse = _collect(batches, "minmax"), _collect(batches, "mse")
+    p = activation_params(mse, "uint8")
+    assert float(p.zero_point) == 0.0 and mse["thresholds"]["uint8"] < 0.8 * mm["threshold"]
+    assert _mse(x, mse, "uint8") < 0.85 * _mse(x, mm, "uint8")
+
+
+def test_activation_params_prefers_the_dtype_threshold():
+    stats = {"min": -4.0, "max": 8.0, "threshold": 8.0, "thresholds": {"int8": 2.0, "uint8": 3.0},
+             "algorithm": "mse"}
+    assert float(activation_params(stats, "int8").scale) == pytest.approx(2.0 / 127)
+    assert float(activation_params(stats, "uint8").scale) == pytest.approx(6.0 / 255)
+    assert float(activation_params(stats, "fp8_e4m3fn").scale) == pytest.approx(8.0 / 448)  # fallback
+    old = {k: v for k, v in stats.items() if k != "thresholds"}
+    assert float(activation_params(old, "int8").scale) == pytest.approx(8.0 / 127)
+
+
+def test_auto_never_picks_a_worse_threshold(caplog):
+    batches = _outlier_batches(n=2, outliers=3)
+    x = _values(batches)
+    with caplog.at_level(logging.INFO, logger="tune.quantize"):
+        auto = _collect(batches, "auto", percentile=99.9)
+    alone = {alg: _collect(batches, alg, percentile=99.9) for alg in AUTO_CANDIDATES}
+    hist, zeros = _signed_histogram(x, auto["min"], auto["max"], 2048)
+    assert auto["algorithm"] == "auto" and set(auto["chosen"]) == set(QTYPES)
+    for dt in QTYPES:
+        cands = {alg: s.get("thresholds", {}).get(dt, s["threshold"]) for alg, s in alone.items()}
+        chosen = auto["chosen"][dt]
+        # auto's candidates are the standalone algorithms' thresholds, and it keeps the best of them
+        assert auto["thresholds"][dt] == cands[chosen]
+        scores = {alg: range_mse(hist, auto["min"], auto["max"], dt, t, zeros)[0] for alg, t in cands.items()}
+        assert scores[chosen] <= min(scores.values()), (dt, scores)
+        best_alone = min(_mse(x, {**s, "algorithm": "auto"}, dt) for s in alone.values())
+        assert _mse(x, auto, dt) <= best_alone * 1.01
+    assert auto["threshold"] == auto["thresholds"]["int8"]
+    summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("auto ranges")]
+    assert len(summary) == 1 and "int8:" in summary[0] and "uint8:" in summary[0], summary
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def _outlier_weights(channels: int = 32, k: int = 2304, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((channels, k)) * 0.1).astype(np.float32)
+    w[np.arange(channels), rng.integers(0, k, channels)] = 0.5  # one 5-sigma outlier per channel
+    return w
+
+
+def _weight_error(w: np.ndarray, p) -> np.ndarray:
+    """Squared reconstruction error per output channel (axis 0)."""
+    z = p.zero_point.reshape(-1, 1) if p.dtype == "uint8" else 0.0
+    deq = (quantize_values(w, p) - z) * p.scale.reshape(-1, 1)
+    return ((deq - w) ** 2).sum(axis=1)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8"])
+def test_mse_weight_scales_beat_max(dtype):
+    w = _outlier_weights()
+    mx, mse = weight_params(w, 0, dtype), weight_params(w, 0, dtype, search="mse")
+    assert mse.scale.shape == mx.scale.shape and mse.scale.dtype == np.float32
+    assert np.all(mse.scale <= mx.scale) and np.all(mse.scale >= 0.48 * mx.scale)
+    e_max, e_mse = _weight_error(w, mx), _weight_error(w, mse)
+    assert np.all(e_mse <= e_max)  # clip ratio 1.0 is a candidate: never worse per channel
+    assert np.mean(e_mse < e_max) > 0.75
+    # at 8 bits clipping pays little (a clipped value costs its whole distance squared, the finer
+    # step saves step^2 / 12 per value): a few percent here
+    assert e_mse.sum() < 0.985 * e_max.sum()
+    # the search scores exactly what quantize_values stores
+    for c in range(4):
+        ratios = np.linspace(0.9, 1.0, 201)
+        errs = [_weight_error(w[c:c + 1], QuantParams(dtype, np.atleast_1d(np.float32(mx.scale[c] * r)),
+                                                     mx.zero_point[c:c + 1], 0)).sum() for r in ratios]
+        assert e_mse[c] <= min(errs) * 1.002
+    # per-tensor (axis None) searches one clip
+    pt = weight_params(w, None, dtype, search="mse")
+    assert pt.scale.shape == () and float(pt.scale) <= float(weight_params(w, None, dtype).scale)
+
+
+def test_mse_weight_search_leaves_fp8_and_reduced_weights_at_absmax():
+    w = _outlier_weights()
+    for dt, reduced in (("fp8_e4m3fn", False), ("fp8_e5m2", False), ("int8", True)):
+        assert np.array_equal(weight_params(w, 0, dt, reduced, search="mse").scale,
+                              weight_params(w, 0, dt, reduced).scale)
+    # reduced weights must stay within 7 bits: quantize_values clamps to +-127 only
+    q = quantize_values(w, weight_params(w, 0, "int8", True, search="mse"))
+    assert np.abs(q).max() <= 64
+    with pytest.raises(ValueError, match="weight search"):
+        weight_params(w, 0, "int8", search="minmax")
+
+
+def _cfg(algorithm: str):
+    return OmegaConf.create({"quantize": {"algorithm": algorithm, "percentile": 99.99,
+                                          "calibration": {"batches": 2}}})
+
+
+def test_calibration_json_carries_the_mse_weight_clip_into_apply_plan(tmp_path):
+    model = models.conv_chain(channels=64)  # w2: 64 channels of 576 weights
+    w2 = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == "w2"))
+    from pipeline.graph import input_specs
+
+    spec = input_specs(model)[0]
+
+    def batches():
+        rng = np.random.default_rng(0)
+        for _ in range(2):
+            yield Batch({spec.name: rng.standard_normal(spec.shape).astype(np.float32)}, None, spec.shape[0])
+
+    cfg = _cfg("mse")
+    stats = collect(model, batches, "mse", 99.99, 2048, 1, lambda it, d: it)
+    doc = calibration_document(stats, model, cfg)
+    assert doc["weight_clip"] == "mse"
+    want = weight_params(w2, 0, "int8", search="mse").scale
+    assert not np.allclose(want, weight_params(w2, 0, "int8").scale)
+    assert np.allclose(doc["weights"]["w2"]["int8"]["scale"], want)
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(doc))
+
+    calib = load_calibration(path)
+    assert calib.weight_clip == "mse"
+    rules = resolve_rules(model, [{"module_name": "*", "weights": {"dtype": "int8"},
+                                   "activations": {"dtype": "int8"}}])
+    q = apply_plan(model, tensorrt_plan(model, rules), calib)
+    inits = {i.name: numpy_helper.to_array(i) for i in q.graph.initializer}
+    dq = next(n for n in q.graph.node if n.op_type == "DequantizeLinear" and n.input[0].startswith("w2"))
+    assert np.array_equal(inits[dq.input[1]], want)
+    # the activation scales are the int8 ones the document records
+    act = next(n for n in q.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == "r1")
+    assert float(inits[act.input[1]]) == pytest.approx(doc["tensors"]["r1"]["int8"]["scale"])
+
+    # statistics used directly (the quantize stage's own Calibration) follow the algorithm too
+    assert Calibration(doc["tensors"]).weight_clip == "mse"
+    assert Calibration(doc["tensors"]).with_aliases({}).weight_clip == "mse"
+    # a document written before weight_clip existed keeps absmax weights
+    old = {k: v for k, v in doc.items() if k != "weight_clip"}
+    path.write_text(json.dumps(old))
+    q_old = apply_plan(model, tensorrt_plan(model, rules), load_calibration(path))
+    inits_old = {i.name: numpy_helper.to_array(i) for i in q_old.graph.initializer}
+    assert np.array_equal(inits_old[dq.input[1]], weight_params(w2, 0, "int8").scale)
+
+
+def test_existing_algorithms_record_max_weight_clip():
+    model = models.conv_chain()
+    for alg in ("minmax", "max", "entropy", "percentile"):
+        cfg = _cfg(alg)
+        stats = {"input": {"min": -1.0, "max": 1.0, "absmax": 1.0, "threshold": 1.0, "algorithm": alg}}
+        doc = calibration_document(stats, model, cfg)
+        assert doc["weight_clip"] == "max" and Calibration(doc["tensors"]).weight_clip == "max"
+        w1 = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == "w1"))
+        assert doc["weights"]["w1"]["int8"]["scale"] == weight_params(w1, 0, "int8").scale.tolist()
+
+
+# --------------------------------------------------------------------------- streaming
+
+SCRIPT = r"""
+import json, resource, sys
+import numpy as np, onnx
+from pipeline.data import Batch
+from tasks.quantize._calibrate import collect
+model = onnx.load(sys.argv[1])
+n = int(sys.argv[2])
+def batches():
+    rng = np.random.default_rng(0)
+    for _ in range(n):
+        yield Batch({"input": rng.standard_normal((8, 3, 64, 64)).astype(np.float32)}, None, 8)
+stats = collect(model, batches, sys.argv[3], 99.9, 2048, 1, lambda it, d: it)
+print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "tensors": len(stats),
+                  "samples": next(iter(stats.values()))["samples"]}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["mse", "auto"])
+def test_mse_and_auto_calibration_stream(tmp_path, algorithm):
+    path = models.save(models.conv_chain(batch=8, channels=32, size=64), tmp_path, "big")
+
+    def run(n: int) -> dict:
+        out = subprocess.run([sys.executable, "-c", SCRIPT, str(path), str(n), algorithm],
+                             capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    small, large = run(8), run(80)
+    assert large["samples"] == 10 * small["samples"]
+    assert large["maxrss_kb"] <= 1.2 * small["maxrss_kb"], (small, large)
