@@ -242,3 +242,181 @@ def transformer_layer(batch: int = 1, seq: int = 16, hidden: int = 32, ff: int =
         helper.make_node("LayerNormalization", ["res2", "ln2_g", "ln2_b"], ["output"], name="ln2", axis=-1),
     ]
     return _model(nodes, [x], [y], inits, "transformer_layer")
+
+
+def cle_chain(activation: str = "Relu", groups: int = 1, batch: int = 1, size: int = 12, seed: int = 0
+              ) -> onnx.ModelProto:
+    """conv1 -> act -> conv2 (``groups``) -> act -> conv3 with badly scaled channels: conv1's output
+    channels and conv2's output channels are multiplied by factors from 1e-2 to 1e2 and the next conv
+    reads them divided by the same factors, so the float function is that of well-scaled weights.
+    ``activation``: Relu, LeakyRelu or Clip (Relu6, bounds as inputs)."""
+    rng = np.random.default_rng(seed)
+    c = 8
+    w1 = rng.standard_normal((c, 3, 3, 3)) * 0.3
+    b1 = rng.standard_normal(c) * 0.05
+    w2 = rng.standard_normal((c, c // groups, 3, 3)) * 0.2
+    b2 = rng.standard_normal(c) * 0.05
+    w3 = rng.standard_normal((4, c, 1, 1)) * 0.3
+    f1 = np.array([100.0, 0.01, 1, 3, 0.3, 30, 1, 0.1])
+    f2 = np.array([0.02, 1, 50, 1, 0.5, 2, 10, 0.05])
+    if activation == "Clip":  # Relu6 is only the same function when its bound moves with the factors
+        f1 = f2 = np.ones(c)
+    w1, b1 = w1 * f1[:, None, None, None], b1 * f1
+    cin = c // groups
+    w2 = w2 / f1.reshape(groups, cin)[np.arange(c) // (c // groups)][:, :, None, None]
+    w2, b2 = w2 * f2[:, None, None, None], b2 * f2
+    w3 = w3 / f2[None, :, None, None]
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, 3, size, size])
+    y = helper.make_tensor_value_info("output", TensorProto.FLOAT, [batch, 4, size, size])
+    arrays = {"w1": w1, "b1": b1, "w2": w2, "b2": b2, "w3": w3, "b3": rng.standard_normal(4) * 0.05}
+    inits = [numpy_helper.from_array(v.astype(np.float32), k) for k, v in arrays.items()]
+    inits += [numpy_helper.from_array(np.array(v, np.float32), k) for k, v in (("lo", 0.0), ("hi", 6.0))]
+
+    def act(src: str, dst: str, name: str) -> onnx.NodeProto:
+        if activation == "Clip":
+            return helper.make_node("Clip", [src, "lo", "hi"], [dst], name=name)
+        extra = {"alpha": 0.1} if activation == "LeakyRelu" else {}
+        return helper.make_node(activation, [src], [dst], name=name, **extra)
+
+    nodes = [
+        helper.make_node("Conv", ["input", "w1", "b1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+        act("c1", "a1", "act1"),
+        helper.make_node("Conv", ["a1", "w2", "b2"], ["c2"], name="conv2", pads=[1, 1, 1, 1], group=groups),
+        act("c2", "a2", "act2"),
+        helper.make_node("Conv", ["a2", "w3", "b3"], ["output"], name="conv3"),
+    ]
+    return _model(nodes, [x], [y], inits, "cle_chain")
+
+
+def mobilenet_block(batch: int = 1, channels: int = 8, expand: int = 16, size: int = 12, seed: int = 0
+                    ) -> onnx.ModelProto:
+    """MobileNetV2-style block with badly scaled channels: conv1x1 expand -> Relu -> depthwise 3x3 ->
+    Relu -> conv1x1 project; the expand conv's channel i is scaled by a_i and the depthwise conv reads
+    it divided by a_i; the depthwise conv's channel i is scaled by c_i and the projection undoes it."""
+    rng = np.random.default_rng(seed)
+    a = np.exp(rng.uniform(-4, 4, expand))
+    c = np.exp(rng.uniform(-4, 4, expand))
+    we = rng.standard_normal((expand, channels, 1, 1)) * 0.3 * a[:, None, None, None]
+    be = rng.standard_normal(expand) * 0.05 * a
+    wd = rng.standard_normal((expand, 1, 3, 3)) * 0.3 / a[:, None, None, None] * c[:, None, None, None]
+    bd = rng.standard_normal(expand) * 0.05 * c
+    wp = rng.standard_normal((channels, expand, 1, 1)) * 0.3 / c[None, :, None, None]
+    bp = rng.standard_normal(channels) * 0.05
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, channels, size, size])
+    y = helper.make_tensor_value_info("output", TensorProto.FLOAT, [batch, channels, size, size])
+    arrays = {"we": we, "be": be, "wd": wd, "bd": bd, "wp": wp, "bp": bp}
+    inits = [numpy_helper.from_array(v.astype(np.float32), k) for k, v in arrays.items()]
+    nodes = [
+        helper.make_node("Conv", ["input", "we", "be"], ["e"], name="expand"),
+        helper.make_node("Relu", ["e"], ["er"], name="expand_relu"),
+        helper.make_node("Conv", ["er", "wd", "bd"], ["d"], name="depthwise", pads=[1, 1, 1, 1], group=expand),
+        helper.make_node("Relu", ["d"], ["dr"], name="depthwise_relu"),
+        helper.make_node("Conv", ["dr", "wp", "bp"], ["output"], name="project"),
+    ]
+    return _model(nodes, [x], [y], inits, "mobilenet_block")
+
+
+OUTLIER_CHANNELS = (3, 11, 20)
+
+
+def smoothing_block(producer: str = "layernorm", batch: int = 2, seq: int = 16, hidden: int = 32, out: int = 32,
+                    factor: float = 50.0, consumer: str = "matmul", seed: int = 0) -> onnx.ModelProto:
+    """``producer`` -> "act" -> MatMul "proj" (+ bias) -> "output", where "act" carries outlier channels
+    (OUTLIER_CHANNELS, ``factor`` times larger) as LLM activations do. ``producer``:
+
+    - "layernorm": LayerNormalization whose scale is ``factor`` larger on the outlier channels;
+    - "decomposed": the same normalization written out (ReduceMean, Sub, Mul, ReduceMean, Add, Sqrt,
+      Div) ending in Mul(gamma) -> Add(beta);
+    - "matmul": MatMul + bias Add whose weight columns (and bias) carry the outliers;
+    - "gelu": MatMul + bias with outlier columns, then x * sigmoid(1.702 x): no constant to fold into;
+    - "gemm": Gemm (transB=1) whose weight rows and bias carry the outliers.
+
+    ``consumer`` "gemm" makes "proj" a Gemm with transB=1 (weight stored [out, hidden]). With a Gemm on
+    either side the input is 2-D, [batch * seq, hidden].
+    """
+    rng = np.random.default_rng(seed)
+    boost = np.ones(hidden)
+    boost[list(OUTLIER_CHANNELS)] = factor
+    lead = [batch * seq] if "gemm" in (producer, consumer) else [batch, seq]
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, [*lead, hidden])
+    y = helper.make_tensor_value_info("output", TensorProto.FLOAT, [*lead, out])
+
+    def f32(name: str, v: np.ndarray | float) -> onnx.TensorProto:
+        return numpy_helper.from_array(np.asarray(v, np.float32), name)
+
+    gamma = (1.0 + 0.1 * rng.standard_normal(hidden)) * boost
+    beta = 0.1 * rng.standard_normal(hidden)
+    w = rng.standard_normal((hidden, out)) * 0.2
+    inits = [f32("w", w.T if consumer == "gemm" else w), f32("b", rng.standard_normal(out) * 0.05)]
+    if producer == "layernorm":
+        inits += [f32("gamma", gamma), f32("beta", beta)]
+        nodes = [helper.make_node("LayerNormalization", ["input", "gamma", "beta"], ["act"], name="ln", axis=-1)]
+    elif producer == "decomposed":
+        inits += [f32("gamma", gamma), f32("beta", beta), f32("eps", 1e-5)]
+        nodes = [
+            helper.make_node("ReduceMean", ["input"], ["mean"], name="ln/mean", axes=[-1]),
+            helper.make_node("Sub", ["input", "mean"], ["d"], name="ln/sub"),
+            helper.make_node("Mul", ["d", "d"], ["sq"], name="ln/sq"),
+            helper.make_node("ReduceMean", ["sq"], ["var"], name="ln/var", axes=[-1]),
+            helper.make_node("Add", ["var", "eps"], ["var_eps"], name="ln/add_eps"),
+            helper.make_node("Sqrt", ["var_eps"], ["std"], name="ln/sqrt"),
+            helper.make_node("Div", ["d", "std"], ["normed"], name="ln/div"),
+            helper.make_node("Mul", ["normed", "gamma"], ["scaled"], name="ln/gamma"),
+            helper.make_node("Add", ["scaled", "beta"], ["act"], name="ln/beta"),
+        ]
+    elif producer in ("matmul", "gelu"):
+        inits += [f32("w0", rng.standard_normal((hidden, hidden)) * 0.2 * boost[None, :]),
+                  f32("b0", rng.standard_normal(hidden) * 0.05 * boost)]
+        h = "act" if producer == "matmul" else "h"
+        nodes = [helper.make_node("MatMul", ["input", "w0"], ["h_mm"], name="fc0"),
+                 helper.make_node("Add", ["h_mm", "b0"], [h], name="fc0_bias")]
+        if producer == "gelu":
+            inits.append(f32("k", 1.702))
+            nodes += [helper.make_node("Mul", ["h", "k"], ["hk"], name="gelu/scale"),
+                      helper.make_node("Sigmoid", ["hk"], ["sig"], name="gelu/sigmoid"),
+                      helper.make_node("Mul", ["h", "sig"], ["act"], name="gelu/mul")]
+    elif producer == "gemm":
+        inits += [f32("w0", rng.standard_normal((hidden, hidden)) * 0.2 * boost[:, None]),
+                  f32("b0", rng.standard_normal(hidden) * 0.05 * boost)]
+        nodes = [helper.make_node("Gemm", ["input", "w0", "b0"], ["act"], name="fc0", transB=1)]
+    else:
+        raise ValueError(f"producer {producer!r}: choose layernorm, decomposed, matmul, gelu or gemm")
+    if consumer == "gemm":
+        nodes.append(helper.make_node("Gemm", ["act", "w", "b"], ["output"], name="proj", transB=1))
+    else:
+        nodes += [helper.make_node("MatMul", ["act", "w"], ["proj_mm"], name="proj"),
+                  helper.make_node("Add", ["proj_mm", "b"], ["output"], name="proj_bias")]
+    return _model(nodes, [x], [y], inits, f"smoothing_{producer}")
+
+
+def qkv_block(batch: int = 2, seq: int = 16, hidden: int = 32, factor: float = 50.0, residual: bool = False,
+              seed: int = 0) -> onnx.ModelProto:
+    """LayerNormalization (outlier channels in its scale) -> "ln_out" read by the Q, K and V projections
+    (MatMul + bias), single-head attention, output projection; ``residual`` adds "ln_out" to the
+    output, so "ln_out" also feeds an op that cannot be smoothed."""
+    rng = np.random.default_rng(seed)
+    gamma = 1.0 + 0.1 * rng.standard_normal(hidden)
+    gamma[list(OUTLIER_CHANNELS)] *= factor
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, seq, hidden])
+    y = helper.make_tensor_value_info("output", TensorProto.FLOAT, [batch, seq, hidden])
+    inits = [numpy_helper.from_array(gamma.astype(np.float32), "gamma"),
+             _init(rng, "beta", (hidden,), 0.1), _init(rng, "wo", (hidden, hidden)), _init(rng, "bo", (hidden,), 0.05),
+             numpy_helper.from_array(np.array(1 / np.sqrt(hidden), np.float32), "scale")]
+    nodes = [helper.make_node("LayerNormalization", ["input", "gamma", "beta"], ["ln_out"], name="ln", axis=-1)]
+    for p in ("q", "k", "v"):
+        inits += [_init(rng, f"w{p}", (hidden, hidden)), _init(rng, f"b{p}", (hidden,), 0.05)]
+        nodes += [helper.make_node("MatMul", ["ln_out", f"w{p}"], [f"{p}_mm"], name=f"attn/{p}"),
+                  helper.make_node("Add", [f"{p}_mm", f"b{p}"], [p], name=f"attn/{p}_bias")]
+    final = "o_res" if residual else "output"
+    nodes += [
+        helper.make_node("Transpose", ["k"], ["kt"], name="attn/kt", perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["q", "kt"], ["s0"], name="attn/scores"),
+        helper.make_node("Mul", ["s0", "scale"], ["s1"], name="attn/scale"),
+        helper.make_node("Softmax", ["s1"], ["probs"], name="attn/softmax", axis=-1),
+        helper.make_node("MatMul", ["probs", "v"], ["ctx"], name="attn/ctx"),
+        helper.make_node("MatMul", ["ctx", "wo"], ["o_mm"], name="attn/out"),
+        helper.make_node("Add", ["o_mm", "bo"], [final], name="attn/out_bias"),
+    ]
+    if residual:
+        nodes.append(helper.make_node("Add", ["o_res", "ln_out"], ["output"], name="residual"))
+    return _model(nodes, [x], [y], inits, "qkv_block")
