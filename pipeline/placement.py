@@ -295,6 +295,18 @@ def bias_slot(g: GraphIndex, node: onnx.NodeProto) -> tuple[str, int] | None:
     return None
 
 
+def bias_tensor(g: GraphIndex, node: onnx.NodeProto) -> tuple[str, str, int] | None:
+    """(bias initializer, tensor it is added into, that tensor's channel axis) of a weighted op:
+    a Conv's B, a Gemm's C, or the constant of a MatMul's bias Add."""
+    if node.op_type in ("Conv", "ConvTranspose") and len(node.input) > 2 and node.input[2] in g.inits:
+        return node.input[2], node.output[0], 1
+    slot = bias_slot(g, node)
+    if slot is None:
+        return None
+    owner = g.nodes[slot[0]]
+    return owner.input[slot[1]], owner.output[0], -1
+
+
 def int32_bias(g: GraphIndex, node: onnx.NodeProto, act_dtype_: str) -> BiasQ | None:
     """The int32 bias ORT needs to run a Gemm / MatMul+bias with DQ inputs and a float output as QGemm."""
     slot = bias_slot(g, node)

@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline.errors import StageError
+from pipeline.errors import StageError, StateError
 from pipeline.graph import opset_version, tensor_elem_types, topological_sort
 
 log = logging.getLogger("tune.qdq")
@@ -261,8 +261,12 @@ class Calibration:
     """
 
     def __init__(self, tensors: dict[str, dict[str, Any]] | None = None, default_scale: float | None = None,
-                 default_zero_point: float = 0.0, weight_clip: str | None = None):
+                 default_zero_point: float = 0.0, weight_clip: str | None = None,
+                 bias_corrections: dict[str, list[float]] | None = None):
         self.tensors = tensors or {}
+        # bias initializer -> mean output shift per channel that quantizing its node adds (measured by
+        # the quantize stage's bias correction); apply_plan subtracts it where the plan quantizes the node
+        self.bias_corrections = dict(bias_corrections or {})
         self.default_scale = default_scale
         self.default_zero_point = default_zero_point
         self.defaulted: set[str] = set()
@@ -296,7 +300,8 @@ class Calibration:
 
     def with_aliases(self, aliases: dict[str, str]) -> Calibration:
         """A copy where each ``tensor`` takes the statistics of its ``source``."""
-        c = Calibration(dict(self.tensors), self.default_scale, self.default_zero_point, self.weight_clip)
+        c = Calibration(dict(self.tensors), self.default_scale, self.default_zero_point, self.weight_clip,
+                        self.bias_corrections)
         c.defaulted = self.defaulted
         c._weights = self._weights
         for t, src in aliases.items():
@@ -324,7 +329,6 @@ def load_calibration(path: str | Path, default_scale: float | None = None,
     """The Calibration of a quantize/calibration.json (StateError if the file is not one); its
     ``weight_clip`` (absent before mse weights existed: "max") decides how weight scales are searched."""
     from pipeline.artifacts import read_json
-    from pipeline.errors import StateError
 
     doc = read_json(path, "calibration file")
     if not isinstance(doc, dict) or not isinstance(doc.get("tensors"), dict):
@@ -333,7 +337,10 @@ def load_calibration(path: str | Path, default_scale: float | None = None,
     if clip not in WEIGHT_SEARCHES:
         raise StateError(f"calibration file {path}: weight_clip={clip!r}, expected one of "
                          f"{', '.join(WEIGHT_SEARCHES)}; re-run the quantize stage")
-    return Calibration(doc["tensors"], default_scale, default_zero_point, clip)
+    corrections = doc.get("bias_corrections") or {}
+    if not isinstance(corrections, dict):
+        raise StateError(f"calibration file {path}: bias_corrections is not a table; re-run the quantize stage")
+    return Calibration(doc["tensors"], default_scale, default_zero_point, clip, corrections)
 
 
 def quantize_decisions(path: str | Path | None) -> dict[str, Any]:
@@ -395,6 +402,23 @@ def raise_opset(model: onnx.ModelProto, target: int) -> onnx.ModelProto:
         return model
 
 
+def _correct_biases(model: onnx.ModelProto, quantized: set[str], corrections: dict[str, list[float]]) -> None:
+    """Subtract the measured mean shift from the biases of the quantized weighted nodes (in place)."""
+    from pipeline.placement import GraphIndex, bias_tensor
+
+    g = GraphIndex(model)
+    targets = {b[0] for n in sorted(quantized) if n in g.nodes and (b := bias_tensor(g, g.nodes[n])) is not None}
+    for i, init in enumerate(model.graph.initializer):
+        if init.name in targets and init.name in corrections:
+            b = numpy_helper.to_array(init)
+            delta = np.asarray(corrections[init.name], np.float64)
+            if delta.size != b.size:
+                raise StateError(f"bias correction of '{init.name}' has {delta.size} values, the bias {b.size}; "
+                                 f"re-run the quantize stage")
+            model.graph.initializer[i].CopyFrom(
+                numpy_helper.from_array((b - delta.reshape(b.shape)).astype(b.dtype), init.name))
+
+
 def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
                default_float_type: int = TensorProto.FLOAT, check: bool = True) -> onnx.ModelProto:
     """A copy of ``model`` with the plan's Q/DQ nodes inserted (see module docstring)."""
@@ -405,6 +429,8 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
         calibration = calibration.with_aliases(plan.aliases)
     graph = out.graph
     nodes = {n.name: n for n in graph.node}
+    if calibration.bias_corrections:
+        _correct_biases(out, {w.node for w in plan.weights}, calibration.bias_corrections)
     types = tensor_elem_types(out)
     inits = {i.name: i for i in graph.initializer}
     consumers: dict[str, list[Consumer]] = defaultdict(list)

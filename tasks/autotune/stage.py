@@ -74,7 +74,9 @@ def quant_type_of(cfg: DictConfig) -> str:
 class AutotuneStage(Stage):
     name = "autotune"
     inputs = ("export/model.onnx",)
-    optional_inputs = ("quantize/calibration.json", "quantize/quantized_model.onnx")
+    # quantize/float_model.onnx: the float graph after quantize's float-exact transforms (equalization,
+    # outlier smoothing), the one calibration.json describes; Q/DQ go into it, timing is against export's
+    optional_inputs = ("quantize/calibration.json", "quantize/quantized_model.onnx", "quantize/float_model.onnx")
     # region mode adds autotuner_state.yaml; subgraph mode optimized_raw.onnx and autotune_cache.json
     outputs = ("autotune/optimized_final.onnx", "autotune/baseline.onnx")
     config_keys = ("autotune", "backend", "quantize", "seed")
@@ -119,6 +121,8 @@ class AutotuneStage(Stage):
                      f", {len(decisions['float_nodes'])} nodes float" if decisions["float_nodes"] else "")
         baseline_path = out / "baseline.onnx"
         save_model(model, baseline_path)
+        if "quantize/float_model.onnx" in inputs:
+            model = load_model(inputs["quantize/float_model.onnx"])
         rounds = 4
         budget = AccuracyBudget.from_config(cfg)
         holdout = Holdout.from_config(cfg, input_specs(model))

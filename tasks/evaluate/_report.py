@@ -104,8 +104,9 @@ def markdown(metrics: dict[str, Any]) -> str:
             lines.append(f"Weight storage: {q['weight_range']} ({q.get('weight_range_reason')}).")
         if mach.get("quantized_on") and mach.get("quantized_on") != (mach.get("cpu") or {}).get("brand"):
             lines.append(f"Quantized on a different CPU: {mach['quantized_on']}.")
+        lines += _accuracy_steps(q)
         if q.get("float_nodes"):
-            lines.append(f"Left float to meet the accuracy budget ({len(q['float_nodes'])} most error-sensitive nodes, "
+            lines.append(f"Left float to meet the accuracy budget ({len(q['float_nodes'])} nodes, "
                          f"see quantize/sensitivity.json): {', '.join(f'`{n}`' for n in q['float_nodes'])}.")
     for d in metrics.get("duplicates", []):
         same = metrics["models"][d["identical_to"]]["label"]
@@ -193,3 +194,29 @@ def plot(metrics: dict[str, Any], path: Path) -> Path:
     with atomic_output(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     return Path(path)
+
+
+def _accuracy_steps(q: dict[str, Any]) -> list[str]:
+    """What the quantize stage did to make int8 accurate: transforms, bias correction, kernel culprits."""
+    lines = []
+    for t in q.get("transforms") or []:
+        name = {"equalization": "Cross-layer equalization", "smoothing": "Outlier smoothing"}.get(
+            t.get("transform"), str(t.get("transform")))
+        if t.get("applied"):
+            n = len(t.get("changes") or [])
+            muls = sum(bool(c.get("inserted_mul")) for c in t.get("changes") or [])
+            extra = f", {muls} by an inserted Mul" if muls else ""
+            lines.append(f"{name}: {n} {'conv pair(s)' if t['transform'] == 'equalization' else 'tensor(s)'}"
+                         f"{extra}; float outputs within {t.get('float_rel_error', 0.0):.1e} of the original.")
+        else:
+            lines.append(f"{name}: not applied ({t.get('reason')}).")
+    b = q.get("bias_correction")
+    if b:
+        lines.append(f"Bias correction: {'applied to ' + str(b.get('nodes')) + ' node(s)' if b.get('applied') else 'not kept'}"
+                     + (f" ({b.get('before')} -> {b.get('after')})" if b.get("after") else
+                        f" ({b.get('reason')})" if b.get("reason") else "") + ".")
+    if q.get("fidelity_culprits"):
+        lines.append("Left float because their fused kernels disagree with the Q/DQ reference on this CPU: "
+                     + ", ".join(f"`{n}`" for n in q["fidelity_culprits"]) + ".")
+    return lines
+

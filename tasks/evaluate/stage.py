@@ -214,7 +214,8 @@ class EvaluateStage(Stage):
         metrics["machine"] = {"cpu": facts, "cpu_line": describe(facts),
                               "quantized_on": (decisions.get("cpu") or {}).get("brand")}
         metrics["quantization"] = {k: decisions.get(k) for k in ("weight_range", "weight_range_reason",
-                                                                 "float_nodes", "budget")}
+                                                                 "float_nodes", "budget", "transforms",
+                                                                 "bias_correction", "fidelity_culprits")}
         metrics["budget"] = budget.describe()
         float_top1 = metrics["models"]["float"].get("top1")
         flagged = []

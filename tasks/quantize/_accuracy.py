@@ -251,6 +251,26 @@ def choose_weight_range(build: Callable[..., onnx.ModelProto], checker: Checker,
     return choice, f"{desc}: {why} ({rule}; p10 {timing}; {snr})", [full, *variants], []
 
 
+def outlier_units(model: onnx.ModelProto, stats: dict[str, dict], units: list[str], threshold: float
+                  ) -> dict[str, str]:
+    """Quantized nodes other than weighted ops (Add, Mul, Concat, ...) that read or write a tensor with
+    outlier channels (``channel_ratio`` >= ``threshold``), with the reason: one per-tensor scale spans
+    the outliers and leaves the other channels a level or two. Left float, they cost little (element-
+    wise ops), and the weighted ops around them keep int8 with float outputs."""
+    if threshold <= 0:
+        return {}
+    nodes = {n.name: n for n in model.graph.node}
+    out = {}
+    for name in units:
+        node = nodes.get(name)
+        if node is None or node.op_type in WEIGHTED_OPS:
+            continue
+        worst = max(((stats.get(t) or {}).get("channel_ratio", 0.0), t) for t in [*node.input, *node.output] if t)
+        if worst[0] >= threshold:
+            out[name] = f"outlier channels on {worst[1]} (max/median channel {worst[0]:.0f}x)"
+    return out
+
+
 def rank_sensitivity(units: list[str], build: Callable[[set[str]], onnx.ModelProto], checker: Checker,
                      progress: Callable | None = None) -> list[dict[str, Any]]:
     """Leave one node float at a time; rank by the output error that remains (lowest first: the

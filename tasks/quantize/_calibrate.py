@@ -236,6 +236,23 @@ def _error_minimizing(s: dict, signed: np.ndarray, zeros: int, absolute: np.ndar
         s["chosen"] = chosen
 
 
+def channel_absmax(arr: np.ndarray) -> np.ndarray | None:
+    """Per-channel absmax of an activation: channels on axis 1 of [N, C, ...] conv tensors (rank 4
+    and 5), on the last axis otherwise ([N, C], [N, S, H] transformer tensors); None for scalars."""
+    if arr.ndim < 2:
+        return None
+    axis = 1 if arr.ndim >= 4 else arr.ndim - 1
+    a = np.abs(np.moveaxis(np.asarray(arr, np.float32), axis, -1))
+    return a.reshape(-1, a.shape[-1]).max(axis=0)
+
+
+def outlier_ratio(channel_max: np.ndarray) -> float:
+    """Largest channel's absmax over the median of the non-zero ones: how much of a per-tensor scale's
+    range a few outlier channels take from the others (BERT's FFN outputs: 40-230)."""
+    pos = channel_max[channel_max > 0]
+    return float(channel_max.max() / np.median(pos)) if pos.size else 1.0
+
+
 def collect(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]], algorithm: str, percentile: float,
             num_bins: int, threads: int, progress: Callable[[Iterable[Batch], str], Iterable[Batch]]) -> dict[str, dict]:
     """Statistics per candidate tensor: min, max, absmax, threshold, algorithm, samples; with mse and auto
@@ -244,6 +261,7 @@ def collect(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]], algo
     runner = _Runner(model, tensors, threads)
     mins = {t: np.inf for t in tensors}
     maxs = {t: -np.inf for t in tensors}
+    channels: dict[str, np.ndarray] = {}
     count = 0
     for batch in progress(batches(), "calibrating (pass 1: ranges)"):
         count += batch.valid
@@ -251,6 +269,10 @@ def collect(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]], algo
             if arr.size:
                 mins[t] = min(mins[t], float(np.min(arr)))
                 maxs[t] = max(maxs[t], float(np.max(arr)))
+                c = channel_absmax(arr)
+                if c is not None:
+                    channels[t] = c if t not in channels or channels[t].shape != c.shape else \
+                        np.maximum(channels[t], c)
     if count == 0:
         from pipeline.errors import InputError
 
@@ -261,6 +283,8 @@ def collect(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]], algo
             continue
         absmax = max(abs(mins[t]), abs(maxs[t]))
         stats[t] = {"min": mins[t], "max": maxs[t], "absmax": absmax}
+        if t in channels:
+            stats[t]["channel_ratio"] = outlier_ratio(channels[t])
     if algorithm in ("mse", "auto"):
         signed = {t: np.zeros(num_bins, np.int64) for t in stats}
         zeros = dict.fromkeys(stats, 0)

@@ -45,6 +45,9 @@ SMOOTHING_MIN_K = 16  # same threshold as placement.MIN_DOT: smaller MatMuls sta
 SAMPLE_ROWS = 512
 SCALE_LIMITS = (1e-5, 1e5)
 MIN_GAIN = 0.02  # smoothing must cut the measured output error by more than this fraction
+# a Mul inserted where no producer can absorb 1/s costs run time on every inference: only for tensors
+# with real outlier channels (max / median channel absmax); BERT's FFN inputs measure 10-20
+MUL_MIN_OUTLIER_RATIO = 6.0
 
 
 # --------------------------------------------------------------------------- editing
@@ -462,15 +465,20 @@ def _weights_kn(ed: _Editor, c: _Consumers) -> list[np.ndarray]:
     return [ed.array(w) if axis == 0 else ed.array(w).T for w, (_, axis) in c.weights.items()]
 
 
+def _absorbing(ed: _Editor, tensor: str, c: _Consumers, k: int) -> tuple[str, list[_Edit]] | None:
+    """The producer edits that absorb 1/s, when ``tensor`` feeds only the smoothed consumers."""
+    exclusive = tensor not in ed.outputs and set(ed.uses(tensor)) == set(c.uses)
+    return _absorber(ed, tensor, k) if exclusive else None
+
+
 def _apply_smoothing(ed: _Editor, tensor: str, c: _Consumers, s: np.ndarray) -> tuple[str, bool]:
     """Scale the consumers' weights by s and make them read tensor / s; returns (absorbed_by, inserted)."""
     dtype = ed._dtypes.get(next(iter(c.weights)), np.dtype(np.float32))
+    found = _absorbing(ed, tensor, c, s.size)
     for w, (readers, axis) in c.weights.items():
         shape = [1, 1]
         shape[axis] = -1
         ed.set_const(w, ed.array(w) * s.reshape(shape), readers)
-    exclusive = tensor not in ed.outputs and set(ed.uses(tensor)) == set(c.uses)
-    found = _absorber(ed, tensor, s.size) if exclusive else None
     if found is not None:
         label, edits = found
         for e in edits:
@@ -492,8 +500,9 @@ def _apply_smoothing(ed: _Editor, tensor: str, c: _Consumers, s: np.ndarray) -> 
 
 
 def _outlier_ratio(absmax: np.ndarray) -> float:
-    pos = absmax[absmax > 0]
-    return float(absmax.max() / np.median(pos)) if pos.size else 1.0
+    from tasks.quantize._calibrate import outlier_ratio
+
+    return outlier_ratio(absmax)
 
 
 def smooth_outliers(model: onnx.ModelProto, act_absmax: Mapping[str, np.ndarray],
@@ -508,7 +517,8 @@ def smooth_outliers(model: onnx.ModelProto, act_absmax: Mapping[str, np.ndarray]
     ``smoothing_error`` on ``samples[t]``; the tensor is left alone unless it beats alpha 0 (no
     smoothing) by more than 2%. Without samples for a tensor, alpha 0.5 (SmoothQuant's default) is
     used and no errors are reported. 1/s is folded into the producer when the tensor feeds only
-    those consumers and is not a graph output (see ``_absorber``), else a Mul is inserted.
+    those consumers and is not a graph output (see ``_absorber``), else a Mul is inserted, and only
+    for a tensor whose channels differ by MUL_MIN_OUTLIER_RATIO or more.
 
     Records, one per smoothed tensor: tensor, consumers, alpha, absorbed_by (producer op chain, or
     "Mul" for an inserted Mul), inserted_mul, outlier_ratio_before / after (max / median of absmax),
@@ -525,6 +535,10 @@ def smooth_outliers(model: onnx.ModelProto, act_absmax: Mapping[str, np.ndarray]
         c = _consumers(ed, t, ax.size)
         if not c.uses:
             log.debug("smoothing: %s has %d channels, its MatMul/Gemm weights disagree", t, ax.size)
+            continue
+        if _outlier_ratio(ax) < MUL_MIN_OUTLIER_RATIO and _absorbing(ed, t, c, ax.size) is None:
+            log.debug("smoothing: %s left alone (outlier ratio %.1f too small for an inserted Mul)", t,
+                      _outlier_ratio(ax))
             continue
         weights = _weights_kn(ed, c)
         aw = np.max([np.abs(w).max(axis=1) for w in weights], axis=0)

@@ -80,6 +80,19 @@ class QuantizeConfig:
     activation_type: ActivationType = ActivationType.auto
     per_channel: bool = True
     weight_range: WeightRange = WeightRange.auto
+    # float-exact transforms before calibration, each kept only if the float outputs move by <= 1e-5:
+    # cross-layer equalization of Conv -> (Relu|LeakyRelu) -> Conv pairs (depthwise too) ...
+    equalization: bool = True
+    # ... and migration of outlier activation channels of MatMul/Gemm inputs into their producer
+    # (SmoothQuant-style, strength chosen per layer by the measured int8 error)
+    smoothing: bool = True
+    # after placement: subtract the mean output shift quantization adds to each quantized node's bias,
+    # kept only when it lowers the held-out error
+    bias_correction: bool = True
+    # when the PTQ model misses the accuracy budget, element-wise nodes (Add, Mul, Concat, ...) on a
+    # tensor whose largest channel exceeds this many times the median channel are left float first,
+    # before any node is ranked (0: off); BERT's FFN-output residual adds measure 40-230, others < 10
+    outlier_threshold: float = 32.0
     use_external_data_format: bool = False
 
 
@@ -95,6 +108,8 @@ def validate(cfg: DictConfig) -> list[str]:
         problems.append(f"quantize.percentile={q.percentile}: must be in (50, 100]")
     if q.calibration.batches < 1:
         problems.append(f"quantize.calibration.batches={q.calibration.batches}: must be >= 1")
+    if q.outlier_threshold < 0:
+        problems.append(f"quantize.outlier_threshold={q.outlier_threshold}: must be >= 0 (0 turns it off)")
     if q.calibration.num_bins < 128:
         problems.append(f"quantize.calibration.num_bins={q.calibration.num_bins}: must be >= 128")
     for i, rule in enumerate(q.layers):

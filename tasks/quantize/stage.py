@@ -100,7 +100,9 @@ def _ort_backend(cfg: DictConfig):
 class QuantizeStage(Stage):
     name = "quantize"
     inputs = ("export/model.onnx",)
-    outputs = ("quantize/quantized_model.onnx", "quantize/calibration.json")
+    # float_model.onnx: the float graph after the float-exact transforms, the one calibration.json
+    # describes and autotune places Q/DQ into
+    outputs = ("quantize/quantized_model.onnx", "quantize/calibration.json", "quantize/float_model.onnx")
     config_keys = ("quantize", "data", "seed", "backend.name", "autotune.accuracy")
 
     def run(self, ctx: StageContext) -> StageResult:
@@ -115,8 +117,10 @@ class QuantizeStage(Stage):
             log.warning("quantize: no layer rule quantizes anything (quantize=none or empty rules); "
                         "passing the float model through unchanged")
             save_model(model, out_model)
+            save_model(model, out_dir / "float_model.onnx")
             atomic_write_json(out_calib, {"version": 1, "algorithm": None, "tensors": {}, "weights": {}})
-            return StageResult({"quantize/quantized_model.onnx": out_model, "quantize/calibration.json": out_calib},
+            return StageResult({"quantize/quantized_model.onnx": out_model, "quantize/calibration.json": out_calib,
+                                "quantize/float_model.onnx": out_dir / "float_model.onnx"},
                                {"quantized_nodes": 0, "headline": "float model passed through (no quantization)"})
 
         specs = input_specs(model)
@@ -130,10 +134,15 @@ class QuantizeStage(Stage):
         def progress(it, desc):
             return progress_bar(bool(cfg.progress), iterable=it, total=total, desc=f"quantize: {desc}", unit="batch")
 
+        from tasks.quantize import _prepare
         from tasks.quantize._calibrate import collect
 
-        t0 = time.time()
         backend = _ort_backend(cfg)  # calibration and every check run on it
+        kind = placement_kind(cfg)
+        act_type = activation_type(cfg)
+        model, transforms = _prepare.transform_float(model, q, batches, backend.threads, act_type)
+        out_float = save_model(model, out_dir / "float_model.onnx")
+        t0 = time.time()
         stats = collect(model, batches, enum_value(q.algorithm), float(q.percentile), int(q.calibration.num_bins),
                         backend.threads, progress)
         calib_seconds = time.time() - t0
@@ -142,8 +151,6 @@ class QuantizeStage(Stage):
         log.info("calibrated %d tensors on %d samples with %s in %.1f s", len(stats), samples,
                  enum_value(q.algorithm), calib_seconds)
 
-        kind = placement_kind(cfg)
-        act_type = activation_type(cfg)
         builder = onnxruntime_plan if kind == "onnxruntime" else tensorrt_plan
         calibration = Calibration(doc["tensors"], weight_clip=doc["weight_clip"])
 
@@ -160,7 +167,42 @@ class QuantizeStage(Stage):
                                  "...); check quantize.layers / skip_names / op_types_to_quantize")
             return plan, apply_plan(model, plan, calibration)
 
-        decisions, sensitivity = self._decide(ctx, model, float_path, specs, kind, build, backend)
+        def fix_bias(weight_range: str, float_nodes: set[str], checker: Any, before: Any) -> tuple[dict, Any]:
+            """Bias correction of this placement, kept (in ``calibration``) only if the held-out error falls."""
+            def placed(corr: dict[str, list[float]]) -> onnx.ModelProto:
+                calibration.bias_corrections = corr
+                return build(weight_range, float_nodes)[1]
+
+            plan, _ = build(weight_range, float_nodes)
+            corrections, records = _prepare.correct_bias(model, placed, {w.node for w in plan.weights}, batches,
+                                                         backend.threads)
+            rec: dict[str, Any] = {"applied": False, "nodes": len(corrections), "records": records,
+                                   "before": before.verdict.what if before.verdict else None}
+            if not corrections:
+                rec["reason"] = "no quantized node has a bias initializer"
+                return rec, None
+            calibration.bias_corrections = corrections
+            after = checker.check(build(weight_range, float_nodes)[1], "bias_corrected")
+            rec["after"] = after.verdict.what if after.verdict else after.error
+            better = after.error is None and after.verdict is not None and before.verdict is not None \
+                and after.verdict.error < before.verdict.error
+            if not better:
+                calibration.bias_corrections = {}
+                rec["reason"] = "did not lower the held-out error"
+                log.info("quantize: bias correction not kept (%s -> %s)", rec["before"], rec["after"])
+                return rec, None
+            rec["applied"] = True
+            log.info("quantize: bias correction of %d node(s): %s -> %s", len(corrections), rec["before"], rec["after"])
+            return rec, after
+
+        from tasks.quantize._accuracy import outlier_units
+
+        outliers = outlier_units(model, stats, list(rules), float(q.outlier_threshold))
+        decisions, sensitivity = self._decide(ctx, model, float_path, specs, kind, build, backend,
+                                              fix_bias if bool(q.bias_correction) else None, outliers)
+        decisions["transforms"] = transforms
+        doc["transforms"] = transforms
+        doc["bias_corrections"] = calibration.bias_corrections
         plan, qmodel = build(decisions["weight_range"], set(decisions["float_nodes"]))
         doc["decisions"] = decisions
         atomic_write_json(out_calib, doc)
@@ -172,7 +214,8 @@ class QuantizeStage(Stage):
                     f"({', '.join(f'{k} x{v}' for k, v in sorted(dtypes.items()))}), "
                     f"{counts['QuantizeLinear']} Q / {counts['DequantizeLinear']} DQ")
         log.info("wrote %s (%s)", out_model, headline)
-        artifacts = {"quantize/quantized_model.onnx": out_model, "quantize/calibration.json": out_calib}
+        artifacts = {"quantize/quantized_model.onnx": out_model, "quantize/calibration.json": out_calib,
+                     "quantize/float_model.onnx": out_float}
         if sensitivity is not None:
             artifacts["quantize/sensitivity.json"] = atomic_write_json(out_dir / "sensitivity.json", sensitivity)
         acc = decisions.get("accuracy") or {}
@@ -180,12 +223,19 @@ class QuantizeStage(Stage):
             headline += f"; holdout {acc.get('what')}" + ("" if acc.get("ok") else " OVER BUDGET")
         if decisions["weight_range"] != "full":
             headline += f"; weights {decisions['weight_range']}"
+        improved = _prepare.summary(transforms, decisions.get("bias_correction"))
+        if improved:
+            headline += "; " + ", ".join(improved)
         if decisions["float_nodes"]:
             headline += f"; {len(decisions['float_nodes'])} sensitive nodes left float"
         metrics = {
             "weight_range": decisions["weight_range"], "weight_range_reason": decisions["weight_range_reason"],
             "cpu": decisions["cpu"], "kernel_fidelity": decisions.get("kernel_fidelity"),
             "accuracy": acc, "float_nodes": decisions["float_nodes"],
+            "transforms": [{k: v for k, v in t.items() if k != "changes"} | {"changes": len(t["changes"])}
+                           for t in transforms],
+            "bias_correction": {k: v for k, v in (decisions.get("bias_correction") or {}).items() if k != "records"},
+            "fidelity_culprits": decisions.get("fidelity_culprits", []),
             "placement": kind, "activation_type": act_type, "calibrated_tensors": len(stats),
             "calibration_samples": samples, "calibration_seconds": round(calib_seconds, 2),
             "quantized_nodes": len(plan.node_rules), "node_rules": plan.node_rules, **counts,
@@ -195,7 +245,8 @@ class QuantizeStage(Stage):
 
     @staticmethod
     def _decide(ctx: StageContext, model: onnx.ModelProto, float_path: Path, specs: list, kind: str,
-                build: Callable[..., tuple[Any, onnx.ModelProto]], backend: Any
+                build: Callable[..., tuple[Any, onnx.ModelProto]], backend: Any,
+                fix_bias: Callable[..., tuple[dict, Any]] | None = None, outliers: dict[str, str] | None = None
                 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Weight storage and float nodes, decided on held-out calibration batches (see _accuracy)."""
         import math
@@ -249,6 +300,7 @@ class QuantizeStage(Stage):
             else:
                 log.warning("quantize: %s [%s]", why, describe(facts))
             verdict = chosen.verdict
+            final = chosen  # the candidate of the placement that will be written
             float_nodes: list[str] = []
             sensitivity = None
             if verdict is not None and not verdict.ok and budget.enabled and bool(a.recovery):
@@ -258,35 +310,65 @@ class QuantizeStage(Stage):
                             "ranking %d quantized nodes by their contribution to the output error",
                             holdout.samples, verdict.what, len(units))
 
-                def bar(it):
-                    return progress_bar(bool(cfg.progress), iterable=it, total=len(units),
-                                        desc="quantize: sensitivity", unit="node")
+                # first the tensors with outlier channels: their element-wise readers and writers stay
+                # float (cheap ops) and the weighted ops around them keep int8
+                base = {n: why for n, why in (outliers or {}).items() if n in units}
+                recovered = None
+                ranking: list[dict[str, Any]] = []
+                if base:
+                    c = checker.check(placed(weight_range, set(base)), "outliers")
+                    log.warning("quantize: %d element-wise node(s) on tensors with outlier channels left float: %s",
+                                len(base), c.verdict.what if c.verdict else c.error)
+                    if c.error is None and c.verdict is not None and c.verdict.error < verdict.error:
+                        verdict = c.verdict
+                        recovered = c if c.verdict.ok else None
+                    else:
+                        base = {}
+                if recovered is not None:
+                    float_nodes = sorted(base)
+                else:
+                    rest = [n for n in units if n not in base]
 
-                ranking = acc.rank_sensitivity(units, lambda s: placed(weight_range, s), checker, bar)
-                limit = max(1, math.floor(float(a.max_float_fraction) * len(units)))
-                float_nodes, recovered = acc.recover(ranking, lambda s: placed(weight_range, s), checker, limit)
-                for r in ranking:
-                    r["op_type"] = ops.get(r["node"])
-                    r["left_float"] = r["node"] in float_nodes
+                    def bar(it):
+                        return progress_bar(bool(cfg.progress), iterable=it, total=len(rest),
+                                            desc="quantize: sensitivity", unit="node")
+
+                    def with_base(s: set[str]) -> onnx.ModelProto:
+                        return placed(weight_range, set(s) | set(base))
+
+                    ranking = acc.rank_sensitivity(rest, with_base, checker, bar)
+                    limit = max(1, math.floor(float(a.max_float_fraction) * len(units)) - len(base))
+                    float_nodes, recovered = acc.recover(ranking, with_base, checker, limit)
+                    float_nodes = sorted(base) + float_nodes if recovered is not None else []
+                    for r in ranking:
+                        r["op_type"] = ops.get(r["node"])
+                        r["left_float"] = r["node"] in float_nodes
                 if recovered is not None:
                     log.warning("quantize: leaving %d of %d quantized nodes float to meet the budget (%s): %s",
                                 len(float_nodes), len(units), recovered.verdict.what, ", ".join(float_nodes))
-                    verdict = recovered.verdict
+                    verdict, final = recovered.verdict, recovered
                 else:
                     log.warning("quantize: even %d float nodes do not bring the PTQ model within the accuracy budget; "
                                 "writing the full placement (autotune will ship the best model that meets it)", limit)
                 sensitivity = {
                     "budget": budget.describe(), "holdout": holdout.source, "samples": holdout.samples,
                     "full_placement": chosen.verdict.to_dict() if chosen.verdict else None,
-                    "method": "each node left float alone; ranked by the output error that remains (lowest first)",
-                    "ranking": ranking, "float_nodes": float_nodes,
+                    "method": "element-wise nodes on tensors with outlier channels first (outlier_nodes); then "
+                              "each node left float alone, ranked by the output error that remains (lowest first)",
+                    "outlier_nodes": base, "ranking": ranking, "float_nodes": float_nodes,
                     "met": recovered is not None,
                     "accuracy": verdict.to_dict() if verdict else None,
                 }
+            bias = None
+            if fix_bias is not None and final.verdict is not None:
+                bias, corrected = fix_bias(weight_range, unsupported | set(float_nodes), checker, final)
+                if corrected is not None:
+                    verdict = corrected.verdict
         decisions = {
             "weight_range": weight_range, "weight_range_reason": why, "cpu": facts,
             "unsupported_nodes": sorted(unsupported - set(culprits)),
             "fidelity_culprits": culprits,
+            "bias_correction": bias,
             "kernel_fidelity": chosen.fidelity.to_dict() if chosen.fidelity else None,
             "variants": [c.to_dict() for c in checked],
             "budget": budget.describe(), "holdout": holdout.source, "holdout_samples": holdout.samples,

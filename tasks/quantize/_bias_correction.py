@@ -1,0 +1,156 @@
+"""Empirical bias correction: remove the mean output shift quantization adds to each weighted op.
+
+Rounding weights and clipping activations shifts the mean of a Conv's (or Gemm's, MatMul's) output
+channels, and a shift is not noise: it adds up through the layers below. The shift of every quantized
+node with a bias is measured on calibration batches as E[y_q - y_f] per output channel, with the
+quantized model run as plain Q/DQ math (every node's output tensor is still there to read, and exact
+integer kernels compute the same) against the float model; the bias then absorbs it (Nagel et al.,
+"Data-Free Quantization", section 4.2, empirical variant). Nodes are corrected level by level from
+the inputs down, each measured with the nodes above it corrected: correcting all at once from one
+measurement overshoots in deep models, where a node's shift is mostly its inputs'. A node the float
+graph gives no bias initializer is left as it is and reported.
+
+The corrections are kept by bias tensor in calibration.json (``bias_corrections``) and applied by
+``apply_plan`` only to the nodes a plan quantizes, so autotune's placements get them too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+
+from pipeline.placement import WEIGHTED_OPS, GraphIndex, bias_tensor
+
+
+@dataclass(frozen=True)
+class BiasSlot:
+    node: str
+    bias: str  # initializer holding the bias
+    output: str  # the tensor the bias is added into (the node's output, or its bias Add's)
+    axis: int  # channel axis of ``output``
+
+
+def bias_slots(model: onnx.ModelProto, nodes: Iterable[str]) -> tuple[list[BiasSlot], list[str]]:
+    """(slots of the weighted ``nodes`` whose bias is an initializer, names of those without one)."""
+    g = GraphIndex(model)
+    slots, missing = [], []
+    for name in nodes:
+        node = g.nodes.get(name)
+        if node is None or node.op_type not in WEIGHTED_OPS:
+            continue
+        b = bias_tensor(g, node)
+        if b is None:
+            missing.append(name)
+        else:
+            slots.append(BiasSlot(name, *b))
+    return slots, missing
+
+
+def _session(model: onnx.ModelProto, outputs: list[str], threads: int):
+    import onnxruntime as ort
+
+    from tasks.quantize._calibrate import _augmented
+
+    so = ort.SessionOptions()
+    # plain Q/DQ math and no fusions: every node's output stays observable
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    return ort.InferenceSession(_augmented(model, outputs), so, providers=["CPUExecutionProvider"])
+
+
+def _channel_sums(a: np.ndarray, axis: int) -> tuple[np.ndarray, int]:
+    a = np.moveaxis(np.asarray(a, np.float64), axis, -1)
+    flat = a.reshape(-1, a.shape[-1])
+    return flat.sum(axis=0), flat.shape[0]
+
+
+def channel_means(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], slots: list[BiasSlot],
+                  threads: int = 1) -> dict[str, dict[str, Any]]:
+    """Per slot: the mean of its output per channel over ``feeds``, and the output's RMS."""
+    outputs = list(dict.fromkeys(s.output for s in slots))
+    session = _session(model, outputs, threads)
+    sums: dict[str, np.ndarray] = {}
+    counts: dict[str, int] = {}
+    energy: dict[str, float] = {}
+    for feed in feeds:
+        for name, arr in zip(outputs, session.run(outputs, feed), strict=True):
+            axis = next(s.axis for s in slots if s.output == name)
+            total, n = _channel_sums(arr, axis)
+            sums[name] = sums.get(name, 0.0) + total
+            counts[name] = counts.get(name, 0) + n
+            energy[name] = energy.get(name, 0.0) + float(np.sum(np.asarray(arr, np.float64) ** 2))
+    out = {}
+    for s in slots:
+        n = max(counts.get(s.output, 0), 1)
+        mean = sums[s.output] / n
+        out[s.node] = {"mean": mean, "rms": float(np.sqrt(energy[s.output] / (n * max(mean.size, 1))))}
+    return out
+
+
+def mean_shifts(float_model: onnx.ModelProto, qmodel: onnx.ModelProto, feeds: list[dict[str, np.ndarray]],
+                slots: list[BiasSlot], threads: int = 1) -> dict[str, dict[str, Any]]:
+    """Per slot: the mean shift per output channel (quantized - float) and the float output's RMS."""
+    f, q = channel_means(float_model, feeds, slots, threads), channel_means(qmodel, feeds, slots, threads)
+    return {n: {"shift": q[n]["mean"] - f[n]["mean"], "rms": f[n]["rms"]} for n in f}
+
+
+def _levels(model: onnx.ModelProto, slots: list[BiasSlot]) -> list[list[BiasSlot]]:
+    """Slots grouped by how many corrected nodes lie above them (0: none), in topological order: a
+    node's shift depends on the corrections above it only, so one sweep in this order settles all."""
+    g = GraphIndex(model)
+    owner = {s.node: s for s in slots}
+    depth: dict[str, int] = {}
+    for node in model.graph.node:  # graph.node is topologically sorted (onnx checker guarantees it)
+        above = [depth[p.name] + (1 if p.name in owner else 0) for t in node.input
+                 if (p := g.producer.get(t)) is not None and p.name in depth]
+        depth[node.name] = max(above, default=0)
+    levels: dict[int, list[BiasSlot]] = {}
+    for s in slots:
+        levels.setdefault(depth.get(s.node, 0), []).append(s)
+    return [levels[k] for k in sorted(levels)]
+
+
+def corrections(float_model: onnx.ModelProto, build: Callable[[dict[str, list[float]]], onnx.ModelProto],
+                feeds: list[dict[str, np.ndarray]], quantized: Iterable[str], threads: int = 1
+                ) -> tuple[dict[str, list[float]], list[dict[str, Any]]]:
+    """(bias tensor -> value to subtract, per-node records) for the quantized weighted nodes.
+
+    ``build(corrections)`` places the quantized model with those corrections applied. Nodes are
+    corrected level by level from the inputs down (see ``_levels``), each measured on the model whose
+    nodes above it are corrected already. A record has the node, its bias tensor and the mean |shift|
+    relative to the output's RMS before and after.
+    """
+    slots, missing = bias_slots(float_model, quantized)
+    sizes = {i.name: int(np.prod(i.dims)) for i in float_model.graph.initializer}
+    mismatched = [s for s in slots if s.bias not in sizes]
+    slots = [s for s in slots if s.bias in sizes]
+    reference = channel_means(float_model, feeds, slots, threads) if slots else {}
+    total: dict[str, np.ndarray] = {}
+    first: dict[str, np.ndarray] = {}
+    for level in _levels(float_model, slots):
+        measured = channel_means(build({b: v.tolist() for b, v in total.items()}), feeds, level, threads)
+        for s in level:
+            shift = measured[s.node]["mean"] - reference[s.node]["mean"]
+            if shift.size != sizes[s.bias]:  # a bias broadcast over channels in another way: leave it
+                mismatched.append(s)
+                continue
+            first[s.node] = shift
+            total[s.bias] = total.get(s.bias, 0.0) + shift
+    after = channel_means(build({b: v.tolist() for b, v in total.items()}), feeds, slots, threads) if total else {}
+
+    def rel(shift: np.ndarray, node: str) -> float:
+        rms = reference[node]["rms"]
+        return float(np.mean(np.abs(shift)) / rms) if rms else 0.0
+
+    records = [{"node": s.node, "bias": s.bias, "mean_abs_shift_rel": rel(first[s.node], s.node),
+                "mean_abs_shift_rel_after": rel(after[s.node]["mean"] - reference[s.node]["mean"], s.node)}
+               for s in slots if s.node in first]
+    records += [{"node": n, "bias": None, "skipped": "no bias initializer"} for n in missing]
+    records += [{"node": s.node, "bias": s.bias, "skipped": "bias does not match the output channels"}
+                for s in mismatched]
+    return {b: [float(x) for x in v] for b, v in total.items()}, records
