@@ -85,11 +85,26 @@ def test_default_pipeline_keeps_top1_within_a_point_on_avx2_without_vnni(digits_
     assert full["accuracy"]["ok"] is False and full["accuracy"]["top1_drop"] > 1.0, full
 
 
+def test_equalization_makes_the_outlier_branch_accurate_without_float_nodes(tmp_path):
+    """The same model as below, with quantize's defaults: cross-layer equalization moves the outlier
+    branch's range out of its int8 weights and the PTQ model meets the budget with no node left float."""
+    path = models.save(models.outlier_branch(), tmp_path, "outlier_branch")
+    rd = tmp_path / "run"
+    run_tune([f"results_dir={rd}", "model=onnx", f"model.onnx_path={path}", "stages=[export,quantize]",
+              "data=synthetic", "progress=false"], cwd=tmp_path, check=True)
+    q = json.loads((rd / "manifest.json").read_text())["stages"]["quantize"]["metrics"]
+    assert q["accuracy"]["ok"] and q["accuracy"]["snr_db"] > 30 and not q["float_nodes"], q["headline"]
+    eq = next(t for t in q["transforms"] if t["transform"] == "equalization")
+    assert eq["applied"] and eq["changes"] >= 1 and eq["float_rel_error"] <= 1e-5
+    assert not (rd / "quantize" / "sensitivity.json").exists()
+
+
 def test_sensitive_node_stays_float_and_nothing_over_budget_ships(tmp_path):
     path = models.save(models.outlier_branch(), tmp_path, "outlier_branch")
     rd = tmp_path / "run"
+    plain = ["quantize.equalization=false", "quantize.smoothing=false", "quantize.bias_correction=false"]
     proc = run_tune([f"results_dir={rd}", "model=onnx", f"model.onnx_path={path}",
-                     "stages=[export,quantize,autotune,evaluate]", "data=synthetic", *QUICK],
+                     "stages=[export,quantize,autotune,evaluate]", "data=synthetic", *plain, *QUICK],
                     cwd=tmp_path, check=True)
     sens = json.loads((rd / "quantize" / "sensitivity.json").read_text())
     assert sens["met"] and sens["full_placement"]["ok"] is False

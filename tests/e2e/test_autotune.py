@@ -55,7 +55,7 @@ def test_outputs_final_line_and_exact_placement(tiny, tmp_path):
     from pipeline.qdq import load_calibration
     from tasks.autotune.autotuner import Config, QDQAutotuner
 
-    tuner = QDQAutotuner(load_model(rd / "export" / "model.onnx"))
+    tuner = QDQAutotuner(load_model(rd / "quantize" / "float_model.onnx"))  # the graph autotune places Q/DQ in
     tuner.initialize(Config(placement="onnxruntime", activation_type="uint8", schemes_per_region=4),
                      calibration=load_calibration(rd / "quantize" / "calibration.json"))
     tuner.load_state(out / "autotuner_state.yaml")
