@@ -32,12 +32,14 @@ def _is_float(a: np.ndarray) -> bool:
 def predictions(output: np.ndarray) -> np.ndarray | None:
     """Predicted class per sample (and per position for [N, ..., C] outputs), or None if undefined.
 
-    Float outputs are scores over the last axis; an integer output is taken as ids already (a model
-    that ends in ArgMax). A float output with one value per sample has no argmax to agree on.
+    Float outputs of shape [N, C] or [N, S, C] (per-sample or per-position class scores) are scores
+    over the last axis; an integer output is taken as ids already (a model that ends in ArgMax). A
+    float output with one value per sample has no argmax to agree on, and neither has a map of rank
+    4 or more ([N, 1, H, W] detection probabilities: an argmax over image columns means nothing).
     """
     if not _is_float(output):
         return output
-    if output.ndim < 2:
+    if output.ndim < 2 or output.ndim > 3:
         return None
     return np.argmax(output, axis=-1)
 
@@ -96,7 +98,8 @@ def decisive_agreement(reference: np.ndarray, test: np.ndarray, valid: int | Non
                        margin: float = DECISIVE_MARGIN) -> tuple[int, int]:
     """(agreeing, compared) predictions over the valid samples (and positions) whose float top-1
     score leads the runner-up by at least ``margin`` x the RMS of that sample's scores."""
-    if not _is_float(reference) or reference.ndim < 2 or reference.shape[-1] < 2 or not _is_float(test):
+    if predictions(reference) is None or not _is_float(reference) or reference.shape[-1] < 2 \
+            or not _is_float(test):
         return 0, 0
     batch = reference.shape[0]
     r = valid_rows(reference, valid, batch).astype(np.float64)

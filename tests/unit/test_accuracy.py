@@ -82,6 +82,20 @@ def test_embedding_under_budget_is_rejected_even_with_full_argmax_agreement():
     assert not vc.ok and vc.cosine < 0.99 and "output 1" in vc.what
 
 
+def test_a_probability_map_is_judged_by_snr_not_by_an_argmax_over_columns():
+    """A detector's [N, 1, H, W] map has no classes: no agreement is computed, SNR alone decides."""
+    from pipeline.metrics import ModelScores
+
+    rng = np.random.default_rng(0)
+    ref = rng.random((1, 1, 48, 64)).astype(np.float32)
+    s = ModelScores(top_k=1)
+    s.update([ref], [ref + 0.01 * rng.standard_normal(ref.shape).astype(np.float32)], None, 1)
+    r = s.result()
+    assert r["agreement"] is None and r["decisive_samples"] == 0
+    v = AccuracyBudget().judge(r, None)
+    assert v.ok and v.metric == "snr"
+
+
 # ------------------------------------------------------------------ kernel fidelity
 def saturating_model() -> onnx.ModelProto:
     """u8 activations at 255 times s8 weights at 127: VPMADDUBSW's int16 pair sums (AVX2 without VNNI)
@@ -161,14 +175,19 @@ def test_fidelity_check_fires_on_an_emulated_avx2_cpu(tmp_path):
 
 # ------------------------------------------------------------------ fallback chosen when kernels disagree
 class PerturbingBackend(OnnxRuntimeBackend):
-    """ORT, except that models with full-range int8 weights come out wrong, as saturating kernels would."""
+    """ORT, except that the fused run of a model ``wrong(model)`` picks comes out wrong (the plain Q/DQ
+    reference runner stays correct); by default models with full-range int8 weights, as saturating
+    kernels would."""
+
+    def __init__(self, cfg, wrong=None):
+        super().__init__(cfg)
+        self.wrong = wrong or (lambda m: any(i.data_type == TensorProto.INT8 and
+                                             np.abs(numpy_helper.to_array(i).astype(int)).max() > 64
+                                             for i in m.graph.initializer))
 
     def prepare(self, model_path):
         pm = super().prepare(model_path)
-        m = onnx.load(str(model_path))
-        full = any(i.data_type == TensorProto.INT8 and np.abs(numpy_helper.to_array(i).astype(int)).max() > 64
-                   for i in m.graph.initializer)
-        if not full:
+        if not self.wrong(onnx.load(str(model_path))):
             return pm
 
         class Wrong(OrtPrepared):
@@ -235,28 +254,14 @@ def test_known_saturating_cpu_never_gets_full_range_weights(tmp_path):
     assert choice == "reduced" and why == "quantize.weight_range=reduced"
 
 
-class OneBadKernelBackend(OnnxRuntimeBackend):
-    """ORT, except that a model whose ``conv2`` reads a dequantized weight comes out wrong: one fused
-    kernel that disagrees with the Q/DQ reference (the plain Q/DQ reference runner stays correct)."""
-
-    def prepare(self, model_path):
-        pm = super().prepare(model_path)
-        m = onnx.load(str(model_path))
-        dq = {o for n in m.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
-        if not any(n.name == "conv2" and n.input[1] in dq for n in m.graph.node):
-            return pm
-
-        class Wrong(OrtPrepared):
-            def run(self, feeds):
-                return [o * 0.5 + 1.0 for o in pm.run(feeds)]
-
-        wrong = Wrong.__new__(Wrong)
-        wrong.__dict__.update(pm.__dict__)
-        return wrong
+def one_bad_kernel(m: onnx.ModelProto) -> bool:
+    """``conv2`` reads a dequantized weight: one fused kernel that disagrees with the Q/DQ reference."""
+    dq = {o for n in m.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    return any(n.name == "conv2" and n.input[1] in dq for n in m.graph.node)
 
 
 def test_planted_kernel_disagreement_is_localized_to_its_node(tmp_path):
-    backend = OneBadKernelBackend(_backend().cfg)
+    backend = PerturbingBackend(_backend().cfg, one_bad_kernel)
     build, holdout = _conv_setup(tmp_path, backend)
     checker = _accuracy.Checker(backend, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
     units = [n.name for n in models.conv_chain(batch=2).graph.node if n.op_type in ("Conv", "Gemm", "MatMul")]
@@ -303,7 +308,7 @@ def test_low_snr_model_on_an_exact_cpu_keeps_full_range_weights(tmp_path):
     r = kernel_fidelity(backend, path, feeds, float_outputs=floats)
     assert r.snr_db < 5 and r.ok and 0.6 < r.noise_ratio < 1.6  # ~0 dB apart, equally far from float
     # a kernel that adds error of its own is still caught
-    r_bad = kernel_fidelity(OneBadKernelBackend(_backend().cfg), _write_q(tmp_path), feeds[:2],
+    r_bad = kernel_fidelity(PerturbingBackend(_backend().cfg, one_bad_kernel), _write_q(tmp_path), feeds[:2],
                             float_outputs=[[np.asarray(o) for o in _backend().run(path, f)] for f in feeds[:2]])
     assert not r_bad.ok and "reference's error vs float" in r_bad.reason
 

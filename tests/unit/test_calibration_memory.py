@@ -21,18 +21,19 @@ def batches():
     rng = np.random.default_rng(0)
     for _ in range(n):
         yield Batch({"input": rng.standard_normal((8, 3, 64, 64)).astype(np.float32)}, None, 8)
-stats = collect(model, batches, "entropy", 99.9, 2048, 1, lambda it, d: it)
+stats = collect(model, batches, sys.argv[3], 99.9, 2048, 1, lambda it, d: it)
 print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "tensors": len(stats),
                   "samples": next(iter(stats.values()))["samples"]}))
 """
 
 
 @pytest.mark.slow
-def test_peak_memory_does_not_grow_with_batches(tmp_path):
+@pytest.mark.parametrize("algorithm", ["entropy", "mse", "auto"])
+def test_peak_memory_does_not_grow_with_batches(tmp_path, algorithm):
     path = models.save(models.conv_chain(batch=8, channels=32, size=64), tmp_path, "big")
 
     def run(n: int) -> dict:
-        out = subprocess.run([sys.executable, "-c", SCRIPT, str(path), str(n)], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-c", SCRIPT, str(path), str(n), algorithm], capture_output=True, text=True,
                              check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
 

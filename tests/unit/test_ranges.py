@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 
 import ml_dtypes
 import numpy as np
@@ -296,37 +294,3 @@ def test_existing_algorithms_record_max_weight_clip():
         assert doc["weight_clip"] == "max" and Calibration(doc["tensors"]).weight_clip == "max"
         w1 = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == "w1"))
         assert doc["weights"]["w1"]["int8"]["scale"] == weight_params(w1, 0, "int8").scale.tolist()
-
-
-# --------------------------------------------------------------------------- streaming
-
-SCRIPT = r"""
-import json, resource, sys
-import numpy as np, onnx
-from pipeline.data import Batch
-from tasks.quantize._calibrate import collect
-model = onnx.load(sys.argv[1])
-n = int(sys.argv[2])
-def batches():
-    rng = np.random.default_rng(0)
-    for _ in range(n):
-        yield Batch({"input": rng.standard_normal((8, 3, 64, 64)).astype(np.float32)}, None, 8)
-stats = collect(model, batches, sys.argv[3], 99.9, 2048, 1, lambda it, d: it)
-print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "tensors": len(stats),
-                  "samples": next(iter(stats.values()))["samples"]}))
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["mse", "auto"])
-def test_mse_and_auto_calibration_stream(tmp_path, algorithm):
-    path = models.save(models.conv_chain(batch=8, channels=32, size=64), tmp_path, "big")
-
-    def run(n: int) -> dict:
-        out = subprocess.run([sys.executable, "-c", SCRIPT, str(path), str(n), algorithm],
-                             capture_output=True, text=True, check=True)
-        return json.loads(out.stdout.strip().splitlines()[-1])
-
-    small, large = run(8), run(80)
-    assert large["samples"] == 10 * small["samples"]
-    assert large["maxrss_kb"] <= 1.2 * small["maxrss_kb"], (small, large)
