@@ -25,6 +25,9 @@ import onnx
 
 from pipeline.placement import WEIGHTED_OPS, GraphIndex, bias_tensor
 
+# quantized-model runs over the calibration feeds at most: deeper models correct adjacent levels together
+MAX_SWEEPS = 12
+
 
 @dataclass(frozen=True)
 class BiasSlot:
@@ -132,7 +135,10 @@ def corrections(float_model: onnx.ModelProto, build: Callable[[dict[str, list[fl
     reference = channel_means(float_model, feeds, slots, threads) if slots else {}
     total: dict[str, np.ndarray] = {}
     first: dict[str, np.ndarray] = {}
-    for level in _levels(float_model, slots):
+    levels = _levels(float_model, slots)
+    step = -(-len(levels) // MAX_SWEEPS) if levels else 1  # adjacent levels share a sweep in deep models
+    for i in range(0, len(levels), step):
+        level = [s for lv in levels[i:i + step] for s in lv]
         measured = channel_means(build({b: v.tolist() for b, v in total.items()}), feeds, level, threads)
         for s in level:
             shift = measured[s.node]["mean"] - reference[s.node]["mean"]
