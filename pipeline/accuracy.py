@@ -1,7 +1,7 @@
 """Accuracy is part of every decision: the budget, the held-out slice it is checked on, and the
 kernel-fidelity check.
 
-- ``AccuracyBudget`` (``autotune.accuracy.*``) says how far a quantized model may drift from the
+- ``AccuracyBudget`` (``accuracy.*``) says how far a quantized model may drift from the
   float model: top-1 drop with labels; without labels every float output must meet the SNR floor on
   its own (an embedding is never excused by argmax agreement), and for class scores top-1 agreement
   on the decisive samples (a clear float top-1; near-tied random logits flip on any noise) must hold
@@ -58,7 +58,7 @@ class AccuracyBudget:
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> AccuracyBudget:
-        a = cfg.autotune.accuracy
+        a = cfg.accuracy
         return cls(enum_value(a.metric), float(a.max_drop), float(a.min_snr_db), float(a.min_cosine),
                    bool(a.enabled))
 
@@ -186,12 +186,12 @@ class Holdout:
 
     @classmethod
     def from_config(cls, cfg: DictConfig, specs: list) -> Holdout:
-        """The ``autotune.accuracy.holdout_batches`` calibration batches after the
+        """The ``accuracy.holdout_batches`` calibration batches after the
         ``quantize.calibration.batches`` calibrated on; when the data runs out before that, its last
         batches (then overlapping calibration, and said so). Quantize and autotune use the same slice."""
         from pipeline.data import DataProvider
 
-        skip, count = int(cfg.quantize.calibration.batches), int(cfg.autotune.accuracy.holdout_batches)
+        skip, count = int(cfg.quantize.calibration.batches), int(cfg.accuracy.holdout_batches)
         provider = DataProvider(cfg, specs)
         window: list = []
         seen = 0

@@ -215,6 +215,70 @@ class TrtexecBackendConfig(BackendConfig):
     timeout: float = 0.0  # seconds per trtexec run before it is killed; 0 = no limit
 
 
+# --------------------------------------------------------------------------- accuracy
+
+
+class AccuracyMetric(str, Enum):
+    auto = "auto"  # top1 with labels; else SNR on every output (+ agreement on decisive samples for class scores)
+    top1 = "top1"
+    agreement = "agreement"
+    snr = "snr"
+    cosine = "cosine"
+
+
+@dataclass
+class AccuracyConfig:
+    """The accuracy budget every quantized model is held to (quantize's PTQ model, every autotune
+    candidate, the shipped model, evaluate's verdicts), checked against the float model on
+    calibration batches the calibrator did not see."""
+
+    enabled: bool = True
+    metric: AccuracyMetric = AccuracyMetric.auto
+    max_drop: float = 1.0  # points of top-1 (with labels) or of top-1 agreement with the float model
+    min_snr_db: float = 20.0  # output SNR vs float, every output (20 dB = 10% relative L2 error)
+    min_cosine: float = 0.99
+    holdout_batches: int = 8  # calibration batches after quantize.calibration.batches
+    # when the PTQ model misses the budget, leave its most error-sensitive nodes float (at most this
+    # share of the quantized nodes) until it meets it
+    recovery: bool = True
+    max_float_fraction: float = 0.5
+
+
+def _accuracy_problems(acc: DictConfig) -> list[str]:
+    problems = []
+    if acc.max_drop < 0:
+        problems.append(f"accuracy.max_drop={acc.max_drop}: must be >= 0 (points)")
+    if not -1.0 <= acc.min_cosine <= 1.0:
+        problems.append(f"accuracy.min_cosine={acc.min_cosine}: must be in [-1, 1]")
+    if acc.holdout_batches < 1:
+        problems.append(f"accuracy.holdout_batches={acc.holdout_batches}: must be >= 1")
+    if not 0.0 < acc.max_float_fraction <= 1.0:
+        problems.append(f"accuracy.max_float_fraction={acc.max_float_fraction}: must be in (0, 1]")
+    return problems
+
+
+_ALIAS_NOTED: set[str] = set()
+
+
+def apply_aliases(cfg: DictConfig) -> None:
+    """Move values set under the deprecated ``autotune.accuracy.*`` to ``accuracy.*`` (in place), with
+    a one-line note per key, so both spellings compose the same run."""
+    import sys
+
+    old = cfg.get("autotune", {}).get("accuracy") if isinstance(cfg.get("autotune"), DictConfig) else None
+    if not isinstance(old, DictConfig) or not isinstance(cfg.get("accuracy"), DictConfig):
+        return
+    for key in list(old.keys()):
+        value = old[key]
+        if value is None:
+            continue
+        cfg.accuracy[key] = value
+        old[key] = None
+        if key not in _ALIAS_NOTED:
+            _ALIAS_NOTED.add(key)
+            print(f"tune: note: autotune.accuracy.{key} is deprecated; use accuracy.{key}", file=sys.stderr)
+
+
 # --------------------------------------------------------------------------- primary
 
 
@@ -232,6 +296,7 @@ class TuneConfig:
     export: Any = MISSING
     quantize: Any = MISSING
     autotune: Any = MISSING
+    accuracy: Any = MISSING  # the accuracy budget (group `accuracy`), shared by every stage that makes a model
     gen_trt_engine: Any = MISSING
     evaluate: Any = MISSING
 
@@ -245,6 +310,7 @@ _SHARED_GROUPS: dict[str, dict[str, type]] = {
         "base_custom_model": CustomModelConfig,
     },
     "data": {"base_data": DataConfig},
+    "accuracy": {"base_accuracy": AccuracyConfig},
     "backend": {
         "base_onnxruntime": OnnxRuntimeBackendConfig,
         "base_tensorrt": TensorRTBackendConfig,
@@ -282,8 +348,9 @@ def validate(cfg: DictConfig) -> None:
     """Cross-field checks for the whole config; raises one ConfigError listing every problem."""
     from pipeline.registry import stage_validators
 
+    apply_aliases(cfg)
     problems: list[str] = []
-    for key in ("model", "data", "backend"):
+    for key in ("model", "data", "backend", "accuracy"):
         if not isinstance(cfg.get(key), DictConfig):
             problems.append(f"{key}: missing config group; choose one with {key}=<option>")
     if problems:
@@ -322,6 +389,7 @@ def validate(cfg: DictConfig) -> None:
         problems.append("backend.warmup_runs must be >= 0 and backend.timing_runs >= 1")
     if len(set(cfg.stages)) != len(cfg.stages):
         problems.append(f"stages={list(cfg.stages)}: a stage is listed twice")
+    problems += _accuracy_problems(cfg.accuracy)
     for stage, check in stage_validators().items():
         if isinstance(cfg.get(stage), DictConfig):
             problems += check(cfg)

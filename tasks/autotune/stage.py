@@ -79,7 +79,7 @@ class AutotuneStage(Stage):
     optional_inputs = ("quantize/calibration.json", "quantize/quantized_model.onnx", "quantize/float_model.onnx")
     # region mode adds autotuner_state.yaml; subgraph mode optimized_raw.onnx and autotune_cache.json
     outputs = ("autotune/optimized_final.onnx", "autotune/baseline.onnx")
-    config_keys = ("autotune", "backend", "quantize", "seed")
+    config_keys = ("autotune", "accuracy", "backend", "quantize", "seed")
 
     def run(self, ctx: StageContext) -> StageResult:
         from tasks.autotune.autotuner import SHARED_FIELDS, Config
@@ -147,7 +147,7 @@ class AutotuneStage(Stage):
             "default_dq_dtype": config.default_dq_dtype, "node_filter_list": config.node_filter_list,
             "node_dtypes": sorted((k, v.weights, v.activations) for k, v in (node_dtypes or {}).items()),
             "weight_range": config.weight_range, "float_nodes": config.float_nodes,
-            "accuracy": section(cfg, "autotune.accuracy"),
+            "accuracy": section(cfg, "accuracy"),
         }
         if mode == "subgraph":
             return self._subgraph(ctx, model, inputs, backend, config, calibration, budget, holdout, judge,
@@ -226,10 +226,6 @@ class AutotuneStage(Stage):
         out = ctx.stage_dir("autotune")
         _, warmup, timing, rounds = settings_
         bench.close()
-        region_only = [k for k in ("pattern_cache", "state_file", "qdq_baseline") if a[k]]
-        if region_only:
-            log.warning("autotune: %s only apply to autotune.mode=region; subgraph mode ignores them",
-                        ", ".join(f"autotune.{k}" for k in region_only))
         t0 = time.time()
         groups, graph_json, source = self._fusion_groups(cfg, backend, baseline_path, model, out,
                                                          inputs["export/model.onnx"].stem)

@@ -79,7 +79,7 @@ def markdown(metrics: dict[str, Any]) -> str:
             row += ["–", "–", "–", "–"]
         lines.append("| " + " | ".join(row) + " |")
     if metrics.get("budget"):
-        lines += ["", "## Accuracy budget", "", f"Budget: {metrics['budget']} (`autotune.accuracy.*`)."]
+        lines += ["", "## Accuracy budget", "", f"Budget: {metrics['budget']} (`accuracy.*`)."]
         for key, m in metrics["models"].items():
             v = m.get("budget")
             if key == "float" or not v:

@@ -60,7 +60,7 @@ class EvaluateStage(Stage):
     inputs = ("export/model.onnx",)
     optional_inputs = ("quantize/quantized_model.onnx", "autotune/optimized_final.onnx", "quantize/calibration.json")
     outputs = ("evaluate/metrics.json", "evaluate/report.md")
-    config_keys = ("evaluate", "data", "backend", "seed", "autotune.accuracy")
+    config_keys = ("evaluate", "data", "backend", "seed", "accuracy")
 
     def run(self, ctx: StageContext) -> StageResult:
         ecfg = ctx.cfg.evaluate

@@ -114,7 +114,7 @@ class QuantizeStage(Stage):
     # float_model.onnx: the float graph after the float-exact transforms, the one calibration.json
     # describes and autotune places Q/DQ into
     outputs = ("quantize/quantized_model.onnx", "quantize/calibration.json", "quantize/float_model.onnx")
-    config_keys = ("quantize", "data", "seed", "backend.name", "autotune.accuracy")
+    config_keys = ("quantize", "data", "seed", "backend.name", "accuracy")
 
     def run(self, ctx: StageContext) -> StageResult:
         cfg = ctx.cfg
@@ -309,7 +309,7 @@ class QuantizeStage(Stage):
         from tasks.quantize import _accuracy as acc
 
         cfg = ctx.cfg
-        q, a = cfg.quantize, cfg.autotune.accuracy
+        q, a = cfg.quantize, cfg.accuracy
         budget = AccuracyBudget.from_config(cfg)
         facts = cpu_facts()
         holdout = Holdout.from_config(cfg, specs)

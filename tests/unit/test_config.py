@@ -85,3 +85,43 @@ def test_help_and_cfg_job(tmp_path):
     assert run_tune(["--help"], cwd=tmp_path).returncode == 0
     proc = run_tune(["--cfg", "job", "quantize=fp8"], cwd=tmp_path)
     assert proc.returncode == 0 and "fp8_e4m3fn" in proc.stdout
+
+
+def test_accuracy_group_and_its_deprecated_alias_compose_the_same_run(capsys):
+    from omegaconf import OmegaConf
+
+    from pipeline.config import validate
+    from tests.conftest import compose
+
+    new = compose(["accuracy.min_snr_db=25", "results_dir=/tmp/x"])
+    old = compose(["autotune.accuracy.min_snr_db=25", "results_dir=/tmp/x"])
+    validate(new)
+    validate(old)
+    assert OmegaConf.to_container(new) == OmegaConf.to_container(old)
+    assert old.accuracy.min_snr_db == 25 and old.autotune.accuracy.min_snr_db is None
+    assert "autotune.accuracy.min_snr_db is deprecated; use accuracy.min_snr_db" in capsys.readouterr().err
+
+
+def test_a_bad_accuracy_value_names_its_key():
+    import pytest
+
+    from pipeline.config import validate
+    from pipeline.errors import ConfigError
+    from tests.conftest import compose
+
+    with pytest.raises(ConfigError, match=r"accuracy.max_float_fraction=1.5: must be in \(0, 1\]"):
+        validate(compose(["accuracy.max_float_fraction=1.5", "results_dir=/tmp/x"]))
+
+
+def test_a_key_the_chosen_mode_ignores_is_named(capsys):
+    from pipeline.config import validate
+    from tasks.autotune.config import ignored_keys
+    from tests.conftest import compose
+
+    cfg = compose(["autotune.mode=subgraph", "autotune.schemes_per_region=5", "results_dir=/tmp/x"])
+    assert ignored_keys(cfg.autotune) == ["autotune.schemes_per_region=5"]
+    validate(cfg)
+    assert "autotune.schemes_per_region=5: ignored in autotune.mode=subgraph" in capsys.readouterr().err
+    region = compose(["autotune.incremental_validation=false", "results_dir=/tmp/x"])
+    assert ignored_keys(region.autotune) == ["autotune.incremental_validation=False"]
+    assert ignored_keys(compose(["results_dir=/tmp/x"]).autotune) == []
