@@ -303,3 +303,30 @@ def recover(ranking: list[dict[str, Any]], build: Callable[[set[str]], onnx.Mode
         else:
             lo = k + 1
     return best if best is not None else ([], None)
+
+
+BLOCK_FRACTIONS = (0.1, 0.25, 0.4, 0.5)
+
+
+def block_recovery(order: list[str], build: Callable[[set[str]], onnx.ModelProto], checker: Checker,
+                   max_nodes: int) -> tuple[list[str], Candidate | None, list[dict[str, Any]]]:
+    """Where node-by-node ranking finds no few culprits, the error is made along a stretch of the
+    graph: leave float the first or the last 10%, 25%, ... of the quantized nodes (graph order) and
+    keep the smallest stretch that meets the budget. Returns (float nodes, candidate, profile); the
+    profile (the error with each stretch float) is the evidence of where the error is made."""
+    profile: list[dict[str, Any]] = []
+    n = len(order)
+    for frac in BLOCK_FRACTIONS:
+        k = max(1, math.ceil(frac * n))
+        if k > max_nodes:
+            break
+        for where, stretch in (("first", order[:k]), ("last", order[n - k:])):
+            c = checker.check(build(set(stretch)), f"block_{where}_{k}")
+            v = c.verdict
+            profile.append({"float": f"{where} {k} of {n}", "nodes": k, "error": c.error,
+                            "accuracy": v.what if v else None, "snr_db": v.snr_db if v else None,
+                            "ok": bool(v is not None and v.ok and c.error is None)})
+            if profile[-1]["ok"]:
+                return list(stretch), c, profile
+    return [], None, profile
+

@@ -366,6 +366,7 @@ class QuantizeStage(Stage):
                 # float (cheap ops) and the weighted ops around them keep int8
                 base = {n: why for n, why in (outliers or {}).items() if n in units}
                 recovered = None
+                blocks: list[dict[str, Any]] = []
                 ranking: list[dict[str, Any]] = []
                 if base:
                     c = checker.check(placed(weight_range, set(base)), "outliers")
@@ -391,6 +392,12 @@ class QuantizeStage(Stage):
                     ranking = acc.rank_sensitivity(rest, with_base, checker, bar)
                     limit = max(1, math.floor(float(a.max_float_fraction) * len(units)) - len(base))
                     float_nodes, recovered = acc.recover(ranking, with_base, checker, limit)
+                    if recovered is None:  # no few culprits: the error is made along a stretch of the graph
+                        in_order = [n.name for n in model.graph.node if n.name in set(rest)]
+                        float_nodes, recovered, blocks = acc.block_recovery(in_order, with_base, checker, limit)
+                        for b in blocks:
+                            log.info("quantize:   with the %s quantized nodes float: %s", b["float"],
+                                     b["accuracy"] or b["error"])
                     float_nodes = sorted(base) + float_nodes if recovered is not None else []
                     for r in ranking:
                         r["op_type"] = ops.get(r["node"])
@@ -406,8 +413,9 @@ class QuantizeStage(Stage):
                     "budget": budget.describe(), "holdout": holdout.source, "samples": holdout.samples,
                     "full_placement": chosen.verdict.to_dict() if chosen.verdict else None,
                     "method": "element-wise nodes on tensors with outlier channels first (outlier_nodes); then "
-                              "each node left float alone, ranked by the output error that remains (lowest first)",
-                    "outlier_nodes": base, "ranking": ranking, "float_nodes": float_nodes,
+                              "each node left float alone, ranked by the output error that remains (lowest first); "
+                              "if no prefix of that ranking meets the budget, stretches of the graph (blocks)",
+                    "outlier_nodes": base, "ranking": ranking, "blocks": blocks, "float_nodes": float_nodes,
                     "met": recovered is not None,
                     "accuracy": verdict.to_dict() if verdict else None,
                 }

@@ -55,3 +55,28 @@ def test_outlier_recovery_picks_the_residual_add_not_the_matmuls():
     assert list(found) == ["residual"] and "outlier channels on" in found["residual"]
     assert outlier_units(model, stats, units, 0.0) == {}  # 0 turns it off
     assert outlier_units(residual_ffn(outlier=1.0), _stats(residual_ffn(outlier=1.0)), units, 32.0) == {}
+
+
+def test_block_recovery_finds_the_stretch_of_the_graph_that_makes_the_error():
+    """No single node matters, but quantizing the first quarter of the graph does (a detector's early
+    backbone): the smallest stretch that meets the budget is left float, and the profile says so."""
+    from pathlib import Path
+
+    from pipeline.accuracy import AccuracyVerdict
+    from tasks.quantize._accuracy import Candidate, block_recovery
+
+    order = [f"n{i}" for i in range(40)]
+    early = set(order[:10])
+
+    class Stub:
+        def check(self, float_nodes, name):
+            missing = len(early - float_nodes)  # each early node still quantized costs 1 dB
+            snr = 25.0 - missing
+            return Candidate(name, Path(name), AccuracyVerdict(snr >= 20, "snr", f"SNR {snr} dB", snr))
+
+    nodes, cand, profile = block_recovery(order, lambda s: frozenset(s), Stub(), max_nodes=20)
+    assert nodes == order[:10] and cand.verdict.ok
+    assert [p["float"] for p in profile] == ["first 4 of 40", "last 4 of 40", "first 10 of 40"]
+    assert not profile[0]["ok"] and profile[-1]["ok"]
+    none, missing, _ = block_recovery(order, lambda s: frozenset(s), Stub(), max_nodes=5)
+    assert none == [] and missing is None
