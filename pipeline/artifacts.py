@@ -21,6 +21,14 @@ from typing import Any
 from pipeline.errors import ResultsDirLocked, StateError
 
 
+def user_path(value: str | os.PathLike) -> Path:
+    """A path from the config, relative paths taken from the folder tune was started in (Hydra may
+    have changed into its run folder since)."""
+    from hydra.utils import to_absolute_path
+
+    return Path(to_absolute_path(str(value)))
+
+
 def _fsync_dir(folder: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
@@ -69,8 +77,9 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
-    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int = 2) -> Path:
+    """``obj`` as JSON text (numpy values and paths converted), one trailing newline."""
+    return atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=False, default=_json_default) + "\n")
 
 
 def _json_default(obj: Any) -> Any:

@@ -3,11 +3,14 @@ content hashes, topological order and tensor-type lookups."""
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import tempfile
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 import onnx
@@ -17,6 +20,8 @@ from pipeline.artifacts import atomic_output, sha256_bytes, sha256_file
 from pipeline.errors import InputError, first_line
 
 log = logging.getLogger("tune.graph")
+
+H = TypeVar("H", bound=Hashable)
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,8 @@ def model_hash(model: onnx.ModelProto | bytes | str | os.PathLike) -> str:
     return sha256_bytes(data)
 
 
-def _dims(vi: onnx.ValueInfoProto) -> list[int | str]:
+def value_dims(vi: onnx.ValueInfoProto) -> list[int | str]:
+    """Dims of a graph value: an int per fixed dim, the dim_param (or "?") per symbolic one; [] without a shape."""
     t = vi.type.tensor_type
     if not t.HasField("shape"):
         return []
@@ -113,7 +119,7 @@ def dynamic_inputs(model: onnx.ModelProto) -> dict[str, list[int | str]]:
     """Inputs with at least one non-static dim, with their dims."""
     out = {}
     for vi in graph_inputs(model):
-        dims = _dims(vi)
+        dims = value_dims(vi)
         if not vi.type.tensor_type.HasField("shape") or any(not isinstance(d, int) or d <= 0 for d in dims):
             out[vi.name] = dims
     return out
@@ -135,10 +141,10 @@ def recorded_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
 
 def _loads_in_ort(model: onnx.ModelProto) -> str | None:
     """None if ONNX Runtime can create a session for the model, else its first error line."""
-    import onnxruntime as ort
+    from pipeline.backends.onnxruntime import ort_session
 
     try:
-        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        ort_session(model)
         return None
     except Exception as exc:  # noqa: BLE001 - ORT raises generic errors for models it rejects
         return first_line(exc)
@@ -193,7 +199,7 @@ def _fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], sour
         if vi.name not in shapes:
             continue
         want = [int(d) for d in shapes[vi.name]]
-        dims = _dims(vi)
+        dims = value_dims(vi)
         if dims and len(dims) != len(want):
             raise InputError(f"model.input_shapes.{vi.name}={want} has rank {len(want)}, "
                              f"but {source} declares rank {len(dims)} ({dims})")
@@ -237,7 +243,7 @@ def input_specs(model: onnx.ModelProto, shapes: dict[str, list[int]] | None = No
                     axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
                     high = int(table.dims[axis])
                     break
-        shape = shapes.get(vi.name) or _dims(vi)
+        shape = shapes.get(vi.name) or value_dims(vi)
         specs.append(InputSpec(vi.name, tuple(int(d) for d in shape), np.dtype(dtype), high))
     return specs
 
@@ -257,33 +263,48 @@ def tensor_elem_types(model: onnx.ModelProto) -> dict[str, int]:
     return types
 
 
-def topological_sort(model: onnx.ModelProto) -> None:
-    """Sort graph nodes in place so every input is produced before use (Kahn's algorithm; stable:
-    ready nodes keep their current relative order)."""
-    import heapq
+def topological_order(items: Sequence[H], deps: Callable[[H], Iterable[H]],
+                      key: Callable[[H], Any] | None = None) -> list[H]:
+    """``items`` (distinct) ordered so each comes after the items it depends on (Kahn's algorithm).
 
+    ``deps(item)`` names what ``item`` depends on; an item itself and names not in ``items`` are
+    ignored. Of the items ready at a step the one with the smallest ``key`` comes first, ties (and
+    every choice without ``key``) by position in ``items``, so the order is deterministic and ready
+    items keep their given relative order. With a cycle, the items on it and after it are missing
+    from the result: compare lengths.
+    """
+    pos = {item: p for p, item in enumerate(items)}
+    users: list[list[int]] = [[] for _ in items]
+    indeg = [0] * len(items)
+    for p, item in enumerate(items):
+        ds = {pos[d] for d in deps(item) if d in pos} - {p}
+        indeg[p] = len(ds)
+        for d in ds:
+            users[d].append(p)
+    rank = [key(item) for item in items] if key is not None else [0] * len(items)
+    ready = [(rank[p], p) for p in range(len(items)) if indeg[p] == 0]
+    heapq.heapify(ready)
+    order: list[H] = []
+    while ready:
+        _, p = heapq.heappop(ready)
+        order.append(items[p])
+        for u in users[p]:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(ready, (rank[u], u))
+    return order
+
+
+def topological_sort(model: onnx.ModelProto) -> None:
+    """Sort graph nodes in place so every input is produced before use (stable: ready nodes keep
+    their current relative order)."""
     graph = model.graph
     nodes = list(graph.node)
     producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    users: dict[int, list[int]] = {i: [] for i in range(len(nodes))}
-    indeg = [0] * len(nodes)
-    for i, n in enumerate(nodes):
-        deps = {producer[t] for t in n.input if t in producer and producer[t] != i}
-        indeg[i] = len(deps)
-        for d in deps:
-            users[d].append(i)
-    ready = [i for i in range(len(nodes)) if indeg[i] == 0]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        i = heapq.heappop(ready)
-        order.append(i)
-        for u in users[i]:
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                heapq.heappush(ready, u)
+    order = topological_order(range(len(nodes)), lambda i: (producer[t] for t in nodes[i].input if t in producer))
     if len(order) != len(nodes):
-        bad = [nodes[i].name for i in range(len(nodes)) if indeg[i] > 0][:5]
+        done = set(order)
+        bad = [nodes[i].name for i in range(len(nodes)) if i not in done][:5]
         raise ValueError(f"graph has a cycle near nodes {bad}")
     del graph.node[:]
     graph.node.extend(nodes[i] for i in order)

@@ -4,7 +4,8 @@ A ``QDQPlan`` says what to quantize: activation tensors (for all or some of thei
 weights (per output channel) and, where a runtime needs them, int32 biases. ORT's CPU EP fuses a
 Gemm (or MatMul + bias Add) with DQ inputs and no Q on its output into a float-output QGemm only
 when the bias also comes from an int32 DequantizeLinear; with a Q on the output it quantizes a
-float bias itself. TensorRT rejects int32 DQ, so its backends fold them back to float biases. ``apply_plan`` writes QuantizeLinear /
+float bias itself. TensorRT rejects int32 DQ, so its backends fold them back to float biases
+(``pipeline.backends.trt_common``). ``apply_plan`` writes QuantizeLinear /
 DequantizeLinear nodes into a copy of a float model with scales from a ``Calibration``:
 
 - zero-point dtype always equals the quantized dtype (int8, uint8, float8e4m3fn, float8e5m2);
@@ -572,75 +573,3 @@ def qdq_summary(model: onnx.ModelProto) -> dict[str, int]:
     q = sum(n.op_type == "QuantizeLinear" for n in model.graph.node)
     dq = sum(n.op_type == "DequantizeLinear" for n in model.graph.node)
     return {"QuantizeLinear": q, "DequantizeLinear": dq}
-
-
-def fold_int32_biases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
-    """Replace DequantizeLinear nodes of int32 initializers (ORT-style biases) by float initializers."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    inits = {i.name: i for i in out.graph.initializer}
-    keep, count = [], 0
-    for n in out.graph.node:
-        if n.op_type == "DequantizeLinear" and n.input[0] in inits and inits[n.input[0]].data_type == TensorProto.INT32:
-            q = numpy_helper.to_array(inits[n.input[0]]).astype(np.float64)
-            s = numpy_helper.to_array(inits[n.input[1]])
-            axis = next((a.i for a in n.attribute if a.name == "axis"), 1)
-            if s.ndim == 1 and q.ndim > 0:
-                shape = [1] * q.ndim
-                shape[axis if axis >= 0 else q.ndim + axis] = -1
-                s = s.reshape(shape)
-            out.graph.initializer.append(numpy_helper.from_array((q * s).astype(s.dtype), n.output[0]))
-            count += 1
-        else:
-            keep.append(n)
-    del out.graph.node[:]
-    out.graph.node.extend(keep)
-    used = {i for n in out.graph.node for i in n.input}
-    live = [i for i in out.graph.initializer if i.name in used]
-    del out.graph.initializer[:]
-    out.graph.initializer.extend(live)
-    return out, count
-
-
-def has_asymmetric_uint8(model: onnx.ModelProto) -> bool:
-    inits = {i.name: i for i in model.graph.initializer}
-    return any(n.op_type in ("QuantizeLinear", "DequantizeLinear") and len(n.input) > 2
-               and n.input[2] in inits and inits[n.input[2]].data_type == TensorProto.UINT8
-               for n in model.graph.node)
-
-
-def to_symmetric_int8(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
-    """Rewrite uint8 (asymmetric, ORT's CPU convention) Q/DQ pairs as symmetric int8 for TensorRT.
-
-    TensorRT only takes symmetric signed Q/DQ. The calibrated range [lo, hi] a uint8 pair encodes,
-    lo = -zp * s and hi = (255 - zp) * s, becomes scale max(|lo|, |hi|) / 127 with zero point 0:
-    same placement, same calibrated range. Returns the new model and the number of pairs rewritten.
-    """
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    inits = {i.name: i for i in out.graph.initializer}
-    done: dict[tuple[str, str], tuple[str, str]] = {}
-    count = 0
-    for n in out.graph.node:
-        if n.op_type not in ("QuantizeLinear", "DequantizeLinear") or len(n.input) < 3:
-            continue
-        zp_t = inits.get(n.input[2])
-        if zp_t is None or zp_t.data_type != TensorProto.UINT8:
-            continue
-        key = (n.input[1], n.input[2])
-        if key not in done:
-            s = numpy_helper.to_array(inits[n.input[1]]).astype(np.float64)
-            z = numpy_helper.to_array(zp_t).astype(np.float64)
-            amax = np.maximum(np.abs(-z * s), np.abs((255.0 - z) * s))
-            new_s = np.where(amax > 0, amax / 127.0, 1.0).astype(helper.tensor_dtype_to_np_dtype(inits[n.input[1]].data_type))
-            s_name, z_name = f"{n.input[1]}_s8", f"{n.input[2]}_s8"
-            out.graph.initializer.extend([numpy_helper.from_array(new_s, s_name),
-                                          numpy_helper.from_array(np.zeros(z.shape, np.int8), z_name)])
-            done[key] = (s_name, z_name)
-            count += 1
-        n.input[1], n.input[2] = done[key]
-    used = {i for n in out.graph.node for i in n.input}
-    keep = [i for i in out.graph.initializer if i.name in used]
-    del out.graph.initializer[:]
-    out.graph.initializer.extend(keep)
-    return out, count

@@ -23,7 +23,7 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from pipeline.artifacts import atomic_write_text
+from pipeline.artifacts import atomic_write_json, atomic_write_text
 
 log = logging.getLogger("tune")
 
@@ -165,7 +165,7 @@ def write_summary(sweep_dir: Path) -> dict[str, Any] | None:
     best = max(ok, key=lambda r: r["speedup"])["job"] if ok else None
     summary = {"sweep_dir": str(sweep_dir), "jobs": rows, "best": best, "pareto": pareto(rows),
                "not_comparable": sorted(flagged)}
-    atomic_write_text(sweep_dir / "summary.json", json.dumps(summary, indent=1, default=str) + "\n")
+    atomic_write_json(sweep_dir / "summary.json", summary, indent=1)
     atomic_write_text(sweep_dir / "summary.md", _markdown(summary))
     try:
         _chart(summary, sweep_dir / "summary.png")

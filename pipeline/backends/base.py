@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -282,33 +280,3 @@ def compare_prepared(backend_name: str, prepared: list[PreparedModel], rounds: i
 
 def specs_of(model_path: str | Path) -> list[InputSpec]:
     return input_specs(load_model(model_path, check=False))
-
-
-@contextlib.contextmanager
-def tensorrt_qdq_view(model_path: Path, note: Callable[[str], None] | None = None) -> Iterator[Path]:
-    """The model as TensorRT can parse it: ORT's CPU conventions (uint8 asymmetric Q/DQ, int32 bias
-    DQs) rewritten as symmetric int8 and float biases in a temporary copy next to the original (so
-    external data still resolves)."""
-    import onnx
-
-    from pipeline.qdq import fold_int32_biases, has_asymmetric_uint8, to_symmetric_int8
-
-    model = onnx.load(str(model_path), load_external_data=False)
-    converted, nb = fold_int32_biases(model)
-    n = 0
-    if has_asymmetric_uint8(converted):
-        converted, n = to_symmetric_int8(converted)
-    if n == 0 and nb == 0:
-        yield model_path
-        return
-    fd, tmp = tempfile.mkstemp(prefix=f".{model_path.stem}.s8.", suffix=".onnx", dir=model_path.parent)
-    os.close(fd)
-    try:
-        Path(tmp).write_bytes(converted.SerializeToString())
-        if note is not None:
-            note(f"{model_path.name}: rewrote {n} uint8 asymmetric Q/DQ scale/zero-point pairs as symmetric int8 "
-                 f"and {nb} int32 bias DQs as float biases (TensorRT takes symmetric int8 only; same placement "
-                 f"and calibrated ranges)")
-        yield Path(tmp)
-    finally:
-        Path(tmp).unlink(missing_ok=True)

@@ -11,6 +11,7 @@ import bisect
 import functools
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,52 @@ def physical_cores() -> int:
     except OSError:
         pass
     return max(1, len(cores) or len(allowed))
+
+
+def ort_session_options(optimization: str = "all", *, threads: int = 0,
+                        optimized_path: str | os.PathLike | None = None) -> Any:
+    """ONNX Runtime SessionOptions: graph optimization ``optimization`` (disable, basic, extended,
+    layout, all), ``threads`` intra-op threads (0: ORT's choice), errors-only logging, and ORT's
+    optimized graph saved to ``optimized_path`` if given."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[optimization])
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    if optimized_path:
+        so.optimized_model_filepath = str(optimized_path)
+    return so
+
+
+def ort_session(model: onnx.ModelProto | bytes | str | os.PathLike, options: Any = None, *,
+                extra_outputs: Iterable[str] = (), providers: Iterable[str] = ("CPUExecutionProvider",)) -> Any:
+    """An InferenceSession for a model (proto, serialized bytes or path) with ``options`` (see
+    ort_session_options; None: ORT's defaults) on ``providers``. ``extra_outputs`` (a proto only)
+    become graph outputs too, so intermediate tensors can be read from ``run``."""
+    import onnxruntime as ort
+
+    if isinstance(model, onnx.ModelProto):
+        data: bytes | str = with_outputs(model, extra_outputs).SerializeToString()
+    elif extra_outputs:
+        raise TypeError("ort_session: extra_outputs needs the model as an onnx.ModelProto")
+    else:
+        data = model if isinstance(model, bytes) else str(model)
+    return ort.InferenceSession(data, sess_options=options, providers=list(providers))
+
+
+def with_outputs(model: onnx.ModelProto, tensors: Iterable[str]) -> onnx.ModelProto:
+    """A copy of ``model`` with ``tensors`` that are not graph outputs yet added as untyped outputs;
+    the model itself when there is nothing to add."""
+    existing = {o.name for o in model.graph.output}
+    new = [t for t in tensors if t not in existing]
+    if not new:
+        return model
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for t in new:
+        m.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
+    return m
 
 
 _FP8_TYPES = (17, 18, 19, 20)  # FLOAT8E4M3FN, FLOAT8E4M3FNUZ, FLOAT8E5M2, FLOAT8E5M2FNUZ
@@ -222,31 +269,22 @@ class OnnxRuntimeBackend(Backend):
         return n if n > 0 else physical_cores()
 
     def session_options(self, optimized_path: str | None = None) -> Any:
-        import onnxruntime as ort
-
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = self.threads
+        so = ort_session_options(enum_value(self.cfg.graph_optimization_level), threads=self.threads,
+                                 optimized_path=optimized_path)
         so.inter_op_num_threads = 1
-        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel,
-                                              _LEVELS[enum_value(self.cfg.graph_optimization_level)])
-        so.log_severity_level = 3
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.cfg.allow_spinning else "0")
-        if optimized_path:
-            so.optimized_model_filepath = optimized_path
         return so
 
     def session(self, model_path: str | Path, optimized_path: str | None = None,
                 profile_prefix: str | None = None) -> Any:
         """A session with this backend's options; ``optimized_path`` saves the graph ORT runs,
         ``profile_prefix`` turns its profiler on."""
-        import onnxruntime as ort
-
         so = self.session_options(optimized_path)
         if profile_prefix:
             so.enable_profiling = True
             so.profile_file_prefix = profile_prefix
         disable_qdq_fusion_if_fp8(so, model_path)
-        return ort.InferenceSession(str(model_path), sess_options=so, providers=list(self.cfg.providers))
+        return ort_session(model_path, so, providers=self.cfg.providers)
 
     def prepare(self, model_path: str | Path, profile: bool = False) -> OrtPrepared:
         if not profile:
@@ -270,8 +308,7 @@ class OnnxRuntimeBackend(Backend):
 
         so = self.session_options()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        session = ort.InferenceSession(str(model_path), sess_options=so, providers=list(self.cfg.providers))
-        return OrtPrepared(session, specs_of(model_path))
+        return OrtPrepared(ort_session(model_path, so, providers=self.cfg.providers), specs_of(model_path))
 
     def build(self, model_path: str | Path, out_path: str | Path | None = None,
               log_path: str | Path | None = None) -> BuildResult:

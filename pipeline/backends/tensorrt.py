@@ -10,19 +10,15 @@ Building and measuring have different requirements, so they are checked separate
 machine), while anything that runs an engine asks for a CUDA GPU first and says so in one line.
 Device buffers, streams and events come from torch's CUDA runtime (a CUDA build of torch).
 
-Also here, because the trtexec backend shares them: ``EngineOptions`` (what gen_trt_engine asks of
-a build), ``profile_shapes`` (min/opt/max shapes from explicit shapes or the batch shortcut), and
-the parsers for TensorRT's layer information (engine inspector JSON, trtexec --exportLayerInfo, and
-the builder's own layer table).
+What the trtexec backend shares with these (build options, profile shapes, plugin paths, layer-info
+parsers) lives in ``pipeline.backends.trt_common``.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-import re
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,194 +27,22 @@ import onnx
 from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_output, atomic_write_text
-from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing, fixed_feeds, tensorrt_qdq_view
-from pipeline.config import enum_value
-from pipeline.errors import BackendUnavailable, InputError, StageError
-from pipeline.graph import InputSpec, _dims, graph_inputs, has_qdq, input_specs
+from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing, fixed_feeds
+from pipeline.backends.trt_common import (
+    EngineOptions,
+    parse_builder_layers,
+    parse_layer_info,
+    plugin_paths,
+    profile_shapes,
+    shape_problems,
+    tensorrt_qdq_view,
+)
+from pipeline.errors import BackendUnavailable, StageError
+from pipeline.graph import InputSpec, has_qdq, input_specs
 
 log = logging.getLogger("tune.backend")
 
 ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
-
-
-# --------------------------------------------------------------------------- build options
-
-
-@dataclass
-class EngineOptions:
-    """What one engine build asks for; gen_trt_engine fills it from `gen_trt_engine.tensorrt`."""
-
-    data_type: str = "FP32"  # builder precision for float models; Q/DQ models are strongly typed
-    workspace_mb: int | None = None  # None: the runtime's default
-    # batch shortcut for inputs whose first dim is the only dynamic one
-    min_batch: int = 1
-    opt_batch: int = 1
-    max_batch: int = 1
-    # input name -> shape; an input named here gets exactly these shapes in the profile
-    min_shapes: dict[str, list[int]] = field(default_factory=dict)
-    opt_shapes: dict[str, list[int]] = field(default_factory=dict)
-    max_shapes: dict[str, list[int]] = field(default_factory=dict)
-    timing_cache: Path | None = None
-    plugin_libraries: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        # enum members (OmegaConf) and any case ("fp16") become one upper-case name, once
-        self.data_type = enum_value(self.data_type).upper()
-
-    @classmethod
-    def from_backend_cfg(cls, cfg: DictConfig) -> EngineOptions:
-        """Build options for measurement builds, from the backend section alone (tensorrt*, trtexec)."""
-        from hydra.utils import to_absolute_path
-
-        tc = cfg.get("timing_cache")
-        ws = cfg.get("workspace_size")
-        return cls(data_type=cfg.get("float_precision") or "FP32",
-                   workspace_mb=int(ws) if ws is not None else None,
-                   timing_cache=Path(to_absolute_path(str(tc))) if tc else None,
-                   plugin_libraries=list(cfg.get("plugin_libraries") or []))
-
-
-PLUGIN_KEYS = "backend.plugin_libraries / gen_trt_engine.tensorrt.plugin_libraries"
-
-
-def plugin_paths(libraries: list[str] | Any, key: str = PLUGIN_KEYS) -> list[str]:
-    """Plugin libraries as absolute paths (relative to where tune started), each an existing file,
-    duplicates dropped; a missing one is an InputError naming ``key``."""
-    from hydra.utils import to_absolute_path
-
-    out: list[str] = []
-    for lib in libraries or []:
-        p = Path(to_absolute_path(str(lib)))
-        if not p.is_file():
-            raise InputError(f"plugin library {p} does not exist ({key})")
-        out.append(str(p))
-    return list(dict.fromkeys(out))
-
-
-def shape_problems(min_shapes: Any, opt_shapes: Any, max_shapes: Any,
-                   key: str = "gen_trt_engine.tensorrt") -> list[str]:
-    """min/opt/max shapes name the same inputs, with equal ranks, dims >= 1 and min <= opt <= max per dim.
-
-    The one check of explicit profile shapes: config validation and every build call it.
-    """
-    keys = ("min_shapes", "opt_shapes", "max_shapes")
-    tables = [min_shapes or {}, opt_shapes or {}, max_shapes or {}]
-    problems = []
-    for name in sorted({str(n) for t in tables for n in t}):
-        missing = [k for k, t in zip(keys, tables, strict=True) if name not in t]
-        if missing:
-            problems.append(f"{key}: input '{name}' needs all of min_shapes, opt_shapes and max_shapes "
-                            f"(missing from {', '.join(missing)})")
-            continue
-        lo, opt, hi = trio = [[int(v) for v in t[name]] for t in tables]
-        bad = [f"{key}.{k}.{name}={s}" for k, s in zip(keys, trio, strict=True) if any(d < 1 for d in s)]
-        if bad:
-            problems.append(f"{', '.join(bad)}: every dim must be >= 1 (a concrete size, not -1 or 0)")
-        elif not len(lo) == len(opt) == len(hi):
-            problems.append(f"{key}: shapes of '{name}' differ in rank: {lo}, {opt}, {hi}")
-        elif not all(a <= b <= c for a, b, c in zip(lo, opt, hi, strict=True)):
-            problems.append(f"{key}: shapes of '{name}' need min <= opt <= max in every dim, got {lo}, {opt}, {hi}")
-    return problems
-
-
-def profile_shapes(model: onnx.ModelProto, options: EngineOptions,
-                   source: str = "model") -> dict[str, tuple[list[int], list[int], list[int]]]:
-    """Min/opt/max shape per input that needs an optimization profile (empty for static models).
-
-    Inputs named in the explicit shapes take them as given; an input whose only dynamic dim is the
-    first takes the batch shortcut (TAO's min/opt/max batch size); any other dynamic input is an
-    error naming the keys to set.
-    """
-    # -1 for every dim that is not a positive number
-    dims = {vi.name: [d if isinstance(d, int) and d > 0 else -1 for d in _dims(vi)] for vi in graph_inputs(model)}
-    named = set(options.min_shapes) | set(options.opt_shapes) | set(options.max_shapes)
-    unknown = sorted(named - set(dims))
-    if unknown:
-        raise StageError(f"gen_trt_engine.tensorrt shapes name {unknown}, but {source} has inputs {sorted(dims)}")
-    problems = shape_problems(options.min_shapes, options.opt_shapes, options.max_shapes)
-    if problems:
-        raise StageError("; ".join(problems))
-    out: dict[str, tuple[list[int], list[int], list[int]]] = {}
-    for name, d in dims.items():
-        if name in named:
-            shapes = tuple([int(v) for v in s[name]] for s in (options.min_shapes, options.opt_shapes,
-                                                               options.max_shapes))
-            for s in shapes:
-                if len(s) != len(d):
-                    raise StageError(f"gen_trt_engine.tensorrt shapes for '{name}' have rank {len(s)}, but "
-                                     f"{source} declares rank {len(d)} ({d})")
-            out[name] = shapes  # type: ignore[assignment]
-            continue
-        if -1 not in d:
-            continue
-        if d[0] == -1 and -1 not in d[1:]:
-            rest = d[1:]
-            out[name] = ([options.min_batch, *rest], [options.opt_batch, *rest], [options.max_batch, *rest])
-            continue
-        shown = "x".join("N" if v == -1 else str(v) for v in d)
-        raise StageError(
-            f"{source} input '{name}' has dynamic dims ({shown}) beyond the batch: give them with "
-            f"gen_trt_engine.tensorrt.min_shapes/opt_shapes/max_shapes, e.g. "
-            f"gen_trt_engine.tensorrt.opt_shapes='{{{name}: [{', '.join('1' if v == -1 else str(v) for v in d)}]}}'"
-        )
-    return out
-
-
-# --------------------------------------------------------------------------- layer information
-
-_ONNX_LAYER = re.compile(r"\[ONNX Layer: ([^\]]*)\]")
-
-
-def onnx_nodes_of(metadata: str | None) -> list[str]:
-    """ONNX node names a TensorRT layer was built from (its Metadata lists `[ONNX Layer: name]` per node,
-    separated by \\x1f, with \\x1e between sub-groups)."""
-    return _ONNX_LAYER.findall(metadata or "")
-
-
-def parse_layer_info(obj: dict[str, Any] | list[Any], source: str) -> dict[str, Any]:
-    """Normalize engine inspector JSON (also what trtexec --exportLayerInfo writes).
-
-    10.x writes ``{"Layers": [...], "Bindings": [...]}``, 11.x names the second key "I/O Tensors";
-    with profiling verbosity below DETAILED a layer is only its name (a string). Every layer keeps
-    its original keys and gains ``onnx_nodes``.
-    """
-    if isinstance(obj, list):
-        obj = {"Layers": obj}
-    layers = []
-    for layer in obj.get("Layers", []):
-        rec = {"Name": layer} if isinstance(layer, str) else dict(layer)
-        rec["onnx_nodes"] = onnx_nodes_of(rec.get("Metadata"))
-        layers.append(rec)
-    io = obj.get("I/O Tensors", obj.get("Bindings", []))
-    return {"source": source, "layers": layers, "io_tensors": io}
-
-
-_LAYER_LINE = re.compile(r"^Name: (?P<name>.*?), LayerType: (?P<type>[^,]*),")
-_TACTIC = re.compile(r", TacticName: (?P<tactic>.*?), StreamId: (?P<stream>\d+)")
-_METADATA = re.compile(r", Metadata: (?P<meta>.*)$")
-
-
-def parse_builder_layers(message: str) -> dict[str, Any]:
-    """Parse the layer table the builder logs (VERBOSE, with DETAILED profiling verbosity).
-
-    It is the only source of fusion information when the engine cannot be deserialized, which is the
-    case for TensorRT-RTX engines built on a machine without a GPU. One line per layer:
-    ``Name: <n>, LayerType: <t>, Inputs: [...], ..., TacticName: <x>, StreamId: 0, Metadata: <m>``.
-    """
-    layers = []
-    for line in message.splitlines():
-        m = _LAYER_LINE.match(line.strip())
-        if not m:
-            continue
-        rec: dict[str, Any] = {"Name": m["name"], "LayerType": m["type"]}
-        t = _TACTIC.search(line)
-        if t:
-            rec["TacticName"] = t["tactic"]
-        md = _METADATA.search(line)
-        rec["Metadata"] = md["meta"].strip() if md else ""
-        rec["onnx_nodes"] = onnx_nodes_of(rec["Metadata"])
-        layers.append(rec)
-    return {"source": "build_log", "layers": layers, "io_tensors": []}
 
 
 # --------------------------------------------------------------------------- logger
@@ -737,5 +561,7 @@ def _engine_specs(trt: Any, engine: Any) -> list[InputSpec]:
     return specs
 
 
-__all__ = ["EngineOptions", "TensorRTBackend", "TensorRTRtxBackend", "onnx_nodes_of", "parse_builder_layers",
-           "parse_layer_info", "plugin_paths", "profile_shapes", "shape_problems"]
+# EngineOptions, plugin_paths, shape_problems and parse_layer_info stay importable from here for the
+# tests and tasks/autotune/stage.py, which import them by this module's name
+__all__ = ["EngineOptions", "TensorRTBackend", "TensorRTPrepared", "TensorRTRtxBackend", "parse_layer_info",
+           "plugin_paths", "shape_problems"]

@@ -10,7 +10,8 @@ comes from trtexec's own measurement:
   is still missing (a user's own --percentile, an old trtexec) the minimum stands in for it.
 
 GPU compute time is used because the Python backends time ``execute_async_v3`` alone, and Q/DQ
-placement changes the kernels, not the copies.
+placement changes the kernels, not the copies. The readers for trtexec's output live in
+``pipeline.backends.trtexec_parse``; build options and shapes in ``pipeline.backends.trt_common``.
 
 Warm-up is ``backend.warmup_ms`` (trtexec's --warmUp is in MILLISECONDS); ``backend.warmup_runs`` does
 not apply here. Profiling flags (--exportProfile, --exportLayerInfo, --profilingVerbosity,
@@ -20,7 +21,6 @@ retried once without them and they stay off for the rest of this backend's life.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -38,8 +38,24 @@ import onnx
 from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_output, atomic_write_text
-from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing, tensorrt_qdq_view
-from pipeline.backends.tensorrt import EngineOptions, parse_layer_info, plugin_paths, profile_shapes
+from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing
+from pipeline.backends.trt_common import (
+    EngineOptions,
+    parse_layer_info,
+    plugin_paths,
+    profile_shapes,
+    tensorrt_qdq_view,
+)
+from pipeline.backends.trtexec_parse import (
+    error_lines,
+    loads_lenient,
+    output_dtypes,
+    parse_outputs,
+    parse_profile,
+    parse_summary,
+    parse_times,
+    timing_from_summary,
+)
 from pipeline.errors import BackendUnavailable, InputError, StageError
 from pipeline.graph import InputSpec, has_qdq, input_specs
 
@@ -51,6 +67,8 @@ PROFILING_FLAGS = ("--profilingVerbosity", "--exportProfile", "--exportLayerInfo
 # trtexec's messages when it cannot use a GPU at all (CUDA init / device query failures)
 _NO_GPU = re.compile(r"no CUDA-capable device|CUDA initialization failure|CUDA driver version is insufficient|"
                      r"cudaErrorNoDevice|Cuda failure: (?:no|100)", re.IGNORECASE)
+# the version line trtexec prints first ("TensorRT v100900" for 10.9.0)
+_VERSION = re.compile(r"TensorRT v(\d+)")
 
 
 # TensorRT's names for the layers it inserts to convert formats ("Reformatting CopyNode for Input
@@ -185,167 +203,6 @@ class TrtexecRun:
 
 def _shape_name(name: str) -> str:
     return f"'{name}'" if any(c in name for c in ":,") else name
-
-
-# --------------------------------------------------------------------------- output parsing
-
-_NUM = r"([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|inf|nan))"
-_STAT = re.compile(r"(min|max|mean|median|percentile\(([\d.]+)%\)) = " + _NUM + " ms")
-_METRIC_LINE = re.compile(r"\b(Latency|End-to-End Host Latency|Enqueue Time|H2D Latency|GPU Compute Time|"
-                          r"D2H Latency): (min = .*)$")
-_THROUGHPUT = re.compile(r"Throughput: " + _NUM + " qps")
-_QUERIES = re.compile(r"Timing trace has (\d+) queries over " + _NUM + " s")
-_VERSION = re.compile(r"TensorRT v(\d+)")
-
-
-@dataclass
-class TrtexecSummary:
-    """Numbers from trtexec's "=== Performance summary ===": metric -> {min, max, mean, median, p90, ...}."""
-
-    metrics: dict[str, dict[str, float]] = field(default_factory=dict)
-    throughput_qps: float | None = None
-    queries: int | None = None
-
-    def stats(self, prefer: tuple[str, ...] = ("GPU Compute Time", "Latency")) -> tuple[str, dict[str, float]] | None:
-        for name in prefer:
-            if name in self.metrics:
-                return name, self.metrics[name]
-        return None
-
-
-def parse_summary(text: str) -> TrtexecSummary:
-    """Parse trtexec's performance summary (10.x prints several percentiles per line, 8.x one).
-
-    Each line reads ``[date] [I] GPU Compute Time: min = 0.41 ms, max = 0.52 ms, mean = 0.43 ms,
-    median = 0.43 ms, percentile(90%) = 0.45 ms, percentile(95%) = 0.46 ms, percentile(99%) = 0.5 ms``.
-    """
-    out = TrtexecSummary()
-    # a log without the header (a trimmed copy) is read whole; otherwise only the summary counts
-    in_summary = "=== Performance summary ===" not in text
-    for line in text.splitlines():
-        if "=== Performance summary ===" in line:
-            in_summary = True
-            continue
-        m = _QUERIES.search(line)
-        if m:
-            out.queries = int(m[1])
-            continue
-        if not in_summary:
-            continue
-        m = _METRIC_LINE.search(line)
-        if m:
-            stats: dict[str, float] = {}
-            for s in _STAT.finditer(m[2]):
-                key = f"p{float(s[2]):g}" if s[2] else s[1]
-                stats[key] = float(s[3])
-            out.metrics[m[1]] = stats
-            continue
-        m = _THROUGHPUT.search(line)
-        if m:
-            out.throughput_qps = float(m[1])
-    return out
-
-
-def timing_from_summary(summary: TrtexecSummary, log_path: str | None = None) -> Timing | None:
-    """A Timing from the summary; p10 falls back to the minimum when trtexec did not report it."""
-    found = summary.stats()
-    if found is None:
-        return None
-    _, s = found
-    nan = float("nan")
-    return Timing(median_ms=s.get("median", nan), p10_ms=s.get("p10", s.get("min", nan)),
-                  p90_ms=s.get("p90", nan), mean_ms=s.get("mean", nan), min_ms=s.get("min", nan),
-                  n=summary.queries or 0, backend="trtexec", log_path=log_path)
-
-
-def _loads_lenient(text: str) -> Any:
-    # trtexec writes C++ stream output: nan/inf are bare words, which JSON does not allow
-    text = re.sub(r"([:\[,]\s*)(-?)(nan|inf)\b",
-                  lambda m: f'{m[1]}{m[2]}{"NaN" if m[3] == "nan" else "Infinity"}', text)
-    return json.loads(text)
-
-
-_PROFILE_RECORD = re.compile(r'"name"\s*:\s*"(?P<name>.*)"\s*,\s*"timeMs"\s*:\s*' + _NUM +
-                             r'\s*,\s*"averageMs"\s*:\s*' + _NUM + r'(?:\s*,\s*"medianMs"\s*:\s*' + _NUM +
-                             r')?\s*,\s*"percentage"\s*:\s*' + _NUM)
-
-
-def parse_profile(text: str) -> dict[str, Any]:
-    """Parse --exportProfile JSON: ``[{"count": N}, {"name", "timeMs", "averageMs", "medianMs", "percentage"}, ...]``.
-
-    The leading ``{"count": N}`` record (iterations profiled) is not a layer. trtexec does not escape
-    layer names, so a name holding a quote breaks JSON: then each record is read line by line.
-    """
-    try:
-        records = _loads_lenient(text)
-    except json.JSONDecodeError:
-        records = []
-        for line in text.splitlines():
-            m = re.search(r'"count"\s*:\s*(\d+)', line)
-            if m and '"name"' not in line:
-                records.append({"count": int(m[1])})
-                continue
-            m = _PROFILE_RECORD.search(line)
-            if m:
-                rec = {"name": m["name"], "timeMs": float(m[2]), "averageMs": float(m[3]),
-                       "percentage": float(m[5])}
-                if m[4] is not None:
-                    rec["medianMs"] = float(m[4])
-                records.append(rec)
-    count = None
-    layers = []
-    for rec in records if isinstance(records, list) else []:
-        if not isinstance(rec, dict):
-            continue
-        if "name" not in rec:
-            count = rec.get("count", count)
-            continue
-        layers.append(rec)
-    return {"count": count, "layers": layers}
-
-
-def parse_times(text: str, warmup_ms: float = 0.0, key: str = "computeMs") -> list[float]:
-    """Per-iteration times from --exportTimes JSON.
-
-    10.x leaves warm-up iterations out; older versions include them, recognizable by a compute
-    start before the warm-up time (trtexec's own rule), so those are dropped here too.
-    """
-    records = [r for r in _loads_lenient(text) if isinstance(r, dict) and key in r]
-    timed = [r for r in records if r.get("startComputeMs", warmup_ms) >= warmup_ms]
-    # nothing after the warm-up means the clock starts elsewhere: then every record is a timed run
-    return [float(r[key]) for r in (timed or records)]
-
-
-def parse_outputs(text: str, dtypes: dict[str, np.dtype] | None = None) -> dict[str, np.ndarray]:
-    """--exportOutput JSON: ``[{"name", "dimensions": "2x10", "values": [...]}, ...]``.
-
-    Each output takes its element type from ``dtypes`` (the ONNX graph's outputs), so integer
-    outputs (ArgMax ids) stay integers; outputs not listed there are float32.
-    """
-    dtypes = dtypes or {}
-    out = {}
-    for rec in _loads_lenient(text):
-        dims = [int(d) for d in str(rec.get("dimensions", "")).split("x") if d]
-        dtype = dtypes.get(rec["name"], np.dtype(np.float32))
-        values = np.asarray(rec.get("values", []), dtype=np.float64)
-        if np.issubdtype(dtype, np.integer) or dtype == np.bool_:
-            values = np.rint(values)
-        out[rec["name"]] = values.astype(dtype).reshape(dims)
-    return out
-
-
-def output_dtypes(model: onnx.ModelProto) -> dict[str, np.dtype]:
-    """Element type of every graph output whose type the model declares."""
-    from onnx import helper
-
-    return {o.name: np.dtype(helper.tensor_dtype_to_np_dtype(o.type.tensor_type.elem_type))
-            for o in model.graph.output if o.type.tensor_type.elem_type}
-
-
-def _error_lines(text: str, limit: int = 3) -> str:
-    errs = [ln.split("] ", 2)[-1].strip() for ln in text.splitlines() if "[E]" in ln or "ERROR" in ln]
-    errs = [e for e in errs if e] or [ln.strip() for ln in text.strip().splitlines()[-limit:]]
-    return " | ".join(errs[:limit])
 
 
 # --------------------------------------------------------------------------- backend
@@ -516,9 +373,9 @@ class TrtexecBackend(Backend):
         if code != 0:
             if _NO_GPU.search(text):
                 raise BackendUnavailable(
-                    f"backend=trtexec found no usable CUDA GPU ({_error_lines(text, 1)}); trtexec needs an NVIDIA "
+                    f"backend=trtexec found no usable CUDA GPU ({error_lines(text, 1)}); trtexec needs an NVIDIA "
                     f"GPU to build and measure; backend=tensorrt_rtx builds engines on the CPU (log: {log_path})")
-            raise StageError(f"trtexec failed (exit {code}) for {stem}: {_error_lines(text)}; full log: {log_path}")
+            raise StageError(f"trtexec failed (exit {code}) for {stem}: {error_lines(text)}; full log: {log_path}")
         return text, log_path
 
     def _run_once(self, argv: list[str], kind: str, stem: str, log_path: Path | None) -> tuple[str, int, Path]:
@@ -591,7 +448,7 @@ class TrtexecBackend(Backend):
             if out_path is not None:
                 info["engine_bytes"] = Path(out_path).stat().st_size
             if layers_json.exists():
-                self.last_layer_info = parse_layer_info(_loads_lenient(layers_json.read_text()), "trtexec")
+                self.last_layer_info = parse_layer_info(loads_lenient(layers_json.read_text()), "trtexec")
                 info["layers"] = len(self.last_layer_info["layers"])
         return BuildResult(Path(out_path) if out_path else None, written_log, info)
 
@@ -628,7 +485,7 @@ class TrtexecBackend(Backend):
             self.last_profile = (parse_profile(run.export_profile.read_text())
                                  if run.export_profile is not None and run.export_profile.exists() else None)
             if run.export_layer_info is not None and run.export_layer_info.exists():
-                self.last_layer_info = parse_layer_info(_loads_lenient(run.export_layer_info.read_text()), "trtexec")
+                self.last_layer_info = parse_layer_info(loads_lenient(run.export_layer_info.read_text()), "trtexec")
         return timing
 
     def prepare(self, model_path: str | Path, profile: bool = False) -> TrtexecPrepared:
@@ -661,9 +518,15 @@ class TrtexecBackend(Backend):
             self.invoke(run, "layers", model_path.stem)
             if not run.export_layer_info.exists():
                 return None
-            self.last_layer_info = parse_layer_info(_loads_lenient(run.export_layer_info.read_text()), "trtexec")
+            self.last_layer_info = parse_layer_info(loads_lenient(run.export_layer_info.read_text()), "trtexec")
             return self.last_layer_info
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "trtexec": self.exe or str(self.cfg.trtexec_path),
                 "tensorrt_version": self.version}
+
+
+# the output readers stay importable from here for the tests, which import them by this module's name
+__all__ = ["PROFILING_FLAGS", "REFORMAT_LAYER", "SHAPE_FLAGS", "TrtexecBackend", "TrtexecPrepared", "TrtexecRun",
+           "option_name", "parse_outputs", "parse_profile", "parse_shape_spec", "parse_summary", "parse_times",
+           "strip_profiling", "timing_from_summary"]

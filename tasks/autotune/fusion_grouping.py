@@ -43,19 +43,13 @@ class FusionGroup:
 
 def ort_optimized_graph(model: onnx.ModelProto | str | Path, level: str = "extended") -> onnx.ModelProto:
     """The graph ONNX Runtime's CPU EP runs after its optimizations at ``level``."""
-    import onnxruntime as ort
+    from pipeline.backends.onnxruntime import ort_session, ort_session_options
 
-    levels = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-              "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-              "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
     data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else Path(model).read_bytes()
     with tempfile.TemporaryDirectory() as d:
-        so = ort.SessionOptions()
-        so.graph_optimization_level = levels[level]
-        so.optimized_model_filepath = os.path.join(d, "optimized.onnx")
-        so.log_severity_level = 3
-        ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
-        return onnx.load(so.optimized_model_filepath)
+        optimized = os.path.join(d, "optimized.onnx")
+        ort_session(data, ort_session_options(level, optimized_path=optimized))
+        return onnx.load(optimized)
 
 
 def map_fusions(original: onnx.ModelProto, optimized: onnx.ModelProto) -> list[FusionGroup]:
@@ -130,7 +124,7 @@ def _as_groups(model: onnx.ModelProto, groups: list[tuple[list[int], list[str], 
 def trt_fusion_groups(model: onnx.ModelProto, layer_info: dict) -> list[FusionGroup]:
     """Fusion groups of ``model`` from TensorRT layer information (as ``parse_layer_info`` returns it,
     or the raw --exportLayerInfo JSON)."""
-    from pipeline.backends.tensorrt import parse_layer_info
+    from pipeline.backends.trt_common import parse_layer_info
 
     if "layers" not in layer_info:
         layer_info = parse_layer_info(layer_info, "graph json")

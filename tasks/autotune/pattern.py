@@ -10,11 +10,11 @@ transformer, is one pattern, and a scheme found on one model transfers to its si
 from __future__ import annotations
 
 import hashlib
-import heapq
 from dataclasses import dataclass
 
 import onnx
 
+from pipeline.graph import topological_order
 from pipeline.placement import GraphIndex
 from tasks.autotune.region import Region
 
@@ -40,27 +40,11 @@ def canonical_order(region: Region, model: onnx.ModelProto, index: GraphIndex) -
     """Region nodes in a topological order that depends on structure only (ties: op type, attributes,
     then graph order, which exporters keep consistent across repeated blocks)."""
     nodes = region.all_nodes()
-    members = set(nodes)
     graph_nodes = model.graph.node
     producer_idx = {o: i for i in nodes for o in graph_nodes[i].output}
-    deps = {i: {producer_idx[t] for t in graph_nodes[i].input if t in producer_idx} - {i} for i in nodes}
-    users: dict[int, list[int]] = {i: [] for i in nodes}
-    for i, ds in deps.items():
-        for d in ds:
-            users[d].append(i)
-    indeg = {i: len(deps[i]) for i in nodes}
-    key = {i: (graph_nodes[i].op_type, _attr_signature(graph_nodes[i]), i) for i in nodes}
-    ready = [key[i] for i in nodes if indeg[i] == 0]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        *_, i = heapq.heappop(ready)
-        order.append(i)
-        for u in users[i]:
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                heapq.heappush(ready, key[u])
-    if len(order) != len(members):  # not a DAG inside the region: fall back to graph order
+    order = topological_order(nodes, lambda i: (producer_idx[t] for t in graph_nodes[i].input if t in producer_idx),
+                              lambda i: (graph_nodes[i].op_type, _attr_signature(graph_nodes[i]), i))
+    if len(order) != len(nodes):  # not a DAG inside the region: fall back to graph order
         return nodes
     return order
 

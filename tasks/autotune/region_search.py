@@ -45,13 +45,13 @@ returned by the graph, in order of production (node order, then output slot).
 
 from __future__ import annotations
 
-import heapq
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
 import onnx
 
 from pipeline.errors import InputError
+from pipeline.graph import topological_order
 from pipeline.placement import WEIGHTED_OPS, GraphIndex
 from tasks.autotune.region import Region, RegionType
 
@@ -133,23 +133,10 @@ class CombinedRegionSearch:
         deps = [{idx(g.producer[t]) for t in node.input if t in g.producer} - {i} for i, node in enumerate(nodes)]
         if all(all(d < i for d in ds) for i, ds in enumerate(deps)):
             return list(range(len(nodes)))
-        users: list[list[int]] = [[] for _ in nodes]
-        for i, ds in enumerate(deps):
-            for d in ds:
-                users[d].append(i)
-        indeg = [len(ds) for ds in deps]
-        ready = [i for i, k in enumerate(indeg) if k == 0]
-        heapq.heapify(ready)
-        order: list[int] = []
-        while ready:
-            i = heapq.heappop(ready)
-            order.append(i)
-            for u in users[i]:
-                indeg[u] -= 1
-                if indeg[u] == 0:
-                    heapq.heappush(ready, u)
+        order = topological_order(range(len(nodes)), deps.__getitem__)
         if len(order) != len(nodes):
-            stuck = [nodes[i].name or nodes[i].op_type for i in range(len(nodes)) if indeg[i] > 0][:5]
+            done = set(order)
+            stuck = [nodes[i].name or nodes[i].op_type for i in range(len(nodes)) if i not in done][:5]
             raise InputError(f"model graph has a cycle (nodes {stuck} depend on each other); "
                              f"region search needs an acyclic graph")
         return order
@@ -325,25 +312,13 @@ class CombinedRegionSearch:
         """Regions in topological order of the data flow between them; ties by first node."""
         where = {i: k for k, r in enumerate(regions) for i in r.all_nodes()}
         first = [min(self.pos[i] for i in r.all_nodes()) for r in regions]
-        users: list[set[int]] = [set() for _ in regions]
-        indeg = [0] * len(regions)
+        feeders: list[set[int]] = [set() for _ in regions]  # regions whose outputs region k reads
         for k, r in enumerate(regions):
             for i in r.all_nodes():
                 for j in self.succ[i]:
-                    m = where.get(j)
-                    if m is not None and m != k and m not in users[k]:
-                        users[k].add(m)
-                        indeg[m] += 1
-        ready = [(first[k], k) for k in range(len(regions)) if indeg[k] == 0]
-        heapq.heapify(ready)
-        out: list[Region] = []
-        while ready:
-            _, k = heapq.heappop(ready)
-            out.append(regions[k])
-            for m in users[k]:
-                indeg[m] -= 1
-                if indeg[m] == 0:
-                    heapq.heappush(ready, (first[m], m))
+                    if j in where:
+                        feeders[where[j]].add(k)
+        out = [regions[k] for k in topological_order(range(len(regions)), feeders.__getitem__, first.__getitem__)]
         if len(out) != len(regions):  # cannot happen for convex regions; keep every region anyway
             out += [r for r in regions if r not in out]
         return out

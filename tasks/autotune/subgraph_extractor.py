@@ -33,24 +33,14 @@ class TensorInfo:
 def tensor_infos(model: onnx.ModelProto, tensors: list[str], shapes: dict[str, list[int]] | None = None
                  ) -> dict[str, TensorInfo]:
     """Shape and element type of each tensor in one ORT run of ``model`` on seeded inputs."""
-    import onnxruntime as ort
-
     from pipeline.backends.base import fixed_feeds
+    from pipeline.backends.onnxruntime import ort_session, ort_session_options
 
     specs = input_specs(model, shapes)
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    have = {o.name for o in probe.graph.output}
     inputs = {vi.name for vi in graph_inputs(model)}
-    for t in tensors:
-        if t not in have and t not in inputs:
-            probe.graph.output.append(onnx.ValueInfoProto(name=t))
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.log_severity_level = 3
     feeds = fixed_feeds(specs)
     try:
-        sess = ort.InferenceSession(probe.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        sess = ort_session(model, ort_session_options("disable"), extra_outputs=[t for t in tensors if t not in inputs])
         names = [o.name for o in sess.get_outputs()]
         values = dict(zip(names, sess.run(names, feeds), strict=True))
     except Exception as exc:  # noqa: BLE001 - ORT's errors are generic

@@ -33,7 +33,7 @@ from typing import Any
 
 import onnx
 
-from pipeline.artifacts import atomic_write_text
+from pipeline.artifacts import atomic_write_json
 from pipeline.backends import Backend
 from pipeline.errors import StateError, first_line
 from pipeline.graph import model_hash, save_model
@@ -149,7 +149,7 @@ class SubgraphCache:
 
     def save(self) -> None:
         self.doc["measurements"] = self.measurements  # recorded for readers of the file
-        atomic_write_text(self.path, json.dumps(self.doc, indent=1) + "\n")
+        atomic_write_json(self.path, self.doc, indent=1)
 
     @property
     def groups(self) -> dict[str, Any]:
@@ -258,7 +258,7 @@ def subgraph_autotuning_workflow(
         rec["local_gain"] = (1.0 / ratio) if rec["winner"] != "none" and ratio else 1.0
         cache.groups[key] = rec
         cache.save()
-        atomic_write_text(logs / f"group_{rep.id}.json", json.dumps(rec, indent=1) + "\n")
+        atomic_write_json(logs / f"group_{rep.id}.json", rec, indent=1)
         log.info("group %d (%s; %d instance%s): %s", rep.id, "+".join(rec["fused_ops"]) or rec["nodes"][0],
                  len(by_key[key]), "" if len(by_key[key]) == 1 else "s",
                  f"{rec['winner']} {rec['local_gain']:.2f}x on its subgraph ({rec['metric']} time)"
@@ -381,7 +381,7 @@ def _validate(cache: SubgraphCache, order: list[str], by_key: dict[str, list[Reg
                     step = {**_step_record(key, name, m, len(cache.steps)), "pass": pass_}
                     cache.steps.append(step)
                     cache.save()
-                    atomic_write_text(logs / f"validation_step_{step['index']}.json", json.dumps(step, indent=1) + "\n")
+                    atomic_write_json(logs / f"validation_step_{step['index']}.json", step, indent=1)
                     log.info("validation pass %d, step %d: group %d %s -> %s", pass_, step["index"] + 1,
                              by_key[key][0].id, name, step["reason"])
                 if step["kept"]:

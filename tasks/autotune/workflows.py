@@ -9,7 +9,6 @@ writes one log per measurement and the model after each committed pattern.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Callable
@@ -18,7 +17,7 @@ from typing import Any
 
 import onnx
 
-from pipeline.artifacts import atomic_write_text
+from pipeline.artifacts import atomic_write_json
 from pipeline.backends import Backend, PreparedModel
 from pipeline.graph import load_model, save_model
 from pipeline.qdq import Calibration
@@ -47,11 +46,11 @@ def benchmark_onnx_model(model: str | Path | bytes, benchmark: PairedBenchmark) 
 
 def _log_measurement(path: Path, region_id: int, idx: int, ps: PatternSchemes, origin: str, scheme_key: str,
                      m: Measurement, extra: dict | None = None) -> None:
-    atomic_write_text(path, json.dumps({**(extra or {}),
+    atomic_write_json(path, {**(extra or {}),
         "region": region_id, "scheme_index": idx, "pattern": ps.pattern, "origin": origin, "scheme": scheme_key,
         "ok": m.ok, "latency_ms_p10": m.latency_ms, "reference_ms_p10": m.reference_ms, "ratio": m.ratio,
         "error": m.error, "remeasure": m.remeasure, "accuracy": m.accuracy,
-    }, indent=2) + "\n")
+    })
 
 
 def region_pattern_autotuning_workflow(

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.artifacts import atomic_output, fingerprint
+from pipeline.artifacts import atomic_output, fingerprint, user_path
 from pipeline.config import enum_value, import_target, section
 from pipeline.errors import ConfigError, InputError, StageError, first_line
 from pipeline.graph import (
@@ -42,10 +42,10 @@ _NOTHING_FOLDED = {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 
 
 def _run_in_ort(model: onnx.ModelProto, feeds: dict[str, Any], src: Path) -> list[Any]:
     """The model's outputs on ``feeds`` in ONNX Runtime; InputError (one line) if it does not run."""
-    import onnxruntime as ort
+    from pipeline.backends.onnxruntime import ort_session
 
     try:
-        return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+        return ort_session(model).run(None, feeds)
     except Exception as exc:  # noqa: BLE001 - ORT raises generic errors for bad models
         raise InputError(f"{src} does not run in ONNX Runtime: {first_line(exc)}") from None
 
@@ -88,10 +88,8 @@ class ExportStage(Stage):
 
     # ------------------------------------------------------------------ existing ONNX
     def _from_onnx(self, cfg: DictConfig, out: Path) -> dict[str, Any]:
-        from hydra.utils import to_absolute_path
-
         mcfg = cfg.model
-        src = Path(to_absolute_path(mcfg.onnx_path))
+        src = user_path(mcfg.onnx_path)
         model = load_model(src, what="model.onnx_path")
         shapes = {k: list(v) for k, v in (mcfg.input_shapes or {}).items()}
         model = fix_input_shapes(model, shapes, source=str(src), keep_dynamic=bool(mcfg.keep_dynamic_shapes))
@@ -271,7 +269,6 @@ class ExportStage(Stage):
     @staticmethod
     def _custom(mcfg: DictConfig, seed: int):
         import torch
-        from hydra.utils import to_absolute_path
 
         target = mcfg.get("_target_")
         cls = import_target(target, "model._target_")
@@ -281,7 +278,7 @@ class ExportStage(Stage):
         except TypeError as exc:  # wrong or missing model.args for the constructor
             raise ConfigError(f"model.args={args} do not fit {target}: {exc}") from None
         if mcfg.checkpoint:
-            ckpt = Path(to_absolute_path(mcfg.checkpoint))
+            ckpt = user_path(mcfg.checkpoint)
             if not ckpt.exists():
                 raise InputError(f"model.checkpoint {ckpt} does not exist")
             try:
@@ -317,13 +314,14 @@ class ExportStage(Stage):
 
     @staticmethod
     def _verify(module, example, in_names, path: Path, mcfg: DictConfig) -> dict[str, Any]:
-        import onnxruntime as ort
         import torch
+
+        from pipeline.backends.onnxruntime import ort_session
 
         with torch.no_grad():
             ref = module(*example)
         refs = [ref] if isinstance(ref, torch.Tensor) else list(ref)
-        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        sess = ort_session(path)
         got = sess.run(None, {n: t.numpy() for n, t in zip(in_names, example, strict=True)})
         diffs, scale = [], 0.0
         for r, g in zip(refs, got, strict=False):

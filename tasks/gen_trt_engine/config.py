@@ -58,6 +58,6 @@ def validate(cfg: DictConfig) -> list[str]:
 def _shape_problems(t: DictConfig) -> list[str]:
     """min/opt/max shapes name the same inputs, with equal ranks, dims >= 1 and min <= opt <= max per dim
     (the same check every TensorRT build runs)."""
-    from pipeline.backends.tensorrt import shape_problems
+    from pipeline.backends.trt_common import shape_problems
 
     return shape_problems(t.min_shapes, t.opt_shapes, t.max_shapes, "gen_trt_engine.tensorrt")

@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline.artifacts import user_path
 from pipeline.backends import create_backend
 from pipeline.config import enum_value
 from pipeline.errors import StageError, first_line
@@ -52,9 +53,7 @@ class GenTrtEngineStage(Stage):
         f = cfg.gen_trt_engine.get("onnx_file")
         if not f:
             return None
-        from hydra.utils import to_absolute_path
-
-        return check_onnx_path(to_absolute_path(str(f)), ONNX_FILE_KEY)
+        return check_onnx_path(user_path(f), ONNX_FILE_KEY)
 
     def _pick_model(self, ctx: StageContext) -> tuple[Path, str]:
         explicit = self._onnx_file(ctx.cfg)
@@ -72,9 +71,7 @@ class GenTrtEngineStage(Stage):
     @staticmethod
     def engine_options(cfg: DictConfig):
         """gen_trt_engine.tensorrt.* (plus the backend's timing cache and plugins) as build options."""
-        from hydra.utils import to_absolute_path
-
-        from pipeline.backends.tensorrt import EngineOptions, plugin_paths
+        from pipeline.backends.trt_common import EngineOptions, plugin_paths
 
         t = cfg.gen_trt_engine.tensorrt
         timing_cache = t.get("timing_cache") or cfg.backend.get("timing_cache")
@@ -84,7 +81,7 @@ class GenTrtEngineStage(Stage):
             data_type=enum_value(t.data_type), workspace_mb=int(t.workspace_size),
             min_batch=int(t.min_batch_size), opt_batch=int(t.opt_batch_size), max_batch=int(t.max_batch_size),
             min_shapes=_shapes(t.min_shapes), opt_shapes=_shapes(t.opt_shapes), max_shapes=_shapes(t.max_shapes),
-            timing_cache=Path(to_absolute_path(str(timing_cache))) if timing_cache else None,
+            timing_cache=user_path(timing_cache) if timing_cache else None,
             plugin_libraries=list(dict.fromkeys(plugins)),
         )
 

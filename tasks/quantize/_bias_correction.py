@@ -54,16 +54,10 @@ def bias_slots(model: onnx.ModelProto, nodes: Iterable[str]) -> tuple[list[BiasS
 
 
 def _session(model: onnx.ModelProto, outputs: list[str], threads: int):
-    import onnxruntime as ort
+    from pipeline.backends.onnxruntime import ort_session, ort_session_options
 
-    from tasks.quantize._calibrate import _augmented
-
-    so = ort.SessionOptions()
     # plain Q/DQ math and no fusions: every node's output stays observable
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.intra_op_num_threads = threads
-    so.log_severity_level = 3
-    return ort.InferenceSession(_augmented(model, outputs), so, providers=["CPUExecutionProvider"])
+    return ort_session(model, ort_session_options("disable", threads=threads), extra_outputs=outputs)
 
 
 def _channel_sums(a: np.ndarray, axis: int) -> tuple[np.ndarray, int]:

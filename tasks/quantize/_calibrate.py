@@ -51,26 +51,12 @@ def candidate_tensors(model: onnx.ModelProto) -> list[str]:
     return list(seen)
 
 
-def _augmented(model: onnx.ModelProto, tensors: list[str]) -> bytes:
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    existing = {o.name for o in m.graph.output}
-    for t in tensors:
-        if t not in existing:
-            m.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
-    return m.SerializeToString()
-
-
-class _Runner:
+class ActivationRunner:
     def __init__(self, model: onnx.ModelProto, tensors: list[str], threads: int):
-        import onnxruntime as ort
+        from pipeline.backends.onnxruntime import ort_session, ort_session_options
 
-        so = ort.SessionOptions()
         # keep every intermediate tensor observable: no fusions that would remove them
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-        so.intra_op_num_threads = threads
-        so.log_severity_level = 3
-        self.session = ort.InferenceSession(_augmented(model, tensors), so, providers=["CPUExecutionProvider"])
+        self.session = ort_session(model, ort_session_options("basic", threads=threads), extra_outputs=tensors)
         self.tensors = tensors
 
     def __call__(self, batch: Batch) -> dict[str, np.ndarray]:
@@ -258,7 +244,7 @@ def collect(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]], algo
     """Statistics per candidate tensor: min, max, absmax, threshold, algorithm, samples; with mse and auto
     also ``thresholds`` per storage dtype, and with auto ``chosen`` (the algorithm that won, per dtype)."""
     tensors = candidate_tensors(model)
-    runner = _Runner(model, tensors, threads)
+    runner = ActivationRunner(model, tensors, threads)
     mins = {t: np.inf for t in tensors}
     maxs = {t: -np.inf for t in tensors}
     channels: dict[str, np.ndarray] = {}

@@ -1,0 +1,321 @@
+"""What every TensorRT backend shares: ``tensorrt``, ``tensorrt_rtx`` and ``trtexec``.
+
+- ``EngineOptions``: what one engine build asks for (gen_trt_engine fills it from its config,
+  measurement builds from the backend section);
+- ``plugin_paths``: plugin libraries checked and made absolute;
+- ``shape_problems`` and ``profile_shapes``: the check of explicit min/opt/max shapes and the
+  optimization profile a model needs (explicit shapes or the batch shortcut);
+- the parsers for TensorRT's layer information: engine inspector JSON (also what trtexec
+  --exportLayerInfo writes) and the builder's own layer table;
+- ``tensorrt_qdq_view``: a Q/DQ model as TensorRT can parse it (ORT's uint8 asymmetric Q/DQ and
+  int32 bias DQs rewritten as symmetric int8 and float biases by ``to_symmetric_int8`` and
+  ``fold_int32_biases``).
+
+Nothing here imports TensorRT: config validation and the trtexec backend use it without one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from omegaconf import DictConfig
+from onnx import TensorProto, helper, numpy_helper
+
+from pipeline.config import enum_value
+from pipeline.errors import InputError, StageError
+from pipeline.graph import graph_inputs, value_dims
+
+# --------------------------------------------------------------------------- build options
+
+
+@dataclass
+class EngineOptions:
+    """What one engine build asks for; gen_trt_engine fills it from `gen_trt_engine.tensorrt`."""
+
+    data_type: str = "FP32"  # builder precision for float models; Q/DQ models are strongly typed
+    workspace_mb: int | None = None  # None: the runtime's default
+    # batch shortcut for inputs whose first dim is the only dynamic one
+    min_batch: int = 1
+    opt_batch: int = 1
+    max_batch: int = 1
+    # input name -> shape; an input named here gets exactly these shapes in the profile
+    min_shapes: dict[str, list[int]] = field(default_factory=dict)
+    opt_shapes: dict[str, list[int]] = field(default_factory=dict)
+    max_shapes: dict[str, list[int]] = field(default_factory=dict)
+    timing_cache: Path | None = None
+    plugin_libraries: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # enum members (OmegaConf) and any case ("fp16") become one upper-case name, once
+        self.data_type = enum_value(self.data_type).upper()
+
+    @classmethod
+    def from_backend_cfg(cls, cfg: DictConfig) -> EngineOptions:
+        """Build options for measurement builds, from the backend section alone (tensorrt*, trtexec)."""
+        from hydra.utils import to_absolute_path
+
+        tc = cfg.get("timing_cache")
+        ws = cfg.get("workspace_size")
+        return cls(data_type=cfg.get("float_precision") or "FP32",
+                   workspace_mb=int(ws) if ws is not None else None,
+                   timing_cache=Path(to_absolute_path(str(tc))) if tc else None,
+                   plugin_libraries=list(cfg.get("plugin_libraries") or []))
+
+
+PLUGIN_KEYS = "backend.plugin_libraries / gen_trt_engine.tensorrt.plugin_libraries"
+
+
+def plugin_paths(libraries: list[str] | Any, key: str = PLUGIN_KEYS) -> list[str]:
+    """Plugin libraries as absolute paths (relative to where tune started), each an existing file,
+    duplicates dropped; a missing one is an InputError naming ``key``."""
+    from hydra.utils import to_absolute_path
+
+    out: list[str] = []
+    for lib in libraries or []:
+        p = Path(to_absolute_path(str(lib)))
+        if not p.is_file():
+            raise InputError(f"plugin library {p} does not exist ({key})")
+        out.append(str(p))
+    return list(dict.fromkeys(out))
+
+
+def shape_problems(min_shapes: Any, opt_shapes: Any, max_shapes: Any,
+                   key: str = "gen_trt_engine.tensorrt") -> list[str]:
+    """min/opt/max shapes name the same inputs, with equal ranks, dims >= 1 and min <= opt <= max per dim.
+
+    The one check of explicit profile shapes: config validation and every build call it.
+    """
+    keys = ("min_shapes", "opt_shapes", "max_shapes")
+    tables = [min_shapes or {}, opt_shapes or {}, max_shapes or {}]
+    problems = []
+    for name in sorted({str(n) for t in tables for n in t}):
+        missing = [k for k, t in zip(keys, tables, strict=True) if name not in t]
+        if missing:
+            problems.append(f"{key}: input '{name}' needs all of min_shapes, opt_shapes and max_shapes "
+                            f"(missing from {', '.join(missing)})")
+            continue
+        lo, opt, hi = trio = [[int(v) for v in t[name]] for t in tables]
+        bad = [f"{key}.{k}.{name}={s}" for k, s in zip(keys, trio, strict=True) if any(d < 1 for d in s)]
+        if bad:
+            problems.append(f"{', '.join(bad)}: every dim must be >= 1 (a concrete size, not -1 or 0)")
+        elif not len(lo) == len(opt) == len(hi):
+            problems.append(f"{key}: shapes of '{name}' differ in rank: {lo}, {opt}, {hi}")
+        elif not all(a <= b <= c for a, b, c in zip(lo, opt, hi, strict=True)):
+            problems.append(f"{key}: shapes of '{name}' need min <= opt <= max in every dim, got {lo}, {opt}, {hi}")
+    return problems
+
+
+def profile_shapes(model: onnx.ModelProto, options: EngineOptions,
+                   source: str = "model") -> dict[str, tuple[list[int], list[int], list[int]]]:
+    """Min/opt/max shape per input that needs an optimization profile (empty for static models).
+
+    Inputs named in the explicit shapes take them as given; an input whose only dynamic dim is the
+    first takes the batch shortcut (TAO's min/opt/max batch size); any other dynamic input is an
+    error naming the keys to set.
+    """
+    # -1 for every dim that is not a positive number
+    dims = {vi.name: [d if isinstance(d, int) and d > 0 else -1 for d in value_dims(vi)] for vi in graph_inputs(model)}
+    named = set(options.min_shapes) | set(options.opt_shapes) | set(options.max_shapes)
+    unknown = sorted(named - set(dims))
+    if unknown:
+        raise StageError(f"gen_trt_engine.tensorrt shapes name {unknown}, but {source} has inputs {sorted(dims)}")
+    problems = shape_problems(options.min_shapes, options.opt_shapes, options.max_shapes)
+    if problems:
+        raise StageError("; ".join(problems))
+    out: dict[str, tuple[list[int], list[int], list[int]]] = {}
+    for name, d in dims.items():
+        if name in named:
+            shapes = tuple([int(v) for v in s[name]] for s in (options.min_shapes, options.opt_shapes,
+                                                               options.max_shapes))
+            for s in shapes:
+                if len(s) != len(d):
+                    raise StageError(f"gen_trt_engine.tensorrt shapes for '{name}' have rank {len(s)}, but "
+                                     f"{source} declares rank {len(d)} ({d})")
+            out[name] = shapes  # type: ignore[assignment]
+            continue
+        if -1 not in d:
+            continue
+        if d[0] == -1 and -1 not in d[1:]:
+            rest = d[1:]
+            out[name] = ([options.min_batch, *rest], [options.opt_batch, *rest], [options.max_batch, *rest])
+            continue
+        shown = "x".join("N" if v == -1 else str(v) for v in d)
+        raise StageError(
+            f"{source} input '{name}' has dynamic dims ({shown}) beyond the batch: give them with "
+            f"gen_trt_engine.tensorrt.min_shapes/opt_shapes/max_shapes, e.g. "
+            f"gen_trt_engine.tensorrt.opt_shapes='{{{name}: [{', '.join('1' if v == -1 else str(v) for v in d)}]}}'"
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- layer information
+
+_ONNX_LAYER = re.compile(r"\[ONNX Layer: ([^\]]*)\]")
+
+
+def onnx_nodes_of(metadata: str | None) -> list[str]:
+    """ONNX node names a TensorRT layer was built from (its Metadata lists `[ONNX Layer: name]` per node,
+    separated by \\x1f, with \\x1e between sub-groups)."""
+    return _ONNX_LAYER.findall(metadata or "")
+
+
+def parse_layer_info(obj: dict[str, Any] | list[Any], source: str) -> dict[str, Any]:
+    """Normalize engine inspector JSON (also what trtexec --exportLayerInfo writes).
+
+    10.x writes ``{"Layers": [...], "Bindings": [...]}``, 11.x names the second key "I/O Tensors";
+    with profiling verbosity below DETAILED a layer is only its name (a string). Every layer keeps
+    its original keys and gains ``onnx_nodes``.
+    """
+    if isinstance(obj, list):
+        obj = {"Layers": obj}
+    layers = []
+    for layer in obj.get("Layers", []):
+        rec = {"Name": layer} if isinstance(layer, str) else dict(layer)
+        rec["onnx_nodes"] = onnx_nodes_of(rec.get("Metadata"))
+        layers.append(rec)
+    io = obj.get("I/O Tensors", obj.get("Bindings", []))
+    return {"source": source, "layers": layers, "io_tensors": io}
+
+
+_LAYER_LINE = re.compile(r"^Name: (?P<name>.*?), LayerType: (?P<type>[^,]*),")
+_TACTIC = re.compile(r", TacticName: (?P<tactic>.*?), StreamId: (?P<stream>\d+)")
+_METADATA = re.compile(r", Metadata: (?P<meta>.*)$")
+
+
+def parse_builder_layers(message: str) -> dict[str, Any]:
+    """Parse the layer table the builder logs (VERBOSE, with DETAILED profiling verbosity).
+
+    It is the only source of fusion information when the engine cannot be deserialized, which is the
+    case for TensorRT-RTX engines built on a machine without a GPU. One line per layer:
+    ``Name: <n>, LayerType: <t>, Inputs: [...], ..., TacticName: <x>, StreamId: 0, Metadata: <m>``.
+    """
+    layers = []
+    for line in message.splitlines():
+        m = _LAYER_LINE.match(line.strip())
+        if not m:
+            continue
+        rec: dict[str, Any] = {"Name": m["name"], "LayerType": m["type"]}
+        t = _TACTIC.search(line)
+        if t:
+            rec["TacticName"] = t["tactic"]
+        md = _METADATA.search(line)
+        rec["Metadata"] = md["meta"].strip() if md else ""
+        rec["onnx_nodes"] = onnx_nodes_of(rec["Metadata"])
+        layers.append(rec)
+    return {"source": "build_log", "layers": layers, "io_tensors": []}
+
+
+# --------------------------------------------------------------------------- Q/DQ as TensorRT takes it
+
+
+def fold_int32_biases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """Replace DequantizeLinear nodes of int32 initializers (ORT-style biases) by float initializers."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    inits = {i.name: i for i in out.graph.initializer}
+    keep, count = [], 0
+    for n in out.graph.node:
+        if n.op_type == "DequantizeLinear" and n.input[0] in inits and inits[n.input[0]].data_type == TensorProto.INT32:
+            q = numpy_helper.to_array(inits[n.input[0]]).astype(np.float64)
+            s = numpy_helper.to_array(inits[n.input[1]])
+            axis = next((a.i for a in n.attribute if a.name == "axis"), 1)
+            if s.ndim == 1 and q.ndim > 0:
+                shape = [1] * q.ndim
+                shape[axis if axis >= 0 else q.ndim + axis] = -1
+                s = s.reshape(shape)
+            out.graph.initializer.append(numpy_helper.from_array((q * s).astype(s.dtype), n.output[0]))
+            count += 1
+        else:
+            keep.append(n)
+    del out.graph.node[:]
+    out.graph.node.extend(keep)
+    used = {i for n in out.graph.node for i in n.input}
+    live = [i for i in out.graph.initializer if i.name in used]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(live)
+    return out, count
+
+
+def has_asymmetric_uint8(model: onnx.ModelProto) -> bool:
+    """Whether any Q/DQ node has a uint8 zero point (ORT's CPU convention, which TensorRT rejects)."""
+    inits = {i.name: i for i in model.graph.initializer}
+    return any(n.op_type in ("QuantizeLinear", "DequantizeLinear") and len(n.input) > 2
+               and n.input[2] in inits and inits[n.input[2]].data_type == TensorProto.UINT8
+               for n in model.graph.node)
+
+
+def to_symmetric_int8(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """Rewrite uint8 (asymmetric, ORT's CPU convention) Q/DQ pairs as symmetric int8 for TensorRT.
+
+    TensorRT only takes symmetric signed Q/DQ. The calibrated range [lo, hi] a uint8 pair encodes,
+    lo = -zp * s and hi = (255 - zp) * s, becomes scale max(|lo|, |hi|) / 127 with zero point 0:
+    same placement, same calibrated range. Returns the new model and the number of pairs rewritten.
+    """
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    inits = {i.name: i for i in out.graph.initializer}
+    done: dict[tuple[str, str], tuple[str, str]] = {}
+    count = 0
+    for n in out.graph.node:
+        if n.op_type not in ("QuantizeLinear", "DequantizeLinear") or len(n.input) < 3:
+            continue
+        zp_t = inits.get(n.input[2])
+        if zp_t is None or zp_t.data_type != TensorProto.UINT8:
+            continue
+        key = (n.input[1], n.input[2])
+        if key not in done:
+            s = numpy_helper.to_array(inits[n.input[1]]).astype(np.float64)
+            z = numpy_helper.to_array(zp_t).astype(np.float64)
+            amax = np.maximum(np.abs(-z * s), np.abs((255.0 - z) * s))
+            new_s = np.where(amax > 0, amax / 127.0, 1.0).astype(helper.tensor_dtype_to_np_dtype(inits[n.input[1]].data_type))
+            s_name, z_name = f"{n.input[1]}_s8", f"{n.input[2]}_s8"
+            out.graph.initializer.extend([numpy_helper.from_array(new_s, s_name),
+                                          numpy_helper.from_array(np.zeros(z.shape, np.int8), z_name)])
+            done[key] = (s_name, z_name)
+            count += 1
+        n.input[1], n.input[2] = done[key]
+    used = {i for n in out.graph.node for i in n.input}
+    keep = [i for i in out.graph.initializer if i.name in used]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(keep)
+    return out, count
+
+
+@contextlib.contextmanager
+def tensorrt_qdq_view(model_path: Path, note: Callable[[str], None] | None = None) -> Iterator[Path]:
+    """The model as TensorRT can parse it: ORT's CPU conventions (uint8 asymmetric Q/DQ, int32 bias
+    DQs) rewritten as symmetric int8 and float biases in a temporary copy next to the original (so
+    external data still resolves)."""
+    model = onnx.load(str(model_path), load_external_data=False)
+    converted, nb = fold_int32_biases(model)
+    n = 0
+    if has_asymmetric_uint8(converted):
+        converted, n = to_symmetric_int8(converted)
+    if n == 0 and nb == 0:
+        yield model_path
+        return
+    fd, tmp = tempfile.mkstemp(prefix=f".{model_path.stem}.s8.", suffix=".onnx", dir=model_path.parent)
+    os.close(fd)
+    try:
+        Path(tmp).write_bytes(converted.SerializeToString())
+        if note is not None:
+            note(f"{model_path.name}: rewrote {n} uint8 asymmetric Q/DQ scale/zero-point pairs as symmetric int8 "
+                 f"and {nb} int32 bias DQs as float biases (TensorRT takes symmetric int8 only; same placement "
+                 f"and calibrated ranges)")
+        yield Path(tmp)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+__all__ = ["PLUGIN_KEYS", "EngineOptions", "fold_int32_biases", "has_asymmetric_uint8", "onnx_nodes_of",
+           "parse_builder_layers", "parse_layer_info", "plugin_paths", "profile_shapes", "shape_problems",
+           "tensorrt_qdq_view", "to_symmetric_int8"]

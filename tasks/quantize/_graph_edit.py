@@ -1,0 +1,170 @@
+"""The graph editor the float-exact transforms (``_equalization``, ``_smoothing``) share.
+
+``Editor`` holds a private copy of a model whose constants are edited as float64 arrays and written
+back once, in their original element types; ``attr`` reads a node attribute with a default.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from pipeline.graph import topological_sort
+
+Use = tuple[int, int]  # (index in graph.node, input index)
+
+
+class Editor:
+    """A private copy of a model whose constants are edited as float64 arrays and written back once.
+
+    ``set_const`` rewrites a constant for some of its readers: in place when they are all its readers
+    (and the shape is unchanged), else as a new initializer those readers are rewired to, so a weight
+    shared with a node that is not being rescaled keeps its values for that node.
+    """
+
+    def __init__(self, model: onnx.ModelProto, copy: bool = True):
+        if copy:
+            self.model = onnx.ModelProto()
+            self.model.CopyFrom(model)
+        else:  # read-only lookups: no edit may be made
+            self.model = model
+        self.graph = self.model.graph
+        self.inits = {i.name: i for i in self.graph.initializer}
+        self.outputs = {o.name for o in self.graph.output}
+        self._arrays: dict[str, np.ndarray] = {}
+        self._dtypes: dict[str, np.dtype] = {}
+        self._new: set[str] = set()
+        self._dirty: set[str] = set()
+        self._replaced: set[str] = set()
+        self._nodes_added = False
+        self._names = set(self.inits) | {n.name for n in self.graph.node}
+        self._names |= {t for n in self.graph.node for t in (*n.input, *n.output)}
+        self._names |= {v.name for v in (*self.graph.input, *self.graph.output, *self.graph.value_info)}
+        self._index: tuple[dict[str, list[Use]], dict[str, int]] | None = None
+
+    # ---- lookups
+    def _lookups(self) -> tuple[dict[str, list[Use]], dict[str, int]]:
+        if self._index is None:
+            uses: dict[str, list[Use]] = defaultdict(list)
+            producer: dict[str, int] = {}
+            for i, n in enumerate(self.graph.node):
+                for j, t in enumerate(n.input):
+                    if t:
+                        uses[t].append((i, j))
+                for o in n.output:
+                    if o:
+                        producer[o] = i
+            self._index = (uses, producer)
+        return self._index
+
+    def uses(self, tensor: str) -> list[Use]:
+        return list(self._lookups()[0].get(tensor, ()))
+
+    def producer(self, tensor: str) -> int | None:
+        return self._lookups()[1].get(tensor)
+
+    def node(self, i: int) -> onnx.NodeProto:
+        return self.graph.node[i]
+
+    def is_const(self, name: str) -> bool:
+        return bool(name) and name in self.inits
+
+    def array(self, name: str) -> np.ndarray:
+        if name not in self._arrays:
+            a = numpy_helper.to_array(self.inits[name])
+            self._dtypes[name] = a.dtype
+            self._arrays[name] = a.astype(np.float64)
+        return self._arrays[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._arrays:
+            return self._arrays[name].shape
+        return tuple(int(d) for d in self.inits[name].dims)
+
+    def dtype(self, name: str) -> np.dtype:
+        """Element type of constant ``name`` as ``array`` read it (float32 for one not read yet)."""
+        return self._dtypes.get(name, np.dtype(np.float32))
+
+    def is_float_const(self, name: str) -> bool:
+        return self.is_const(name) and self.inits[name].data_type in (
+            onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16)
+
+    def unique(self, base: str) -> str:
+        name, k = base, 1
+        while name in self._names:
+            name, k = f"{base}_{k}", k + 1
+        self._names.add(name)
+        return name
+
+    # ---- edits
+    def set_const(self, name: str, values: np.ndarray, readers: Sequence[Use]) -> str:
+        """Give ``readers`` (which all read ``name``) the constant ``values``; returns its name."""
+        self.array(name)
+        mine = set(readers)
+        if (set(self.uses(name)) <= mine and values.shape == self._arrays[name].shape
+                and name not in self.outputs):
+            self._arrays[name] = values
+            self._dirty.add(name)
+            return name
+        new = self.unique(f"{name}_scaled")
+        self._arrays[new] = values
+        self._dtypes[new] = self._dtypes[name]
+        self._new.add(new)
+        self._dirty.add(new)
+        self._replaced.add(name)
+        for i, j in readers:
+            self.graph.node[i].input[j] = new
+        self._index = None
+        return new
+
+    def add_node(self, node: onnx.NodeProto, consts: Mapping[str, np.ndarray], dtype: np.dtype) -> None:
+        for name, values in consts.items():
+            self._arrays[name] = values
+            self._dtypes[name] = np.dtype(dtype)
+            self._new.add(name)
+            self._dirty.add(name)
+        self.graph.node.append(node)
+        self._nodes_added = True
+        self._index = None
+
+    def rewire(self, readers: Iterable[Use], tensor: str) -> None:
+        for i, j in readers:
+            self.graph.node[i].input[j] = tensor
+        self._index = None
+
+    def finish(self) -> onnx.ModelProto:
+        for name in self._dirty:
+            t = numpy_helper.from_array(self._arrays[name].astype(self._dtypes[name]), name)
+            if name in self._new:
+                self.graph.initializer.append(t)
+                self.inits[name] = self.graph.initializer[-1]
+            else:
+                self.inits[name].CopyFrom(t)
+        orphans = {n for n in self._replaced if not self.uses(n) and n not in self.outputs}
+        if orphans:
+            keep = [i for i in self.graph.initializer if i.name not in orphans]
+            del self.graph.initializer[:]
+            self.graph.initializer.extend(keep)
+            # old-IR models list initializers as graph inputs too
+            inputs = [v for v in self.graph.input if v.name not in orphans]
+            del self.graph.input[:]
+            self.graph.input.extend(inputs)
+        if self._nodes_added:
+            topological_sort(self.model)
+        return self.model
+
+
+def attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
+    """Value of attribute ``name`` of ``node``, else ``default``."""
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+__all__ = ["Editor", "Use", "attr"]

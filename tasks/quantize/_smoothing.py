@@ -1,0 +1,364 @@
+"""SmoothQuant-style outlier smoothing (Xiao et al. 2023), with the statistics and check it needs.
+
+An activation read by MatMul/Gemm with constant weights is divided per channel by s and the weights'
+input rows multiplied by s; 1/s is folded into the tensor's producer when it is a linear op with
+constants (LayerNormalization, Mul by a constant, MatMul/Gemm, followed by any chain of constant bias
+Adds), else a ``Mul(t, 1/s)`` is inserted before the smoothed consumers. alpha is chosen per tensor by
+the output error of int8 Q/DQ math on sampled activation rows.
+
+Also here: ``smoothing_candidates`` (which tensors qualify), ``channel_absmax`` (their per-channel
+ranges and sampled rows on the float model) and ``float_rel_error`` (how far a transformed model's
+outputs moved from the original's; the quantize stage checks both transforms with it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from pipeline.qdq import activation_params, quantize_values, weight_params
+from tasks.quantize._graph_edit import Editor, Use, attr
+
+log = logging.getLogger("tune.quantize")
+
+SMOOTHING_MIN_K = 16  # same threshold as placement.MIN_DOT: smaller MatMuls stay float anyway
+SAMPLE_ROWS = 512
+SCALE_LIMITS = (1e-5, 1e5)
+MIN_GAIN = 0.02  # smoothing must cut the measured output error by more than this fraction
+# a Mul inserted where no producer can absorb 1/s costs run time on every inference: only for tensors
+# with real outlier channels (max / median channel absmax); BERT's FFN inputs measure 10-20
+MUL_MIN_OUTLIER_RATIO = 6.0
+
+
+def _smoothable(node: onnx.NodeProto, index: int, is_const: Callable[[str], bool],
+                shape: Callable[[str], tuple[int, ...]]) -> tuple[str, int] | None:
+    """(weight name, axis of K in the weight) when ``node`` reads an activation at ``index`` as the
+    A of A @ W with a constant 2-D W."""
+    if index != 0 or len(node.input) < 2 or not is_const(node.input[1]) or is_const(node.input[0]):
+        return None
+    w = node.input[1]
+    if len(shape(w)) != 2:
+        return None
+    if node.op_type == "MatMul":
+        return w, 0
+    if node.op_type == "Gemm" and not attr(node, "transA", 0):
+        return w, 1 if attr(node, "transB", 0) else 0
+    return None
+
+
+def smoothing_candidates(model: onnx.ModelProto) -> list[str]:
+    """Activation tensors read by MatMul/Gemm with an initializer weight and K >= 16, producers first."""
+    ed = Editor(model, copy=False)
+    order = [i.name for i in model.graph.input if i.name not in ed.inits]
+    order += [o for n in model.graph.node for o in n.output if o]
+    out: list[str] = []
+    for t in dict.fromkeys(order):
+        for i, j in ed.uses(t):
+            hit = _smoothable(ed.node(i), j, ed.is_float_const, ed.shape)
+            if hit is not None and ed.shape(hit[0])[hit[1]] >= SMOOTHING_MIN_K:
+                out.append(t)
+                break
+    return out
+
+
+def smoothing_scales(act_absmax: np.ndarray, weight_absmax: np.ndarray, alpha: float) -> np.ndarray:
+    """s = absmax_x^alpha / absmax_w^(1 - alpha), clipped to [1e-5, 1e5]; 1 where either is 0."""
+    ok = (act_absmax > 0) & (weight_absmax > 0)
+    ax, aw = np.where(ok, act_absmax, 1.0), np.where(ok, weight_absmax, 1.0)
+    s = np.clip(ax ** alpha / aw ** (1.0 - alpha), *SCALE_LIMITS)
+    return np.where(ok, s, 1.0)
+
+
+def _fake_quant_activation(x: np.ndarray, act_dtype: str) -> np.ndarray:
+    # per-tensor range from the rows themselves: what minmax calibration on them would give
+    stats = {"min": float(x.min()), "max": float(x.max()), "threshold": float(np.abs(x).max()),
+             "algorithm": "minmax"}
+    p = activation_params(stats, act_dtype)
+    return (quantize_values(x, p) - float(p.zero_point)) * float(p.scale)
+
+
+def _fake_quant_weight(w_kn: np.ndarray) -> np.ndarray:
+    p = weight_params(w_kn, 1, "int8")
+    return quantize_values(w_kn, p) * p.scale.reshape(1, -1)
+
+
+def smoothing_error(x: np.ndarray, weights_kn: Sequence[np.ndarray], s: np.ndarray, act_dtype: str) -> float:
+    """sum over weights W of || Q(x / s) @ Qw(W * s) - x @ W ||^2: x per tensor (uint8 asymmetric or int8
+    symmetric), W per output channel symmetric int8."""
+    xq = _fake_quant_activation(x / s, act_dtype)
+    total = 0.0
+    for w in weights_kn:
+        y = x @ w
+        total += float(np.sum((xq @ _fake_quant_weight(w * s[:, None]) - y) ** 2))
+    return total
+
+
+@dataclass(frozen=True)
+class _Edit:
+    """Divide constant input ``index`` of node ``node`` by s along ``axis`` (-1: the last axis,
+    broadcasting a size-1 or scalar constant up to K)."""
+
+    node: int
+    index: int
+    axis: int = -1
+
+
+def _fits_last_axis(ed: Editor, name: str, k: int) -> bool:
+    shape = ed.shape(name)
+    return len(shape) == 0 or shape[-1] in (1, k)
+
+
+def _absorber(ed: Editor, tensor: str, k: int) -> tuple[str, list[_Edit]] | None:
+    """How the producer of ``tensor`` can output tensor / s exactly (op label, constant edits)."""
+    i = ed.producer(tensor)
+    if i is None:
+        return None
+    node = ed.node(i)
+    if node.output[0] != tensor:
+        return None
+    op, ins = node.op_type, list(node.input)
+    consts = [j for j, t in enumerate(ins) if ed.is_float_const(t)]
+    edits: list[_Edit]
+    if op == "LayerNormalization":
+        edits = [_Edit(i, j) for j in (1, 2) if j < len(ins) and ins[j]]
+        if any(e.index not in consts for e in edits):
+            return None
+    elif op == "Mul" and len(ins) == 2 and len(consts) == 1:
+        edits = [_Edit(i, consts[0])]
+    elif op == "MatMul" and consts == [1] and ed.shape(ins[1])[-1:] == (k,):
+        edits = [_Edit(i, 1)]
+    elif op == "Gemm" and 1 in consts and 0 not in consts:
+        axis = 0 if attr(node, "transB", 0) else 1
+        if ed.shape(ins[1])[axis] != k or (len(ins) > 2 and ins[2] and 2 not in consts):
+            return None
+        edits = [_Edit(i, 1, axis)] + ([_Edit(i, 2)] if len(ins) > 2 and ins[2] else [])
+    elif op == "Add" and len(ins) == 2 and len(consts) == 1:
+        inner_t = ins[1 - consts[0]]
+        if inner_t in ed.outputs or ed.uses(inner_t) != [(i, 1 - consts[0])]:
+            return None
+        inner = _absorber(ed, inner_t, k)
+        if inner is None:
+            return None
+        return f"{inner[0]}+Add", [*inner[1], _Edit(i, consts[0])]
+    else:
+        return None
+    if any(e.axis == -1 and not _fits_last_axis(ed, ins[e.index], k) for e in edits):
+        return None
+    return op, edits
+
+
+def _divide(values: np.ndarray, s: np.ndarray, axis: int) -> np.ndarray:
+    if axis == -1:
+        return values / s
+    shape = [1] * values.ndim
+    shape[axis] = -1
+    return values / s.reshape(shape)
+
+
+@dataclass
+class _Consumers:
+    uses: list[Use]
+    weights: dict[str, tuple[list[Use], int]]  # weight name -> (readers among the consumers, K axis)
+
+    def names(self, ed: Editor) -> list[str]:
+        return [ed.node(i).name for i, _ in self.uses]
+
+
+def _consumers(ed: Editor, tensor: str, k: int) -> _Consumers:
+    c = _Consumers([], {})
+    for i, j in ed.uses(tensor):
+        hit = _smoothable(ed.node(i), j, ed.is_float_const, ed.shape)
+        if hit is None or ed.shape(hit[0])[hit[1]] != k:
+            continue
+        c.uses.append((i, j))
+        readers, _ = c.weights.setdefault(hit[0], ([], hit[1]))
+        readers.append((i, 1))
+    return c
+
+
+def _weights_kn(ed: Editor, c: _Consumers) -> list[np.ndarray]:
+    return [ed.array(w) if axis == 0 else ed.array(w).T for w, (_, axis) in c.weights.items()]
+
+
+def _absorbing(ed: Editor, tensor: str, c: _Consumers, k: int) -> tuple[str, list[_Edit]] | None:
+    """The producer edits that absorb 1/s, when ``tensor`` feeds only the smoothed consumers."""
+    exclusive = tensor not in ed.outputs and set(ed.uses(tensor)) == set(c.uses)
+    return _absorber(ed, tensor, k) if exclusive else None
+
+
+def _apply_smoothing(ed: Editor, tensor: str, c: _Consumers, s: np.ndarray) -> tuple[str, bool]:
+    """Scale the consumers' weights by s and make them read tensor / s; returns (absorbed_by, inserted)."""
+    dtype = ed.dtype(next(iter(c.weights)))
+    found = _absorbing(ed, tensor, c, s.size)
+    for w, (readers, axis) in c.weights.items():
+        shape = [1, 1]
+        shape[axis] = -1
+        ed.set_const(w, ed.array(w) * s.reshape(shape), readers)
+    if found is not None:
+        label, edits = found
+        for e in edits:
+            name = ed.node(e.node).input[e.index]
+            ed.set_const(name, _divide(ed.array(name), s, e.axis), [(e.node, e.index)])
+        return label, False
+    inv = ed.unique(f"{tensor}_smooth_inv_scale")
+    out = ed.unique(f"{tensor}_smoothed")
+    ed.add_node(helper.make_node("Mul", [tensor, inv], [out], name=ed.unique(f"{tensor}_smooth")),
+                {inv: 1.0 / s}, dtype)
+    typed = [v for v in (*ed.graph.value_info, *ed.graph.input, *ed.graph.output) if v.name == tensor]
+    if typed:
+        vi = onnx.ValueInfoProto()
+        vi.CopyFrom(typed[0])
+        vi.name = out
+        ed.graph.value_info.append(vi)
+    ed.rewire(c.uses, out)
+    return "Mul", True
+
+
+def _outlier_ratio(absmax: np.ndarray) -> float:
+    from tasks.quantize._calibrate import outlier_ratio
+
+    return outlier_ratio(absmax)
+
+
+def smooth_outliers(model: onnx.ModelProto, act_absmax: Mapping[str, np.ndarray],
+                    samples: Mapping[str, np.ndarray] | None = None,
+                    alphas: Sequence[float] = (0.0, 0.25, 0.4, 0.5, 0.6, 0.75),
+                    act_dtype: str = "uint8") -> tuple[onnx.ModelProto, list[dict]]:
+    """Migrate per-channel activation outliers into the weights of the MatMul/Gemm reading them.
+
+    For every tensor of ``smoothing_candidates`` with an ``act_absmax`` entry (per-channel absmax
+    along the last axis), all its MatMul/Gemm consumers with constant weights share one s, computed
+    from absmax_w over all their weights. alpha is the one of ``alphas`` with the least
+    ``smoothing_error`` on ``samples[t]``; the tensor is left alone unless it beats alpha 0 (no
+    smoothing) by more than 2%. Without samples for a tensor, alpha 0.5 (SmoothQuant's default) is
+    used and no errors are reported. 1/s is folded into the producer when the tensor feeds only
+    those consumers and is not a graph output (see ``_absorber``), else a Mul is inserted, and only
+    for a tensor whose channels differ by MUL_MIN_OUTLIER_RATIO or more.
+
+    Records, one per smoothed tensor: tensor, consumers, alpha, absorbed_by (producer op chain, or
+    "Mul" for an inserted Mul), inserted_mul, outlier_ratio_before / after (max / median of absmax),
+    error_before / error_after (None without samples).
+    """
+    if act_dtype not in ("uint8", "int8"):
+        raise ValueError(f"act_dtype {act_dtype!r}: choose uint8 or int8")
+    ed = Editor(model)
+    records: list[dict] = []
+    for t in smoothing_candidates(model):
+        if t not in act_absmax:
+            continue
+        ax = np.asarray(act_absmax[t], np.float64).reshape(-1)
+        c = _consumers(ed, t, ax.size)
+        if not c.uses:
+            log.debug("smoothing: %s has %d channels, its MatMul/Gemm weights disagree", t, ax.size)
+            continue
+        if _outlier_ratio(ax) < MUL_MIN_OUTLIER_RATIO and _absorbing(ed, t, c, ax.size) is None:
+            log.debug("smoothing: %s left alone (outlier ratio %.1f too small for an inserted Mul)", t,
+                      _outlier_ratio(ax))
+            continue
+        weights = _weights_kn(ed, c)
+        aw = np.max([np.abs(w).max(axis=1) for w in weights], axis=0)
+        x = samples.get(t) if samples is not None else None
+        err_before = err_after = None
+        if x is not None and np.size(x):
+            x = np.asarray(x, np.float64).reshape(-1, ax.size)
+            err_before = smoothing_error(x, weights, np.ones_like(ax), act_dtype)
+            alpha, err_after = 0.0, err_before
+            for a in alphas:
+                if a <= 0:
+                    continue
+                e = smoothing_error(x, weights, smoothing_scales(ax, aw, a), act_dtype)
+                if e < err_after:
+                    alpha, err_after = float(a), e
+            if alpha == 0.0 or err_after >= (1.0 - MIN_GAIN) * err_before:
+                log.debug("smoothing: %s left alone (no alpha cuts the output error by > 2%%)", t)
+                continue
+        else:
+            alpha = 0.5
+        s = smoothing_scales(ax, aw, alpha)
+        consumer_names = c.names(ed)
+        absorbed_by, inserted = _apply_smoothing(ed, t, c, s)
+        records.append({"tensor": t, "consumers": consumer_names, "alpha": alpha, "absorbed_by": absorbed_by,
+                        "inserted_mul": inserted, "outlier_ratio_before": _outlier_ratio(ax),
+                        "outlier_ratio_after": _outlier_ratio(ax / s), "error_before": err_before,
+                        "error_after": err_after})
+    log.info("outlier smoothing: %d tensor(s) smoothed (%d with an inserted Mul)", len(records),
+             sum(r["inserted_mul"] for r in records))
+    return ed.finish(), records
+
+
+def channel_absmax(model: onnx.ModelProto, batches_fn: Callable[[], Iterable[Any]], tensors: Sequence[str],
+                   threads: int = 1, max_rows: int = SAMPLE_ROWS, seed: int = 0
+                   ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Per-channel (last axis) absmax of ``tensors`` over the float model's run on ``batches_fn()``
+    (``pipeline.data.Batch`` objects or plain feed dicts), and up to ``max_rows`` rows of each tensor
+    reshaped to [-1, K], drawn uniformly over all batches (smallest random keys kept)."""
+    from pipeline.data import Batch
+    from tasks.quantize._calibrate import ActivationRunner
+
+    runner = ActivationRunner(model, list(tensors), threads)
+    rng = np.random.default_rng(seed)
+    absmax: dict[str, np.ndarray] = {}
+    keys: dict[str, np.ndarray] = {}
+    rows: dict[str, np.ndarray] = {}
+    for batch in batches_fn():
+        if not isinstance(batch, Batch):
+            feeds = {k: np.asarray(v) for k, v in dict(batch).items()}
+            first = next(iter(feeds.values()))
+            batch = Batch(feeds, None, int(first.shape[0]) if first.ndim else 1)
+        for t, arr in runner(batch).items():
+            if arr.ndim == 0 or arr.size == 0:
+                continue
+            a = np.asarray(arr, np.float32).reshape(-1, arr.shape[-1])
+            m = np.abs(a).max(axis=0)
+            if t in absmax and absmax[t].shape != m.shape:
+                log.warning("channel_absmax: %s changes its last dimension between batches; skipped", t)
+                continue
+            absmax[t] = np.maximum(absmax[t], m) if t in absmax else m
+            u = rng.random(a.shape[0])
+            if t in keys:
+                u, a = np.concatenate([keys[t], u]), np.concatenate([rows[t], a])
+            if u.size > max_rows:
+                keep = np.argpartition(u, max_rows)[:max_rows]
+                u, a = u[keep], a[keep]
+            keys[t], rows[t] = u, a
+    return absmax, {t: rows[t] for t in absmax}
+
+
+# --------------------------------------------------------------------------- checking
+
+
+def float_rel_error(before: onnx.ModelProto, after: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]]
+                    ) -> float:
+    """max over outputs of ||y_after - y_before|| / ||y_before|| (norms over all ``feeds``), both run
+    on ORT CPU with graph optimizations off so fusions cannot differ between the two graphs."""
+    import onnxruntime as ort
+
+    def session(m: onnx.ModelProto) -> Any:
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        so.log_severity_level = 3
+        return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+    names = [o.name for o in before.graph.output]
+    missing = sorted(set(names) - {o.name for o in after.graph.output})
+    if missing:
+        raise ValueError(f"transformed model lacks output(s) {missing}; transforms must keep every output")
+    sb, sa = session(before), session(after)
+    num = dict.fromkeys(names, 0.0)
+    den = dict.fromkeys(names, 0.0)
+    for f in feeds:
+        for n, yb, ya in zip(names, sb.run(names, dict(f)), sa.run(names, dict(f)), strict=True):
+            yb64, ya64 = np.asarray(yb, np.float64), np.asarray(ya, np.float64)
+            num[n] += float(np.sum((ya64 - yb64) ** 2))
+            den[n] += float(np.sum(yb64 ** 2))
+    return max((np.sqrt(num[n] / den[n]) if den[n] > 0 else np.sqrt(num[n]) for n in names), default=0.0)
+
+
+__all__ = ["MIN_GAIN", "MUL_MIN_OUTLIER_RATIO", "SAMPLE_ROWS", "SCALE_LIMITS", "SMOOTHING_MIN_K", "channel_absmax",
+           "float_rel_error", "smooth_outliers", "smoothing_candidates", "smoothing_error", "smoothing_scales"]
