@@ -367,13 +367,12 @@ def validate(cfg: DictConfig) -> None:
     if not 7 <= cfg.model.opset <= 23:
         problems.append(f"model.opset={cfg.model.opset}: supported opsets are 7..23")
     if cfg.model.name == "onnx" and not OmegaConf.is_missing(cfg.model, "onnx_path"):
-        from hydra.utils import to_absolute_path
-
+        from pipeline.artifacts import user_path
         from pipeline.errors import InputError
         from pipeline.graph import check_onnx_path
 
         try:
-            check_onnx_path(to_absolute_path(cfg.model.onnx_path), "model.onnx_path")
+            check_onnx_path(user_path(cfg.model.onnx_path), "model.onnx_path")
         except InputError as exc:
             problems.append(str(exc))
     if cfg.data.source == DataSource.npz and not cfg.data.path:

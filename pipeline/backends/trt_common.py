@@ -30,6 +30,7 @@ import onnx
 from omegaconf import DictConfig
 from onnx import TensorProto, helper, numpy_helper
 
+from pipeline.artifacts import user_path
 from pipeline.config import enum_value
 from pipeline.errors import InputError, StageError
 from pipeline.graph import graph_inputs, value_dims
@@ -61,13 +62,11 @@ class EngineOptions:
     @classmethod
     def from_backend_cfg(cls, cfg: DictConfig) -> EngineOptions:
         """Build options for measurement builds, from the backend section alone (tensorrt*, trtexec)."""
-        from hydra.utils import to_absolute_path
-
         tc = cfg.get("timing_cache")
         ws = cfg.get("workspace_size")
         return cls(data_type=cfg.get("float_precision") or "FP32",
                    workspace_mb=int(ws) if ws is not None else None,
-                   timing_cache=Path(to_absolute_path(str(tc))) if tc else None,
+                   timing_cache=user_path(tc) if tc else None,
                    plugin_libraries=list(cfg.get("plugin_libraries") or []))
 
 
@@ -77,11 +76,9 @@ PLUGIN_KEYS = "backend.plugin_libraries / gen_trt_engine.tensorrt.plugin_librari
 def plugin_paths(libraries: list[str] | Any, key: str = PLUGIN_KEYS) -> list[str]:
     """Plugin libraries as absolute paths (relative to where tune started), each an existing file,
     duplicates dropped; a missing one is an InputError naming ``key``."""
-    from hydra.utils import to_absolute_path
-
     out: list[str] = []
     for lib in libraries or []:
-        p = Path(to_absolute_path(str(lib)))
+        p = user_path(lib)
         if not p.is_file():
             raise InputError(f"plugin library {p} does not exist ({key})")
         out.append(str(p))

@@ -22,7 +22,14 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pipeline.accuracy import AccuracyBudget, Holdout
-from pipeline.artifacts import atomic_write_bytes, atomic_write_text, fingerprint, sha256_file
+from pipeline.artifacts import (
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    fingerprint,
+    sha256_file,
+    user_path,
+)
 from pipeline.backends import create_backend
 from pipeline.config import enum_value, section
 from pipeline.errors import InputError, StageError, first_line
@@ -40,11 +47,9 @@ log = logging.getLogger("tune.autotune")
 
 def _node_filters(entries: list[str]) -> list[str]:
     """Wildcards from the config; an entry naming an existing file contributes its lines."""
-    from hydra.utils import to_absolute_path
-
     out: list[str] = []
     for e in entries:
-        p = Path(to_absolute_path(e))
+        p = user_path(e)
         if p.is_file():
             out += [ln.strip() for ln in p.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
         else:
@@ -154,18 +159,14 @@ class AutotuneStage(Stage):
                                   baseline_path, bench, context_items, (schemes, warmup, timing, rounds))
         pattern_cache = None
         if a.pattern_cache:
-            from hydra.utils import to_absolute_path
-
             from tasks.autotune.pattern_cache import PatternCache
 
-            pattern_cache = PatternCache.load(to_absolute_path(a.pattern_cache), config.pattern_cache_minimum_distance,
+            pattern_cache = PatternCache.load(user_path(a.pattern_cache), config.pattern_cache_minimum_distance,
                                               config.pattern_cache_max_entries_per_pattern)
             log.info("warm start: %d patterns from %s", pattern_cache.num_patterns, a.pattern_cache)
         state_file = None
         if a.state_file:
-            from hydra.utils import to_absolute_path
-
-            state_file = to_absolute_path(a.state_file)
+            state_file = str(user_path(a.state_file))
 
         bar = progress_bar(bool(cfg.progress), total=None, desc="autotune", unit="pattern")
 
@@ -307,14 +308,12 @@ class AutotuneStage(Stage):
         (``<model>.<precision>.graph.json`` in the autotune folder, reused when present)."""
         import json
 
-        from hydra.utils import to_absolute_path
-
-        from pipeline.backends.tensorrt import parse_layer_info
+        from pipeline.backends.trt_common import parse_layer_info
         from tasks.autotune.fusion_grouping import ort_fusion_groups, trt_fusion_groups
 
         a = cfg.autotune
         if a.graph_json:
-            path = Path(to_absolute_path(a.graph_json))
+            path = user_path(a.graph_json)
             if not path.is_file():
                 raise InputError(f"autotune.graph_json={a.graph_json}: no such file (write one with trtexec "
                                  f"--onnx=MODEL --exportLayerInfo=graph.json --profilingVerbosity=detailed)")
@@ -340,8 +339,7 @@ class AutotuneStage(Stage):
                 raise StageError(f"autotune: {backend.name} gave no layer information for {model_path.name}; pass "
                                  f"autotune.graph_json=PATH (trtexec --onnx=MODEL --exportLayerInfo=graph.json "
                                  f"--profilingVerbosity=detailed)")
-            atomic_write_text(path, json.dumps({"Layers": info["layers"], "Bindings": info.get("io_tensors", [])},
-                                               indent=1) + "\n")
+            atomic_write_json(path, {"Layers": info["layers"], "Bindings": info.get("io_tensors", [])}, indent=1)
         return trt_fusion_groups(model, parse_layer_info(json.loads(path.read_text()), path.name)), path, \
             f"{path.name} ({backend.name} {precision.upper()} build)"
 
@@ -357,13 +355,11 @@ class AutotuneStage(Stage):
 
     @staticmethod
     def _qdq_baseline(ctx: StageContext, inputs: dict[str, Path]):
-        from hydra.utils import to_absolute_path
-
         a = ctx.cfg.autotune
         if not a.import_qdq_baseline:
             return None
         if a.qdq_baseline:
-            return load_model(to_absolute_path(a.qdq_baseline), what="autotune.qdq_baseline")
+            return load_model(user_path(a.qdq_baseline), what="autotune.qdq_baseline")
         p = inputs.get("quantize/quantized_model.onnx")
         return load_model(p) if p is not None else None
 

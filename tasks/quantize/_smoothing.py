@@ -337,13 +337,10 @@ def float_rel_error(before: onnx.ModelProto, after: onnx.ModelProto, feeds: Sequ
                     ) -> float:
     """max over outputs of ||y_after - y_before|| / ||y_before|| (norms over all ``feeds``), both run
     on ORT CPU with graph optimizations off so fusions cannot differ between the two graphs."""
-    import onnxruntime as ort
+    from pipeline.backends.onnxruntime import ort_session, ort_session_options
 
     def session(m: onnx.ModelProto) -> Any:
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        so.log_severity_level = 3
-        return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        return ort_session(m, ort_session_options("disable"))
 
     names = [o.name for o in before.graph.output]
     missing = sorted(set(names) - {o.name for o in after.graph.output})
