@@ -20,8 +20,10 @@ from typing import Any
 import onnx
 
 from pipeline.accuracy import AccuracyBudget, AccuracyVerdict, FidelityResult, Holdout
+from pipeline.config import enum_value
 from pipeline.errors import StageError, first_line
-from pipeline.placement import WEIGHTED_OPS, GraphIndex
+from pipeline.placement import PASS_THROUGH_OPS, WEIGHTED_OPS, GraphIndex
+from pipeline.stage import StageContext
 
 log = logging.getLogger("tune.quantize")
 
@@ -329,4 +331,154 @@ def block_recovery(order: list[str], build: Callable[[set[str]], onnx.ModelProto
             if profile[-1]["ok"]:
                 return list(stretch), c, profile
     return [], None, profile
+
+
+def decide(ctx: StageContext, model: onnx.ModelProto, float_path: Path, specs: list, kind: str,
+            build: Callable[..., tuple[Any, onnx.ModelProto]], backend: Any,
+            fix_bias: Callable[..., tuple[dict, Any]] | None = None, outliers: dict[str, str] | None = None
+            ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Weight storage, kernel-fidelity culprits, float nodes and bias correction of the quantize stage's
+    model, decided on held-out calibration batches. ``build(weight_range, float_nodes)`` places the
+    model; ``fix_bias`` tries bias correction on the final placement; ``outliers`` are the element-wise
+    nodes on tensors with outlier channels, recovery's first candidates."""
+    from pipeline.backends.base import compare_interleaved
+    from pipeline.cpu import cpu_facts, describe
+
+    cfg = ctx.cfg
+    q, a = cfg.quantize, cfg.accuracy
+    budget = AccuracyBudget.from_config(cfg)
+    facts = cpu_facts()
+    holdout = Holdout.from_config(cfg, specs)
+    with backend.prepare(float_path) as pm:
+        holdout.set_reference(pm)
+    requested = enum_value(q.weight_range)
+
+    def measure(paths: list[Path]) -> list[float | None]:
+        timings = compare_interleaved(backend, paths, rounds=4, runs_per_round=max(2, backend.timing_runs // 8),
+                                      warmup_runs=backend.warmup_runs)
+        return [t.p10_ms if t.ok else None for t in timings]
+
+    with temp_workdir(ctx.results_dir / "quantize") as tmp:
+        checker = Checker(backend, holdout, budget, fused=kind == "onnxruntime", workdir=Path(tmp))
+        ops = {n.name: n.op_type for n in model.graph.node}
+        start = "full" if requested == "auto" else requested
+        unsupported = runnable(lambda s: build(start, s)[1], checker, set(ops))
+
+        def placed(wr: str, float_nodes: set[str] = frozenset()) -> onnx.ModelProto:
+            """The quantized model with the nodes the runtime cannot run quantized left float."""
+            return build(wr, set(float_nodes) | unsupported)[1]
+
+        culprits: list[str] = []
+        if kind == "onnxruntime":
+            units = [n for n in build(start, unsupported)[0].node_rules if ops.get(n) not in (None, *PASS_THROUGH_OPS)]
+            weight_range, why, checked, culprits = choose_weight_range(
+                placed, checker, requested, facts["u8s8_saturates"], measure, units)
+            chosen = next(c for c in checked if c.name == f"weights_{weight_range}")
+            unsupported |= set(culprits)
+        else:
+            weight_range = "full" if requested == "auto" else requested
+            why = ("TensorRT placement: full-range int8 (TensorRT's integer kernels do not saturate)"
+                   if requested == "auto" else f"quantize.weight_range={requested}")
+            chosen = checker.check(placed(weight_range), f"weights_{weight_range}")
+            checked = [chosen]
+        if chosen.error is not None:
+            raise StageError(f"quantize: the quantized model is not written because {chosen.error}")
+        if weight_range == "full":
+            log.info("quantize: full-range int8 weights on %s (%s)", describe(facts), why)
+        else:
+            log.warning("quantize: %s [%s]", why, describe(facts))
+        verdict = chosen.verdict
+        final = chosen  # the candidate of the placement that will be written
+        float_nodes: list[str] = []
+        sensitivity = None
+        if verdict is not None and not verdict.ok and budget.enabled and bool(a.recovery):
+            plan, _ = build(weight_range, unsupported)
+            units = [n for n in plan.node_rules if ops.get(n) not in PASS_THROUGH_OPS]
+            log.warning("quantize: the PTQ model misses the accuracy budget on %d held-out samples (%s); "
+                        "ranking %d quantized nodes by their contribution to the output error",
+                        holdout.samples, verdict.what, len(units))
+            float_nodes, recovered, report = recover_budget(
+                model, units, lambda s: placed(weight_range, s), checker, verdict, outliers or {},
+                math.floor(float(a.max_float_fraction) * len(units)), bool(cfg.progress))
+            if recovered is not None:
+                verdict, final = recovered.verdict, recovered
+            sensitivity = {
+                "budget": budget.describe(), "holdout": holdout.source, "samples": holdout.samples,
+                "full_placement": chosen.verdict.to_dict() if chosen.verdict else None, **report,
+                "float_nodes": float_nodes, "met": recovered is not None,
+                "accuracy": verdict.to_dict() if verdict else None,
+            }
+        bias = None
+        if fix_bias is not None and final.verdict is not None:
+            bias, corrected = fix_bias(weight_range, unsupported | set(float_nodes), checker, final)
+            if corrected is not None:
+                verdict = corrected.verdict
+    decisions = {
+        "weight_range": weight_range, "weight_range_reason": why, "cpu": facts,
+        "unsupported_nodes": sorted(unsupported - set(culprits)),
+        "fidelity_culprits": culprits,
+        "bias_correction": bias,
+        "kernel_fidelity": chosen.fidelity.to_dict() if chosen.fidelity else None,
+        "variants": [c.to_dict() for c in checked],
+        "budget": budget.describe(), "holdout": holdout.source, "holdout_samples": holdout.samples,
+        "accuracy": verdict.to_dict() if verdict else None,
+        "float_nodes": sorted(set(float_nodes) | unsupported),
+    }
+    return decisions, sensitivity
+
+
+def recover_budget(model: onnx.ModelProto, units: list[str], placed: Callable[[set[str]], onnx.ModelProto],
+                   checker: Checker, verdict: AccuracyVerdict, outliers: dict[str, str], max_float: int,
+                   progress: bool) -> tuple[list[str], Candidate | None, dict[str, Any]]:
+    """(nodes to leave float, the candidate that meets the budget or None, what was tried): first the
+    element-wise nodes on tensors with outlier channels (cheap float ops; the weighted ops around them
+    keep int8), then the fewest most sensitive nodes, then stretches of the graph."""
+    from pipeline.progress import progress_bar
+
+    ops = {n.name: n.op_type for n in model.graph.node}
+    base = {n: why for n, why in outliers.items() if n in units}
+    recovered: Candidate | None = None
+    blocks: list[dict[str, Any]] = []
+    ranking: list[dict[str, Any]] = []
+    if base:
+        c = checker.check(placed(set(base)), "outliers")
+        log.warning("quantize: %d element-wise node(s) on tensors with outlier channels left float: %s",
+                    len(base), c.verdict.what if c.verdict else c.error)
+        if c.error is None and c.verdict is not None and c.verdict.error < verdict.error:
+            recovered = c if c.verdict.ok else None
+        else:
+            base = {}
+    float_nodes: list[str] = sorted(base) if recovered is not None else []
+    limit = max(1, max_float - len(base))
+    if recovered is None:
+        rest = [n for n in units if n not in base]
+
+        def with_base(s: set[str]) -> onnx.ModelProto:
+            return placed(set(s) | set(base))
+
+        def bar(it):
+            return progress_bar(progress, iterable=it, total=len(rest), desc="quantize: sensitivity", unit="node")
+
+        ranking = rank_sensitivity(rest, with_base, checker, bar)
+        float_nodes, recovered = recover(ranking, with_base, checker, limit)
+        if recovered is None:  # no few culprits: the error is made along a stretch of the graph
+            in_order = [n.name for n in model.graph.node if n.name in set(rest)]
+            float_nodes, recovered, blocks = block_recovery(in_order, with_base, checker, limit)
+            for b in blocks:
+                log.info("quantize:   with the %s quantized nodes float: %s", b["float"], b["accuracy"] or b["error"])
+        float_nodes = sorted(base) + float_nodes if recovered is not None else []
+        for r in ranking:
+            r["op_type"] = ops.get(r["node"])
+            r["left_float"] = r["node"] in float_nodes
+    if recovered is not None:
+        log.warning("quantize: leaving %d of %d quantized nodes float to meet the budget (%s): %s",
+                    len(float_nodes), len(units), recovered.verdict.what, ", ".join(float_nodes))
+    else:
+        log.warning("quantize: even %d float nodes do not bring the PTQ model within the accuracy budget; "
+                    "writing the full placement (autotune will ship the best model that meets it)", limit + len(base))
+    report = {"method": "element-wise nodes on tensors with outlier channels first (outlier_nodes); then each node "
+                        "left float alone, ranked by the output error that remains (lowest first); if no prefix "
+                        "of that ranking meets the budget, stretches of the graph (blocks)",
+              "outlier_nodes": base, "ranking": ranking, "blocks": blocks}
+    return float_nodes, recovered, report
 

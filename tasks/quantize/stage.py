@@ -11,7 +11,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,16 +23,15 @@ from pipeline.data import DataProvider
 from pipeline.errors import StageError
 from pipeline.graph import control_flow, input_specs, load_model, save_model
 from pipeline.placement import (
-    PASS_THROUGH_OPS,
     GraphIndex,
     NodeDtypes,
-    _weight_inputs,
     activation_type,
     onnxruntime_plan,
     placement_kind,
     resolve_rules,
     tensorrt_plan,
     weight_axis,
+    weight_inputs,
 )
 from pipeline.progress import progress_bar
 from pipeline.qdq import FP8, QTYPES, Calibration, activation_params, apply_plan, qdq_summary, weight_params
@@ -51,7 +49,7 @@ def weight_records(model: onnx.ModelProto, search: str = "max") -> dict[str, Any
     g = GraphIndex(model)
     out: dict[str, Any] = {}
     for node in model.graph.node:
-        for i in _weight_inputs(g, node):
+        for i in weight_inputs(g, node):
             name = node.input[i]
             if name in out:
                 continue
@@ -214,10 +212,10 @@ class QuantizeStage(Stage):
             log.info("quantize: bias correction of %d node(s): %s -> %s", len(corrections), rec["before"], rec["after"])
             return rec, after
 
-        from tasks.quantize._accuracy import outlier_units
+        from tasks.quantize._accuracy import decide, outlier_units
 
         outliers = outlier_units(model, stats, list(rules), float(q.outlier_threshold))
-        decisions, sensitivity = self._decide(ctx, model, float_path, specs, kind, build, backend,
+        decisions, sensitivity = decide(ctx, model, float_path, specs, kind, build, backend,
                                               fix_bias if bool(q.bias_correction) else None, outliers)
         decisions["transforms"] = transforms
         doc["transforms"] = transforms
@@ -294,148 +292,6 @@ class QuantizeStage(Stage):
                 t["applied"] = False
                 t["reason"] = f"raised the held-out error of the PTQ model ({_num(err_t)} vs {_num(err_o)} without)"
         return original, stats_o
-
-    @staticmethod
-    def _decide(ctx: StageContext, model: onnx.ModelProto, float_path: Path, specs: list, kind: str,
-                build: Callable[..., tuple[Any, onnx.ModelProto]], backend: Any,
-                fix_bias: Callable[..., tuple[dict, Any]] | None = None, outliers: dict[str, str] | None = None
-                ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """Weight storage and float nodes, decided on held-out calibration batches (see _accuracy)."""
-        import math
-
-        from pipeline.accuracy import AccuracyBudget, Holdout
-        from pipeline.backends.base import compare_interleaved
-        from pipeline.cpu import cpu_facts, describe
-        from tasks.quantize import _accuracy as acc
-
-        cfg = ctx.cfg
-        q, a = cfg.quantize, cfg.accuracy
-        budget = AccuracyBudget.from_config(cfg)
-        facts = cpu_facts()
-        holdout = Holdout.from_config(cfg, specs)
-        with backend.prepare(float_path) as pm:
-            holdout.set_reference(pm)
-        requested = enum_value(q.weight_range)
-
-        def measure(paths: list[Path]) -> list[float | None]:
-            timings = compare_interleaved(backend, paths, rounds=4, runs_per_round=max(2, backend.timing_runs // 8),
-                                          warmup_runs=backend.warmup_runs)
-            return [t.p10_ms if t.ok else None for t in timings]
-
-        with acc.temp_workdir(ctx.results_dir / "quantize") as tmp:
-            checker = acc.Checker(backend, holdout, budget, fused=kind == "onnxruntime", workdir=Path(tmp))
-            ops = {n.name: n.op_type for n in model.graph.node}
-            start = _start_range(q)
-            unsupported = acc.runnable(lambda s: build(start, s)[1], checker, set(ops))
-
-            def placed(wr: str, float_nodes: set[str] = frozenset()) -> onnx.ModelProto:
-                """The quantized model with the nodes the runtime cannot run quantized left float."""
-                return build(wr, set(float_nodes) | unsupported)[1]
-
-            culprits: list[str] = []
-            if kind == "onnxruntime":
-                units = [n for n in build(start, unsupported)[0].node_rules if ops.get(n) not in (None, *PASS_THROUGH_OPS)]
-                weight_range, why, checked, culprits = acc.choose_weight_range(
-                    placed, checker, requested, facts["u8s8_saturates"], measure, units)
-                chosen = next(c for c in checked if c.name == f"weights_{weight_range}")
-                unsupported |= set(culprits)
-            else:
-                weight_range = "full" if requested == "auto" else requested
-                why = ("TensorRT placement: full-range int8 (TensorRT's integer kernels do not saturate)"
-                       if requested == "auto" else f"quantize.weight_range={requested}")
-                chosen = checker.check(placed(weight_range), f"weights_{weight_range}")
-                checked = [chosen]
-            if chosen.error is not None:
-                raise StageError(f"quantize: the quantized model is not written because {chosen.error}")
-            if weight_range == "full":
-                log.info("quantize: full-range int8 weights on %s (%s)", describe(facts), why)
-            else:
-                log.warning("quantize: %s [%s]", why, describe(facts))
-            verdict = chosen.verdict
-            final = chosen  # the candidate of the placement that will be written
-            float_nodes: list[str] = []
-            sensitivity = None
-            if verdict is not None and not verdict.ok and budget.enabled and bool(a.recovery):
-                plan, _ = build(weight_range, unsupported)
-                units = [n for n in plan.node_rules if ops.get(n) not in PASS_THROUGH_OPS]
-                log.warning("quantize: the PTQ model misses the accuracy budget on %d held-out samples (%s); "
-                            "ranking %d quantized nodes by their contribution to the output error",
-                            holdout.samples, verdict.what, len(units))
-
-                # first the tensors with outlier channels: their element-wise readers and writers stay
-                # float (cheap ops) and the weighted ops around them keep int8
-                base = {n: why for n, why in (outliers or {}).items() if n in units}
-                recovered = None
-                blocks: list[dict[str, Any]] = []
-                ranking: list[dict[str, Any]] = []
-                if base:
-                    c = checker.check(placed(weight_range, set(base)), "outliers")
-                    log.warning("quantize: %d element-wise node(s) on tensors with outlier channels left float: %s",
-                                len(base), c.verdict.what if c.verdict else c.error)
-                    if c.error is None and c.verdict is not None and c.verdict.error < verdict.error:
-                        verdict = c.verdict
-                        recovered = c if c.verdict.ok else None
-                    else:
-                        base = {}
-                if recovered is not None:
-                    float_nodes = sorted(base)
-                else:
-                    rest = [n for n in units if n not in base]
-
-                    def bar(it):
-                        return progress_bar(bool(cfg.progress), iterable=it, total=len(rest),
-                                            desc="quantize: sensitivity", unit="node")
-
-                    def with_base(s: set[str]) -> onnx.ModelProto:
-                        return placed(weight_range, set(s) | set(base))
-
-                    ranking = acc.rank_sensitivity(rest, with_base, checker, bar)
-                    limit = max(1, math.floor(float(a.max_float_fraction) * len(units)) - len(base))
-                    float_nodes, recovered = acc.recover(ranking, with_base, checker, limit)
-                    if recovered is None:  # no few culprits: the error is made along a stretch of the graph
-                        in_order = [n.name for n in model.graph.node if n.name in set(rest)]
-                        float_nodes, recovered, blocks = acc.block_recovery(in_order, with_base, checker, limit)
-                        for b in blocks:
-                            log.info("quantize:   with the %s quantized nodes float: %s", b["float"],
-                                     b["accuracy"] or b["error"])
-                    float_nodes = sorted(base) + float_nodes if recovered is not None else []
-                    for r in ranking:
-                        r["op_type"] = ops.get(r["node"])
-                        r["left_float"] = r["node"] in float_nodes
-                if recovered is not None:
-                    log.warning("quantize: leaving %d of %d quantized nodes float to meet the budget (%s): %s",
-                                len(float_nodes), len(units), recovered.verdict.what, ", ".join(float_nodes))
-                    verdict, final = recovered.verdict, recovered
-                else:
-                    log.warning("quantize: even %d float nodes do not bring the PTQ model within the accuracy budget; "
-                                "writing the full placement (autotune will ship the best model that meets it)", limit)
-                sensitivity = {
-                    "budget": budget.describe(), "holdout": holdout.source, "samples": holdout.samples,
-                    "full_placement": chosen.verdict.to_dict() if chosen.verdict else None,
-                    "method": "element-wise nodes on tensors with outlier channels first (outlier_nodes); then "
-                              "each node left float alone, ranked by the output error that remains (lowest first); "
-                              "if no prefix of that ranking meets the budget, stretches of the graph (blocks)",
-                    "outlier_nodes": base, "ranking": ranking, "blocks": blocks, "float_nodes": float_nodes,
-                    "met": recovered is not None,
-                    "accuracy": verdict.to_dict() if verdict else None,
-                }
-            bias = None
-            if fix_bias is not None and final.verdict is not None:
-                bias, corrected = fix_bias(weight_range, unsupported | set(float_nodes), checker, final)
-                if corrected is not None:
-                    verdict = corrected.verdict
-        decisions = {
-            "weight_range": weight_range, "weight_range_reason": why, "cpu": facts,
-            "unsupported_nodes": sorted(unsupported - set(culprits)),
-            "fidelity_culprits": culprits,
-            "bias_correction": bias,
-            "kernel_fidelity": chosen.fidelity.to_dict() if chosen.fidelity else None,
-            "variants": [c.to_dict() for c in checked],
-            "budget": budget.describe(), "holdout": holdout.source, "holdout_samples": holdout.samples,
-            "accuracy": verdict.to_dict() if verdict else None,
-            "float_nodes": sorted(set(float_nodes) | unsupported),
-        }
-        return decisions, sensitivity
 
     @staticmethod
     def _log_rules(model: onnx.ModelProto, plan, rules: dict[str, NodeDtypes], act_type: str) -> None:
