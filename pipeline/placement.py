@@ -222,7 +222,7 @@ def too_small(g: GraphIndex, node: onnx.NodeProto, dtype: str) -> bool:
     only: TensorRT has no FP8 kernels for such channel counts, and a 3-bit mantissa on a handful of
     taps (a first conv on a 1-channel image) costs accuracy; int8 handles them fine.
     """
-    widx = _weight_inputs(g, node)
+    widx = weight_inputs(g, node)
     if not widx:
         return False
     shape = g.weight_shape(node.input[widx[0]])
@@ -234,10 +234,13 @@ def too_small(g: GraphIndex, node: onnx.NodeProto, dtype: str) -> bool:
     return False
 
 
-def _weight_inputs(g: GraphIndex, node: onnx.NodeProto) -> list[int]:
+def weight_inputs(g: GraphIndex, node: onnx.NodeProto) -> list[int]:
+    """Input indices of a weighted op's weight: [1] when it is an initializer, else none."""
     if node.op_type in WEIGHTED_OPS and len(node.input) > 1 and node.input[1] in g.inits:
         return [1]
     return []
+
+
 
 
 def act_dtype(rule: NodeDtypes, activation_type: str) -> str:
@@ -253,7 +256,7 @@ def tensorrt_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activati
         rule = rules.get(node.name)
         if rule is None or node.op_type not in WEIGHTED_OPS or rule.activations == "native":
             continue
-        widx = _weight_inputs(g, node)
+        widx = weight_inputs(g, node)
         if too_small(g, node, rule.activations):
             plan.skipped[node.name] = "too small to gain (K or N < 16)"
             continue
@@ -310,7 +313,7 @@ def bias_tensor(g: GraphIndex, node: onnx.NodeProto) -> tuple[str, str, int] | N
 def int32_bias(g: GraphIndex, node: onnx.NodeProto, act_dtype_: str) -> BiasQ | None:
     """The int32 bias ORT needs to run a Gemm / MatMul+bias with DQ inputs and a float output as QGemm."""
     slot = bias_slot(g, node)
-    widx = _weight_inputs(g, node)
+    widx = weight_inputs(g, node)
     if slot is None or not widx or act_dtype_ not in ("int8", "uint8"):
         return None
     return BiasQ(slot[0], slot[1], node.input[0], act_dtype_, node.name, widx[0])
@@ -319,25 +322,34 @@ def int32_bias(g: GraphIndex, node: onnx.NodeProto, act_dtype_: str) -> BiasQ | 
 def onnxruntime_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activation_type: str = "uint8",
                      per_channel: bool = True, weight_range: str = "full") -> QDQPlan:
     g = GraphIndex(model)
+    plan = QDQPlan()
+    qnodes = _ort_compute_nodes(g, rules, plan.skipped)
+    _ort_add_optional_groups(g, rules, qnodes)
+    requested, outputs_q = _ort_node_quantization(g, qnodes, plan, activation_type, per_channel, weight_range)
+    for tensor, dtype in requested.items():
+        if tensor in outputs_q or _quantized_source(g, qnodes, tensor):
+            plan.activations.append(ActivationQ(tensor, dtype, None))
+        else:
+            # produced in float by a float op: only the quantized consumers read the DQ copy,
+            # float consumers keep the original tensor (no stray DequantizeLinear, no rounding)
+            cons = tuple((c.name, i) for c, i in g.consumers.get(tensor, []) if c.name in qnodes)
+            plan.activations.append(ActivationQ(tensor, dtype, cons))
+    plan.aliases.update(pass_through_aliases(g, plan))
+    return plan
 
-    def float_output_ok(node: onnx.NodeProto, r: NodeDtypes) -> bool:
-        return r.weights == "int8" and int32_bias(g, node, act_dtype(r, activation_type)) is not None
 
-    def add_bias(plan: QDQPlan, node: onnx.NodeProto, r: NodeDtypes, dt: str) -> None:
-        b = int32_bias(g, node, dt) if r.weights == "int8" else None
-        if b is not None:
-            plan.biases.append(b)
+def _quantizable_rule(rules: dict[str, NodeDtypes], node: onnx.NodeProto) -> NodeDtypes | None:
+    """The node's rule, unless it has none or leaves the activations float."""
+    r = rules.get(node.name)
+    return r if r is not None and r.activations != "native" else None
 
+
+def _ort_compute_nodes(g: GraphIndex, rules: dict[str, NodeDtypes], skipped: dict[str, str]) -> dict[str, NodeDtypes]:
+    """Phase 1, the compute ops with integer kernels: Conv/Gemm/MatMul reading an activation (and
+    otherwise activations or initializers). FP8 ones too small to gain go to ``skipped``."""
     qnodes: dict[str, NodeDtypes] = {}
-    plan_skipped: dict[str, str] = {}
-
-    def ok(node: onnx.NodeProto) -> NodeDtypes | None:
-        r = rules.get(node.name)
-        return r if r is not None and r.activations != "native" else None
-
-    # 1. compute ops with integer kernels
-    for node in model.graph.node:
-        r = ok(node)
+    for node in g.model.graph.node:
+        r = _quantizable_rule(rules, node)
         if r is None or node.op_type not in ("Conv", "Gemm", "MatMul"):
             continue
         if not all(g.is_activation(t) or t in g.inits for t in node.input[:2] if t):
@@ -345,37 +357,53 @@ def onnxruntime_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activ
         if not g.is_activation(node.input[0]):
             continue
         if r.activations.startswith("fp8") and too_small(g, node, r.activations):
-            plan_skipped[node.name] = "too small for FP8 (K or N < 16)"
+            skipped[node.name] = "too small for FP8 (K or N < 16)"
             continue
         qnodes[node.name] = r
+    return qnodes
 
-    def quantized_source(tensor: str) -> bool:
-        """Whether ``tensor`` is a quantized node's tail (its output past a bias Add / Relu / Clip),
-        or a graph input."""
-        p = g.producer.get(tensor)
-        if p is None:
-            return tensor in g.graph_inputs
-        src = p
-        while src.name not in qnodes and src.input:
-            prev = g.producer.get(src.input[0]) if src.op_type in ACTIVATION_TAILS else None
-            if src.op_type == "Add":  # a MatMul's bias Add: walk back to the MatMul
-                prev = next((g.producer[t] for t in src.input if t in g.producer
-                             and g.bias_add(g.producer[t]) is not None and g.bias_add(g.producer[t])[0] is src), None)
-            if prev is None:
-                break
-            src = prev
-        return src.name in qnodes and g.tail(src) == tensor
 
-    def feeds_quantized(tensor: str) -> bool:
-        cons = g.consumers.get(tensor, [])
-        return bool(cons) and tensor not in g.graph_outputs and all(c.name in qnodes for c, _ in cons)
+def _quantized_source(g: GraphIndex, qnodes: dict[str, NodeDtypes], tensor: str) -> bool:
+    """Whether ``tensor`` is a quantized node's tail (its output past a bias Add / Relu / Clip),
+    or a graph input."""
+    p = g.producer.get(tensor)
+    if p is None:
+        return tensor in g.graph_inputs
+    src = p
+    while src.name not in qnodes and src.input:
+        prev = g.producer.get(src.input[0]) if src.op_type in ACTIVATION_TAILS else None
+        if src.op_type == "Add":  # a MatMul's bias Add: walk back to the MatMul
+            prev = next((g.producer[t] for t in src.input if t in g.producer
+                         and g.bias_add(g.producer[t]) is not None and g.bias_add(g.producer[t])[0] is src), None)
+        if prev is None:
+            break
+        src = prev
+    return src.name in qnodes and g.tail(src) == tensor
 
-    # 2. optional groups, decided as a greatest fixpoint: start from every candidate and drop those
-    #    whose input is not quantized or whose output feeds no quantized op, until nothing changes
-    #    (a residual Add and the pooling after it depend on each other)
+
+def _feeds_quantized(g: GraphIndex, qnodes: dict[str, NodeDtypes], tensor: str) -> bool:
+    """Whether every reader of ``tensor`` is quantized (and it is not a graph output)."""
+    cons = g.consumers.get(tensor, [])
+    return bool(cons) and tensor not in g.graph_outputs and all(c.name in qnodes for c, _ in cons)
+
+
+def _before_layernorm(g: GraphIndex, node: onnx.NodeProto) -> bool:
+    # A residual Add feeding LayerNormalization: left float, ORT fuses the two into
+    # SkipLayerNormalization, which measured slower on the CPU EP than QLinearAdd + DQ +
+    # LayerNormalization (bert_tiny: 12% faster model at batch 1, 18% at batch 8; bench/
+    # quantize_vs_ort.py --model bert_tiny). The autotuner can still toggle it back.
+    return node.op_type == "Add" and any(c.op_type == "LayerNormalization"
+                                         for c, _ in g.consumers.get(node.output[0], []))
+
+
+def _ort_add_optional_groups(g: GraphIndex, rules: dict[str, NodeDtypes], qnodes: dict[str, NodeDtypes]) -> None:
+    """Phase 2, added to ``qnodes``: the optional groups (QLinearAdd/Mul/Concat, pooling, data
+    movement), decided as a greatest fixpoint: start from every candidate and drop those whose
+    input is not quantized or whose output feeds no quantized op, until nothing changes (a
+    residual Add and the pooling after it depend on each other)."""
     fixed = set(qnodes)
-    for node in model.graph.node:
-        r = ok(node)
+    for node in g.model.graph.node:
+        r = _quantizable_rule(rules, node)
         if r is None or node.name in qnodes:
             continue
         acts = [t for t in node.input if g.is_activation(t)]
@@ -386,14 +414,6 @@ def onnxruntime_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activ
             qnodes[node.name] = r
         elif op in ("Add", "Mul", "Concat") and len(acts) == len([t for t in node.input if t]):
             qnodes[node.name] = r
-    def before_layernorm(node: onnx.NodeProto) -> bool:
-        # A residual Add feeding LayerNormalization: left float, ORT fuses the two into
-        # SkipLayerNormalization, which measured slower on the CPU EP than QLinearAdd + DQ +
-        # LayerNormalization (bert_tiny: 12% faster model at batch 1, 18% at batch 8; bench/
-        # quantize_vs_ort.py --model bert_tiny). The autotuner can still toggle it back.
-        return node.op_type == "Add" and any(c.op_type == "LayerNormalization"
-                                             for c, _ in g.consumers.get(node.output[0], []))
-
     changed = True
     while changed:
         changed = False
@@ -402,23 +422,29 @@ def onnxruntime_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activ
             acts = [t for t in node.input if g.is_activation(t)]
             out = g.tail(node)
             if node.op_type in ("Add", "Mul", "Concat"):
-                keep = any(quantized_source(t) for t in acts) and (feeds_quantized(out) or before_layernorm(node))
+                keep = any(_quantized_source(g, qnodes, t) for t in acts) and \
+                    (_feeds_quantized(g, qnodes, out) or _before_layernorm(g, node))
             else:
-                keep = quantized_source(node.input[0]) and feeds_quantized(out)
+                keep = _quantized_source(g, qnodes, node.input[0]) and _feeds_quantized(g, qnodes, out)
             if not keep:
                 del qnodes[name]
                 changed = True
 
-    plan = QDQPlan(skipped=plan_skipped)
+
+def _ort_node_quantization(g: GraphIndex, qnodes: dict[str, NodeDtypes], plan: QDQPlan, activation_type: str,
+                           per_channel: bool, weight_range: str) -> tuple[dict[str, str], set[str]]:
+    """Phase 3, per quantized node in graph order: its rule, weights and int32 biases go into
+    ``plan``; returns the activations it wants quantized (tensor -> dtype, first request wins) and
+    which of them are quantized nodes' tails (the float tensor disappears in the fusion)."""
     requested: dict[str, str] = {}
-    outputs_q: set[str] = set()  # tails of quantized nodes: the float tensor disappears in the fusion
+    outputs_q: set[str] = set()
 
     def want(tensor: str, dtype: str, output: bool = False) -> None:
         requested.setdefault(tensor, dtype)
         if output:
             outputs_q.add(tensor)
 
-    for node in model.graph.node:
+    for node in g.model.graph.node:
         r = qnodes.get(node.name)
         if r is None:
             continue
@@ -426,9 +452,7 @@ def onnxruntime_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activ
         dt = act_dtype(r, activation_type)
         op = node.op_type
         for i, t in enumerate(node.input):
-            if g.is_activation(t):
-                if op in PASS_THROUGH_OPS and i > 0:
-                    continue
+            if g.is_activation(t) and not (op in PASS_THROUGH_OPS and i > 0):
                 want(t, dt)
         out = g.tail(node)
         # Conv/Gemm/QLinear ops need Q on their output to become integer kernels. A MatMul with a
@@ -436,30 +460,24 @@ def onnxruntime_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activ
         # float Gemm behind DQs); a bare MatMul without quantized consumers is better off as
         # MatMulIntegerToFloat (float output, no Q/DQ pair)
         if op in ("MatMul", "Gemm"):
-            if feeds_quantized(out) or (op == "MatMul" and out != node.output[0] and not float_output_ok(node, r)):
+            float_output_ok = r.weights == "int8" and int32_bias(g, node, dt) is not None
+            if _feeds_quantized(g, qnodes, out) or (op == "MatMul" and out != node.output[0] and not float_output_ok):
                 want(out, dt, output=True)
             elif out != node.output[0] or op == "Gemm":
                 # no quantized consumer: a float-output QGemm, which needs the bias as an int32 DQ
-                add_bias(plan, node, r, dt)
+                b = int32_bias(g, node, dt) if r.weights == "int8" else None
+                if b is not None:
+                    plan.biases.append(b)
         elif op in PASS_THROUGH_OPS:
-            if feeds_quantized(out):
+            if _feeds_quantized(g, qnodes, out):
                 want(out, dt, output=True)
         else:
             want(out, dt, output=True)
         if r.weights != "native":
-            for i in _weight_inputs(g, node):
+            for i in weight_inputs(g, node):
                 plan.weights.append(weight_q(node, i, g.weight_shape(node.input[i]), r.weights, per_channel,
                                              weight_range))
-    for tensor, dtype in requested.items():
-        if tensor in outputs_q or quantized_source(tensor):
-            plan.activations.append(ActivationQ(tensor, dtype, None))
-        else:
-            # produced in float by a float op: only the quantized consumers read the DQ copy,
-            # float consumers keep the original tensor (no stray DequantizeLinear, no rounding)
-            cons = tuple((c.name, i) for c, i in g.consumers.get(tensor, []) if c.name in qnodes)
-            plan.activations.append(ActivationQ(tensor, dtype, cons))
-    plan.aliases.update(pass_through_aliases(g, plan))
-    return plan
+    return requested, outputs_q
 
 
 def pass_through_aliases(g: GraphIndex, plan: QDQPlan) -> dict[str, str]:

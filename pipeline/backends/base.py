@@ -227,14 +227,15 @@ def compare_interleaved(backend: Backend, model_paths: list[str | Path], rounds:
 
 
 def time_interleaved(prepared: list[PreparedModel | None], rounds: int, runs_per_round: int, warmup_runs: int = 0,
-                     errors: list[str | None] | None = None) -> tuple[list[list[list[float]]], list[str | None]]:
+                     errors: list[str | None] | None = None, stop_on_error: bool = False
+                     ) -> tuple[list[list[list[float]]], list[str | None]]:
     """Time prepared models in alternating blocks: per model, one list of run times per round, and
     its error (None models, and models with an error already, are skipped).
 
     Each model is warmed up once (``warmup_runs``); each round times every model for
     ``runs_per_round`` runs after one untimed run (the previous model's worker threads slow the
     first run after a switch). A model whose runs raise keeps its error and drops out; the others
-    go on.
+    go on, unless ``stop_on_error`` (a paired comparison is void once either side fails).
     """
     n = len(prepared)
     blocks: list[list[list[float]]] = [[] for _ in prepared]
@@ -253,6 +254,8 @@ def time_interleaved(prepared: list[PreparedModel | None], rounds: int, runs_per
                 pm.time_runs(warmup_runs)  # type: ignore[union-attr]
             except Exception as exc:  # noqa: BLE001 - reported as a failed measurement
                 fail(i, exc)
+                if stop_on_error:
+                    return blocks, errors
     for r in range(rounds):
         # rotate the order every round: each model follows every other one equally often, so
         # no model always pays for its predecessor's lingering worker threads
@@ -265,6 +268,8 @@ def time_interleaved(prepared: list[PreparedModel | None], rounds: int, runs_per
                 blocks[i].append(pm.time_runs(runs_per_round))  # type: ignore[union-attr]
             except Exception as exc:  # noqa: BLE001 - reported as a failed measurement
                 fail(i, exc)
+                if stop_on_error:
+                    return blocks, errors
     return blocks, errors
 
 

@@ -1,10 +1,10 @@
-"""autotune stage: Q/DQ placement chosen by measured latency (region mode).
+"""autotune stage: Q/DQ placement chosen by measured latency (region mode and subgraph mode).
 
 The public API keeps the reference tool's names; they are imported on first use so that loading the
 stage's config schema (and `tune --help`) stays instant::
 
     from tasks.autotune import QDQAutotuner, Config, PatternCache, get_quantized_tensors
-    from tasks.autotune.workflows import region_pattern_autotuning_workflow
+    from tasks.autotune.region_workflow import region_pattern_autotuning_workflow
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ _API = {
     "InsertionScheme": "tasks.autotune.scheme",
     "CombinedRegionSearch": "tasks.autotune.region_search",
     "get_quantized_tensors": "pipeline.qdq",
-    "region_pattern_autotuning_workflow": "tasks.autotune.workflows",
-    "init_benchmark_instance": "tasks.autotune.workflows",
-    "benchmark_onnx_model": "tasks.autotune.workflows",
+    "region_pattern_autotuning_workflow": "tasks.autotune.region_workflow",
+    "init_benchmark_instance": "tasks.autotune.region_workflow",
+    "benchmark_onnx_model": "tasks.autotune.region_workflow",
 }
 
 __all__ = sorted(_API)

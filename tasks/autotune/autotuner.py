@@ -38,15 +38,15 @@ import onnx
 import yaml
 
 from pipeline.artifacts import atomic_write_text
-from pipeline.errors import StateError, first_line
+from pipeline.errors import first_line
 from pipeline.graph import model_hash, save_model
 from pipeline.placement import (
     GraphIndex,
     NodeDtypes,
-    _weight_inputs,
     act_dtype,
     int32_bias,
     pass_through_aliases,
+    weight_inputs,
     weight_q,
 )
 from pipeline.qdq import ActivationQ, Calibration, QDQPlan, apply_plan, raise_opset
@@ -56,6 +56,7 @@ from tasks.autotune.pattern import RegionPattern
 from tasks.autotune.pattern_cache import PatternCache
 from tasks.autotune.region import Region
 from tasks.autotune.scheme import InsertionScheme, Measurement, PatternSchemes, SchemeRecord
+from tasks.autotune.state_file import REGION_STATE, check_state
 
 log = logging.getLogger("tune.autotune")
 
@@ -141,7 +142,9 @@ class QDQAutotunerBase:
 
     # ------------------------------------------------------------------ setup
     def initialize(self, config: Config | None = None, pattern_cache: PatternCache | None = None,
-                   calibration: Calibration | None = None) -> None:
+                   calibration: Calibration | None = None, regions: list[Region] | None = None) -> None:
+        """Set up the search over ``regions`` (given by the caller, e.g. subgraph mode's fusion
+        groups), else over ``self.regions`` if already set, else over ``discover_regions()``."""
         self.config = config or Config()
         self.pattern_cache = pattern_cache or PatternCache(self.config.pattern_cache_minimum_distance,
                                                            self.config.pattern_cache_max_entries_per_pattern)
@@ -151,7 +154,9 @@ class QDQAutotunerBase:
                         else _uniform_dtypes(self.model, self.config.default_quant_type))
         for name in self.config.float_nodes:
             self._dtypes.pop(name, None)
-        if not self.regions:
+        if regions is not None:
+            self.regions = list(regions)
+        elif not self.regions:
             self.regions = self.discover_regions()
         filters = list(self.config.node_filter_list)
         names = [n.name for n in self.model.graph.node]
@@ -174,7 +179,12 @@ class QDQAutotunerBase:
         self._model_sha = model_hash(self.model)
 
     def discover_regions(self) -> list[Region]:
-        raise NotImplementedError("QDQAutotunerBase needs regions: set self.regions before initialize()")
+        raise NotImplementedError("QDQAutotunerBase needs regions: pass them to initialize(regions=...)")
+
+    def dtypes_of(self, node_name: str) -> NodeDtypes | None:
+        """The dtypes the search may give a node (after initialize()); None for nodes left float
+        (no rule, or one of ``float_nodes``)."""
+        return self._dtypes.get(node_name)
 
     @property
     def num_patterns(self) -> int:
@@ -419,7 +429,7 @@ class QDQAutotunerBase:
             d = self._dtypes.get(name)
             if d is None or d.weights == "native":
                 continue
-            for i in _weight_inputs(g, node):
+            for i in weight_inputs(g, node):
                 plan.weights.append(weight_q(node, i, g.weight_shape(node.input[i]), d.weights,
                                              weight_range=self.config.weight_range))
             if (self.config.placement == "onnxruntime" and d.weights == "int8" and node.op_type in ("MatMul", "Gemm")
@@ -497,21 +507,9 @@ class QDQAutotunerBase:
             if not isinstance(doc, dict) or "patterns" not in doc:
                 raise ValueError("no 'patterns' table")
         except (yaml.YAMLError, ValueError, OSError) as exc:
-            raise StateError(f"autotune state file {p} is corrupt ({first_line(exc)}); delete it to start the search "
-                             f"afresh") \
-                from None
-        if doc.get("model_sha256") != self._model_sha:
-            raise StateError(f"autotune state file {p} belongs to a different model; delete it or set "
-                             f"autotune.state_file to another path")
-        for key in ("quant_type", "placement"):
-            want = getattr(self.config, "default_quant_type" if key == "quant_type" else key)
-            if doc.get(key) != want:
-                raise StateError(f"autotune state file {p} was made with {key}={doc.get(key)}, this run uses "
-                                 f"{want}; delete it or set autotune.state_file to another path")
-        if self.context is not None and doc.get("context") not in (None, self.context):
-            raise StateError(f"autotune state file {p} was measured with other inputs or settings (calibration, QDQ "
-                             f"baseline, backend or quantize rules changed); delete it to tune afresh or set "
-                             f"autotune.state_file to another path")
+            raise REGION_STATE.corrupt(p, first_line(exc)) from None
+        check_state(doc, p, REGION_STATE, version=STATE_VERSION, model_sha=self._model_sha, context=self.context,
+                    settings={"quant_type": self.config.default_quant_type, "placement": self.config.placement})
         self.baseline_latency_ms = doc.get("baseline_latency_ms")
         try:
             for sig, d in doc["patterns"].items():
@@ -526,8 +524,7 @@ class QDQAutotunerBase:
                         # committed before the interruption: keep it in the cache saved next to the state
                         self.pattern_cache.add(sig, best.scheme, best.ratio)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise StateError(f"autotune state file {p} is corrupt ({type(exc).__name__}: {first_line(exc)}); "
-                             f"delete it") from None
+            raise REGION_STATE.corrupt(p, f"{type(exc).__name__}: {first_line(exc)}", fix="delete it") from None
 
     @property
     def num_measurements(self) -> int:

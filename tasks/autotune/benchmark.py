@@ -2,8 +2,8 @@
 
 These machines drift in phases (the same model measured 52 ms and 36 ms seconds apart), so an
 absolute latency says little. The float baseline stays loaded for the whole run; a candidate is
-measured in alternating blocks with it (one untimed run after each switch, since the previous
-session's spinning threads slow the first run), and the result is the ratio of their low
+measured in alternating blocks with it (``time_interleaved``: one untimed run after each switch,
+since the previous session's spinning threads slow the first run), and the result is the ratio of their low
 percentiles, which held up best here: each round keeps the fastest run of a short block per model,
 and the result is the median over rounds of the per-round candidate/baseline ratios. Identical
 models (by content hash) are measured once.
@@ -96,14 +96,12 @@ class PairedBenchmark:
                     m = Measurement.failed(f"over the accuracy budget: {verdict.what}")
                     m.accuracy = verdict.to_dict()
                     return m
-            cand.time_runs(self.warmup_runs)
-            ref_min: list[float] = []
-            cand_min: list[float] = []
-            for r in range(rounds):
-                pair = [(ref, ref_min), (cand, cand_min)] if r % 2 == 0 else [(cand, cand_min), (ref, ref_min)]
-                for pm, mins in pair:
-                    pm.time_runs(1)
-                    mins.append(min(pm.time_runs(self.runs_per_round)))
+            cand.time_runs(self.warmup_runs)  # (the reference was warmed up once, when it was loaded)
+            blocks, errors = time_interleaved([ref, cand], rounds, self.runs_per_round, stop_on_error=True)
+            error = next((e for e in errors if e is not None), None)
+            if error is not None:
+                return Measurement.failed(error)
+            ref_min, cand_min = ([min(b) for b in bl] for bl in blocks)
         except Exception as exc:  # noqa: BLE001
             return Measurement.failed(f"{type(exc).__name__}: {exc}")
         finally:

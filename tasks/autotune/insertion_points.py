@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import onnx
 
-from pipeline.placement import PASS_THROUGH_OPS, WEIGHTED_OPS, GraphIndex, _weight_inputs, too_small
+from pipeline.placement import PASS_THROUGH_OPS, WEIGHTED_OPS, GraphIndex, too_small, weight_inputs
 from tasks.autotune.region import Region
 
 KINDS = ("node_input", "node_output", "child_input", "region_output", "activation_input", "weight")
@@ -82,13 +82,13 @@ def resolve(point: InsertionPoint, region: Region, order: list[int], model: onnx
         if point.slot >= len(node.input) or not g.is_activation(node.input[point.slot]):
             return None
         weight_node = node.name if (point.kind == "node_input" and node.op_type in WEIGHTED_OPS and point.slot == 0
-                                    and _weight_inputs(g, node)) else None
+                                    and weight_inputs(g, node)) else None
         return ResolvedPoint(node.input[point.slot], ((node.name, point.slot),), weight_node)
     if point.kind == "weight":
         if point.index >= len(order):
             return None
         node = nodes[order[point.index]]
-        return ResolvedPoint(None, None, node.name) if node.op_type in WEIGHTED_OPS and _weight_inputs(g, node) \
+        return ResolvedPoint(None, None, node.name) if node.op_type in WEIGHTED_OPS and weight_inputs(g, node) \
             else None
     if point.kind == "node_output":
         if point.index >= len(order):

@@ -1,10 +1,10 @@
-"""The autotune stage (region mode): Q/DQ placement chosen by paired latency measurements.
+"""The autotune stage: Q/DQ placement chosen by measured latency, in region or subgraph mode.
 
-Inputs: export's float model, quantize's calibration.json (Q/DQ get calibrated scales; a default
-scale only where a tensor has no statistics, with a warning) and quantize's quantized_model.onnx as
-QDQ baseline (``autotune.qdq_baseline`` overrides it). Outputs, as the reference tool lists them:
-autotune/baseline.onnx, optimized_final.onnx, autotuner_state.yaml,
-autotuner_state_pattern_cache.yaml, logs/ and region_models/.
+Inputs: export's float model (the baseline every speedup is against), quantize's float_model.onnx
+(the graph Q/DQ go into), calibration.json (Q/DQ get calibrated scales; a default scale only where a
+tensor has no statistics, with a warning) and quantized_model.onnx as QDQ baseline
+(``autotune.qdq_baseline`` overrides it). ``_setup`` builds what both modes share once; ``_region``
+or ``_subgraph`` tunes; ``_finalize`` guards. Outputs: COMMON_OUTPUTS plus MODE_OUTPUTS[mode].
 
 The shipped optimized_final.onnx is decided by a fresh interleaved measurement of the float model,
 the PTQ model and the tuned model (not by the search's best-of-N): it must beat the
@@ -16,6 +16,7 @@ and the file written is byte for byte the model that was measured.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,87 +77,151 @@ def quant_type_of(cfg: DictConfig) -> str:
     return "int8"
 
 
+@dataclass(frozen=True)
+class TuneSetup:
+    """What both modes share, built once per run (see ``AutotuneStage._setup``)."""
+
+    out: Path
+    inputs: dict[str, Path]
+    model: Any  # the float graph Q/DQ go into (quantize/float_model.onnx, else export's)
+    backend: Any
+    config: Any  # tasks.autotune.autotuner.Config
+    calibration: Calibration
+    budget: AccuracyBudget
+    holdout: Holdout
+    baseline_path: Path  # export's float model: every speedup is against it
+    context_items: dict[str, Any]  # what a state file must have been made with to be resumed
+    runs: tuple[int, int, int, int]  # schemes_per_region, warmup_runs, timing_runs, rounds
+    performance_threshold: float  # the shipped Q/DQ model must beat float by this factor
+
+    def judge(self, prepared: Any) -> Any:
+        return self.holdout.score(prepared, self.budget)
+
+    @property
+    def accuracy_check(self) -> Any:
+        """What candidates are checked with before they are timed (None: budget off)."""
+        return self.judge if self.budget.enabled else None
+
+
+@dataclass
+class ModeResult:
+    """A mode's tuned model (not yet guarded), its metrics and its own artifacts."""
+
+    tuned: Path
+    metrics: dict[str, Any]
+    artifacts: dict[str, Path]
+    bench: Any = None  # a live benchmark to close before the final measurement
+    report: Any = None  # called with the final metrics to write the mode's report
+
+
+# artifacts every run writes, and each mode's own (declared here, checked at the end of a run)
+COMMON_OUTPUTS = ("autotune/optimized_final.onnx", "autotune/baseline.onnx")
+MODE_OUTPUTS = {
+    "region": ("autotune/autotuner_state.yaml",),  # + autotuner_state_pattern_cache.yaml once one pattern is done
+    "subgraph": ("autotune/optimized_raw.onnx", "autotune/autotune_cache.json", "autotune/report.md"),
+}
+
+
 class AutotuneStage(Stage):
     name = "autotune"
     inputs = ("export/model.onnx",)
     # quantize/float_model.onnx: the float graph after quantize's float-exact transforms (equalization,
     # outlier smoothing), the one calibration.json describes; Q/DQ go into it, timing is against export's
     optional_inputs = ("quantize/calibration.json", "quantize/quantized_model.onnx", "quantize/float_model.onnx")
-    # region mode adds autotuner_state.yaml; subgraph mode optimized_raw.onnx and autotune_cache.json
-    outputs = ("autotune/optimized_final.onnx", "autotune/baseline.onnx")
+    outputs = COMMON_OUTPUTS
     config_keys = ("autotune", "accuracy", "backend", "quantize", "seed")
 
     def run(self, ctx: StageContext) -> StageResult:
-        from tasks.autotune.autotuner import SHARED_FIELDS, Config
-        from tasks.autotune.workflows import init_benchmark_instance, region_pattern_autotuning_workflow
+        mode = enum_value(ctx.cfg.autotune.mode)
+        setup = self._setup(ctx)
+        result = (self._region if mode == "region" else self._subgraph)(ctx, setup)
+        metrics = self._finalize(setup, result)
+        metrics.update(result.metrics)
+        if result.report is not None:
+            result.report(metrics)
+        result.tuned.unlink(missing_ok=True)
+        artifacts = {"autotune/optimized_final.onnx": setup.out / "optimized_final.onnx",
+                     "autotune/baseline.onnx": setup.baseline_path, **result.artifacts}
+        missing = [k for k in (*COMMON_OUTPUTS, *MODE_OUTPUTS[mode]) if k not in artifacts]
+        if missing:
+            raise StageError(f"autotune ({mode} mode) did not write {', '.join(missing)}")
+        return StageResult(artifacts, metrics)
 
+    def _setup(self, ctx: StageContext) -> TuneSetup:
+        """The float baseline, calibration, tuner config, accuracy holdout and resume context."""
         cfg = ctx.cfg
-        a = cfg.autotune
-        mode = enum_value(a.mode)
         out = ctx.stage_dir("autotune")
         inputs = self.resolve_inputs(ctx)
         model = load_model(inputs["export/model.onnx"])
-        quant_type = quant_type_of(cfg)
         backend = create_backend(cfg.backend)
+        quant_type = quant_type_of(cfg)
         if not backend.has_fast_kernels(quant_type):
             log.warning("backend %s has no fast %s kernels: tuning can only find that fewer Q/DQ is faster. "
                         "Use a backend that runs %s (e.g. backend=tensorrt on an Ada/Hopper GPU for fp8, "
                         "backend=onnxruntime for int8)", backend.name, quant_type, quant_type)
         schemes, warmup, timing = settings(cfg)
-        placement = placement_kind(cfg)
-
-        calibration = self._calibration(inputs, a, load_calibration)
-        decisions = quantize_decisions(inputs.get("quantize/calibration.json"))
-        baseline_model = self._qdq_baseline(ctx, inputs)
-        rules = resolve_rules(model, cfg.quantize.layers, cfg.quantize.skip_names, cfg.quantize.op_types_to_quantize)
-        node_dtypes = None if a.quant_type is not None else rules
-        if node_dtypes is not None and not node_dtypes:
-            raise StageError("autotune: the quantize rules leave every node float (quantize=none?); set "
-                             "autotune.quant_type=int8 to tune anyway")
-        config = Config(
-            **{k: a[k] for k in SHARED_FIELDS},
-            default_quant_type=quant_type, default_dq_dtype=enum_value(a.default_dq_dtype),
-            schemes_per_region=schemes, placement=placement,
-            activation_type=activation_type(cfg) if quant_type == "int8" else "int8",
-            seed=int(cfg.seed), node_filter_list=_node_filters(list(a.node_filter_list)), node_dtypes=node_dtypes,
-            weight_range=decisions["weight_range"], float_nodes=list(decisions["float_nodes"]),
-        )
-        if decisions["weight_range"] != "full" or decisions["float_nodes"]:
-            log.info("autotune: following the quantize stage: %s weights%s", decisions["weight_range"],
-                     f", {len(decisions['float_nodes'])} nodes float" if decisions["float_nodes"] else "")
+        calibration = self._calibration(inputs, cfg.autotune, load_calibration)
+        config = self._tuner_config(cfg, model, inputs, quant_type, schemes)
         baseline_path = out / "baseline.onnx"
         save_model(model, baseline_path)
         if "quantize/float_model.onnx" in inputs:
             model = load_model(inputs["quantize/float_model.onnx"])
-        rounds = 4
         budget = AccuracyBudget.from_config(cfg)
         holdout = Holdout.from_config(cfg, input_specs(model))
         with backend.prepare(baseline_path) as pm:
             holdout.set_reference(pm)
         log.info("autotune: every candidate is held to the accuracy budget (%s) on %d samples of %s",
                  budget.describe(), holdout.samples, holdout.source)
-
-        def judge(pm):
-            return holdout.score(pm, budget)
-
-        bench = init_benchmark_instance(backend, baseline_path, warmup, timing, rounds,
-                                        judge if budget.enabled else None)
-        first = bench.measure(baseline_path, use_cache=False)  # fails fast if the backend cannot measure here
-        if not first.ok:
-            raise StageError(f"autotune: cannot measure the float model on {backend.name}: {first.error}")
+        baseline_model = self._qdq_baseline(ctx, inputs)
         context_items = {
             "calibration": sha256_file(inputs["quantize/calibration.json"]) if "quantize/calibration.json" in inputs
             else None,
             "qdq_baseline": model_hash(baseline_model) if baseline_model is not None else None,
             "backend": section(cfg, "backend"), "activation_type": config.activation_type,
             "default_dq_dtype": config.default_dq_dtype, "node_filter_list": config.node_filter_list,
-            "node_dtypes": sorted((k, v.weights, v.activations) for k, v in (node_dtypes or {}).items()),
+            "node_dtypes": sorted((k, v.weights, v.activations) for k, v in (config.node_dtypes or {}).items()),
             "weight_range": config.weight_range, "float_nodes": config.float_nodes,
             "accuracy": section(cfg, "accuracy"),
         }
-        if mode == "subgraph":
-            return self._subgraph(ctx, model, inputs, backend, config, calibration, budget, holdout, judge,
-                                  baseline_path, bench, context_items, (schemes, warmup, timing, rounds))
+        return TuneSetup(out, inputs, model, backend, config, calibration, budget, holdout, baseline_path,
+                         context_items, (schemes, warmup, timing, 4), float(cfg.autotune.performance_threshold))
+
+    @staticmethod
+    def _tuner_config(cfg: DictConfig, model: Any, inputs: dict[str, Path], quant_type: str, schemes: int) -> Any:
+        """The autotuner's Config: the autotune keys plus what the quantize stage decided."""
+        from tasks.autotune.autotuner import SHARED_FIELDS, Config
+
+        a = cfg.autotune
+        decisions = quantize_decisions(inputs.get("quantize/calibration.json"))
+        rules = resolve_rules(model, cfg.quantize.layers, cfg.quantize.skip_names, cfg.quantize.op_types_to_quantize)
+        node_dtypes = None if a.quant_type is not None else rules
+        if node_dtypes is not None and not node_dtypes:
+            raise StageError("autotune: the quantize rules leave every node float (quantize=none?); set "
+                             "autotune.quant_type=int8 to tune anyway")
+        if decisions["weight_range"] != "full" or decisions["float_nodes"]:
+            log.info("autotune: following the quantize stage: %s weights%s", decisions["weight_range"],
+                     f", {len(decisions['float_nodes'])} nodes float" if decisions["float_nodes"] else "")
+        return Config(
+            **{k: a[k] for k in SHARED_FIELDS},
+            default_quant_type=quant_type, default_dq_dtype=enum_value(a.default_dq_dtype),
+            schemes_per_region=schemes, placement=placement_kind(cfg),
+            activation_type=activation_type(cfg) if quant_type == "int8" else "int8",
+            seed=int(cfg.seed), node_filter_list=_node_filters(list(a.node_filter_list)), node_dtypes=node_dtypes,
+            weight_range=decisions["weight_range"], float_nodes=list(decisions["float_nodes"]),
+        )
+
+    def _region(self, ctx: StageContext, setup: TuneSetup) -> ModeResult:
+        """Region mode (tasks/autotune/region_workflow.py): pattern search on the full model, every
+        candidate measured against a live float baseline."""
+        from tasks.autotune.region_workflow import init_benchmark_instance, region_pattern_autotuning_workflow
+
+        a, out, config = ctx.cfg.autotune, setup.out, setup.config
+        schemes, warmup, timing, rounds = setup.runs
+        bench = init_benchmark_instance(setup.backend, setup.baseline_path, warmup, timing, rounds,
+                                        setup.accuracy_check)
+        first = bench.measure(setup.baseline_path, use_cache=False)  # fails fast if the backend cannot measure here
+        if not first.ok:
+            raise StageError(f"autotune: cannot measure the float model on {setup.backend.name}: {first.error}")
         pattern_cache = None
         if a.pattern_cache:
             from tasks.autotune.pattern_cache import PatternCache
@@ -164,11 +229,8 @@ class AutotuneStage(Stage):
             pattern_cache = PatternCache.load(user_path(a.pattern_cache), config.pattern_cache_minimum_distance,
                                               config.pattern_cache_max_entries_per_pattern)
             log.info("warm start: %d patterns from %s", pattern_cache.num_patterns, a.pattern_cache)
-        state_file = None
-        if a.state_file:
-            state_file = str(user_path(a.state_file))
-
-        bar = progress_bar(bool(cfg.progress), total=None, desc="autotune", unit="pattern")
+        state_file = str(user_path(a.state_file)) if a.state_file else None
+        bar = progress_bar(bool(ctx.cfg.progress), total=None, desc="autotune", unit="pattern")
 
         def on_progress(ev: dict) -> None:
             bar.total = ev["patterns"]
@@ -177,112 +239,78 @@ class AutotuneStage(Stage):
             bar.set_postfix(schemes=ev["measurements"], best=f"{sp:.2f}x" if sp else "-", refresh=False)
             bar.refresh()
 
-        context = fingerprint(context_items)
         try:
-            tuner = region_pattern_autotuning_workflow(model, out, bench, config, calibration, pattern_cache,
-                                                       state_file, baseline_model, on_progress, context)
+            tuner = region_pattern_autotuning_workflow(
+                setup.model, out, bench, config, setup.calibration, pattern_cache, state_file,
+                self._qdq_baseline(ctx, setup.inputs), on_progress, fingerprint(setup.context_items))
         finally:
             bar.close()
-        if calibration.defaulted:
-            log.warning("autotune: %d tensors had no calibration statistics and use the default scale %.3g: "
-                        "run the quantize stage first for calibrated scales", len(calibration.defaulted),
-                        config.default_q_scale)
+        self._warn_defaulted(setup)
         tuned = out / "optimized_tuned.onnx"
-        tuned_model = tuner.export_model()
-        save_model(tuned_model, tuned)
-        metrics = self._finalize(backend, bench, baseline_path, inputs.get("quantize/quantized_model.onnx"),
-                                 tuned, out / "optimized_final.onnx", float(a.performance_threshold), timing, warmup,
-                                 judge, budget)
-        metrics.update(
-            mode="region", full_model_measurements=tuner.num_measurements,
-            regions=len(tuner.regions), patterns=tuner.num_patterns, measurements=tuner.num_measurements,
-            benchmark_runs=bench.count, quant_type=quant_type, placement=placement,
-            schemes_per_region=schemes, defaulted_scales=len(calibration.defaulted),
-            weight_range=config.weight_range, float_nodes=config.float_nodes, budget=budget.describe(),
-            over_budget_candidates=sum(1 for ps in tuner.pattern_schemes.values() for r in ps.records
-                                       for m in r.measurements if m.over_budget),
-        )
-        artifacts = {
-            "autotune/optimized_final.onnx": out / "optimized_final.onnx",
-            "autotune/baseline.onnx": baseline_path,
-            "autotune/autotuner_state.yaml": Path(state_file) if state_file else out / "autotuner_state.yaml",
-        }
-        cache_file = artifacts["autotune/autotuner_state.yaml"]
-        cache_file = cache_file.with_name(f"{cache_file.stem}_pattern_cache.yaml")
+        save_model(tuner.export_model(), tuned)
+        state = Path(state_file) if state_file else out / "autotuner_state.yaml"
+        artifacts = {"autotune/autotuner_state.yaml": state}
+        cache_file = state.with_name(f"{state.stem}_pattern_cache.yaml")
         if cache_file.exists():
             artifacts["autotune/autotuner_state_pattern_cache.yaml"] = cache_file
-        tuned.unlink(missing_ok=True)
-        return StageResult(artifacts, metrics)
+        metrics = dict(
+            mode="region", full_model_measurements=tuner.num_measurements,
+            regions=len(tuner.regions), patterns=tuner.num_patterns, measurements=tuner.num_measurements,
+            benchmark_runs=bench.count, schemes_per_region=schemes,
+            over_budget_candidates=sum(1 for ps in tuner.pattern_schemes.values() for r in ps.records
+                                       for m in r.measurements if m.over_budget),
+            **self._common_metrics(setup),
+        )
+        return ModeResult(tuned, metrics, artifacts, bench=bench)
 
-    def _subgraph(self, ctx: StageContext, model, inputs: dict[str, Path], backend, config, calibration: Calibration,
-                  budget: AccuracyBudget, holdout: Holdout, judge, baseline_path: Path, bench,
-                  context_items: dict[str, Any], settings_: tuple[int, int, int, int]) -> StageResult:
+    def _subgraph(self, ctx: StageContext, setup: TuneSetup) -> ModeResult:
         """Subgraph mode (tasks/autotune/subgraph_workflow.py): fusion groups, per-group profiling of
-        extracted subgraphs, incremental validation on the full model, then the same final guard."""
+        extracted subgraphs, incremental validation on the full model."""
         import time
 
         from tasks.autotune.subgraph_workflow import subgraph_autotuning_workflow
 
-        cfg, a = ctx.cfg, ctx.cfg.autotune
-        out = ctx.stage_dir("autotune")
-        _, warmup, timing, rounds = settings_
-        bench.close()
+        cfg, a, out = ctx.cfg, ctx.cfg.autotune, setup.out
+        _, warmup, timing, rounds = setup.runs
         t0 = time.time()
-        groups, graph_json, source = self._fusion_groups(cfg, backend, baseline_path, model, out,
-                                                         inputs["export/model.onnx"].stem)
+        groups, graph_json, source = self._fusion_groups(cfg, setup)
         log.info("autotune: %d fusion groups from %s", len(groups), source)
-        context = fingerprint({**context_items, "mode": "subgraph", "groups": source,
+        context = fingerprint({**setup.context_items, "mode": "subgraph", "groups": source,
                                "graph_json": sha256_file(graph_json) if graph_json is not None else None})
-        bars: dict[str, Any] = {}
-
-        def on_progress(phase: str, done: int, total: int) -> None:
-            bar = bars.get(phase)
-            if bar is None:
-                for b in bars.values():
-                    b.close()
-                bar = bars[phase] = progress_bar(bool(cfg.progress), total=total, desc=phase, unit="step")
-            bar.total = total
-            bar.n = done
-            bar.refresh()
-
-        try:
+        with _PhaseBars(bool(cfg.progress)) as bars:
             result = subgraph_autotuning_workflow(
-                model, out, backend, groups, config, calibration, warmup, timing, rounds,
-                judge if budget.enabled else None, shapes={**backend.opt_shapes(), **recorded_shapes(model)},
-                incremental_validation=bool(a.incremental_validation), context=context, on_progress=on_progress)
-        finally:
-            for b in bars.values():
-                b.close()
-        raw = self._check_raw(backend, out / "optimized_raw.onnx", judge)
+                setup.model, out, setup.backend, groups, setup.config, setup.calibration, warmup, timing, rounds,
+                setup.accuracy_check, shapes={**setup.backend.opt_shapes(), **recorded_shapes(setup.model)},
+                incremental_validation=bool(a.incremental_validation), context=context, on_progress=bars.update)
+        raw = self._check_raw(setup.backend, out / "optimized_raw.onnx", setup.judge)
         tuned = out / "optimized_tuned.onnx"
         save_model(result.tuner.export_model(assignment=result.assignment), tuned)
-        tuning_s = time.time() - t0
-        metrics = self._finalize(backend, bench, baseline_path, inputs.get("quantize/quantized_model.onnx"), tuned,
-                                 out / "optimized_final.onnx", float(a.performance_threshold), timing, warmup,
-                                 judge, budget)
-        kept = sum(1 for g in result.report if g["validation"] == "kept")
-        metrics.update(
+        metrics = dict(
             mode="subgraph", fusion_groups=len(groups), groups=result.groups, distinct_groups=result.keys,
             measurements=result.measurements, full_model_measurements=result.full_model_measurements,
-            subgraph_measurements=result.measurements - result.full_model_measurements, kept_groups=kept,
-            tuning_seconds=round(tuning_s, 1),
-            incremental_validation=bool(a.incremental_validation), group_report=result.report, raw=raw,
-            quant_type=config.default_quant_type, placement=config.placement, budget=budget.describe(),
-            weight_range=config.weight_range, float_nodes=config.float_nodes,
-            defaulted_scales=len(calibration.defaulted),
+            subgraph_measurements=result.measurements - result.full_model_measurements,
+            kept_groups=sum(1 for g in result.report if g["validation"] == "kept"),
+            tuning_seconds=round(time.time() - t0, 1), incremental_validation=bool(a.incremental_validation),
+            group_report=result.report, raw=raw, **self._common_metrics(setup),
         )
-        write_group_report(out / "report.md", metrics)
-        tuned.unlink(missing_ok=True)
-        artifacts = {
-            "autotune/optimized_final.onnx": out / "optimized_final.onnx",
-            "autotune/optimized_raw.onnx": out / "optimized_raw.onnx",
-            "autotune/baseline.onnx": baseline_path,
-            "autotune/autotune_cache.json": out / "autotune_cache.json",
-            "autotune/report.md": out / "report.md",
-        }
+        artifacts = {k: out / Path(k).name for k in MODE_OUTPUTS["subgraph"]}
         if graph_json is not None and graph_json.parent == out:
             artifacts[f"autotune/{graph_json.name}"] = graph_json
-        return StageResult(artifacts, metrics)
+        return ModeResult(tuned, metrics, artifacts, report=lambda m: write_group_report(out / "report.md", m))
+
+    @staticmethod
+    def _common_metrics(setup: TuneSetup) -> dict[str, Any]:
+        c = setup.config
+        return dict(quant_type=c.default_quant_type, placement=c.placement, budget=setup.budget.describe(),
+                    weight_range=c.weight_range, float_nodes=c.float_nodes,
+                    defaulted_scales=len(setup.calibration.defaulted))
+
+    @staticmethod
+    def _warn_defaulted(setup: TuneSetup) -> None:
+        if setup.calibration.defaulted:
+            log.warning("autotune: %d tensors had no calibration statistics and use the default scale %.3g: "
+                        "run the quantize stage first for calibrated scales", len(setup.calibration.defaulted),
+                        setup.config.default_q_scale)
 
     @staticmethod
     def _check_raw(backend, path: Path, judge) -> dict[str, Any]:
@@ -300,7 +328,7 @@ class AutotuneStage(Stage):
         return {"runs": True, "accuracy": verdict.to_dict()}
 
     @staticmethod
-    def _fusion_groups(cfg: DictConfig, backend, model_path: Path, model, out: Path, name: str):
+    def _fusion_groups(cfg: DictConfig, setup: TuneSetup):
         """Phase 1: (groups, graph JSON used or written, description of the source).
 
         autotune.graph_json names a TensorRT layer-information file; without it, ONNX Runtime groups
@@ -312,6 +340,8 @@ class AutotuneStage(Stage):
         from tasks.autotune.fusion_grouping import ort_fusion_groups, trt_fusion_groups
 
         a = cfg.autotune
+        backend, model_path, model, out = setup.backend, setup.baseline_path, setup.model, setup.out
+        name = setup.inputs["export/model.onnx"].stem
         if a.graph_json:
             path = user_path(a.graph_json)
             if not path.is_file():
@@ -363,58 +393,24 @@ class AutotuneStage(Stage):
         p = inputs.get("quantize/quantized_model.onnx")
         return load_model(p) if p is not None else None
 
-    @staticmethod
-    def _finalize(backend, bench, baseline: Path, ptq: Path | None, tuned: Path, final: Path, threshold: float,
-                  timing: int, warmup: int, judge, budget: AccuracyBudget) -> dict[str, Any]:
+    def _finalize(self, setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
         """Fresh interleaved measurement of float, PTQ and tuned models, each also checked against the
         accuracy budget on the held-out batches; ship the fastest model that meets the budget and beats
-        float by ``threshold``, else the float model."""
-        from pipeline.backends.base import compare_prepared
-
-        bench.close()  # free the search's live reference before the final comparison
+        float by ``performance_threshold``, else the float model."""
+        if result.bench is not None:
+            result.bench.close()  # free the search's live reference before the final comparison
+        baseline, tuned, ptq = setup.baseline_path, result.tuned, setup.inputs.get("quantize/quantized_model.onnx")
         paths = [baseline, tuned] + ([ptq] if ptq is not None and model_hash(ptq) != model_hash(tuned) else [])
-        prepared, verdicts = [], []
-        try:
-            for p in paths:
-                try:
-                    pm = backend.prepare(p)
-                except Exception as exc:  # noqa: BLE001 - a model the runtime rejects is not shipped
-                    raise StageError(f"autotune: {p.name} cannot be loaded by {backend.name}: "
-                                     f"{first_line(exc)}") from None
-                prepared.append(pm)
-                verdicts.append(judge(pm))
-            timings = compare_prepared(backend.name, prepared, rounds=6, runs_per_round=max(2, timing // 2),
-                                       warmup_runs=warmup)
-        finally:
-            for pm in prepared:
-                pm.close()
-        if not all(t.ok for t in timings[:2]):
-            bad = next(t for t in timings if not t.ok)
-            raise StageError(f"autotune: final measurement failed: {bad.error}")
+        timings, verdicts = self._measure_final(setup, paths)
+        choice, why = self._choose(setup, paths, timings, verdicts)
         base_t, tuned_t = timings[0], timings[1]
         ptq_t = timings[2] if len(timings) > 2 and timings[2].ok else None
-        tuned_v = verdicts[1]
         ptq_v = verdicts[2] if len(verdicts) > 2 else None
-        ok = {tuned: tuned_v.ok or not budget.enabled, ptq: ptq_v is not None and (ptq_v.ok or not budget.enabled)}
-        choice, why = tuned, "tuned placement"
-        if not ok[tuned]:
-            choice, why = ptq, f"the tuned placement misses the accuracy budget ({tuned_v.what})"
-        elif ptq_t is not None and ok[ptq] and ptq_t.p10_ms < tuned_t.p10_ms * 0.98:
-            choice, why = ptq, "the quantize stage's model measured faster than the tuned placement"
-        if choice == ptq and (ptq_t is None or not ok[ptq]):
-            choice = baseline
-            why = (f"no quantized model meets the accuracy budget ({budget.describe()}; tuned: {tuned_v.what}"
-                   + (f"; PTQ: {ptq_v.what}" if ptq_v is not None else "") + "): shipping the float model")
-        chosen_t = {baseline: base_t, tuned: tuned_t, ptq: ptq_t}[choice]
+        chosen_t = timings[paths.index(choice)]
+        chosen_v = verdicts[paths.index(choice)]
+        atomic_write_bytes(setup.out / "optimized_final.onnx", choice.read_bytes())
         speedup = base_t.p10_ms / chosen_t.p10_ms
-        if choice != baseline and speedup < threshold:
-            choice, why = baseline, (f"no Q/DQ model beat the float baseline by the performance threshold "
-                                     f"{threshold:.2f}x (best {speedup:.3f}x): shipping the float model")
-            chosen_t = base_t
-        atomic_write_bytes(final, choice.read_bytes())
-        speedup = base_t.p10_ms / chosen_t.p10_ms
-        chosen_v = {baseline: verdicts[0], tuned: tuned_v, ptq: ptq_v}[choice]
-        runtime = backend.describe()
+        backend = setup.backend
         # the CPU EP runs float models in FP32; TensorRT backends build them at backend.float_precision
         precision = "FP32" if backend.name == "onnxruntime" else str(backend.cfg.get("float_precision", "FP32")).upper()
         line = (f"Baseline: {base_t.p10_ms:.3f} ms / Final: {chosen_t.p10_ms:.3f} ms ({speedup:.2f}x speedup), "
@@ -424,19 +420,97 @@ class AutotuneStage(Stage):
         if choice != tuned:
             log.warning("autotune: optimized_final.onnx is %s because %s", choice.name, why)
         shipped = {baseline: "float", tuned: "tuned", ptq: "ptq"}.get(choice, "tuned")
-        metrics: dict[str, Any] = {
+        return {
             "baseline_ms": base_t.p10_ms, "final_ms": chosen_t.p10_ms, "speedup": speedup,
             "baseline_median_ms": base_t.median_ms, "final_median_ms": chosen_t.median_ms,
             "tuned_ms": tuned_t.p10_ms, "tuned_speedup": base_t.p10_ms / tuned_t.p10_ms,
             "ptq_ms": ptq_t.p10_ms if ptq_t else None,
             "ptq_speedup": (base_t.p10_ms / ptq_t.p10_ms) if ptq_t else None,
-            "accuracy": {"final": chosen_v.to_dict(), "tuned": tuned_v.to_dict(),
+            "accuracy": {"final": chosen_v.to_dict(), "tuned": verdicts[1].to_dict(),
                          "ptq": ptq_v.to_dict() if ptq_v is not None else None},
             "shipped": shipped, "shipped_reason": why,
-            "baseline_precision": precision, "runtime": runtime, "final_line": line,
+            "baseline_precision": precision, "runtime": backend.describe(), "final_line": line,
             "headline": f"{speedup:.2f}x vs {precision} float, {chosen_v.what} ({shipped if choice == tuned else why})",
         }
-        return metrics
+
+    @staticmethod
+    def _measure_final(setup: TuneSetup, paths: list[Path]) -> tuple[list[Any], list[Any]]:
+        """Timings (one interleaved run) and accuracy verdicts of ``paths``; the float baseline and the
+        tuned model must both be measurable."""
+        from pipeline.backends.base import compare_prepared
+
+        backend = setup.backend
+        _, warmup, timing, _ = setup.runs
+        prepared, verdicts = [], []
+        try:
+            for p in paths:
+                try:
+                    pm = backend.prepare(p)
+                except Exception as exc:  # noqa: BLE001 - a model the runtime rejects is not shipped
+                    raise StageError(f"autotune: {p.name} cannot be loaded by {backend.name}: "
+                                     f"{first_line(exc)}") from None
+                prepared.append(pm)
+                verdicts.append(setup.judge(pm))
+            timings = compare_prepared(backend.name, prepared, rounds=6, runs_per_round=max(2, timing // 2),
+                                       warmup_runs=warmup)
+        finally:
+            for pm in prepared:
+                pm.close()
+        if not all(t.ok for t in timings[:2]):
+            bad = next(t for t in timings if not t.ok)
+            raise StageError(f"autotune: final measurement failed: {bad.error}")
+        return timings, verdicts
+
+    @staticmethod
+    def _choose(setup: TuneSetup, paths: list[Path], timings: list[Any], verdicts: list[Any]) -> tuple[Path, str]:
+        """(model to ship, why): tuned unless it misses the budget or the PTQ model is faster; float
+        when no quantized model meets the budget or beats float by the performance threshold."""
+        budget, threshold = setup.budget, setup.performance_threshold
+        baseline, tuned = paths[0], paths[1]
+        ptq = paths[2] if len(paths) > 2 else None
+        tuned_t, tuned_v = timings[1], verdicts[1]
+        ptq_t = timings[2] if ptq is not None and timings[2].ok else None
+        ptq_v = verdicts[2] if ptq is not None else None
+        ok = {tuned: tuned_v.ok or not budget.enabled, ptq: ptq_v is not None and (ptq_v.ok or not budget.enabled)}
+        choice, why = tuned, "tuned placement"
+        if not ok[tuned]:
+            choice, why = ptq, f"the tuned placement misses the accuracy budget ({tuned_v.what})"
+        elif ptq_t is not None and ok[ptq] and ptq_t.p10_ms < tuned_t.p10_ms * 0.98:
+            choice, why = ptq, "the quantize stage's model measured faster than the tuned placement"
+        if choice == ptq and (ptq_t is None or not ok[ptq]):
+            return baseline, (f"no quantized model meets the accuracy budget ({budget.describe()}; tuned: "
+                              f"{tuned_v.what}" + (f"; PTQ: {ptq_v.what}" if ptq_v is not None else "")
+                              + "): shipping the float model")
+        speedup = timings[0].p10_ms / timings[paths.index(choice)].p10_ms
+        if speedup < threshold:
+            return baseline, (f"no Q/DQ model beat the float baseline by the performance threshold "
+                              f"{threshold:.2f}x (best {speedup:.3f}x): shipping the float model")
+        return choice, why
+
+
+class _PhaseBars:
+    """One progress bar per subgraph-mode phase, the previous one closed when the next starts."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.bars: dict[str, Any] = {}
+
+    def update(self, phase: str, done: int, total: int) -> None:
+        bar = self.bars.get(phase)
+        if bar is None:
+            for b in self.bars.values():
+                b.close()
+            bar = self.bars[phase] = progress_bar(self.enabled, total=total, desc=phase, unit="step")
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    def __enter__(self) -> _PhaseBars:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for b in self.bars.values():
+            b.close()
 
 
 def write_group_report(path: Path, metrics: dict[str, Any]) -> None:

@@ -35,9 +35,9 @@ import onnx
 
 from pipeline.artifacts import atomic_write_json
 from pipeline.backends import Backend
-from pipeline.errors import StateError, first_line
+from pipeline.errors import first_line
 from pipeline.graph import model_hash, save_model
-from pipeline.placement import WEIGHTED_OPS, _weight_inputs, too_small
+from pipeline.placement import WEIGHTED_OPS, too_small, weight_inputs
 from pipeline.qdq import Calibration
 from tasks.autotune.autotuner import Config, QDQAutotunerBase
 from tasks.autotune.benchmark import PairedBenchmark, ProfiledTiming, compare_profiled
@@ -45,6 +45,7 @@ from tasks.autotune.fusion_grouping import FusionGroup
 from tasks.autotune.insertion_points import InsertionPoint
 from tasks.autotune.region import Region, RegionType
 from tasks.autotune.scheme import InsertionScheme, Measurement
+from tasks.autotune.state_file import SUBGRAPH_CACHE, check_state
 from tasks.autotune.subgraph_extractor import extract_subgraph, reuse_key, tensor_infos
 
 log = logging.getLogger("tune.autotune")
@@ -92,9 +93,10 @@ def heuristic_schemes(tuner: QDQAutotunerBase, region: Region) -> dict[str, Inse
     weights: set[InsertionPoint] = set()
     for k, idx in enumerate(order):
         node = nodes[idx]
-        weighted = node.op_type in WEIGHTED_OPS and bool(_weight_inputs(g, node)) and \
+        weighted = node.op_type in WEIGHTED_OPS and bool(weight_inputs(g, node)) and \
             not too_small(g, node, "fp8_e4m3fn" if quant == "fp8" else "int8")
-        if node.name not in tuner._dtypes or tuner._dtypes[node.name].activations == "native":
+        d = tuner.dtypes_of(node.name)
+        if d is None or d.activations == "native":
             continue
         core = k in placed or weighted
         for s, t in enumerate(node.input):
@@ -132,18 +134,14 @@ class SubgraphCache:
             return False
         try:
             doc = json.loads(self.path.read_text())
+            phase3 = doc.get("phase3", {}) if isinstance(doc, dict) else None
             if not isinstance(doc, dict) or not isinstance(doc.get("groups"), dict) or \
-                    not isinstance(doc.get("phase3", {}).get("steps"), list):
+                    not isinstance(phase3, dict) or not isinstance(phase3.get("steps"), list):
                 raise ValueError("no 'groups' table or 'phase3' steps")
         except (ValueError, OSError) as exc:
-            raise StateError(f"autotune cache {self.path} is corrupt ({first_line(exc)}); delete it to tune afresh") \
-                from None
-        if doc.get("model_sha256") != self.doc["model_sha256"]:
-            raise StateError(f"autotune cache {self.path} belongs to a different model; delete it to tune afresh")
-        if doc.get("context") != self.doc["context"]:
-            raise StateError(f"autotune cache {self.path} was measured with other inputs or settings (calibration, "
-                             f"backend, quantize rules, accuracy budget or subgraph settings changed); delete it "
-                             f"to tune afresh")
+            raise SUBGRAPH_CACHE.corrupt(self.path, first_line(exc)) from None
+        check_state(doc, self.path, SUBGRAPH_CACHE, version=CACHE_VERSION, model_sha=self.doc["model_sha256"],
+                    context=self.doc["context"])
         self.doc = doc
         return True
 
@@ -206,11 +204,11 @@ def subgraph_autotuning_workflow(
     # one autotuner over the fusion groups: its regions' boundaries are the extractor's, so a group
     # and its subgraph have the same pattern signature and the same pattern-relative points
     tuner = QDQAutotunerBase(model)
-    tuner.regions = []
+    regions = []
     for k, fg in enumerate(groups):
         ins, outs = tuner.index.boundaries(fg.region.nodes)
-        tuner.regions.append(Region(k, RegionType.LEAF, 1, nodes=list(fg.region.nodes), inputs=ins, outputs=outs))
-    tuner.initialize(config, None, calibration)
+        regions.append(Region(k, RegionType.LEAF, 1, nodes=list(fg.region.nodes), inputs=ins, outputs=outs))
+    tuner.initialize(config, None, calibration, regions=regions)
     active = [r for r in tuner.regions if r.id not in tuner.skipped_regions
               and tuner.pattern_schemes[tuner.patterns[r.id].signature].candidates]
     infos = tensor_infos(model, sorted({t for r in active for t in (*r.inputs, *r.outputs)}), shapes)
@@ -244,8 +242,7 @@ def subgraph_autotuning_workflow(
         rec["subgraph"] = f"subgraphs/group_{rep.id}.onnx"
         save_model(sub, out / rec["subgraph"])
         sub_tuner = QDQAutotunerBase(sub)
-        sub_tuner.regions = [sub_region]
-        sub_tuner.initialize(config, None, calibration)
+        sub_tuner.initialize(config, None, calibration, regions=[sub_region])
         if sub_tuner.patterns[0].op_types != tuner.patterns[rep.id].op_types:
             rec["schemes"] = {"none": {"ok": True, "points": "none"}}
             rec["error"] = "the extracted subgraph orders its nodes differently; left float"
