@@ -7,8 +7,9 @@ quantized model run as plain Q/DQ math (every node's output tensor is still ther
 integer kernels compute the same) against the float model; the bias then absorbs it (Nagel et al.,
 "Data-Free Quantization", section 4.2, empirical variant). Nodes are corrected level by level from
 the inputs down, each measured with the nodes above it corrected: correcting all at once from one
-measurement overshoots in deep models, where a node's shift is mostly its inputs'. A node the float
-graph gives no bias initializer is left as it is and reported.
+measurement overshoots in deep models, where a node's shift is mostly its inputs'. Only the first
+MAX_SWEEPS levels are corrected. A node the float graph gives no bias initializer is left as it is
+and reported.
 
 The corrections are kept by bias tensor in calibration.json (``bias_corrections``) and applied by
 ``apply_plan`` only to the nodes a plan quantizes, so autotune's placements get them too.
@@ -25,7 +26,7 @@ import onnx
 
 from pipeline.placement import WEIGHTED_OPS, GraphIndex, bias_tensor
 
-# quantized-model runs over the calibration feeds at most: deeper models correct adjacent levels together
+# levels corrected (one quantized-model run over the calibration feeds each), from the inputs down
 MAX_SWEEPS = 12
 
 
@@ -129,10 +130,10 @@ def corrections(float_model: onnx.ModelProto, build: Callable[[dict[str, list[fl
     reference = channel_means(float_model, feeds, slots, threads) if slots else {}
     total: dict[str, np.ndarray] = {}
     first: dict[str, np.ndarray] = {}
-    levels = _levels(float_model, slots)
-    step = -(-len(levels) // MAX_SWEEPS) if levels else 1  # adjacent levels share a sweep in deep models
-    for i in range(0, len(levels), step):
-        level = [s for lv in levels[i:i + step] for s in lv]
+    # one level per sweep: correcting adjacent levels from one measurement overshoots (a transformer's
+    # cosine fell from 0.86 to 0.19 that way); past MAX_SWEEPS levels a node's shift is mostly the
+    # noise of the nodes above it, not a bias of its own, so deeper nodes are left as they are
+    for level in _levels(float_model, slots)[:MAX_SWEEPS]:
         measured = channel_means(build({b: v.tolist() for b, v in total.items()}), feeds, level, threads)
         for s in level:
             shift = measured[s.node]["mean"] - reference[s.node]["mean"]
@@ -150,6 +151,8 @@ def corrections(float_model: onnx.ModelProto, build: Callable[[dict[str, list[fl
     records = [{"node": s.node, "bias": s.bias, "mean_abs_shift_rel": rel(first[s.node], s.node),
                 "mean_abs_shift_rel_after": rel(after[s.node]["mean"] - reference[s.node]["mean"], s.node)}
                for s in slots if s.node in first]
+    records += [{"node": s.node, "bias": s.bias, "skipped": f"deeper than {MAX_SWEEPS} levels"}
+                for s in slots if s.node not in first and s not in mismatched]
     records += [{"node": n, "bias": None, "skipped": "no bias initializer"} for n in missing]
     records += [{"node": s.node, "bias": s.bias, "skipped": "bias does not match the output channels"}
                 for s in mismatched]
