@@ -70,15 +70,15 @@ def _channel_sums(a: np.ndarray, axis: int) -> tuple[np.ndarray, int]:
 def channel_means(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], slots: list[BiasSlot],
                   threads: int = 1) -> dict[str, dict[str, Any]]:
     """Per slot: the mean of its output per channel over ``feeds``, and the output's RMS."""
-    outputs = list(dict.fromkeys(s.output for s in slots))
+    axes = {s.output: s.axis for s in slots}
+    outputs = list(axes)
     session = _session(model, outputs, threads)
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, int] = {}
     energy: dict[str, float] = {}
     for feed in feeds:
         for name, arr in zip(outputs, session.run(outputs, feed), strict=True):
-            axis = next(s.axis for s in slots if s.output == name)
-            total, n = _channel_sums(arr, axis)
+            total, n = _channel_sums(arr, axes[name])
             sums[name] = sums.get(name, 0.0) + total
             counts[name] = counts.get(name, 0) + n
             energy[name] = energy.get(name, 0.0) + float(np.sum(np.asarray(arr, np.float64) ** 2))

@@ -222,14 +222,15 @@ def _error_minimizing(s: dict, signed: np.ndarray, zeros: int, absolute: np.ndar
         s["chosen"] = chosen
 
 
-def channel_absmax(arr: np.ndarray) -> np.ndarray | None:
-    """Per-channel absmax of an activation: channels on axis 1 of [N, C, ...] conv tensors (rank 4
-    and 5), on the last axis otherwise ([N, C], [N, S, H] transformer tensors); None for scalars."""
+def channel_extremes(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(min, max) per channel of an activation: channels on axis 1 of [N, C, ...] conv tensors (rank 4
+    and 5), on the last axis otherwise ([N, C], [N, S, H] transformer tensors); a scalar or vector is
+    one channel. The tensor's own min and max are the extremes of these."""
     if arr.ndim < 2:
-        return None
+        return np.atleast_1d(np.min(arr)), np.atleast_1d(np.max(arr))
     axis = 1 if arr.ndim >= 4 else arr.ndim - 1
-    a = np.abs(np.moveaxis(np.asarray(arr, np.float32), axis, -1))
-    return a.reshape(-1, a.shape[-1]).max(axis=0)
+    others = tuple(i for i in range(arr.ndim) if i != axis)
+    return np.min(arr, axis=others), np.max(arr, axis=others)
 
 
 def outlier_ratio(channel_max: np.ndarray) -> float:
@@ -253,10 +254,11 @@ def collect(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]], algo
         count += batch.valid
         for t, arr in runner(batch).items():
             if arr.size:
-                mins[t] = min(mins[t], float(np.min(arr)))
-                maxs[t] = max(maxs[t], float(np.max(arr)))
-                c = channel_absmax(arr)
-                if c is not None:
+                lo, hi = channel_extremes(arr)
+                mins[t] = min(mins[t], float(lo.min()))
+                maxs[t] = max(maxs[t], float(hi.max()))
+                if arr.ndim >= 2:
+                    c = np.maximum(np.abs(lo), np.abs(hi))
                     channels[t] = c if t not in channels or channels[t].shape != c.shape else \
                         np.maximum(channels[t], c)
     if count == 0:

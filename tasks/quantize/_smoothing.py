@@ -23,6 +23,7 @@ import onnx
 from onnx import helper
 
 from pipeline.qdq import activation_params, quantize_values, weight_params
+from tasks.quantize._calibrate import outlier_ratio
 from tasks.quantize._graph_edit import Editor, Use, attr
 
 log = logging.getLogger("tune.quantize")
@@ -220,12 +221,6 @@ def _apply_smoothing(ed: Editor, tensor: str, c: _Consumers, s: np.ndarray) -> t
     return "Mul", True
 
 
-def _outlier_ratio(absmax: np.ndarray) -> float:
-    from tasks.quantize._calibrate import outlier_ratio
-
-    return outlier_ratio(absmax)
-
-
 def smooth_outliers(model: onnx.ModelProto, act_absmax: Mapping[str, np.ndarray],
                     samples: Mapping[str, np.ndarray] | None = None,
                     alphas: Sequence[float] = (0.0, 0.25, 0.4, 0.5, 0.6, 0.75),
@@ -257,9 +252,9 @@ def smooth_outliers(model: onnx.ModelProto, act_absmax: Mapping[str, np.ndarray]
         if not c.uses:
             log.debug("smoothing: %s has %d channels, its MatMul/Gemm weights disagree", t, ax.size)
             continue
-        if _outlier_ratio(ax) < MUL_MIN_OUTLIER_RATIO and _absorbing(ed, t, c, ax.size) is None:
+        if outlier_ratio(ax) < MUL_MIN_OUTLIER_RATIO and _absorbing(ed, t, c, ax.size) is None:
             log.debug("smoothing: %s left alone (outlier ratio %.1f too small for an inserted Mul)", t,
-                      _outlier_ratio(ax))
+                      outlier_ratio(ax))
             continue
         weights = _weights_kn(ed, c)
         aw = np.max([np.abs(w).max(axis=1) for w in weights], axis=0)
@@ -284,8 +279,8 @@ def smooth_outliers(model: onnx.ModelProto, act_absmax: Mapping[str, np.ndarray]
         consumer_names = c.names(ed)
         absorbed_by, inserted = _apply_smoothing(ed, t, c, s)
         records.append({"tensor": t, "consumers": consumer_names, "alpha": alpha, "absorbed_by": absorbed_by,
-                        "inserted_mul": inserted, "outlier_ratio_before": _outlier_ratio(ax),
-                        "outlier_ratio_after": _outlier_ratio(ax / s), "error_before": err_before,
+                        "inserted_mul": inserted, "outlier_ratio_before": outlier_ratio(ax),
+                        "outlier_ratio_after": outlier_ratio(ax / s), "error_before": err_before,
                         "error_after": err_after})
     log.info("outlier smoothing: %d tensor(s) smoothed (%d with an inserted Mul)", len(records),
              sum(r["inserted_mul"] for r in records))
