@@ -23,7 +23,6 @@ from pipeline.accuracy import AccuracyBudget, AccuracyVerdict, FidelityResult, H
 from pipeline.config import enum_value
 from pipeline.errors import StageError, first_line
 from pipeline.placement import PASS_THROUGH_OPS, WEIGHTED_OPS, GraphIndex
-from pipeline.stage import StageContext
 
 log = logging.getLogger("tune.quantize")
 
@@ -333,24 +332,27 @@ def block_recovery(order: list[str], build: Callable[[set[str]], onnx.ModelProto
     return [], None, profile
 
 
-def decide(ctx: StageContext, model: onnx.ModelProto, float_path: Path, specs: list, kind: str,
-            build: Callable[..., tuple[Any, onnx.ModelProto]], backend: Any,
-            fix_bias: Callable[..., tuple[dict, Any]] | None = None, outliers: dict[str, str] | None = None
-            ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def start_range(requested: Any) -> str:
+    """The weight storage candidates are first built with: ``quantize.weight_range``, auto starting
+    from full range."""
+    r = enum_value(requested)
+    return "full" if r == "auto" else r
+
+
+def decide(cfg: Any, model: onnx.ModelProto, checker: Checker, kind: str,
+           build: Callable[..., tuple[Any, onnx.ModelProto]],
+           fix_bias: Callable[..., tuple[dict, Any]] | None = None, outliers: dict[str, str] | None = None
+           ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Weight storage, kernel-fidelity culprits, float nodes and bias correction of the quantize stage's
-    model, decided on held-out calibration batches. ``build(weight_range, float_nodes)`` places the
+    model, decided on ``checker``'s held-out batches. ``build(weight_range, float_nodes)`` places the
     model; ``fix_bias`` tries bias correction on the final placement; ``outliers`` are the element-wise
     nodes on tensors with outlier channels, recovery's first candidates."""
     from pipeline.backends.base import compare_interleaved
     from pipeline.cpu import cpu_facts, describe
 
-    cfg = ctx.cfg
     q, a = cfg.quantize, cfg.accuracy
-    budget = AccuracyBudget.from_config(cfg)
+    backend, holdout, budget = checker.backend, checker.holdout, checker.budget
     facts = cpu_facts()
-    holdout = Holdout.from_config(cfg, specs)
-    with backend.prepare(float_path) as pm:
-        holdout.set_reference(pm)
     requested = enum_value(q.weight_range)
 
     def measure(paths: list[Path]) -> list[float | None]:
@@ -358,61 +360,59 @@ def decide(ctx: StageContext, model: onnx.ModelProto, float_path: Path, specs: l
                                       warmup_runs=backend.warmup_runs)
         return [t.p10_ms if t.ok else None for t in timings]
 
-    with temp_workdir(ctx.results_dir / "quantize") as tmp:
-        checker = Checker(backend, holdout, budget, fused=kind == "onnxruntime", workdir=Path(tmp))
-        ops = {n.name: n.op_type for n in model.graph.node}
-        start = "full" if requested == "auto" else requested
-        unsupported = runnable(lambda s: build(start, s)[1], checker, set(ops))
+    ops = {n.name: n.op_type for n in model.graph.node}
+    start = start_range(requested)
+    unsupported = runnable(lambda s: build(start, s)[1], checker, set(ops))
 
-        def placed(wr: str, float_nodes: set[str] = frozenset()) -> onnx.ModelProto:
-            """The quantized model with the nodes the runtime cannot run quantized left float."""
-            return build(wr, set(float_nodes) | unsupported)[1]
+    def placed(wr: str, float_nodes: set[str] = frozenset()) -> onnx.ModelProto:
+        """The quantized model with the nodes the runtime cannot run quantized left float."""
+        return build(wr, set(float_nodes) | unsupported)[1]
 
-        culprits: list[str] = []
-        if kind == "onnxruntime":
-            units = [n for n in build(start, unsupported)[0].node_rules if ops.get(n) not in (None, *PASS_THROUGH_OPS)]
-            weight_range, why, checked, culprits = choose_weight_range(
-                placed, checker, requested, facts["u8s8_saturates"], measure, units)
-            chosen = next(c for c in checked if c.name == f"weights_{weight_range}")
-            unsupported |= set(culprits)
-        else:
-            weight_range = "full" if requested == "auto" else requested
-            why = ("TensorRT placement: full-range int8 (TensorRT's integer kernels do not saturate)"
-                   if requested == "auto" else f"quantize.weight_range={requested}")
-            chosen = checker.check(placed(weight_range), f"weights_{weight_range}")
-            checked = [chosen]
-        if chosen.error is not None:
-            raise StageError(f"quantize: the quantized model is not written because {chosen.error}")
-        if weight_range == "full":
-            log.info("quantize: full-range int8 weights on %s (%s)", describe(facts), why)
-        else:
-            log.warning("quantize: %s [%s]", why, describe(facts))
-        verdict = chosen.verdict
-        final = chosen  # the candidate of the placement that will be written
-        float_nodes: list[str] = []
-        sensitivity = None
-        if verdict is not None and not verdict.ok and budget.enabled and bool(a.recovery):
-            plan, _ = build(weight_range, unsupported)
-            units = [n for n in plan.node_rules if ops.get(n) not in PASS_THROUGH_OPS]
-            log.warning("quantize: the PTQ model misses the accuracy budget on %d held-out samples (%s); "
-                        "ranking %d quantized nodes by their contribution to the output error",
-                        holdout.samples, verdict.what, len(units))
-            float_nodes, recovered, report = recover_budget(
-                model, units, lambda s: placed(weight_range, s), checker, verdict, outliers or {},
-                math.floor(float(a.max_float_fraction) * len(units)), bool(cfg.progress))
-            if recovered is not None:
-                verdict, final = recovered.verdict, recovered
-            sensitivity = {
-                "budget": budget.describe(), "holdout": holdout.source, "samples": holdout.samples,
-                "full_placement": chosen.verdict.to_dict() if chosen.verdict else None, **report,
-                "float_nodes": float_nodes, "met": recovered is not None,
-                "accuracy": verdict.to_dict() if verdict else None,
-            }
-        bias = None
-        if fix_bias is not None and final.verdict is not None:
-            bias, corrected = fix_bias(weight_range, unsupported | set(float_nodes), checker, final)
-            if corrected is not None:
-                verdict = corrected.verdict
+    culprits: list[str] = []
+    if kind == "onnxruntime":
+        units = [n for n in build(start, unsupported)[0].node_rules if ops.get(n) not in (None, *PASS_THROUGH_OPS)]
+        weight_range, why, checked, culprits = choose_weight_range(
+            placed, checker, requested, facts["u8s8_saturates"], measure, units)
+        chosen = next(c for c in checked if c.name == f"weights_{weight_range}")
+        unsupported |= set(culprits)
+    else:
+        weight_range = start_range(requested)
+        why = ("TensorRT placement: full-range int8 (TensorRT's integer kernels do not saturate)"
+               if requested == "auto" else f"quantize.weight_range={requested}")
+        chosen = checker.check(placed(weight_range), f"weights_{weight_range}")
+        checked = [chosen]
+    if chosen.error is not None:
+        raise StageError(f"quantize: the quantized model is not written because {chosen.error}")
+    if weight_range == "full":
+        log.info("quantize: full-range int8 weights on %s (%s)", describe(facts), why)
+    else:
+        log.warning("quantize: %s [%s]", why, describe(facts))
+    verdict = chosen.verdict
+    final = chosen  # the candidate of the placement that will be written
+    float_nodes: list[str] = []
+    sensitivity = None
+    if verdict is not None and not verdict.ok and budget.enabled and bool(a.recovery):
+        plan, _ = build(weight_range, unsupported)
+        units = [n for n in plan.node_rules if ops.get(n) not in PASS_THROUGH_OPS]
+        log.warning("quantize: the PTQ model misses the accuracy budget on %d held-out samples (%s); "
+                    "ranking %d quantized nodes by their contribution to the output error",
+                    holdout.samples, verdict.what, len(units))
+        float_nodes, recovered, report = recover_budget(
+            model, units, lambda s: placed(weight_range, s), checker, verdict, outliers or {},
+            math.floor(float(a.max_float_fraction) * len(units)), bool(cfg.progress))
+        if recovered is not None:
+            verdict, final = recovered.verdict, recovered
+        sensitivity = {
+            "budget": budget.describe(), "holdout": holdout.source, "samples": holdout.samples,
+            "full_placement": chosen.verdict.to_dict() if chosen.verdict else None, **report,
+            "float_nodes": float_nodes, "met": recovered is not None,
+            "accuracy": verdict.to_dict() if verdict else None,
+        }
+    bias = None
+    if fix_bias is not None and final.verdict is not None:
+        bias, corrected = fix_bias(weight_range, unsupported | set(float_nodes), checker, final)
+        if corrected is not None:
+            verdict = corrected.verdict
     decisions = {
         "weight_range": weight_range, "weight_range_reason": why, "cpu": facts,
         "unsupported_nodes": sorted(unsupported - set(culprits)),

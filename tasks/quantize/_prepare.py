@@ -69,27 +69,6 @@ def transform_float(model: onnx.ModelProto, q: Any, batches: Callable[[], Iterab
     return model, records
 
 
-def placement_error(model: onnx.ModelProto, stats: dict[str, dict], place: Callable[[onnx.ModelProto], Any],
-                    weight_clip: str, backend: Any, holdout: Any, budget: Any, workdir: Any) -> float | None:
-    """Held-out error (AccuracyVerdict.error) of ``model``'s default placement with ``stats``, run with
-    the backend's fused kernels; None when that model does not load or run (then nothing is compared)."""
-    import tempfile
-    from pathlib import Path
-
-    from pipeline.qdq import Calibration, apply_plan
-
-    try:
-        qmodel = apply_plan(model, place(model), Calibration(stats, weight_clip=weight_clip))
-        with tempfile.TemporaryDirectory(prefix=".compare.", dir=workdir) as tmp:
-            path = Path(tmp) / "candidate.onnx"
-            path.write_bytes(qmodel.SerializeToString())
-            with backend.prepare(path) as pm:
-                return holdout.score(pm, budget).error
-    except Exception:  # noqa: BLE001 - a placement the runtime rejects is sorted out later, node by node
-        log.debug("placement_error failed", exc_info=True)
-        return None
-
-
 def correct_bias(model: onnx.ModelProto, build: Callable[[dict[str, list[float]]], onnx.ModelProto],
                  quantized: Iterable[str], batches: Callable[[], Iterable[Batch]], threads: int
                  ) -> tuple[dict[str, list[float]], list[dict]]:

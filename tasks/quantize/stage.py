@@ -11,6 +11,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,7 @@ from pipeline.placement import (
     weight_inputs,
 )
 from pipeline.progress import progress_bar
-from pipeline.qdq import FP8, QTYPES, Calibration, activation_params, apply_plan, qdq_summary, weight_params
+from pipeline.qdq import FP8, QTYPES, Calibration, activation_params, apply_plan, qdq_summary
 from pipeline.stage import Stage, StageContext, StageResult
 from tasks.quantize import _prepare
 
@@ -43,9 +44,9 @@ log = logging.getLogger("tune.quantize")
 
 
 
-def weight_records(model: onnx.ModelProto, search: str = "max") -> dict[str, Any]:
-    """Per-channel scales of every weight of a weighted op, for each weight dtype (``search``: see
-    pipeline.qdq.weight_params)."""
+def weight_records(model: onnx.ModelProto, calibration: Calibration) -> dict[str, Any]:
+    """Per-channel scales of every weight of a weighted op, for each weight dtype, as ``calibration``
+    searches them (its cache then serves apply_plan: the mse search runs once per weight)."""
     g = GraphIndex(model)
     out: dict[str, Any] = {}
     for node in model.graph.node:
@@ -58,13 +59,18 @@ def weight_records(model: onnx.ModelProto, search: str = "max") -> dict[str, Any
             rec: dict[str, Any] = {"node": node.name, "op_type": node.op_type, "axis": axis,
                                    "shape": list(w.shape), "absmax": float(np.abs(w).max()) if w.size else 0.0}
             for dt in ("int8", *FP8):
-                rec[dt] = {"scale": weight_params(w, axis, dt, search=search).scale.tolist(), "zero_point": 0}
+                rec[dt] = {"scale": calibration.weight_params(name, w, axis, dt).scale.tolist(), "zero_point": 0}
             out[name] = rec
     return out
 
 
-def calibration_document(stats: dict[str, dict], model: onnx.ModelProto, cfg: DictConfig) -> dict[str, Any]:
+def calibration_document(stats: dict[str, dict], model: onnx.ModelProto, cfg: DictConfig,
+                         calibration: Calibration | None = None) -> dict[str, Any]:
+    """calibration.json: ``stats`` with scale/zero point per dtype, and the weights' scales as
+    ``calibration`` (default: one made from ``stats`` for the configured algorithm) searches them."""
     weight_clip = Calibration.weight_clip_for(enum_value(cfg.quantize.algorithm))
+    if calibration is None:
+        calibration = Calibration(stats, weight_clip=weight_clip)
     tensors = {}
     for name, s in stats.items():
         rec = dict(s)
@@ -80,18 +86,12 @@ def calibration_document(stats: dict[str, dict], model: onnx.ModelProto, cfg: Di
         "tensors": tensors,
         # how weight scales are searched; load_calibration hands it to apply_plan (autotune's models)
         "weight_clip": weight_clip,
-        "weights": weight_records(model, weight_clip),
+        "weights": weight_records(model, calibration),
     }
 
 
 def _num(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.3g}"
-
-
-def _start_range(q: DictConfig) -> str:
-    """The weight storage candidates are first built with (auto starts from full range)."""
-    r = enum_value(q.weight_range)
-    return "full" if r == "auto" else r
 
 
 def _ort_backend(cfg: DictConfig):
@@ -143,11 +143,20 @@ class QuantizeStage(Stage):
         def progress(it, desc):
             return progress_bar(bool(cfg.progress), iterable=it, total=total, desc=f"quantize: {desc}", unit="batch")
 
+        from pipeline.accuracy import AccuracyBudget, Holdout
+        from tasks.quantize._accuracy import Checker, decide, outlier_units, start_range, temp_workdir
         from tasks.quantize._calibrate import collect
 
         backend = _ort_backend(cfg)  # calibration and every check run on it
         kind = placement_kind(cfg)
         act_type = activation_type(cfg)
+        holdout = Holdout.from_config(cfg, specs)
+        with backend.prepare(float_path) as pm:
+            holdout.set_reference(pm)
+        work = temp_workdir(out_dir)  # the candidates checked on the holdout; removed when decided
+        # ORT placements are checked with the fused kernels that will run them, TensorRT ones as Q/DQ math
+        checker = Checker(backend, holdout, AccuracyBudget.from_config(cfg), fused=kind == "onnxruntime",
+                          workdir=Path(work.name))
         original = model
         model, transforms = _prepare.transform_float(model, q, batches, backend.threads, act_type)
         builder = onnxruntime_plan if kind == "onnxruntime" else tensorrt_plan
@@ -156,20 +165,21 @@ class QuantizeStage(Stage):
             return collect(m, batches, enum_value(q.algorithm), float(q.percentile), int(q.calibration.num_bins),
                            backend.threads, progress)
 
+        weight_clip = Calibration.weight_clip_for(enum_value(q.algorithm))
         t0 = time.time()
         stats = calibrate(model)
         if model is not original:
-            model, stats = self._keep_transforms(ctx, original, model, stats, calibrate, transforms, specs,
-                                                 backend, lambda m: builder(m, rules, act_type, per_channel=bool(
-                                                     q.per_channel), weight_range=_start_range(q)))
+            model, stats = self._keep_transforms(original, model, stats, calibrate, transforms, checker,
+                                                 lambda m: builder(m, rules, act_type, per_channel=bool(
+                                                     q.per_channel), weight_range=start_range(q.weight_range)),
+                                                 weight_clip)
         out_float = save_model(model, out_dir / "float_model.onnx")
         calib_seconds = time.time() - t0
-        doc = calibration_document(stats, model, cfg)
+        calibration = Calibration(stats, weight_clip=weight_clip)
+        doc = calibration_document(stats, model, cfg, calibration)
         samples = next(iter(stats.values()))["samples"] if stats else 0
         log.info("calibrated %d tensors on %d samples with %s in %.1f s", len(stats), samples,
                  enum_value(q.algorithm), calib_seconds)
-
-        calibration = Calibration(doc["tensors"], weight_clip=doc["weight_clip"])
 
         def build(weight_range: str, float_nodes: set[str] = frozenset()):
             kept = {k: v for k, v in rules.items() if k not in float_nodes}
@@ -212,11 +222,10 @@ class QuantizeStage(Stage):
             log.info("quantize: bias correction of %d node(s): %s -> %s", len(corrections), rec["before"], rec["after"])
             return rec, after
 
-        from tasks.quantize._accuracy import decide, outlier_units
-
         outliers = outlier_units(model, stats, list(rules), float(q.outlier_threshold))
-        decisions, sensitivity = decide(ctx, model, float_path, specs, kind, build, backend,
-                                              fix_bias if bool(q.bias_correction) else None, outliers)
+        decisions, sensitivity = decide(cfg, model, checker, kind, build,
+                                        fix_bias if bool(q.bias_correction) else None, outliers)
+        work.cleanup()
         decisions["transforms"] = transforms
         doc["transforms"] = transforms
         doc["bias_corrections"] = calibration.bias_corrections
@@ -261,24 +270,21 @@ class QuantizeStage(Stage):
         return StageResult(artifacts, metrics)
 
     @staticmethod
-    def _keep_transforms(ctx: StageContext, original: onnx.ModelProto, transformed: onnx.ModelProto,
-                         stats: dict[str, dict], calibrate: Callable[[onnx.ModelProto], dict[str, dict]],
-                         transforms: list[dict[str, Any]], specs: list, backend: Any,
-                         place: Callable[[onnx.ModelProto], Any]) -> tuple[onnx.ModelProto, dict[str, dict]]:
+    def _keep_transforms(original: onnx.ModelProto, transformed: onnx.ModelProto, stats: dict[str, dict],
+                         calibrate: Callable[[onnx.ModelProto], dict[str, dict]], transforms: list[dict[str, Any]],
+                         checker: Any, place: Callable[[onnx.ModelProto], Any], weight_clip: str
+                         ) -> tuple[onnx.ModelProto, dict]:
         """The float-exact transforms are kept only if the PTQ model made from them has the lower held-out
         error: equalization shifts range from weights into activations, which per-channel weights may
         not need (measured: a VAD's held-out error rose from 0.0033 to 0.030 with it, 24.8 to 15.2 dB)."""
-        from pipeline.accuracy import AccuracyBudget, Holdout
-
-        holdout = Holdout.from_config(ctx.cfg, specs)
-        with backend.prepare(ctx.require("export/model.onnx")) as pm:
-            holdout.set_reference(pm)
-        budget = AccuracyBudget.from_config(ctx.cfg)
-        clip = Calibration.weight_clip_for(enum_value(ctx.cfg.quantize.algorithm))
         stats_o = calibrate(original)
-        work = ctx.stage_dir("quantize")
-        err_t = _prepare.placement_error(transformed, stats, place, clip, backend, holdout, budget, work)
-        err_o = _prepare.placement_error(original, stats_o, place, clip, backend, holdout, budget, work)
+
+        def error(model: onnx.ModelProto, st: dict[str, dict], name: str) -> float | None:
+            """None when the default placement does not load or run (sorted out later, node by node)."""
+            c = checker.check(apply_plan(model, place(model), Calibration(st, weight_clip=weight_clip)), name)
+            return c.verdict.error if c.error is None and c.verdict is not None else None
+
+        err_t, err_o = error(transformed, stats, "transformed"), error(original, stats_o, "original")
         for t in transforms:
             if t.get("applied"):
                 t["held_out_error"] = {"with": err_t, "without": err_o}
