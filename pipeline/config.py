@@ -257,26 +257,31 @@ def _accuracy_problems(acc: DictConfig) -> list[str]:
     return problems
 
 
-_ALIAS_NOTED: set[str] = set()
+_NOTED: set[str] = set()
+
+
+def note_once(message: str) -> None:
+    """One ``tune: <message>`` line on stderr per process: validation runs before the job and again
+    in it, and a note about the config should be read once."""
+    import sys
+
+    if message not in _NOTED:
+        _NOTED.add(message)
+        print(f"tune: {message}", file=sys.stderr)
 
 
 def apply_aliases(cfg: DictConfig) -> None:
     """Move values set under the deprecated ``autotune.accuracy.*`` to ``accuracy.*`` (in place), with
     a one-line note per key, so both spellings compose the same run."""
-    import sys
-
-    old = cfg.get("autotune", {}).get("accuracy") if isinstance(cfg.get("autotune"), DictConfig) else None
+    old = OmegaConf.select(cfg, "autotune.accuracy")
     if not isinstance(old, DictConfig) or not isinstance(cfg.get("accuracy"), DictConfig):
         return
-    for key in list(old.keys()):
-        value = old[key]
+    for key, value in list(old.items()):
         if value is None:
             continue
         cfg.accuracy[key] = value
         old[key] = None
-        if key not in _ALIAS_NOTED:
-            _ALIAS_NOTED.add(key)
-            print(f"tune: note: autotune.accuracy.{key} is deprecated; use accuracy.{key}", file=sys.stderr)
+        note_once(f"note: autotune.accuracy.{key} is deprecated; use accuracy.{key}")
 
 
 # --------------------------------------------------------------------------- primary

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from pipeline.config import AccuracyMetric
+from pipeline.config import AccuracyMetric, enum_value, note_once
 
 
 class Mode(str, Enum):
@@ -56,10 +56,8 @@ PRESETS: dict[str, tuple[int, int, int]] = {
 }
 
 
-def _only(mode: str, default: Any = None, factory: Any = None) -> Any:
+def _only(mode: str, default: Any = None) -> Any:
     """A key only one mode reads (``ignored_keys`` warns when the other mode is chosen)."""
-    if factory is not None:
-        return field(default_factory=factory, metadata={"mode": mode})
     return field(default=default, metadata={"mode": mode})
 
 
@@ -116,7 +114,7 @@ def ignored_keys(a: DictConfig) -> list[str]:
     """``autotune.<key>=<value>`` for every key set away from its default that the chosen mode ignores."""
     import dataclasses
 
-    mode = a.mode.value if isinstance(a.mode, Enum) else str(a.mode)
+    mode = enum_value(a.mode)
     out = []
     for f in dataclasses.fields(AutotuneConfig):
         only = f.metadata.get("mode")
@@ -132,20 +130,13 @@ def ignored_keys(a: DictConfig) -> list[str]:
 SCHEMA = AutotuneConfig
 
 
-_NOTED: set[str] = set()
-
-
 def validate(cfg: DictConfig) -> list[str]:
-    import sys
-
     a = cfg.autotune
     problems = []
     ignored = ignored_keys(a)
-    note = f"{', '.join(ignored)}: ignored in autotune.mode={a.mode.value if isinstance(a.mode, Enum) else a.mode}"
-    if ignored and note not in _NOTED:  # validate runs before the job and again in it: say it once
-        _NOTED.add(note)
-        print(f"tune: warning: {note} (only the other mode reads {'it' if len(ignored) == 1 else 'them'})",
-              file=sys.stderr)
+    if ignored:
+        note_once(f"warning: {', '.join(ignored)}: ignored in autotune.mode={enum_value(a.mode)} (only the other "
+                  f"mode reads {'it' if len(ignored) == 1 else 'them'})")
     if a.schemes_per_region is not None and a.schemes_per_region < 1:
         problems.append(f"autotune.schemes_per_region={a.schemes_per_region}: must be >= 1")
     if not 0.0 < a.top_percent_to_mutate <= 1.0:
