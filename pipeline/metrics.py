@@ -39,9 +39,12 @@ def predictions(output: np.ndarray) -> np.ndarray | None:
     """
     if not _is_float(output):
         return output
-    if output.ndim < 2 or output.ndim > 3:
-        return None
-    return np.argmax(output, axis=-1)
+    return np.argmax(output, axis=-1) if _class_scores(output) else None
+
+
+def _class_scores(output: np.ndarray) -> bool:
+    """Float scores over the last axis, per sample ([N, C]) or per position ([N, S, C])."""
+    return _is_float(output) and output.ndim in (2, 3)
 
 
 def topk_hits(logits: np.ndarray, labels: np.ndarray, k: int, valid: int | None = None) -> int:
@@ -98,13 +101,12 @@ def decisive_agreement(reference: np.ndarray, test: np.ndarray, valid: int | Non
                        margin: float = DECISIVE_MARGIN) -> tuple[int, int]:
     """(agreeing, compared) predictions over the valid samples (and positions) whose float top-1
     score leads the runner-up by at least ``margin`` x the RMS of that sample's scores."""
-    if predictions(reference) is None or not _is_float(reference) or reference.shape[-1] < 2 \
-            or not _is_float(test):
+    if not _class_scores(reference) or reference.shape[-1] < 2 or not _is_float(test):
         return 0, 0
     batch = reference.shape[0]
     r = valid_rows(reference, valid, batch).astype(np.float64)
     t = valid_rows(test, valid, batch)
-    top2 = np.sort(r, axis=-1)[..., -2:]
+    top2 = np.partition(r, -2, axis=-1)[..., -2:]  # the runner-up in place, the top after it
     rms = np.sqrt(np.mean(r * r, axis=-1))
     decisive = (top2[..., 1] - top2[..., 0]) >= margin * rms
     same = np.argmax(r, axis=-1) == np.argmax(t, axis=-1)
