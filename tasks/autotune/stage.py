@@ -90,6 +90,7 @@ class TuneSetup:
     budget: AccuracyBudget
     holdout: Holdout
     baseline_path: Path  # export's float model: every speedup is against it
+    qdq_baseline: Any  # the placement region mode seeds its search with (None: start from no Q/DQ)
     context_items: dict[str, Any]  # what a state file must have been made with to be resumed
     runs: tuple[int, int, int, int]  # schemes_per_region, warmup_runs, timing_runs, rounds
     performance_threshold: float  # the shipped Q/DQ model must beat float by this factor
@@ -172,11 +173,11 @@ class AutotuneStage(Stage):
             holdout.set_reference(pm)
         log.info("autotune: every candidate is held to the accuracy budget (%s) on %d samples of %s",
                  budget.describe(), holdout.samples, holdout.source)
-        baseline_model = self._qdq_baseline(ctx, inputs)
+        qdq_baseline = self._qdq_baseline(ctx, inputs)
         context_items = {
             "calibration": sha256_file(inputs["quantize/calibration.json"]) if "quantize/calibration.json" in inputs
             else None,
-            "qdq_baseline": model_hash(baseline_model) if baseline_model is not None else None,
+            "qdq_baseline": model_hash(qdq_baseline) if qdq_baseline is not None else None,
             "backend": section(cfg, "backend"), "activation_type": config.activation_type,
             "default_dq_dtype": config.default_dq_dtype, "node_filter_list": config.node_filter_list,
             "node_dtypes": sorted((k, v.weights, v.activations) for k, v in (config.node_dtypes or {}).items()),
@@ -184,7 +185,8 @@ class AutotuneStage(Stage):
             "accuracy": section(cfg, "accuracy"),
         }
         return TuneSetup(out, inputs, model, backend, config, calibration, budget, holdout, baseline_path,
-                         context_items, (schemes, warmup, timing, 4), float(cfg.autotune.performance_threshold))
+                         qdq_baseline, context_items, (schemes, warmup, timing, 4),
+                         float(cfg.autotune.performance_threshold))
 
     @staticmethod
     def _tuner_config(cfg: DictConfig, model: Any, inputs: dict[str, Path], quant_type: str, schemes: int) -> Any:
@@ -242,7 +244,7 @@ class AutotuneStage(Stage):
         try:
             tuner = region_pattern_autotuning_workflow(
                 setup.model, out, bench, config, setup.calibration, pattern_cache, state_file,
-                self._qdq_baseline(ctx, setup.inputs), on_progress, fingerprint(setup.context_items))
+                setup.qdq_baseline, on_progress, fingerprint(setup.context_items))
         finally:
             bar.close()
         self._warn_defaulted(setup)
