@@ -125,6 +125,8 @@ MSE_GRID = np.geomspace(0.01, 1.0, 200)
 _FP8_FORMAT = {"fp8_e4m3fn": (-6, 3), "fp8_e5m2": (-14, 2)}
 # the order auto prefers on an exact tie: the simplest range first
 AUTO_CANDIDATES = ("minmax", "percentile", "entropy", "mse")
+# auto's whole-model candidate that keeps each tensor's own lowest-MSE clip
+PER_TENSOR = "per_tensor"
 
 
 def range_mse(hist: np.ndarray, lo: float, hi: float, dtype: str, thresholds: np.ndarray | float,
@@ -203,7 +205,7 @@ def _error_minimizing(s: dict, signed: np.ndarray, zeros: int, absolute: np.ndar
                       percentile: float) -> None:
     """Fill ``thresholds`` (and for auto ``chosen``) of one tensor's statistics."""
     lo, hi = s["min"], s["max"]
-    thresholds, chosen = {}, {}
+    thresholds, chosen, candidates = {}, {}, {}
     for dt in QTYPES:
         best = mse_threshold(signed, lo, hi, dt, zeros)
         if algorithm == "auto":
@@ -215,11 +217,29 @@ def _error_minimizing(s: dict, signed: np.ndarray, zeros: int, absolute: np.ndar
             mse = range_mse(signed, lo, hi, dt, np.array([cands[k] for k in AUTO_CANDIDATES]), zeros)
             chosen[dt] = AUTO_CANDIDATES[int(np.argmin(mse))]
             best = cands[chosen[dt]]
+            for k, v in cands.items():
+                candidates.setdefault(k, {})[dt] = float(v)
         thresholds[dt] = float(best)
     s["thresholds"] = thresholds
     s["threshold"] = thresholds["int8"]  # for readers that know one threshold only
     if chosen:
         s["chosen"] = chosen
+        s["candidates"] = candidates
+
+
+def with_ranges(stats: dict[str, dict], method: str) -> dict[str, dict]:
+    """Statistics from an ``auto`` calibration with every tensor clipped by ``method`` (one of
+    AUTO_CANDIDATES), or by its per-tensor choice (``PER_TENSOR``); the candidates are dropped."""
+    out = {}
+    for t, s in stats.items():
+        rec = {k: v for k, v in s.items() if k != "candidates"}
+        cands = s.get("candidates")
+        if method != PER_TENSOR and cands:
+            rec["thresholds"] = dict(cands[method])
+            rec["threshold"] = rec["thresholds"]["int8"]
+            rec.pop("chosen", None)
+        out[t] = rec
+    return out
 
 
 def channel_extremes(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

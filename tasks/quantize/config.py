@@ -16,7 +16,9 @@ class Algorithm(str, Enum):
     # the clip with the lowest quantization MSE per tensor and dtype (signed histogram); weights get a
     # per-channel clip search too
     mse = "mse"
-    auto = "auto"  # per tensor and dtype, whichever of minmax/percentile/entropy/mse has the lowest MSE
+    # whichever of minmax/percentile/entropy/mse everywhere, or each tensor's lowest-MSE one of them, gives
+    # the PTQ model the lowest held-out output error (one calibration pass collects them all)
+    auto = "auto"
 
 
 class QDtype(str, Enum):
@@ -69,7 +71,7 @@ class CalibrationConfig:
 @dataclass
 class QuantizeConfig:
     mode: str = "static_ptq"
-    algorithm: Algorithm = Algorithm.minmax
+    algorithm: Algorithm = Algorithm.auto
     percentile: float = 99.99
     # rules are matched in order, first match wins; nodes no rule matches stay float
     layers: list[LayerRule] = field(default_factory=lambda: [LayerRule()])

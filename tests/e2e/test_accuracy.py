@@ -124,3 +124,24 @@ def test_sensitive_node_stays_float_and_nothing_over_budget_ships(tmp_path):
     assert not m["over_budget"]
     assert all(v["budget"]["ok"] for k, v in m["models"].items() if k != "float")
     assert "Left float to meet the accuracy budget" in (rd / "evaluate" / "report.md").read_text()
+
+
+def test_auto_ranges_ship_the_candidate_with_the_lowest_held_out_error(tmp_path):
+    """quantize.algorithm=auto (the default) calibrates once, scores every whole-model range choice on
+    the held-out batches and writes the winner's thresholds to calibration.json."""
+    path = models.save(models.mobilenet_block(), tmp_path, "mobilenet_block")
+    rd = tmp_path / "run"
+    run_tune([f"results_dir={rd}", "model=onnx", f"model.onnx_path={path}", "stages=[export,quantize]",
+              "data=synthetic", "progress=false"], cwd=tmp_path, check=True)
+    doc = json.loads((rd / "quantize" / "calibration.json").read_text())
+    ranges = doc["ranges"]
+    errors = ranges["held_out_error"]
+    assert set(errors) == {"per_tensor", "minmax", "percentile", "entropy", "mse"}
+    assert all(e is not None for e in errors.values()), errors
+    assert errors[ranges["chosen"]] == min(errors.values())
+    assert doc["weight_clip"] == ranges["weight_clip"]
+    assert all("candidates" not in s for s in doc["tensors"].values())
+    if ranges["chosen"] != "per_tensor":
+        assert all("chosen" not in s for s in doc["tensors"].values())
+    q = json.loads((rd / "manifest.json").read_text())["stages"]["quantize"]["metrics"]
+    assert f"auto ({ranges['chosen']} ranges)" in q["headline"]

@@ -294,3 +294,20 @@ def test_existing_algorithms_record_max_weight_clip():
         assert doc["weight_clip"] == "max" and Calibration(doc["tensors"]).weight_clip == "max"
         w1 = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == "w1"))
         assert doc["weights"]["w1"]["int8"]["scale"] == weight_params(w1, 0, "int8").scale.tolist()
+
+
+def test_auto_statistics_carry_every_whole_model_candidate():
+    """One auto calibration yields what each single algorithm would: with_ranges(stats, method) gives
+    the minmax / entropy / mse thresholds those algorithms calibrate on their own."""
+    from tasks.quantize._calibrate import PER_TENSOR, with_ranges
+
+    batches = _outlier_batches()
+    auto = collect(_identity_model(), batches, "auto", 99.99, 2048, 1, lambda it, d: it)
+    s = auto["y"]
+    assert set(s["candidates"]) == {"minmax", "percentile", "entropy", "mse"}
+    assert with_ranges(auto, PER_TENSOR)["y"]["thresholds"] == s["thresholds"]
+    mm, mse, ent = (with_ranges(auto, m)["y"] for m in ("minmax", "mse", "entropy"))
+    assert all(mm["thresholds"][dt] == pytest.approx(s["absmax"]) for dt in QTYPES)
+    assert mse["thresholds"] == pytest.approx(_collect(batches, "mse")["thresholds"])
+    assert ent["threshold"] == pytest.approx(_collect(batches, "entropy")["threshold"], rel=1e-6)
+    assert "candidates" not in mm and "chosen" not in mm and "chosen" in with_ranges(auto, PER_TENSOR)["y"]
