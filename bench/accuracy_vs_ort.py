@@ -252,6 +252,7 @@ ABLATION = [
     ("ours: + smoothing", "smoothing", ["quantize.smoothing=true"]),
     ("ours: + bias correction", "bias_correction", ["quantize.bias_correction=true"]),
     ("ours: + mse ranges", "mse", ["quantize.algorithm=mse"]),
+    ("ours: + auto ranges", "auto", ["quantize.algorithm=auto"]),
 ]
 
 
@@ -297,6 +298,8 @@ def quantize_notes(m: dict, switched: str | None = None) -> str:
     head = str(m.get("headline") or "")
     first, *rest = head.split("; ")
     bits = []
+    if m.get("ranges"):
+        bits.append(f"{m['ranges']['chosen']} ranges chosen")
     if "nodes quantized" in first:
         bits.append(first.split(": ", 1)[-1].split(" (")[0])  # "N nodes quantized"
     bits += rest
@@ -323,7 +326,7 @@ def bench_trained(key: str, rd: Path, args: argparse.Namespace) -> tuple[list[TR
     import trained_models as tm
 
     from pipeline.backends import create_backend
-    from pipeline.cli import _open_dict_overrides
+    from pipeline.cli import open_dict_overrides
     from pipeline.data import DataProvider
     from pipeline.graph import input_specs, load_model
     from tests.conftest import compose
@@ -355,7 +358,7 @@ def bench_trained(key: str, rd: Path, args: argparse.Namespace) -> tuple[list[TR
         m = quantize_metrics(vd)
         if not err:
             row.float_nodes = len(m.get("float_nodes") or [])
-            row.notes = quantize_notes(m, name if name != "mse" else None)
+            row.notes = quantize_notes(m, name if name not in ("mse", "auto") else None)
         rows.append(row)
     dd = rd / "defaults"
     err, took = run_tune(dd, "[export,quantize,autotune]", [*base, "autotune.preset=quick", *args.extra])
@@ -390,7 +393,7 @@ def bench_trained(key: str, rd: Path, args: argparse.Namespace) -> tuple[list[TR
         raise RuntimeError(f"{key}: no run got past export (see {rd}/*/tune.log)")
     rows[0].path = float_path
     # `++` for dict-typed keys (model.input_shapes), as the tune CLI does
-    cfg = compose(_open_dict_overrides([*base, f"results_dir={dd}", f"backend.timing_runs={args.runs}",
+    cfg = compose(open_dict_overrides([*base, f"results_dir={dd}", f"backend.timing_runs={args.runs}",
                                         "backend.warmup_runs=5"]))
     provider = DataProvider(cfg, input_specs(load_model(float_path)))
 

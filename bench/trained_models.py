@@ -53,6 +53,7 @@ CACHE = ROOT / ".cache" / "pypi-onnx"
 SEQ = 128  # minilm_l6 sequence length
 DET_HW = (480, 640)
 CLS_CHW = (3, 48, 192)
+VAD_CHUNK, VAD_CONTEXT, VAD_RATE = 512, 64, 16000  # silero-vad's window at 16 kHz (its OnnxWrapper's)
 
 MODELS: dict[str, dict] = {
     "minilm_l6": {
@@ -85,7 +86,20 @@ MODELS: dict[str, dict] = {
         "outputs": {"save_infer_model/scale_0.tmp_1": [1, 2]},
         "metric": [],  # default: top-1 agreement or SNR (class scores without labels)
     },
+    "silero_vad": {
+        "requirement": "silero-vad==6.2.3",
+        "member": "silero_vad/data/silero_vad.onnx",
+        "description": "silero-vad v6 voice-activity detector (STFT conv, 4 convs, LSTM 128, conv head), trained; all "
+                       "compute inside an If on the sample rate (specialized with model.fixed_inputs={sr: 16000}); "
+                       "fed 576-sample windows (64 context + 512 new) of real speech with the LSTM state the float "
+                       "model carried to them",
+        "inputs": {"input": [1, VAD_CONTEXT + VAD_CHUNK], "state": [2, 1, 128], "sr": []},
+        "outputs": {"output": [1, 1], "stateN": [2, 1, 128]},
+        "metric": ["model.fixed_inputs={sr: 16000}"],
+    },
 }
+# real speech for the VAD: pyannote.audio's sample (30 s, 16 kHz, two speakers, with an RTTM of who speaks)
+SPEECH = ("pyannote.audio==3.3.2", "pyannote/audio/sample/sample.wav")
 
 
 # --------------------------------------------------------------------------- fetching
@@ -96,7 +110,7 @@ def _wheel(requirement: str) -> Path:
     dl = CACHE / "wheels"
     dl.mkdir(parents=True, exist_ok=True)
     name, version = requirement.split("==")
-    prefix = f"{name.replace('-', '_').lower()}-{version}-"
+    prefix = f"{re.sub(r'[-_.]+', '_', name).lower()}-{version}-"
 
     def found() -> list[Path]:
         return sorted(w for w in dl.glob("*.whl") if w.name.lower().startswith(prefix))
@@ -410,10 +424,42 @@ def _cls_image(rng: np.random.Generator, flip: bool) -> np.ndarray:
     return out[None]
 
 
+def speech() -> np.ndarray:
+    """SPEECH as float32 samples in [-1, 1] (16 kHz mono)."""
+    from scipy.io import wavfile
+
+    rate, x = wavfile.read(_extract(*SPEECH))
+    if rate != VAD_RATE or x.ndim != 1:
+        raise RuntimeError(f"{SPEECH[1]}: expected 16 kHz mono, got {rate} Hz, shape {x.shape}")
+    return (x.astype(np.float32) / 32768.0).clip(-1, 1)
+
+
+def _vad_feeds(count: int) -> list[dict[str, np.ndarray]]:
+    """``count`` windows spread evenly over the speech, each with the state the float model carried to
+    it when streamed from the start (as silero-vad's own wrapper streams: 64 samples of context + 512)."""
+    import onnxruntime as ort
+
+    x = speech()
+    session = ort.InferenceSession(str(fetch("silero_vad")), providers=["CPUExecutionProvider"])
+    state = np.zeros((2, 1, 128), np.float32)
+    context = np.zeros(VAD_CONTEXT, np.float32)
+    sr = np.array(VAD_RATE, np.int64)
+    windows = []
+    for i in range(0, len(x) - VAD_CHUNK + 1, VAD_CHUNK):
+        window = np.concatenate([context, x[i:i + VAD_CHUNK]])[None]
+        windows.append({"input": window, "state": state, "sr": sr})
+        _, state = session.run(None, {"input": window, "state": state, "sr": sr})
+        context = window[0, -VAD_CONTEXT:]
+    pick = np.linspace(0, len(windows) - 1, count).round().astype(int)
+    return [windows[i] for i in pick]
+
+
 def make_feeds(key: str, count: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
     """``count`` feeds for MODELS[key], each input at its exact static shape."""
     if key == "minilm_l6":
         return _minilm_feeds(count)
+    if key == "silero_vad":
+        return _vad_feeds(count)
     rng = np.random.default_rng(seed)
     if key == "ppocr_det":
         return [{"x": _det_image(rng)} for _ in range(count)]

@@ -97,6 +97,10 @@ class OnnxModelConfig(ModelConfig):
     # keep the file's dynamic dims (a deployable dynamic-batch model): model.input_shapes then gives the
     # shapes calibration, timing and subgraph extraction use, recorded in the model's metadata
     keep_dynamic_shapes: bool = False
+    # input name -> the value deployment always feeds (a sample rate, a mode flag): export binds it and
+    # replaces the If nodes it and the static shapes decide by their taken branch (pipeline/specialize.py);
+    # feeds that carry another value for it are refused
+    fixed_inputs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """What the quantize stage does to make int8 itself accurate, before and after placement.
 
+First, LSTMs are unrolled into MatMuls where that is exact (``quantize.lower_rnn``; pipeline/rnn.py).
 Before calibration, float-exact transforms of the float graph (``quantize.equalization``,
 ``quantize.smoothing``; see _transforms): each one is run on calibration feeds against the graph it
 was applied to and kept only if the outputs move by at most FLOAT_EXACT (relative L2), so the model
@@ -69,6 +70,33 @@ def transform_float(model: onnx.ModelProto, q: Any, batches: Callable[[], Iterab
     return model, records
 
 
+def lower_rnn(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]]
+              ) -> tuple[onnx.ModelProto, dict[str, Any]]:
+    """(the model with its LSTMs unrolled where that is exact, the record). Unlike the transforms above it
+    is not weighed against the PTQ error: it makes more of the model quantizable, which recovery and
+    autotune then weigh node by node."""
+    from pipeline.rnn import lower_lstm
+    from tasks.quantize import _transforms as tf
+
+    new, changes = lower_lstm(model)
+    record: dict[str, Any] = {"transform": "rnn_lowering", "applied": False, "changes": changes}
+    if new is model:
+        record["reason"] = "no LSTM to lower" if not changes else "; ".join(c["reason"] for c in changes)
+        return model, record
+    err = tf.float_rel_error(model, new, [b.feeds for b in islice(batches(), CHECK_BATCHES)])
+    record["float_rel_error"] = err
+    if err > FLOAT_EXACT:
+        log.warning("quantize: unrolling LSTMs changed the float outputs by %.2e (> %.0e); not applied", err,
+                    FLOAT_EXACT)
+        record["reason"] = f"float outputs changed by {err:.2e}"
+        return model, record
+    record["applied"] = True
+    done = [c for c in changes if c["lowered"]]
+    log.info("quantize: unrolled %d LSTM(s) into %d MatMuls (float outputs within %.1e)", len(done),
+             sum(c["matmuls"] for c in done), err)
+    return new, record
+
+
 def correct_bias(model: onnx.ModelProto, build: Callable[[dict[str, list[float]]], onnx.ModelProto],
                  quantized: Iterable[str], batches: Callable[[], Iterable[Batch]], threads: int
                  ) -> tuple[dict[str, list[float]], list[dict]]:
@@ -86,7 +114,10 @@ def summary(records: list[dict[str, Any]], bias: dict[str, Any] | None) -> list[
         if not r.get("applied"):
             continue
         n = len(r["changes"])
-        if r["transform"] == "equalization":
+        if r["transform"] == "rnn_lowering":
+            done = [c for c in r["changes"] if c.get("lowered")]
+            out.append(f"unrolled {len(done)} LSTM(s) into {sum(c['matmuls'] for c in done)} MatMuls")
+        elif r["transform"] == "equalization":
             out.append(f"equalized {n} conv pair(s)")
         elif r["transform"] == "smoothing":
             muls = sum(c["inserted_mul"] for c in r["changes"])

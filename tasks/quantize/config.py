@@ -82,6 +82,9 @@ class QuantizeConfig:
     activation_type: ActivationType = ActivationType.auto
     per_channel: bool = True
     weight_range: WeightRange = WeightRange.auto
+    # unroll LSTM nodes with a static sequence length (<= 64 steps) into MatMul and element-wise ops, so
+    # their input and recurrent matrix products are quantized (kept only if the float outputs move by <= 1e-5)
+    lower_rnn: bool = True
     # float-exact transforms before calibration, each kept only if the float outputs move by <= 1e-5:
     # cross-layer equalization of Conv -> (Relu|LeakyRelu) -> Conv pairs (depthwise too) ...
     equalization: bool = True

@@ -10,7 +10,7 @@ the files read from them; without PyPI the tests skip, saying so.
 | invisible-watermark rivagan_encoder | torch 1.7, opset 10 | old exporter, 5-D Conv3d, two inputs |
 | g2p-id bert_mlm | tf2onnx 1.9, opset 14 | trained transformer encoder, int64 token ids, [1, N] biases |
 | faster-whisper silero_vad_v6 | torch 2.8, opset 18 | recurrent: h/c state inputs [layers, batch, hidden] |
-| silero-vad silero_vad | spox, opset 16 | If with all compute inside, scalar sample rate, per-feed data |
+| silero-vad silero_vad | spox, opset 16 | If with all compute inside, specialized on sr; LSTM unrolled; real speech |
 """
 
 from __future__ import annotations
@@ -40,8 +40,6 @@ MODELS = {
     "tf2onnx_bert": ("g2p-id-py==0.4.2", "g2p_id/models/bert/bert_mlm.onnx", ["model.input_shapes={input_1: [1,32]}"]),
     "lstm_state_vad": ("faster-whisper==1.2.1", "faster_whisper/assets/silero_vad_v6.onnx",
                        ["model.input_shapes={input: [4,576]}"]),
-    "if_vad": ("silero-vad==6.2.3", "silero_vad/data/silero_vad.onnx",
-               ["model.input_shapes={input: [1,512], state: [2,1,128]}"]),
 }
 
 
@@ -98,24 +96,36 @@ def test_third_party_model_is_quantized_and_tuned_within_budget(key, tmp_path):
             assert m["cosine"] is None or m["cosine"] >= 0.99, m
 
 
-def test_model_with_all_compute_inside_if_refuses_with_one_line(tmp_path):
-    """silero-vad: an If on the sample rate holds every Conv and LSTM; calibrated from per-feed .npz
-    files (input, state [2, batch, 128], scalar sr) since its sample rate must be a real one."""
-    feeds = tmp_path / "feeds"
-    feeds.mkdir()
-    rng = np.random.default_rng(0)
-    for i in range(20):
-        t = np.arange(512) / 16000
-        x = 0.3 * np.sin(2 * np.pi * rng.uniform(100, 800) * t) + 0.05 * rng.standard_normal(512)
-        np.savez(feeds / f"{i:03d}.npz", input=x.astype(np.float32)[None], state=np.zeros((2, 1, 128), np.float32),
-                 sr=np.array(16000, np.int64))
-    proc, rd = _tune(tmp_path, "if_vad", ["data=npz", f"data.path={feeds}"])
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("tune: error: quantize: all 16 weighted ops of this model sit inside If/Loop/Scan "
-                           "bodies"), last
-    export = _manifest(rd)["export"]["metrics"]
-    assert export["control_flow"]["weighted_inside"] == 16 and export["control_flow"]["weighted_outside"] == 0
+def test_vad_with_all_compute_inside_an_if_is_specialized_quantized_and_measured(tmp_path):
+    """silero-vad: an If on the sample rate holds every Conv and the LSTM. Specialized on sr=16000, its
+    convolutions and its LSTM (unrolled into MatMuls) are quantized within the default budget, on real
+    speech (pyannote.audio's sample) streamed through the float model so each feed carries a real state."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import trained_models
+
+    try:
+        trained_models.fetch("silero_vad")
+        feeds = trained_models.write_feeds("silero_vad", tmp_path / "feeds", 24)
+    except RuntimeError as exc:  # no PyPI
+        pytest.skip(str(exc))
+    rd = tmp_path / "run"
+    proc = run_tune([f"results_dir={rd}", *feeds["overrides"], "stages=[export,quantize,autotune,evaluate]",
+                     "autotune.preset=quick", "autotune.schemes_per_region=2", "evaluate.plot=false",
+                     "progress=false"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stages = _manifest(rd)
+    export = stages["export"]["metrics"]
+    assert export["specialized"]["fixed_inputs"] == {"sr": 16000} and export["control_flow"]["nodes"] == 0
+    q = stages["quantize"]["metrics"]
+    assert q["accuracy"]["ok"], q["headline"]
+    lowering = next(t for t in q["transforms"] if t["transform"] == "rnn_lowering")
+    assert lowering["applied"], lowering
+    quantized = set(q["node_rules"])
+    assert sum("Conv" in n for n in quantized) >= 4 and any("/lowered/MatMul" in n for n in quantized), quantized
+    metrics = json.loads((rd / "evaluate" / "metrics.json").read_text())
+    assert not metrics["over_budget"]
+    assert metrics["models"]["ptq"]["speedup"] > 0  # measured against float, whichever ships
+    assert "float" in (rd / "evaluate" / "report.md").read_text()
 
 
 def test_per_feed_npz_folder_calibrates_a_model_with_state_inputs(tmp_path):
