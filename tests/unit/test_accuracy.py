@@ -377,3 +377,35 @@ def test_a_placement_the_runtime_rejects_is_caught_and_its_nodes_stay_float(tmp_
     assert skip == {"dense2/BiasAdd", "dense2/MatMul"}
     assert "left float: onnxruntime cannot run its quantized form" in caplog.text
     assert checker.runs(build(skip)) is None
+
+
+def test_recovery_finds_nodes_that_only_matter_together():
+    """Two nodes whose errors compound (float alone, neither helps much; float together, the budget is
+    met): the prefix search over the single-node ranking misses them, the greedy set growth finds the
+    pair."""
+    from pathlib import Path
+
+    from pipeline.accuracy import AccuracyVerdict
+    from tasks.quantize._accuracy import Candidate, greedy_recovery, rank_sensitivity, recover
+
+    nodes = ["stft", "enc0", "enc1", "lstm", "head"]
+
+    def snr(float_nodes: frozenset) -> float:
+        db = 12.0 + 3.0 * ("stft" in float_nodes) + 1.0 * ("lstm" in float_nodes) + 0.5 * ("head" in float_nodes)
+        return db + (10.0 if {"stft", "enc0"} <= float_nodes else 0.0)
+
+    class Checker:
+        calls = 0
+
+        def check(self, model, name):
+            Checker.calls += 1
+            db = snr(model)
+            return Candidate(name, Path("m.onnx"), AccuracyVerdict(db >= 20, "snr", f"SNR {db} dB", snr_db=db))
+
+    checker = Checker()
+    ranking = rank_sensitivity(nodes, frozenset, checker)
+    assert [r["node"] for r in ranking][:2] == ["stft", "lstm"]
+    assert recover(ranking, frozenset, checker, max_nodes=2) == ([], None)
+    chosen, met, steps = greedy_recovery(ranking, frozenset, checker, max_nodes=3)
+    assert sorted(chosen) == ["enc0", "stft"] and met.verdict.ok, steps
+    assert steps[-1]["ok"] and Checker.calls < 30
