@@ -1,1 +1,2 @@
-"""qdq-tune's shared framework: CLI, runner, results_dir, config schemas, data, backends, ONNX helpers."""
+"""qdq-tune's shared framework: CLI and Python API, runner, results_dir, config schemas, data, backends,
+ONNX helpers."""

@@ -4,6 +4,9 @@ Before handing over to Hydra, the command line is composed once with Hydra's com
 bad key, a wrong type or an unknown group option is reported on one line (exit 2) instead of
 Hydra's multi-line report. `--config-path DIR` is taken relative to the current directory and
 searched in addition to the packaged conf/, so a spec file kept in a user's repo can extend `tune`.
+
+``checked_config`` (that one-line check) and ``run_job`` (one Hydra run that raises instead of
+exiting) are what the Python API (pipeline/api.py) runs too, so both entry points behave alike.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.types import RunMode
@@ -30,6 +34,17 @@ def _fail(msg: str, code: int) -> None:
     sys.exit(code)
 
 
+def user_config_dir(value: str | os.PathLike, what: str = "--config-path") -> str:
+    """The absolute folder of a user's spec files, searched next to the packaged configs."""
+    value = str(value)
+    if value.startswith("pkg://"):
+        raise ConfigError(f"{what} {value}: give a folder holding your spec files")
+    d = Path(value).expanduser().resolve()
+    if not d.is_dir():
+        raise ConfigError(f"{what} {value}: no such folder ({d})")
+    return str(d)
+
+
 def _rewrite_config_path(argv: list[str]) -> list[str]:
     """`--config-path/-cp DIR` -> `--config-dir <abs DIR>`: searched next to the packaged configs."""
     out: list[str] = []
@@ -45,12 +60,10 @@ def _rewrite_config_path(argv: list[str]) -> list[str]:
             out.append(a)
             i += 1
             continue
-        if value.startswith("pkg://"):
-            _fail(f"--config-path {value}: give a folder holding your spec files", EXIT_USAGE)
-        d = Path(value).expanduser().resolve()
-        if not d.is_dir():
-            _fail(f"--config-path {value}: no such folder ({d})", EXIT_USAGE)
-        out += ["--config-dir", str(d)]
+        try:
+            out += ["--config-dir", user_config_dir(value)]
+        except ConfigError as exc:
+            _fail(str(exc), EXIT_USAGE)
     if out.count("--config-dir") + sum(a in ("-cd",) for a in out) > 1:
         _fail("give either --config-path or --config-dir, not both", EXIT_USAGE)
     return out
@@ -58,10 +71,11 @@ def _rewrite_config_path(argv: list[str]) -> list[str]:
 
 # Dict-typed schema fields: Hydra's struct mode refuses new keys inside them on plain `key=value`
 # overrides, so such overrides are passed as `++key=value` (add-or-override) on the user's behalf.
-_DICT_FIELDS = ("input_shapes", "min_shapes", "opt_shapes", "max_shapes", "args", "input_dtypes", "batch_axes")
+_DICT_FIELDS = ("input_shapes", "min_shapes", "opt_shapes", "max_shapes", "args", "input_dtypes", "batch_axes",
+                "fixed_inputs")
 
 
-def _open_dict_overrides(argv: list[str]) -> list[str]:
+def open_dict_overrides(argv: list[str]) -> list[str]:
     out = []
     for a in argv:
         key = a.split("=", 1)[0]
@@ -121,21 +135,26 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(lines[:2]) if lines else type(exc).__name__
 
 
-def _compose(config_dir: str | None, config_name: str, overrides: list[str]) -> DictConfig:
-    """Compose exactly as the app will: packaged conf/ plus an optional user folder searched first."""
-    from hydra._internal.hydra import Hydra
+def _search_path(config_dir: str | None):
+    """The packaged conf/ plus an optional user folder searched first, as `tune --config-dir` has it."""
     from hydra._internal.utils import create_automatic_config_search_path
     from hydra.core.config_search_path import SearchPathQuery
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.types import RunMode
-
-    GlobalHydra.instance().clear()
 
     search_path = create_automatic_config_search_path(None, None, "pkg://conf")
     if config_dir:
         search_path.prepend("command-line", f"file://{os.path.abspath(config_dir)}",
                             anchor=SearchPathQuery(provider="schema"))
-    app = Hydra.create_main_hydra2(task_name="tune", config_search_path=search_path)
+    return search_path
+
+
+def _compose(config_dir: str | None, config_name: str, overrides: list[str]) -> DictConfig:
+    """Compose exactly as the app will: packaged conf/ plus an optional user folder searched first."""
+    from hydra._internal.hydra import Hydra
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    GlobalHydra.instance().clear()
+    app = Hydra.create_main_hydra2(task_name="tune", config_search_path=_search_path(config_dir))
     cfg = app.compose_config(config_name=config_name, overrides=overrides, run_mode=RunMode.RUN,
                              with_log_configuration=False)
     from omegaconf import open_dict
@@ -170,12 +189,38 @@ def _check_plugins(overrides: list[str]) -> None:
             _fail(f"{o} needs the {extra} extra: pip install 'qdq-tune[{extra}]'", EXIT_USAGE)
 
 
+def checked_config(overrides: list[str], config_dir: str | None = None, config_name: str = "tune",
+                   multirun: bool = False) -> DictConfig:
+    """Compose the config a run of ``overrides`` gets (a sweep: its first job) and validate it; a bad
+    key, value, group option or missing runtime raises a PipelineError whose message is the one line
+    `tune` prints after "tune: error: "."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from pipeline.backends import check_backend
+    from pipeline.config import validate
+
+    overrides = [o for o in overrides if not o.startswith("hydra.") and not o.startswith("hydra/")]
+    try:
+        overrides = _first_of_sweeps(overrides) if multirun else overrides
+        cfg = _compose(config_dir, config_name, overrides)
+        validate(cfg)
+        check_backend(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"invalid config: {exc}") from exc
+    except PipelineError:
+        raise
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:  # Hydra/OmegaConf's many types for bad input
+        raise ConfigError(_one_line(exc)) from exc
+    finally:
+        GlobalHydra.instance().clear()
+    return cfg
+
+
 def _precheck(argv: list[str]) -> None:
     """Compose and validate the config the command line asks for; exit 2 with one line if it is bad."""
     from hydra._internal.utils import get_args_parser
-    from hydra.core.global_hydra import GlobalHydra
-
-    from pipeline.config import validate
 
     try:
         args = get_args_parser().parse_args(argv)
@@ -187,28 +232,61 @@ def _precheck(argv: list[str]) -> None:
     if args.multirun and args.cfg:
         _fail("-m and --cfg cannot be combined: print one job's config with --cfg job and single values",
               EXIT_USAGE)
-    overrides = [o for o in args.overrides if not o.startswith("hydra.") and not o.startswith("hydra/")]
-    GlobalHydra.instance().clear()
     try:
-        overrides = _first_of_sweeps(overrides) if args.multirun else overrides
-        cfg = _compose(args.config_dir, args.config_name or "tune", overrides)
-        validate(cfg)
-        from pipeline.backends import check_backend
-
-        check_backend(cfg)
-    except ConfigError as exc:
-        _fail(f"invalid config: {exc}", EXIT_USAGE)
+        checked_config(args.overrides, args.config_dir, args.config_name or "tune", multirun=args.multirun)
     except PipelineError as exc:
         _fail(str(exc), exc.exit_code)
-    except Exception as exc:  # noqa: BLE001 - Hydra/OmegaConf raise many types for bad input
-        from hydra.errors import HydraException
-        from omegaconf.errors import OmegaConfBaseException
 
-        if isinstance(exc, (HydraException, OmegaConfBaseException, ValueError)):
-            _fail(_one_line(exc), EXIT_USAGE)
+
+def run_job(overrides: list[str], config_dir: str | None = None, config_name: str = "tune"
+            ) -> tuple[Path, dict[str, Any]]:
+    """One run of the pipeline as `tune` makes it: the same Hydra job (.hydra/, tune.log), runner and
+    end-of-run table; returns (results_dir, the runner's summary). A failure raises instead of
+    exiting, and the process gets back the root logger's handlers (Hydra's job logging replaces them)
+    and an unset HydraConfig (relative paths resolve from the current folder again)."""
+    from hydra._internal.hydra import Hydra
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from pipeline.runner import run_pipeline
+    from pipeline.summary import print_summary
+
+    outcome: dict[str, Any] = {}
+
+    def job(cfg: DictConfig) -> None:
+        results_dir = outcome["results_dir"] = Path(HydraConfig.get().runtime.output_dir)
+        try:
+            outcome["summary"] = run_pipeline(cfg, results_dir)
+        except Exception as exc:  # noqa: BLE001 - raised below: through Hydra it would print a second report
+            outcome["error"] = exc
+            return
+        print_summary(outcome["summary"], results_dir)
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    GlobalHydra.instance().clear()
+    try:
+        # hydra.main names the job after this file and adds hydra.mode: .hydra/ reads as the CLI's would
+        app = Hydra.create_main_hydra2(task_name=Path(__file__).stem, config_search_path=_search_path(config_dir))
+        app.run(config_name=config_name, task_function=job, overrides=[*overrides, "hydra.mode=RUN"])
+    except KeyboardInterrupt:
+        if "results_dir" in outcome:
+            print(f"\ntune: interrupted; state saved in {outcome['results_dir']}. Run it again to resume.",
+                  file=sys.stderr)
         raise
     finally:
         GlobalHydra.instance().clear()
+        HydraConfig.instance().cfg = None
+        for h in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(h)
+            h.close()
+        for h in handlers:
+            if h not in root.handlers:
+                root.addHandler(h)
+        root.setLevel(level)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["results_dir"], outcome["summary"]
 
 
 @hydra.main(config_path="pkg://conf", config_name="tune", version_base="1.3")
@@ -299,7 +377,7 @@ def main() -> None:
     if not OmegaConf.has_resolver("tune_groups"):
         OmegaConf.register_new_resolver("tune_groups", _group_listing)
     register_configs()
-    argv = _open_dict_overrides(_rewrite_config_path(sys.argv[1:]))
+    argv = open_dict_overrides(_rewrite_config_path(sys.argv[1:]))
     _precheck(argv)
     sys.argv = [sys.argv[0], *argv]
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")

@@ -100,6 +100,45 @@ def to_feeds(batch: Any, specs: list[InputSpec], key: str | None = None) -> tupl
     return out, (None if labels is None else to_numpy(labels).reshape(-1))
 
 
+def batch_inputs(batch: Any) -> dict[str, np.ndarray]:
+    """The model inputs in one loader batch, named so that ``to_feeds`` finds them again: ``input`` for
+    a lone input, a dict's keys (labels left out), or input_0, input_1, ... for a tuple of inputs."""
+    if isinstance(batch, Mapping):
+        return {str(k): to_numpy(v) for k, v in batch.items() if k not in LABEL_KEYS}
+    if isinstance(batch, (tuple, list)):
+        if not batch:
+            raise InputError("data batch is an empty tuple/list")
+        first = batch[0]
+        if isinstance(first, Mapping):
+            return batch_inputs(first)
+        if isinstance(first, (tuple, list)):
+            return {f"input_{i}": to_numpy(x) for i, x in enumerate(first)}
+        return {"input": to_numpy(first)}
+    return {"input": to_numpy(batch)}
+
+
+def data_fingerprint(batches: Iterable[Any]) -> str:
+    """A content hash of every array (dtype, shape, bytes) in every batch, in order: in-memory data
+    passed to the Python API is recorded by it, so a re-run on the same data skips finished stages."""
+    from pipeline.artifacts import fingerprint, sha256_bytes
+
+    def leaves(x: Any) -> Iterator[Any]:
+        if isinstance(x, Mapping):
+            for k in sorted(x, key=str):
+                yield str(k)
+                yield from leaves(x[k])
+        elif isinstance(x, (tuple, list)):
+            for item in x:
+                yield from leaves(item)
+        elif isinstance(x, np.ndarray) or hasattr(x, "detach"):
+            a = np.ascontiguousarray(to_numpy(x))
+            yield [str(a.dtype), list(a.shape), sha256_bytes(a.tobytes())]
+        else:
+            yield repr(x)
+
+    return fingerprint([list(leaves(b)) for b in batches])
+
+
 def rebatch(batches: Iterable[tuple[dict[str, np.ndarray], np.ndarray | None]], batch_size: int,
             max_batches: int | None = None) -> Iterator[Batch]:
     """Re-cut a stream of (feeds, labels) of any size into batches of exactly ``batch_size``."""
@@ -219,12 +258,26 @@ def _read_arrays(p: Path) -> dict[str, np.ndarray]:
         raise InputError(f"data {p} could not be read as numpy arrays ({type(exc).__name__}: {exc})") from None
 
 
-def _feed_files(folder: Path, specs: list[InputSpec], labels_key: str, batch_size: int) -> Iterator[Batch]:
+def check_fixed(arrays: Mapping[str, Any], fixed: Mapping[str, Any], where: str) -> None:
+    """InputError (one line) when data holds a value for a ``model.fixed_inputs`` input other than the
+    one the model was specialized for."""
+    for name, value in fixed.items():
+        if name in arrays and not np.array_equal(to_numpy(arrays[name]), np.asarray(value)):
+            got = to_numpy(arrays[name])
+            shown = got.tolist() if got.size <= 4 else f"an array of shape {list(got.shape)}"
+            raise InputError(f"{where}: input '{name}' is {shown}, but the model is specialized for "
+                             f"model.fixed_inputs.{name}={value}; feed {name}={value} or set "
+                             f"model.fixed_inputs.{name} to the value the data uses")
+
+
+def _feed_files(folder: Path, specs: list[InputSpec], labels_key: str, batch_size: int,
+                fixed: Mapping[str, Any] | None = None) -> Iterator[Batch]:
     """A folder of .npz files, each one complete feed: every model input by name, at its exact shape
     (the form Polygraphy's and TensorRT's calibrators take; state inputs need no batch axis)."""
     names = [s.name for s in specs]
     for f in sorted(folder.glob("*.npz")):
         arrays = _read_arrays(f)
+        check_fixed(arrays, fixed or {}, f"feed file {f}")
         labels = arrays.pop(labels_key, None)
         feeds = {}
         for s in specs:
@@ -239,8 +292,8 @@ def _feed_files(folder: Path, specs: list[InputSpec], labels_key: str, batch_siz
         yield Batch(feeds, None if labels is None else np.asarray(labels).reshape(-1), batch_size)
 
 
-def _npz_arrays(path: str, specs: list[InputSpec], labels_key: str, batch_axes: Mapping[str, int | None]
-                ) -> tuple[dict[str, np.ndarray], np.ndarray | None, dict[str, np.ndarray]]:
+def _npz_arrays(path: str, specs: list[InputSpec], labels_key: str, batch_axes: Mapping[str, int | None],
+                fixed: Mapping[str, Any] | None = None) -> tuple[dict[str, np.ndarray], np.ndarray | None, dict[str, np.ndarray]]:
     """One .npz/.npy (or a folder of .npy named after the inputs), checked against the model's inputs:
     (inputs with a batch axis, that axis moved to the front; labels; inputs without one, whole)."""
     p = Path(path).expanduser()
@@ -250,6 +303,7 @@ def _npz_arrays(path: str, specs: list[InputSpec], labels_key: str, batch_axes: 
     if p.suffix not in (".npz", ".npy") and not p.is_dir():
         raise InputError(f"data file {p} is neither .npz nor .npy")
     arrays = _read_arrays(p)
+    check_fixed(arrays, fixed or {}, f"data {p}")
     labels = arrays.pop(labels_key, None)
     names = [s.name for s in specs]
     if all(n in arrays for n in names):
@@ -333,6 +387,8 @@ class DataProvider:
         self.specs = specs
         self.seed = int(cfg.seed)
         self.source = resolved_data_source(cfg)
+        fixed = cfg.model.get("fixed_inputs") if "model" in cfg else None
+        self.fixed = OmegaConf.to_container(fixed) if fixed else {}
         # npz data may name each input's batch axis: the batch size is that axis of the first batched input
         self.batch_axes = dict(self.cfg.get("batch_axes") or {}) if self.source == "npz" else {}
         batched = [(s, self.batch_axes.get(s.name, 0)) for s in specs if self.batch_axes.get(s.name, 0) is not None]
@@ -362,7 +418,9 @@ class DataProvider:
             except TypeError:
                 raise InputError(f"data._target_={self.cfg._target_} returned a {type(source).__name__}, not a "
                                  f"DataLoader or iterable of batches") from None
-            for raw in items:
+            for i, raw in enumerate(items):
+                if isinstance(raw, Mapping):
+                    check_fixed(raw, self.fixed, f"data._target_={self.cfg._target_} batch {i}")
                 yield to_feeds(raw, self.specs, self.cfg.key)
 
     def _npz_path(self, split: str) -> str:
@@ -380,9 +438,9 @@ class DataProvider:
                                     for i, (feeds, _) in enumerate(self._raw(split)))
         elif self.source == "npz" and (p := Path(self._npz_path(split)).expanduser()).is_dir() \
                 and any(p.glob("*.npz")):
-            out = _feed_files(p, self.specs, self.cfg.labels_key, bs)
+            out = _feed_files(p, self.specs, self.cfg.labels_key, bs, self.fixed)
         elif self.source == "npz":
-            cut, labels, fixed = _npz_arrays(str(p), self.specs, self.cfg.labels_key, self.batch_axes)
+            cut, labels, fixed = _npz_arrays(str(p), self.specs, self.cfg.labels_key, self.batch_axes, self.fixed)
             out = (_restore_axes(b, self.specs, self.batch_axes, fixed)
                    for b in rebatch(_chunks(cut, labels, self.specs, bs), bs))
         else:

@@ -12,6 +12,10 @@ from omegaconf import DictConfig
 from pipeline.artifacts import Manifest
 from pipeline.errors import StageError
 
+# the pipeline's models in results_dir, newest first: what gen_trt_engine builds from (unless
+# gen_trt_engine.onnx_file is set) and what a run ships
+MODEL_KEYS = ("autotune/optimized_final.onnx", "quantize/quantized_model.onnx", "export/model.onnx")
+
 
 @dataclass
 class StageResult:

@@ -108,6 +108,10 @@ def markdown(metrics: dict[str, Any]) -> str:
         if q.get("float_nodes"):
             lines.append(f"Left float to meet the accuracy budget ({len(q['float_nodes'])} nodes, "
                          f"see quantize/sensitivity.json): {', '.join(f'`{n}`' for n in q['float_nodes'])}.")
+        if q.get("body_nodes"):
+            lines.append(f"Inside Loop/Scan bodies: {len(q['body_nodes'])} nodes quantized "
+                         f"({', '.join(f'`{n}`' for n in q['body_nodes'])}); autotune tunes the main graph and keeps "
+                         f"the quantize stage's placement inside the bodies.")
     for d in metrics.get("duplicates", []):
         same = metrics["models"][d["identical_to"]]["label"]
         lines += ["", f"`{d['file']}` ({d['model']}) is byte-identical to the {same} model and was evaluated once."]
@@ -119,6 +123,12 @@ def markdown(metrics: dict[str, Any]) -> str:
         "",
         "## Reproduce",
         "",
+    ]
+    if metrics["reproduce"].get("in_memory"):
+        lines += [f"The {' and '.join(metrics['reproduce']['in_memory'])} came from a Python session through "
+                  "`pipeline.api.tune`: call it again with the same objects and these overrides (a shell cannot "
+                  "reach them).", ""]
+    lines += [
         "```sh",
         metrics["reproduce"]["full"],
         "```",

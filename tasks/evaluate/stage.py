@@ -215,7 +215,8 @@ class EvaluateStage(Stage):
                               "quantized_on": (decisions.get("cpu") or {}).get("brand")}
         metrics["quantization"] = {k: decisions.get(k) for k in ("weight_range", "weight_range_reason",
                                                                  "float_nodes", "budget", "transforms",
-                                                                 "bias_correction", "fidelity_culprits")}
+                                                                 "bias_correction", "fidelity_culprits",
+                                                                 "body_nodes")}
         metrics["budget"] = budget.describe()
         float_top1 = metrics["models"]["float"].get("top1")
         flagged = []
@@ -379,4 +380,6 @@ def _reproduce_commands(ctx: StageContext) -> dict[str, str]:
         args = [*overrides, f"stages=[{','.join(stage_list)}]", f"results_dir={rd}"]
         return " ".join(["tune", *(shlex.quote(a) for a in args)])
 
-    return {"full": cmd(stages), "evaluate_only": cmd(["evaluate"])}
+    from pipeline.api import in_memory_groups
+
+    return {"full": cmd(stages), "evaluate_only": cmd(["evaluate"]), "in_memory": in_memory_groups(ctx.cfg)}

@@ -55,6 +55,16 @@ class ExportStage(Stage):
     outputs = ("export/model.onnx",)
     config_keys = ("model", "export", "seed", "data")
 
+    def resolve_inputs(self, ctx: StageContext) -> dict[str, Path]:
+        # the user's files are inputs: a file changed in place re-runs export like a changed config
+        mcfg = ctx.cfg.model
+        if mcfg.name == "onnx":
+            return {"model.onnx_path": user_path(mcfg.onnx_path)}
+        checkpoint = mcfg.get("checkpoint")
+        if checkpoint and user_path(checkpoint).is_file():  # a missing one is run()'s one-line error
+            return {"model.checkpoint": user_path(checkpoint)}
+        return {}
+
     def run(self, ctx: StageContext) -> StageResult:
         mcfg = ctx.cfg.model
         out_dir = ctx.stage_dir("export")
@@ -79,6 +89,10 @@ class ExportStage(Stage):
                          f"({folded['constant_weights']} weights)")
         if folded.get("batchnorm"):
             headline += f", {folded['batchnorm']} BatchNormalization folded into Conv"
+        spec = metrics.get("specialized")
+        if spec:
+            headline += (f", specialized on {spec['fixed_inputs']} ({len(spec['ifs_inlined'])} If nodes inlined, "
+                         f"outputs equal on {spec['checked_batches']} batches)")
         cf = metrics.get("control_flow") or {}
         if cf.get("nodes"):
             headline += f", {cf['nodes']} nodes inside If/Loop bodies stay float"
@@ -91,14 +105,25 @@ class ExportStage(Stage):
         mcfg = cfg.model
         src = user_path(mcfg.onnx_path)
         model = load_model(src, what="model.onnx_path")
-        shapes = {k: list(v) for k, v in (mcfg.input_shapes or {}).items()}
+        from pipeline.specialize import bind_inputs, fixed_arrays, specialize
+
+        fixed = fixed_arrays(model, OmegaConf.to_container(mcfg.fixed_inputs) if mcfg.get("fixed_inputs") else {},
+                             str(src))
+        original, inlined = model, []
+        if fixed:  # decided before shapes are fixed: a static shape can break the branch not taken
+            model, inlined = specialize(bind_inputs(model, fixed))
+        shapes = {k: list(v) for k, v in (mcfg.input_shapes or {}).items() if k not in fixed}
         model = fix_input_shapes(model, shapes, source=str(src), keep_dynamic=bool(mcfg.keep_dynamic_shapes))
+        if fixed:  # with static shapes, the Ifs on shapes are decided too
+            model, more = specialize(model)
+            inlined += more
         fold_constant_identities(model)
         ensure_node_names(model)
         # an ORT smoke run on real data proves the model runs before later stages rely on it (nothing is
         # written before that); its outputs are what constant folding must reproduce
         feeds = self._smoke_feeds(cfg, model)
         reference = _run_in_ort(model, feeds, src)
+        specialized = self._check_specialized(cfg, original, model, fixed, inlined, src) if fixed else None
         model, folded = self._fold(model, src, feeds, reference)
         try:
             onnx.checker.check_model(model)
@@ -110,7 +135,39 @@ class ExportStage(Stage):
             log.warning("export: %d If/Loop/Scan nodes hold %d nodes in their bodies (%d of the model's %d weighted "
                         "ops); quantize leaves those bodies float", control["control_nodes"], control["nodes"],
                         control["weighted_inside"], control["weighted_inside"] + control["weighted_outside"])
-        return {"source": str(src), "folded": folded, "control_flow": control}
+        out = {"source": str(src), "folded": folded, "control_flow": control}
+        if specialized is not None:
+            out["specialized"] = specialized
+        return out
+
+    @staticmethod
+    def _check_specialized(cfg: DictConfig, original: onnx.ModelProto, model: onnx.ModelProto,
+                           fixed: dict[str, np.ndarray], inlined: list[dict[str, str]], src: Path) -> dict[str, Any]:
+        """The specialized model's outputs equal the original's (fed the fixed values) on every calibration
+        batch (StageError otherwise); the record for the manifest."""
+        from pipeline.backends.onnxruntime import ort_session
+        from pipeline.data import DataProvider
+        from pipeline.specialize import describe
+
+        specs = input_specs(model)
+        ours, theirs = ort_session(model), ort_session(original)
+        names = [o.name for o in model.graph.output]
+        worst, batches = 0.0, 0
+        for batch in DataProvider(cfg, specs).batches("calibration", int(cfg.quantize.calibration.batches)):
+            got = ours.run(names, batch.feeds)
+            want = theirs.run(names, {**batch.feeds, **fixed})
+            for name, a, b in zip(names, got, want, strict=True):
+                diff = float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)))) if a.size else 0.0
+                if a.shape != b.shape or not np.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True):
+                    raise StageError(f"model.fixed_inputs={describe(fixed)}: the specialized model's output '{name}' "
+                                     f"differs from {src.name}'s on calibration batch {batches} (max |diff| "
+                                     f"{diff:.3g}); remove model.fixed_inputs to keep the If nodes")
+                worst = max(worst, diff)
+            batches += 1
+        log.info("export: specialized on %s: %d If nodes replaced by their taken branch; outputs equal the "
+                 "original's on %d calibration batches (max |diff| %.2g)", describe(fixed), len(inlined), batches, worst)
+        return {"fixed_inputs": describe(fixed), "ifs_inlined": inlined, "checked_batches": batches,
+                "max_abs_diff": worst}
 
     @staticmethod
     def _smoke_feeds(cfg: DictConfig, model: onnx.ModelProto) -> dict[str, Any]:

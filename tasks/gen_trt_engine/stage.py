@@ -20,12 +20,10 @@ from pipeline.backends import create_backend
 from pipeline.config import enum_value
 from pipeline.errors import StageError, first_line
 from pipeline.graph import check_onnx_path, load_model
-from pipeline.stage import Stage, StageContext, StageResult
+from pipeline.stage import MODEL_KEYS, Stage, StageContext, StageResult
 
 log = logging.getLogger("tune.gen_trt_engine")
 
-# newest first: the model gen_trt_engine builds from when gen_trt_engine.onnx_file is not set
-MODEL_KEYS = ("autotune/optimized_final.onnx", "quantize/quantized_model.onnx", "export/model.onnx")
 ONNX_FILE_KEY = "gen_trt_engine.onnx_file"
 
 

@@ -102,7 +102,8 @@ def test_equalization_makes_the_outlier_branch_accurate_without_float_nodes(tmp_
 def test_sensitive_node_stays_float_and_nothing_over_budget_ships(tmp_path):
     path = models.save(models.outlier_branch(), tmp_path, "outlier_branch")
     rd = tmp_path / "run"
-    plain = ["quantize.equalization=false", "quantize.smoothing=false", "quantize.bias_correction=false"]
+    plain = ["quantize.algorithm=minmax", "quantize.equalization=false", "quantize.smoothing=false",
+             "quantize.bias_correction=false"]
     proc = run_tune([f"results_dir={rd}", "model=onnx", f"model.onnx_path={path}",
                      "stages=[export,quantize,autotune,evaluate]", "data=synthetic", *plain, *QUICK],
                     cwd=tmp_path, check=True)

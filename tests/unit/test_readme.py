@@ -1,11 +1,13 @@
-"""The README's commands: every `tune` usage line composes and validates; the spec file example works;
-.ci/run runs the README's test command."""
+"""The README's commands: every `tune` usage line composes and validates; the spec file examples work;
+the Python API example runs as written; .ci/run runs the README's test command."""
 
 from __future__ import annotations
 
 import re
 import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,31 @@ def test_usage_line_composes(line, tmp_path):
         pytest.skip("trtexec is not on PATH (a missing backend is refused before the config is printed)")
     proc = run_tune([*args, "--cfg", "job"] if "--cfg" not in args else args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
+
+
+def _python_api() -> str:
+    return README.split("## Python API", 1)[1].split("\n## ", 1)[0]
+
+
+@pytest.mark.slow
+def test_python_api_example_runs_as_written(tmp_path):
+    code = re.search(r"```python\n(.*?)```", _python_api(), re.S).group(1)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"\d+\.\d\dx speedup, .+, shipped \S+/autotune/optimized_final\.onnx", last), last
+    assert (tmp_path / "results" / "my_net" / "manifest.json").is_file()
+
+
+def test_python_api_spec_file_composes(tmp_path):
+    section = _python_api()
+    spec = re.search(r"```yaml\n# specs/my_net.yaml\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs" / "my_net.yaml").write_text(spec)
+    (line,) = [ln.strip().split("  #")[0].strip() for ln in section.splitlines() if ln.startswith("    tune ")]
+    proc = run_tune([*shlex.split(line)[1:], "--cfg", "job"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "_target_: my_project.nets.DigitsNet" in proc.stdout and "preset: quick" in proc.stdout
 
 
 def _readme_commands() -> dict[str, str]:

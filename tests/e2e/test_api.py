@@ -1,0 +1,118 @@
+"""The Python API on an nn.Module and a DataLoader built here: the CLI's results_dir, manifest and
+one-line errors, every stage skipped for the same objects, export re-run for changed weights."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from pipeline.api import tune
+from pipeline.data import data_fingerprint
+from pipeline.errors import ConfigError
+from tests.conftest import run_tune
+
+STAGES = ["export", "quantize", "autotune", "evaluate"]
+FAST = ["quantize.calibration.batches=2", "accuracy.holdout_batches=2", "backend.warmup_runs=1",
+        "backend.timing_runs=6", "autotune.warmup_runs=1", "autotune.timing_runs=8", "evaluate.latency_repeats=2",
+        "progress=false"]
+
+
+class TinyNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 16, 3, padding=1)
+        self.fc = torch.nn.Linear(16 * 8 * 8, 10)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+def _loader(n: int = 64) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)),
+                      batch_size=8)
+
+
+@pytest.mark.slow
+def test_module_and_dataloader_run_skip_and_rerun_on_new_weights(tmp_path):
+    torch.manual_seed(0)
+    net, loader = TinyNet(), _loader()
+    rd = tmp_path / "r"
+    args = [f"stages=[{','.join(STAGES)}]", "autotune.preset=quick", f"results_dir={rd}", *FAST]
+    first = tune(args, model=net, data=loader)
+
+    assert dict(first.stages) == dict.fromkeys(STAGES, "done")
+    assert first.results_dir == rd and first.model == rd / "autotune" / "optimized_final.onnx"
+    x = next(iter(loader))[0].numpy()
+    (out,) = ort.InferenceSession(str(first.model), providers=["CPUExecutionProvider"]).run(None, {"input": x})
+    assert out.shape == (8, 10) and np.isfinite(out).all()
+    manifest = json.loads((rd / "manifest.json").read_text())
+    tuned = manifest["stages"]["autotune"]["metrics"]
+    assert first.speedup == tuned["speedup"] > 0
+    assert first.accuracy == tuned["accuracy"]["final"]["what"] and first.accuracy_ok is tuned["accuracy"]["final"]["ok"]
+    assert first.metrics["evaluate"]["data"]["labelled"] and first.metrics["evaluate"]["data"]["samples"] == 64
+    for f in (".hydra/config.yaml", ".hydra/overrides.yaml", "tune.log", "evaluate/report.md"):
+        assert (rd / f).is_file(), f
+    assert "The model and data came from a Python session" in (rd / "evaluate" / "report.md").read_text()
+    # the objects are in the manifest: the module by class name and hashes, the data by content
+    config = manifest["stages"]["export"]["config"]
+    assert config["model"]["args"]["class_name"] == f"{__name__}.TinyNet"
+    assert config["model"]["input_shapes"] == {"input": [8, 1, 8, 8]}
+    assert config["data"]["args"] == dict.fromkeys(("calibration", "evaluation"), data_fingerprint(loader))
+    assert net.training  # export's eval() is undone
+
+    again = tune(args, model=net, data=loader)
+    assert dict(again.stages) == dict.fromkeys(STAGES, "skipped")
+    assert (again.model, again.speedup, again.accuracy) == (first.model, first.speedup, first.accuracy)
+
+    with torch.no_grad():
+        net.fc.bias += 0.5
+    changed = tune([*args, "stages=[export]"], model=net, data=loader)
+    assert dict(changed.stages) == {"export": "done"}
+
+
+def test_bad_key_raises_the_cli_line(tmp_path):
+    cli = run_tune(["quantize.algoritm=max"], cwd=tmp_path)
+    assert cli.returncode == 2
+    rd = tmp_path / "r"
+    with pytest.raises(ConfigError) as exc:
+        tune(["quantize.algoritm=max", f"results_dir={rd}"], model=TinyNet(), data=_loader(16))
+    assert f"tune: error: {exc.value}" == cli.stderr.strip()
+    with pytest.raises(ConfigError) as as_dict:
+        tune({"quantize.algoritm": "max"})
+    assert str(as_dict.value) == str(exc.value)
+    assert not rd.exists()
+
+
+def test_onnx_models_and_arrays_skip_when_unchanged_and_rerun_when_changed(tmp_path):
+    """A ModelProto and an .onnx path (changed in place), with calibration data as one array."""
+    from tests import models
+
+    x = np.random.default_rng(0).standard_normal((8, 3, 16, 16)).astype(np.float32)
+    args = ["stages=[export]", f"results_dir={tmp_path / 'r'}", "progress=false"]
+    assert tune(args, model=models.conv_chain(), data=x).stages == {"export": "done"}
+    assert tune(args, model=models.conv_chain(), data=x).stages == {"export": "skipped"}
+    assert tune(args, model=models.conv_chain(seed=1), data=x).stages == {"export": "done"}
+    assert tune(args, model=models.conv_chain(seed=1), data=x[:4]).stages == {"export": "done"}
+
+    path = models.save(models.conv_chain(), tmp_path, "m")
+    args[1] = f"results_dir={tmp_path / 'p'}"
+    assert tune(args, model=path).stages == {"export": "done"}
+    assert tune(args, model=str(path)).stages == {"export": "skipped"}
+    models.save(models.conv_chain(seed=2), tmp_path, "m")
+    again = tune(args, model=path)
+    assert again.stages == {"export": "done"} and again.model == tmp_path / "p" / "export" / "model.onnx"
+
+
+def test_input_shapes_from_whole_arrays_take_model_batch_size(tmp_path):
+    x, y = np.zeros((20, 1, 8, 8), np.float32), np.zeros(20, np.int64)
+    for extra, batch in (([], 1), (["model.batch_size=4"], 4)):
+        rd = tmp_path / f"b{batch}"
+        tune(["stages=[export]", f"results_dir={rd}", "progress=false", *extra], model=TinyNet(), data=(x, y))
+        config = json.loads((rd / "manifest.json").read_text())["stages"]["export"]["config"]
+        assert config["model"]["input_shapes"] == {"input": [batch, 1, 8, 8]}
