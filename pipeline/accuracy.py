@@ -62,6 +62,14 @@ class AccuracyBudget:
         return cls(enum_value(a.metric), float(a.max_drop), float(a.min_snr_db), float(a.min_cosine),
                    bool(a.enabled))
 
+    def tightened(self, margin_db: float) -> AccuracyBudget:
+        """This budget ``margin_db`` inside its SNR floor, and the same factor on 1 - cosine (top-1 budgets
+        unchanged)."""
+        from dataclasses import replace
+
+        return replace(self, min_snr_db=self.min_snr_db + margin_db,
+                       min_cosine=1.0 - (1.0 - self.min_cosine) * 10 ** (-margin_db / 10))
+
     def describe(self) -> str:
         return {"top1": f"top-1 drop <= {self.max_drop:g} points",
                 "agreement": f"top-1 agreement >= {100 - self.max_drop:g}%",

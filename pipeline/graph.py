@@ -1,5 +1,5 @@
 """ONNX graph helpers shared by every stage: loading with clear errors, input specs, static shapes,
-content hashes, topological order and tensor-type lookups."""
+content hashes, topological order, tensor-type lookups and what control-flow bodies read."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import heapq
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -296,12 +296,13 @@ def topological_order(items: Sequence[H], deps: Callable[[H], Iterable[H]],
 
 
 def topological_sort(model: onnx.ModelProto) -> None:
-    """Sort graph nodes in place so every input is produced before use (stable: ready nodes keep
-    their current relative order)."""
+    """Sort graph nodes in place so every input is produced before use, the tensors a node's bodies
+    read from the graph included (stable: ready nodes keep their current relative order)."""
     graph = model.graph
     nodes = list(graph.node)
     producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    order = topological_order(range(len(nodes)), lambda i: (producer[t] for t in nodes[i].input if t in producer))
+    reads = [[*nodes[i].input, *implicit_inputs(nodes[i])] for i in range(len(nodes))]
+    order = topological_order(range(len(nodes)), lambda i: (producer[t] for t in reads[i] if t in producer))
     if len(order) != len(nodes):
         done = set(order)
         bad = [nodes[i].name for i in range(len(nodes)) if i not in done][:5]
@@ -332,7 +333,7 @@ def opset_version(model: onnx.ModelProto) -> int:
 
 
 def has_qdq(model: onnx.ModelProto) -> bool:
-    return any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph.node)
+    return any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in iter_nodes(model.graph))
 
 
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -430,21 +431,59 @@ def fold_batchnorm(model: onnx.ModelProto) -> int:
     return len(drop)
 
 
-def control_flow(model: onnx.ModelProto) -> dict[str, int]:
-    """If/Loop/Scan nodes of the main graph and what their bodies hold (counted recursively): quantize
-    places Q/DQ in the main graph only, so the bodies stay float."""
-    def body_nodes(node: onnx.NodeProto) -> list[onnx.NodeProto]:
-        out: list[onnx.NodeProto] = []
-        for attr in node.attribute:
-            graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
-            for g in graphs:
-                for n in g.node:
-                    out.append(n)
-                    out.extend(body_nodes(n))
-        return out
+CONTROL_FLOW_OPS = ("If", "Loop", "Scan")
 
-    control = [n for n in model.graph.node if n.op_type in ("If", "Loop", "Scan")]
-    inside = [b for n in control for b in body_nodes(n)]
+
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The graphs a node holds as attributes (an If's branches, a Loop's or Scan's body)."""
+    out: list[onnx.GraphProto] = []
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            out.append(attr.g)
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            out.extend(attr.graphs)
+    return out
+
+
+def outer_reads(graph: onnx.GraphProto) -> set[str]:
+    """Names a (sub)graph reads from the graphs around it (outer-scope references), its own
+    subgraphs' included: ONNX Runtime's implicit inputs of the node that holds it."""
+    defined = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    defined.update(o for n in graph.node for o in n.output)
+    reads = {o.name for o in graph.output}
+    for n in graph.node:
+        reads.update(n.input)
+        reads |= implicit_inputs(n)
+    return reads - defined - {""}
+
+
+def implicit_inputs(node: onnx.NodeProto) -> set[str]:
+    """Names a node's subgraphs read from the graph the node is in (or further out)."""
+    return set().union(*(outer_reads(g) for g in subgraphs(node)))
+
+
+def graph_reads(graph: onnx.GraphProto) -> set[str]:
+    """Every name a graph's nodes read, through their subgraphs' outer-scope references too, and its
+    outputs: what an initializer must be one of to be still in use."""
+    return {t for n in graph.node for t in (*n.input, *implicit_inputs(n)) if t} | {o.name for o in graph.output}
+
+
+def iter_nodes(graph: onnx.GraphProto, into: Iterable[str] = CONTROL_FLOW_OPS) -> Iterator[onnx.NodeProto]:
+    """The graph's nodes, each followed (depth first) by the nodes of its subgraphs when its op type is
+    one of ``into``."""
+    into = tuple(into)
+    for n in graph.node:
+        yield n
+        if n.op_type in into:
+            for g in subgraphs(n):
+                yield from iter_nodes(g, into)
+
+
+def control_flow(model: onnx.ModelProto) -> dict[str, int]:
+    """If/Loop/Scan nodes of the main graph and what their bodies hold (counted recursively); the
+    quantize stage quantizes inside Loop/Scan bodies (``pipeline.bodies``), If bodies stay float."""
+    control = [n for n in model.graph.node if n.op_type in CONTROL_FLOW_OPS]
+    inside = [b for n in control for g in subgraphs(n) for b in iter_nodes(g)]
     return {"control_nodes": len(control), "nodes": len(inside),
             "weighted_inside": sum(1 for n in inside if n.op_type in (*WEIGHTED_OPS, "LSTM", "GRU", "RNN")),
             "weighted_outside": sum(1 for n in model.graph.node if n.op_type in WEIGHTED_OPS)}

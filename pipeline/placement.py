@@ -18,6 +18,9 @@ Two placements build a ``QDQPlan`` from those assignments:
   the Q goes after it, and with uint8 (zero point at the bottom of the range) ORT folds the Relu.
   Softmax, LayerNormalization and GELU-like tails stay float: quantizing them costs conversions
   without a fast kernel.
+
+Both place Loop/Scan bodies by the same rules, each body seen as a graph of its own
+(``pipeline.bodies``); the plan of a body is in ``QDQPlan.bodies``.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ import numpy as np
 import onnx
 from omegaconf import DictConfig
 
+from pipeline.bodies import QUANTIZED_BODIES, body_views, outer_scope
 from pipeline.config import enum_value
-from pipeline.graph import WEIGHTED_OPS
+from pipeline.graph import WEIGHTED_OPS, implicit_inputs, iter_nodes
 from pipeline.qdq import ActivationQ, BiasQ, QDQPlan, WeightQ
 
 # ops whose Q/DQ ORT drops, running them directly on 8-bit data
@@ -89,12 +93,13 @@ class NodeDtypes:
 
 def resolve_rules(model: onnx.ModelProto, layers: Iterable, skip_names: Iterable[str] = (),
                   op_types: Iterable[str] = ()) -> dict[str, NodeDtypes]:
-    """Node name -> dtypes of the first rule that matches it (op type, name wildcard or "*")."""
+    """Node name -> dtypes of the first rule that matches it (op type, name wildcard or "*"), for the
+    nodes of the main graph and of Loop/Scan bodies."""
     rules = list(layers)
     skips = list(skip_names)
     allowed = set(op_types)
     out: dict[str, NodeDtypes] = {}
-    for node in model.graph.node:
+    for node in iter_nodes(model.graph, QUANTIZED_BODIES):
         if any(fnmatch.fnmatchcase(node.name, s) for s in skips):
             continue
         if allowed and node.op_type not in allowed:
@@ -126,11 +131,13 @@ class GraphIndex:
             for idx, i in enumerate(n.input):
                 if i:
                     self.consumers[i].append((n, idx))
-        self.graph_inputs = {i.name for i in g.input if i.name not in self.inits}
+        # a body view's outer-scope activations are made (and quantized, if at all) outside the body
+        self.graph_inputs = {i.name for i in g.input if i.name not in self.inits} - outer_scope(model)
         self.graph_outputs = {o.name for o in g.output}
         self.constants = set(self.inits)
         for n in g.node:  # constant-foldable subgraphs (Constant, shape arithmetic on constants)
-            if n.op_type == "Constant" or (n.input and all(i in self.constants or not i for i in n.input)):
+            reads = [*n.input, *implicit_inputs(n)]  # a Loop on constants may read an input in its body
+            if n.op_type == "Constant" or (reads and all(i in self.constants or not i for i in reads)):
                 self.constants.update(n.output)
         types = {vi.name: vi.type.tensor_type.elem_type for vi in [*g.input, *g.value_info, *g.output]}
         self.float_tensors = {k for k, t in types.items() if t in (1, 10, 16)}
@@ -284,6 +291,17 @@ def tensorrt_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activati
             plan.activations.append(ActivationQ(node.input[other], act_dtype(conv_rule, activation_type),
                                                 ((node.name, other),)))
             plan.node_rules[node.name] = conv_rule.rule
+    return _place_bodies(model, plan, lambda view: tensorrt_plan(view, rules, activation_type, per_channel,
+                                                                 weight_range))
+
+
+def _place_bodies(model: onnx.ModelProto, plan: QDQPlan, place) -> QDQPlan:
+    """``plan`` with the plan of each Loop/Scan body that quantizes anything, placed by ``place`` (the
+    builder of the main graph) on the body's view (``pipeline.bodies``): the same rules inside."""
+    for view in body_views(model):
+        inner = place(view.model)
+        if any(p.activations or p.weights for p in inner.walk()):
+            plan.bodies[view.node.name] = inner
     return plan
 
 
@@ -335,7 +353,8 @@ def onnxruntime_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activ
             cons = tuple((c.name, i) for c, i in g.consumers.get(tensor, []) if c.name in qnodes)
             plan.activations.append(ActivationQ(tensor, dtype, cons))
     plan.aliases.update(pass_through_aliases(g, plan))
-    return plan
+    return _place_bodies(model, plan, lambda view: onnxruntime_plan(view, rules, activation_type, per_channel,
+                                                                     weight_range))
 
 
 def _quantizable_rule(rules: dict[str, NodeDtypes], node: onnx.NodeProto) -> NodeDtypes | None:

@@ -14,13 +14,17 @@ DequantizeLinear nodes into a copy of a float model with scales from a ``Calibra
 - weights are stored quantized (int8 or fp8) followed by a DequantizeLinear;
 - the scale's dtype is the consumer's float type, so DQ outputs match what the consumer expects;
 - the opset is raised where needed (per-axis Q/DQ >= 13, FP8 >= 19); the result is topologically
-  sorted and passes onnx.checker.
+  sorted and passes onnx.checker;
+- a Loop/Scan body gets the plan ``QDQPlan.bodies`` holds for its node, applied to the body seen as a
+  graph of its own (``pipeline.bodies``); a plan without bodies (autotune's: it tunes the main graph)
+  takes the ones the quantize stage recorded in calibration.json (``Calibration.bodies``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +34,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.errors import StageError, StateError
-from pipeline.graph import opset_version, tensor_elem_types, topological_sort
+from pipeline.graph import graph_reads, iter_nodes, opset_version, tensor_elem_types, topological_sort
 
 log = logging.getLogger("tune.qdq")
 
@@ -241,6 +245,35 @@ class QDQPlan:
     skipped: dict[str, str] = field(default_factory=dict)
     # tensor -> tensor whose scale it must share (outputs of quantized data-movement ops)
     aliases: dict[str, str] = field(default_factory=dict)
+    # Loop/Scan node -> the plan of its body, which sees the body as a graph of its own (pipeline.bodies)
+    bodies: dict[str, QDQPlan] = field(default_factory=dict)
+
+    def walk(self) -> Iterator[QDQPlan]:
+        """This plan and the plans of its bodies, nested ones included."""
+        yield self
+        for p in self.bodies.values():
+            yield from p.walk()
+
+    def quantized_nodes(self) -> dict[str, str]:
+        """node_rules of this plan and of every body plan."""
+        return {k: v for p in self.walk() for k, v in p.node_rules.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"activations": [[a.tensor, a.dtype, None if a.consumers is None else [list(c) for c in a.consumers]]
+                                for a in self.activations],
+                "weights": [[w.node, w.input_index, w.dtype, w.axis, w.reduced] for w in self.weights],
+                "biases": [[b.node, b.input_index, b.activation, b.activation_dtype, b.weight_node, b.weight_index]
+                           for b in self.biases],
+                "node_rules": dict(self.node_rules), "aliases": dict(self.aliases),
+                "bodies": {k: p.to_dict() for k, p in self.bodies.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QDQPlan:
+        return cls([ActivationQ(t, dt, None if c is None else tuple((n, int(i)) for n, i in c))
+                    for t, dt, c in d.get("activations", [])],
+                   [WeightQ(n, int(i), dt, axis, bool(r)) for n, i, dt, axis, r in d.get("weights", [])],
+                   [BiasQ(*b) for b in d.get("biases", [])], dict(d.get("node_rules", {})), {},
+                   dict(d.get("aliases", {})), {k: cls.from_dict(v) for k, v in d.get("bodies", {}).items()})
 
 
 
@@ -259,12 +292,15 @@ class Calibration:
 
     Without an explicit ``weight_clip`` it follows the statistics' algorithm (see ``weight_clip_for``),
     so statistics straight from calibration get the weights that calibration.json records.
+    ``bodies`` are the plans of Loop/Scan bodies the quantize stage chose; apply_plan places them with
+    a plan that has none of its own (autotune's, which tunes the main graph).
     """
 
     def __init__(self, tensors: dict[str, dict[str, Any]] | None = None, default_scale: float | None = None,
                  default_zero_point: float = 0.0, weight_clip: str | None = None,
-                 bias_corrections: dict[str, list[float]] | None = None):
+                 bias_corrections: dict[str, list[float]] | None = None, bodies: dict[str, QDQPlan] | None = None):
         self.tensors = tensors or {}
+        self.bodies = dict(bodies or {})
         # bias initializer -> mean output shift per channel that quantizing its node adds (measured by
         # the quantize stage's bias correction); apply_plan subtracts it where the plan quantizes the node
         self.bias_corrections = dict(bias_corrections or {})
@@ -302,7 +338,7 @@ class Calibration:
     def with_aliases(self, aliases: dict[str, str]) -> Calibration:
         """A copy where each ``tensor`` takes the statistics of its ``source``."""
         c = Calibration(dict(self.tensors), self.default_scale, self.default_zero_point, self.weight_clip,
-                        self.bias_corrections)
+                        self.bias_corrections, self.bodies)
         c.defaulted = self.defaulted
         c._weights = self._weights
         for t, src in aliases.items():
@@ -341,7 +377,12 @@ def load_calibration(path: str | Path, default_scale: float | None = None,
     corrections = doc.get("bias_corrections") or {}
     if not isinstance(corrections, dict):
         raise StateError(f"calibration file {path}: bias_corrections is not a table; re-run the quantize stage")
-    return Calibration(doc["tensors"], default_scale, default_zero_point, clip, corrections)
+    try:
+        bodies = {k: QDQPlan.from_dict(v) for k, v in (doc.get("bodies") or {}).items()}
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise StateError(f"calibration file {path}: bodies is not a table of plans ({exc}); re-run the quantize "
+                         f"stage") from None
+    return Calibration(doc["tensors"], default_scale, default_zero_point, clip, corrections, bodies)
 
 
 def quantize_decisions(path: str | Path | None) -> dict[str, Any]:
@@ -371,7 +412,7 @@ def _zero_point(name: str, zp: np.ndarray, dtype: str) -> onnx.TensorProto:
 
 
 def required_opset(plan: QDQPlan) -> int:
-    dtypes = {a.dtype for a in plan.activations} | {w.dtype for w in plan.weights}
+    dtypes = {a.dtype for p in plan.walk() for a in p.activations} | {w.dtype for p in plan.walk() for w in p.weights}
     if dtypes & set(FP8):
         return 19
     return 13
@@ -422,17 +463,33 @@ def _correct_biases(model: onnx.ModelProto, quantized: set[str], corrections: di
 
 def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
                default_float_type: int = TensorProto.FLOAT, check: bool = True) -> onnx.ModelProto:
-    """A copy of ``model`` with the plan's Q/DQ nodes inserted (see module docstring)."""
+    """A copy of ``model`` with the plan's Q/DQ nodes inserted (see module docstring), in Loop/Scan
+    bodies by ``plan.bodies``, or by ``calibration.bodies`` when the plan places the main graph only."""
+    from pipeline.bodies import all_names
+
+    bodies = plan.bodies or calibration.bodies
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    out = raise_opset(out, required_opset(plan))
-    if plan.aliases:
-        calibration = calibration.with_aliases(plan.aliases)
-    graph = out.graph
-    nodes = {n.name: n for n in graph.node}
+    out = raise_opset(out, max([required_opset(plan), *(required_opset(p) for p in bodies.values())]))
     if calibration.bias_corrections:
         _correct_biases(out, {w.node for w in plan.weights}, calibration.bias_corrections)
-    types = tensor_elem_types(out)
+    _insert(out, plan, bodies, calibration, default_float_type, all_names(out.graph))
+    if check:  # the autotuner skips it per candidate: a broken candidate fails its measurement anyway
+        onnx.checker.check_model(out)
+    return out
+
+
+def _insert(model: onnx.ModelProto, plan: QDQPlan, bodies: dict[str, QDQPlan], calibration: Calibration,
+            default_float_type: int, taken: set[str]) -> None:
+    """Insert ``plan`` into ``model``'s graph and ``bodies`` into its Loop/Scan bodies (in place); new
+    names avoid ``taken`` (every name of the whole model) and are added to it."""
+    from pipeline.bodies import body_views, fresh_name, put_back
+
+    if plan.aliases:
+        calibration = calibration.with_aliases(plan.aliases)
+    graph = model.graph
+    nodes = {n.name: n for n in graph.node}
+    types = tensor_elem_types(model)
     inits = {i.name: i for i in graph.initializer}
     consumers: dict[str, list[Consumer]] = defaultdict(list)
     for n in graph.node:
@@ -442,15 +499,9 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
     graph_outputs = {o.name for o in graph.output}
     new_nodes: list[onnx.NodeProto] = []
     new_inits: list[onnx.TensorProto] = []
-    taken: set[str] = set(inits) | {o for n in graph.node for o in n.output} | {i.name for i in graph.input}
 
     def unique(name: str) -> str:
-        base, k = name, 0
-        while name in taken:
-            k += 1
-            name = f"{base}_{k}"
-        taken.add(name)
-        return name
+        return fresh_name(taken, name)
 
     def float_type(tensor: str) -> int:
         t = types.get(tensor, default_float_type)
@@ -550,15 +601,17 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
 
     graph.initializer.extend(new_inits)
     graph.node.extend(new_nodes)
-    # drop float weights no node reads any more
-    used = {i for n in graph.node for i in n.input}
-    keep = [i for i in graph.initializer if i.name in used or i.name in graph_outputs]
+    for view in body_views(model):
+        inner = bodies.get(view.node.name)
+        if inner is not None:
+            _insert(view.model, inner, inner.bodies, calibration, default_float_type, taken)
+            put_back(view, view.model)
+    # drop float weights no node reads any more (in this graph or, by outer-scope reference, in a body)
+    used = graph_reads(graph)
+    keep = [i for i in graph.initializer if i.name in used]
     del graph.initializer[:]
     graph.initializer.extend(keep)
-    topological_sort(out)
-    if check:  # the autotuner skips it per candidate: a broken candidate fails its measurement anyway
-        onnx.checker.check_model(out)
-    return out
+    topological_sort(model)
 
 
 def get_quantized_tensors(model: onnx.ModelProto) -> set[str]:
@@ -570,6 +623,7 @@ def get_quantized_tensors(model: onnx.ModelProto) -> set[str]:
 
 
 def qdq_summary(model: onnx.ModelProto) -> dict[str, int]:
-    q = sum(n.op_type == "QuantizeLinear" for n in model.graph.node)
-    dq = sum(n.op_type == "DequantizeLinear" for n in model.graph.node)
+    """Q and DQ nodes of the model, inside control-flow bodies too."""
+    q = sum(n.op_type == "QuantizeLinear" for n in iter_nodes(model.graph))
+    dq = sum(n.op_type == "DequantizeLinear" for n in iter_nodes(model.graph))
     return {"QuantizeLinear": q, "DequantizeLinear": dq}

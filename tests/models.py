@@ -3,6 +3,7 @@
 conv_chain: Conv-Relu-Conv-Relu-GlobalAveragePool-Flatten-Gemm
 residual_block: stem Conv, two residual blocks (Conv-Relu-Conv + Add + Relu), head
 attention_block: MatMul projections, Softmax attention, LayerNormalization-free FFN with Gelu-like Erf
+scan_rnn, loop_rnn: recurrent cells inside a Scan / Loop body, as keras2onnx and scripted torch export them
 """
 
 from __future__ import annotations
@@ -180,6 +181,119 @@ def stateful_rnn(batch: int = 2, steps: int = 5, features: int = 16, hidden: int
         helper.make_node("Add", ["hw", "head_b"], ["logits"], name="head_bias"),
     ]
     return _model(nodes, [x, h0, c0], [y], inits, "stateful_rnn")
+
+
+def _cell(x_t: str, h_prev: str, w: str, r: str, b: str, h_new: str, p: str) -> list[onnx.NodeProto]:
+    """h_new = tanh(x_t W + h_prev R + b), as exporters write a simple RNN cell."""
+    return [helper.make_node("MatMul", [x_t, w], [f"{p}xw"], name=f"{p}MatMul"),
+            helper.make_node("MatMul", [h_prev, r], [f"{p}hr"], name=f"{p}MatMul_1"),
+            helper.make_node("Add", [f"{p}xw", f"{p}hr"], [f"{p}sum"], name=f"{p}Add"),
+            helper.make_node("Add", [f"{p}sum", b], [f"{p}pre"], name=f"{p}BiasAdd"),
+            helper.make_node("Tanh", [f"{p}pre"], [h_new], name=f"{p}Tanh")]
+
+
+def _rnn_head(rng: np.random.Generator, h: str, hidden: int, classes: int
+              ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    inits = [_init(rng, "head_w", (hidden, classes), 0.3), _init(rng, "head_b", (classes,), 0.05)]
+    nodes = [helper.make_node("MatMul", [h, "head_w"], ["head_mm"], name="head/MatMul"),
+             helper.make_node("Add", ["head_mm", "head_b"], ["logits"], name="head/BiasAdd")]
+    return nodes, inits
+
+
+def scan_rnn(batch: int = 2, steps: int = 6, features: int = 16, hidden: int = 32, classes: int = 8,
+             inner_steps: int = 0, seed: int = 0) -> onnx.ModelProto:
+    """A keras2onnx/tf2onnx-style SimpleRNN: input [batch, steps, features] transposed to time-major, a
+    Scan whose body computes h = tanh(x_t W + h R + b) (W an outer-scope initializer, R and b the body's
+    own) and emits every h as a scan output, and a MatMul + Add head on the last state. With
+    ``inner_steps`` the body runs the h R + x_t W step that many times in a Loop of its own (a body
+    nested in a body)."""
+    rng = np.random.default_rng(seed)
+    f32 = TensorProto.FLOAT
+    h_in = helper.make_tensor_value_info("rnn/h_prev", f32, [batch, hidden])
+    x_in = helper.make_tensor_value_info("rnn/x_t", f32, [batch, features])
+    body_inits = [_init(rng, "rnn/R", (hidden, hidden), 0.15), _init(rng, "rnn/b", (hidden,), 0.05)]
+    if inner_steps:
+        inner = helper.make_graph(
+            [*_cell("rnn/x_t", "rnn/inner/h", "W", "rnn/R", "rnn/b", "rnn/inner/h_next", "rnn/inner/"),
+             helper.make_node("Identity", ["rnn/inner/cond"], ["rnn/inner/cond_out"], name="rnn/inner/Identity")],
+            "refine", [helper.make_tensor_value_info("rnn/inner/i", TensorProto.INT64, []),
+                       helper.make_tensor_value_info("rnn/inner/cond", TensorProto.BOOL, []),
+                       helper.make_tensor_value_info("rnn/inner/h", f32, [batch, hidden])],
+            [helper.make_tensor_value_info("rnn/inner/cond_out", TensorProto.BOOL, []),
+             helper.make_tensor_value_info("rnn/inner/h_next", f32, [batch, hidden])])
+        body_inits += [numpy_helper.from_array(np.array(inner_steps, np.int64), "rnn/inner_steps"),
+                       numpy_helper.from_array(np.array(True), "rnn/true")]
+        cell = [helper.make_node("Loop", ["rnn/inner_steps", "rnn/true", "rnn/h_prev"], ["rnn/h_new"],
+                                 name="rnn/refine", body=inner)]
+    else:
+        cell = _cell("rnn/x_t", "rnn/h_prev", "W", "rnn/R", "rnn/b", "rnn/h_new", "rnn/")
+    body = helper.make_graph(
+        [*cell, helper.make_node("Identity", ["rnn/h_new"], ["rnn/y_t"], name="rnn/Identity")], "rnn_cell",
+        [h_in, x_in], [helper.make_tensor_value_info("rnn/h_new", f32, [batch, hidden]),
+                       helper.make_tensor_value_info("rnn/y_t", f32, [batch, hidden])], body_inits)
+    x = helper.make_tensor_value_info("input", f32, [batch, steps, features])
+    y = helper.make_tensor_value_info("logits", f32, [batch, classes])
+    inits = [_init(rng, "W", (features, hidden), 0.3), numpy_helper.from_array(np.zeros((batch, hidden), np.float32),
+                                                                               "h_init")]
+    nodes = [helper.make_node("Transpose", ["input"], ["x_time_major"], name="to_time_major", perm=[1, 0, 2]),
+             helper.make_node("Scan", ["h_init", "x_time_major"], ["h_last", "hs"], name="rnn/Scan",
+                              num_scan_inputs=1, body=body)]
+    head, head_inits = _rnn_head(rng, "h_last", hidden, classes)
+    return _model(nodes + head, [x], [y], inits + head_inits, "scan_rnn")
+
+
+def loop_rnn(batch: int = 2, steps: int = 6, features: int = 16, hidden: int = 32, classes: int = 8, seed: int = 0
+             ) -> onnx.ModelProto:
+    """What torch.jit.script + torch.onnx.export make of an input projection followed by ``for t in
+    range(x.size(0))``: a Loop whose trip count comes from the input's shape and whose body gathers x[t]
+    of the projection from the outer scope (not a Loop input: the projection must run first) and computes
+    h = tanh(x_t W + h R + b) with W, R, b outer-scope initializers; the hidden state's shape is left
+    unknown in the body, as torch writes it. Input [steps, batch, features]; MatMul + Add head."""
+    rng = np.random.default_rng(seed)
+    f32 = TensorProto.FLOAT
+    body = helper.make_graph(
+        [helper.make_node("Gather", ["x_proj", "loop/i"], ["loop/x_t"], name="loop/Gather", axis=0),
+         *_cell("loop/x_t", "loop/h", "W", "R", "b", "loop/h_next", "loop/"),
+         helper.make_node("Identity", ["loop/cond"], ["loop/cond_out"], name="loop/Identity")],
+        "loop_body", [helper.make_tensor_value_info("loop/i", TensorProto.INT64, []),
+                      helper.make_tensor_value_info("loop/cond", TensorProto.BOOL, []),
+                      helper.make_tensor_value_info("loop/h", f32, None)],
+        [helper.make_tensor_value_info("loop/cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("loop/h_next", f32, None)])
+    x = helper.make_tensor_value_info("input", f32, [steps, batch, features])
+    y = helper.make_tensor_value_info("logits", f32, [batch, classes])
+    inits = [_init(rng, "proj_w", (features, features), 0.3), _init(rng, "proj_b", (features,), 0.05),
+             _init(rng, "W", (features, hidden), 0.3), _init(rng, "R", (hidden, hidden), 0.15),
+             _init(rng, "b", (hidden,), 0.05), numpy_helper.from_array(np.zeros((batch, hidden), np.float32), "h0"),
+             numpy_helper.from_array(np.array(0, np.int64), "zero"), numpy_helper.from_array(np.array(True), "true")]
+    nodes = [helper.make_node("MatMul", ["input", "proj_w"], ["proj_mm"], name="proj/MatMul"),
+             helper.make_node("Add", ["proj_mm", "proj_b"], ["x_proj"], name="proj/BiasAdd"),
+             helper.make_node("Shape", ["input"], ["input_shape"], name="Shape"),
+             helper.make_node("Gather", ["input_shape", "zero"], ["trip_count"], name="Gather", axis=0),
+             helper.make_node("Loop", ["trip_count", "true", "h0"], ["h_last"], name="loop/Loop", body=body)]
+    head, head_inits = _rnn_head(rng, "h_last", hidden, classes)
+    return _model(nodes + head, [x], [y], inits + head_inits, "loop_rnn")
+
+
+def if_on_data(batch: int = 2, features: int = 32, hidden: int = 32, seed: int = 0) -> onnx.ModelProto:
+    """Every MatMul inside the branches of an If whose condition is computed from the data (mean of
+    the input > 0): nothing a fixed input could specialize, and no Loop/Scan body to quantize."""
+    rng = np.random.default_rng(seed)
+    f32 = TensorProto.FLOAT
+    out = helper.make_tensor_value_info("output", f32, [batch, hidden])
+    branches = []
+    for k in ("then", "else"):
+        branches.append(helper.make_graph(
+            [helper.make_node("MatMul", ["input", f"{k}/w"], [f"{k}/mm"], name=f"{k}/MatMul"),
+             helper.make_node("Relu", [f"{k}/mm"], [f"{k}/out"], name=f"{k}/Relu")],
+            k, [], [helper.make_tensor_value_info(f"{k}/out", f32, [batch, hidden])],
+            [_init(rng, f"{k}/w", (features, hidden))]))
+    nodes = [helper.make_node("ReduceMean", ["input"], ["mean"], name="mean", keepdims=0),
+             helper.make_node("Greater", ["mean", "zero"], ["positive"], name="positive"),
+             helper.make_node("If", ["positive"], ["output"], name="branch", then_branch=branches[0],
+                              else_branch=branches[1])]
+    x = helper.make_tensor_value_info("input", f32, [batch, features])
+    return _model(nodes, [x], [out], [numpy_helper.from_array(np.array(0.0, np.float32), "zero")], "if_on_data")
 
 
 def dense_2d_bias(batch: int = 2, features: int = 32, hidden: int = 32, classes: int = 16, seed: int = 0
@@ -420,3 +534,43 @@ def qkv_block(batch: int = 2, seq: int = 16, hidden: int = 32, factor: float = 5
     if residual:
         nodes.append(helper.make_node("Add", ["o_res", "ln_out"], ["output"], name="residual"))
     return _model(nodes, [x], [y], inits, "qkv_block")
+
+
+def if_on_rate(length: int = 64, channels: int = 8, seed: int = 0) -> onnx.ModelProto:
+    """silero-vad's shape: every Conv inside an If on a scalar int64 input "sr" (16000 or not), and inside
+    the taken branch a second If on the input's length (Identity or Squeeze), as exporters write it."""
+    rng = np.random.default_rng(seed)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, "T"])
+    sr = helper.make_tensor_value_info("sr", TensorProto.INT64, [])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, None, None])
+    inits = [_init(rng, "w16", (channels, 1, 5), 0.5), _init(rng, "b16", (channels,), 0.05),
+             _init(rng, "w16b", (1, channels, 3), 0.3), _init(rng, "w8", (channels, 1, 3), 0.5),
+             numpy_helper.from_array(np.array(16000, np.int64), "rate16k"),
+             numpy_helper.from_array(np.array(2, np.int64), "len_axis"),
+             numpy_helper.from_array(np.array(length, np.int64), "expected_len")]
+
+    def out(name: str) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, None, None])
+
+    inner_then = helper.make_graph([helper.make_node("Relu", ["c16"], ["inner_t"], name="inner/relu")],
+                                   "inner_then", [], [out("inner_t")])
+    inner_else = helper.make_graph([helper.make_node("Identity", ["c16"], ["inner_e"], name="inner/identity")],
+                                   "inner_else", [], [out("inner_e")])
+    then = helper.make_graph([
+        helper.make_node("Conv", ["x", "w16", "b16"], ["c16"], name="hi/conv1", pads=[2, 2]),
+        helper.make_node("Shape", ["x"], ["x_shape"], name="hi/shape"),
+        helper.make_node("Gather", ["x_shape", "len_axis"], ["x_len"], name="hi/len"),
+        helper.make_node("Equal", ["x_len", "expected_len"], ["is_len"], name="hi/is_len"),
+        helper.make_node("If", ["is_len"], ["act"], name="hi/if_len", then_branch=inner_then,
+                         else_branch=inner_else),
+        helper.make_node("Conv", ["act", "w16b"], ["hi_y"], name="hi/conv2", pads=[1, 1]),
+    ], "then", [], [out("hi_y")])
+    other = helper.make_graph([helper.make_node("Conv", ["x", "w8"], ["lo_y"], name="lo/conv", pads=[1, 1])],
+                              "else", [], [out("lo_y")])
+    nodes = [helper.make_node("Equal", ["sr", "rate16k"], ["is16k"], name="is16k"),
+             helper.make_node("If", ["is16k"], ["y"], name="if_rate", then_branch=then, else_branch=other)]
+    graph = helper.make_graph(nodes, "if_on_rate", [x, sr], [y], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="qdq-tune-tests")
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model

@@ -33,7 +33,7 @@ from onnx import TensorProto, helper, numpy_helper
 from pipeline.artifacts import user_path
 from pipeline.config import enum_value
 from pipeline.errors import InputError, StageError
-from pipeline.graph import graph_inputs, value_dims
+from pipeline.graph import graph_inputs, graph_reads, subgraphs, value_dims
 
 # --------------------------------------------------------------------------- build options
 
@@ -214,40 +214,57 @@ def parse_builder_layers(message: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- Q/DQ as TensorRT takes it
 
 
+def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """A graph and its subgraphs (control-flow bodies, nested ones included): quantize places Q/DQ in
+    Loop/Scan bodies too, each with its scales and zero points among the body's own initializers."""
+    yield graph
+    for n in graph.node:
+        for sub in subgraphs(n):
+            yield from _graphs(sub)
+
+
+def _drop_unread(graph: onnx.GraphProto) -> None:
+    used = graph_reads(graph)
+    live = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(live)
+
+
 def fold_int32_biases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     """Replace DequantizeLinear nodes of int32 initializers (ORT-style biases) by float initializers."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    inits = {i.name: i for i in out.graph.initializer}
-    keep, count = [], 0
-    for n in out.graph.node:
-        if n.op_type == "DequantizeLinear" and n.input[0] in inits and inits[n.input[0]].data_type == TensorProto.INT32:
-            q = numpy_helper.to_array(inits[n.input[0]]).astype(np.float64)
-            s = numpy_helper.to_array(inits[n.input[1]])
-            axis = next((a.i for a in n.attribute if a.name == "axis"), 1)
-            if s.ndim == 1 and q.ndim > 0:
-                shape = [1] * q.ndim
-                shape[axis if axis >= 0 else q.ndim + axis] = -1
-                s = s.reshape(shape)
-            out.graph.initializer.append(numpy_helper.from_array((q * s).astype(s.dtype), n.output[0]))
-            count += 1
-        else:
-            keep.append(n)
-    del out.graph.node[:]
-    out.graph.node.extend(keep)
-    used = {i for n in out.graph.node for i in n.input}
-    live = [i for i in out.graph.initializer if i.name in used]
-    del out.graph.initializer[:]
-    out.graph.initializer.extend(live)
+    count = 0
+    for graph in list(_graphs(out.graph)):
+        inits = {i.name: i for i in graph.initializer}
+        keep = []
+        for n in graph.node:
+            if n.op_type == "DequantizeLinear" and n.input[0] in inits and inits[n.input[0]].data_type == TensorProto.INT32:
+                q = numpy_helper.to_array(inits[n.input[0]]).astype(np.float64)
+                s = numpy_helper.to_array(inits[n.input[1]])
+                axis = next((a.i for a in n.attribute if a.name == "axis"), 1)
+                if s.ndim == 1 and q.ndim > 0:
+                    shape = [1] * q.ndim
+                    shape[axis if axis >= 0 else q.ndim + axis] = -1
+                    s = s.reshape(shape)
+                graph.initializer.append(numpy_helper.from_array((q * s).astype(s.dtype), n.output[0]))
+                count += 1
+            else:
+                keep.append(n)
+        del graph.node[:]
+        graph.node.extend(keep)
+        _drop_unread(graph)
     return out, count
 
 
 def has_asymmetric_uint8(model: onnx.ModelProto) -> bool:
     """Whether any Q/DQ node has a uint8 zero point (ORT's CPU convention, which TensorRT rejects)."""
-    inits = {i.name: i for i in model.graph.initializer}
-    return any(n.op_type in ("QuantizeLinear", "DequantizeLinear") and len(n.input) > 2
-               and n.input[2] in inits and inits[n.input[2]].data_type == TensorProto.UINT8
-               for n in model.graph.node)
+    for graph in _graphs(model.graph):
+        inits = {i.name: i for i in graph.initializer}
+        if any(n.op_type in ("QuantizeLinear", "DequantizeLinear") and len(n.input) > 2
+               and n.input[2] in inits and inits[n.input[2]].data_type == TensorProto.UINT8 for n in graph.node):
+            return True
+    return False
 
 
 def to_symmetric_int8(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
@@ -259,31 +276,30 @@ def to_symmetric_int8(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     """
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    inits = {i.name: i for i in out.graph.initializer}
-    done: dict[tuple[str, str], tuple[str, str]] = {}
     count = 0
-    for n in out.graph.node:
-        if n.op_type not in ("QuantizeLinear", "DequantizeLinear") or len(n.input) < 3:
-            continue
-        zp_t = inits.get(n.input[2])
-        if zp_t is None or zp_t.data_type != TensorProto.UINT8:
-            continue
-        key = (n.input[1], n.input[2])
-        if key not in done:
-            s = numpy_helper.to_array(inits[n.input[1]]).astype(np.float64)
-            z = numpy_helper.to_array(zp_t).astype(np.float64)
-            amax = np.maximum(np.abs(-z * s), np.abs((255.0 - z) * s))
-            new_s = np.where(amax > 0, amax / 127.0, 1.0).astype(helper.tensor_dtype_to_np_dtype(inits[n.input[1]].data_type))
-            s_name, z_name = f"{n.input[1]}_s8", f"{n.input[2]}_s8"
-            out.graph.initializer.extend([numpy_helper.from_array(new_s, s_name),
+    for graph in list(_graphs(out.graph)):
+        inits = {i.name: i for i in graph.initializer}
+        done: dict[tuple[str, str], tuple[str, str]] = {}
+        for n in graph.node:
+            if n.op_type not in ("QuantizeLinear", "DequantizeLinear") or len(n.input) < 3:
+                continue
+            zp_t = inits.get(n.input[2])
+            if zp_t is None or zp_t.data_type != TensorProto.UINT8:
+                continue
+            key = (n.input[1], n.input[2])
+            if key not in done:
+                s = numpy_helper.to_array(inits[n.input[1]]).astype(np.float64)
+                z = numpy_helper.to_array(zp_t).astype(np.float64)
+                amax = np.maximum(np.abs(-z * s), np.abs((255.0 - z) * s))
+                new_s = np.where(amax > 0, amax / 127.0, 1.0).astype(
+                    helper.tensor_dtype_to_np_dtype(inits[n.input[1]].data_type))
+                s_name, z_name = f"{n.input[1]}_s8", f"{n.input[2]}_s8"
+                graph.initializer.extend([numpy_helper.from_array(new_s, s_name),
                                           numpy_helper.from_array(np.zeros(z.shape, np.int8), z_name)])
-            done[key] = (s_name, z_name)
-            count += 1
-        n.input[1], n.input[2] = done[key]
-    used = {i for n in out.graph.node for i in n.input}
-    keep = [i for i in out.graph.initializer if i.name in used]
-    del out.graph.initializer[:]
-    out.graph.initializer.extend(keep)
+                done[key] = (s_name, z_name)
+                count += 1
+            n.input[1], n.input[2] = done[key]
+        _drop_unread(graph)
     return out, count
 
 

@@ -95,7 +95,8 @@ class ExportStage(Stage):
                          f"outputs equal on {spec['checked_batches']} batches)")
         cf = metrics.get("control_flow") or {}
         if cf.get("nodes"):
-            headline += f", {cf['nodes']} nodes inside If/Loop bodies stay float"
+            headline += (f", {cf['nodes']} nodes inside If/Loop/Scan bodies (Loop/Scan bodies are quantized, If "
+                         f"bodies stay float: model.fixed_inputs can specialize them)")
         metrics["headline"] = headline
         log.info("wrote %s (%s)", out, headline)
         return StageResult(artifacts={"export/model.onnx": out}, metrics=metrics)
@@ -133,7 +134,8 @@ class ExportStage(Stage):
         control = control_flow(model)
         if control["nodes"]:
             log.warning("export: %d If/Loop/Scan nodes hold %d nodes in their bodies (%d of the model's %d weighted "
-                        "ops); quantize leaves those bodies float", control["control_nodes"], control["nodes"],
+                        "ops); quantize places Q/DQ inside Loop/Scan bodies and leaves If bodies float (an If on an "
+                        "input deployment fixes: model.fixed_inputs)", control["control_nodes"], control["nodes"],
                         control["weighted_inside"], control["weighted_inside"] + control["weighted_outside"])
         out = {"source": str(src), "folded": folded, "control_flow": control}
         if specialized is not None:

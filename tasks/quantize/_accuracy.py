@@ -20,8 +20,10 @@ from typing import Any
 import onnx
 
 from pipeline.accuracy import AccuracyBudget, AccuracyVerdict, FidelityResult, Holdout
+from pipeline.bodies import QUANTIZED_BODIES, walk_views
 from pipeline.config import enum_value
 from pipeline.errors import StageError, first_line
+from pipeline.graph import iter_nodes
 from pipeline.placement import PASS_THROUGH_OPS, WEIGHTED_OPS, GraphIndex
 
 log = logging.getLogger("tune.quantize")
@@ -105,14 +107,17 @@ _NODE_IN_ERROR = re.compile(r"Node \(([^)]+)\)|Name:'([^']+)'|In Node, \(\"([^\"
 def culprits(error: str, qmodel: onnx.ModelProto, originals: set[str]) -> set[str]:
     """The original nodes behind the node an ONNX Runtime error names: the node itself, or the
     consumers of an inserted Q/DQ node, plus the quantized weighted ops feeding such a consumer (a
-    bias Add belongs to its MatMul's fused group)."""
+    bias Add belongs to its MatMul's fused group). A node inside a Loop/Scan body is traced in its body."""
     m = _NODE_IN_ERROR.search(error)
     name = next((g for g in m.groups() if g), None) if m else None
     if name is None:
         return set()
     if name in originals:
         return {name}
-    g = GraphIndex(qmodel)
+    g = next((GraphIndex(v) for v in (qmodel, *(b.model for b in walk_views(qmodel)))
+              if any(n.name == name for n in v.graph.node)), None)
+    if g is None:
+        return set()
     found: set[str] = set()
     frontier, seen = [name], set()
     while frontier:
@@ -260,7 +265,7 @@ def outlier_units(model: onnx.ModelProto, stats: dict[str, dict], units: list[st
     wise ops), and the weighted ops around them keep int8 with float outputs."""
     if threshold <= 0:
         return {}
-    nodes = {n.name: n for n in model.graph.node}
+    nodes = {n.name: n for n in iter_nodes(model.graph, QUANTIZED_BODIES)}
     out = {}
     for name in units:
         node = nodes.get(name)
@@ -304,6 +309,53 @@ def recover(ranking: list[dict[str, Any]], build: Callable[[set[str]], onnx.Mode
         else:
             lo = k + 1
     return best if best is not None else ([], None)
+
+
+GREEDY_CANDIDATES, GREEDY_STEPS = 8, 4
+
+
+def greedy_recovery(ranking: list[dict[str, Any]], build: Callable[[set[str]], onnx.ModelProto], checker: Checker,
+                    max_nodes: int) -> tuple[list[str], Candidate | None, list[dict[str, Any]]]:
+    """Nodes whose errors interact: a node that barely matters alone can matter a lot once another is
+    float (a VAD's first encoder conv, after its STFT conv). Grow the float set one node at a time, each
+    step adding whichever of the GREEDY_CANDIDATES most sensitive nodes lowers the error most with the
+    set so far, until the budget is met (at most GREEDY_STEPS nodes). Returns (float nodes, candidate
+    or None, the steps)."""
+    pool = [r["node"] for r in ranking[:GREEDY_CANDIDATES]]
+    chosen = pool[:1]  # the ranking's first is the best single node already
+    steps: list[dict[str, Any]] = []
+    for _ in range(1, min(GREEDY_STEPS, max_nodes, len(pool))):
+        best: tuple[float, str, Candidate] | None = None
+        for n in pool:
+            if n in chosen:
+                continue
+            c = checker.check(build({*chosen, n}), "greedy")
+            err = c.verdict.error if c.verdict is not None and c.error is None else math.inf
+            if best is None or err < best[0]:
+                best = (err, n, c)
+        if best is None or not math.isfinite(best[0]):
+            break
+        chosen.append(best[1])
+        v = best[2].verdict
+        steps.append({"float": list(chosen), "accuracy": v.what if v else None, "ok": bool(v is not None and v.ok)})
+        log.info("quantize:   with %d nodes float (greedy, + %s): %s", len(chosen), best[1], v.what if v else None)
+        if steps[-1]["ok"]:
+            return _prune(chosen, best[2], build, checker, steps)
+    return [], None, steps
+
+
+def _prune(chosen: list[str], met: Candidate, build: Callable[[set[str]], onnx.ModelProto], checker: Checker,
+           steps: list[dict[str, Any]]) -> tuple[list[str], Candidate, list[dict[str, Any]]]:
+    """Drop from a float set that meets the budget each earlier pick the later ones made unnecessary."""
+    keep = list(chosen)
+    for n in chosen[-2::-1]:
+        trial = [m for m in keep if m != n]
+        c = checker.check(build(set(trial)), "greedy_prune")
+        if c.error is None and c.verdict is not None and c.verdict.ok:
+            keep, met = trial, c
+            steps.append({"float": list(keep), "accuracy": c.verdict.what, "ok": True, "dropped": n})
+            log.info("quantize:   %s no longer needed float: %s", n, c.verdict.what)
+    return keep, met, steps
 
 
 BLOCK_FRACTIONS = (0.1, 0.25, 0.4, 0.5)
@@ -360,7 +412,7 @@ def decide(cfg: Any, model: onnx.ModelProto, checker: Checker, kind: str,
                                       warmup_runs=backend.warmup_runs)
         return [t.p10_ms if t.ok else None for t in timings]
 
-    ops = {n.name: n.op_type for n in model.graph.node}
+    ops = {n.name: n.op_type for n in iter_nodes(model.graph, QUANTIZED_BODIES)}
     start = start_range(requested)
     unsupported = runnable(lambda s: build(start, s)[1], checker, set(ops))
 
@@ -370,7 +422,8 @@ def decide(cfg: Any, model: onnx.ModelProto, checker: Checker, kind: str,
 
     culprits: list[str] = []
     if kind == "onnxruntime":
-        units = [n for n in build(start, unsupported)[0].node_rules if ops.get(n) not in (None, *PASS_THROUGH_OPS)]
+        units = [n for n in build(start, unsupported)[0].quantized_nodes()
+                 if ops.get(n) not in (None, *PASS_THROUGH_OPS)]
         weight_range, why, checked, culprits = choose_weight_range(
             placed, checker, requested, facts["u8s8_saturates"], measure, units)
         chosen = next(c for c in checked if c.name == f"weights_{weight_range}")
@@ -393,14 +446,15 @@ def decide(cfg: Any, model: onnx.ModelProto, checker: Checker, kind: str,
     sensitivity = None
     if verdict is not None and not verdict.ok and budget.enabled and bool(a.recovery):
         plan, _ = build(weight_range, unsupported)
-        units = [n for n in plan.node_rules if ops.get(n) not in PASS_THROUGH_OPS]
+        units = [n for n in plan.quantized_nodes() if ops.get(n) not in PASS_THROUGH_OPS]
         log.warning("quantize: the PTQ model misses the accuracy budget on %d held-out samples (%s); "
                     "ranking %d quantized nodes by their contribution to the output error",
                     holdout.samples, verdict.what, len(units))
         float_nodes, recovered, report = recover_budget(
-            model, units, lambda s: placed(weight_range, s), checker, verdict, outliers or {},
-            math.floor(float(a.max_float_fraction) * len(units)), bool(cfg.progress))
-        if recovered is not None:
+            model, units, lambda s: placed(weight_range, s), recovery_checker(checker, cfg), verdict,
+            outliers or {}, math.floor(float(a.max_float_fraction) * len(units)), bool(cfg.progress))
+        if recovered is not None:  # judged again by the budget itself (recovery aimed inside it)
+            recovered = checker.check(placed(weight_range, set(float_nodes)), "recovered")
             verdict, final = recovered.verdict, recovered
         sensitivity = {
             "budget": budget.describe(), "holdout": holdout.source, "samples": holdout.samples,
@@ -427,6 +481,13 @@ def decide(cfg: Any, model: onnx.ModelProto, checker: Checker, kind: str,
     return decisions, sensitivity
 
 
+def recovery_checker(checker: Checker, cfg: Any) -> Checker:
+    """``checker`` with the budget accuracy.recovery_margin_db inside itself, for recovery's searches."""
+    from dataclasses import replace
+
+    return replace(checker, budget=checker.budget.tightened(float(cfg.accuracy.recovery_margin_db)))
+
+
 def recover_budget(model: onnx.ModelProto, units: list[str], placed: Callable[[set[str]], onnx.ModelProto],
                    checker: Checker, verdict: AccuracyVerdict, outliers: dict[str, str], max_float: int,
                    progress: bool) -> tuple[list[str], Candidate | None, dict[str, Any]]:
@@ -435,10 +496,11 @@ def recover_budget(model: onnx.ModelProto, units: list[str], placed: Callable[[s
     keep int8), then the fewest most sensitive nodes, then stretches of the graph."""
     from pipeline.progress import progress_bar
 
-    ops = {n.name: n.op_type for n in model.graph.node}
+    ops = {n.name: n.op_type for n in iter_nodes(model.graph, QUANTIZED_BODIES)}
     base = {n: why for n, why in outliers.items() if n in units}
     recovered: Candidate | None = None
     blocks: list[dict[str, Any]] = []
+    greedy: list[dict[str, Any]] = []
     ranking: list[dict[str, Any]] = []
     if base:
         c = checker.check(placed(set(base)), "outliers")
@@ -461,8 +523,10 @@ def recover_budget(model: onnx.ModelProto, units: list[str], placed: Callable[[s
 
         ranking = rank_sensitivity(rest, with_base, checker, bar)
         float_nodes, recovered = recover(ranking, with_base, checker, limit)
+        if recovered is None:  # culprits that only matter together
+            float_nodes, recovered, greedy = greedy_recovery(ranking, with_base, checker, limit)
         if recovered is None:  # no few culprits: the error is made along a stretch of the graph
-            in_order = [n.name for n in model.graph.node if n.name in set(rest)]
+            in_order = [n for n in ops if n in set(rest)]
             float_nodes, recovered, blocks = block_recovery(in_order, with_base, checker, limit)
             for b in blocks:
                 log.info("quantize:   with the %s quantized nodes float: %s", b["float"], b["accuracy"] or b["error"])
@@ -478,7 +542,8 @@ def recover_budget(model: onnx.ModelProto, units: list[str], placed: Callable[[s
                     "writing the full placement (autotune will ship the best model that meets it)", limit + len(base))
     report = {"method": "element-wise nodes on tensors with outlier channels first (outlier_nodes); then each node "
                         "left float alone, ranked by the output error that remains (lowest first); if no prefix "
-                        "of that ranking meets the budget, stretches of the graph (blocks)",
-              "outlier_nodes": base, "ranking": ranking, "blocks": blocks}
+                        "of that ranking meets the budget, a float set grown greedily from the most sensitive "
+                        "nodes (greedy); then stretches of the graph (blocks)",
+              "outlier_nodes": base, "ranking": ranking, "greedy": greedy, "blocks": blocks}
     return float_nodes, recovered, report
 

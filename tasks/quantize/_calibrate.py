@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import onnx
 
+from pipeline.bodies import body_views, thread_out
 from pipeline.data import Batch
 from pipeline.placement import GraphIndex
 from pipeline.qdq import QTYPES
@@ -38,7 +39,8 @@ log = logging.getLogger("tune.quantize")
 
 
 def candidate_tensors(model: onnx.ModelProto) -> list[str]:
-    """Float activations: graph inputs and outputs of non-constant nodes."""
+    """Float activations: graph inputs and outputs of non-constant nodes, of the main graph and of every
+    Loop/Scan body (a body's outer-scope activations are the enclosing graph's)."""
     g = GraphIndex(model)
     seen: dict[str, None] = {}  # ordered set
     for name in sorted(g.graph_inputs):
@@ -48,22 +50,38 @@ def candidate_tensors(model: onnx.ModelProto) -> list[str]:
         for o in node.output:
             if o and g.is_activation(o):
                 seen[o] = None
+    for view in body_views(model):
+        seen.update(dict.fromkeys(candidate_tensors(view.model)))
     return list(seen)
 
 
 class ActivationRunner:
+    """Values of ``tensors`` per batch; those inside Loop/Scan bodies come out of a copy of the model
+    that stacks them over the iterations (``pipeline.bodies.thread_out``), each iteration a sample."""
+
     def __init__(self, model: onnx.ModelProto, tensors: list[str], threads: int):
         from pipeline.backends.onnxruntime import ort_session, ort_session_options
 
+        model, self.stacked = thread_out(model, tensors)
+        self.outputs = [self.stacked[t][0] if t in self.stacked else t for t in tensors]
         # keep every intermediate tensor observable: no fusions that would remove them
-        self.session = ort_session(model, ort_session_options("basic", threads=threads), extra_outputs=tensors)
+        self.session = ort_session(model, ort_session_options("basic", threads=threads), extra_outputs=self.outputs)
         self.tensors = tensors
 
     def __call__(self, batch: Batch) -> dict[str, np.ndarray]:
-        outs = self.session.run(self.tensors, batch.feeds)
-        # padding samples (repeats of the last one) must not weigh in the statistics
-        return {t: (o[: batch.valid] if o.ndim and o.shape[0] == len(next(iter(batch.feeds.values()))) else o)
-                for t, o in zip(self.tensors, outs, strict=True)}
+        outs = self.session.run(self.outputs, batch.feeds)
+        rows = len(next(iter(batch.feeds.values())))
+        out = {}
+        for t, o in zip(self.tensors, outs, strict=True):
+            if t in self.stacked and o.size:
+                # the iteration axes join the body tensor's first axis (its batch, for an RNN cell): a
+                # conv tensor keeps its channels on axis 1. Which axis holds the batch inside a body is
+                # unknown, so padding samples stay in (repeats of a real sample: the range is the same)
+                axes = self.stacked[t][1]
+                out[t] = o.reshape(-1, *o.shape[axes + 1:]) if o.ndim - axes >= 2 else o.reshape(-1, *o.shape[axes:])
+            else:  # padding samples (repeats of the last one) must not weigh in the statistics
+                out[t] = o[: batch.valid] if o.ndim and o.shape[0] == rows else o
+        return out
 
 
 def kl_threshold(hist: np.ndarray, absmax: float, num_quantized_bins: int = 128) -> float:

@@ -19,10 +19,11 @@ import onnx
 from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_write_json
+from pipeline.bodies import QUANTIZED_BODIES, unique_names, walk_views
 from pipeline.config import enum_value
 from pipeline.data import DataProvider
 from pipeline.errors import StageError
-from pipeline.graph import control_flow, input_specs, load_model, save_model
+from pipeline.graph import control_flow, input_specs, iter_nodes, load_model, save_model
 from pipeline.placement import (
     GraphIndex,
     NodeDtypes,
@@ -45,14 +46,22 @@ log = logging.getLogger("tune.quantize")
 
 
 def weight_records(model: onnx.ModelProto, calibration: Calibration) -> dict[str, Any]:
-    """Per-channel scales of every weight of a weighted op, for each weight dtype, as ``calibration``
-    searches them (its cache then serves apply_plan: the mse search runs once per weight)."""
+    """Per-channel scales of every weight of a weighted op (inside Loop/Scan bodies too), for each weight
+    dtype, as ``calibration`` searches them (its cache then serves apply_plan: the mse search runs once
+    per weight)."""
+    out: dict[str, Any] = {}
+    for m in [model, *(v.model for v in walk_views(model))]:
+        out.update(_weight_records(m, calibration, set(out)))
+    return out
+
+
+def _weight_records(model: onnx.ModelProto, calibration: Calibration, done: set[str]) -> dict[str, Any]:
     g = GraphIndex(model)
     out: dict[str, Any] = {}
     for node in model.graph.node:
         for i in weight_inputs(g, node):
             name = node.input[i]
-            if name in out:
+            if name in out or name in done:
                 continue
             w = onnx.numpy_helper.to_array(g.inits[name]).astype(np.float32)
             axis = weight_axis(node, i, w.shape)
@@ -128,6 +137,8 @@ class QuantizeStage(Stage):
         out_dir = ctx.stage_dir("quantize")
         float_path = ctx.require("export/model.onnx")
         model = load_model(float_path)
+        if unique_names(model):  # plans and calibration.json name body nodes and tensors
+            log.info("quantize: named the nodes of Loop/Scan bodies (and renamed values sibling bodies share)")
         out_model, out_calib = out_dir / "quantized_model.onnx", out_dir / "calibration.json"
         rules = resolve_rules(model, q.layers, q.skip_names, q.op_types_to_quantize)
         if not rules:
@@ -152,7 +163,14 @@ class QuantizeStage(Stage):
             return progress_bar(bool(cfg.progress), iterable=it, total=total, desc=f"quantize: {desc}", unit="batch")
 
         from pipeline.accuracy import AccuracyBudget, Holdout
-        from tasks.quantize._accuracy import Checker, decide, outlier_units, start_range, temp_workdir
+        from tasks.quantize._accuracy import (
+            Checker,
+            decide,
+            outlier_units,
+            recovery_checker,
+            start_range,
+            temp_workdir,
+        )
         from tasks.quantize._calibrate import collect
 
         backend = _ort_backend(cfg)  # calibration and every check run on it
@@ -165,6 +183,11 @@ class QuantizeStage(Stage):
         # ORT placements are checked with the fused kernels that will run them, TensorRT ones as Q/DQ math
         checker = Checker(backend, holdout, AccuracyBudget.from_config(cfg), fused=kind == "onnxruntime",
                           workdir=Path(work.name))
+        lowering = None
+        if bool(q.lower_rnn):
+            model, lowering = _prepare.lower_rnn(model, batches)
+            if lowering["applied"]:
+                rules = resolve_rules(model, q.layers, q.skip_names, q.op_types_to_quantize)
         original = model
         model, transforms = _prepare.transform_float(model, q, batches, backend.threads, act_type)
         builder = onnxruntime_plan if kind == "onnxruntime" else tensorrt_plan
@@ -182,7 +205,9 @@ class QuantizeStage(Stage):
         if model is not original:
             model, stats = self._keep_transforms(original, model, stats, calibrate, transforms, checker, place,
                                                  weight_clip)
-        ranges = None
+        if lowering is not None:
+            transforms.insert(0, lowering)
+        ranges, auto_stats = None, stats
         if enum_value(q.algorithm) == "auto":
             stats, weight_clip, ranges = self._choose_ranges(model, stats, checker, place)
         out_float = save_model(model, out_dir / "float_model.onnx")
@@ -196,12 +221,13 @@ class QuantizeStage(Stage):
         def build(weight_range: str, float_nodes: set[str] = frozenset()):
             kept = {k: v for k, v in rules.items() if k not in float_nodes}
             plan = builder(model, kept, act_type, per_channel=bool(q.per_channel), weight_range=weight_range)
-            if not plan.activations and not plan.weights:
+            if not any(p.activations or p.weights for p in plan.walk()):
                 cf = control_flow(model)
                 if cf["weighted_inside"] and not cf["weighted_outside"]:
                     raise StageError(f"quantize: all {cf['weighted_inside']} weighted ops of this model sit inside "
-                                     f"If/Loop/Scan bodies ({cf['nodes']} nodes), which qdq-tune leaves float; the "
-                                     f"main graph has nothing to quantize")
+                                     f"If/Loop/Scan bodies ({cf['nodes']} nodes) and none is quantizable: If bodies "
+                                     f"stay float, and no Loop/Scan body holds a quantizable op; the main graph has "
+                                     f"nothing to quantize")
                 raise StageError("quantize: the rules match no quantizable op in this model (Conv, Gemm, MatMul, "
                                  "...); check quantize.layers / skip_names / op_types_to_quantize")
             return plan, apply_plan(model, plan, calibration)
@@ -237,6 +263,10 @@ class QuantizeStage(Stage):
         outliers = outlier_units(model, stats, list(rules), float(q.outlier_threshold))
         decisions, sensitivity = decide(cfg, model, checker, kind, build,
                                         fix_bias if bool(q.bias_correction) else None, outliers)
+        if ranges is not None and decisions["float_nodes"]:
+            stats = self._refine_ranges(auto_stats, ranges, calibration, decisions, build, checker,
+                                        recovery_checker(checker, cfg), fix_bias if bool(q.bias_correction) else None)
+            doc = calibration_document(stats, model, cfg, calibration)
         work.cleanup()
         decisions["transforms"] = transforms
         doc["transforms"] = transforms
@@ -244,14 +274,20 @@ class QuantizeStage(Stage):
             doc["ranges"] = decisions["ranges"] = ranges
         doc["bias_corrections"] = calibration.bias_corrections
         plan, qmodel = build(decisions["weight_range"], set(decisions["float_nodes"]))
+        # the Loop/Scan body placement, which autotune keeps (it tunes the main graph)
+        doc["bodies"] = {k: p.to_dict() for k, p in plan.bodies.items()}
+        decisions["body_nodes"] = sorted(n for p in plan.bodies.values() for n in p.quantized_nodes())
         doc["decisions"] = decisions
         atomic_write_json(out_calib, doc)
         save_model(qmodel, out_model, external_data=bool(q.use_external_data_format))
         self._log_rules(model, plan, rules, act_type)
         counts = qdq_summary(qmodel)
-        dtypes = Counter(a.dtype for a in plan.activations) + Counter(w.dtype for w in plan.weights)
+        dtypes = Counter(a.dtype for p in plan.walk() for a in p.activations) + \
+            Counter(w.dtype for p in plan.walk() for w in p.weights)
+        quantized = plan.quantized_nodes()
+        in_bodies = len(quantized) - len(plan.node_rules)
         algorithm = enum_value(q.algorithm) + (f" ({ranges['chosen']} ranges)" if ranges else "")
-        headline = (f"{algorithm} calibration, {kind} placement: {len(plan.node_rules)} nodes quantized "
+        headline = (f"{algorithm} calibration, {kind} placement: {len(quantized)} nodes quantized "
                     f"({', '.join(f'{k} x{v}' for k, v in sorted(dtypes.items()))}), "
                     f"{counts['QuantizeLinear']} Q / {counts['DequantizeLinear']} DQ")
         log.info("wrote %s (%s)", out_model, headline)
@@ -269,6 +305,8 @@ class QuantizeStage(Stage):
             headline += "; " + ", ".join(improved)
         if decisions["float_nodes"]:
             headline += f"; {len(decisions['float_nodes'])} sensitive nodes left float"
+        if in_bodies:
+            headline += f"; {in_bodies} nodes inside Loop/Scan bodies quantized (autotune keeps them as placed)"
         metrics = {
             "weight_range": decisions["weight_range"], "weight_range_reason": decisions["weight_range_reason"],
             "cpu": decisions["cpu"], "kernel_fidelity": decisions.get("kernel_fidelity"),
@@ -279,7 +317,7 @@ class QuantizeStage(Stage):
             "fidelity_culprits": decisions.get("fidelity_culprits", []), "ranges": ranges,
             "placement": kind, "activation_type": act_type, "calibrated_tensors": len(stats),
             "calibration_samples": samples, "calibration_seconds": round(calib_seconds, 2),
-            "quantized_nodes": len(plan.node_rules), "node_rules": plan.node_rules, **counts,
+            "quantized_nodes": len(quantized), "body_nodes": in_bodies, "node_rules": quantized, **counts,
             "headline": headline,
         }
         return StageResult(artifacts, metrics)
@@ -333,12 +371,67 @@ class QuantizeStage(Stage):
         return st, clip, {"chosen": best, "weight_clip": clip, "held_out_error": errors}
 
     @staticmethod
+    def _refine_ranges(auto_stats: dict[str, dict], ranges: dict[str, Any], calibration: Calibration,
+                       decisions: dict[str, Any], build: Callable[..., Any], checker: Any, strict: Any,
+                       fix_bias: Callable[..., Any] | None) -> dict[str, dict]:
+        """``auto`` after recovery: the range choice again, for the placement that leaves the recovered nodes
+        float (the full placement's error, which chose the ranges first, is dominated by those nodes). If
+        another choice is better there, it is taken, each float node it makes unnecessary is quantized
+        again, and bias correction is redone. Updates ``calibration`` and ``decisions``; returns the
+        statistics in force."""
+        from tasks.quantize._calibrate import AUTO_CANDIDATES, PER_TENSOR, with_ranges
+
+        wr, float_nodes = decisions["weight_range"], set(decisions["float_nodes"])
+
+        def use(method: str) -> dict[str, dict]:
+            calibration.tensors = with_ranges(auto_stats, method)
+            calibration.weight_clip = "mse" if method in (PER_TENSOR, "mse") else "max"
+            calibration.bias_corrections = {}
+            return calibration.tensors
+
+        def check(nodes: set[str], name: str, by: Any = checker):
+            c = by.check(build(wr, nodes)[1], name)
+            return c if c.error is None and c.verdict is not None else None
+
+        saved = (calibration.tensors, calibration.weight_clip, calibration.bias_corrections)
+        errors: dict[str, float | None] = {}
+        for method in (PER_TENSOR, *AUTO_CANDIDATES):
+            use(method)
+            c = check(float_nodes, f"ranges_{method}_recovered")
+            errors[method] = c.verdict.error if c else None
+        ranges["with_float_nodes"] = errors
+        usable = {k: v for k, v in errors.items() if v is not None}
+        best = min(usable, key=lambda k: usable[k]) if usable else ranges["chosen"]
+        if best == ranges["chosen"]:
+            calibration.tensors, calibration.weight_clip, calibration.bias_corrections = saved
+            return saved[0]
+        log.info("quantize: auto ranges with the %d float nodes: %s (held-out error %s)", len(float_nodes), best,
+                 ", ".join(f"{k} {_num(v)}" for k, v in errors.items()))
+        stats = use(best)
+        ranges.update(chosen=best, weight_clip=calibration.weight_clip, rechosen_after_recovery=True)
+        final = check(float_nodes, "ranges_final")
+        for n in sorted(float_nodes - set(decisions["unsupported_nodes"]) - set(decisions["fidelity_culprits"])):
+            c = check(float_nodes - {n}, "ranges_requantize", strict)  # recovery's margin holds here too
+            if c is not None and c.verdict.ok:
+                float_nodes.discard(n)
+                final = check(float_nodes, "ranges_requantized")
+                log.info("quantize: %s quantized again: %s", n, c.verdict.what)
+        decisions["float_nodes"] = sorted(float_nodes)
+        if fix_bias is not None and final is not None:
+            bias, corrected = fix_bias(wr, float_nodes, checker, final)
+            decisions["bias_correction"] = bias
+            final = corrected or final
+        if final is not None:
+            decisions["accuracy"] = final.verdict.to_dict()
+        return stats
+
+    @staticmethod
     def _log_rules(model: onnx.ModelProto, plan, rules: dict[str, NodeDtypes], act_type: str) -> None:
-        ops = {n.name: n.op_type for n in model.graph.node}
-        wd = {w.node: w.dtype for w in plan.weights}
-        for name, why in plan.skipped.items():
+        ops = {n.name: n.op_type for n in iter_nodes(model.graph, QUANTIZED_BODIES)}
+        wd = {w.node: w.dtype for p in plan.walk() for w in p.weights}
+        for name, why in {k: v for p in plan.walk() for k, v in p.skipped.items()}.items():
             log.info("  %s (%s) left float: %s", name, ops.get(name, "?"), why)
-        for name, rule in plan.node_rules.items():
+        for name, rule in plan.quantized_nodes().items():
             r = rules.get(name)
             acts = r.activations if r else "?"
             if acts == "int8" and act_type == "uint8":

@@ -409,3 +409,13 @@ def test_recovery_finds_nodes_that_only_matter_together():
     chosen, met, steps = greedy_recovery(ranking, frozenset, checker, max_nodes=3)
     assert sorted(chosen) == ["enc0", "stft"] and met.verdict.ok, steps
     assert steps[-1]["ok"] and Checker.calls < 30
+
+
+def test_recovery_aims_inside_the_budget_by_its_margin():
+    from pipeline.accuracy import AccuracyBudget
+
+    b = AccuracyBudget(min_snr_db=20.0, min_cosine=0.99, max_drop=1.0)
+    t = b.tightened(1.0)
+    assert t.min_snr_db == 21.0 and t.max_drop == 1.0
+    assert t.min_cosine == pytest.approx(1 - 0.01 * 10 ** -0.1)  # 1 dB less error energy
+    assert b.tightened(0.0) == b

@@ -64,3 +64,17 @@ def test_quantized_models_build_with_tensorrt_rtx(rtx, tmp_path, builder, kind, 
     onnx.save(q, str(path))
     res = rtx.build(path, tmp_path / "q.engine", tmp_path / "build.log")
     assert res.engine_path.stat().st_size > 0 and (tmp_path / "build.log").exists()
+
+
+@pytest.mark.parametrize("builder", ["scan_rnn", "loop_rnn", "nested"])
+@pytest.mark.parametrize("placement", ["tensorrt", "onnxruntime"])
+def test_models_quantized_inside_loop_and_scan_bodies_build_with_tensorrt_rtx(rtx, tmp_path, builder, placement):
+    """Q/DQ inside the bodies, with ORT's uint8 activations and int32 biases rewritten there too."""
+    model = models.scan_rnn(inner_steps=2) if builder == "nested" else getattr(models, builder)()
+    rules = resolve_rules(model, RULES["int8"])
+    plan = tensorrt_plan(model, rules) if placement == "tensorrt" else onnxruntime_plan(model, rules, "uint8")
+    assert plan.bodies
+    path = tmp_path / "q.onnx"
+    onnx.save(apply_plan(model, plan, _calibration(model)), str(path))
+    res = rtx.build(path, tmp_path / "q.engine", tmp_path / "build.log")
+    assert res.engine_path.stat().st_size > 0
