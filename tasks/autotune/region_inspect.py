@@ -51,6 +51,41 @@ def _tree(items: list[tuple[str, list]], prefix: str = "") -> list[str]:
     return lines
 
 
+def _control_flow(model: onnx.ModelProto) -> list[str]:
+    """What became of the model's control flow: the inputs it was specialized on (export's
+    model.fixed_inputs) and, per If/Loop/Scan of the main graph, its bodies' nodes, how many of them
+    are quantized, and why the rest are float. Regions cover the main graph only."""
+    from pipeline.graph import iter_nodes
+    from pipeline.placement import WEIGHTED_OPS
+    from pipeline.specialize import recorded_fixed_inputs
+
+    lines = []
+    fixed = recorded_fixed_inputs(model)
+    if fixed:
+        lines.append(f"Specialized on fixed inputs {fixed}: the If nodes they decided were replaced by their "
+                     f"taken branch at export")
+    control = [n for n in model.graph.node if n.op_type in ("If", "Loop", "Scan")]
+    if not control:
+        return lines
+    lines.append(f"Control flow: {len(control)} If/Loop/Scan node(s); regions cover the main graph, bodies are "
+                 f"placed by the quantize stage and kept as placed by autotune")
+    for node in control:
+        graphs = [a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH]
+        inside = [n for g in graphs for n in iter_nodes(g)]
+        weighted = sum(n.op_type in (*WEIGHTED_OPS, "LSTM", "GRU", "RNN") for n in inside)
+        dq = {o for n in inside if n.op_type == "DequantizeLinear" for o in n.output}
+        quantized = sum(n.op_type in WEIGHTED_OPS and any(i in dq for i in n.input) for n in inside)
+        if quantized:
+            why = f"{quantized} of {weighted} weighted ops quantized"
+        elif node.op_type == "If":
+            why = ("float: If bodies stay float (when its condition depends on an input deployment fixes, "
+                   "model.fixed_inputs specializes it)")
+        else:
+            why = "float: nothing quantized inside (no quantizable op, or a float model)"
+        lines.append(f"  {node.op_type} {node.name}: {len(inside)} body nodes, {weighted} weighted; {why}")
+    return lines
+
+
 def inspect_model(path: str | Path, verbose: bool = False, max_sequence_size: int = 10,
                   include_all_regions: bool = False) -> str:
     """The inspection report for the model at ``path`` (raises PipelineError for unusable files)."""
@@ -114,6 +149,7 @@ def inspect_model(path: str | Path, verbose: bool = False, max_sequence_size: in
     hidden = len(regions) - len(shown)
     if hidden:
         lines.append(f"Not listed: {hidden} regions without quantizable ops (--include-all-regions lists them)")
+    lines += _control_flow(model)
     lines.append("")
     lines.append(f"Region {root.id} (Level {root.level}, Type: {root.type.value}): {len(root.all_nodes())} nodes, "
                  f"{len(root.children)} children, {len(root.inputs)} inputs, {len(root.outputs)} outputs")
