@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 MODELS = ("digits_cnn", "resnet18", "bert_tiny")
-TRAINED = ("minilm_l6", "ppocr_det", "ppocr_cls")  # keys of trained_models.MODELS
+TRAINED = ("minilm_l6", "ppocr_det", "ppocr_cls", "silero_vad")  # keys of trained_models.MODELS
 AIMET_PYTHON = Path("/work/aimet-venv/bin/python")
 VARIANTS = ("float (FP32)", "ours: PTQ", "ours: autotuned", "ORT quantize_static", "ORT quantize_static reduce_range")
 

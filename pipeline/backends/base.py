@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -227,7 +227,8 @@ def compare_interleaved(backend: Backend, model_paths: list[str | Path], rounds:
 
 
 def time_interleaved(prepared: list[PreparedModel | None], rounds: int, runs_per_round: int, warmup_runs: int = 0,
-                     errors: list[str | None] | None = None, stop_on_error: bool = False
+                     errors: list[str | None] | None = None, stop_on_error: bool = False,
+                     until: Callable[[list[list[list[float]]]], bool] | None = None,
                      ) -> tuple[list[list[list[float]]], list[str | None]]:
     """Time prepared models in alternating blocks: per model, one list of run times per round, and
     its error (None models, and models with an error already, are skipped).
@@ -236,6 +237,7 @@ def time_interleaved(prepared: list[PreparedModel | None], rounds: int, runs_per
     ``runs_per_round`` runs after one untimed run (the previous model's worker threads slow the
     first run after a switch). A model whose runs raise keeps its error and drops out; the others
     go on, unless ``stop_on_error`` (a paired comparison is void once either side fails).
+    ``until`` (given the blocks so far) ends the timing after any complete round, before ``rounds``.
     """
     n = len(prepared)
     blocks: list[list[list[float]]] = [[] for _ in prepared]
@@ -270,6 +272,8 @@ def time_interleaved(prepared: list[PreparedModel | None], rounds: int, runs_per
                 fail(i, exc)
                 if stop_on_error:
                     return blocks, errors
+        if until is not None and until(blocks):
+            break
     return blocks, errors
 
 

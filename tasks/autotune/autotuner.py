@@ -49,7 +49,7 @@ from pipeline.placement import (
     weight_inputs,
     weight_q,
 )
-from pipeline.qdq import ActivationQ, Calibration, QDQPlan, apply_plan, raise_opset
+from pipeline.qdq import ActivationQ, Calibration, QDQPlan, apply_plan, get_quantized_tensors, raise_opset
 from tasks.autotune.config import AutotuneConfig
 from tasks.autotune.insertion_points import InsertionPoint, candidate_points, point_groups, resolve
 from tasks.autotune.pattern import RegionPattern
@@ -106,6 +106,13 @@ class Config:
 def _uniform_dtypes(model: onnx.ModelProto, quant_type: str) -> dict[str, NodeDtypes]:
     dt = "fp8_e4m3fn" if quant_type == "fp8" else "int8"
     return {n.name: NodeDtypes(dt, dt, f"autotune quant_type={quant_type}") for n in model.graph.node}
+
+
+def _quantized_reads(baseline: onnx.ModelProto) -> tuple[set[str], set[tuple[str, int]]]:
+    """The tensors a Q/DQ model quantizes, and the (node, input) pairs that read a DQ output."""
+    dq_out = {n.output[0] for n in baseline.graph.node if n.op_type == "DequantizeLinear"}
+    return get_quantized_tensors(baseline), {(n.name, k) for n in baseline.graph.node
+                                            for k, t in enumerate(n.input) if t in dq_out}
 
 
 def _flip(points: set[InsertionPoint], group: tuple[InsertionPoint, ...]) -> set[InsertionPoint]:
@@ -172,9 +179,11 @@ class QDQAutotunerBase:
         self.profiled_patterns = {self.patterns[r.id].signature for r in self.regions if r.id not in self.skipped_regions}
         allowed = {n for n, d in self._dtypes.items() if d.activations != "native"}
         for sig, regions in self.pattern_regions.items():
-            r0 = regions[0]
-            cands = candidate_points(r0, self.orders[r0.id], self.model, self.index, self.config.placement,
-                                     allowed, self.config.default_quant_type)
+            # the points of all its regions: its first region may be left float (float_nodes) and have
+            # none, and export skips the points of float nodes region by region anyway
+            cands = sorted({p for r in regions for p in candidate_points(
+                r, self.orders[r.id], self.model, self.index, self.config.placement, allowed,
+                self.config.default_quant_type)})
             self.pattern_schemes[sig] = PatternSchemes(sig, cands)
         self._model_sha = model_hash(self.model)
 
@@ -200,12 +209,32 @@ class QDQAutotunerBase:
     def import_qdq_baseline(self, baseline: onnx.ModelProto) -> int:
         """Seed from a Q/DQ model, consumer by consumer (exact for placements that quantize a tensor
         for some consumers only)."""
-        from pipeline.qdq import get_quantized_tensors
+        return self._import(*_quantized_reads(baseline))
 
-        tensors = get_quantized_tensors(baseline)
-        dq_out = {n.output[0] for n in baseline.graph.node if n.op_type == "DequantizeLinear"}
-        readers = {(n.name, k) for n in baseline.graph.node for k, t in enumerate(n.input) if t in dq_out}
-        return self._import(tensors, readers)
+    def baseline_assignment(self, baseline: onnx.ModelProto) -> dict[int, InsertionScheme]:
+        """Region id -> the scheme of ``baseline``'s placement in that region (regions it leaves float
+        are left out): the Q/DQ model region by region rather than one vote per pattern."""
+        tensors, readers = _quantized_reads(baseline)
+        out = {}
+        for r in self.regions:
+            s = self._region_scheme(r, tensors, readers)
+            if len(s):
+                out[r.id] = s
+        return out
+
+    def _region_scheme(self, r: Region, tensors: set[str], readers: set[tuple[str, int]] | None) -> InsertionScheme:
+        pts = []
+        for p in self.pattern_schemes[self.patterns[r.id].signature].candidates:
+            rp = resolve(p, r, self.orders[r.id], self.model, self.index)
+            if rp is None or rp.tensor not in tensors:
+                continue
+            if readers is not None:
+                who = rp.consumers if rp.consumers is not None else tuple(
+                    (c.name, k) for c, k in self.index.consumers.get(rp.tensor, []))
+                if not set(who) <= readers:
+                    continue
+            pts.append(p)
+        return InsertionScheme(frozenset(pts))
 
     def _import(self, tensors: set[str], readers: set[tuple[str, int]] | None) -> int:
         seeded = 0
@@ -213,18 +242,7 @@ class QDQAutotunerBase:
             ps = self.pattern_schemes[sig]
             votes: dict[InsertionScheme, int] = {}
             for r in regions:
-                pts = []
-                for p in ps.candidates:
-                    rp = resolve(p, r, self.orders[r.id], self.model, self.index)
-                    if rp is None or rp.tensor not in tensors:
-                        continue
-                    if readers is not None:
-                        who = rp.consumers if rp.consumers is not None else tuple(
-                            (c.name, k) for c, k in self.index.consumers.get(rp.tensor, []))
-                        if not set(who) <= readers:
-                            continue
-                    pts.append(p)
-                s = InsertionScheme(frozenset(pts))
+                s = self._region_scheme(r, tensors, readers)
                 votes[s] = votes.get(s, 0) + 1
             best = max(votes.items(), key=lambda kv: (kv[1], len(kv[0])))[0]
             ps.baseline_scheme = best

@@ -7,6 +7,11 @@ since the previous session's spinning threads slow the first run), and the resul
 percentiles, which held up best here: each round keeps the fastest run of a short block per model,
 and the result is the median over rounds of the per-round candidate/baseline ratios. Identical
 models (by content hash) are measured once.
+
+A measurement given a keep threshold (``measure(..., stop_at=...)``) is sequential: it ends as soon
+as the 95% confidence interval of the ratio lies clearly above or below the threshold (after at
+least MIN_ROUNDS rounds). Its rounds are half as long and it may take twice as many, so an unclear
+measurement times as many runs as a fixed one and a clear one a fraction of them.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import dataclasses
 import logging
 import math
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +32,46 @@ from pipeline.graph import model_hash
 from tasks.autotune.scheme import Measurement
 
 log = logging.getLogger("tune.autotune")
+
+# a sequential measurement runs at least this many rounds before its interval may end it
+MIN_ROUNDS = 3
+# two-sided 95% Student t quantiles for 1..10 degrees of freedom (the last one beyond: conservative)
+_T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23)
+
+
+def chain_interval(steps: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """95% confidence interval of a product of ratios, each from its own per-round ratios (a chain of
+    paired steps: A/B from one, B/C from the next); the t quantile of the fewest rounds, so it errs
+    wide. (1, 1) for no steps: a model against itself."""
+    if not steps:
+        return 1.0, 1.0
+    if any(len(r) < 2 for r in steps):
+        return 0.0, math.inf
+    logs = [np.log(np.asarray(r, dtype=np.float64)) for r in steps]
+    mean = sum(float(np.mean(x)) for x in logs)
+    se = math.sqrt(sum(float(np.var(x, ddof=1)) / len(x) for x in logs))
+    half = _T95[min(min(len(x) for x in logs) - 2, len(_T95) - 1)] * se
+    return math.exp(mean - half), math.exp(mean + half)
+
+
+def ratio_interval(ratios: Sequence[float]) -> tuple[float, float]:
+    """95% confidence interval of a candidate/reference ratio from its per-round ratios (t interval of
+    the mean log ratio); (0, inf) from fewer than two rounds."""
+    return chain_interval([ratios])
+
+
+def sequential_verdict(ratios: Sequence[float], threshold: float, min_rounds: int = MIN_ROUNDS) -> str | None:
+    """"below" or "above" once ``min_rounds`` rounds are in and the ratio's interval lies entirely on
+    that side of ``threshold``; None while it straddles it."""
+    if len(ratios) < max(min_rounds, 2):
+        return None
+    low, high = ratio_interval(ratios)
+    return "below" if high < threshold else "above" if low > threshold else None
+
+
+def round_ratios(ref_blocks: list[list[float]], cand_blocks: list[list[float]]) -> list[float]:
+    """Per round, the candidate's best run over the reference's best run (spikes removed)."""
+    return [min(c) / min(r) for r, c in zip(ref_blocks, cand_blocks, strict=False) if min(r) > 0]
 
 
 class PairedBenchmark:
@@ -60,7 +105,11 @@ class PairedBenchmark:
             self._reference.close()
             self._reference = None
 
-    def measure(self, model: str | Path | bytes, rounds: int | None = None, use_cache: bool = True) -> Measurement:
+    def measure(self, model: str | Path | bytes, rounds: int | None = None, use_cache: bool = True,
+                stop_at: float | None = None) -> Measurement:
+        """Pair ``model`` with the reference for ``rounds`` rounds; with ``stop_at`` (a keep threshold
+        on the ratio) sequentially: rounds of half the runs, at least MIN_ROUNDS and at most ``rounds``
+        (default: twice the benchmark's), ending once the ratio is clearly above or below it."""
         key = model_hash(model)
         if use_cache and key in self._cache:
             return dataclasses.replace(self._cache[key])  # callers annotate their copy (log path)
@@ -73,7 +122,8 @@ class PairedBenchmark:
         else:
             path = Path(model)
         try:
-            result = self._measure(path, rounds or self.rounds)
+            cap = rounds or (2 * self.rounds if stop_at is not None else self.rounds)
+            result = self._measure(path, max(cap, MIN_ROUNDS) if stop_at is not None else cap, stop_at)
         finally:
             if tmp is not None:
                 Path(tmp.name).unlink(missing_ok=True)
@@ -82,7 +132,7 @@ class PairedBenchmark:
             self._cache[key] = result
         return result
 
-    def _measure(self, path: Path, rounds: int) -> Measurement:
+    def _measure(self, path: Path, rounds: int, stop_at: float | None = None) -> Measurement:
         ref = self._ref()
         try:
             cand = self.backend.prepare(path)
@@ -97,7 +147,10 @@ class PairedBenchmark:
                     m.accuracy = verdict.to_dict()
                     return m
             cand.time_runs(self.warmup_runs)  # (the reference was warmed up once, when it was loaded)
-            blocks, errors = time_interleaved([ref, cand], rounds, self.runs_per_round, stop_on_error=True)
+            until = None if stop_at is None else \
+                (lambda bl: sequential_verdict(round_ratios(*bl), stop_at) is not None)
+            runs = self.runs_per_round if stop_at is None else max(2, self.runs_per_round // 2)
+            blocks, errors = time_interleaved([ref, cand], rounds, runs, stop_on_error=True, until=until)
             error = next((e for e in errors if e is not None), None)
             if error is not None:
                 return Measurement.failed(error)
@@ -106,16 +159,18 @@ class PairedBenchmark:
             return Measurement.failed(f"{type(exc).__name__}: {exc}")
         finally:
             cand.close()
-        # per round: the best run of each short block (spikes removed); across rounds: the median of
-        # the candidate/reference ratios, so a slow phase that hits one round does not decide
-        ratios = [c / r for c, r in zip(cand_min, ref_min, strict=True) if r > 0]
+        # across rounds: the median of the per-round ratios, so a slow phase that hits one round
+        # does not decide
+        ratios = round_ratios(*blocks)
         if not ratios or not all(math.isfinite(x) for x in ratios):
             return Measurement.failed("non-finite timing")
         ratio = float(np.median(ratios))
         return Measurement(latency_ms=float(np.median(cand_min)), ratio=ratio,
                            reference_ms=float(np.median(ref_min)),
                            accuracy=verdict.to_dict() if verdict is not None else None,
-                           noise=float(np.median(np.abs(np.asarray(ratios) - ratio))))
+                           noise=float(np.median(np.abs(np.asarray(ratios) - ratio))),
+                           round_ratios=tuple(ratios),
+                           decided=sequential_verdict(ratios, stop_at) if stop_at is not None else None)
 
 
 @dataclasses.dataclass

@@ -105,8 +105,9 @@ class AutotuneConfig:
     # giving the fusion groups; default: the backend's own (ONNX Runtime's optimized graph, or one
     # float TensorRT build written as <model>.<precision>.graph.json)
     graph_json: Optional[str] = _only("subgraph")
-    # apply group winners to the full model one at a time, keeping only those that make it faster
-    # (optimized_final.onnx); false: every local winner at once (= optimized_raw.onnx)
+    # validate the groups' local winners on the full model (from the PTQ placement when it pays; in
+    # grouped steps, bisected when rejected), keeping only what makes it faster (optimized_final.onnx);
+    # false: every local winner at once (= optimized_raw.onnx)
     incremental_validation: bool = _only("subgraph", True)
 
 

@@ -50,17 +50,22 @@ class Measurement:
     accuracy: dict[str, Any] | None = None
     # median absolute deviation of the per-round ratios: the measurement's own noise
     noise: float = 0.0
+    round_ratios: tuple[float, ...] = ()
+    # a sequential measurement's end: "below"/"above" when the ratio's interval ended clearly on that
+    # side of the keep threshold, None when it ran to its cap (or had no threshold)
+    decided: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"latency_ms": self.latency_ms, "ratio": self.ratio, "reference_ms": self.reference_ms,
                 "ok": self.ok, "error": self.error, "log_path": self.log_path, "remeasure": self.remeasure,
-                "accuracy": self.accuracy, "noise": self.noise}
+                "accuracy": self.accuracy, "noise": self.noise, "round_ratios": list(self.round_ratios),
+                "decided": self.decided}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Measurement:
         return cls(float(d["latency_ms"]), float(d["ratio"]), float(d["reference_ms"]), bool(d.get("ok", True)),
                    d.get("error"), d.get("log_path"), bool(d.get("remeasure", False)), d.get("accuracy"),
-                   float(d.get("noise") or 0.0))
+                   float(d.get("noise") or 0.0), tuple(d.get("round_ratios") or ()), d.get("decided"))
 
     @property
     def over_budget(self) -> bool:

@@ -7,10 +7,11 @@ tensor has no statistics, with a warning) and quantized_model.onnx as QDQ baseli
 or ``_subgraph`` tunes; ``_finalize`` guards. Outputs: COMMON_OUTPUTS plus MODE_OUTPUTS[mode].
 
 The shipped optimized_final.onnx is decided by a fresh interleaved measurement of the float model,
-the PTQ model and the tuned model (not by the search's best-of-N): it must beat the
-precision-matched float baseline by ``performance_threshold`` or the float model ships, and if the
-PTQ model measures faster than the tuned one, the PTQ model ships. Either way the stage says so,
-and the file written is byte for byte the model that was measured.
+the PTQ model and the tuned model (not by the search's best-of-N), or, in subgraph mode, by the
+paired steps that already measured these very models (by content hash) when they decide clearly:
+it must beat the precision-matched float baseline by ``performance_threshold`` or the float model
+ships, and if the PTQ model measures faster than the tuned one, the PTQ model ships. Either way the
+stage says so, and the file written is byte for byte the model that was measured.
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ class ModeResult:
     artifacts: dict[str, Path]
     bench: Any = None  # a live benchmark to close before the final measurement
     report: Any = None  # called with the final metrics to write the mode's report
+    # the mode's paired full-model measurements (subgraph mode's phase-3 steps), which the guard
+    # reuses where they measured the models it compares
+    steps: list[dict[str, Any]] | None = None
 
 
 # artifacts every run writes, and each mode's own (declared here, checked at the end of a run)
@@ -283,22 +287,28 @@ class AutotuneStage(Stage):
             result = subgraph_autotuning_workflow(
                 setup.model, out, setup.backend, groups, setup.config, setup.calibration, warmup, timing, rounds,
                 setup.accuracy_check, shapes={**setup.backend.opt_shapes(), **recorded_shapes(setup.model)},
-                incremental_validation=bool(a.incremental_validation), context=context, on_progress=bars.update)
+                incremental_validation=bool(a.incremental_validation), context=context, on_progress=bars.update,
+                float_model=setup.baseline_path, ptq_model=setup.inputs.get("quantize/quantized_model.onnx"))
         raw = self._check_raw(setup.backend, out / "optimized_raw.onnx", setup.judge)
         tuned = out / "optimized_tuned.onnx"
-        save_model(result.tuner.export_model(assignment=result.assignment), tuned)
+        if result.tuned is not None:  # byte for byte the model phase 3 measured
+            atomic_write_bytes(tuned, result.tuned)
+        else:
+            save_model(result.tuner.export_model(assignment=result.assignment), tuned)
         metrics = dict(
             mode="subgraph", fusion_groups=len(groups), groups=result.groups, distinct_groups=result.keys,
             measurements=result.measurements, full_model_measurements=result.full_model_measurements,
             subgraph_measurements=result.measurements - result.full_model_measurements,
             kept_groups=sum(1 for g in result.report if g["validation"] == "kept"),
             tuning_seconds=round(time.time() - t0, 1), incremental_validation=bool(a.incremental_validation),
-            group_report=result.report, raw=raw, **self._common_metrics(setup),
+            group_report=result.report, phases=result.phases, steps=result.step_report, raw=raw,
+            **self._common_metrics(setup),
         )
         artifacts = {k: out / Path(k).name for k in MODE_OUTPUTS["subgraph"]}
         if graph_json is not None and graph_json.parent == out:
             artifacts[f"autotune/{graph_json.name}"] = graph_json
-        return ModeResult(tuned, metrics, artifacts, report=lambda m: write_group_report(out / "report.md", m))
+        return ModeResult(tuned, metrics, artifacts, report=lambda m: write_group_report(out / "report.md", m),
+                          steps=result.steps)
 
     @staticmethod
     def _common_metrics(setup: TuneSetup) -> dict[str, Any]:
@@ -396,14 +406,21 @@ class AutotuneStage(Stage):
         return load_model(p) if p is not None else None
 
     def _finalize(self, setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
-        """Fresh interleaved measurement of float, PTQ and tuned models, each also checked against the
-        accuracy budget on the held-out batches; ship the fastest model that meets the budget and beats
-        float by ``performance_threshold``, else the float model."""
+        """The float, PTQ and tuned models' timings and accuracy verdicts (from the mode's own paired
+        steps when they measured these very models and decide clearly, else from one fresh
+        interleaved measurement); ship the fastest model that meets the budget and beats float by
+        ``performance_threshold``, else the float model."""
         if result.bench is not None:
             result.bench.close()  # free the search's live reference before the final comparison
         baseline, tuned, ptq = setup.baseline_path, result.tuned, setup.inputs.get("quantize/quantized_model.onnx")
         paths = [baseline, tuned] + ([ptq] if ptq is not None and model_hash(ptq) != model_hash(tuned) else [])
-        timings, verdicts = self._measure_final(setup, paths)
+        timings, verdicts, source = self._from_steps(setup, paths, result.steps) if result.steps else (None, None, "")
+        guard = {"measured": timings is None, "why": source}
+        if timings is None:
+            timings, verdicts = self._measure_final(setup, paths)
+            source = f"p10 of {timings[1].n} interleaved runs"
+            guard["why"] = ("measured float, tuned" + (" and PTQ models" if len(paths) > 2 else " models")
+                            + f" in one interleaved run ({guard['why'] or 'no paired steps to reuse'})")
         choice, why = self._choose(setup, paths, timings, verdicts)
         base_t, tuned_t = timings[0], timings[1]
         ptq_t = timings[2] if len(timings) > 2 and timings[2].ok else None
@@ -416,8 +433,7 @@ class AutotuneStage(Stage):
         # the CPU EP runs float models in FP32; TensorRT backends build them at backend.float_precision
         precision = "FP32" if backend.name == "onnxruntime" else str(backend.cfg.get("float_precision", "FP32")).upper()
         line = (f"Baseline: {base_t.p10_ms:.3f} ms / Final: {chosen_t.p10_ms:.3f} ms ({speedup:.2f}x speedup), "
-                f"accuracy {chosen_v.what} [p10 of {chosen_t.n} interleaved runs; baseline = {precision} float "
-                f"model on {backend.name}]")
+                f"accuracy {chosen_v.what} [{source}; baseline = {precision} float model on {backend.name}]")
         log.info(line)
         if choice != tuned:
             log.warning("autotune: optimized_final.onnx is %s because %s", choice.name, why)
@@ -430,10 +446,70 @@ class AutotuneStage(Stage):
             "ptq_speedup": (base_t.p10_ms / ptq_t.p10_ms) if ptq_t else None,
             "accuracy": {"final": chosen_v.to_dict(), "tuned": verdicts[1].to_dict(),
                          "ptq": ptq_v.to_dict() if ptq_v is not None else None},
-            "shipped": shipped, "shipped_reason": why,
+            "shipped": shipped, "shipped_reason": why, "guard": guard,
             "baseline_precision": precision, "runtime": backend.describe(), "final_line": line,
             "headline": f"{speedup:.2f}x vs {precision} float, {chosen_v.what} ({shipped if choice == tuned else why})",
         }
+
+    @staticmethod
+    def _from_steps(setup: TuneSetup, paths: list[Path], steps: list[dict[str, Any]]
+                    ) -> tuple[list[Any] | None, list[Any] | None, str]:
+        """(timings, verdicts, where they come from) of ``paths`` (float, tuned[, PTQ]) from the mode's
+        paired steps, or (None, None, why not).
+
+        The kept steps chain paired ratios from the float model to the tuned one (each step's
+        reference is the previous one's candidate, by content hash); the PTQ model is on that chain
+        or was measured against the float model. Latencies are the float model's times the chained
+        ratio. Reused only when the chain's interval clears (or misses) the performance threshold.
+        """
+        from pipeline.accuracy import AccuracyVerdict
+        from pipeline.backends import Timing
+        from tasks.autotune.benchmark import chain_interval
+
+        shas = [model_hash(p) for p in paths]
+        ratio: dict[str, float] = {shas[0]: 1.0}
+        rounds: dict[str, list[list[float]]] = {shas[0]: []}
+        via: dict[str, list[int]] = {shas[0]: []}
+        verdict: dict[str, Any] = {shas[0]: AccuracyVerdict(True, "reference", "the float model itself")}
+        float_ms = None
+        for st in steps:
+            ref, cand = st.get("reference_sha"), st.get("candidate_sha")
+            if not st["measured"] or ref not in ratio or cand in ratio or (not st["kept"] and cand not in shas):
+                continue
+            if st["accuracy"] is not None:
+                verdict[cand] = AccuracyVerdict(**st["accuracy"])
+            if st["ratio"] is None:
+                continue  # over the budget: a verdict, no timing
+            float_ms = float_ms or (st["reference_ms"] / ratio[ref])
+            ratio[cand] = ratio[ref] * st["ratio"]
+            rounds[cand] = [*rounds[ref], st["round_ratios"]]
+            via[cand] = [*via[ref], st["index"]]
+        if shas[1] not in ratio:
+            return None, None, "the paired steps do not reach the tuned model from the float model"
+        if any(sh not in ratio and sh not in verdict for sh in shas[2:]):
+            return None, None, "the PTQ model was not measured against the float model"
+        if float_ms is None:
+            return None, None, "no paired step measured the float model"
+        low, high = chain_interval(rounds[shas[1]])
+        if low < 1.0 / setup.performance_threshold < high:
+            return None, None, (f"the paired steps put the tuned model at {ratio[shas[1]]:.3f}x the float latency "
+                                f"(95% interval {low:.3f}-{high:.3f}), too close to the performance threshold")
+        timings = [Timing(median_ms=float_ms * ratio[sh], p10_ms=float_ms * ratio[sh],
+                          n=sum(len(r) for r in rounds[sh]), backend=setup.backend.name) if sh in ratio
+                   else Timing.failed(setup.backend.name, "not timed: over the accuracy budget") for sh in shas]
+        verdicts = []
+        for p, sh in zip(paths, shas, strict=True):
+            if sh not in verdict:  # the accuracy budget is off (the steps judged nothing), or a build failed
+                try:
+                    with setup.backend.prepare(p) as pm:
+                        verdict[sh] = setup.judge(pm)
+                except Exception as exc:  # noqa: BLE001 - the fresh measurement reports it
+                    return None, None, f"{p.name} could not be judged ({first_line(exc)})"
+            verdicts.append(verdict[sh])
+        used = sorted({i for sh in shas if sh in via for i in via[sh]})
+        return timings, verdicts, (f"reused phase-3 paired step{'s' if len(used) != 1 else ''} "
+                                   f"{', '.join(map(str, used)) or '(none: the tuned model is the float model)'}"
+                                   f"; ratios chained from the float model, not measured again")
 
     @staticmethod
     def _measure_final(setup: TuneSetup, paths: list[Path]) -> tuple[list[Any], list[Any]]:
@@ -530,6 +606,24 @@ def write_group_report(path: Path, metrics: dict[str, Any]) -> None:
             f"runs; accuracy {metrics['raw']['accuracy']['what']}"
             f"{'' if metrics['raw']['accuracy']['ok'] else ' (OVER BUDGET)'}" if metrics["raw"].get("runs")
             else f"does not run ({metrics['raw'].get('error')})") + ".", "",
+    ]
+    phases = metrics.get("phases") or []
+    if phases:
+        guard = metrics.get("guard") or {}
+        steps = [*phases, {"phase": "final guard", "steps": int(bool(guard.get("measured"))), "known": 0,
+                           "why": guard.get("why", "")}]
+        counts = ", ".join(f"{r['phase']} {r['steps']}" for r in steps)
+        lines += [f"Full-model steps: {sum(r['steps'] for r in steps)} ({counts}).", "",
+                  "| phase | full-model steps | why |", "|---|---|---|"]
+        for r in steps:
+            known = f" (+{r['known']} known from their parent)" if r["known"] else ""
+            lines.append(f"| {r['phase']} | {r['steps']}{known} | {r['why']} |")
+        lines += ["", "| step | phase | groups | bisects step | result |", "|---|---|---|---|---|"]
+        for st in metrics.get("steps") or []:
+            parent = "-" if st["parent"] is None else str(st["parent"])
+            lines.append(f"| {st['step']} | {st['phase']} | {st['groups']} | {parent} | {st['reason']} |")
+        lines.append("")
+    lines += [
         "| group | instances | nodes | scheme (subgraph) | local gain | validation | full model | note |",
         "|---|---|---|---|---|---|---|---|",
     ]

@@ -31,22 +31,29 @@ def _cache(rd: Path) -> dict:
 
 
 def _check_consistent(cache: dict) -> None:
-    """Every measurement is recorded once: one per profiled group, one per validation step, and the
-    steps are exactly the ones an uninterrupted run takes for these phase-2 results."""
+    """Every measurement is recorded once: one per profiled group, one per measured validation step;
+    the steps form the tree an uninterrupted run takes (a bisected step lists its children, a step
+    known from its parent's model names the step measured), and the kept ones chain model to model."""
     steps = cache["phase3"]["steps"]
-    assert cache["measurements"] == len(cache["groups"]) + len(steps)
-    assert len({(s["pass"], s["key"], s["scheme"]) for s in steps}) == len(steps)
-    assert [s["pass"] for s in steps] == sorted(s["pass"] for s in steps)
-    tried: dict[str, list[str]] = {}
+    assert cache["measurements"] == len(cache["groups"]) + sum(s["measured"] for s in steps)
+    assert [s["index"] for s in steps] == list(range(len(steps)))
+    assert [s["pass"] for s in steps] == sorted(s["pass"] for s in steps) and [s["pass"] for s in steps].count(0) <= 1
     for s in steps:
-        if s["pass"] == 1:
-            tried.setdefault(s["key"], []).append(s["scheme"])
-    for key, schemes in tried.items():
-        ranked = cache["groups"][key]["ranked"]
-        assert schemes == ranked[:len(schemes)]  # in order, none skipped, none repeated
-        assert all(s["over_budget"] for s in steps if s["key"] == key and s["pass"] == 1 and s["scheme"] != schemes[-1])
-    kept1 = {s["key"] for s in steps if s["kept"] and s["pass"] == 1}
-    assert not any(s["key"] in kept1 for s in steps if s["pass"] == 2)  # a kept group is not retried
+        assert all(steps[c]["parent"] == s["index"] and c > s["index"] for c in s["children"])
+        if s["parent"] is not None:
+            parent = steps[s["parent"]]
+            assert s["index"] in parent["children"] and set(s["changes"]) <= set(parent["changes"])
+            assert not parent["kept"] and parent["outcome"] in ("slower", "over_budget", "failed")
+        if not s["measured"]:
+            assert steps[s["known_from"]]["measured"] and not s["kept"]
+    kept = [s for s in steps if s["kept"]]
+    assert all(b["reference_sha"] == a["candidate_sha"] for a, b in zip(kept, kept[1:], strict=False))
+    kept1 = {k for s in kept if s["pass"] == 1 for k in s["changes"]}
+    assert not any(k in kept1 for s in steps if s["pass"] == 2 for k in s["changes"])  # kept: not retried
+
+
+def _tree(cache: dict) -> list:
+    return [(s["pass"], s["changes"], s["parent"], s["outcome"], s["measured"]) for s in cache["phase3"]["steps"]]
 
 
 @pytest.fixture
@@ -85,7 +92,13 @@ def test_outputs_report_and_group_reuse(blocks, tmp_path):
     assert metrics["mode"] == "subgraph" and metrics["measurements"] == cache["measurements"]
     report = (out / "report.md").read_text()
     assert "| group | instances | nodes |" in report and metrics["final_line"] in report
-    assert len([ln for ln in report.splitlines() if ln.startswith("| ") and ln[2].isdigit()]) == len(cache["groups"])
+    groups_table = report.split("| group | instances | nodes |", 1)[1]
+    assert len([ln for ln in groups_table.splitlines() if ln.startswith("| ") and ln[2].isdigit()]) == len(cache["groups"])
+    # how many full-model steps each phase took, and why; one row per step
+    steps_table = report.split("| step | phase | groups | bisects step | result |", 1)[1].split("\n\n", 1)[0]
+    assert "| phase | full-model steps | why |" in report and "| final guard |" in report
+    assert len([ln for ln in steps_table.splitlines() if ln.startswith("| ") and ln[2].isdigit()]) == \
+        len(cache["phase3"]["steps"])
     # the shipped model meets the budget and runs
     assert metrics["accuracy"]["final"]["ok"]
     for name in ("optimized_raw.onnx", "optimized_final.onnx"):
@@ -141,13 +154,55 @@ def test_kill_in_phase2_and_in_phase3_then_resume(tmp_path):
     assert "resuming from" in again.stderr
     final = _cache(rd)
     _check_consistent(final)
-    # what was measured before each kill was kept as it was, not measured again
-    assert final["phase3"]["steps"][:len(cache["phase3"]["steps"])] == cache["phase3"]["steps"]
+    # what was measured before each kill was kept as it was, not measured again (a parent step may
+    # have gained children since)
+    assert [{**s, "children": []} for s in final["phase3"]["steps"][:len(cache["phase3"]["steps"])]] == \
+        [{**s, "children": []} for s in cache["phase3"]["steps"]]
     assert all(final["groups"][k] == v for k, v in cache["groups"].items())
     # same number of distinct groups as an uninterrupted run of the same command
     full = tmp_path / "full"
     run_tune(_args(model, full, extra), cwd=tmp_path, check=True)
     assert len(_cache(full)["groups"]) == len(final["groups"])
+
+
+@pytest.mark.slow
+def test_kill_during_a_bisection_then_resume(tmp_path):
+    """A budget no quantized model meets makes every step over the budget, on any CPU: the start and
+    every grouped step are rejected and bisected down to single groups and their fallback schemes.
+    Killed in the middle of that, the run resumes into the same tree of steps as an uninterrupted phase 3."""
+    import shutil
+
+    model = models.save(models.residual_block(blocks=2, channels=16, size=16), tmp_path, "m")
+    rd = tmp_path / "killed"
+    run_tune([*_args(model, rd)[1:], "stages=[export,quantize]"], cwd=tmp_path, check=True)
+    full = tmp_path / "full"
+    shutil.copytree(rd, full)
+    strict = ["stages=[autotune]", "accuracy.metric=snr", "accuracy.min_snr_db=200"]
+    args = [*tune_command(), *_args(model, rd, strict)[1:]]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    _wait(proc, rd, lambda d: any(s["parent"] is not None and s["parent"] > 0 for s in d["phase3"]["steps"]))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = _cache(rd)
+    again = run_tune(_args(model, rd, strict)[1:], cwd=tmp_path, check=True)
+    assert "resuming from" in again.stderr
+    final = _cache(rd)
+    _check_consistent(final)
+    steps = final["phase3"]["steps"]
+    assert [{**s, "children": []} for s in steps[:len(before["phase3"]["steps"])]] == \
+        [{**s, "children": []} for s in before["phase3"]["steps"]]
+    assert all(s["outcome"] == "over_budget" for s in steps)
+    assert any(len(s["changes"]) > 1 and len(s["children"]) == 2 for s in steps if s["pass"] > 0)  # bisected
+    # the same phase-2 results (phase 2 is timed, so they are copied), phase 3 uninterrupted
+    (full / "autotune").mkdir(exist_ok=True)
+    (full / "autotune" / "autotune_cache.json").write_text(json.dumps({**final, "phase3": {"steps": []}}))
+    run_tune(_args(model, full, strict)[1:], cwd=tmp_path, check=True)
+    assert _tree(_cache(full)) == _tree(final)
+    metrics = json.loads((rd / "manifest.json").read_text())["stages"]["autotune"]["metrics"]
+    assert metrics["shipped"] == "float" and metrics["full_model_measurements"] == sum(s["measured"] for s in steps)
+    report = (rd / "autotune" / "report.md").read_text()
+    assert "| phase | full-model steps | why |" in report and "| pass 1 |" in report
 
 
 @pytest.mark.slow
@@ -193,6 +248,8 @@ def test_fp8_subgraph_mode_warns_and_ships_what_the_guard_allows(tmp_path):
 
 
 def test_foreign_and_corrupt_cache_are_one_line_errors(tmp_path):
+    from tasks.autotune.subgraph_workflow import CACHE_VERSION
+
     model = models.save(models.conv_chain(), tmp_path, "m")
     rd = tmp_path / "r"
     (rd / "autotune").mkdir(parents=True)
@@ -200,7 +257,7 @@ def test_foreign_and_corrupt_cache_are_one_line_errors(tmp_path):
     cache.write_text("{not json")
     proc = run_tune(_args(model, rd), cwd=tmp_path)
     assert proc.returncode == 2 and "autotune_cache.json is corrupt" in proc.stderr and "Traceback" not in proc.stderr
-    cache.write_text(json.dumps({"version": 1, "model_sha256": "0" * 64, "context": None, "groups": {},
+    cache.write_text(json.dumps({"version": CACHE_VERSION, "model_sha256": "0" * 64, "context": None, "groups": {},
                                  "phase3": {"steps": []}}))
     proc = run_tune(_args(model, rd), cwd=tmp_path)
     assert proc.returncode == 2 and "belongs to a different model" in proc.stderr and "Traceback" not in proc.stderr
@@ -270,3 +327,59 @@ def test_trtexec_backend_generates_the_graph_json_and_profiles_layers(tmp_path):
     assert ("conv1", "relu1") in nodes
     # the fixture profile names layers of no subgraph: total latency decides, and the run still ends
     assert (rd / "autotune" / "optimized_final.onnx").exists()
+
+
+def _layer_info(model: onnx.ModelProto, path: Path) -> Path:
+    """TensorRT 10 layer information for ``model``: a Conv or Add fused with the Relu after it."""
+    consumers: dict[str, list] = {}
+    for n in model.graph.node:
+        for t in n.input:
+            consumers.setdefault(t, []).append(n)
+    layers, done = [], set()
+    for n in model.graph.node:
+        if n.name in done:
+            continue
+        group = [n]
+        after = consumers.get(n.output[0], [])
+        if n.op_type in ("Conv", "Add") and len(after) == 1 and after[0].op_type == "Relu":
+            group.append(after[0])
+        done.update(x.name for x in group)
+        layers.append({"Name": " + ".join(x.name for x in group),
+                       "LayerType": "CaskConvolution" if n.op_type == "Conv" else n.op_type,
+                       "Metadata": "".join(f"[ONNX Layer: {x.name}]" for x in group)})
+    path.write_text(json.dumps({"Layers": layers, "Bindings": []}))
+    return path
+
+
+@pytest.mark.slow
+def test_subgraph_mode_builds_at_most_a_third_of_region_modes_full_models_on_trtexec(tmp_path):
+    """On a TensorRT path every full-model step is an engine build of the whole network: count them
+    (the fake trtexec records each invocation) for the same model and settings in both modes. Subgraph
+    mode's count includes its float build for the layer information and the check of optimized_raw.onnx."""
+    import shutil
+
+    from tests.unit.test_trtexec import calls_of, fake_trtexec
+
+    m = models.residual_block(blocks=3)
+    exe, calls = fake_trtexec(tmp_path, layer_info=str(_layer_info(m, tmp_path / "layers.json")))
+    model = models.save(m, tmp_path, "m")
+    trt = ["backend=trtexec", f"backend.trtexec_path={exe}", "backend.warmup_ms=0"]
+    base = ["model=onnx", f"model.onnx_path={model}", "data=synthetic", *QUICK, *trt]
+    run_tune(["stages=[export,quantize]", f"results_dir={tmp_path / 'region'}", *base], cwd=tmp_path, check=True)
+    shutil.copytree(tmp_path / "region", tmp_path / "subgraph")
+
+    def full_model_builds(mode: str) -> int:
+        calls.unlink(missing_ok=True)
+        run_tune(["stages=[autotune]", f"results_dir={tmp_path / mode}", f"autotune.mode={mode}", *base],
+                 cwd=tmp_path, check=True)
+        onnx_args = [x for argv in calls_of(calls) for x in argv if x.startswith("--onnx=")]
+        assert onnx_args
+        return sum(1 for x in onnx_args if "qdq-tune-subgraph-" not in x)  # not an extracted subgraph
+
+    region, subgraph = full_model_builds("region"), full_model_builds("subgraph")
+    assert subgraph * 3 <= region, (subgraph, region)
+    assert (tmp_path / "subgraph" / "autotune" / "model.fp16.graph.json").exists()  # groups from trtexec's build
+    metrics = json.loads((tmp_path / "subgraph" / "manifest.json").read_text())["stages"]["autotune"]["metrics"]
+    # the fake times every engine alike: no step pays, and the guard decides from the steps' own
+    # paired measurements instead of building float, PTQ and tuned engines once more
+    assert not metrics["guard"]["measured"] and [p["phase"] for p in metrics["phases"]] == ["start", "pass 1", "pass 2"]

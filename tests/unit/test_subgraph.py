@@ -207,3 +207,171 @@ def test_trtexec_shape_flags_give_opt_shapes_and_are_dropped_for_subgraphs():
     assert sub is not b and sub.run_args() == ["--noDataTransfers"]
     plain = TrtexecBackend(compose(["backend=trtexec"]).backend)
     assert plain.for_subgraphs() is plain
+
+
+# --------------------------------------------------------------------------- phase 3: sequential steps, group testing
+
+
+def test_sequential_stop_rule_ends_only_when_the_interval_clears_the_threshold():
+    from tasks.autotune.benchmark import chain_interval, ratio_interval, sequential_verdict
+
+    assert sequential_verdict([0.80, 0.81], 0.99) is None  # fewer than MIN_ROUNDS rounds: never decided
+    assert sequential_verdict([0.80, 0.81, 0.79], 0.99) == "below"  # clearly faster
+    assert sequential_verdict([1.20, 1.22, 1.19], 0.99) == "above"  # clearly not
+    assert sequential_verdict([0.95, 1.04, 0.99, 1.01], 0.99) is None  # straddles: measure on
+    low, high = ratio_interval([0.95, 1.04, 0.99, 1.01])
+    assert low < 0.99 < high and ratio_interval([0.9]) == (0.0, float("inf"))
+    # a chain of paired steps: the ratios multiply, the interval widens
+    a, b = [0.80, 0.82, 0.81], [0.90, 0.91, 0.89]
+    lo, hi = chain_interval([a, b])
+    assert lo < 0.81 * 0.90 < hi and hi - lo > ratio_interval(a)[1] - ratio_interval(a)[0]
+    assert chain_interval([]) == (1.0, 1.0)
+
+
+class _FakePrepared:
+    """Times ``ms`` x the next factor of ``pattern`` per call (one call: one block of runs)."""
+
+    def __init__(self, ms: float, pattern: tuple[float, ...]):
+        self.ms, self.pattern, self.calls = ms, pattern, 0
+
+    def time_runs(self, n: int) -> list[float]:
+        self.calls += 1
+        return [self.ms * self.pattern[self.calls % len(self.pattern)]] * n
+
+    def close(self) -> None:
+        pass
+
+
+class _FakeBackend:
+    """Model files hold their latency in ms as text; candidates (not ``ref.onnx``) swing by ``pattern``."""
+
+    name = "fake"
+
+    def __init__(self, pattern: tuple[float, ...] = (1.0, 1.01, 0.99)):
+        self.pattern = pattern
+
+    def prepare(self, path, profile=False):
+        return _FakePrepared(float(open(path).read()), (1.0,) if str(path).endswith("ref.onnx") else self.pattern)
+
+
+def test_paired_measurement_with_a_threshold_stops_early_when_clear(tmp_path):
+    from tasks.autotune.benchmark import MIN_ROUNDS, PairedBenchmark
+
+    ref = tmp_path / "ref.onnx"
+    ref.write_text("10.0")
+    bench = PairedBenchmark(_FakeBackend(), ref, warmup_runs=1, timing_runs=40, rounds=4)
+    fast = bench.measure(b"7.0", use_cache=False, stop_at=0.99)
+    assert fast.decided == "below" and len(fast.round_ratios) == MIN_ROUNDS and fast.ratio < 0.75
+    slow = bench.measure(b"13.0", use_cache=False, stop_at=0.99)
+    assert slow.decided == "above" and len(slow.round_ratios) == MIN_ROUNDS
+    # a candidate right at the threshold: no clear answer, the measurement runs to its cap
+    noisy = PairedBenchmark(_FakeBackend((0.95, 0.95, 1.04, 1.04)), ref, warmup_runs=1, timing_runs=40, rounds=4)
+    close = noisy.measure(b"9.9", use_cache=False, stop_at=0.99)
+    assert close.decided is None and len(close.round_ratios) == 8
+    fixed = bench.measure(b"7.0", use_cache=False)  # no threshold: the fixed number of rounds
+    assert fixed.decided is None and len(fixed.round_ratios) == 4
+
+
+def _fake_step(bad: set[str], over: set[tuple[str, str]] = frozenset(), calls: list | None = None):
+    """A full-model step: faster unless it holds a bad group (then slower), over the budget if it
+    holds an (key, scheme) pair in ``over``."""
+    from tasks.autotune.scheme import Measurement
+
+    def measure(before: dict, after: dict) -> Measurement:
+        changes = {k: v for k, v in after.items() if before.get(k) != v}
+        if calls is not None:
+            calls.append(changes)
+        if any((k, v) in over for k, v in changes.items()):
+            m = Measurement.failed("over the accuracy budget: SNR 12 dB")
+            m.accuracy = {"ok": False, "what": "SNR 12 dB"}
+            return m
+        r = 1.2 if set(changes) & bad else 0.9
+        return Measurement(9.0, r, 10.0, round_ratios=(r, r, r), decided="above" if r > 1 else "below")
+
+    return measure
+
+
+def _phase3(tmp_path, measure, name="cache.json"):
+    from tasks.autotune.subgraph_workflow import SubgraphCache, _Phase3
+
+    cache = SubgraphCache(tmp_path / name, "sha", "ctx")
+    cache.load()
+    return _Phase3(cache, measure, lambda state: repr(sorted(state.items()))), cache
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_bisection_finds_k_bad_groups_among_n_in_k_log_n_steps(tmp_path, k):
+    import math
+
+    n = 32
+    keys = [f"g{i:02d}" for i in range(n)]
+    bad = set(keys[3:3 + 7 * k:7])
+    calls: list = []
+    phase, cache = _phase3(tmp_path, _fake_step(bad, calls=calls))
+    kept = phase.test([(key, "preferred") for key in keys], 1)
+    assert set(kept) == set(keys) - bad and {key for key, v in phase.chosen.items()} == set(keys) - bad
+    measured = sum(1 for st in cache.steps if st["measured"])
+    # a bad group costs at most two steps per level of halving (the half holding it, and the other
+    # half, measured to be kept): O(k log n), against n = 32 steps one group at a time
+    assert measured == len(calls) and measured <= 1 + 2 * k * math.ceil(math.log2(n)) and measured < n
+    # every split step lists its children; a second half whose first half was kept whole is its
+    # parent's model again: known, not measured
+    for st in cache.steps:
+        assert all(cache.steps[c]["parent"] == st["index"] for c in st["children"])
+        if st["children"]:
+            assert len(st["children"]) == 2 and st["outcome"] == "slower"
+    assert k == 0 or any(not st["measured"] and st["known_from"] is not None for st in cache.steps)
+    assert all(st["outcome"] == "slower" for st in cache.steps if not st["kept"])
+
+
+def test_bisection_falls_back_to_the_next_scheme_of_a_group_over_the_budget(tmp_path):
+    phase, cache = _phase3(tmp_path, _fake_step(set(), over={("g1", "preferred"), ("g2", "preferred"),
+                                                            ("g2", "full")}))
+    nxt = {"preferred": "full", "full": None}
+    phase.fallback = lambda key, scheme: nxt[scheme]
+    kept = phase.test([("g0", "preferred"), ("g1", "preferred"), ("g2", "preferred"), ("g3", "preferred")], 1)
+    assert kept == {"g0": "preferred", "g1": "full", "g3": "preferred"}
+    assert phase.over_budget == {"g2"}
+    # g1 alone is the parent's model again once g0 is kept: known over the budget, then its fallback
+    singles = [(st["changes"], st["measured"]) for st in cache.steps if len(st["changes"]) == 1
+               and st["outcome"] == "over_budget"]
+    assert singles == [({"g1": "preferred"}, False), ({"g2": "preferred"}, True), ({"g2": "full"}, True)]
+
+
+def test_bisection_resumes_after_an_interruption_without_measuring_twice(tmp_path):
+    keys = [f"g{i}" for i in range(12)]
+    bad = {"g2", "g9"}
+    items = [(key, "preferred") for key in keys]
+    full_calls: list = []
+    phase, cache = _phase3(tmp_path, _fake_step(bad, calls=full_calls), "full.json")
+    phase.test(items, 1)
+    uninterrupted = (dict(phase.chosen), [(st["changes"], st["outcome"], st["measured"]) for st in cache.steps])
+
+    class Killed(Exception):
+        pass
+
+    first: list = []
+    inner = _fake_step(bad, calls=first)
+
+    def dies(before, after):
+        if len(first) == 4:
+            raise Killed
+        return inner(before, after)
+
+    phase, cache = _phase3(tmp_path, dies)
+    with pytest.raises(Killed):
+        phase.test(items, 1)
+    saved = json.loads((tmp_path / "cache.json").read_text())["phase3"]["steps"]
+    assert len(saved) >= 4 and any(st["children"] for st in saved)  # killed in the middle of a bisection
+    second: list = []
+    phase, cache = _phase3(tmp_path, _fake_step(bad, calls=second))
+    phase.test(items, 1)
+    assert (dict(phase.chosen), [(st["changes"], st["outcome"], st["measured"]) for st in cache.steps]) == \
+        uninterrupted
+    assert len(first) + len(second) == len(full_calls)  # nothing measured twice
+    # the steps recorded before the interruption are kept as they were (a parent gains children)
+    assert [{**st, "children": []} for st in cache.steps[:len(saved)]] == [{**st, "children": []} for st in saved]
+    # a cache whose steps this run would not take is refused, not silently followed
+    phase, _ = _phase3(tmp_path, _fake_step(bad))
+    with pytest.raises(StateError, match="not the step this run takes next"):
+        phase.test(items[:5], 1)
