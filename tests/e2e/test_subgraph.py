@@ -200,7 +200,12 @@ def test_kill_during_a_bisection_then_resume(tmp_path):
     run_tune(_args(model, full, strict)[1:], cwd=tmp_path, check=True)
     assert _tree(_cache(full)) == _tree(final)
     metrics = json.loads((rd / "manifest.json").read_text())["stages"]["autotune"]["metrics"]
-    assert metrics["shipped"] == "float" and metrics["full_model_measurements"] == sum(s["measured"] for s in steps)
+    assert metrics["full_model_measurements"] == sum(s["measured"] for s in steps)
+    # every step over the budget: what ships has no Q/DQ (float, or the tuned model, which stayed the float
+    # start and can measure a hair faster than the float file)
+    shipped = onnx.load(str(rd / "autotune" / "optimized_final.onnx"))
+    assert metrics["shipped"] in ("float", "tuned"), metrics["shipped"]
+    assert not [n for n in shipped.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
     report = (rd / "autotune" / "report.md").read_text()
     assert "| phase | full-model steps | why |" in report and "| pass 1 |" in report
 
