@@ -47,6 +47,8 @@ def _why_not(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], shapes: d
     for name in ("clip", "activation_alpha", "activation_beta"):
         if name in attrs:
             return f"attribute {name}"
+    if "hidden_size" not in attrs:  # optional in the spec, where it is inferred from R's shape
+        return "no hidden_size attribute"
     if attrs.get("input_forget", 0) or attrs.get("layout", 0):
         return "input_forget or layout 1"
     inputs = list(node.input) + [""] * (8 - len(node.input))
@@ -95,7 +97,7 @@ class _Emitter:
 def _lower(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], shapes: dict[str, list[int]],
            opset: int) -> _Emitter:
     steps, batch, _ = shapes[node.input[0]]
-    hidden = int(next(helper.get_attribute_value(a) for a in node.attribute if a.name == "hidden_size"))
+    hidden = int(helper.get_attribute_value(next(a for a in node.attribute if a.name == "hidden_size")))
     inputs = list(node.input) + [""] * (8 - len(node.input))
     w = numpy_helper.to_array(inits[inputs[1]])[0]  # [4H, in]
     r = numpy_helper.to_array(inits[inputs[2]])[0]  # [4H, H]
