@@ -233,9 +233,15 @@ def _precheck(argv: list[str]) -> None:
         _fail("-m and --cfg cannot be combined: print one job's config with --cfg job and single values",
               EXIT_USAGE)
     try:
-        checked_config(args.overrides, args.config_dir, args.config_name or "tune", multirun=args.multirun)
+        cfg = checked_config(args.overrides, args.config_dir, args.config_name or "tune", multirun=args.multirun)
     except PipelineError as exc:
         _fail(str(exc), exc.exit_code)
+    if args.cfg == "job" and not args.package:
+        # the validated config (deprecated aliases moved to their new keys) is what the job runs
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(cfg, resolve=args.resolve), end="")
+        sys.exit(0)
 
 
 def run_job(overrides: list[str], config_dir: str | None = None, config_name: str = "tune"

@@ -51,6 +51,15 @@ class StateError(PipelineError):
     exit_code = 2
 
 
+class StaleStateError(StateError):
+    """A readable state or cache file made for another model, format version or setting: the
+    pipeline sets its own such files aside and starts afresh; one the user named is refused."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason  # what differs, without the file name or the fix
+
+
 def first_line(exc: BaseException) -> str:
     """The first non-empty line of an exception's message (runtimes and parsers write several)."""
     import yaml

@@ -395,6 +395,7 @@ def quantize_decisions(path: str | Path | None) -> dict[str, Any]:
     d = dict(d) if isinstance(d, dict) else {}
     d.setdefault("weight_range", "full")
     d.setdefault("float_nodes", [])
+    d.setdefault("all_float", False)  # recovery left every quantizable node float
     return d
 
 

@@ -115,6 +115,16 @@ def attention_block(batch: int = 2, seq: int = 16, hidden: int = 32, seed: int =
     return _model(nodes, [x], [y], inits, "attention_block")
 
 
+def single_matmul(batch: int = 8, features: int = 16, hidden: int = 64, seed: int = 0) -> onnx.ModelProto:
+    """MatMul -> Relu, one weighted op: input [batch, features], output "features" [batch, hidden]."""
+    rng = np.random.default_rng(seed)
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, features])
+    y = helper.make_tensor_value_info("features", TensorProto.FLOAT, [batch, hidden])
+    nodes = [helper.make_node("MatMul", ["input", "w"], ["mm"], name="fc"),
+             helper.make_node("Relu", ["mm"], ["features"], name="relu")]
+    return _model(nodes, [x], [y], [_init(rng, "w", (features, hidden))], "single_matmul")
+
+
 def save(model: onnx.ModelProto, folder: Path, name: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.onnx"

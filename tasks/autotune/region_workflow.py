@@ -25,6 +25,7 @@ from tasks.autotune.autotuner import Config, QDQAutotuner
 from tasks.autotune.benchmark import PairedBenchmark
 from tasks.autotune.pattern_cache import PatternCache
 from tasks.autotune.scheme import Measurement, PatternSchemes
+from tasks.autotune.state_file import REGION_STATE, resume_or_set_aside
 
 log = logging.getLogger("tune.autotune")
 
@@ -83,8 +84,9 @@ def region_pattern_autotuning_workflow(
         n = autotuner.import_qdq_baseline(qdq_baseline)
         log.info("QDQ baseline: seeded %d of %d patterns", n, autotuner.num_patterns)
     state_path = Path(state_file) if state_file else out / "autotuner_state.yaml"
-    if state_path.exists():
-        autotuner.load_state(state_path)
+    # the default state file is the stage's own: one of another model or setting is set aside
+    if resume_or_set_aside(lambda: autotuner.load_state(state_path), state_path, REGION_STATE, own=not state_file,
+                           companions=[state_path.with_name(f"{state_path.stem}_pattern_cache.yaml")]):
         done = sum(ps.done for ps in autotuner.pattern_schemes.values())
         log.info("resuming from %s: %d/%d patterns done, %d measurements kept", state_path, done,
                  autotuner.num_patterns, autotuner.num_measurements)

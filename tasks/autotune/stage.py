@@ -45,8 +45,6 @@ from tasks.autotune.config import PRESETS
 log = logging.getLogger("tune.autotune")
 
 
-
-
 def _node_filters(entries: list[str]) -> list[str]:
     """Wildcards from the config; an entry naming an existing file contributes its lines."""
     out: list[str] = []
@@ -204,7 +202,10 @@ class AutotuneStage(Stage):
         if node_dtypes is not None and not node_dtypes:
             raise StageError("autotune: the quantize rules leave every node float (quantize=none?); set "
                              "autotune.quant_type=int8 to tune anyway")
-        if decisions["weight_range"] != "full" or decisions["float_nodes"]:
+        if decisions["all_float"]:
+            log.info("autotune: the quantize stage left every quantizable node float to meet the accuracy budget; "
+                     "nothing to place, the float model ships unless a measured candidate says otherwise")
+        elif decisions["weight_range"] != "full" or decisions["float_nodes"]:
             log.info("autotune: following the quantize stage: %s weights%s", decisions["weight_range"],
                      f", {len(decisions['float_nodes'])} nodes float" if decisions["float_nodes"] else "")
         return Config(
@@ -422,6 +423,8 @@ class AutotuneStage(Stage):
             guard["why"] = ("measured float, tuned" + (" and PTQ models" if len(paths) > 2 else " models")
                             + f" in one interleaved run ({guard['why'] or 'no paired steps to reuse'})")
         choice, why = self._choose(setup, paths, timings, verdicts)
+        if choice == baseline and quantize_decisions(setup.inputs.get("quantize/calibration.json"))["all_float"]:
+            why = "the quantize stage left every quantizable node float to meet the accuracy budget"
         base_t, tuned_t = timings[0], timings[1]
         ptq_t = timings[2] if len(timings) > 2 and timings[2].ok else None
         ptq_v = verdicts[2] if len(verdicts) > 2 else None

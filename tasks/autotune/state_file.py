@@ -2,18 +2,26 @@
 
 Region mode resumes from ``autotuner_state.yaml``, subgraph mode from ``autotune_cache.json``. Both
 record the format version, the model's hash and the measurement context (a fingerprint of
-calibration, backend, rules, ...); a file that is corrupt, or was made for another model or under
-other settings, is refused with a one-line ``StateError`` naming the file and the fix.
+calibration, backend, rules, ...). A corrupt file is refused with a one-line ``StateError`` naming
+the file and the fix. A file made for another model or under other settings is stale
+(``StaleStateError``): the stage re-runs because its inputs changed, so ``resume_or_set_aside``
+moves the pipeline's own stale files to ``<folder>/stale/<content hash>/`` (nothing is lost) and the
+run starts afresh; a state file the user named explicitly is still refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import StateError
+from pipeline.errors import StaleStateError, StateError
+
+log = logging.getLogger("tune.autotune")
 
 
 @dataclass(frozen=True)
@@ -55,20 +63,54 @@ def check_state(doc: Mapping[str, Any], path: str | Path, kind: StateFileKind, *
     """Raise a one-line StateError unless ``doc`` (a loaded state document) was written in format
     ``version`` (a document without a version is taken as the current one) for the model hashed
     ``model_sha``, with ``settings`` (key -> value this run uses) and measurement ``context``."""
+    reason = None
     if doc.get("version", version) != version:
-        raise StateError(f"{kind.what} {path} has format version {doc.get('version')}, this qdq-tune reads "
-                         f"version {version}; {kind.mismatch_fix}")
-    if doc.get("model_sha256") != model_sha:
-        raise StateError(f"{kind.what} {path} belongs to a different model; {kind.mismatch_fix}")
-    for key, want in (settings or {}).items():
-        if doc.get(key) != want:
-            raise StateError(f"{kind.what} {path} was made with {key}={doc.get(key)}, this run uses {want}; "
-                             f"{kind.mismatch_fix}")
+        reason = f"has format version {doc.get('version')}, this qdq-tune reads version {version}"
+    elif doc.get("model_sha256") != model_sha:
+        reason = "belongs to a different model"
+    else:
+        for key, want in (settings or {}).items():
+            if doc.get(key) != want:
+                reason = f"was made with {key}={doc.get(key)}, this run uses {want}"
+                break
+    if reason is not None:
+        raise StaleStateError(f"{kind.what} {path} {reason}; {kind.mismatch_fix}", reason)
     found = doc.get("context")
     if kind.lenient_context:
         differs = context is not None and found not in (None, context)
     else:
         differs = found != context
     if differs:
-        raise StateError(f"{kind.what} {path} was measured with other inputs or settings ({kind.context_changes}); "
-                         f"{kind.context_fix}")
+        reason = f"was measured with other inputs or settings ({kind.context_changes})"
+        raise StaleStateError(f"{kind.what} {path} {reason}; {kind.context_fix}", reason)
+
+
+def set_aside(path: Path, companions: Iterable[Path] = ()) -> Path:
+    """Move ``path`` and its existing ``companions`` into ``<folder>/stale/<12 hex of path's
+    content hash>/`` (atomic renames within one file system); returns that folder."""
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+    dest = path.parent / "stale" / digest
+    dest.mkdir(parents=True, exist_ok=True)
+    for p in (path, *companions):
+        if p.exists():
+            os.replace(p, dest / p.name)
+    return dest
+
+
+def resume_or_set_aside(load: Callable[[], Any], path: Path, kind: StateFileKind, *, own: bool,
+                        companions: Iterable[Path] = ()) -> bool:
+    """Resume from the state at ``path`` with ``load()`` (True), or, if there is none (False) or it
+    is stale and the pipeline owns it (``own``: the stage's default location, not a path the user
+    gave), set it aside with one log line and return False so the caller starts afresh. Corrupt
+    files, and stale ones the user named, still raise."""
+    if not path.exists():
+        return False
+    try:
+        load()
+        return True
+    except StaleStateError as exc:
+        if not own:
+            raise
+        dest = set_aside(path, companions)
+        log.info("autotune: %s %s %s; moved to %s, tuning starts afresh", kind.what, path.name, exc.reason, dest)
+        return False

@@ -62,7 +62,7 @@ from tasks.autotune.fusion_grouping import FusionGroup
 from tasks.autotune.insertion_points import InsertionPoint
 from tasks.autotune.region import Region, RegionType
 from tasks.autotune.scheme import InsertionScheme, Measurement
-from tasks.autotune.state_file import SUBGRAPH_CACHE, check_state
+from tasks.autotune.state_file import SUBGRAPH_CACHE, check_state, resume_or_set_aside
 from tasks.autotune.subgraph_extractor import extract_subgraph, reuse_key, tensor_infos
 
 log = logging.getLogger("tune.autotune")
@@ -253,7 +253,7 @@ def subgraph_autotuning_workflow(
              len(groups), len(active), len(by_key))
 
     cache = SubgraphCache(out / "autotune_cache.json", model_hash(model), context)
-    if cache.load():
+    if resume_or_set_aside(cache.load, cache.path, SUBGRAPH_CACHE, own=True):
         log.info("resuming from %s: %d/%d groups profiled, %d validation steps done", cache.path,
                  sum(k in cache.groups for k in by_key), len(by_key), len(cache.steps))
     names = [n.name for n in model.graph.node]

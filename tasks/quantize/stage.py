@@ -221,7 +221,7 @@ class QuantizeStage(Stage):
         def build(weight_range: str, float_nodes: set[str] = frozenset()):
             kept = {k: v for k, v in rules.items() if k not in float_nodes}
             plan = builder(model, kept, act_type, per_channel=bool(q.per_channel), weight_range=weight_range)
-            if not any(p.activations or p.weights for p in plan.walk()):
+            if not any(p.activations or p.weights for p in plan.walk()) and not set(float_nodes) & set(rules):
                 cf = control_flow(model)
                 if cf["weighted_inside"] and not cf["weighted_outside"]:
                     raise StageError(f"quantize: all {cf['weighted_inside']} weighted ops of this model sit inside "
@@ -277,6 +277,7 @@ class QuantizeStage(Stage):
         # the Loop/Scan body placement, which autotune keeps (it tunes the main graph)
         doc["bodies"] = {k: p.to_dict() for k, p in plan.bodies.items()}
         decisions["body_nodes"] = sorted(n for p in plan.bodies.values() for n in p.quantized_nodes())
+        decisions["all_float"] = not plan.quantized_nodes()
         doc["decisions"] = decisions
         atomic_write_json(out_calib, doc)
         save_model(qmodel, out_model, external_data=bool(q.use_external_data_format))
@@ -287,23 +288,29 @@ class QuantizeStage(Stage):
         quantized = plan.quantized_nodes()
         in_bodies = len(quantized) - len(plan.node_rules)
         algorithm = enum_value(q.algorithm) + (f" ({ranges['chosen']} ranges)" if ranges else "")
-        headline = (f"{algorithm} calibration, {kind} placement: {len(quantized)} nodes quantized "
-                    f"({', '.join(f'{k} x{v}' for k, v in sorted(dtypes.items()))}), "
-                    f"{counts['QuantizeLinear']} Q / {counts['DequantizeLinear']} DQ")
+        if quantized:
+            headline = (f"{algorithm} calibration, {kind} placement: {len(quantized)} nodes quantized "
+                        f"({', '.join(f'{k} x{v}' for k, v in sorted(dtypes.items()))}), "
+                        f"{counts['QuantizeLinear']} Q / {counts['DequantizeLinear']} DQ")
+        else:  # recovery's last resort: the rules matched, the budget left every node float
+            full = (sensitivity or {}).get("full_placement") or {}
+            headline = (f"float model: every quantizable node left float to meet the accuracy budget "
+                        f"(the {decisions['weight_range']}-range int8 placement reached {full.get('what')})")
+            log.warning("quantize: %s; quantized_model.onnx is the float model", headline)
         log.info("wrote %s (%s)", out_model, headline)
         artifacts = {"quantize/quantized_model.onnx": out_model, "quantize/calibration.json": out_calib,
                      "quantize/float_model.onnx": out_float}
         if sensitivity is not None:
             artifacts["quantize/sensitivity.json"] = atomic_write_json(out_dir / "sensitivity.json", sensitivity)
         acc = decisions.get("accuracy") or {}
-        if acc:
+        if acc and quantized:
             headline += f"; holdout {acc.get('what')}" + ("" if acc.get("ok") else " OVER BUDGET")
         if decisions["weight_range"] != "full":
             headline += f"; weights {decisions['weight_range']}"
         improved = _prepare.summary(transforms, decisions.get("bias_correction"))
         if improved:
             headline += "; " + ", ".join(improved)
-        if decisions["float_nodes"]:
+        if decisions["float_nodes"] and quantized:
             headline += f"; {len(decisions['float_nodes'])} sensitive nodes left float"
         if in_bodies:
             headline += f"; {in_bodies} nodes inside Loop/Scan bodies quantized (autotune keeps them as placed)"

@@ -252,7 +252,7 @@ def test_fp8_subgraph_mode_warns_and_ships_what_the_guard_allows(tmp_path):
     assert metrics["shipped"] in ("float", "tuned", "ptq") and metrics["accuracy"]["final"]["ok"]
 
 
-def test_foreign_and_corrupt_cache_are_one_line_errors(tmp_path):
+def test_corrupt_cache_is_a_one_line_error_and_a_foreign_one_is_set_aside(tmp_path):
     from tasks.autotune.subgraph_workflow import CACHE_VERSION
 
     model = models.save(models.conv_chain(), tmp_path, "m")
@@ -264,8 +264,10 @@ def test_foreign_and_corrupt_cache_are_one_line_errors(tmp_path):
     assert proc.returncode == 2 and "autotune_cache.json is corrupt" in proc.stderr and "Traceback" not in proc.stderr
     cache.write_text(json.dumps({"version": CACHE_VERSION, "model_sha256": "0" * 64, "context": None, "groups": {},
                                  "phase3": {"steps": []}}))
-    proc = run_tune(_args(model, rd), cwd=tmp_path)
-    assert proc.returncode == 2 and "belongs to a different model" in proc.stderr and "Traceback" not in proc.stderr
+    foreign = cache.read_bytes()
+    proc = run_tune(_args(model, rd), cwd=tmp_path)  # the stage's own cache of another model: set aside
+    assert proc.returncode == 0 and "belongs to a different model" in proc.stderr, proc.stderr
+    assert [p.read_bytes() for p in (rd / "autotune" / "stale").glob("*/autotune_cache.json")] == [foreign]
 
 
 def test_missing_graph_json_is_a_one_line_error(tmp_path):

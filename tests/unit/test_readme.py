@@ -53,13 +53,20 @@ def _python_api() -> str:
 
 
 @pytest.mark.slow
-def test_python_api_example_runs_as_written(tmp_path):
+def test_python_api_example_runs_as_written_and_twice_skips_every_stage(tmp_path):
     code = re.search(r"```python\n(.*?)```", _python_api(), re.S).group(1)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr
-    last = proc.stdout.strip().splitlines()[-1]
-    assert re.fullmatch(r"\d+\.\d\dx speedup, .+, shipped \S+/autotune/optimized_final\.onnx", last), last
+    code += "\nprint(dict(result.stages))\n"
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode == 0, proc.stderr
+        *_, last, stages = proc.stdout.strip().splitlines()
+        assert re.fullmatch(r"\d+\.\d\dx speedup, .+, shipped \S+/autotune/optimized_final\.onnx", last), last
+        runs.append((last, eval(stages)))
     assert (tmp_path / "results" / "my_net" / "manifest.json").is_file()
+    assert set(runs[0][1].values()) == {"done"} and set(runs[1][1].values()) == {"skipped"}, runs
+    assert runs[0][0] == runs[1][0]  # the recorded result, not a new one
 
 
 def test_python_api_spec_file_composes(tmp_path):
