@@ -14,7 +14,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +114,20 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def set_aside(path: str | os.PathLike, companions: Iterable[str | os.PathLike] = ()) -> Path:
+    """Move a stale state or cache file (and its existing ``companions``) into
+    ``<folder>/stale/<12 hex of its content hash>/`` instead of deleting or overwriting it; returns
+    that folder. Renames within one file system are atomic."""
+    path = Path(path)
+    dest = path.parent / "stale" / sha256_file(path)[:12]
+    dest.mkdir(parents=True, exist_ok=True)
+    for p in (path, *map(Path, companions)):
+        if p.exists():
+            os.replace(p, dest / p.name)
+    _fsync_dir(path.parent)
+    return dest
 
 
 def sha256_bytes(data: bytes) -> str:

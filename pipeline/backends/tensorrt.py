@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from omegaconf import DictConfig
 
-from pipeline.artifacts import atomic_output, atomic_write_text
+from pipeline.artifacts import atomic_output, atomic_write_text, set_aside
 from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing, fixed_feeds
 from pipeline.backends.trt_common import (
     EngineOptions,
@@ -85,6 +85,11 @@ def _capture_logger(trt: Any) -> Any:
 _TORCH_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT8": "int8", "INT32": "int32",
                  "INT64": "int64", "BOOL": "bool", "UINT8": "uint8", "FP8": "float8_e4m3fn"}
 
+
+
+def _aside(path: Path | None) -> str:
+    """Set a stale timing cache file aside (never overwritten by the new one); the log's clause."""
+    return f"; moved to {set_aside(path)}" if path is not None and path.is_file() else ""
 
 class TensorRTPrepared(PreparedModel):
     """A deserialized engine with device buffers bound once; runs on its own CUDA stream."""
@@ -392,11 +397,11 @@ class TensorRTBackend(Backend):
             except Exception:  # noqa: BLE001 - a corrupt cache file must not fail the build
                 self._timing_cache = None
             if self._timing_cache is None:  # unreadable file: start afresh rather than fail the build
-                logger.note(f"timing cache {path} unreadable; starting a new one")
+                logger.note(f"timing cache {path} unreadable{_aside(path)}; starting a new one")
                 self._timing_cache = config.create_timing_cache(b"")
         if not config.set_timing_cache(self._timing_cache, ignore_mismatch=False):
-            # made on another device or TensorRT version
-            logger.note("timing cache does not match this device/version; starting a new one")
+            # made on another device or TensorRT version: kept aside, not overwritten by the new one
+            logger.note(f"timing cache does not match this device/version{_aside(path)}; starting a new one")
             self._timing_cache = config.create_timing_cache(b"")
             config.set_timing_cache(self._timing_cache, ignore_mismatch=False)
 

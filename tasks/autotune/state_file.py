@@ -11,14 +11,13 @@ run starts afresh; a state file the user named explicitly is still refused.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.artifacts import set_aside
 from pipeline.errors import StaleStateError, StateError
 
 log = logging.getLogger("tune.autotune")
@@ -83,18 +82,6 @@ def check_state(doc: Mapping[str, Any], path: str | Path, kind: StateFileKind, *
     if differs:
         reason = f"was measured with other inputs or settings ({kind.context_changes})"
         raise StaleStateError(f"{kind.what} {path} {reason}; {kind.context_fix}", reason)
-
-
-def set_aside(path: Path, companions: Iterable[Path] = ()) -> Path:
-    """Move ``path`` and its existing ``companions`` into ``<folder>/stale/<12 hex of path's
-    content hash>/`` (atomic renames within one file system); returns that folder."""
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
-    dest = path.parent / "stale" / digest
-    dest.mkdir(parents=True, exist_ok=True)
-    for p in (path, *companions):
-        if p.exists():
-            os.replace(p, dest / p.name)
-    return dest
 
 
 def resume_or_set_aside(load: Callable[[], Any], path: Path, kind: StateFileKind, *, own: bool,

@@ -347,3 +347,44 @@ def test_rejected_input_shape_is_one_line_naming_input_and_profile():
     msg = str(exc.value)
     assert len(msg.splitlines()) == 1 and "'input'" in msg and "[16, 3, 16, 16]" in msg
     assert "min [1, 3, 16, 16], opt [4, 3, 16, 16], max [8, 3, 16, 16]" in msg
+
+
+class _FakeBuilderConfig:
+    """IBuilderConfig's timing-cache calls as TensorRT documents them: create_timing_cache(bytes),
+    set_timing_cache(cache, ignore_mismatch) -> False for a cache of another device or version."""
+
+    def __init__(self, matches: bool):
+        self.matches = matches
+
+    def create_timing_cache(self, data: bytes) -> object:
+        return ("cache", bytes(data))
+
+    def set_timing_cache(self, cache: object, ignore_mismatch: bool) -> bool:
+        return self.matches or cache == ("cache", b"")
+
+
+class _Notes:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def note(self, text: str) -> None:
+        self.lines.append(text)
+
+
+@pytest.mark.parametrize("matches", [True, False])
+def test_a_timing_cache_of_another_device_is_set_aside_not_overwritten(tmp_path, matches):
+    from omegaconf import OmegaConf
+
+    from pipeline.backends.tensorrt import TensorRTBackend
+    from pipeline.config import TensorRTBackendConfig
+
+    cache = tmp_path / "tc.cache"
+    cache.write_bytes(b"made elsewhere")
+    backend, notes = TensorRTBackend(OmegaConf.structured(TensorRTBackendConfig())), _Notes()
+    backend._use_timing_cache(_FakeBuilderConfig(matches), cache, notes)
+    stale = list((tmp_path / "stale").glob("*/tc.cache"))
+    if matches:
+        assert cache.read_bytes() == b"made elsewhere" and not stale
+    else:
+        assert not cache.exists() and [p.read_bytes() for p in stale] == [b"made elsewhere"]
+        assert "does not match this device/version; moved to" in notes.lines[-1]
