@@ -224,14 +224,15 @@ def _error_minimizing(s: dict, signed: np.ndarray, zeros: int, absolute: np.ndar
     """Fill ``thresholds`` (and for auto ``chosen``) of one tensor's statistics."""
     lo, hi = s["min"], s["max"]
     thresholds, chosen, candidates = {}, {}, {}
+    if algorithm == "auto":  # the dtype-independent candidates, once per tensor (the KL search is costly)
+        nonzero = absolute.copy()
+        nonzero[0] -= zeros  # the entropy pass leaves exact zeros out (see collect)
+        shared = {"minmax": s["absmax"], "percentile": percentile_threshold(absolute, s["absmax"], percentile),
+                  "entropy": kl_threshold(nonzero, s["absmax"])}
     for dt in QTYPES:
         best = mse_threshold(signed, lo, hi, dt, zeros)
         if algorithm == "auto":
-            nonzero = absolute.copy()
-            nonzero[0] -= zeros  # the entropy pass leaves exact zeros out (see collect)
-            cands = {"minmax": s["absmax"], "mse": best,
-                     "percentile": percentile_threshold(absolute, s["absmax"], percentile),
-                     "entropy": kl_threshold(nonzero, s["absmax"])}
+            cands = {**shared, "mse": best}
             mse = range_mse(signed, lo, hi, dt, np.array([cands[k] for k in AUTO_CANDIDATES]), zeros)
             chosen[dt] = AUTO_CANDIDATES[int(np.argmin(mse))]
             best = cands[chosen[dt]]
