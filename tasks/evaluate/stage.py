@@ -44,6 +44,17 @@ class Candidate:
     sha256: str
 
 
+@dataclass(frozen=True)
+class Measurements:
+    """What the evaluation pass measured, per model key: scores over ``batches`` batches, kernel
+    fidelity (None where the check could not run) and the interleaved latency (None when not timed)."""
+
+    scores: dict[str, ModelScores]
+    batches: int
+    fidelity: dict[str, Any]
+    latency: dict[str, Any] | None
+
+
 # p90/p10 above this means the machine was busy while timing: the medians are not to be trusted
 _NOISY_SPREAD = 1.5
 
@@ -84,8 +95,8 @@ class EvaluateStage(Stage):
             for pm in prepared.values():
                 pm.close()
 
-        metrics = self._metrics(ctx, backend, candidates, duplicates, scores, timings, batches, specs,
-                                _precision(float_model), fidelity)
+        measured = Measurements(scores, batches, fidelity, timings)
+        metrics = self._metrics(ctx, backend, candidates, duplicates, measured, specs, _precision(float_model))
         from tasks.evaluate import _report
 
         safe = json_safe(metrics)
@@ -259,16 +270,16 @@ class EvaluateStage(Stage):
 
     # ------------------------------------------------------------------ assembling the metrics
     def _metrics(self, ctx: StageContext, backend: Backend, candidates: list[Candidate],
-                 duplicates: list[dict[str, str]], scores: dict[str, ModelScores], latency: dict[str, Any] | None,
-                 batches: int, specs: list[InputSpec], precision: str = "FP32",
-                 fidelity: dict[str, Any] | None = None) -> dict[str, Any]:
+                 duplicates: list[dict[str, str]], measured: Measurements, specs: list[InputSpec],
+                 precision: str = "FP32") -> dict[str, Any]:
+        latency = measured.latency
         info = backend.describe()
         baseline = f"{precision} float model on {_backend_text(info)}"
         base_t: Timing | None = latency["timings"]["float"] if latency else None
         models: dict[str, Any] = {}
         for c in candidates:
             m: dict[str, Any] = {"label": c.label, "file": c.artifact, "sha256": c.sha256}
-            m.update(scores[c.key].result())
+            m.update(measured.scores[c.key].result())
             if latency:
                 t: Timing = latency["timings"][c.key]
                 m["latency_ms"] = {"median": t.median_ms, "p10": t.p10_ms, "p90": t.p90_ms, "min": t.min_ms,
@@ -284,7 +295,7 @@ class EvaluateStage(Stage):
             "data": {
                 "source": resolved_data_source(ctx.cfg),
                 "samples": first["samples"],
-                "batches": batches,
+                "batches": measured.batches,
                 "batch_size": specs[0].batch if specs else 1,
                 "labelled": first["top1"] is not None,
                 "max_batches": ctx.cfg.evaluate.max_batches,
@@ -306,7 +317,7 @@ class EvaluateStage(Stage):
                         f"trust the p10 ratio or re-run with more evaluate.latency_repeats")
                 metrics["latency"]["warning"] = note
                 log.warning("%s", note)
-        self._judge(ctx, metrics, fidelity or {})
+        self._judge(ctx, metrics, measured.fidelity)
         metrics["headline"] = headline(metrics)
         return metrics
 
