@@ -10,8 +10,10 @@ Building and measuring have different requirements, so they are checked separate
 machine), while anything that runs an engine asks for a CUDA GPU first and says so in one line.
 Device buffers, streams and events come from torch's CUDA runtime (a CUDA build of torch).
 
-What the trtexec backend shares with these (build options, profile shapes, plugin paths, layer-info
-parsers) lives in ``pipeline.backends.trt_common``.
+The build's set-up beyond the network (precision flag, timing cache, plugin libraries) is in
+``pipeline.backends.tensorrt_builder``, the captured TensorRT log and parser errors in
+``pipeline.backends.tensorrt_log``. What the trtexec backend shares with these (build options,
+profile shapes, plugin paths, layer-info parsers) lives in ``pipeline.backends.trt_common``.
 """
 
 from __future__ import annotations
@@ -26,8 +28,15 @@ import numpy as np
 import onnx
 from omegaconf import DictConfig
 
-from pipeline.artifacts import atomic_output, atomic_write_text, set_aside
+from pipeline.artifacts import atomic_output, atomic_write_text
 from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing, fixed_feeds
+from pipeline.backends.tensorrt_builder import (
+    PluginLibraries,
+    open_timing_cache,
+    save_timing_cache,
+    set_precision,
+)
+from pipeline.backends.tensorrt_log import ParseError, capture_logger, parser_errors
 from pipeline.backends.trt_common import (
     EngineOptions,
     parse_builder_layers,
@@ -45,51 +54,12 @@ log = logging.getLogger("tune.backend")
 ENGINE_SUFFIXES = (".engine", ".plan", ".trt")
 
 
-# --------------------------------------------------------------------------- logger
-
-
-def _capture_logger(trt: Any) -> Any:
-    """An ILogger that keeps messages for the build log (INFO and up, plus the verbose layer table)."""
-
-    class CaptureLogger(trt.ILogger):
-        def __init__(self) -> None:
-            trt.ILogger.__init__(self)
-            self.lines: list[str] = []
-            self.errors: list[str] = []
-            self.layer_table: str | None = None
-
-        def log(self, severity: Any, msg: str) -> None:
-            sev = getattr(severity, "name", str(severity))
-            if sev == "VERBOSE":
-                # verbose output is megabytes for real models; keep only the layer table
-                if msg.startswith("Layers:"):
-                    self.layer_table = msg
-                    self.lines.append(f"[V] {msg}")
-                return
-            self.lines.append(f"[{sev[0]}] {msg}")
-            if sev in ("ERROR", "INTERNAL_ERROR"):
-                self.errors.append(msg.strip().replace("\n", " "))
-
-        def note(self, msg: str) -> None:
-            self.lines.append(f"[qdq-tune] {msg}")
-
-        def text(self) -> str:
-            return "\n".join(self.lines) + "\n"
-
-    return CaptureLogger()
-
-
 # --------------------------------------------------------------------------- running engines
 
 # TensorRT DataType name -> torch dtype name
 _TORCH_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT8": "int8", "INT32": "int32",
                  "INT64": "int64", "BOOL": "bool", "UINT8": "uint8", "FP8": "float8_e4m3fn"}
 
-
-
-def _aside(path: Path | None) -> str:
-    """Set a stale timing cache file aside (never overwritten by the new one); the log's clause."""
-    return f"; moved to {set_aside(path)}" if path is not None and path.is_file() else ""
 
 class TensorRTPrepared(PreparedModel):
     """A deserialized engine with device buffers bound once; runs on its own CUDA stream."""
@@ -200,8 +170,7 @@ class TensorRTBackend(Backend):
         super().__init__(cfg)
         self._trt: Any = None
         self._timing_cache: Any = None  # shared by every build of this backend instance
-        self._plugins_loaded: set[str] = set()
-        self._std_plugins_ready = False
+        self._plugins = PluginLibraries(self.name)
         # a stage may point this into its results_dir folder to keep the build logs of measurements
         self.logs_dir: Path | None = None
         self._builds = 0
@@ -261,40 +230,6 @@ class TensorRTBackend(Backend):
         return EngineOptions.from_backend_cfg(self.cfg)
 
     # ------------------------------------------------------------------ build
-    def _load_plugins(self, libraries: list[str], logger: Any) -> None:
-        trt = self.trt
-        if not self._std_plugins_ready and hasattr(trt, "init_libnvinfer_plugins"):
-            try:
-                trt.init_libnvinfer_plugins(logger, "")
-            except Exception:  # noqa: BLE001 - the standard plugins are optional for plain ONNX models
-                log.debug("init_libnvinfer_plugins failed", exc_info=True)
-            self._std_plugins_ready = True
-        for path in map(Path, plugin_paths(libraries)):
-            if str(path) in self._plugins_loaded:
-                continue
-            try:
-                handle = trt.get_plugin_registry().load_library(str(path))
-            except Exception as exc:  # noqa: BLE001 - pybind raises RuntimeError/TypeError
-                raise StageError(f"{self.name} could not load plugin library {path}: {exc}") from None
-            if handle is None:
-                raise StageError(f"{self.name} could not load plugin library {path} (wrong TensorRT version or "
-                                 f"missing dependencies)")
-            logger.note(f"loaded plugin library {path}")
-            self._plugins_loaded.add(str(path))
-
-    def _parser_errors(self, parser: Any) -> list[str]:
-        out = []
-        for i in range(parser.num_errors):
-            e = parser.get_error(i)
-            node = _call(e, "node_name") or f"#{_call(e, 'node')}"
-            op = _call(e, "node_operator") or "?"
-            code = getattr(_call(e, "code"), "name", str(_call(e, "code")))
-            desc = str(_call(e, "desc") or "").strip()
-            # the parser's op checkers report a failed condition as just "false"
-            detail = f"{code}" if desc in ("", "false") else f"{code}: {desc}"
-            out.append(f"node '{node}' ({op}): {detail}")
-        return out
-
     def _build_serialized(self, model_path: Path, options: EngineOptions, logger: Any,
                           source: Path | None = None) -> tuple[Any, dict[str, Any]]:
         """Parse ``model_path`` and build; returns the serialized engine (IHostMemory) and facts about the build.
@@ -309,7 +244,7 @@ class TensorRTBackend(Backend):
         shapes = profile_shapes(model, options, source=source.name)
         info: dict[str, Any] = {**self.describe(), "source": str(source), "strongly_typed": strongly_typed}
         logger.note(f"{self.trt.__name__} {getattr(trt, '__version__', '?')} building {source}")
-        self._load_plugins(list(options.plugin_libraries), logger)
+        self._plugins.load(self.trt, list(options.plugin_libraries), logger)
 
         try:
             builder = trt.Builder(logger)
@@ -327,10 +262,10 @@ class TensorRTBackend(Backend):
         network = builder.create_network(flags)
         parser = trt.OnnxParser(network, logger)
         if not parser.parse_from_file(str(model_path)):
-            errors = self._parser_errors(parser) or logger.errors[-3:] or ["unknown parser error"]
+            errors = parser_errors(parser) or logger.errors[-3:] or ["unknown parser error"]
             for e in errors:
                 logger.note(f"parser error: {e}")
-            raise _ParseError(errors)
+            raise ParseError(errors)
 
         config = builder.create_builder_config()
         if options.workspace_mb:
@@ -340,7 +275,7 @@ class TensorRTBackend(Backend):
         level = self.cfg.get("builder_optimization_level")
         if level is not None and hasattr(config, "builder_optimization_level"):
             config.builder_optimization_level = int(level)
-        info["data_type"] = self._set_precision(config, options.data_type, strongly_typed, logger)
+        info["data_type"] = set_precision(trt, config, options.data_type, strongly_typed, logger)
 
         if shapes:
             profile = builder.create_optimization_profile()
@@ -362,70 +297,31 @@ class TensorRTBackend(Backend):
         info["layers"] = len(parse_builder_layers(logger.layer_table)["layers"]) if logger.layer_table else None
         return serialized, info
 
-    def _set_precision(self, config: Any, data_type: str, strongly_typed: bool, logger: Any) -> str:
-        trt = self.trt
-        if strongly_typed:
-            if data_type != "FP32":
-                logger.note(f"data_type={data_type} not applied: strongly typed network (precision comes from "
-                            f"the Q/DQ nodes and ONNX types)")
-            return "strongly_typed"
-        if data_type == "FP32":
-            return "FP32"
-        flag = getattr(trt.BuilderFlag, data_type, None)
-        if flag is None:
-            msg = (f"gen_trt_engine.tensorrt.data_type={data_type} ignored: {trt.__name__} has no {data_type} "
-                   f"builder flag (it builds strongly typed; convert the model to {data_type} for such layers)")
-            log.warning(msg)
-            logger.note(msg)
-            return "FP32"
-        config.set_flag(flag)
-        return data_type
-
     def _use_timing_cache(self, config: Any, path: Path | None, logger: Any) -> None:
         if not self.supports_timing_cache:
             if path is not None:
                 log.debug("%s: timing cache %s not used (deprecated in TensorRT-RTX)", self.name, path)
                 logger.note(f"timing cache {path} not used: deprecated in TensorRT-RTX")
             return
-        if self._timing_cache is None:
-            data = b""
-            if path is not None and path.is_file():
-                data = path.read_bytes()
-                logger.note(f"loaded timing cache {path} ({len(data)} bytes)")
-            try:
-                self._timing_cache = config.create_timing_cache(data)
-            except Exception:  # noqa: BLE001 - a corrupt cache file must not fail the build
-                self._timing_cache = None
-            if self._timing_cache is None:  # unreadable file: start afresh rather than fail the build
-                logger.note(f"timing cache {path} unreadable{_aside(path)}; starting a new one")
-                self._timing_cache = config.create_timing_cache(b"")
-        if not config.set_timing_cache(self._timing_cache, ignore_mismatch=False):
-            # made on another device or TensorRT version: kept aside, not overwritten by the new one
-            logger.note(f"timing cache does not match this device/version{_aside(path)}; starting a new one")
-            self._timing_cache = config.create_timing_cache(b"")
-            config.set_timing_cache(self._timing_cache, ignore_mismatch=False)
+        self._timing_cache = open_timing_cache(config, self._timing_cache, path, logger)
 
     def _save_timing_cache(self, config: Any, path: Path | None, logger: Any) -> None:
         if not self.supports_timing_cache or path is None:
             return
-        cache = config.get_timing_cache()
-        if cache is None:
-            return
-        self._timing_cache = cache
-        with atomic_output(path) as tmp:
-            tmp.write_bytes(memoryview(cache.serialize()))
-        logger.note(f"saved timing cache {path}")
+        cache = save_timing_cache(config, path, logger)
+        if cache is not None:
+            self._timing_cache = cache
 
     def _engine_bytes(self, model_path: Path, options: EngineOptions, log_path: Path | None) -> tuple[Any, dict, Any]:
         """Build (or read, for an engine file) and always write the log, also when the build fails."""
-        logger = _capture_logger(self.trt)
+        logger = capture_logger(self.trt)
         if model_path.suffix.lower() in ENGINE_SUFFIXES:
-            self._load_plugins(list(options.plugin_libraries), logger)
+            self._plugins.load(self.trt, list(options.plugin_libraries), logger)
             return model_path.read_bytes(), {"source": str(model_path)}, logger
         try:
             with tensorrt_qdq_view(model_path, logger.note) as parse_path:
                 serialized, info = self._build_serialized(parse_path, options, logger, source=model_path)
-        except _ParseError as exc:
+        except ParseError as exc:
             where = self._write_log(logger, log_path)
             n = len(exc.errors)
             shown = "; ".join(exc.errors[:8]) + (f"; ... {n - 8} more" if n > 8 else "")
@@ -538,18 +434,6 @@ class TensorRTRtxBackend(TensorRTBackend):
     def has_fast_kernels(self, quant_type: str) -> bool:
         # the TensorRT-RTX support matrix lists INT8 as weight-only: INT8 activation Q/DQ gives no int8 math
         return quant_type != "int8"
-
-
-class _ParseError(Exception):
-    def __init__(self, errors: list[str]):
-        super().__init__("; ".join(errors))
-        self.errors = errors
-
-
-def _call(obj: Any, name: str) -> Any:
-    """ParserError fields are methods in the Python bindings; tolerate attributes too."""
-    v = getattr(obj, name, None)
-    return v() if callable(v) else v
 
 
 def _engine_specs(trt: Any, engine: Any) -> list[InputSpec]:

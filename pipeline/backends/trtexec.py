@@ -10,8 +10,9 @@ comes from trtexec's own measurement:
   is still missing (a user's own --percentile, an old trtexec) the minimum stands in for it.
 
 GPU compute time is used because the Python backends time ``execute_async_v3`` alone, and Q/DQ
-placement changes the kernels, not the copies. The readers for trtexec's output live in
-``pipeline.backends.trtexec_parse``; build options and shapes in ``pipeline.backends.trt_common``.
+placement changes the kernels, not the copies. The command line is made in
+``pipeline.backends.trtexec_command``, trtexec's output is read in ``pipeline.backends.trtexec_parse``;
+build options and shapes live in ``pipeline.backends.trt_common``.
 
 Warm-up is ``backend.warmup_ms`` (trtexec's --warmUp is in MILLISECONDS); ``backend.warmup_runs`` does
 not apply here. Profiling flags (--exportProfile, --exportLayerInfo, --profilingVerbosity,
@@ -29,7 +30,6 @@ import shutil
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,15 @@ from pipeline.backends.trt_common import (
     profile_shapes,
     tensorrt_qdq_view,
 )
+from pipeline.backends.trtexec_command import (
+    PROFILING_FLAGS,
+    SHAPE_FLAGS,
+    TrtexecEngine,
+    TrtexecRun,
+    option_name,
+    parse_shape_spec,
+    strip_profiling,
+)
 from pipeline.backends.trtexec_parse import (
     error_lines,
     loads_lenient,
@@ -61,9 +70,6 @@ from pipeline.graph import InputSpec, has_qdq, input_specs
 
 log = logging.getLogger("tune.backend")
 
-PROFILING_FLAGS = ("--profilingVerbosity", "--exportProfile", "--exportLayerInfo", "--separateProfileRun",
-                   "--dumpProfile", "--dumpLayerInfo")
-
 # trtexec's messages when it cannot use a GPU at all (CUDA init / device query failures)
 _NO_GPU = re.compile(r"no CUDA-capable device|CUDA initialization failure|CUDA driver version is insufficient|"
                      r"cudaErrorNoDevice|Cuda failure: (?:no|100)", re.IGNORECASE)
@@ -76,135 +82,6 @@ _VERSION = re.compile(r"TensorRT v(\d+)")
 REFORMAT_LAYER = re.compile(r"reformat", re.IGNORECASE)
 
 
-SHAPE_FLAGS = ("--minShapes", "--optShapes", "--maxShapes", "--shapes")
-
-
-def parse_shape_spec(spec: str) -> dict[str, list[int]]:
-    """``name:1x3x224x224,other:1x128`` (trtexec's shape syntax; names may be quoted) -> shapes."""
-    out: dict[str, list[int]] = {}
-    for part in spec.split(","):
-        name, _, dims = part.strip().rpartition(":")
-        if not name:
-            raise InputError(f"trtexec shape spec '{spec}': '{part}' is not NAME:DxDx...")
-        try:
-            out[name.strip("'\"")] = [int(d) for d in dims.split("x")]
-        except ValueError:
-            raise InputError(f"trtexec shape spec '{spec}': '{dims}' is not a list of dims like 1x3x224x224") \
-                from None
-    return out
-
-
-def option_name(arg: str) -> str:
-    return arg.split("=", 1)[0]
-
-
-def strip_profiling(argv: list[str]) -> list[str]:
-    return [a for a in argv if option_name(a) not in PROFILING_FLAGS]
-
-
-def _shape_spec(shapes: dict[str, list[int]]) -> str:
-    """trtexec's `name:AxBxC,...`; names holding ':' or ',' are wrapped in single quotes."""
-    parts = []
-    for name, dims in shapes.items():
-        shown = f"'{name}'" if any(c in name for c in ":,") else name
-        parts.append(f"{shown}:{'x'.join(str(int(d)) for d in dims) if dims else 'scalar'}")
-    return ",".join(parts)
-
-
-@dataclass
-class TrtexecRun:
-    """One trtexec invocation; ``argv`` turns it into a command line.
-
-    Our own flags are left out when the user's ``extra_args`` already set the same option, so a
-    user's --warmUp or --percentile wins instead of being duplicated.
-    """
-
-    onnx: Path | None = None
-    load_engine: Path | None = None
-    save_engine: Path | None = None
-    strongly_typed: bool = False
-    data_type: str = "FP32"  # --fp16/--bf16 for float models only (upper case, as EngineOptions holds it)
-    workspace_mb: int | None = None
-    shapes: dict[str, tuple[list[int], list[int], list[int]]] = field(default_factory=dict)
-    timing_cache: Path | None = None
-    plugins: list[str] = field(default_factory=list)
-    skip_inference: bool = False
-    warmup_ms: int | None = None
-    iterations: int | None = None
-    duration_s: float | None = None
-    percentiles: str | None = "10,90,95,99"
-    export_times: Path | None = None
-    export_profile: Path | None = None
-    export_layer_info: Path | None = None
-    load_inputs: dict[str, Path] = field(default_factory=dict)
-    export_output: Path | None = None
-    extra_args: list[str] = field(default_factory=list)
-
-    def argv(self, exe: str) -> list[str]:
-        user = {option_name(a) for a in self.extra_args}
-        out: list[str] = [exe]
-
-        def add(arg: str) -> None:
-            if option_name(arg) not in user or option_name(arg) in ("--staticPlugins", "--setPluginsToSerialize"):
-                out.append(arg)
-
-        if self.onnx is not None:
-            add(f"--onnx={self.onnx}")
-        if self.load_engine is not None:
-            add(f"--loadEngine={self.load_engine}")
-        if self.save_engine is not None:
-            add(f"--saveEngine={self.save_engine}")
-        if self.onnx is not None:  # build options
-            if self.strongly_typed:
-                add("--stronglyTyped")
-            elif self.data_type in ("FP16", "BF16"):
-                add(f"--{self.data_type.lower()}")
-            if self.workspace_mb:
-                add(f"--memPoolSize=workspace:{int(self.workspace_mb)}M")
-            if self.shapes:
-                add(f"--minShapes={_shape_spec({n: s[0] for n, s in self.shapes.items()})}")
-                add(f"--optShapes={_shape_spec({n: s[1] for n, s in self.shapes.items()})}")
-                add(f"--maxShapes={_shape_spec({n: s[2] for n, s in self.shapes.items()})}")
-            if self.timing_cache is not None:
-                add(f"--timingCacheFile={self.timing_cache}")
-        elif self.shapes:  # a dynamic engine runs at the profile's opt shapes
-            add(f"--shapes={_shape_spec({n: s[1] for n, s in self.shapes.items()})}")
-        for lib in self.plugins:
-            add(f"--staticPlugins={lib}")
-            if self.save_engine is not None:
-                add(f"--setPluginsToSerialize={lib}")
-        if self.skip_inference:
-            add("--skipInference")
-        else:
-            if self.warmup_ms is not None:
-                add(f"--warmUp={int(self.warmup_ms)}")  # milliseconds, not a run count
-            if self.duration_s:
-                add(f"--duration={self.duration_s:g}")
-            elif self.iterations is not None:
-                add(f"--iterations={int(self.iterations)}")
-                add("--duration=0")  # otherwise trtexec also runs for its default 3 s
-            if self.percentiles:
-                add(f"--percentile={self.percentiles}")
-            if self.export_times is not None:
-                add(f"--exportTimes={self.export_times}")
-            if self.load_inputs:
-                add("--loadInputs=" + ",".join(f"{_shape_name(n)}:{p}" for n, p in self.load_inputs.items()))
-            if self.export_output is not None:
-                add(f"--exportOutput={self.export_output}")
-        if self.export_profile is not None or self.export_layer_info is not None:
-            add("--profilingVerbosity=detailed")
-        if self.export_layer_info is not None:
-            add(f"--exportLayerInfo={self.export_layer_info}")
-        if self.export_profile is not None and not self.skip_inference:
-            add(f"--exportProfile={self.export_profile}")
-            add("--separateProfileRun")  # the per-layer profiler would otherwise slow the timed runs
-        return [*out, *self.extra_args]
-
-
-def _shape_name(name: str) -> str:
-    return f"'{name}'" if any(c in name for c in ":,") else name
-
-
 # --------------------------------------------------------------------------- backend
 
 
@@ -215,11 +92,10 @@ class TrtexecPrepared(PreparedModel):
     comparisons with trtexec are slow but still fair: every block is warmed the same way.
     """
 
-    def __init__(self, backend: TrtexecBackend, workdir: Path, engine: Path, specs: list[InputSpec],
-                 output_names: list[str], shapes: dict[str, tuple[list[int], list[int], list[int]]],
-                 plugins: list[str], output_types: dict[str, np.dtype] | None = None, profile: bool = False):
+    def __init__(self, backend: TrtexecBackend, workdir: Path, engine: TrtexecEngine, specs: list[InputSpec],
+                 output_names: list[str], output_types: dict[str, np.dtype] | None = None, profile: bool = False):
         self.backend, self.workdir, self.engine, self.specs = backend, workdir, engine, specs
-        self.output_names, self.shapes, self.plugins = output_names, shapes, plugins
+        self.output_names = output_names
         self.output_types = output_types or {}
         self.profile = profile
         self._samples: list[list[dict[str, float]]] = []
@@ -231,9 +107,9 @@ class TrtexecPrepared(PreparedModel):
         prof = self.workdir / "profile.json" if self.profile and b.profiling_supported else None
         if prof is not None:
             prof.unlink(missing_ok=True)
-        run = TrtexecRun(load_engine=self.engine, shapes=self.shapes, plugins=self.plugins, warmup_ms=b.warmup_ms,
-                         iterations=n, export_times=times, export_profile=prof, extra_args=b.run_args())
-        text, log_path = b.invoke(run, "time", self.engine.stem)
+        run = self.engine.run(warmup_ms=b.warmup_ms, iterations=n, export_times=times, export_profile=prof,
+                              extra_args=b.run_args())
+        text, log_path = b.invoke(run, "time", self.engine.path.stem)
         if self.profile:
             layers = parse_profile(prof.read_text())["layers"] if prof is not None and prof.exists() else []
             # one record of per-layer averages per call (trtexec reports no per-run layer times)
@@ -263,10 +139,9 @@ class TrtexecPrepared(PreparedModel):
             inputs[spec.name] = p
         out_json = self.workdir / "outputs.json"
         out_json.unlink(missing_ok=True)  # a stale file from the previous call must not stand in for this one
-        run = TrtexecRun(load_engine=self.engine, shapes=self.shapes, plugins=self.plugins, warmup_ms=0,
-                         iterations=1, percentiles=None, load_inputs=inputs, export_output=out_json,
-                         extra_args=b.run_args())
-        _, log_path = b.invoke(run, "run", self.engine.stem)
+        run = self.engine.run(warmup_ms=0, iterations=1, percentiles=None, load_inputs=inputs, export_output=out_json,
+                              extra_args=b.run_args())
+        _, log_path = b.invoke(run, "run", self.engine.path.stem)
         if not out_json.exists():
             raise StageError(f"trtexec wrote no outputs; see {log_path}")
         outs = parse_outputs(out_json.read_text(), self.output_types)
@@ -500,8 +375,8 @@ class TrtexecBackend(Backend):
             run.save_engine = engine
             self.invoke(run, "build", model_path.stem)
             specs = input_specs(model, {name: s[1] for name, s in run.shapes.items()})
-            return TrtexecPrepared(self, workdir, engine, specs, [o.name for o in model.graph.output], run.shapes,
-                                   run.plugins, output_dtypes(model), profile)
+            return TrtexecPrepared(self, workdir, TrtexecEngine(engine, run.shapes, run.plugins), specs,
+                                   [o.name for o in model.graph.output], output_dtypes(model), profile)
         except BaseException:
             shutil.rmtree(workdir, ignore_errors=True)
             raise
@@ -526,7 +401,8 @@ class TrtexecBackend(Backend):
                 "tensorrt_version": self.version}
 
 
-# the output readers stay importable from here for the tests, which import them by this module's name
+# the command-line pieces and output readers stay importable from here for the tests, which import them
+# by this module's name
 __all__ = ["PROFILING_FLAGS", "REFORMAT_LAYER", "SHAPE_FLAGS", "TrtexecBackend", "TrtexecPrepared", "TrtexecRun",
            "option_name", "parse_outputs", "parse_profile", "parse_shape_spec", "parse_summary", "parse_times",
            "strip_profiling", "timing_from_summary"]

@@ -53,7 +53,14 @@ def _fidelity_text(fid: dict[str, Any] | None, verdict: dict[str, Any]) -> str:
 
 
 def markdown(metrics: dict[str, Any]) -> str:
-    k = metrics["top_k"]
+    """report.md: what was compared and how, the table, the budget, the machine, how to reproduce."""
+    sections = (_header(metrics), _table(metrics), _budget(metrics), _machine(metrics), _duplicates(metrics),
+                _definitions(), _reproduce(metrics))
+    return "\n".join(line for section in sections for line in section)
+
+
+def _header(metrics: dict[str, Any]) -> list[str]:
+    """Title, baseline, the data scored and how latency was measured."""
     data = metrics["data"]
     lat = metrics.get("latency")
     lines = [
@@ -74,10 +81,16 @@ def markdown(metrics: dict[str, Any]) -> str:
             lines.append(f"**Warning:** {lat['warning']}.")
     else:
         lines.append("Latency: not measured (evaluate.latency=false).")
+    return lines
+
+
+def _table(metrics: dict[str, Any]) -> list[str]:
+    """One row per model: accuracy, agreement with float, latency and speedup."""
+    k = metrics["top_k"]
     head = ["model", "file", "top-1", *([f"top-{k}"] if k > 1 else []), "agreement", "cosine", "SNR dB",
             "median ms", "p10 ms", "p90 ms", "speedup"]
-    lines += ["", "| " + " | ".join(head) + " |",
-              "|" + "|".join(["---", "---"] + ["---:"] * (len(head) - 2)) + "|"]
+    lines = ["", "| " + " | ".join(head) + " |",
+             "|" + "|".join(["---", "---"] + ["---:"] * (len(head) - 2)) + "|"]
     for key, m in metrics["models"].items():
         ref = key == "float"
         row = [m["label"], f"`{m['file']}`", _pct(m.get("top1"))]
@@ -95,48 +108,73 @@ def markdown(metrics: dict[str, Any]) -> str:
         else:
             row += ["–", "–", "–", "–"]
         lines.append("| " + " | ".join(row) + " |")
-    if metrics.get("budget"):
-        lines += ["", "## Accuracy budget", "", f"Budget: {metrics['budget']} (`accuracy.*`)."]
-        for key, m in metrics["models"].items():
-            v = m.get("budget")
-            if key == "float" or not v:
-                continue
-            verdict = "within budget" if v.get("ok") else "**OVER BUDGET**"
-            lines.append(f"- {m['label']}: {verdict}: {v.get('what')}{_fidelity_text(m.get('kernel_fidelity'), v)}.")
-        for text in metrics.get("over_budget", []):
-            lines.append(f"- **{text}**")
+    return lines
+
+
+def _budget(metrics: dict[str, Any]) -> list[str]:
+    """Each quantized model against the accuracy budget, with the kernel-fidelity clause."""
+    if not metrics.get("budget"):
+        return []
+    lines = ["", "## Accuracy budget", "", f"Budget: {metrics['budget']} (`accuracy.*`)."]
+    for key, m in metrics["models"].items():
+        v = m.get("budget")
+        if key == "float" or not v:
+            continue
+        verdict = "within budget" if v.get("ok") else "**OVER BUDGET**"
+        lines.append(f"- {m['label']}: {verdict}: {v.get('what')}{_fidelity_text(m.get('kernel_fidelity'), v)}.")
+    for text in metrics.get("over_budget", []):
+        lines.append(f"- **{text}**")
+    return lines
+
+
+def _machine(metrics: dict[str, Any]) -> list[str]:
+    """The CPU the models ran on and what the quantize stage did for accuracy on it."""
     q = metrics.get("quantization") or {}
     mach = metrics.get("machine") or {}
-    if mach:
-        lines += ["", "## Machine and quantization", "", f"CPU: {mach.get('cpu_line')}."]
-        sat = (mach.get("cpu") or {}).get("u8s8_saturates")
-        if sat is not None:
-            lines.append("u8 x s8 integer kernels: " + ("may saturate (no VNNI): exact variants needed." if sat
-                                                        else "exact (int32 dot-product instructions)."))
-        if q.get("weight_range"):
-            lines.append(f"Weight storage: {q['weight_range']} ({q.get('weight_range_reason')}).")
-        if mach.get("quantized_on") and mach.get("quantized_on") != (mach.get("cpu") or {}).get("brand"):
-            lines.append(f"Quantized on a different CPU: {mach['quantized_on']}.")
-        lines += _accuracy_steps(q)
-        if q.get("float_nodes"):
-            lines.append(f"Left float to meet the accuracy budget ({len(q['float_nodes'])} nodes, "
-                         f"see quantize/sensitivity.json): {', '.join(f'`{n}`' for n in q['float_nodes'])}.")
-        if q.get("body_nodes"):
-            lines.append(f"Inside Loop/Scan bodies: {len(q['body_nodes'])} nodes quantized "
-                         f"({', '.join(f'`{n}`' for n in q['body_nodes'])}); autotune tunes the main graph and keeps "
-                         f"the quantize stage's placement inside the bodies.")
+    if not mach:
+        return []
+    lines = ["", "## Machine and quantization", "", f"CPU: {mach.get('cpu_line')}."]
+    sat = (mach.get("cpu") or {}).get("u8s8_saturates")
+    if sat is not None:
+        lines.append("u8 x s8 integer kernels: " + ("may saturate (no VNNI): exact variants needed." if sat
+                                                    else "exact (int32 dot-product instructions)."))
+    if q.get("weight_range"):
+        lines.append(f"Weight storage: {q['weight_range']} ({q.get('weight_range_reason')}).")
+    if mach.get("quantized_on") and mach.get("quantized_on") != (mach.get("cpu") or {}).get("brand"):
+        lines.append(f"Quantized on a different CPU: {mach['quantized_on']}.")
+    lines += _accuracy_steps(q)
+    if q.get("float_nodes"):
+        lines.append(f"Left float to meet the accuracy budget ({len(q['float_nodes'])} nodes, "
+                     f"see quantize/sensitivity.json): {', '.join(f'`{n}`' for n in q['float_nodes'])}.")
+    if q.get("body_nodes"):
+        lines.append(f"Inside Loop/Scan bodies: {len(q['body_nodes'])} nodes quantized "
+                     f"({', '.join(f'`{n}`' for n in q['body_nodes'])}); autotune tunes the main graph and keeps "
+                     f"the quantize stage's placement inside the bodies.")
+    return lines
+
+
+def _duplicates(metrics: dict[str, Any]) -> list[str]:
+    """Models left out of the table because their file is byte-identical to one in it."""
+    lines = []
     for d in metrics.get("duplicates", []):
         same = metrics["models"][d["identical_to"]]["label"]
         lines += ["", f"`{d['file']}` ({d['model']}) is byte-identical to the {same} model and was evaluated once."]
-    lines += [
+    return lines
+
+
+def _definitions() -> list[str]:
+    """What the table's agreement, cosine and SNR columns mean."""
+    return [
         "",
         "Agreement: share of predictions (argmax of the first output over its last axis) equal to the float "
         "model's. Cosine: mean per-sample cosine similarity of the first output with the float model's. "
         "SNR: 10·log10(Σ float² / Σ (model − float)²) over all outputs.",
-        "",
-        "## Reproduce",
-        "",
     ]
+
+
+def _reproduce(metrics: dict[str, Any]) -> list[str]:
+    """The commands that rebuild this results_dir and that re-run only the evaluation."""
+    lines = ["", "## Reproduce", ""]
     if metrics["reproduce"].get("in_memory"):
         lines += [f"The {' and '.join(metrics['reproduce']['in_memory'])} came from a Python session through "
                   "`pipeline.api.tune`: call it again with the same objects and these overrides (a shell cannot "
@@ -155,7 +193,7 @@ def markdown(metrics: dict[str, Any]) -> str:
         "The composed config of the last run is in `.hydra/config.yaml`; each stage's config is in `manifest.json`.",
         "",
     ]
-    return "\n".join(lines)
+    return lines
 
 
 def plot(metrics: dict[str, Any], path: Path) -> Path:

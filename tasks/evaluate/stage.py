@@ -34,7 +34,7 @@ log = logging.getLogger("tune.evaluate")
 
 
 @dataclass(frozen=True)
-class Candidate:
+class EvaluatedModel:
     """One model to evaluate: short key for metrics, label for humans, artifact key and file."""
 
     key: str
@@ -42,6 +42,17 @@ class Candidate:
     artifact: str
     path: Path
     sha256: str
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """What the evaluation pass measured, per model key: scores over ``batches`` batches, kernel
+    fidelity (None where the check could not run) and the interleaved latency (None when not timed)."""
+
+    scores: dict[str, ModelScores]
+    batches: int
+    fidelity: dict[str, Any]
+    latency: dict[str, Any] | None
 
 
 # p90/p10 above this means the machine was busy while timing: the medians are not to be trusted
@@ -65,27 +76,27 @@ class EvaluateStage(Stage):
     def run(self, ctx: StageContext) -> StageResult:
         ecfg = ctx.cfg.evaluate
         out_dir = ctx.stage_dir("evaluate")
-        candidates, duplicates = self._candidates(ctx)
+        evaluated, duplicates = self._evaluated_models(ctx)
         backend = create_backend(ctx.cfg.backend)
-        float_model = load_model(candidates[0].path, check=False)
-        specs = self._specs(candidates, float_model)
+        float_model = load_model(evaluated[0].path, check=False)
+        specs = self._specs(evaluated, float_model)
         max_batches = int(ecfg.max_batches) if ecfg.max_batches is not None else None
 
         # every model is prepared once (a full engine build on TensorRT) for scoring and latency alike
         prepared: dict[str, PreparedModel] = {}
         try:
-            for c in candidates:
+            for c in evaluated:
                 prepared[c.key] = self._prepare(backend, c)
-            scores, batches = self._score(ctx, backend, candidates, specs, max_batches, prepared)
-            fidelity = self._fidelity(ctx, backend, candidates, specs, prepared)
-            timings = (self._latency(backend, candidates, prepared, int(ecfg.latency_repeats))
+            scores, batches = self._score(ctx, backend, evaluated, specs, max_batches, prepared)
+            fidelity = self._fidelity(ctx, backend, evaluated, specs, prepared)
+            timings = (self._latency(backend, evaluated, prepared, int(ecfg.latency_repeats))
                        if ecfg.latency else None)
         finally:
             for pm in prepared.values():
                 pm.close()
 
-        metrics = self._metrics(ctx, backend, candidates, duplicates, scores, timings, batches, specs,
-                                _precision(float_model), fidelity)
+        measured = Measurements(scores, batches, fidelity, timings)
+        metrics = self._metrics(ctx, backend, evaluated, duplicates, measured, specs, _precision(float_model))
         from tasks.evaluate import _report
 
         safe = json_safe(metrics)
@@ -100,30 +111,30 @@ class EvaluateStage(Stage):
 
     # ------------------------------------------------------------------ which models
     @staticmethod
-    def _candidates(ctx: StageContext) -> tuple[list[Candidate], list[dict[str, str]]]:
-        candidates: list[Candidate] = []
+    def _evaluated_models(ctx: StageContext) -> tuple[list[EvaluatedModel], list[dict[str, str]]]:
+        evaluated: list[EvaluatedModel] = []
         duplicates: list[dict[str, str]] = []
         for key, label, artifact in _MODELS:
             path = ctx.require(artifact) if key == "float" else ctx.artifact(artifact)
             if path is None:
                 continue
             digest = sha256_file(path)
-            same = next((c for c in candidates if c.sha256 == digest), None)
+            same = next((c for c in evaluated if c.sha256 == digest), None)
             if same is not None:
                 # quantize with quantize=none, or an autotune that kept the PTQ placement, gives the
                 # same bytes: measuring it again would only add noise to the comparison
                 log.info("%s model %s is identical to the %s model; evaluated once", label, artifact, same.label)
                 duplicates.append({"model": key, "file": artifact, "identical_to": same.key})
                 continue
-            candidates.append(Candidate(key, label, artifact, Path(path), digest))
-        return candidates, duplicates
+            evaluated.append(EvaluatedModel(key, label, artifact, Path(path), digest))
+        return evaluated, duplicates
 
     @staticmethod
-    def _specs(candidates: list[Candidate], float_model: onnx.ModelProto) -> list[InputSpec]:
+    def _specs(evaluated: list[EvaluatedModel], float_model: onnx.ModelProto) -> list[InputSpec]:
         """Input specs of the float model; every other model must take exactly the same inputs."""
         specs = input_specs(float_model)
         want = [(s.name, s.shape, s.dtype) for s in specs]
-        for c in candidates[1:]:
+        for c in evaluated[1:]:
             try:
                 got = [(s.name, s.shape, s.dtype) for s in input_specs(load_model(c.path, check=False))]
             except PipelineError as exc:
@@ -134,22 +145,22 @@ class EvaluateStage(Stage):
         return specs
 
     # ------------------------------------------------------------------ accuracy and agreement
-    def _score(self, ctx: StageContext, backend: Backend, candidates: list[Candidate], specs: list[InputSpec],
+    def _score(self, ctx: StageContext, backend: Backend, evaluated: list[EvaluatedModel], specs: list[InputSpec],
                max_batches: int | None, prepared: dict[str, PreparedModel]) -> tuple[dict[str, ModelScores], int]:
         """One pass over the evaluation data; every model runs each batch, so nothing is stored.
-        ``prepared`` holds every candidate, prepared by the caller (who also closes them)."""
+        ``prepared`` holds every model, prepared by the caller (who also closes them)."""
         provider = DataProvider(ctx.cfg, specs)
         top_k = int(ctx.cfg.evaluate.top_k)
         names = list(getattr(prepared["float"], "output_names", None) or [])
-        scores = {c.key: ModelScores(top_k=top_k, output_names=names) for c in candidates}
+        scores = {c.key: ModelScores(top_k=top_k, output_names=names) for c in evaluated}
         batches = 0
         bar = progress_bar(bool(ctx.cfg.progress), total=provider.count("evaluation", max_batches),
                            desc="evaluate", unit="batch")
         with bar:
             for batch in provider.batches("evaluation", max_batches):
-                reference = self._run(prepared["float"], candidates[0], batch.feeds, backend)
+                reference = self._run(prepared["float"], evaluated[0], batch.feeds, backend)
                 scores["float"].update(reference, reference, batch.labels, batch.valid)
-                for c in candidates[1:]:
+                for c in evaluated[1:]:
                     outputs = self._run(prepared[c.key], c, batch.feeds, backend)
                     got, want = [o.shape for o in outputs], [r.shape for r in reference]
                     if got != want:
@@ -164,7 +175,7 @@ class EvaluateStage(Stage):
         return scores, batches
 
     @staticmethod
-    def _prepare(backend: Backend, c: Candidate) -> PreparedModel:
+    def _prepare(backend: Backend, c: EvaluatedModel) -> PreparedModel:
         try:
             return backend.prepare(c.path)
         except Exception as exc:  # noqa: BLE001 - runtimes raise their own types for unloadable models
@@ -173,7 +184,7 @@ class EvaluateStage(Stage):
                              f"{first_line(exc)}") from None
 
     @staticmethod
-    def _run(pm: PreparedModel, c: Candidate, feeds: dict[str, np.ndarray], backend: Backend) -> list[np.ndarray]:
+    def _run(pm: PreparedModel, c: EvaluatedModel, feeds: dict[str, np.ndarray], backend: Backend) -> list[np.ndarray]:
         try:
             return [np.asarray(o) for o in pm.run(feeds)]
         except Exception as exc:  # noqa: BLE001 - runtimes raise their own types for failed runs
@@ -182,7 +193,7 @@ class EvaluateStage(Stage):
                              f"{first_line(exc)}") from None
 
     @staticmethod
-    def _fidelity(ctx: StageContext, backend: Backend, candidates: list[Candidate], specs: list[InputSpec],
+    def _fidelity(ctx: StageContext, backend: Backend, evaluated: list[EvaluatedModel], specs: list[InputSpec],
                   prepared: dict[str, PreparedModel]) -> dict[str, Any]:
         """Kernel fidelity of each quantized model on the first evaluation batches (fused kernels vs
         plain Q/DQ math), where the backend has a reference runner."""
@@ -192,7 +203,7 @@ class EvaluateStage(Stage):
         feeds = [b.feeds for b in batches]
         floats = [[np.asarray(o) for o in prepared["float"].run(f)] for f in feeds]
         out = {}
-        for c in candidates[1:]:
+        for c in evaluated[1:]:
             try:
                 out[c.key] = kernel_fidelity(backend, c.path, feeds, prepared=prepared[c.key], float_outputs=floats)
             except Exception as exc:  # noqa: BLE001 - the reference runner may reject what the fused one runs
@@ -244,31 +255,31 @@ class EvaluateStage(Stage):
 
     # ------------------------------------------------------------------ latency
     @staticmethod
-    def _latency(backend: Backend, candidates: list[Candidate], prepared: dict[str, PreparedModel],
+    def _latency(backend: Backend, evaluated: list[EvaluatedModel], prepared: dict[str, PreparedModel],
                  rounds: int) -> dict[str, Any]:
         """Interleaved timing of the models already prepared for scoring (no second build)."""
         runs = max(1, backend.timing_runs // rounds)
-        timings = compare_prepared(backend.name, [prepared[c.key] for c in candidates], rounds=rounds,
+        timings = compare_prepared(backend.name, [prepared[c.key] for c in evaluated], rounds=rounds,
                                    runs_per_round=runs, warmup_runs=backend.warmup_runs)
-        for c, t in zip(candidates, timings, strict=True):
+        for c, t in zip(evaluated, timings, strict=True):
             if not t.ok:
                 raise StageError(f"latency of the {c.label} model {c.artifact} could not be measured on "
                                  f"{backend.name}: {(t.error or 'unknown error').strip().splitlines()[0]}")
         return {"rounds": rounds, "runs_per_round": runs, "warmup_runs": backend.warmup_runs,
-                "timings": dict(zip((c.key for c in candidates), timings, strict=True))}
+                "timings": dict(zip((c.key for c in evaluated), timings, strict=True))}
 
     # ------------------------------------------------------------------ assembling the metrics
-    def _metrics(self, ctx: StageContext, backend: Backend, candidates: list[Candidate],
-                 duplicates: list[dict[str, str]], scores: dict[str, ModelScores], latency: dict[str, Any] | None,
-                 batches: int, specs: list[InputSpec], precision: str = "FP32",
-                 fidelity: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _metrics(self, ctx: StageContext, backend: Backend, evaluated: list[EvaluatedModel],
+                 duplicates: list[dict[str, str]], measured: Measurements, specs: list[InputSpec],
+                 precision: str = "FP32") -> dict[str, Any]:
+        latency = measured.latency
         info = backend.describe()
         baseline = f"{precision} float model on {_backend_text(info)}"
         base_t: Timing | None = latency["timings"]["float"] if latency else None
         models: dict[str, Any] = {}
-        for c in candidates:
+        for c in evaluated:
             m: dict[str, Any] = {"label": c.label, "file": c.artifact, "sha256": c.sha256}
-            m.update(scores[c.key].result())
+            m.update(measured.scores[c.key].result())
             if latency:
                 t: Timing = latency["timings"][c.key]
                 m["latency_ms"] = {"median": t.median_ms, "p10": t.p10_ms, "p90": t.p90_ms, "min": t.min_ms,
@@ -284,7 +295,7 @@ class EvaluateStage(Stage):
             "data": {
                 "source": resolved_data_source(ctx.cfg),
                 "samples": first["samples"],
-                "batches": batches,
+                "batches": measured.batches,
                 "batch_size": specs[0].batch if specs else 1,
                 "labelled": first["top1"] is not None,
                 "max_batches": ctx.cfg.evaluate.max_batches,
@@ -306,7 +317,7 @@ class EvaluateStage(Stage):
                         f"trust the p10 ratio or re-run with more evaluate.latency_repeats")
                 metrics["latency"]["warning"] = note
                 log.warning("%s", note)
-        self._judge(ctx, metrics, fidelity or {})
+        self._judge(ctx, metrics, measured.fidelity)
         metrics["headline"] = headline(metrics)
         return metrics
 
