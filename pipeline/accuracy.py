@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from pipeline.config import enum_value
+from pipeline.errors import ConfigError
 from pipeline.metrics import ModelScores, energies, snr_from_energies
 
 log = logging.getLogger("tune.accuracy")
@@ -51,41 +52,112 @@ class AccuracyBudget:
     """How far a quantized model may drift from the float model (see module docstring)."""
 
     metric: str = "auto"
-    max_drop: float = 1.0  # points: top-1 (labels) or top-1 agreement with the float model
+    max_drop: float = 1.0  # points: top-1 (labels) or top-1 agreement; metric=custom: the metric's units
     min_snr_db: float = 20.0
     min_cosine: float = 0.99
     enabled: bool = True
+    outputs: tuple[str, ...] = ()  # the outputs judged (empty: every output)
+    per_output: tuple[tuple[str, str], ...] = ()  # (output, snr|cosine|agreement) replacing the default metric
+    custom_metric: str | None = None  # metric=custom: the function's dotted path
+    relative: bool = False  # metric=custom: max_drop in percent of the float model's score
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> AccuracyBudget:
         a = cfg.accuracy
         return cls(enum_value(a.metric), float(a.max_drop), float(a.min_snr_db), float(a.min_cosine),
-                   bool(a.enabled))
+                   bool(a.enabled), tuple(a.outputs or ()),
+                   tuple((str(k), enum_value(v)) for k, v in (a.per_output or {}).items()),
+                   a.custom_metric or None, bool(a.relative))
 
     def tightened(self, margin_db: float) -> AccuracyBudget:
-        """This budget ``margin_db`` inside its SNR floor, and the same factor on 1 - cosine (top-1 budgets
-        unchanged)."""
-        from dataclasses import replace
-
-        return replace(self, min_snr_db=self.min_snr_db + margin_db,
-                       min_cosine=1.0 - (1.0 - self.min_cosine) * 10 ** (-margin_db / 10))
+        """This budget ``margin_db`` inside its SNR floor, and the same factor on 1 - cosine and on a
+        custom metric's allowed drop (top-1 budgets unchanged)."""
+        factor = 10 ** (-margin_db / 10)
+        return replace(self, min_snr_db=self.min_snr_db + margin_db, min_cosine=1.0 - (1.0 - self.min_cosine) * factor,
+                       max_drop=self.max_drop * factor if self.metric == "custom" else self.max_drop)
 
     def describe(self) -> str:
-        return {"top1": f"top-1 drop <= {self.max_drop:g} points",
+        if self.metric == "custom":
+            what = f"{self.custom_metric} drop <= {self.max_drop:g}{'% of the float score' if self.relative else ''}"
+            return what + self._scope()
+        base = {"top1": f"top-1 drop <= {self.max_drop:g} points",
                 "agreement": f"top-1 agreement >= {100 - self.max_drop:g}%",
                 "snr": f"SNR >= {self.min_snr_db:g} dB on every output",
                 "cosine": f"cosine >= {self.min_cosine:g} on every output"}.get(
             self.metric, f"top-1 drop <= {self.max_drop:g} points with labels, else SNR >= {self.min_snr_db:g} dB "
                          f"on every output and, for class scores, agreement >= {100 - self.max_drop:g}% on "
                          f"decisive samples")
+        return base + self._scope()
 
-    def judge(self, scores: dict[str, Any], float_top1: float | None) -> AccuracyVerdict:
-        """Verdict for a model's ModelScores.result() (``float_top1``: the float model's top-1).
+    def _scope(self) -> str:
+        parts = []
+        if self.outputs:
+            parts.append("judged on " + ", ".join(f"'{o}'" for o in self.outputs))
+        if self.per_output:
+            parts.append(", ".join(f"{m} on '{o}'" for o, m in self.per_output))
+        return f" ({'; '.join(parts)})" if parts else ""
 
-        Without labels every float output is held to the budget on its own (its SNR, or its cosine
-        with ``metric=cosine``) and the worst one decides; for class scores, top-1 agreement on the
-        decisive samples is an extra condition, never an excuse for a noisy output.
+    def check_outputs(self, names: list[str] | None) -> None:
+        """A ConfigError naming the model's outputs when accuracy.outputs / per_output name another."""
+        if not names:
+            return
+        for key, given in (("accuracy.outputs", self.outputs), ("accuracy.per_output", [o for o, _ in self.per_output])):
+            unknown = [o for o in given if o not in names]
+            if unknown:
+                raise ConfigError(f"{key}: the model has no output {', '.join(repr(o) for o in unknown)}; its outputs "
+                                  f"are {', '.join(names)}")
+
+    def judge(self, scores: dict[str, Any], float_top1: float | None,
+              custom: tuple[float, float] | None = None) -> AccuracyVerdict:
+        """Verdict for a model's ModelScores.result() (``float_top1``: the float model's top-1;
+        ``custom``: (float model's, this model's) score of accuracy.custom_metric).
+
+        Without labels every judged float output is held to the budget on its own (its SNR, or its
+        cosine with ``metric=cosine``, or the metric ``per_output`` names for it) and the worst one
+        decides; for class scores, top-1 agreement on the decisive samples is an extra condition,
+        never an excuse for a noisy output.
         """
+        judged = _judged(scores, self.outputs, {o for o, _ in self.per_output})
+        verdict = (self._custom(judged, custom) if self.metric == "custom" else
+                   self._default(judged, float_top1) if _any_judged(judged) or not self.per_output else None)
+        for output, metric in self.per_output:
+            own = self._one_output(scores, output, metric)
+            verdict = own if verdict is None else verdict.combined(own)
+        if verdict is not None and not verdict.ok:
+            verdict = replace(verdict, passing=_passing(scores, self))
+        return verdict if self.enabled or verdict.ok else replace(verdict, ok=True)
+
+    def _custom(self, scores: dict[str, Any], custom: tuple[float, float] | None) -> AccuracyVerdict:
+        if custom is None:
+            raise RuntimeError("metric=custom: judge() needs the custom scores (Holdout.judge computes them)")
+        ref, got = custom
+        drop = ref - got
+        allowed = self.max_drop * abs(ref) / 100.0 if self.relative else self.max_drop
+        name = (self.custom_metric or "custom").rsplit(".", 1)[-1]
+        limit = f"{self.max_drop:g}% of float" if self.relative else f"{self.max_drop:g}"
+        worst_snr, snr_out, _ = _worst(scores, "snr_db_per_output", "snr_db")
+        return AccuracyVerdict(drop <= allowed, "custom", f"{name} {got:.4g} (float {ref:.4g}, drop {drop:.4g}, "
+                               f"max {limit})", worst_snr, None, None, None, None, output=None,
+                               custom=got, custom_float=ref)
+
+    def _one_output(self, scores: dict[str, Any], output: str, metric: str) -> AccuracyVerdict:
+        """``output`` judged by ``metric`` alone (accuracy.per_output)."""
+        i = (scores.get("output_names") or []).index(output)
+        pick = _output_only(scores, i)
+        if metric == "agreement":
+            agree = (scores.get("decisive_agreement_per_output") or [None] * (i + 1))[i]
+            n = (scores.get("decisive_samples_per_output") or [None] * (i + 1))[i]
+            if agree is None:
+                agree = (scores.get("agreement_per_output") or [None] * (i + 1))[i]
+            ok = agree is not None and 100.0 * (1.0 - agree) <= self.max_drop
+            on = f" on {n} decisive samples" if n else ""
+            what = (f"agreement n/a on output '{output}' (no class scores)" if agree is None else
+                    f"agreement {100 * agree:.1f}%{on} on output '{output}' (min {100 - self.max_drop:g}%)")
+            snr = (scores.get("snr_db_per_output") or [None] * (i + 1))[i]
+            return AccuracyVerdict(ok, "agreement", what, snr, None, agree, output=_name(output))
+        return replace(self, metric=metric, outputs=(), per_output=())._default(pick, None)
+
+    def _default(self, scores: dict[str, Any], float_top1: float | None) -> AccuracyVerdict:
         top1 = scores.get("top1")
         drop = None if top1 is None or float_top1 is None else 100.0 * (float_top1 - top1)
         agree = scores.get("agreement")
@@ -124,8 +196,61 @@ class AccuracyBudget:
             output = cos_out
         else:
             ok, what = snr_ok, snr_what
-        return AccuracyVerdict(bool(ok) or not self.enabled, metric, what, worst_snr, worst_cos, agree, top1, drop,
+        return AccuracyVerdict(bool(ok), metric, what, worst_snr, worst_cos, agree, top1, drop,
                                output=_name(output) if output is not None else None)
+
+
+def _at(scores: dict[str, Any], key: str, i: int) -> Any:
+    values = scores.get(key) or []
+    return values[i] if i < len(values) else None
+
+
+def _restricted(scores: dict[str, Any], keep: list[bool]) -> dict[str, Any]:
+    """``scores`` with only the outputs flagged in ``keep`` judged; agreement is that of the first kept
+    class output (None when no kept output holds class scores)."""
+    out = dict(scores)
+    out["float_outputs"] = [bool(f) and k for f, k in zip(scores.get("float_outputs") or keep, keep, strict=False)]
+    names = scores.get("output_names") or []
+    classes = [names.index(c) for c in scores.get("class_outputs") or [] if c in names]
+    kept = [i for i in classes if keep[i]]
+    if "agreement_per_output" in scores:
+        first = kept[0] if kept else None
+        out["agreement"] = _at(scores, "agreement_per_output", first) if first is not None else None
+        out["decisive_agreement"] = _at(scores, "decisive_agreement_per_output", first) if first is not None else None
+        out["decisive_samples"] = _at(scores, "decisive_samples_per_output", first) if first is not None else None
+    return out
+
+
+def _judged(scores: dict[str, Any], outputs: tuple[str, ...], elsewhere: set[str]) -> dict[str, Any]:
+    """``scores`` restricted to the outputs the default metric judges: ``outputs`` (empty: all) less
+    those judged ``elsewhere`` (accuracy.per_output)."""
+    names = scores.get("output_names")
+    if not names or (not outputs and not elsewhere):
+        return scores
+    return _restricted(scores, [(not outputs or n in outputs) and n not in elsewhere for n in names])
+
+
+def _any_judged(scores: dict[str, Any]) -> bool:
+    flags = scores.get("float_outputs")
+    return flags is None or any(flags)
+
+
+def _output_only(scores: dict[str, Any], i: int) -> dict[str, Any]:
+    return _restricted(scores, [j == i for j in range(len(scores.get("output_names") or []))])
+
+
+def _passing(scores: dict[str, Any], budget: AccuracyBudget) -> tuple[str, ...]:
+    """The outputs that meet the budget's per-output floor on their own (SNR, or cosine), when there
+    are several: a verdict that fails on one output names the others, so the user can say which
+    output matters (accuracy.outputs)."""
+    names = scores.get("output_names") or []
+    if len(names) < 2:
+        return ()
+    key, floor = (("cosine_per_output", budget.min_cosine) if budget.metric == "cosine"
+                  else ("snr_db_per_output", budget.min_snr_db))
+    flags = scores.get("float_outputs") or [True] * len(names)
+    return tuple(n for i, n in enumerate(names)
+                 if flags[i] and _at(scores, key, i) is not None and _at(scores, key, i) >= floor)
 
 
 def _worst(scores: dict[str, Any], per_output: str, overall: str) -> tuple[float | None, str | int | None, int]:
@@ -166,6 +291,28 @@ class AccuracyVerdict:
     top1: float | None = None
     top1_drop: float | None = None
     output: str | None = None  # the output the verdict rests on (the worst one)
+    custom: float | None = None  # metric=custom: this model's score
+    custom_float: float | None = None  # ... and the float model's
+    passing: tuple[str, ...] = ()  # a failed verdict: the outputs that meet the budget on their own
+
+    def combined(self, other: AccuracyVerdict) -> AccuracyVerdict:
+        """Both verdicts must hold; the numbers are the worse of the two."""
+        worse = self if (other.snr_db is None or (self.snr_db is not None and self.snr_db <= other.snr_db)) else other
+        failing = self if not self.ok else other if not other.ok else worse
+        low = [x for x in (self.cosine, other.cosine) if x is not None]
+        return replace(self, ok=self.ok and other.ok, what=f"{self.what}; {other.what}", snr_db=worse.snr_db,
+                       cosine=min(low) if low else None, output=failing.output,
+                       agreement=self.agreement if self.agreement is not None else other.agreement)
+
+    @property
+    def hint(self) -> str:
+        """For a failed verdict on a model with several outputs, how to judge only the ones that matter."""
+        if self.ok or not self.passing:
+            return ""
+        names = ", ".join(self.passing)
+        return (f"output{'s' if len(self.passing) > 1 else ''} {names} meet{'' if len(self.passing) > 1 else 's'} "
+                f"the budget on {'their' if len(self.passing) > 1 else 'its'} own: if only "
+                f"{'they matter' if len(self.passing) > 1 else 'it matters'}, set accuracy.outputs=[{names}]")
 
     def to_dict(self) -> dict[str, Any]:
         from pipeline.metrics import json_safe

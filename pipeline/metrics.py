@@ -170,30 +170,47 @@ class ModelScores:
     decisive_agree: int = 0
     decisive_compared: int = 0
     output_names: list[str] = field(default_factory=list)  # optional, for verdicts that name an output
+    # the outputs that hold class scores (agreement is counted on them); None: the first output, when
+    # its shape says so ([N, C] or [N, S, C] floats, or integer ids)
+    class_outputs: list[str] | None = None
+    # per output, for the class outputs: [agreeing, compared, decisive agreeing, decisive compared]
+    agreement_counts: list[list[int]] = field(default_factory=list)
+
+    def classes(self, count: int) -> list[int]:
+        """Indices of the outputs treated as class scores, the first one being the labels' output."""
+        if self.class_outputs is None:
+            return [0]
+        return [self.output_names.index(n) for n in self.class_outputs if n in self.output_names[:count]]
 
     def update(self, reference: list[np.ndarray], outputs: list[np.ndarray], labels: np.ndarray | None,
                valid: int) -> None:
         """Add one batch: ``reference`` are the float model's outputs on the same feeds."""
-        first, ref_first = outputs[0], reference[0]
         self.samples += valid
-        if labels is not None and _is_float(first) and first.ndim == 2 and labels.size == first.shape[0]:
+        classes = self.classes(len(outputs))
+        first = outputs[classes[0]] if classes else None
+        if first is not None and labels is not None and _is_float(first) and first.ndim == 2 \
+                and labels.size == first.shape[0]:
             self.labelled += valid
             self.top1_hits += topk_hits(first, labels, 1, valid)
             if self.top_k > 1 and first.shape[1] >= self.top_k:
                 self.topk_hits += topk_hits(first, labels, self.top_k, valid)
             else:
                 self.topk_possible = False
-        a, n = prediction_agreement(ref_first, first, valid)
-        self.agree += a
-        self.compared += n
-        a, n = decisive_agreement(ref_first, first, valid)
-        self.decisive_agree += a
-        self.decisive_compared += n
         if not self.signal:
             k = len(outputs)
             self.signal, self.noise = [0.0] * k, [0.0] * k
             self.cosine_sums, self.cosine_counts = [0.0] * k, [0] * k
             self.float_outputs = [_is_float(r) for r in reference]
+            self.agreement_counts = [[0, 0, 0, 0] for _ in range(k)]
+        for i in classes:
+            counts = self.agreement_counts[i]
+            for j, (a, n) in enumerate((prediction_agreement(reference[i], outputs[i], valid),
+                                        decisive_agreement(reference[i], outputs[i], valid))):
+                counts[2 * j] += a
+                counts[2 * j + 1] += n
+        if classes:
+            self.agree, self.compared, self.decisive_agree, self.decisive_compared = \
+                self.agreement_counts[classes[0]]
         for i, (r, o) in enumerate(zip(reference, outputs, strict=True)):
             s, e = energies(r, o, valid)
             self.signal[i] += s
@@ -227,4 +244,12 @@ class ModelScores:
         out["identical_outputs"] = bool(self.noise) and all(n == 0.0 for n in self.noise)
         if self.output_names and len(self.output_names) == len(self.signal):
             out["output_names"] = list(self.output_names)
+        # per output: agreement and decisive agreement on the class outputs, None elsewhere
+        counted = [c if c[1] else None for c in self.agreement_counts]
+        out["agreement_per_output"] = [c[0] / c[1] if c else None for c in counted]
+        out["decisive_agreement_per_output"] = [c[2] / c[3] if c and c[3] else None for c in counted]
+        out["decisive_samples_per_output"] = [c[3] if c else None for c in counted]
+        names = out.get("output_names") or list(range(len(self.signal)))
+        out["class_outputs"] = [names[i] for i in self.classes(len(self.signal))
+                                if self.agreement_counts and self.agreement_counts[i][1]]
         return out
