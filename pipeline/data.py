@@ -243,6 +243,12 @@ def synthetic_batches(specs: list[InputSpec], num_samples: int, seed: int) -> It
         yield feeds, None
 
 
+def fixed_feeds(specs: list[InputSpec], seed: int = 0) -> dict[str, np.ndarray]:
+    """Deterministic inputs for timing runs (latency does not depend on values for these models)."""
+    feeds, _ = next(synthetic_batches(specs, specs[0].batch if specs else 1, seed))
+    return feeds
+
+
 def _read_arrays(p: Path) -> dict[str, np.ndarray]:
     try:
         if p.is_dir():

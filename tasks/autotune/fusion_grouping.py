@@ -43,7 +43,7 @@ class FusionGroup:
 
 def ort_optimized_graph(model: onnx.ModelProto | str | Path, level: str = "extended") -> onnx.ModelProto:
     """The graph ONNX Runtime's CPU EP runs after its optimizations at ``level``."""
-    from pipeline.backends.onnxruntime import ort_session, ort_session_options
+    from pipeline.ort import ort_session, ort_session_options
 
     data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else Path(model).read_bytes()
     with tempfile.TemporaryDirectory() as d:

@@ -55,7 +55,7 @@ def bias_slots(model: onnx.ModelProto, nodes: Iterable[str]) -> tuple[list[BiasS
 
 
 def _session(model: onnx.ModelProto, outputs: list[str], threads: int):
-    from pipeline.backends.onnxruntime import ort_session, ort_session_options
+    from pipeline.ort import ort_session, ort_session_options
 
     # plain Q/DQ math and no fusions: every node's output stays observable
     return ort_session(model, ort_session_options("disable", threads=threads), extra_outputs=outputs)

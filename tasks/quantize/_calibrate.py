@@ -60,7 +60,7 @@ class ActivationRunner:
     that stacks them over the iterations (``pipeline.bodies.thread_out``), each iteration a sample."""
 
     def __init__(self, model: onnx.ModelProto, tensors: list[str], threads: int):
-        from pipeline.backends.onnxruntime import ort_session, ort_session_options
+        from pipeline.ort import ort_session, ort_session_options
 
         model, self.stacked = thread_out(model, tensors)
         self.outputs = [self.stacked[t][0] if t in self.stacked else t for t in tensors]

@@ -10,10 +10,10 @@ import onnx
 import pytest
 from onnx import helper
 
-from pipeline.backends.onnxruntime import ort_session
 from pipeline.bodies import body, thread_out, unique_names
 from pipeline.data import Batch
 from pipeline.graph import input_specs, iter_nodes
+from pipeline.ort import ort_session
 from pipeline.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
 from pipeline.qdq import Calibration, apply_plan, load_calibration
 from tasks.autotune.autotuner import Config, QDQAutotuner

@@ -44,7 +44,7 @@ def _ort_ops(model: onnx.ModelProto, tmp_path) -> Counter:
 
 
 def _run(model, feeds):
-    from pipeline.backends.onnxruntime import disable_qdq_fusion_if_fp8
+    from pipeline.ort import disable_qdq_fusion_if_fp8
 
     so = ort.SessionOptions()
     disable_qdq_fusion_if_fp8(so, model)
