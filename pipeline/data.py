@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.errors import InputError
 from pipeline.graph import InputSpec
+from pipeline.registry import import_object
 
 log = logging.getLogger("tune.data")
 
@@ -371,9 +372,7 @@ def _restore_axes(batch: Batch, specs: list[InputSpec], axes: Mapping[str, int |
 
 
 def _custom_iterable(target: str, args: dict[str, Any], split: str) -> Iterable[Any]:
-    from pipeline.config import import_target
-
-    fn = import_target(target, "data._target_")
+    fn = import_object(target, "data._target_")
     kwargs = dict(args)
     try:
         if "split" in inspect.signature(fn).parameters:

@@ -16,7 +16,7 @@ import onnx
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.artifacts import atomic_output, fingerprint, user_path
-from pipeline.config import enum_value, import_target, section
+from pipeline.config import enum_value, section
 from pipeline.errors import ConfigError, InputError, StageError, first_line
 from pipeline.graph import (
     control_flow,
@@ -33,6 +33,7 @@ from pipeline.graph import (
     save_model,
 )
 from pipeline.ort import ort_session
+from pipeline.registry import import_object
 from pipeline.stage import Stage, StageContext, StageResult
 
 log = logging.getLogger("tune.export")
@@ -358,7 +359,7 @@ class ExportStage(Stage):
         import torch
 
         target = mcfg.get("_target_")
-        cls = import_target(target, "model._target_")
+        cls = import_object(target, "model._target_")
         args = OmegaConf.to_container(mcfg.args, resolve=True) if mcfg.args else {}
         try:
             module = cls(**args)
