@@ -391,6 +391,6 @@ def _reproduce_commands(ctx: StageContext) -> dict[str, str]:
         args = [*overrides, f"stages=[{','.join(stage_list)}]", f"results_dir={rd}"]
         return " ".join(["tune", *(shlex.quote(a) for a in args)])
 
-    from pipeline.api import in_memory_groups
+    from pipeline.live import in_memory_groups
 
     return {"full": cmd(stages), "evaluate_only": cmd(["evaluate"]), "in_memory": in_memory_groups(ctx.cfg)}
