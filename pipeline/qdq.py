@@ -447,7 +447,7 @@ def raise_opset(model: onnx.ModelProto, target: int) -> onnx.ModelProto:
 
 def _correct_biases(model: onnx.ModelProto, quantized: set[str], corrections: dict[str, list[float]]) -> None:
     """Subtract the measured mean shift from the biases of the quantized weighted nodes (in place)."""
-    from pipeline.placement import GraphIndex, bias_tensor
+    from pipeline.graph_index import GraphIndex, bias_tensor
 
     g = GraphIndex(model)
     targets = {b[0] for n in sorted(quantized) if n in g.nodes and (b := bias_tensor(g, g.nodes[n])) is not None}

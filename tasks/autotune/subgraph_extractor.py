@@ -20,7 +20,7 @@ from onnx import helper, numpy_helper
 
 from pipeline.errors import StageError, first_line
 from pipeline.graph import graph_inputs, input_specs
-from pipeline.placement import GraphIndex
+from pipeline.graph_index import GraphIndex
 from tasks.autotune.region import Region, RegionType
 
 

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from pipeline.placement import WEIGHTED_OPS, GraphIndex, bias_tensor
+from pipeline.graph import WEIGHTED_OPS
+from pipeline.graph_index import GraphIndex, bias_tensor
 
 # levels corrected (one quantized-model run over the calibration feeds each), from the inputs down
 MAX_SWEEPS = 12

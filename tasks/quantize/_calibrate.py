@@ -32,7 +32,7 @@ import onnx
 
 from pipeline.bodies import body_views, thread_out
 from pipeline.data import Batch
-from pipeline.placement import GraphIndex
+from pipeline.graph_index import GraphIndex
 from pipeline.qdq import QTYPES
 
 log = logging.getLogger("tune.quantize")

@@ -24,8 +24,8 @@ from pipeline.config import enum_value
 from pipeline.data import DataProvider
 from pipeline.errors import StageError
 from pipeline.graph import control_flow, input_specs, iter_nodes, load_model, save_model
+from pipeline.graph_index import GraphIndex, weight_inputs
 from pipeline.placement import (
-    GraphIndex,
     NodeDtypes,
     activation_type,
     onnxruntime_plan,
@@ -33,7 +33,6 @@ from pipeline.placement import (
     resolve_rules,
     tensorrt_plan,
     weight_axis,
-    weight_inputs,
 )
 from pipeline.progress import progress_bar
 from pipeline.qdq import FP8, QTYPES, Calibration, activation_params, apply_plan, qdq_summary
