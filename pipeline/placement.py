@@ -37,7 +37,7 @@ from pipeline.bodies import QUANTIZED_BODIES, body_views
 from pipeline.config import enum_value
 from pipeline.graph import WEIGHTED_OPS, iter_nodes
 from pipeline.graph_index import ACTIVATION_TAILS, GraphIndex, bias_slot, weight_inputs
-from pipeline.qdq import ActivationQ, BiasQ, QDQPlan, WeightQ
+from pipeline.plan import ActivationQ, BiasQ, QDQPlan, WeightQ
 
 # ops whose Q/DQ ORT drops, running them directly on 8-bit data
 PASS_THROUGH_OPS = ("MaxPool", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Split",

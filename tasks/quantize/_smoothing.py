@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from pipeline.qdq import activation_params, quantize_values, weight_params
+from pipeline.qmath import activation_params, quantize_values, weight_params
 from tasks.quantize._calibrate import outlier_ratio
 from tasks.quantize._graph_edit import Editor, Use, attr
 

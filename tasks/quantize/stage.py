@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_write_json
 from pipeline.bodies import QUANTIZED_BODIES, unique_names, walk_views
+from pipeline.calibration import Calibration
 from pipeline.config import enum_value
 from pipeline.data import DataProvider
 from pipeline.errors import StageError
@@ -35,7 +36,8 @@ from pipeline.placement import (
     weight_axis,
 )
 from pipeline.progress import progress_bar
-from pipeline.qdq import FP8, QTYPES, Calibration, activation_params, apply_plan, qdq_summary
+from pipeline.qdq import apply_plan, qdq_summary
+from pipeline.qmath import FP8, QTYPES, activation_params
 from pipeline.stage import Stage, StageContext, StageResult
 from tasks.quantize import _prepare
 

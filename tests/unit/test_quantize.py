@@ -10,9 +10,11 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from pipeline.calibration import Calibration
 from pipeline.data import Batch
 from pipeline.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
-from pipeline.qdq import QTYPES, Calibration, apply_plan, get_quantized_tensors
+from pipeline.qdq import apply_plan, get_quantized_tensors
+from pipeline.qmath import QTYPES
 from tasks.quantize._calibrate import collect
 from tests import models
 
