@@ -330,19 +330,27 @@ def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, i
         return sum(1 for n in m.graph.node if n.op_type == "Constant")
 
     before, weights = constants(model), constant_weights(model)
+    out = fold_graph(model)
+    removed = len(model.graph.node) - len(out.graph.node)
+    if removed <= 0 and before == 0:
+        return model, {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0}
+    return out, {"constant_nodes": before - constants(out), "constant_weights": weights, "nodes_removed": removed}
+
+
+def fold_graph(model: onnx.ModelProto, flatten_subgraphs: bool = True) -> onnx.ModelProto:
+    """``model`` with what is computable from constants folded by onnx-graphsurgeon (evaluated with ONNX
+    Runtime, inside If/Loop bodies too; ``flatten_subgraphs``: an If whose condition folds is inlined as
+    well), cleaned up and topologically sorted; IR version, producer and metadata stay the model's."""
     import onnx_graphsurgeon as gs
 
     graph = gs.import_onnx(model)
-    graph.fold_constants().cleanup().toposort()
+    graph.fold_constants(flatten_subgraphs=flatten_subgraphs).cleanup().toposort()
     out = gs.export_onnx(graph)
     out.ir_version = model.ir_version
     out.producer_name, out.producer_version = model.producer_name, model.producer_version
     del out.metadata_props[:]
     out.metadata_props.extend(model.metadata_props)
-    removed = len(model.graph.node) - len(out.graph.node)
-    if removed <= 0 and before == 0:
-        return model, {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0}
-    return out, {"constant_nodes": before - constants(out), "constant_weights": weights, "nodes_removed": removed}
+    return out
 
 
 def fold_batchnorm(model: onnx.ModelProto) -> int:
