@@ -15,7 +15,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from pipeline.errors import ConfigError
+from pipeline.artifacts import user_path
+from pipeline.errors import ConfigError, InputError
 from pipeline.registry import stage_schemas, stage_validators
 
 
@@ -380,9 +381,7 @@ def validate(cfg: DictConfig) -> None:
     if not 7 <= cfg.model.opset <= 23:
         problems.append(f"model.opset={cfg.model.opset}: supported opsets are 7..23")
     if cfg.model.name == "onnx" and not OmegaConf.is_missing(cfg.model, "onnx_path"):
-        from pipeline.artifacts import user_path
-        from pipeline.errors import InputError
-        from pipeline.graph import check_onnx_path
+        from pipeline.graph import check_onnx_path  # onnx and numpy: not imported for `tune --help`
 
         try:
             check_onnx_path(user_path(cfg.model.onnx_path), "model.onnx_path")

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline.config import resolved_data_source
 from pipeline.errors import InputError
 from pipeline.graph import InputSpec
 from pipeline.registry import import_object
@@ -386,8 +387,6 @@ class DataProvider:
     """Fixed-size numpy batches for a model, from the configured data source."""
 
     def __init__(self, cfg: DictConfig, specs: list[InputSpec]):
-        from pipeline.config import resolved_data_source
-
         self.cfg = cfg.data
         self.specs = specs
         self.seed = int(cfg.seed)

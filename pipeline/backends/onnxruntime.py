@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from pipeline.artifacts import atomic_output
+from pipeline.artifacts import atomic_output, atomic_write_json
 from pipeline.backends.base import Backend, BuildResult, PreparedModel, specs_of
 from pipeline.config import enum_value
 from pipeline.data import fixed_feeds
@@ -246,8 +246,6 @@ class OnnxRuntimeBackend(Backend):
                 ops[node.op_type] = ops.get(node.op_type, 0) + 1
             info["optimized_op_counts"] = dict(sorted(ops.items()))
         if log_path is not None:
-            from pipeline.artifacts import atomic_write_json
-
             atomic_write_json(log_path, info)
         return BuildResult(Path(out_path) if out_path else None, Path(log_path) if log_path else None, info)
 
