@@ -3,17 +3,15 @@
 It runs what the `tune` command runs: the same composition and one-line config errors, the same
 Hydra job, runner, results_dir, manifest and skip-if-up-to-date; it returns a ``TuneResult`` instead
 of exiting. In-memory objects reach the stages through the `custom` model and data options: their
-``_target_`` is a function here that hands back the live object, and their ``args`` are the objects'
-fingerprints (class name, parameter and code hashes; a content hash of the data). So the manifest
-records them, a re-run with the same objects skips every finished stage, and changed weights or data
-re-run the stages that read them.
+``_target_`` is a function of ``pipeline.live`` that hands back the live object, and their ``args``
+are the objects' fingerprints (class name, parameter and code hashes; a content hash of the data).
+So the manifest records them, a re-run with the same objects skips every finished stage, and changed
+weights or data re-run the stages that read them.
 """
 
 from __future__ import annotations
 
-import copy
 import enum
-import itertools
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,9 +21,7 @@ from typing import Any
 
 from pipeline.artifacts import Manifest
 from pipeline.errors import ConfigError, InputError
-
-# objects passed to a running tune() call, by the key their config args name
-_LIVE: dict[str, Any] = {}
+from pipeline.live import held
 
 
 @dataclass(frozen=True)
@@ -69,52 +65,17 @@ def tune(overrides: Sequence[str] | Mapping[str, Any] = (), *, model: Any = None
     data_extra, calibration = _data_overrides(data, eval_data, live, given)
     register_configs()
     training = model.training if "model=custom" in extra else None
-    _LIVE.update(live)
     try:
-        args = open_dict_overrides([*args, *extra, *data_extra])
-        cfg = checked_config(args, config_dir, config_name)
-        if training is not None and not cfg.model.input_shapes:
-            args += open_dict_overrides(_shape_overrides(data, calibration, int(cfg.model.batch_size)))
-        results_dir, summary = run_job(args, config_dir, config_name)
+        with held(live):
+            args = open_dict_overrides([*args, *extra, *data_extra])
+            cfg = checked_config(args, config_dir, config_name)
+            if training is not None and not cfg.model.input_shapes:
+                args += open_dict_overrides(_shape_overrides(data, calibration, int(cfg.model.batch_size)))
+            results_dir, summary = run_job(args, config_dir, config_name)
     finally:
-        for key in live:
-            _LIVE.pop(key, None)
         if training is not None:
             model.train(training)  # export puts the module in eval mode
     return _result(results_dir, summary)
-
-
-# ---------------------------------------------------------------------------- the _target_s
-
-
-def in_memory_model(class_name: str, parameters: str, code: str) -> Any:
-    """`model._target_` of an nn.Module passed to tune(): that module (a CPU copy if it is on a GPU)."""
-    module = _live(f"model:{class_name}:{parameters}:{code}", f"the nn.Module {class_name}", "model")
-    if any(t.device.type != "cpu" for t in itertools.chain(module.parameters(), module.buffers())):
-        module = copy.deepcopy(module).cpu()
-    return module
-
-
-def in_memory_data(calibration: str, evaluation: str, split: str = "calibration") -> Iterable[Any]:
-    """`data._target_` of data passed to tune(): the calibration or the evaluation data."""
-    fp = calibration if split == "calibration" else evaluation
-    return _live(f"data:{fp}", f"the {split} data", "data")
-
-
-def in_memory_groups(cfg: Any) -> list[str]:
-    """The groups (model, data) of a config whose objects were passed to tune() in memory."""
-    from omegaconf import OmegaConf
-
-    return [g for g in ("model", "data")
-            if str(OmegaConf.select(cfg, f"{g}._target_", default=None) or "").startswith(f"{__name__}.")]
-
-
-def _live(key: str, what: str, group: str) -> Any:
-    if key not in _LIVE:
-        raise InputError(f"{group}._target_=pipeline.api.in_memory_{group}: {what} was passed to "
-                         f"pipeline.api.tune() in another Python process; pass it to tune() again, or "
-                         f"configure {group}=... to run from a spec")
-    return _LIVE[key]
 
 
 # ---------------------------------------------------------------------------- overrides
@@ -170,7 +131,7 @@ def _model_overrides(model: Any, live: dict[str, Any], given: set[str]) -> list[
     args = {"class_name": f"{cls.__module__}.{cls.__qualname__}", "parameters": _parameters_hash(model),
             "code": _code_hash(model)}
     live[f"model:{args['class_name']}:{args['parameters']}:{args['code']}"] = model
-    return ["model=custom", "model._target_=pipeline.api.in_memory_model", f"model.args={_value(args)}"]
+    return ["model=custom", "model._target_=pipeline.live.in_memory_model", f"model.args={_value(args)}"]
 
 
 def _saved_model(model: Any) -> Path:
@@ -226,7 +187,7 @@ def _data_overrides(data: Any, eval_data: Any, live: dict[str, Any], given: set[
     fps = {"calibration": data_fingerprint(calibration)}
     fps["evaluation"] = fps["calibration"] if eval_data is None else data_fingerprint(evaluation)
     live[f"data:{fps['calibration']}"], live[f"data:{fps['evaluation']}"] = calibration, evaluation
-    return ["data=custom", "data._target_=pipeline.api.in_memory_data", f"data.args={_value(fps)}"], calibration
+    return ["data=custom", "data._target_=pipeline.live.in_memory_data", f"data.args={_value(fps)}"], calibration
 
 
 def _whole_set(data: Any) -> bool:

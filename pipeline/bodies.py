@@ -31,23 +31,14 @@ import onnx
 from onnx import TensorProto, helper
 
 from pipeline.graph import outer_reads, subgraphs, tensor_elem_types
+from pipeline.graph_index import OUTER_SCOPE_KEY, GraphIndex
 
 QUANTIZED_BODIES = ("Loop", "Scan")
-# metadata key of a body view: the outer-scope activations among its graph inputs (a JSON list)
-OUTER_SCOPE_KEY = "qdq_tune.outer_scope"
 
 
 def body(node: onnx.NodeProto) -> onnx.GraphProto:
     """The body of a Loop or Scan node."""
     return next(a.g for a in node.attribute if a.name == "body")
-
-
-def outer_scope(model: onnx.ModelProto) -> frozenset[str]:
-    """The graph inputs of a body view that are activations of an enclosing graph (empty for a model)."""
-    for p in model.metadata_props:
-        if p.key == OUTER_SCOPE_KEY:
-            return frozenset(json.loads(p.value))
-    return frozenset()
 
 
 @dataclass(frozen=True)
@@ -63,8 +54,6 @@ class BodyView:
 def body_views(model: onnx.ModelProto) -> list[BodyView]:
     """A view of the body of every Loop/Scan node of ``model``'s graph (not of nested ones: take the
     views of a view for those)."""
-    from pipeline.placement import GraphIndex
-
     nodes = [n for n in model.graph.node if n.op_type in QUANTIZED_BODIES]
     if not nodes:
         return []
@@ -74,7 +63,7 @@ def body_views(model: onnx.ModelProto) -> list[BodyView]:
     return [_view(model, n, g, types, infos) for n in nodes]
 
 
-def _view(model: onnx.ModelProto, node: onnx.NodeProto, g, types: dict[str, int],
+def _view(model: onnx.ModelProto, node: onnx.NodeProto, g: GraphIndex, types: dict[str, int],
           infos: dict[str, onnx.ValueInfoProto]) -> BodyView:
     graph = onnx.GraphProto()
     graph.CopyFrom(body(node))

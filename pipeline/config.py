@@ -15,7 +15,9 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from pipeline.errors import ConfigError
+from pipeline.artifacts import user_path
+from pipeline.errors import ConfigError, InputError
+from pipeline.registry import stage_schemas, stage_validators
 
 
 class StageName(str, Enum):
@@ -342,8 +344,6 @@ def register_configs() -> None:
     global _registered
     if _registered:
         return
-    from pipeline.registry import stage_schemas
-
     cs = ConfigStore.instance()
     cs.store(name="base_tune", node=TuneConfig)
     for group, schemas in _SHARED_GROUPS.items():
@@ -362,8 +362,6 @@ _POSITIVE_MODEL_KEYS = ("input_size", "image_size", "in_channels", "num_classes"
 
 def validate(cfg: DictConfig) -> None:
     """Cross-field checks for the whole config; raises one ConfigError listing every problem."""
-    from pipeline.registry import stage_validators
-
     apply_aliases(cfg)
     problems: list[str] = []
     for key in ("model", "data", "backend", "accuracy"):
@@ -383,9 +381,7 @@ def validate(cfg: DictConfig) -> None:
     if not 7 <= cfg.model.opset <= 23:
         problems.append(f"model.opset={cfg.model.opset}: supported opsets are 7..23")
     if cfg.model.name == "onnx" and not OmegaConf.is_missing(cfg.model, "onnx_path"):
-        from pipeline.artifacts import user_path
-        from pipeline.errors import InputError
-        from pipeline.graph import check_onnx_path
+        from pipeline.graph import check_onnx_path  # onnx and numpy: not imported for `tune --help`
 
         try:
             check_onnx_path(user_path(cfg.model.onnx_path), "model.onnx_path")
@@ -433,26 +429,6 @@ def _unknown_keys(node: Any, path: str) -> list[str]:
         for i, child in enumerate(node):
             out += _unknown_keys(child, f"{path}[{i}]")
     return out
-
-
-def import_target(path: str, key: str) -> Any:
-    """The object a `_target_` names ("pkg.module.Name"); a ConfigError naming ``key`` if it cannot be
-    imported. User code raising while it is imported keeps its traceback (that is not a typo)."""
-    import importlib
-
-    module_name, _, attr = str(path).rpartition(".")
-    if not module_name:
-        raise ConfigError(f"{key}={path}: give a dotted path like my_pkg.module.Name")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise ConfigError(f"{key}={path}: no module named '{exc.name}' (is it installed / on PYTHONPATH?)") \
-                from None
-        raise
-    if not hasattr(module, attr):
-        raise ConfigError(f"{key}={path}: module '{module_name}' has no attribute '{attr}'")
-    return getattr(module, attr)
 
 
 def enum_value(v: Any) -> str:

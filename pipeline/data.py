@@ -22,8 +22,10 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline.config import resolved_data_source
 from pipeline.errors import InputError
 from pipeline.graph import InputSpec
+from pipeline.registry import import_object
 
 log = logging.getLogger("tune.data")
 
@@ -243,6 +245,12 @@ def synthetic_batches(specs: list[InputSpec], num_samples: int, seed: int) -> It
         yield feeds, None
 
 
+def fixed_feeds(specs: list[InputSpec], seed: int = 0) -> dict[str, np.ndarray]:
+    """Deterministic inputs for timing runs (latency does not depend on values for these models)."""
+    feeds, _ = next(synthetic_batches(specs, specs[0].batch if specs else 1, seed))
+    return feeds
+
+
 def _read_arrays(p: Path) -> dict[str, np.ndarray]:
     try:
         if p.is_dir():
@@ -365,9 +373,7 @@ def _restore_axes(batch: Batch, specs: list[InputSpec], axes: Mapping[str, int |
 
 
 def _custom_iterable(target: str, args: dict[str, Any], split: str) -> Iterable[Any]:
-    from pipeline.config import import_target
-
-    fn = import_target(target, "data._target_")
+    fn = import_object(target, "data._target_")
     kwargs = dict(args)
     try:
         if "split" in inspect.signature(fn).parameters:
@@ -381,8 +387,6 @@ class DataProvider:
     """Fixed-size numpy batches for a model, from the configured data source."""
 
     def __init__(self, cfg: DictConfig, specs: list[InputSpec]):
-        from pipeline.config import resolved_data_source
-
         self.cfg = cfg.data
         self.specs = specs
         self.seed = int(cfg.seed)

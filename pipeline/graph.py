@@ -4,7 +4,6 @@ content hashes, topological order, tensor-type lookups and what control-flow bod
 from __future__ import annotations
 
 import heapq
-import logging
 import os
 import tempfile
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
@@ -17,9 +16,7 @@ import onnx
 from onnx import helper
 
 from pipeline.artifacts import atomic_output, sha256_bytes, sha256_file
-from pipeline.errors import InputError, first_line
-
-log = logging.getLogger("tune.graph")
+from pipeline.errors import InputError
 
 H = TypeVar("H", bound=Hashable)
 
@@ -130,7 +127,7 @@ SHAPES_KEY = "qdq_tune.input_shapes"
 
 
 def recorded_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
-    """The input shapes stored with a model that keeps dynamic dims (see fix_input_shapes)."""
+    """The input shapes stored with a model that keeps dynamic dims (see record_input_shapes)."""
     import json
 
     for p in model.metadata_props:
@@ -139,49 +136,25 @@ def recorded_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
     return {}
 
 
-def _loads_in_ort(model: onnx.ModelProto) -> str | None:
-    """None if ONNX Runtime can create a session for the model, else its first error line."""
-    from pipeline.backends.onnxruntime import ort_session
+def record_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> onnx.ModelProto:
+    """``model`` keeping its dynamic dims, with ``shapes`` stored in its metadata for ``input_specs`` (a
+    model.keep_dynamic_shapes model, or one whose static form ONNX Runtime rejects: see the export
+    stage); element types of intermediate tensors re-inferred, symbolic dims stay symbolic."""
+    import json
 
+    kept = [p for p in model.metadata_props if p.key != SHAPES_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    model.metadata_props.add(key=SHAPES_KEY, value=json.dumps({k: list(v) for k, v in shapes.items()}))
     try:
-        ort_session(model)
-        return None
-    except Exception as exc:  # noqa: BLE001 - ORT raises generic errors for models it rejects
-        return first_line(exc)
+        return onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # noqa: BLE001 - shape inference is best effort for custom ops
+        return model
 
 
-def fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], source: str,
-                     keep_dynamic: bool = False) -> onnx.ModelProto:
-    """Make every graph input static, using ``shapes`` for the dynamic ones; re-infer shapes.
-
-    With ``keep_dynamic`` (model.keep_dynamic_shapes), or when the static graph no longer loads in
-    ONNX Runtime but the original does (an If whose other branch only type-checks with other shapes,
-    e.g. an audio model's 8 kHz branch), the graph keeps its dynamic dims and the shapes are stored
-    in its metadata instead: ``input_specs`` reads them.
-    """
-    original = onnx.ModelProto()
-    original.CopyFrom(model)
-    fixed = _fix_input_shapes(model, shapes, source)
-    rejected = _loads_in_ort(fixed) if shapes and dynamic_inputs(original) and not keep_dynamic else None
-    if (keep_dynamic and shapes and dynamic_inputs(original)) or (
-            rejected is not None and _loads_in_ort(original) is None):
-        import json
-
-        if rejected is not None:
-            log.info("%s: with static input shapes ONNX Runtime rejects the model (%s); keeping its dynamic dims "
-                     "and recording model.input_shapes in its metadata", source, rejected)
-        kept = [p for p in original.metadata_props if p.key != SHAPES_KEY]
-        del original.metadata_props[:]
-        original.metadata_props.extend(kept)
-        original.metadata_props.add(key=SHAPES_KEY, value=json.dumps({k: list(v) for k, v in shapes.items()}))
-        try:  # element types of intermediate tensors (symbolic dims stay symbolic)
-            return onnx.shape_inference.infer_shapes(original, strict_mode=False)
-        except Exception:  # noqa: BLE001 - shape inference is best effort for custom ops
-            return original
-    return fixed
-
-
-def _fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], source: str) -> onnx.ModelProto:
+def fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], source: str) -> onnx.ModelProto:
+    """Make every graph input static, using ``shapes`` for the dynamic ones (InputError naming the
+    ``source`` file for a missing, unknown or conflicting shape); re-infer shapes."""
     names = {vi.name for vi in graph_inputs(model)}
     unknown = sorted(set(shapes) - names)
     if unknown:
@@ -357,19 +330,27 @@ def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, i
         return sum(1 for n in m.graph.node if n.op_type == "Constant")
 
     before, weights = constants(model), constant_weights(model)
+    out = fold_graph(model)
+    removed = len(model.graph.node) - len(out.graph.node)
+    if removed <= 0 and before == 0:
+        return model, {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0}
+    return out, {"constant_nodes": before - constants(out), "constant_weights": weights, "nodes_removed": removed}
+
+
+def fold_graph(model: onnx.ModelProto, flatten_subgraphs: bool = True) -> onnx.ModelProto:
+    """``model`` with what is computable from constants folded by onnx-graphsurgeon (evaluated with ONNX
+    Runtime, inside If/Loop bodies too; ``flatten_subgraphs``: an If whose condition folds is inlined as
+    well), cleaned up and topologically sorted; IR version, producer and metadata stay the model's."""
     import onnx_graphsurgeon as gs
 
     graph = gs.import_onnx(model)
-    graph.fold_constants().cleanup().toposort()
+    graph.fold_constants(flatten_subgraphs=flatten_subgraphs).cleanup().toposort()
     out = gs.export_onnx(graph)
     out.ir_version = model.ir_version
     out.producer_name, out.producer_version = model.producer_name, model.producer_version
     del out.metadata_props[:]
     out.metadata_props.extend(model.metadata_props)
-    removed = len(model.graph.node) - len(out.graph.node)
-    if removed <= 0 and before == 0:
-        return model, {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0}
-    return out, {"constant_nodes": before - constants(out), "constant_weights": weights, "nodes_removed": removed}
+    return out
 
 
 def fold_batchnorm(model: onnx.ModelProto) -> int:

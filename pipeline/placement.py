@@ -26,7 +26,6 @@ Both place Loop/Scan bodies by the same rules, each body seen as a graph of its 
 from __future__ import annotations
 
 import fnmatch
-from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -34,17 +33,17 @@ import numpy as np
 import onnx
 from omegaconf import DictConfig
 
-from pipeline.bodies import QUANTIZED_BODIES, body_views, outer_scope
+from pipeline.bodies import QUANTIZED_BODIES, body_views
 from pipeline.config import enum_value
-from pipeline.graph import WEIGHTED_OPS, implicit_inputs, iter_nodes
-from pipeline.qdq import ActivationQ, BiasQ, QDQPlan, WeightQ
+from pipeline.graph import WEIGHTED_OPS, iter_nodes
+from pipeline.graph_index import ACTIVATION_TAILS, GraphIndex, bias_slot, weight_inputs
+from pipeline.plan import ActivationQ, BiasQ, QDQPlan, WeightQ
 
 # ops whose Q/DQ ORT drops, running them directly on 8-bit data
 PASS_THROUGH_OPS = ("MaxPool", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Slice", "Split",
                     "Resize", "Gather", "Identity")
 # ops with QLinear* kernels in ORT's CPU EP besides the weighted ones
 ORT_QLINEAR_OPS = ("Add", "Mul", "AveragePool", "GlobalAveragePool", "Concat")
-ACTIVATION_TAILS = ("Relu", "Clip")
 QUANTIZABLE_OPS = (*WEIGHTED_OPS, *ORT_QLINEAR_OPS, *PASS_THROUGH_OPS, "Softmax", "Sigmoid", "LeakyRelu",
                    "Where", "Relu", "Clip")
 
@@ -89,8 +88,6 @@ class NodeDtypes:
     rule: str
 
 
-
-
 def resolve_rules(model: onnx.ModelProto, layers: Iterable, skip_names: Iterable[str] = (),
                   op_types: Iterable[str] = ()) -> dict[str, NodeDtypes]:
     """Node name -> dtypes of the first rule that matches it (op type, name wildcard or "*"), for the
@@ -113,82 +110,6 @@ def resolve_rules(model: onnx.ModelProto, layers: Iterable, skip_names: Iterable
                     out[node.name] = NodeDtypes(w, a, f"layers[{i}] ({pat})")
                 break
     return out
-
-
-class GraphIndex:
-    """Producers, consumers and constants of a graph, for placement decisions."""
-
-    def __init__(self, model: onnx.ModelProto):
-        self.model = model
-        g = model.graph
-        self.nodes = {n.name: n for n in g.node}
-        self.inits = {i.name: i for i in g.initializer}
-        self.producer: dict[str, onnx.NodeProto] = {}
-        self.consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
-        for n in g.node:
-            for o in n.output:
-                self.producer[o] = n
-            for idx, i in enumerate(n.input):
-                if i:
-                    self.consumers[i].append((n, idx))
-        # a body view's outer-scope activations are made (and quantized, if at all) outside the body
-        self.graph_inputs = {i.name for i in g.input if i.name not in self.inits} - outer_scope(model)
-        self.graph_outputs = {o.name for o in g.output}
-        self.constants = set(self.inits)
-        for n in g.node:  # constant-foldable subgraphs (Constant, shape arithmetic on constants)
-            reads = [*n.input, *implicit_inputs(n)]  # a Loop on constants may read an input in its body
-            if n.op_type == "Constant" or (reads and all(i in self.constants or not i for i in reads)):
-                self.constants.update(n.output)
-        types = {vi.name: vi.type.tensor_type.elem_type for vi in [*g.input, *g.value_info, *g.output]}
-        self.float_tensors = {k for k, t in types.items() if t in (1, 10, 16)}
-
-    def is_activation(self, tensor: str) -> bool:
-        return bool(tensor) and tensor not in self.constants and tensor in self.float_tensors
-
-    def boundaries(self, nodes: list[int]) -> tuple[list[str], list[str]]:
-        """(inputs, outputs) of a set of graph.node indices: the non-initializer tensors it reads from
-        outside, in first-use order, and the tensors it produces that a node outside reads or that
-        are graph outputs, in production order."""
-        graph_nodes = self.model.graph.node
-        members = [graph_nodes[i] for i in nodes]
-        inside = {n.name for n in members}
-        produced = [o for n in members for o in n.output if o]
-        mine = set(produced)
-        ins = list(dict.fromkeys(t for n in members for t in n.input
-                                 if t and t not in mine and t not in self.inits))
-        outs = [t for t in produced if t in self.graph_outputs
-                or any(c.name not in inside for c, _ in self.consumers.get(t, ()))]
-        return ins, outs
-
-    def weight_shape(self, tensor: str) -> tuple[int, ...]:
-        """Shape of an initializer, read from its header (no decoding of the values)."""
-        return tuple(int(d) for d in self.inits[tensor].dims)
-
-    def bias_add(self, node: onnx.NodeProto) -> tuple[onnx.NodeProto, int] | None:
-        """For a MatMul followed only by an Add of a constant (its bias): that Add and the bias slot."""
-        if node.op_type != "MatMul" or node.output[0] in self.graph_outputs:
-            return None
-        cons = self.consumers.get(node.output[0], [])
-        if len(cons) != 1 or cons[0][0].op_type != "Add":
-            return None
-        add = cons[0][0]
-        slots = [i for i, t in enumerate(add.input) if t in self.inits]
-        return (add, slots[0]) if len(slots) == 1 and len(add.input) == 2 else None
-
-    def tail(self, node: onnx.NodeProto) -> str:
-        """Where the node's output Q goes: after a directly following bias Add (MatMul: ORT fuses
-        MatMul+Add into one Gemm) and Relu/Clip (folded into the Q when its zero point is at the
-        bottom of the range)."""
-        out = node.output[0]
-        bias = self.bias_add(node)
-        if bias is not None:
-            out = bias[0].output[0]
-        while True:
-            cons = self.consumers.get(out, [])
-            if len(cons) == 1 and cons[0][0].op_type in ACTIVATION_TAILS and out not in self.graph_outputs:
-                out = cons[0][0].output[0]
-            else:
-                return out
 
 
 def _trans_b(node: onnx.NodeProto) -> bool:
@@ -239,15 +160,6 @@ def too_small(g: GraphIndex, node: onnx.NodeProto, dtype: str) -> bool:
     if node.op_type == "Conv" and dtype.startswith("fp8"):
         return int(np.prod(shape[1:])) < MIN_DOT or shape[0] < MIN_DOT
     return False
-
-
-def weight_inputs(g: GraphIndex, node: onnx.NodeProto) -> list[int]:
-    """Input indices of a weighted op's weight: [1] when it is an initializer, else none."""
-    if node.op_type in WEIGHTED_OPS and len(node.input) > 1 and node.input[1] in g.inits:
-        return [1]
-    return []
-
-
 
 
 def act_dtype(rule: NodeDtypes, activation_type: str) -> str:
@@ -303,29 +215,6 @@ def _place_bodies(model: onnx.ModelProto, plan: QDQPlan, place) -> QDQPlan:
         if any(p.activations or p.weights for p in inner.walk()):
             plan.bodies[view.node.name] = inner
     return plan
-
-
-def bias_slot(g: GraphIndex, node: onnx.NodeProto) -> tuple[str, int] | None:
-    """(node name, input index) of a weighted op's bias: Gemm's C, or the constant of a MatMul's bias Add."""
-    if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] in g.inits:
-        return node.name, 2
-    if node.op_type == "MatMul":
-        b = g.bias_add(node)
-        if b is not None:
-            return b[0].name, b[1]
-    return None
-
-
-def bias_tensor(g: GraphIndex, node: onnx.NodeProto) -> tuple[str, str, int] | None:
-    """(bias initializer, tensor it is added into, that tensor's channel axis) of a weighted op:
-    a Conv's B, a Gemm's C, or the constant of a MatMul's bias Add."""
-    if node.op_type in ("Conv", "ConvTranspose") and len(node.input) > 2 and node.input[2] in g.inits:
-        return node.input[2], node.output[0], 1
-    slot = bias_slot(g, node)
-    if slot is None:
-        return None
-    owner = g.nodes[slot[0]]
-    return owner.input[slot[1]], owner.output[0], -1
 
 
 def int32_bias(g: GraphIndex, node: onnx.NodeProto, act_dtype_: str) -> BiasQ | None:

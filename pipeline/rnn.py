@@ -21,6 +21,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from pipeline.graph import opset_version
+
 MAX_STEPS = 64  # longer sequences stay one LSTM node: the unrolled graph would grow with every step
 _DEFAULT_ACTS = (b"Sigmoid", b"Tanh", b"Tanh")
 
@@ -145,8 +147,6 @@ def lower_lstm(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[dict[str, 
     lstms = [n for n in model.graph.node if n.op_type == "LSTM"]
     if not lstms:
         return model, []
-    from pipeline.graph import opset_version
-
     inits = {i.name: i for i in model.graph.initializer}
     shapes = _static_shapes(model)
     opset = opset_version(model)

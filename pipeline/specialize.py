@@ -22,6 +22,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from pipeline.errors import InputError
+from pipeline.graph import fold_graph
 
 log = logging.getLogger("tune.export")
 
@@ -129,20 +130,11 @@ def _inline_decided_ifs(model: onnx.ModelProto) -> list[dict[str, str]]:
 
 
 def _fold(model: onnx.ModelProto) -> onnx.ModelProto:
-    import onnx_graphsurgeon as gs
-
     try:
         model = onnx.shape_inference.infer_shapes(model, strict_mode=False)
     except Exception:  # noqa: BLE001 - shape inference is best effort; folding then knows fewer shapes
         log.debug("shape inference failed while specializing", exc_info=True)
-    graph = gs.import_onnx(model)
-    graph.fold_constants(flatten_subgraphs=False).cleanup().toposort()
-    out = gs.export_onnx(graph)
-    out.ir_version = model.ir_version
-    out.producer_name, out.producer_version = model.producer_name, model.producer_version
-    del out.metadata_props[:]
-    out.metadata_props.extend(model.metadata_props)
-    return out
+    return fold_graph(model, flatten_subgraphs=False)
 
 
 def specialize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[dict[str, str]]]:

@@ -5,26 +5,25 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing, compare_interleaved
+from pipeline.config import enum_value
+from pipeline.errors import ConfigError
+from pipeline.registry import import_object
 
-# backend name -> "module:Class"; imported lazily so a missing TensorRT only matters when chosen
+# backend name -> "package.module.Class"; imported lazily so a missing TensorRT only matters when chosen
 BACKENDS: dict[str, str] = {
-    "onnxruntime": "pipeline.backends.onnxruntime:OnnxRuntimeBackend",
-    "tensorrt": "pipeline.backends.tensorrt:TensorRTBackend",
-    "tensorrt_rtx": "pipeline.backends.tensorrt:TensorRTRtxBackend",
-    "trtexec": "pipeline.backends.trtexec:TrtexecBackend",
+    "onnxruntime": "pipeline.backends.onnxruntime.OnnxRuntimeBackend",
+    "tensorrt": "pipeline.backends.tensorrt.TensorRTBackend",
+    "tensorrt_rtx": "pipeline.backends.tensorrt.TensorRTRtxBackend",
+    "trtexec": "pipeline.backends.trtexec.TrtexecBackend",
 }
 
 
 def create_backend(cfg: DictConfig) -> Backend:
     """Instantiate the configured backend and check that it can run here (BackendUnavailable if not)."""
-    from pipeline.config import enum_value
-    from pipeline.errors import ConfigError
-    from pipeline.registry import import_object
-
     name = enum_value(cfg.name)
     if name not in BACKENDS:
         raise ConfigError(f"backend.name={name}: choose one of {', '.join(BACKENDS)}")
-    backend = import_object(BACKENDS[name])(cfg)
+    backend = import_object(BACKENDS[name], "backend.name")(cfg)
     backend.check_available()
     return backend
 

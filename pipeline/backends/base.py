@@ -100,14 +100,6 @@ class PreparedModel:
         self.close()
 
 
-def fixed_feeds(specs: list[InputSpec], seed: int = 0) -> dict[str, np.ndarray]:
-    """Deterministic inputs for timing runs (latency does not depend on values for these models)."""
-    from pipeline.data import synthetic_batches
-
-    feeds, _ = next(synthetic_batches(specs, specs[0].batch if specs else 1, seed))
-    return feeds
-
-
 class Backend:
     """Base class: subclasses implement ``check_available``, ``prepare`` and ``build``."""
 

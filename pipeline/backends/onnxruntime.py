@@ -11,25 +11,18 @@ import bisect
 import functools
 import os
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 
-from pipeline.artifacts import atomic_output
-from pipeline.backends.base import Backend, BuildResult, PreparedModel, fixed_feeds, specs_of
+from pipeline.artifacts import atomic_output, atomic_write_json
+from pipeline.backends.base import Backend, BuildResult, PreparedModel, specs_of
 from pipeline.config import enum_value
+from pipeline.data import fixed_feeds
 from pipeline.errors import BackendUnavailable
-
-_LEVELS = {
-    "disable": "ORT_DISABLE_ALL",
-    "basic": "ORT_ENABLE_BASIC",
-    "extended": "ORT_ENABLE_EXTENDED",
-    "layout": "ORT_ENABLE_LAYOUT",
-    "all": "ORT_ENABLE_ALL",
-}
+from pipeline.ort import disable_qdq_fusion_if_fp8, ort_session, ort_session_options
 
 
 @functools.lru_cache(maxsize=1)
@@ -60,82 +53,6 @@ def physical_cores() -> int:
     except OSError:
         pass
     return max(1, len(cores) or len(allowed))
-
-
-def ort_session_options(optimization: str = "all", *, threads: int = 0,
-                        optimized_path: str | os.PathLike | None = None) -> Any:
-    """ONNX Runtime SessionOptions: graph optimization ``optimization`` (disable, basic, extended,
-    layout, all), ``threads`` intra-op threads (0: ORT's choice), errors-only logging, and ORT's
-    optimized graph saved to ``optimized_path`` if given."""
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[optimization])
-    so.intra_op_num_threads = threads
-    so.log_severity_level = 3
-    if optimized_path:
-        so.optimized_model_filepath = str(optimized_path)
-    return so
-
-
-def ort_session(model: onnx.ModelProto | bytes | str | os.PathLike, options: Any = None, *,
-                extra_outputs: Iterable[str] = (), providers: Iterable[str] = ("CPUExecutionProvider",)) -> Any:
-    """An InferenceSession for a model (proto, serialized bytes or path) with ``options`` (see
-    ort_session_options; None: ORT's defaults) on ``providers``. ``extra_outputs`` (a proto only)
-    become graph outputs too, so intermediate tensors can be read from ``run``."""
-    import onnxruntime as ort
-
-    if isinstance(model, onnx.ModelProto):
-        data: bytes | str = with_outputs(model, extra_outputs).SerializeToString()
-    elif extra_outputs:
-        raise TypeError("ort_session: extra_outputs needs the model as an onnx.ModelProto")
-    else:
-        data = model if isinstance(model, bytes) else str(model)
-    return ort.InferenceSession(data, sess_options=options, providers=list(providers))
-
-
-def with_outputs(model: onnx.ModelProto, tensors: Iterable[str]) -> onnx.ModelProto:
-    """A copy of ``model`` with ``tensors`` that are not graph outputs yet added as untyped outputs;
-    the model itself when there is nothing to add."""
-    existing = {o.name for o in model.graph.output}
-    new = [t for t in tensors if t not in existing]
-    if not new:
-        return model
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    for t in new:
-        m.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
-    return m
-
-
-_FP8_TYPES = (17, 18, 19, 20)  # FLOAT8E4M3FN, FLOAT8E4M3FNUZ, FLOAT8E5M2, FLOAT8E5M2FNUZ
-
-
-def has_fp8(model: str | Path | bytes | Any) -> bool:
-    """Whether a model stores FP8 tensors (its Q/DQ pairs must not go through ORT's QDQ fusions)."""
-    import onnx
-
-    if isinstance(model, (str, Path)):
-        model = onnx.load(str(model), load_external_data=False)
-    elif isinstance(model, bytes):
-        model = onnx.load_from_string(model)
-    return any(i.data_type in _FP8_TYPES for i in model.graph.initializer)
-
-
-def disable_qdq_fusion_if_fp8(so: Any, model: str | Path | bytes | Any) -> None:
-    """Keep ORT's int8-minded QDQ rewrites away from FP8 models.
-
-    ORT's CPU QDQ selectors do not check the quantized type: they fuse FP8 DQ -> Conv into a
-    QLinearConv that fails type checking, and the level-2 ReluQuantFusion drops a Relu before an
-    FP8 Q because zero point 0 "is the bottom of the range" (true for uint8 only), which changes
-    results. FP8 Q/DQ has no fast kernels on the CPU EP anyway, so such models run at basic level.
-    """
-    if has_fp8(model):
-        import onnxruntime as ort
-
-        so.add_session_config_entry("session.disable_quant_qdq", "1")
-        if so.graph_optimization_level.value > ort.GraphOptimizationLevel.ORT_ENABLE_BASIC.value:
-            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
 
 
 class OrtPrepared(PreparedModel):
@@ -329,8 +246,6 @@ class OnnxRuntimeBackend(Backend):
                 ops[node.op_type] = ops.get(node.op_type, 0) + 1
             info["optimized_op_counts"] = dict(sorted(ops.items()))
         if log_path is not None:
-            from pipeline.artifacts import atomic_write_json
-
             atomic_write_json(log_path, info)
         return BuildResult(Path(out_path) if out_path else None, Path(log_path) if log_path else None, info)
 

@@ -29,7 +29,7 @@ import onnx
 from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_output, atomic_write_text
-from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing, fixed_feeds
+from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing
 from pipeline.backends.tensorrt_builder import (
     PluginLibraries,
     open_timing_cache,
@@ -46,6 +46,7 @@ from pipeline.backends.trt_common import (
     shape_problems,
     tensorrt_qdq_view,
 )
+from pipeline.data import fixed_feeds
 from pipeline.errors import BackendUnavailable, StageError
 from pipeline.graph import InputSpec, has_qdq, input_specs
 

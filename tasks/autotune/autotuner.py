@@ -38,18 +38,13 @@ import onnx
 import yaml
 
 from pipeline.artifacts import atomic_write_text
+from pipeline.calibration import Calibration
 from pipeline.errors import first_line
 from pipeline.graph import model_hash, save_model
-from pipeline.placement import (
-    GraphIndex,
-    NodeDtypes,
-    act_dtype,
-    int32_bias,
-    pass_through_aliases,
-    weight_inputs,
-    weight_q,
-)
-from pipeline.qdq import ActivationQ, Calibration, QDQPlan, apply_plan, get_quantized_tensors, raise_opset
+from pipeline.graph_index import GraphIndex, weight_inputs
+from pipeline.placement import NodeDtypes, act_dtype, int32_bias, pass_through_aliases, weight_q
+from pipeline.plan import ActivationQ, QDQPlan
+from pipeline.qdq import apply_plan, get_quantized_tensors, raise_opset
 from tasks.autotune.config import AutotuneConfig
 from tasks.autotune.insertion_points import InsertionPoint, candidate_points, point_groups, resolve
 from tasks.autotune.pattern import RegionPattern

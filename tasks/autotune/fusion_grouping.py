@@ -43,7 +43,7 @@ class FusionGroup:
 
 def ort_optimized_graph(model: onnx.ModelProto | str | Path, level: str = "extended") -> onnx.ModelProto:
     """The graph ONNX Runtime's CPU EP runs after its optimizations at ``level``."""
-    from pipeline.backends.onnxruntime import ort_session, ort_session_options
+    from pipeline.ort import ort_session, ort_session_options
 
     data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else Path(model).read_bytes()
     with tempfile.TemporaryDirectory() as d:
@@ -110,7 +110,7 @@ def _connected(n: int, links: list[tuple[int, int]]) -> list[list[int]]:
 
 def _as_groups(model: onnx.ModelProto, groups: list[tuple[list[int], list[str], list[str], tuple[str, ...]]],
                index=None) -> list[FusionGroup]:
-    from pipeline.placement import GraphIndex
+    from pipeline.graph_index import GraphIndex
 
     index = index or GraphIndex(model)
     out: list[FusionGroup] = []
@@ -128,7 +128,7 @@ def trt_fusion_groups(model: onnx.ModelProto, layer_info: dict) -> list[FusionGr
 
     if "layers" not in layer_info:
         layer_info = parse_layer_info(layer_info, "graph json")
-    from pipeline.placement import GraphIndex
+    from pipeline.graph_index import GraphIndex
 
     index = GraphIndex(model)
     names = {n.name: k for k, n in enumerate(model.graph.node)}

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import onnx
 
-from pipeline.placement import PASS_THROUGH_OPS, WEIGHTED_OPS, GraphIndex, too_small, weight_inputs
+from pipeline.graph import WEIGHTED_OPS
+from pipeline.graph_index import GraphIndex, weight_inputs
+from pipeline.placement import PASS_THROUGH_OPS, too_small
 from tasks.autotune.region import Region
 
 KINDS = ("node_input", "node_output", "child_input", "region_output", "activation_input", "weight")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import onnx
 
 from pipeline.graph import topological_order
-from pipeline.placement import GraphIndex
+from pipeline.graph_index import GraphIndex
 from tasks.autotune.region import Region
 
 

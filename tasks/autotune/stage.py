@@ -33,12 +33,12 @@ from pipeline.artifacts import (
     user_path,
 )
 from pipeline.backends import create_backend
+from pipeline.calibration import Calibration, load_calibration, quantize_decisions
 from pipeline.config import enum_value, section
 from pipeline.errors import InputError, StageError, first_line
 from pipeline.graph import input_specs, load_model, model_hash, recorded_shapes, save_model
 from pipeline.placement import activation_type, placement_kind, resolve_rules
 from pipeline.progress import progress_bar
-from pipeline.qdq import Calibration, load_calibration, quantize_decisions
 from pipeline.stage import Stage, StageContext, StageResult
 from tasks.autotune.config import PRESETS
 

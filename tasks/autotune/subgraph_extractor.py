@@ -20,7 +20,7 @@ from onnx import helper, numpy_helper
 
 from pipeline.errors import StageError, first_line
 from pipeline.graph import graph_inputs, input_specs
-from pipeline.placement import GraphIndex
+from pipeline.graph_index import GraphIndex
 from tasks.autotune.region import Region, RegionType
 
 
@@ -33,8 +33,8 @@ class TensorInfo:
 def tensor_infos(model: onnx.ModelProto, tensors: list[str], shapes: dict[str, list[int]] | None = None
                  ) -> dict[str, TensorInfo]:
     """Shape and element type of each tensor in one ORT run of ``model`` on seeded inputs."""
-    from pipeline.backends.base import fixed_feeds
-    from pipeline.backends.onnxruntime import ort_session, ort_session_options
+    from pipeline.data import fixed_feeds
+    from pipeline.ort import ort_session, ort_session_options
 
     specs = input_specs(model, shapes)
     inputs = {vi.name for vi in graph_inputs(model)}

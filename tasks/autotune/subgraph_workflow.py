@@ -52,10 +52,11 @@ import onnx
 
 from pipeline.artifacts import atomic_write_bytes, atomic_write_json
 from pipeline.backends import Backend
+from pipeline.calibration import Calibration
 from pipeline.errors import StateError, first_line
-from pipeline.graph import load_model, model_hash, save_model
-from pipeline.placement import WEIGHTED_OPS, too_small, weight_inputs
-from pipeline.qdq import Calibration
+from pipeline.graph import WEIGHTED_OPS, load_model, model_hash, save_model
+from pipeline.graph_index import weight_inputs
+from pipeline.placement import too_small
 from tasks.autotune.autotuner import Config, QDQAutotunerBase
 from tasks.autotune.benchmark import PairedBenchmark, ProfiledTiming, compare_profiled, ratio_interval
 from tasks.autotune.fusion_grouping import FusionGroup

@@ -216,8 +216,8 @@ class EvaluateStage(Stage):
     def _judge(ctx: StageContext, metrics: dict[str, Any], fidelity: dict[str, Any]) -> None:
         """Hold every quantized model to the accuracy budget; say in words which ones miss it and why."""
         from pipeline.accuracy import AccuracyBudget
+        from pipeline.calibration import quantize_decisions
         from pipeline.cpu import cpu_facts, describe
-        from pipeline.qdq import quantize_decisions
 
         budget = AccuracyBudget.from_config(ctx.cfg)
         decisions = quantize_decisions(ctx.artifact("quantize/calibration.json"))
@@ -391,6 +391,6 @@ def _reproduce_commands(ctx: StageContext) -> dict[str, str]:
         args = [*overrides, f"stages=[{','.join(stage_list)}]", f"results_dir={rd}"]
         return " ".join(["tune", *(shlex.quote(a) for a in args)])
 
-    from pipeline.api import in_memory_groups
+    from pipeline.live import in_memory_groups
 
     return {"full": cmd(stages), "evaluate_only": cmd(["evaluate"]), "in_memory": in_memory_groups(ctx.cfg)}

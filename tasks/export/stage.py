@@ -16,10 +16,11 @@ import onnx
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.artifacts import atomic_output, fingerprint, user_path
-from pipeline.config import enum_value, import_target, section
+from pipeline.config import enum_value, section
 from pipeline.errors import ConfigError, InputError, StageError, first_line
 from pipeline.graph import (
     control_flow,
+    dynamic_inputs,
     ensure_node_names,
     fix_input_shapes,
     fold_batchnorm,
@@ -28,13 +29,14 @@ from pipeline.graph import (
     input_specs,
     load_model,
     opset_version,
+    record_input_shapes,
     save_model,
 )
+from pipeline.ort import ort_session
+from pipeline.registry import import_object
 from pipeline.stage import Stage, StageContext, StageResult
 
 log = logging.getLogger("tune.export")
-
-
 
 
 _NOTHING_FOLDED = {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0, "batchnorm": 0}
@@ -42,12 +44,41 @@ _NOTHING_FOLDED = {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 
 
 def _run_in_ort(model: onnx.ModelProto, feeds: dict[str, Any], src: Path) -> list[Any]:
     """The model's outputs on ``feeds`` in ONNX Runtime; InputError (one line) if it does not run."""
-    from pipeline.backends.onnxruntime import ort_session
-
     try:
         return ort_session(model).run(None, feeds)
     except Exception as exc:  # noqa: BLE001 - ORT raises generic errors for bad models
         raise InputError(f"{src} does not run in ONNX Runtime: {first_line(exc)}") from None
+
+
+def _loads_in_ort(model: onnx.ModelProto) -> str | None:
+    """None if ONNX Runtime can create a session for the model, else its first error line."""
+    try:
+        ort_session(model)
+        return None
+    except Exception as exc:  # noqa: BLE001 - ORT raises generic errors for models it rejects
+        return first_line(exc)
+
+
+def _static_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], source: str,
+                   keep_dynamic: bool = False) -> onnx.ModelProto:
+    """Every graph input made static (``fix_input_shapes``), using ``shapes`` for the dynamic ones.
+
+    With ``keep_dynamic`` (model.keep_dynamic_shapes), or when the static graph no longer loads in
+    ONNX Runtime but the original does (an If whose other branch only type-checks with other shapes,
+    e.g. an audio model's 8 kHz branch), the graph keeps its dynamic dims and the shapes are stored
+    in its metadata instead (``record_input_shapes``): ``input_specs`` reads them.
+    """
+    original = onnx.ModelProto()
+    original.CopyFrom(model)
+    fixed = fix_input_shapes(model, shapes, source)
+    rejected = _loads_in_ort(fixed) if shapes and dynamic_inputs(original) and not keep_dynamic else None
+    if (keep_dynamic and shapes and dynamic_inputs(original)) or (
+            rejected is not None and _loads_in_ort(original) is None):
+        if rejected is not None:
+            log.info("%s: with static input shapes ONNX Runtime rejects the model (%s); keeping its dynamic dims "
+                     "and recording model.input_shapes in its metadata", source, rejected)
+        return record_input_shapes(original, shapes)
+    return fixed
 
 
 class ExportStage(Stage):
@@ -114,7 +145,7 @@ class ExportStage(Stage):
         if fixed:  # decided before shapes are fixed: a static shape can break the branch not taken
             model, inlined = specialize(bind_inputs(model, fixed))
         shapes = {k: list(v) for k, v in (mcfg.input_shapes or {}).items() if k not in fixed}
-        model = fix_input_shapes(model, shapes, source=str(src), keep_dynamic=bool(mcfg.keep_dynamic_shapes))
+        model = _static_shapes(model, shapes, source=str(src), keep_dynamic=bool(mcfg.keep_dynamic_shapes))
         if fixed:  # with static shapes, the Ifs on shapes are decided too
             model, more = specialize(model)
             inlined += more
@@ -147,7 +178,6 @@ class ExportStage(Stage):
                            fixed: dict[str, np.ndarray], inlined: list[dict[str, str]], src: Path) -> dict[str, Any]:
         """The specialized model's outputs equal the original's (fed the fixed values) on every calibration
         batch (StageError otherwise); the record for the manifest."""
-        from pipeline.backends.onnxruntime import ort_session
         from pipeline.data import DataProvider
         from pipeline.specialize import describe
 
@@ -175,9 +205,8 @@ class ExportStage(Stage):
     def _smoke_feeds(cfg: DictConfig, model: onnx.ModelProto) -> dict[str, Any]:
         """The first calibration batch when data is configured (a model may only run on real values: an
         audio model's sample rate selects an If branch), else seeded synthetic feeds."""
-        from pipeline.backends.base import fixed_feeds
         from pipeline.config import resolved_data_source
-        from pipeline.data import DataProvider
+        from pipeline.data import DataProvider, fixed_feeds
 
         specs = input_specs(model)
         if resolved_data_source(cfg) in ("npz", "custom"):
@@ -330,7 +359,7 @@ class ExportStage(Stage):
         import torch
 
         target = mcfg.get("_target_")
-        cls = import_target(target, "model._target_")
+        cls = import_object(target, "model._target_")
         args = OmegaConf.to_container(mcfg.args, resolve=True) if mcfg.args else {}
         try:
             module = cls(**args)
@@ -374,8 +403,6 @@ class ExportStage(Stage):
     @staticmethod
     def _verify(module, example, in_names, path: Path, mcfg: DictConfig) -> dict[str, Any]:
         import torch
-
-        from pipeline.backends.onnxruntime import ort_session
 
         with torch.no_grad():
             ref = module(*example)

@@ -23,8 +23,9 @@ from pipeline.accuracy import AccuracyBudget, AccuracyVerdict, FidelityResult, H
 from pipeline.bodies import QUANTIZED_BODIES, walk_views
 from pipeline.config import enum_value
 from pipeline.errors import StageError, first_line
-from pipeline.graph import iter_nodes
-from pipeline.placement import PASS_THROUGH_OPS, WEIGHTED_OPS, GraphIndex
+from pipeline.graph import WEIGHTED_OPS, iter_nodes
+from pipeline.graph_index import GraphIndex
+from pipeline.placement import PASS_THROUGH_OPS
 
 log = logging.getLogger("tune.quantize")
 

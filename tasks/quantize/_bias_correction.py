@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from pipeline.placement import WEIGHTED_OPS, GraphIndex, bias_tensor
+from pipeline.graph import WEIGHTED_OPS
+from pipeline.graph_index import GraphIndex, bias_tensor
 
 # levels corrected (one quantized-model run over the calibration feeds each), from the inputs down
 MAX_SWEEPS = 12
@@ -55,7 +56,7 @@ def bias_slots(model: onnx.ModelProto, nodes: Iterable[str]) -> tuple[list[BiasS
 
 
 def _session(model: onnx.ModelProto, outputs: list[str], threads: int):
-    from pipeline.backends.onnxruntime import ort_session, ort_session_options
+    from pipeline.ort import ort_session, ort_session_options
 
     # plain Q/DQ math and no fusions: every node's output stays observable
     return ort_session(model, ort_session_options("disable", threads=threads), extra_outputs=outputs)

@@ -11,7 +11,7 @@ mse picks, per tensor and per storage dtype, the clip threshold with the lowest 
 quantization error on that histogram (``range_mse``: clipped values cost their squared distance to
 the clip edge, in-range values their squared distance to the nearest level, exact zeros nothing);
 auto computes the minmax, percentile, entropy and mse thresholds and keeps the one with the lowest
-such error. Both record ``thresholds`` per dtype, which ``pipeline.qdq.activation_params`` prefers
+such error. Both record ``thresholds`` per dtype, which ``pipeline.qmath.activation_params`` prefers
 to ``threshold``: symmetric int8 and asymmetric uint8 are best clipped at different places.
 
 onnxruntime.quantization's calibrators were the first choice, but they keep intermediate outputs of
@@ -32,8 +32,8 @@ import onnx
 
 from pipeline.bodies import body_views, thread_out
 from pipeline.data import Batch
-from pipeline.placement import GraphIndex
-from pipeline.qdq import QTYPES
+from pipeline.graph_index import GraphIndex
+from pipeline.qmath import QTYPES
 
 log = logging.getLogger("tune.quantize")
 
@@ -60,7 +60,7 @@ class ActivationRunner:
     that stacks them over the iterations (``pipeline.bodies.thread_out``), each iteration a sample."""
 
     def __init__(self, model: onnx.ModelProto, tensors: list[str], threads: int):
-        from pipeline.backends.onnxruntime import ort_session, ort_session_options
+        from pipeline.ort import ort_session, ort_session_options
 
         model, self.stacked = thread_out(model, tensors)
         self.outputs = [self.stacked[t][0] if t in self.stacked else t for t in tensors]
@@ -153,7 +153,7 @@ def range_mse(hist: np.ndarray, lo: float, hi: float, dtype: str, thresholds: np
 
     ``hist`` counts the non-zero values over [lo, hi] (the tensor's min and max); ``zeros`` the exact
     zeros, which every range represents exactly. The scale and zero point of a threshold are those of
-    ``pipeline.qdq.activation_params``. Values are taken as uniform within their bin, and the error is
+    ``pipeline.qmath.activation_params``. Values are taken as uniform within their bin, and the error is
     integrated exactly over each bin: squared distance to the clip edge outside the representable
     range, to the nearest grid point inside it (fp8: the grid step of the bin's binade). This is
     step^2 / 12 where bins are wider than a step, and stays right for a spike on a grid point, such

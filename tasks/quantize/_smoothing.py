@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from pipeline.qdq import activation_params, quantize_values, weight_params
+from pipeline.qmath import activation_params, quantize_values, weight_params
 from tasks.quantize._calibrate import outlier_ratio
 from tasks.quantize._graph_edit import Editor, Use, attr
 
@@ -332,7 +332,7 @@ def float_rel_error(before: onnx.ModelProto, after: onnx.ModelProto, feeds: Sequ
                     ) -> float:
     """max over outputs of ||y_after - y_before|| / ||y_before|| (norms over all ``feeds``), both run
     on ORT CPU with graph optimizations off so fusions cannot differ between the two graphs."""
-    from pipeline.backends.onnxruntime import ort_session, ort_session_options
+    from pipeline.ort import ort_session, ort_session_options
 
     def session(m: onnx.ModelProto) -> Any:
         return ort_session(m, ort_session_options("disable"))

@@ -20,12 +20,13 @@ from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_write_json
 from pipeline.bodies import QUANTIZED_BODIES, unique_names, walk_views
+from pipeline.calibration import Calibration
 from pipeline.config import enum_value
 from pipeline.data import DataProvider
 from pipeline.errors import StageError
 from pipeline.graph import control_flow, input_specs, iter_nodes, load_model, save_model
+from pipeline.graph_index import GraphIndex, weight_inputs
 from pipeline.placement import (
-    GraphIndex,
     NodeDtypes,
     activation_type,
     onnxruntime_plan,
@@ -33,10 +34,10 @@ from pipeline.placement import (
     resolve_rules,
     tensorrt_plan,
     weight_axis,
-    weight_inputs,
 )
 from pipeline.progress import progress_bar
-from pipeline.qdq import FP8, QTYPES, Calibration, activation_params, apply_plan, qdq_summary
+from pipeline.qdq import apply_plan, qdq_summary
+from pipeline.qmath import FP8, QTYPES, activation_params
 from pipeline.stage import Stage, StageContext, StageResult
 from tasks.quantize import _prepare
 

@@ -10,7 +10,7 @@ import json
 import onnx
 import pytest
 
-from pipeline.backends.onnxruntime import ort_session
+from pipeline.ort import ort_session
 from tests import models
 from tests.conftest import run_tune
 from tests.unit.test_bodies import _body_matmuls

@@ -81,7 +81,8 @@ def test_outputs_report_and_group_reuse(blocks, tmp_path):
     # every extracted subgraph runs on its own, and every group tried the heuristic schemes
     import onnxruntime as ort
 
-    from pipeline.backends.base import fixed_feeds, specs_of
+    from pipeline.backends.base import specs_of
+    from pipeline.data import fixed_feeds
 
     for sub in (out / "subgraphs").glob("*.onnx"):
         sess = ort.InferenceSession(str(sub), providers=["CPUExecutionProvider"])

@@ -17,12 +17,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.accuracy import AccuracyBudget, Holdout, kernel_fidelity
 from pipeline.backends.onnxruntime import OnnxRuntimeBackend, OrtPrepared
+from pipeline.calibration import Calibration
 from pipeline.config import OnnxRuntimeBackendConfig
 from pipeline.cpu import cpu_facts
 from pipeline.data import Batch, synthetic_batches
 from pipeline.graph import input_specs
 from pipeline.placement import onnxruntime_plan, resolve_rules
-from pipeline.qdq import Calibration, apply_plan
+from pipeline.qdq import apply_plan
 from tasks.quantize import _accuracy
 from tasks.quantize._calibrate import collect
 from tests import models

@@ -7,10 +7,11 @@ from __future__ import annotations
 import numpy as np
 from onnx import numpy_helper
 
+from pipeline.calibration import Calibration
 from pipeline.data import Batch, synthetic_batches
 from pipeline.graph import input_specs
 from pipeline.placement import onnxruntime_plan, resolve_rules
-from pipeline.qdq import Calibration, apply_plan
+from pipeline.qdq import apply_plan
 from tasks.quantize._bias_correction import bias_slots, corrections, mean_shifts
 from tasks.quantize._calibrate import collect
 from tests import models

@@ -10,12 +10,13 @@ import onnx
 import pytest
 from onnx import helper
 
-from pipeline.backends.onnxruntime import ort_session
 from pipeline.bodies import body, thread_out, unique_names
+from pipeline.calibration import Calibration, load_calibration
 from pipeline.data import Batch
 from pipeline.graph import input_specs, iter_nodes
+from pipeline.ort import ort_session
 from pipeline.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
-from pipeline.qdq import Calibration, apply_plan, load_calibration
+from pipeline.qdq import apply_plan
 from tasks.autotune.autotuner import Config, QDQAutotuner
 from tasks.quantize._calibrate import collect
 from tests import models

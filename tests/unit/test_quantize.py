@@ -10,9 +10,11 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from pipeline.calibration import Calibration
 from pipeline.data import Batch
 from pipeline.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
-from pipeline.qdq import QTYPES, Calibration, apply_plan, get_quantized_tensors
+from pipeline.qdq import apply_plan, get_quantized_tensors
+from pipeline.qmath import QTYPES
 from tasks.quantize._calibrate import collect
 from tests import models
 
@@ -44,7 +46,7 @@ def _ort_ops(model: onnx.ModelProto, tmp_path) -> Counter:
 
 
 def _run(model, feeds):
-    from pipeline.backends.onnxruntime import disable_qdq_fusion_if_fp8
+    from pipeline.ort import disable_qdq_fusion_if_fp8
 
     so = ort.SessionOptions()
     disable_qdq_fusion_if_fp8(so, model)

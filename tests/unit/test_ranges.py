@@ -12,18 +12,11 @@ import pytest
 from omegaconf import OmegaConf
 from onnx import TensorProto, helper, numpy_helper
 
+from pipeline.calibration import Calibration, load_calibration
 from pipeline.data import Batch
 from pipeline.placement import resolve_rules, tensorrt_plan
-from pipeline.qdq import (
-    QTYPES,
-    Calibration,
-    QuantParams,
-    activation_params,
-    apply_plan,
-    load_calibration,
-    quantize_values,
-    weight_params,
-)
+from pipeline.qdq import apply_plan
+from pipeline.qmath import QTYPES, QuantParams, activation_params, quantize_values, weight_params
 from tasks.quantize._calibrate import AUTO_CANDIDATES, _signed_histogram, collect, range_mse
 from tasks.quantize.stage import calibration_document
 from tests import models

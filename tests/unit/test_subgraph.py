@@ -11,12 +11,12 @@ import onnxruntime as ort
 import pytest
 
 from pipeline.backends import create_backend
-from pipeline.backends.base import fixed_feeds
 from pipeline.backends.onnxruntime import edge_nodes, parse_ort_profile
 from pipeline.backends.trtexec import TrtexecBackend, parse_shape_spec
+from pipeline.calibration import Calibration
+from pipeline.data import fixed_feeds
 from pipeline.errors import InputError, StateError
 from pipeline.graph import input_specs
-from pipeline.qdq import Calibration
 from tasks.autotune.autotuner import Config, QDQAutotunerBase
 from tasks.autotune.benchmark import compare_profiled
 from tasks.autotune.fusion_grouping import ort_fusion_groups, ort_optimized_graph
