@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from pipeline.config import enum_value
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, InputError, first_line
 from pipeline.metrics import ModelScores, energies, snr_from_energies
 
 log = logging.getLogger("tune.accuracy")
@@ -327,6 +328,63 @@ class AccuracyVerdict:
         return 10 ** (-self.snr_db / 10) if self.snr_db != math.inf else 0.0
 
 
+@dataclass(frozen=True)
+class CustomMetric:
+    """accuracy.custom_metric: the user's ``fn(outputs, reference, labels) -> float`` (higher is better),
+    called once per model over all held-out (or evaluation) batches, so dataset-level metrics work.
+    ``outputs`` and ``reference`` hold one {output name: array} dict per batch (the model's and the
+    float model's, padding samples removed); ``labels`` one array per batch, or None without labels."""
+
+    path: str
+    fn: Callable[..., Any]
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> CustomMetric | None:
+        from pipeline.registry import import_object
+
+        a = cfg.accuracy
+        if enum_value(a.metric) != "custom" or not a.custom_metric:
+            return None
+        return cls(str(a.custom_metric), import_object(str(a.custom_metric), "accuracy.custom_metric"))
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit(".", 1)[-1]
+
+    def __call__(self, outputs: list[dict[str, np.ndarray]], reference: list[dict[str, np.ndarray]],
+                 labels: list[np.ndarray] | None) -> float:
+        try:
+            value = self.fn(outputs, reference, labels)
+        except Exception as exc:  # noqa: BLE001 - the user's code: one line naming it, not our traceback
+            raise InputError(f"accuracy.custom_metric={self.path} raised {type(exc).__name__}: {first_line(exc)}; "
+                             f"fix the function (it is called as fn(outputs, reference, labels))") from None
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise InputError(f"accuracy.custom_metric={self.path} returned {type(value).__name__}, not a number; "
+                             f"it must return a float (higher is better)") from None
+        if math.isnan(value):
+            raise InputError(f"accuracy.custom_metric={self.path} returned NaN; it must return a number "
+                             f"(higher is better)")
+        return value
+
+
+def by_name(outputs: list[np.ndarray], names: list[str] | None, valid: int) -> dict[str, np.ndarray]:
+    """One batch's outputs as {name: array} with the padding samples removed (what a custom metric sees)."""
+    from pipeline.metrics import valid_rows
+
+    batch = next((o.shape[0] for o in outputs if o.ndim), None)
+    keys = names if names and len(names) == len(outputs) else [str(i) for i in range(len(outputs))]
+    return {k: valid_rows(np.asarray(o), valid, batch) for k, o in zip(keys, outputs, strict=True)}
+
+
+def labels_of(labels: list[np.ndarray | None], valid: list[int]) -> list[np.ndarray] | None:
+    """Each batch's labels without padding, or None when a batch has none."""
+    if not labels or any(x is None for x in labels):
+        return None
+    return [np.asarray(x)[:v] for x, v in zip(labels, valid, strict=True)]
+
+
 @dataclass
 class Holdout:
     """Feeds the calibrator did not see, with labels and the float model's outputs on them."""
@@ -338,6 +396,10 @@ class Holdout:
     float_top1: float | None = None
     source: str = ""
     output_names: list[str] | None = None
+    budget: AccuracyBudget | None = None  # checked against the model's outputs by set_reference
+    class_outputs: list[str] | None = None
+    metric: CustomMetric | None = None
+    float_custom: float | None = None  # the float model's score of ``metric``
 
     @classmethod
     def from_config(cls, cfg: DictConfig, specs: list) -> Holdout:
@@ -360,17 +422,27 @@ class Holdout:
         if fresh < count:
             source = (f"the last {len(window)} calibration batches ({min(len(window), count - fresh)} of them also "
                       f"calibrated on: the calibration data has only {seen} batches)")
-        return cls([b.feeds for b in window], [b.labels for b in window], [b.valid for b in window], source=source)
+        classes = cfg.accuracy.class_outputs
+        return cls([b.feeds for b in window], [b.labels for b in window], [b.valid for b in window], source=source,
+                   budget=AccuracyBudget.from_config(cfg), class_outputs=list(classes) if classes is not None else None,
+                   metric=CustomMetric.from_config(cfg))
 
     def set_reference(self, prepared: Any) -> None:
         """Run the float model (a PreparedModel) once; its outputs are what candidates are compared with."""
         self.reference = self.outputs(prepared)
         self.output_names = list(getattr(prepared, "output_names", None) or []) or None
+        check_output_names(self.budget, self.class_outputs, self.output_names)
         self.float_top1 = self.scores(self.reference)["top1"]
+        if self.metric is not None:
+            self.float_custom = self.metric(self._named(self.reference), self._named(self.reference),
+                                            labels_of(self.labels, self.valid))
+
+    def _named(self, outputs: list[list[np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        return [by_name(o, self.output_names, v) for o, v in zip(outputs, self.valid, strict=True)]
 
     def scores(self, outputs: list[list[np.ndarray]]) -> dict[str, Any]:
         """ModelScores.result() of a model's outputs on the holdout against the float outputs."""
-        s = ModelScores(top_k=1, output_names=list(self.output_names or []))
+        s = ModelScores(top_k=1, output_names=list(self.output_names or []), class_outputs=self.class_outputs)
         for ref, out, labels, valid in zip(self.reference, outputs, self.labels, self.valid, strict=True):
             s.update(ref, out, labels, valid)
         return s.result()
@@ -378,15 +450,34 @@ class Holdout:
     def outputs(self, prepared: Any) -> list[list[np.ndarray]]:
         return [[np.asarray(o) for o in prepared.run(f)] for f in self.feeds]
 
+    def judge(self, outputs: list[list[np.ndarray]], budget: AccuracyBudget) -> AccuracyVerdict:
+        """``budget``'s verdict on a model's outputs on the holdout (``outputs(prepared)``)."""
+        custom = None
+        if self.metric is not None and budget.metric == "custom":
+            custom = (self.float_custom, self.metric(self._named(outputs), self._named(self.reference),
+                                                     labels_of(self.labels, self.valid)))
+        return budget.judge(self.scores(outputs), self.float_top1, custom)
+
     def score(self, prepared: Any, budget: AccuracyBudget) -> AccuracyVerdict:
         """Run ``prepared`` on the holdout and judge it against ``budget``."""
         if not self.reference:
             raise RuntimeError("Holdout.score before set_reference")
-        return budget.judge(self.scores(self.outputs(prepared)), self.float_top1)
+        return self.judge(self.outputs(prepared), budget)
 
     @property
     def samples(self) -> int:
         return int(sum(self.valid))
+
+
+def check_output_names(budget: AccuracyBudget | None, class_outputs: list[str] | None,
+                       names: list[str] | None) -> None:
+    """A ConfigError naming the model's outputs when an accuracy key names an output it does not have."""
+    if budget is not None:
+        budget.check_outputs(names)
+    unknown = [o for o in class_outputs or [] if names and o not in names]
+    if unknown:
+        raise ConfigError(f"accuracy.class_outputs: the model has no output {', '.join(repr(o) for o in unknown)}; "
+                          f"its outputs are {', '.join(names or [])}")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -38,8 +38,8 @@ class TuneResult:
 
 
 def tune(overrides: Sequence[str] | Mapping[str, Any] = (), *, model: Any = None, data: Any = None,
-         eval_data: Any = None, config_path: str | os.PathLike | None = None,
-         config_name: str = "tune") -> TuneResult:
+         eval_data: Any = None, metric: Callable[..., float] | None = None,
+         config_path: str | os.PathLike | None = None, config_name: str = "tune") -> TuneResult:
     """Run the pipeline on the packaged config (or the spec file ``config_name`` in ``config_path``).
 
     ``overrides``: what follows `tune` on a command line, as ``["autotune.preset=quick", ...]`` or
@@ -50,6 +50,8 @@ def tune(overrides: Sequence[str] | Mapping[str, Any] = (), *, model: Any = None
     tensor, an (inputs, labels) tuple of them or a dict of them by input name. A module's input shapes
     come from the first batch unless model.input_shapes is set.
     ``eval_data``: the same for evaluation; without it, evaluate scores ``data``.
+    ``metric``: the accuracy that counts, ``fn(outputs, reference, labels) -> float`` (higher is better;
+    see accuracy.custom_metric): sets accuracy.metric=custom, judged with accuracy.max_drop.
     The data is read once here for its fingerprint; the manifest records it and the module's hashes.
 
     Raises the PipelineError whose message `tune` would print (a bad key: ConfigError).
@@ -63,6 +65,7 @@ def tune(overrides: Sequence[str] | Mapping[str, Any] = (), *, model: Any = None
     live: dict[str, Any] = {}
     extra = _model_overrides(model, live, given)
     data_extra, calibration = _data_overrides(data, eval_data, live, given)
+    data_extra += _metric_overrides(metric, live, given)
     register_configs()
     training = model.training if "model=custom" in extra else None
     try:
@@ -156,6 +159,30 @@ def _parameters_hash(module: Any) -> str:
         raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         state[name] = [str(t.dtype), list(t.shape), sha256_bytes(raw)]
     return fingerprint(state)
+
+
+def _metric_overrides(metric: Any, live: dict[str, Any], given: set[str]) -> list[str]:
+    """accuracy.metric=custom naming the function in pipeline.live by its name and source hash (a
+    changed metric re-runs what it judged)."""
+    import inspect
+
+    from pipeline.artifacts import fingerprint
+
+    if metric is None:
+        return []
+    if not callable(metric):
+        raise InputError(f"metric: give a function fn(outputs, reference, labels) -> float (got "
+                         f"{type(metric).__name__})")
+    if "accuracy.custom_metric" in given:
+        raise ConfigError("accuracy.custom_metric: given both as an override and as tune(metric=...); pass one")
+    try:
+        source = inspect.getsource(metric)
+    except (OSError, TypeError):
+        source = None
+    name = getattr(metric, "__qualname__", type(metric).__name__)
+    key = fingerprint({"name": name, "source": source})[:16]
+    live[f"metric:{key}"] = metric
+    return ["accuracy.metric=custom", f"accuracy.custom_metric=pipeline.live.metric_{key}"]
 
 
 def _code_hash(module: Any) -> str:

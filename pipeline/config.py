@@ -230,6 +230,15 @@ class AccuracyMetric(str, Enum):
     agreement = "agreement"
     snr = "snr"
     cosine = "cosine"
+    custom = "custom"  # accuracy.custom_metric: the user's function decides
+
+
+class OutputMetric(str, Enum):
+    """What accuracy.per_output holds one output to."""
+
+    snr = "snr"
+    cosine = "cosine"
+    agreement = "agreement"  # top-1 agreement with the float model on decisive samples (class scores)
 
 
 @dataclass
@@ -244,6 +253,18 @@ class AccuracyConfig:
     min_snr_db: float = 20.0  # output SNR vs float, every output (20 dB = 10% relative L2 error)
     min_cosine: float = 0.99
     holdout_batches: int = 8  # calibration batches after quantize.calibration.batches
+    # the outputs the budget judges (default: every output); the shipped model keeps all of them
+    outputs: list[str] = field(default_factory=list)
+    # a metric per output where one does not fit all, e.g. {sentence_embedding: cosine, logits: agreement}
+    per_output: dict[str, OutputMetric] = field(default_factory=dict)
+    # the outputs that hold class scores (agreement and top-1 are counted on them); null: the first
+    # output when its shape says so ([N, C] or [N, S, C])
+    class_outputs: Optional[list[str]] = None
+    # metric=custom: "pkg.module.function", called as fn(outputs, reference, labels) -> float, higher is
+    # better; outputs/reference: one {output name: array} dict per held-out batch (the model's, the float
+    # model's), labels: one array per batch or None. Budget: score(float) - score(model) <= max_drop
+    custom_metric: Optional[str] = None
+    relative: bool = False  # metric=custom: max_drop is a percentage of the float model's score
     # when the PTQ model misses the budget, leave its most error-sensitive nodes float (at most this
     # share of the quantized nodes) until it meets it
     recovery: bool = True
@@ -267,6 +288,23 @@ def _accuracy_problems(acc: DictConfig) -> list[str]:
         problems.append(f"accuracy.recovery_margin_db={acc.recovery_margin_db}: must be >= 0 (dB)")
     if not 0.0 < acc.max_float_fraction <= 1.0:
         problems.append(f"accuracy.max_float_fraction={acc.max_float_fraction}: must be in (0, 1]")
+    custom = enum_value(acc.metric) == "custom"
+    if custom and not acc.custom_metric:
+        problems.append("accuracy.metric=custom: set accuracy.custom_metric=pkg.module.function "
+                        "(called as fn(outputs, reference, labels) -> float, higher is better)")
+    elif acc.custom_metric and not custom:
+        problems.append(f"accuracy.custom_metric={acc.custom_metric} is used only with accuracy.metric=custom")
+    elif custom:
+        from pipeline.registry import import_object
+
+        try:
+            fn = import_object(str(acc.custom_metric), "accuracy.custom_metric")
+        except ConfigError as exc:
+            problems.append(str(exc))
+        else:
+            if not callable(fn):
+                problems.append(f"accuracy.custom_metric={acc.custom_metric} is a {type(fn).__name__}, not a "
+                                f"function")
     return problems
 
 
@@ -425,7 +463,7 @@ def _unknown_keys(node: Any, path: str) -> list[str]:
             child = node._get_node(key)
             if isinstance(child, (DictConfig, ListConfig)):
                 out += _unknown_keys(child, full)
-    elif isinstance(node, ListConfig):
+    elif isinstance(node, ListConfig) and not node._is_none():
         for i, child in enumerate(node):
             out += _unknown_keys(child, f"{path}[{i}]")
     return out

@@ -1,5 +1,6 @@
-"""The objects a running ``pipeline.api.tune()`` call was given in memory (an nn.Module, data), and the
-functions the `custom` model and data options' ``_target_`` name to hand them to the stages.
+"""The objects a running ``pipeline.api.tune()`` call was given in memory (an nn.Module, data, a metric
+function), and the functions the `custom` model and data options' ``_target_`` (and
+accuracy.custom_metric) name to hand them to the stages.
 
 ``tune()`` holds its objects here (``held``) for the length of the call under keys made of their
 fingerprints, which are also the ``args`` of those ``_target_``s; a config naming them in another
@@ -51,6 +52,18 @@ def in_memory_groups(cfg: Any) -> list[str]:
 
     return [g for g in ("model", "data")
             if str(OmegaConf.select(cfg, f"{g}._target_", default=None) or "").startswith(f"{__name__}.")]
+
+
+def __getattr__(name: str) -> Any:
+    """`accuracy.custom_metric=pipeline.live.metric_<fingerprint>`: the metric function passed to tune()."""
+    if name.startswith("metric_"):
+        key = f"metric:{name[len('metric_'):]}"
+        if key not in _LIVE:
+            raise InputError(f"accuracy.custom_metric=pipeline.live.{name}: the metric function was passed to "
+                             f"pipeline.api.tune() in another Python process; pass it to tune() again, or set "
+                             f"accuracy.custom_metric=pkg.module.function to run from a spec")
+        return _LIVE[key]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _live(key: str, what: str, group: str) -> Any:

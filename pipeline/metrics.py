@@ -175,6 +175,7 @@ class ModelScores:
     class_outputs: list[str] | None = None
     # per output, for the class outputs: [agreeing, compared, decisive agreeing, decisive compared]
     agreement_counts: list[list[int]] = field(default_factory=list)
+    custom: float | None = None  # accuracy.custom_metric's score, set by whoever computed it
 
     def classes(self, count: int) -> list[int]:
         """Indices of the outputs treated as class scores, the first one being the labels' output."""

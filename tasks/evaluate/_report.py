@@ -87,13 +87,16 @@ def _header(metrics: dict[str, Any]) -> list[str]:
 def _table(metrics: dict[str, Any]) -> list[str]:
     """One row per model: accuracy, agreement with float, latency and speedup."""
     k = metrics["top_k"]
-    head = ["model", "file", "top-1", *([f"top-{k}"] if k > 1 else []), "agreement", "cosine", "SNR dB",
-            "median ms", "p10 ms", "p90 ms", "speedup"]
+    custom = (metrics.get("custom_metric") or {}).get("name")
+    head = ["model", "file", *([f"`{custom.rsplit('.', 1)[-1]}`"] if custom else []), "top-1",
+            *([f"top-{k}"] if k > 1 else []), "agreement", "cosine", "SNR dB", "median ms", "p10 ms", "p90 ms",
+            "speedup"]
     lines = ["", "| " + " | ".join(head) + " |",
              "|" + "|".join(["---", "---"] + ["---:"] * (len(head) - 2)) + "|"]
     for key, m in metrics["models"].items():
         ref = key == "float"
-        row = [m["label"], f"`{m['file']}`", _pct(m.get("top1"))]
+        row = [m["label"], f"`{m['file']}`", *([_num(m.get("custom_metric"), ".4g")] if custom else []),
+               _pct(m.get("top1"))]
         if k > 1:
             row.append(_pct(m.get(f"top{k}")))
         if ref:
@@ -116,12 +119,23 @@ def _budget(metrics: dict[str, Any]) -> list[str]:
     if not metrics.get("budget"):
         return []
     lines = ["", "## Accuracy budget", "", f"Budget: {metrics['budget']} (`accuracy.*`)."]
+    custom = metrics.get("custom_metric")
+    if custom:
+        scores = ", ".join(f"{metrics['models'][k]['label']} {_num(v, '.6g')}" for k, v in custom["scores"].items())
+        lines.append(f"Custom metric `{custom['name']}` (higher is better): {scores}.")
+    classes = metrics["models"]["float"].get("class_outputs")
+    if classes is not None:
+        lines.append("Treated as class scores (agreement, top-1): " + (", ".join(f"`{c}`" for c in classes)
+                     or "no output") + " (`accuracy.class_outputs`).")
     for key, m in metrics["models"].items():
         v = m.get("budget")
         if key == "float" or not v:
             continue
         verdict = "within budget" if v.get("ok") else "**OVER BUDGET**"
         lines.append(f"- {m['label']}: {verdict}: {v.get('what')}{_fidelity_text(m.get('kernel_fidelity'), v)}.")
+        if not v.get("ok") and v.get("passing"):
+            lines.append(f"  Output{'s' if len(v['passing']) > 1 else ''} {', '.join(f'`{p}`' for p in v['passing'])} "
+                         f"meet the budget on their own: if only they matter, set `accuracy.outputs=[{','.join(v['passing'])}]`.")
     for text in metrics.get("over_budget", []):
         lines.append(f"- **{text}**")
     return lines
@@ -234,17 +248,27 @@ def plot(metrics: dict[str, Any], path: Path) -> Path:
     ax_lat.set_xticks(x, labels)
     ax_lat.set_xlim(-0.6, len(keys) - 0.4)
 
-    labelled = metrics["data"]["labelled"]
-    metric, title, ylabel = (("top1", "Top-1 accuracy", "top-1 accuracy (%)") if labelled else
-                             ("agreement", "Argmax agreement with float", "agreement with float (%)"))
-    vals = [models[k].get(metric) for k in keys]
-    heights = [0.0 if v is None else 100 * v for v in vals]
+    custom = metrics.get("custom_metric")
+    if custom:  # the user's own metric is the accuracy that counts: plotted in its own units
+        name = custom["name"].rsplit(".", 1)[-1]
+        vals = [models[k].get("custom_metric") for k in keys]
+        heights = [0.0 if v is None else v for v in vals]
+        texts = ["n/a" if v is None else f"{v:.4g}" for v in vals]
+        ax_acc.set_ylim(min(0.0, *heights) * 1.12, max(1e-12, *heights) * 1.12)
+        title, ylabel = f"custom metric {name}", name
+    else:
+        labelled = metrics["data"]["labelled"]
+        metric, title, ylabel = (("top1", "Top-1 accuracy", "top-1 accuracy (%)") if labelled else
+                                 ("agreement", "Argmax agreement with float", "agreement with float (%)"))
+        vals = [models[k].get(metric) for k in keys]
+        heights = [0.0 if v is None else 100 * v for v in vals]
+        texts = ["n/a" if v is None else f"{100 * v:.2f}%" for v in vals]
+        ax_acc.set_ylim(0, 112)
+        ax_acc.set_yticks(range(0, 101, 20))
     ax_acc.bar(x, heights, width=0.6, color=colors)
-    for i, v in enumerate(vals):
-        ax_acc.annotate("n/a" if v is None else f"{100 * v:.2f}%", (i, heights[i]), xytext=(0, 4),
-                        textcoords="offset points", ha="center", va="bottom", fontsize=9)
-    ax_acc.set_ylim(0, 112)
-    ax_acc.set_yticks(range(0, 101, 20))
+    for i, text in enumerate(texts):
+        ax_acc.annotate(text, (i, heights[i]), xytext=(0, 4), textcoords="offset points", ha="center",
+                        va="bottom", fontsize=9)
     ax_acc.set_ylabel(ylabel)
     ax_acc.set_title(f"{title}, {metrics['data']['samples']} samples (higher is better)", fontsize=10)
     ax_acc.set_xticks(x, labels)

@@ -66,6 +66,43 @@ _MODELS = (
 )
 
 
+class _CustomScores:
+    """accuracy.custom_metric over the whole evaluation set: each model's outputs (by name, padding
+    removed) are kept until the pass ends, since the metric may be dataset-level (mAP, recall@k).
+    Without a custom metric nothing is kept."""
+
+    def __init__(self, metric: Any, names: list[str], keys: list[str]):
+        self.metric, self.names = metric, names
+        self.outputs: dict[str, list[dict[str, np.ndarray]]] = {k: [] for k in keys}
+        self.labels: list[Any] = []
+        self.valid: list[int] = []
+
+    @classmethod
+    def from_config(cls, cfg: Any, names: list[str], keys: list[str]) -> _CustomScores:
+        from pipeline.accuracy import CustomMetric
+
+        return cls(CustomMetric.from_config(cfg), names, keys)
+
+    def add(self, key: str, outputs: list[np.ndarray], labels: Any, valid: int) -> None:
+        if self.metric is None:
+            return
+        from pipeline.accuracy import by_name
+
+        self.outputs[key].append(by_name(outputs, self.names, valid))
+        if key == "float":
+            self.labels.append(labels)
+            self.valid.append(valid)
+
+    def result(self) -> dict[str, float]:
+        """Each model's score (the float model's own outputs are its reference)."""
+        if self.metric is None:
+            return {}
+        from pipeline.accuracy import labels_of
+
+        labels, ref = labels_of(self.labels, self.valid), self.outputs["float"]
+        return {k: self.metric(outs, ref, labels) for k, outs in self.outputs.items()}
+
+
 class EvaluateStage(Stage):
     name = "evaluate"
     inputs = ("export/model.onnx",)
@@ -149,10 +186,16 @@ class EvaluateStage(Stage):
                max_batches: int | None, prepared: dict[str, PreparedModel]) -> tuple[dict[str, ModelScores], int]:
         """One pass over the evaluation data; every model runs each batch, so nothing is stored.
         ``prepared`` holds every model, prepared by the caller (who also closes them)."""
+        from pipeline.accuracy import AccuracyBudget, check_output_names
+
         provider = DataProvider(ctx.cfg, specs)
         top_k = int(ctx.cfg.evaluate.top_k)
         names = list(getattr(prepared["float"], "output_names", None) or [])
-        scores = {c.key: ModelScores(top_k=top_k, output_names=names) for c in evaluated}
+        classes = ctx.cfg.accuracy.class_outputs
+        classes = list(classes) if classes is not None else None
+        check_output_names(AccuracyBudget.from_config(ctx.cfg), classes, names)
+        scores = {c.key: ModelScores(top_k=top_k, output_names=names, class_outputs=classes) for c in evaluated}
+        custom = _CustomScores.from_config(ctx.cfg, names, [c.key for c in evaluated])
         batches = 0
         bar = progress_bar(bool(ctx.cfg.progress), total=provider.count("evaluation", max_batches),
                            desc="evaluate", unit="batch")
@@ -160,6 +203,7 @@ class EvaluateStage(Stage):
             for batch in provider.batches("evaluation", max_batches):
                 reference = self._run(prepared["float"], evaluated[0], batch.feeds, backend)
                 scores["float"].update(reference, reference, batch.labels, batch.valid)
+                custom.add("float", reference, batch.labels, batch.valid)
                 for c in evaluated[1:]:
                     outputs = self._run(prepared[c.key], c, batch.feeds, backend)
                     got, want = [o.shape for o in outputs], [r.shape for r in reference]
@@ -167,11 +211,14 @@ class EvaluateStage(Stage):
                         raise StageError(f"{c.label} model {c.artifact} produces outputs of shapes {got}, "
                                          f"the float model {want}; they cannot be compared")
                     scores[c.key].update(reference, outputs, batch.labels, batch.valid)
+                    custom.add(c.key, outputs, batch.labels, batch.valid)
                 batches += 1
                 bar.update(1)
         if batches == 0:
             raise StageError(f"the evaluation data (data.source={resolved_data_source(ctx.cfg)}) yielded no "
                              f"batches; nothing to evaluate")
+        for key, value in custom.result().items():
+            scores[key].custom = value
         return scores, batches
 
     @staticmethod
@@ -229,12 +276,17 @@ class EvaluateStage(Stage):
                                                                  "bias_correction", "fidelity_culprits",
                                                                  "body_nodes")}
         metrics["budget"] = budget.describe()
+        if budget.metric == "custom":
+            metrics["custom_metric"] = {"name": budget.custom_metric, "relative": budget.relative,
+                                        "scores": {k: m["custom_metric"] for k, m in metrics["models"].items()}}
         float_top1 = metrics["models"]["float"].get("top1")
         flagged = []
         for key, m in metrics["models"].items():
             if key == "float":
                 continue
-            v = budget.judge(m, float_top1)
+            custom = (metrics["models"]["float"]["custom_metric"], m["custom_metric"]) \
+                if budget.metric == "custom" else None
+            v = budget.judge(m, float_top1, custom)
             fid = fidelity.get(key)
             m["budget"] = v.to_dict()
             m["kernel_fidelity"] = fid.to_dict() if fid is not None else None
@@ -280,6 +332,8 @@ class EvaluateStage(Stage):
         for c in evaluated:
             m: dict[str, Any] = {"label": c.label, "file": c.artifact, "sha256": c.sha256}
             m.update(measured.scores[c.key].result())
+            if measured.scores[c.key].custom is not None:
+                m["custom_metric"] = measured.scores[c.key].custom
             if latency:
                 t: Timing = latency["timings"][c.key]
                 m["latency_ms"] = {"median": t.median_ms, "p10": t.p10_ms, "p90": t.p90_ms, "min": t.min_ms,
@@ -331,7 +385,9 @@ def headline(metrics: dict[str, Any]) -> str:
     parts = []
     for key, m in metrics["models"].items():
         text = key
-        if m.get("top1") is not None:
+        if m.get("custom_metric") is not None:
+            text += f" {metrics['custom_metric']['name'].rsplit('.', 1)[-1]} {m['custom_metric']:.4g}"
+        elif m.get("top1") is not None:
             text += f" {100 * m['top1']:.1f}%"
         elif key != "float" and m.get("agreement") is not None:
             text += f" agree {100 * m['agreement']:.1f}%"

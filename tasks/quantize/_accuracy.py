@@ -91,7 +91,7 @@ class Checker:
             return c
         try:
             outputs = self.holdout.outputs(pm)
-            c.verdict = self.budget.judge(self.holdout.scores(outputs), self.holdout.float_top1)
+            c.verdict = self.holdout.judge(outputs, self.budget)
             if fidelity and self.fused:
                 c.fidelity = kernel_fidelity(self.backend, c.path, self.holdout.feeds, prepared=pm,
                                              float_outputs=self.holdout.reference)
