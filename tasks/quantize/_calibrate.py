@@ -195,20 +195,52 @@ def range_mse(hist: np.ndarray, lo: float, hi: float, dtype: str, thresholds: np
 
 def _rounding_integral(x: np.ndarray, step: np.ndarray) -> np.ndarray:
     """Integral from 0 to ``x`` of the squared distance to the nearest multiple of ``step``."""
-    k = np.floor(x / step)
-    r = x - k * step
-    part = np.where(r <= step / 2, r**3 / 3.0, step**3 / 12.0 - (step - r) ** 3 / 3.0)
-    return k * step**3 / 12.0 + part
+    # in units of step: u = k + f, the integral is step^3 (k / 12 + g(f)); products instead of ** 3
+    # (numpy's pow) halve the time of the mse search, which this dominates
+    u = x / step
+    k = np.floor(u)
+    f = u - k
+    g = 1.0 - f
+    part = np.where(f <= 0.5, f * f * f, 0.25 - g * g * g) * (1.0 / 3.0)
+    s3 = step * step * step
+    return (k * (1.0 / 12.0) + part) * s3
+
+
+# the mse search scans every _COARSE-th grid point, then every point of the one basin it finds
+_COARSE = 8
 
 
 def mse_threshold(hist: np.ndarray, lo: float, hi: float, dtype: str, zeros: int = 0) -> float:
-    """The clip threshold in ``MSE_GRID`` x absmax with the lowest ``range_mse`` (the largest on a tie)."""
+    """The clip threshold in ``MSE_GRID`` x absmax with the lowest ``range_mse`` (the largest on a tie).
+
+    For most tensors the error is smooth in the threshold (clipping error falls, rounding error
+    grows): a coarse scan finds its one basin and only that is searched point by point, a fifth of
+    the evaluations of a full scan, which dominated calibration time on models with hundreds of
+    tensors. A coarse curve with several minima (values on a grid of their own) is scanned in full."""
     absmax = max(abs(lo), abs(hi))
     if absmax <= 0 or hi <= lo or hist.sum() == 0:
         return float(absmax)
     candidates = absmax * MSE_GRID
-    mse = range_mse(hist, lo, hi, dtype, candidates, zeros)
-    return float(candidates[len(mse) - 1 - int(np.argmin(mse[::-1]))])
+    n = len(candidates)
+    coarse = np.unique(np.append(np.arange(0, n, _COARSE), n - 1))
+    mse_c = range_mse(hist, lo, hi, dtype, candidates[coarse], zeros)
+    padded = np.concatenate([[np.inf], mse_c, [np.inf]])
+    minima = [j for j in range(len(coarse)) if padded[j + 1] <= padded[j] and padded[j + 1] <= padded[j + 2]]
+    idx = np.arange(n)
+    if len(minima) == 1:
+        j = minima[0]
+        basin = np.arange(coarse[max(j - 1, 0)], coarse[min(j + 1, len(coarse) - 1)] + 1)
+        mse = range_mse(hist, lo, hi, dtype, candidates[basin], zeros)
+        if _local_minima(mse) == 1:
+            idx = basin
+    if len(idx) == n:  # a jagged curve (values on a lattice of their own, e.g. 8-bit pixels): scan it all
+        mse = range_mse(hist, lo, hi, dtype, candidates, zeros)
+    return float(candidates[idx[len(mse) - 1 - int(np.argmin(mse[::-1]))]])
+
+
+def _local_minima(values: np.ndarray) -> int:
+    padded = np.concatenate([[np.inf], values, [np.inf]])
+    return int(np.sum((padded[1:-1] <= padded[:-2]) & (padded[1:-1] <= padded[2:])))
 
 
 def _signed_histogram(arr: np.ndarray, lo: float, hi: float, num_bins: int) -> tuple[np.ndarray, int]:
