@@ -10,6 +10,11 @@ import pytest
 
 from tests import models
 
+# quantize without its own searches (range choice, float-exact transforms, bias correction), for tests
+# whose subject is another stage: it costs a fraction of the defaults and places the same Q/DQ nodes
+PLAIN_QUANTIZE = ["quantize.algorithm=minmax", "quantize.equalization=false", "quantize.smoothing=false",
+                  "quantize.bias_correction=false"]
+
 
 def tune_command() -> list[str]:
     exe = shutil.which("tune", path=str(Path(sys.executable).parent)) or shutil.which("tune")
@@ -23,6 +28,28 @@ def run_tune(args: list[str], cwd: Path, timeout: float = 900, check: bool = Fal
     if check and proc.returncode != 0:
         raise AssertionError(f"tune {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def tune_in_process(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`tune ARGS --cfg job` as the command line runs it (main() with these argv, in ``cwd``) without a
+    new interpreter: the config is composed, validated and printed by the same code, in a fraction of
+    a subprocess's start-up. For commands that stop before a job runs (--cfg job, errors)."""
+    import contextlib
+    import io
+
+    from pipeline import cli
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    argv = sys.argv
+    sys.argv = ["tune", *args]
+    try:
+        with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            cli.main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = argv
+    return subprocess.CompletedProcess(["tune", *args], code, out.getvalue(), err.getvalue())
 
 
 def compose(overrides: list[str] | None = None, config_dir: str | None = None, config_name: str = "tune"):

@@ -12,7 +12,7 @@ import onnx
 import pytest
 
 from tests import models
-from tests.conftest import run_tune
+from tests.conftest import PLAIN_QUANTIZE, run_tune
 from tests.unit.test_accuracy import qemu_haswell
 
 pytestmark = pytest.mark.slow
@@ -102,10 +102,8 @@ def test_equalization_makes_the_outlier_branch_accurate_without_float_nodes(tmp_
 def test_sensitive_node_stays_float_and_nothing_over_budget_ships(tmp_path):
     path = models.save(models.outlier_branch(), tmp_path, "outlier_branch")
     rd = tmp_path / "run"
-    plain = ["quantize.algorithm=minmax", "quantize.equalization=false", "quantize.smoothing=false",
-             "quantize.bias_correction=false"]
     proc = run_tune([f"results_dir={rd}", "model=onnx", f"model.onnx_path={path}",
-                     "stages=[export,quantize,autotune,evaluate]", "data=synthetic", *plain, *QUICK],
+                     "stages=[export,quantize,autotune,evaluate]", "data=synthetic", *PLAIN_QUANTIZE, *QUICK],
                     cwd=tmp_path, check=True)
     sens = json.loads((rd / "quantize" / "sensitivity.json").read_text())
     assert sens["met"] and sens["full_placement"]["ok"] is False

@@ -15,10 +15,10 @@ import yaml
 
 from pipeline.qdq import get_quantized_tensors
 from tests import models
-from tests.conftest import run_tune, tune_command
+from tests.conftest import PLAIN_QUANTIZE, run_tune, tune_command
 
 QUICK = ["autotune.preset=quick", "backend.warmup_runs=1", "autotune.warmup_runs=1", "autotune.timing_runs=8",
-         "quantize.calibration.batches=2", "data.num_samples=16", "progress=false"]
+         "quantize.calibration.batches=2", "data.num_samples=16", "progress=false", *PLAIN_QUANTIZE]
 
 
 def _measurements(state: Path) -> int:

@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from tests import models
-from tests.conftest import run_tune
+from tests.conftest import PLAIN_QUANTIZE, run_tune
 
 QUICK = ["autotune.preset=quick", "backend.warmup_runs=1", "autotune.warmup_runs=1", "autotune.timing_runs=6",
-         "quantize.calibration.batches=2", "data.num_samples=16", "progress=false"]
+         "quantize.calibration.batches=2", "data.num_samples=16", "progress=false", *PLAIN_QUANTIZE]
 
 
 def _args(model: Path, rd: Path, mode: str, extra: list[str] | None = None) -> list[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_tune
+from tests.conftest import run_tune, tune_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -44,7 +44,7 @@ def test_usage_line_composes(line, tmp_path):
         pytest.importorskip("tensorrt_rtx_bindings")
     if "backend=trtexec" in args and shutil.which("trtexec") is None:
         pytest.skip("trtexec is not on PATH (a missing backend is refused before the config is printed)")
-    proc = run_tune([*args, "--cfg", "job"] if "--cfg" not in args else args, cwd=tmp_path)
+    proc = tune_in_process([*args, "--cfg", "job"] if "--cfg" not in args else args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
 
 
