@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 
 from pipeline.config import enum_value
 from pipeline.errors import ConfigError, InputError, first_line
+from pipeline.live import metric_name
 from pipeline.metrics import ModelScores, energies, snr_from_energies
 
 log = logging.getLogger("tune.accuracy")
@@ -79,7 +80,7 @@ class AccuracyBudget:
 
     def describe(self) -> str:
         if self.metric == "custom":
-            what = f"{self.custom_metric} drop <= {self.max_drop:g}{'% of the float score' if self.relative else ''}"
+            what = f"{metric_name(self.custom_metric or 'custom')} drop <= {self.max_drop:g}{'% of the float score' if self.relative else ''}"
             return what + self._scope()
         base = {"top1": f"top-1 drop <= {self.max_drop:g} points",
                 "agreement": f"top-1 agreement >= {100 - self.max_drop:g}%",
@@ -134,7 +135,7 @@ class AccuracyBudget:
         ref, got = custom
         drop = ref - got
         allowed = self.max_drop * abs(ref) / 100.0 if self.relative else self.max_drop
-        name = (self.custom_metric or "custom").rsplit(".", 1)[-1]
+        name = metric_name(self.custom_metric or "custom")
         limit = f"{self.max_drop:g}% of float" if self.relative else f"{self.max_drop:g}"
         worst_snr, snr_out, _ = _worst(scores, "snr_db_per_output", "snr_db")
         return AccuracyVerdict(drop <= allowed, "custom", f"{name} {got:.4g} (float {ref:.4g}, drop {drop:.4g}, "
@@ -349,7 +350,7 @@ class CustomMetric:
 
     @property
     def name(self) -> str:
-        return self.path.rsplit(".", 1)[-1]
+        return metric_name(self.path)
 
     def __call__(self, outputs: list[dict[str, np.ndarray]], reference: list[dict[str, np.ndarray]],
                  labels: list[np.ndarray] | None) -> float:

@@ -21,7 +21,7 @@ from typing import Any
 
 from pipeline.artifacts import Manifest
 from pipeline.errors import ConfigError, InputError
-from pipeline.live import held
+from pipeline.live import held, metric_attribute
 
 
 @dataclass(frozen=True)
@@ -180,9 +180,10 @@ def _metric_overrides(metric: Any, live: dict[str, Any], given: set[str]) -> lis
     except (OSError, TypeError):
         source = None
     name = getattr(metric, "__qualname__", type(metric).__name__)
-    key = fingerprint({"name": name, "source": source})[:16]
+    short = getattr(metric, "__name__", type(metric).__name__)
+    key = f"{metric_attribute(short)}__{fingerprint({'name': name, 'source': source})[:16]}"
     live[f"metric:{key}"] = metric
-    return ["accuracy.metric=custom", f"accuracy.custom_metric=pipeline.live.metric_{key}"]
+    return ["accuracy.metric=custom", f"accuracy.custom_metric=pipeline.live.{key}"]
 
 
 def _code_hash(module: Any) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -54,10 +55,26 @@ def in_memory_groups(cfg: Any) -> list[str]:
             if str(OmegaConf.select(cfg, f"{g}._target_", default=None) or "").startswith(f"{__name__}.")]
 
 
+# `accuracy.custom_metric=pipeline.live.<function name>__<16 hex of its name and source>`
+_METRIC = re.compile(r"^(\w+?)__([0-9a-f]{16})$")
+
+
+def metric_attribute(qualname: str) -> str:
+    """The identifier part of a metric function's attribute name here (its name, dots and <> removed)."""
+    return re.sub(r"\W+", "_", qualname).strip("_") or "metric"
+
+
+def metric_name(path: str) -> str:
+    """How verdicts name accuracy.custom_metric: its function's name (a live one without its hash)."""
+    last = str(path).rsplit(".", 1)[-1]
+    m = _METRIC.match(last)
+    return m.group(1) if m and str(path).startswith(f"{__name__}.") else last
+
+
 def __getattr__(name: str) -> Any:
-    """`accuracy.custom_metric=pipeline.live.metric_<fingerprint>`: the metric function passed to tune()."""
-    if name.startswith("metric_"):
-        key = f"metric:{name[len('metric_'):]}"
+    """`accuracy.custom_metric=pipeline.live.<name>__<hash>`: the metric function passed to tune()."""
+    if _METRIC.match(name):
+        key = f"metric:{name}"
         if key not in _LIVE:
             raise InputError(f"accuracy.custom_metric=pipeline.live.{name}: the metric function was passed to "
                              f"pipeline.api.tune() in another Python process; pass it to tune() again, or set "

@@ -88,7 +88,7 @@ def _table(metrics: dict[str, Any]) -> list[str]:
     """One row per model: accuracy, agreement with float, latency and speedup."""
     k = metrics["top_k"]
     custom = (metrics.get("custom_metric") or {}).get("name")
-    head = ["model", "file", *([f"`{custom.rsplit('.', 1)[-1]}`"] if custom else []), "top-1",
+    head = ["model", "file", *([f"`{custom}`"] if custom else []), "top-1",
             *([f"top-{k}"] if k > 1 else []), "agreement", "cosine", "SNR dB", "median ms", "p10 ms", "p90 ms",
             "speedup"]
     lines = ["", "| " + " | ".join(head) + " |",
@@ -122,7 +122,9 @@ def _budget(metrics: dict[str, Any]) -> list[str]:
     custom = metrics.get("custom_metric")
     if custom:
         scores = ", ".join(f"{metrics['models'][k]['label']} {_num(v, '.6g')}" for k, v in custom["scores"].items())
-        lines.append(f"Custom metric `{custom['name']}` (higher is better): {scores}.")
+        source = "a function passed to pipeline.api.tune()" if custom["path"].startswith("pipeline.live.") \
+            else f"`{custom['path']}`"
+        lines.append(f"Custom metric `{custom['name']}` ({source}; higher is better): {scores}.")
     classes = metrics["models"]["float"].get("class_outputs")
     if classes is not None:
         lines.append("Treated as class scores (agreement, top-1): " + (", ".join(f"`{c}`" for c in classes)
@@ -250,7 +252,7 @@ def plot(metrics: dict[str, Any], path: Path) -> Path:
 
     custom = metrics.get("custom_metric")
     if custom:  # the user's own metric is the accuracy that counts: plotted in its own units
-        name = custom["name"].rsplit(".", 1)[-1]
+        name = custom["name"]
         vals = [models[k].get("custom_metric") for k in keys]
         heights = [0.0 if v is None else v for v in vals]
         texts = ["n/a" if v is None else f"{v:.4g}" for v in vals]

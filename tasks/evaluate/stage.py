@@ -265,6 +265,7 @@ class EvaluateStage(Stage):
         from pipeline.accuracy import AccuracyBudget
         from pipeline.calibration import quantize_decisions
         from pipeline.cpu import cpu_facts, describe
+        from pipeline.live import metric_name
 
         budget = AccuracyBudget.from_config(ctx.cfg)
         decisions = quantize_decisions(ctx.artifact("quantize/calibration.json"))
@@ -277,7 +278,8 @@ class EvaluateStage(Stage):
                                                                  "body_nodes")}
         metrics["budget"] = budget.describe()
         if budget.metric == "custom":
-            metrics["custom_metric"] = {"name": budget.custom_metric, "relative": budget.relative,
+            metrics["custom_metric"] = {"name": metric_name(budget.custom_metric), "path": budget.custom_metric,
+                                        "relative": budget.relative,
                                         "scores": {k: m["custom_metric"] for k, m in metrics["models"].items()}}
         float_top1 = metrics["models"]["float"].get("top1")
         flagged = []
@@ -386,7 +388,7 @@ def headline(metrics: dict[str, Any]) -> str:
     for key, m in metrics["models"].items():
         text = key
         if m.get("custom_metric") is not None:
-            text += f" {metrics['custom_metric']['name'].rsplit('.', 1)[-1]} {m['custom_metric']:.4g}"
+            text += f" {metrics['custom_metric']['name']} {m['custom_metric']:.4g}"
         elif m.get("top1") is not None:
             text += f" {100 * m['top1']:.1f}%"
         elif key != "float" and m.get("agreement") is not None:

@@ -116,3 +116,30 @@ def test_input_shapes_from_whole_arrays_take_model_batch_size(tmp_path):
         tune(["stages=[export]", f"results_dir={rd}", "progress=false", *extra], model=TinyNet(), data=(x, y))
         config = json.loads((rd / "manifest.json").read_text())["stages"]["export"]["config"]
         assert config["model"]["input_shapes"] == {"input": [batch, 1, 8, 8]}
+
+
+@pytest.mark.slow
+def test_a_metric_function_judges_every_model_and_its_scores_are_reported(tmp_path):
+    """tune(metric=fn): fn(outputs, reference, labels) is called for the float, PTQ and tuned models;
+    its scores are in the manifest and report.md, and the budget is its drop."""
+    calls = []
+
+    def top1(outputs, reference, labels):
+        calls.append(len(outputs))
+        hits = sum(int(np.sum(np.argmax(o["logits"], axis=-1) == lab)) for o, lab in zip(outputs, labels, strict=True))
+        return 100.0 * hits / sum(len(lab) for lab in labels)
+
+    torch.manual_seed(0)
+    rd = tmp_path / "r"
+    res = tune([f"stages=[{','.join(STAGES)}]", "autotune.preset=quick", f"results_dir={rd}",
+                "model.output_names=[logits]", "accuracy.max_drop=5", *FAST],
+               model=TinyNet(), data=_loader(), metric=top1)
+    assert calls and res.accuracy_ok
+    assert "top1" in res.accuracy and "float" in res.accuracy and "drop" in res.accuracy
+    ev = json.loads((rd / "manifest.json").read_text())["stages"]["evaluate"]["metrics"]
+    scores = ev["custom_metric"]["scores"]
+    assert set(scores) >= {"float", "ptq"} and all(0 <= v <= 100 for v in scores.values())
+    assert ev["custom_metric"]["name"] == "top1" and ev["custom_metric"]["path"].startswith("pipeline.live.top1__")
+    report = (rd / "evaluate" / "report.md").read_text()
+    assert "Custom metric `top1` (a function passed to pipeline.api.tune()" in report
+    assert f"float {scores['float']:.6g}" in report

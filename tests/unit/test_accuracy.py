@@ -21,6 +21,7 @@ from pipeline.calibration import Calibration
 from pipeline.config import OnnxRuntimeBackendConfig
 from pipeline.cpu import cpu_facts
 from pipeline.data import Batch, synthetic_batches
+from pipeline.errors import ConfigError
 from pipeline.graph import input_specs
 from pipeline.placement import onnxruntime_plan, resolve_rules
 from pipeline.qdq import apply_plan
@@ -95,6 +96,88 @@ def test_a_probability_map_is_judged_by_snr_not_by_an_argmax_over_columns():
     assert r["agreement"] is None and r["decisive_samples"] == 0
     v = AccuracyBudget().judge(r, None)
     assert v.ok and v.metric == "snr"
+
+
+def _two_outputs(snr_noise: float = 0.19) -> dict:
+    """Scores of a model with a clean 'pooled' [N, 64] output and a noisy 'tokens' [N, 8, 64] one."""
+    from pipeline.metrics import ModelScores
+
+    rng = np.random.default_rng(1)
+    tokens = rng.standard_normal((16, 8, 64)).astype(np.float32)
+    pooled = tokens.mean(axis=1)
+    noise = rng.standard_normal(tokens.shape).astype(np.float32)
+    noisy = tokens + noise * (snr_noise * np.linalg.norm(tokens) / np.linalg.norm(noise))
+    s = ModelScores(top_k=1, output_names=["tokens", "pooled"], class_outputs=[])
+    s.update([tokens, pooled], [noisy, pooled * 1.0001], None, 16)
+    return s.result()
+
+
+def test_accuracy_outputs_judges_only_the_outputs_that_matter_and_a_failure_names_the_passing_ones():
+    r = _two_outputs()
+    assert r["class_outputs"] == [] and r["agreement"] is None  # declared: no class scores
+    v = AccuracyBudget().judge(r, None)
+    assert not v.ok and v.output == "output 'tokens'" and v.passing == ("pooled",)
+    assert "accuracy.outputs=[pooled]" in v.hint
+    only = AccuracyBudget(outputs=("pooled",)).judge(r, None)
+    assert only.ok and "output 'pooled'" in only.what and "tokens" not in only.what
+    assert "judged on 'pooled'" in AccuracyBudget(outputs=("pooled",)).describe()
+    with pytest.raises(ConfigError, match=r"accuracy.outputs: the model has no output 'nope'; its outputs are "
+                                          r"tokens, pooled"):
+        AccuracyBudget(outputs=("nope",)).check_outputs(["tokens", "pooled"])
+
+
+def test_per_output_metrics_replace_the_default_one_for_their_outputs():
+    r = _two_outputs(snr_noise=0.05)  # tokens: 26 dB, cosine ~0.9988
+    strict = AccuracyBudget(min_snr_db=30.0)
+    assert not strict.judge(r, None).ok
+    mixed = AccuracyBudget(min_snr_db=30.0, min_cosine=0.998, per_output=(("tokens", "cosine"),))
+    v = mixed.judge(r, None)
+    assert v.ok and "cosine" in v.what and "output 'tokens'" in v.what and "output 'pooled'" in v.what
+    assert not AccuracyBudget(min_cosine=0.9999, per_output=(("tokens", "cosine"),)).judge(r, None).ok
+
+
+def test_class_outputs_by_declaration_not_by_shape():
+    """A [N, 64] ReLU feature output looks like class scores; declared otherwise it is judged by SNR
+    alone, and a declared class output on a second position gets the agreement."""
+    from pipeline.metrics import ModelScores
+
+    rng = np.random.default_rng(2)
+    feats = np.maximum(rng.standard_normal((32, 64)), 0).astype(np.float32)
+    logits = rng.standard_normal((32, 10)).astype(np.float32) * 5
+    out_feats = feats + 0.02 * rng.standard_normal(feats.shape).astype(np.float32)
+    guessed = ModelScores(top_k=1, output_names=["features", "logits"])
+    declared = ModelScores(top_k=1, output_names=["features", "logits"], class_outputs=["logits"])
+    for s in (guessed, declared):
+        s.update([feats, logits], [out_feats, logits], None, 32)
+    g, d = guessed.result(), declared.result()
+    assert g["class_outputs"] == ["features"] and d["class_outputs"] == ["logits"]
+    assert d["agreement"] == 1.0 and d["agreement_per_output"][0] is None
+    assert "agreement" in AccuracyBudget().judge(d, None).what
+
+
+def test_custom_metric_budget_is_the_drop_of_the_users_score():
+    r = _two_outputs()
+    b = AccuracyBudget(metric="custom", max_drop=0.5, custom_metric="my.recall")
+    ok, bad = b.judge(r, None, custom=(0.90, 0.895)), b.judge(r, None, custom=(0.90, 0.30))
+    assert ok.ok and ok.custom == 0.895 and ok.custom_float == 0.90 and "recall 0.895 (float 0.9" in ok.what
+    assert not bad.ok
+    rel = AccuracyBudget(metric="custom", max_drop=1.0, relative=True, custom_metric="my.recall")
+    assert rel.judge(r, None, custom=(0.90, 0.8955)).ok and not rel.judge(r, None, custom=(0.90, 0.88)).ok
+
+
+def test_custom_metric_that_raises_or_returns_nan_is_one_line():
+    from pipeline.accuracy import CustomMetric
+    from pipeline.errors import InputError
+
+    def boom(outputs, reference, labels):
+        raise KeyError("boxes")
+
+    with pytest.raises(InputError, match=r"^accuracy.custom_metric=m.boom raised KeyError: 'boxes'; fix the function"):
+        CustomMetric("m.boom", boom)([], [], None)
+    with pytest.raises(InputError, match="returned NaN"):
+        CustomMetric("m.nan", lambda o, r, labels: float("nan"))([], [], None)
+    with pytest.raises(InputError, match="returned str, not a number"):
+        CustomMetric("m.s", lambda o, r, labels: "high")([], [], None)
 
 
 # ------------------------------------------------------------------ kernel fidelity
