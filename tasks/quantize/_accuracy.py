@@ -48,6 +48,11 @@ class Candidate:
     def usable(self) -> bool:
         return self.error is None and (self.fidelity is None or self.fidelity.ok)
 
+    @property
+    def scored(self) -> bool:
+        """It ran and was judged: ``verdict`` holds the budget's verdict."""
+        return self.error is None and self.verdict is not None
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "error": self.error, "latency_p10_ms": self.latency_p10_ms,
                 "fidelity": self.fidelity.to_dict() if self.fidelity else None,
@@ -237,7 +242,7 @@ def choose_weight_range(build: Callable[..., onnx.ModelProto], checker: Checker,
                          + "); use backend=tensorrt or quantize=none")
     for c, t in zip(exact, measure([c.path for c in exact]), strict=True):
         c.latency_p10_ms = t
-    within = [c for c in exact if c.verdict is not None and c.verdict.ok]
+    within = [c for c in exact if c.scored and c.verdict.ok]
     if within:
         # the fastest within the budget, unless the most accurate is within ACCURACY_BAND of its speed:
         # 7-bit weights cost ~3-6 dB of output SNR, worth it only for a clear speed gain
@@ -254,7 +259,7 @@ def choose_weight_range(build: Callable[..., onnx.ModelProto], checker: Checker,
     desc = {"reduced": "weights use 7-bit range", "uint8": "weights stored as uint8 (U8U8 kernels)"}[choice]
     timing = ", ".join(f"{c.name.removeprefix('weights_')} {c.latency_p10_ms:.3f} ms" for c in exact
                        if c.latency_p10_ms is not None)
-    snr = ", ".join(f"{c.name.removeprefix('weights_')} {c.verdict.what}" for c in exact if c.verdict is not None)
+    snr = ", ".join(f"{c.name.removeprefix('weights_')} {c.verdict.what}" for c in exact if c.scored)
     return choice, f"{desc}: {why} ({rule}; p10 {timing}; {snr})", [full, *variants], []
 
 
@@ -286,7 +291,7 @@ def rank_sensitivity(units: list[str], build: Callable[[set[str]], onnx.ModelPro
     it = progress(units) if progress is not None else units
     for name in it:
         c = checker.check(build({name}), "sensitivity")
-        err = c.verdict.error if c.verdict is not None and c.error is None else math.inf
+        err = c.verdict.error if c.scored else math.inf
         ranking.append({"node": name, "error_without": err,
                         "snr_db_without": c.verdict.snr_db if c.verdict else None, "error": c.error})
     ranking.sort(key=lambda r: (r["error_without"], r["node"]))
@@ -304,7 +309,7 @@ def recover(ranking: list[dict[str, Any]], build: Callable[[set[str]], onnx.Mode
     while lo <= hi:
         k = (lo + hi) // 2
         c = checker.check(build(set(order[:k])), f"recovery_{k}")
-        if c.error is None and c.verdict is not None and c.verdict.ok:
+        if c.scored and c.verdict.ok:
             best = (order[:k], c)
             hi = k - 1
         else:
@@ -331,7 +336,7 @@ def greedy_recovery(ranking: list[dict[str, Any]], build: Callable[[set[str]], o
             if n in chosen:
                 continue
             c = checker.check(build({*chosen, n}), "greedy")
-            err = c.verdict.error if c.verdict is not None and c.error is None else math.inf
+            err = c.verdict.error if c.scored else math.inf
             if best is None or err < best[0]:
                 best = (err, n, c)
         if best is None or not math.isfinite(best[0]):
@@ -352,7 +357,7 @@ def _prune(chosen: list[str], met: Candidate, build: Callable[[set[str]], onnx.M
     for n in chosen[-2::-1]:
         trial = [m for m in keep if m != n]
         c = checker.check(build(set(trial)), "greedy_prune")
-        if c.error is None and c.verdict is not None and c.verdict.ok:
+        if c.scored and c.verdict.ok:
             keep, met = trial, c
             steps.append({"float": list(keep), "accuracy": c.verdict.what, "ok": True, "dropped": n})
             log.info("quantize:   %s no longer needed float: %s", n, c.verdict.what)
@@ -379,7 +384,7 @@ def block_recovery(order: list[str], build: Callable[[set[str]], onnx.ModelProto
             v = c.verdict
             profile.append({"float": f"{where} {k} of {n}", "nodes": k, "error": c.error,
                             "accuracy": v.what if v else None, "snr_db": v.snr_db if v else None,
-                            "ok": bool(v is not None and v.ok and c.error is None)})
+                            "ok": bool(c.scored and v.ok)})
             if profile[-1]["ok"]:
                 return list(stretch), c, profile
     return [], None, profile
@@ -507,7 +512,7 @@ def recover_budget(model: onnx.ModelProto, units: list[str], placed: Callable[[s
         c = checker.check(placed(set(base)), "outliers")
         log.warning("quantize: %d element-wise node(s) on tensors with outlier channels left float: %s",
                     len(base), c.verdict.what if c.verdict else c.error)
-        if c.error is None and c.verdict is not None and c.verdict.error < verdict.error:
+        if c.scored and c.verdict.error < verdict.error:
             recovered = c if c.verdict.ok else None
         else:
             base = {}

@@ -109,7 +109,7 @@ def _held_out_error(checker: Any, model: onnx.ModelProto, place: Callable[[onnx.
     """Held-out error of ``model`` quantized with its default placement; None when that model does not
     load or run (sorted out later, node by node)."""
     c = checker.check(apply_plan(model, place(model), calibration), name)
-    return c.verdict.error if c.error is None and c.verdict is not None else None
+    return c.verdict.error if c.scored else None
 
 
 def _ort_backend(cfg: DictConfig):
@@ -250,8 +250,7 @@ class QuantizeStage(Stage):
             calibration.bias_corrections = corrections
             after = checker.check(build(weight_range, float_nodes)[1], "bias_corrected")
             rec["after"] = after.verdict.what if after.verdict else after.error
-            better = after.error is None and after.verdict is not None and before.verdict is not None \
-                and after.verdict.error < before.verdict.error
+            better = after.scored and before.verdict is not None and after.verdict.error < before.verdict.error
             if not better:
                 calibration.bias_corrections = {}
                 rec["reason"] = "did not lower the held-out error"
@@ -399,7 +398,7 @@ class QuantizeStage(Stage):
 
         def check(nodes: set[str], name: str, by: Any = checker):
             c = by.check(build(wr, nodes)[1], name)
-            return c if c.error is None and c.verdict is not None else None
+            return c if c.scored else None
 
         saved = (calibration.tensors, calibration.weight_clip, calibration.bias_corrections)
         errors: dict[str, float | None] = {}
