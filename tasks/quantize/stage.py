@@ -164,15 +164,10 @@ class QuantizeStage(Stage):
             return progress_bar(bool(cfg.progress), iterable=it, total=total, desc=f"quantize: {desc}", unit="batch")
 
         from pipeline.accuracy import AccuracyBudget, Holdout
-        from tasks.quantize._accuracy import (
-            Checker,
-            decide,
-            outlier_units,
-            recovery_checker,
-            start_range,
-            temp_workdir,
-        )
+        from tasks.quantize._accuracy import Checker, recovery_checker, start_range, temp_workdir
         from tasks.quantize._calibrate import collect
+        from tasks.quantize._decide import decide
+        from tasks.quantize._recovery import outlier_units
 
         backend = _ort_backend(cfg)  # calibration and every check run on it
         kind = placement_kind(cfg)
