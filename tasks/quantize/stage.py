@@ -4,8 +4,9 @@ Outputs: quantize/calibration.json (statistics and scale/zero point per dtype fo
 activation, per-channel scales for every weight) and quantize/quantized_model.onnx (the "PTQ" model:
 Q/DQ placed for the configured backend's fusions, with per-node dtypes from `quantize.layers`).
 
-A run is setup (``_setup.QuantizeSetup``) -> calibrate and transform (``_calibrate``) -> decide on the
-held-out batches (``_decide``) -> write; ``_placer.Placer`` builds every candidate model on the way.
+A run (``QuantizeStage.run``) is setup (``_setup.QuantizeSetup``) -> the float-exact transforms and
+calibration (``_calibrate.collect``; what is kept is chosen in ``_held_out``) -> the decisions on the
+held-out batches (``_decide``) -> writing; ``_placer.Placer`` builds every candidate model on the way.
 """
 
 from __future__ import annotations
