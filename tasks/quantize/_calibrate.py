@@ -317,11 +317,44 @@ def collect(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]], algo
     also ``thresholds`` per storage dtype, and with auto ``chosen`` (the algorithm that won, per dtype)."""
     tensors = candidate_tensors(model)
     runner = ActivationRunner(model, tensors, threads)
+    stats, count = _ranges(runner, progress(batches(), "calibrating (pass 1: ranges)"))
+    if algorithm in ("mse", "auto"):
+        _error_minimizing_pass(stats, runner, progress(batches(), "calibrating (pass 2: histograms)"), algorithm,
+                               percentile, num_bins)
+    if algorithm in ("entropy", "percentile"):
+        hists = {t: np.zeros(num_bins, np.int64) for t in stats}
+        for batch in progress(batches(), "calibrating (pass 2: histograms)"):
+            for t, arr in runner(batch).items():
+                s = stats.get(t)
+                if s is None or s["absmax"] <= 0:
+                    continue
+                # exact zeros (ReLU outputs are often half zeros) are exact at any threshold; left
+                # in, their spike dominates the KL search and drags the threshold far too low
+                hists[t] += _absolute_histogram(arr, s["absmax"], num_bins, drop_zeros=algorithm == "entropy")
+        for t, s in stats.items():
+            if algorithm == "entropy":
+                s["threshold"] = kl_threshold(hists[t], s["absmax"])
+            else:
+                s["threshold"] = percentile_threshold(hists[t], s["absmax"], percentile)
+    for s in stats.values():
+        if algorithm == "minmax":
+            s.setdefault("threshold", max(abs(s["min"]), abs(s["max"])))
+        elif algorithm == "max":
+            s.setdefault("threshold", s["absmax"])
+        s["algorithm"] = algorithm
+        s["samples"] = count
+    return stats
+
+
+def _ranges(runner: ActivationRunner, batches: Iterable[Batch]) -> tuple[dict[str, dict], int]:
+    """(min, max, absmax and, for tensors with channels, ``channel_ratio`` per tensor that had values;
+    the number of samples): the first pass."""
+    tensors = runner.tensors
     mins = {t: np.inf for t in tensors}
     maxs = {t: -np.inf for t in tensors}
     channels: dict[str, np.ndarray] = {}
     count = 0
-    for batch in progress(batches(), "calibrating (pass 1: ranges)"):
+    for batch in batches:
         count += batch.valid
         for t, arr in runner(batch).items():
             if arr.size:
@@ -344,55 +377,41 @@ def collect(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]], algo
         stats[t] = {"min": mins[t], "max": maxs[t], "absmax": absmax}
         if t in channels:
             stats[t]["channel_ratio"] = outlier_ratio(channels[t])
-    if algorithm in ("mse", "auto"):
-        signed = {t: np.zeros(num_bins, np.int64) for t in stats}
-        zeros = dict.fromkeys(stats, 0)
-        absolute = {t: np.zeros(num_bins, np.int64) for t in stats} if algorithm == "auto" else {}
-        for batch in progress(batches(), "calibrating (pass 2: histograms)"):
-            for t, arr in runner(batch).items():
-                s = stats.get(t)
-                if s is None or s["absmax"] <= 0:
-                    continue
-                if s["max"] > s["min"]:
-                    h, z = _signed_histogram(arr, s["min"], s["max"], num_bins)
-                    signed[t] += h
-                    zeros[t] += z
-                if algorithm == "auto":  # with zeros: percentile counts them, entropy takes them out
-                    a = np.abs(arr.astype(np.float32, copy=False)).ravel()
-                    idx = np.minimum((a * (num_bins / s["absmax"])).astype(np.int64), num_bins - 1)
-                    absolute[t] += np.bincount(idx, minlength=num_bins)
-        for t, s in stats.items():
-            _error_minimizing(s, signed[t], zeros[t], absolute.get(t), algorithm, percentile)
-        if algorithm == "auto" and stats:
-            wins = {dt: Counter(s["chosen"][dt] for s in stats.values() if "chosen" in s) for dt in QTYPES}
-            log.info("auto ranges (lowest histogram MSE of %s per tensor, %d tensors): %s",
-                     "/".join(AUTO_CANDIDATES), len(stats),
-                     "; ".join(f"{dt}: " + ", ".join(f"{k} {c[k]}" for k in AUTO_CANDIDATES if c[k])
-                               for dt, c in wins.items()))
-    if algorithm in ("entropy", "percentile"):
-        hists = {t: np.zeros(num_bins, np.int64) for t in stats}
-        for batch in progress(batches(), "calibrating (pass 2: histograms)"):
-            for t, arr in runner(batch).items():
-                s = stats.get(t)
-                if s is None or s["absmax"] <= 0:
-                    continue
-                a = np.abs(arr.astype(np.float32, copy=False)).ravel()
-                if algorithm == "entropy":
-                    # exact zeros (ReLU outputs are often half zeros) are exact at any threshold; left
-                    # in, their spike dominates the KL search and drags the threshold far too low
-                    a = a[a != 0]
-                idx = np.minimum((a * (num_bins / s["absmax"])).astype(np.int64), num_bins - 1)
-                hists[t] += np.bincount(idx, minlength=num_bins)
-        for t, s in stats.items():
-            if algorithm == "entropy":
-                s["threshold"] = kl_threshold(hists[t], s["absmax"])
-            else:
-                s["threshold"] = percentile_threshold(hists[t], s["absmax"], percentile)
-    for s in stats.values():
-        if algorithm == "minmax":
-            s.setdefault("threshold", max(abs(s["min"]), abs(s["max"])))
-        elif algorithm == "max":
-            s.setdefault("threshold", s["absmax"])
-        s["algorithm"] = algorithm
-        s["samples"] = count
-    return stats
+    return stats, count
+
+
+def _absolute_histogram(arr: np.ndarray, absmax: float, num_bins: int, drop_zeros: bool = False) -> np.ndarray:
+    """Counts of |x| over [0, absmax] (``drop_zeros``: of the non-zero values)."""
+    a = np.abs(arr.astype(np.float32, copy=False)).ravel()
+    if drop_zeros:
+        a = a[a != 0]
+    idx = np.minimum((a * (num_bins / absmax)).astype(np.int64), num_bins - 1)
+    return np.bincount(idx, minlength=num_bins)
+
+
+def _error_minimizing_pass(stats: dict[str, dict], runner: ActivationRunner, batches: Iterable[Batch],
+                           algorithm: str, percentile: float, num_bins: int) -> None:
+    """mse and auto: the second pass (signed histograms, and for auto those of |x|), then each tensor's
+    ``thresholds`` (``_error_minimizing``)."""
+    signed = {t: np.zeros(num_bins, np.int64) for t in stats}
+    zeros = dict.fromkeys(stats, 0)
+    absolute = {t: np.zeros(num_bins, np.int64) for t in stats} if algorithm == "auto" else {}
+    for batch in batches:
+        for t, arr in runner(batch).items():
+            s = stats.get(t)
+            if s is None or s["absmax"] <= 0:
+                continue
+            if s["max"] > s["min"]:
+                h, z = _signed_histogram(arr, s["min"], s["max"], num_bins)
+                signed[t] += h
+                zeros[t] += z
+            if algorithm == "auto":  # with zeros: percentile counts them, entropy takes them out
+                absolute[t] += _absolute_histogram(arr, s["absmax"], num_bins)
+    for t, s in stats.items():
+        _error_minimizing(s, signed[t], zeros[t], absolute.get(t), algorithm, percentile)
+    if algorithm == "auto" and stats:
+        wins = {dt: Counter(s["chosen"][dt] for s in stats.values() if "chosen" in s) for dt in QTYPES}
+        log.info("auto ranges (lowest histogram MSE of %s per tensor, %d tensors): %s",
+                 "/".join(AUTO_CANDIDATES), len(stats),
+                 "; ".join(f"{dt}: " + ", ".join(f"{k} {c[k]}" for k in AUTO_CANDIDATES if c[k])
+                           for dt, c in wins.items()))

@@ -470,7 +470,8 @@ def test_recovery_finds_nodes_that_only_matter_together():
     from pathlib import Path
 
     from pipeline.accuracy import AccuracyVerdict
-    from tasks.quantize._accuracy import Candidate, greedy_recovery, rank_sensitivity, recover
+    from tasks.quantize._accuracy import Candidate
+    from tasks.quantize._recovery import greedy_recovery, rank_sensitivity, recover
 
     nodes = ["stft", "enc0", "enc1", "lstm", "head"]
 

@@ -8,8 +8,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.data import Batch
-from tasks.quantize._accuracy import outlier_units
 from tasks.quantize._calibrate import collect
+from tasks.quantize._recovery import outlier_units
 
 
 def residual_ffn(outlier: float = 200.0) -> onnx.ModelProto:
@@ -63,7 +63,8 @@ def test_block_recovery_finds_the_stretch_of_the_graph_that_makes_the_error():
     from pathlib import Path
 
     from pipeline.accuracy import AccuracyVerdict
-    from tasks.quantize._accuracy import Candidate, block_recovery
+    from tasks.quantize._accuracy import Candidate
+    from tasks.quantize._recovery import block_recovery
 
     order = [f"n{i}" for i in range(40)]
     early = set(order[:10])

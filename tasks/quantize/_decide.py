@@ -1,0 +1,134 @@
+"""The quantize stage's decisions on the held-out batches: the nodes the runtime cannot run quantized,
+the weight storage (and the kernel-fidelity culprits left float), the nodes recovery leaves float to
+meet the accuracy budget, and bias correction of the placement that will be written.
+
+The result is calibration.json's ``decisions`` table (autotune follows it) and, when recovery ran,
+sensitivity.json.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from pipeline.bodies import QUANTIZED_BODIES
+from pipeline.config import enum_value
+from pipeline.errors import StageError
+from pipeline.graph import iter_nodes
+from pipeline.placement import PASS_THROUGH_OPS
+from tasks.quantize._accuracy import Candidate, choose_weight_range, recovery_checker, runnable, start_range
+from tasks.quantize._placer import Placer
+from tasks.quantize._recovery import recover_budget
+from tasks.quantize._setup import QuantizeSetup
+
+log = logging.getLogger("tune.quantize")
+
+
+def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None = None
+           ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(decisions, sensitivity report or None): weight storage, kernel-fidelity culprits, float nodes and
+    bias correction of ``placer``'s model, decided on ``setup.checker``'s held-out batches. ``outliers``
+    are the element-wise nodes on tensors with outlier channels, recovery's first candidates."""
+    from pipeline.cpu import cpu_facts, describe
+
+    checker, budget, holdout = setup.checker, setup.checker.budget, setup.checker.holdout
+    facts = cpu_facts()
+    ops = {n.name: n.op_type for n in iter_nodes(placer.model.graph, QUANTIZED_BODIES)}
+    start = start_range(enum_value(setup.q.weight_range))
+    unsupported = runnable(lambda s: placer.build(start, s)[1], checker, set(ops))
+    weight_range, why, checked, culprits = _weight_storage(setup, placer, unsupported, ops, facts)
+    chosen = next(c for c in checked if c.name == f"weights_{weight_range}")
+    unsupported |= set(culprits)
+    if chosen.error is not None:
+        raise StageError(f"quantize: the quantized model is not written because {chosen.error}")
+    if weight_range == "full":
+        log.info("quantize: full-range int8 weights on %s (%s)", describe(facts), why)
+    else:
+        log.warning("quantize: %s [%s]", why, describe(facts))
+    final = chosen  # the candidate of the placement that will be written
+    float_nodes: list[str] = []
+    sensitivity = None
+    if chosen.verdict is not None and not chosen.verdict.ok and budget.enabled and bool(setup.cfg.accuracy.recovery):
+        float_nodes, final, sensitivity = _recover(setup, placer, unsupported, ops, weight_range, chosen,
+                                                   outliers or {})
+    bias = None
+    if bool(setup.q.bias_correction) and final.verdict is not None:
+        bias, corrected = placer.fix_bias(weight_range, unsupported | set(float_nodes), final)
+        if corrected is not None:
+            final = corrected
+    decisions = {
+        "weight_range": weight_range, "weight_range_reason": why, "cpu": facts,
+        "unsupported_nodes": sorted(unsupported - set(culprits)),
+        "fidelity_culprits": culprits,
+        "bias_correction": bias,
+        "kernel_fidelity": chosen.fidelity.to_dict() if chosen.fidelity else None,
+        "variants": [c.to_dict() for c in checked],
+        "budget": budget.describe(), "holdout": holdout.source, "holdout_samples": holdout.samples,
+        "accuracy": final.verdict.to_dict() if final.verdict else None,
+        "float_nodes": sorted(set(float_nodes) | unsupported),
+    }
+    return decisions, sensitivity
+
+
+def _weight_storage(setup: QuantizeSetup, placer: Placer, unsupported: set[str], ops: dict[str, str],
+                    facts: dict[str, Any]) -> tuple[str, str, list[Candidate], list[str]]:
+    """(weight range, why, candidates checked, kernel-fidelity culprits) with the nodes the runtime cannot
+    run quantized left float: chosen on this CPU for ORT placements, the requested one for TensorRT."""
+    checker = setup.checker
+    requested = enum_value(setup.q.weight_range)
+    start = start_range(requested)
+
+    def placed(wr: str, float_nodes: set[str] = frozenset()) -> onnx.ModelProto:
+        return placer.build(wr, set(float_nodes) | unsupported)[1]
+
+    if setup.kind != "onnxruntime":
+        why = ("TensorRT placement: full-range int8 (TensorRT's integer kernels do not saturate)"
+               if requested == "auto" else f"quantize.weight_range={requested}")
+        return start, why, [checker.check(placed(start), f"weights_{start}")], []
+    units = [n for n in placer.build(start, unsupported)[0].quantized_nodes()
+             if ops.get(n) not in (None, *PASS_THROUGH_OPS)]
+    return choose_weight_range(placed, checker, requested, facts["u8s8_saturates"],
+                               lambda paths: _measure(checker.backend, paths), units)
+
+
+def _measure(backend: Any, paths: list[Path]) -> list[float | None]:
+    """p10 latency of each model in ``paths`` (None where it failed), measured interleaved."""
+    from pipeline.backends.base import compare_interleaved
+
+    timings = compare_interleaved(backend, paths, rounds=4, runs_per_round=max(2, backend.timing_runs // 8),
+                                  warmup_runs=backend.warmup_runs)
+    return [t.p10_ms if t.ok else None for t in timings]
+
+
+def _recover(setup: QuantizeSetup, placer: Placer, unsupported: set[str], ops: dict[str, str], weight_range: str,
+             chosen: Candidate, outliers: dict[str, str]) -> tuple[list[str], Candidate, dict[str, Any]]:
+    """(float nodes, the candidate to write, sensitivity report) of recovery from ``chosen``'s verdict,
+    which misses the budget."""
+    checker, cfg = setup.checker, setup.cfg
+    holdout, budget, verdict = checker.holdout, checker.budget, chosen.verdict
+
+    def placed(float_nodes: set[str]) -> onnx.ModelProto:
+        return placer.build(weight_range, set(float_nodes) | unsupported)[1]
+
+    plan, _ = placer.build(weight_range, unsupported)
+    units = [n for n in plan.quantized_nodes() if ops.get(n) not in PASS_THROUGH_OPS]
+    log.warning("quantize: the PTQ model misses the accuracy budget on %d held-out samples (%s); "
+                "ranking %d quantized nodes by their contribution to the output error",
+                holdout.samples, verdict.what, len(units))
+    float_nodes, recovered, report = recover_budget(
+        placer.model, units, placed, recovery_checker(checker, cfg), verdict, outliers,
+        math.floor(float(cfg.accuracy.max_float_fraction) * len(units)), bool(cfg.progress))
+    final = chosen
+    if recovered is not None:  # judged again by the budget itself (recovery aimed inside it)
+        final = checker.check(placed(set(float_nodes)), "recovered")
+    sensitivity = {
+        "budget": budget.describe(), "holdout": holdout.source, "samples": holdout.samples,
+        "full_placement": verdict.to_dict() if verdict else None, **report,
+        "float_nodes": float_nodes, "met": recovered is not None,
+        "accuracy": final.verdict.to_dict() if final.verdict else None,
+    }
+    return float_nodes, final, sensitivity

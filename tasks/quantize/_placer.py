@@ -1,0 +1,88 @@
+"""Quantized candidates of one float graph with one calibration: its default placement, the placement
+with some nodes left float and a chosen weight storage, and bias correction of such a placement."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import onnx
+
+from pipeline.calibration import Calibration
+from pipeline.errors import StageError
+from pipeline.graph import control_flow
+from pipeline.qdq import apply_plan
+from tasks.quantize import _prepare
+from tasks.quantize._accuracy import Candidate, start_range
+from tasks.quantize._setup import QuantizeSetup
+
+log = logging.getLogger("tune.quantize")
+
+
+class Placer:
+    """Places Q/DQ into ``model`` with ``setup``'s rules, builder and activation type, scaled by
+    ``calibration`` (which bias correction and the range choice after recovery update in place)."""
+
+    def __init__(self, setup: QuantizeSetup, model: onnx.ModelProto, calibration: Calibration):
+        self.setup = setup
+        self.model = model
+        self.calibration = calibration
+
+    def place(self) -> Any:
+        """The default placement: every rule, the weight storage ``quantize.weight_range`` starts from."""
+        s = self.setup
+        return s.builder(self.model, s.rules, s.act_type, per_channel=bool(s.q.per_channel),
+                         weight_range=start_range(s.q.weight_range))
+
+    def held_out_error(self, name: str) -> float | None:
+        """Held-out error of the default placement; None when that model does not load or run (sorted
+        out later, node by node)."""
+        c = self.setup.checker.check(apply_plan(self.model, self.place(), self.calibration), name)
+        return c.verdict.error if c.scored else None
+
+    def build(self, weight_range: str, float_nodes: set[str] = frozenset()) -> tuple[Any, onnx.ModelProto]:
+        """(plan, quantized model) with ``float_nodes`` left float and weights stored as ``weight_range``."""
+        s, model, rules = self.setup, self.model, self.setup.rules
+        kept = {k: v for k, v in rules.items() if k not in float_nodes}
+        plan = s.builder(model, kept, s.act_type, per_channel=bool(s.q.per_channel), weight_range=weight_range)
+        if not any(p.activations or p.weights for p in plan.walk()) and not set(float_nodes) & set(rules):
+            cf = control_flow(model)
+            if cf["weighted_inside"] and not cf["weighted_outside"]:
+                raise StageError(f"quantize: all {cf['weighted_inside']} weighted ops of this model sit inside "
+                                 f"If/Loop/Scan bodies ({cf['nodes']} nodes) and none is quantizable: If bodies "
+                                 f"stay float, and no Loop/Scan body holds a quantizable op; the main graph has "
+                                 f"nothing to quantize")
+            raise StageError("quantize: the rules match no quantizable op in this model (Conv, Gemm, MatMul, "
+                             "...); check quantize.layers / skip_names / op_types_to_quantize")
+        return plan, apply_plan(model, plan, self.calibration)
+
+    def fix_bias(self, weight_range: str, float_nodes: set[str], before: Candidate
+                 ) -> tuple[dict[str, Any], Candidate | None]:
+        """Bias correction of this placement, kept (in ``calibration``) only if the held-out error falls:
+        (the record, the corrected candidate or None)."""
+        calibration = self.calibration
+
+        def placed(corr: dict[str, list[float]]) -> onnx.ModelProto:
+            calibration.bias_corrections = corr
+            return self.build(weight_range, float_nodes)[1]
+
+        plan, _ = self.build(weight_range, float_nodes)
+        corrections, records = _prepare.correct_bias(self.model, placed, {w.node for w in plan.weights},
+                                                     self.setup.batches, self.setup.backend.threads)
+        rec: dict[str, Any] = {"applied": False, "nodes": len(corrections), "records": records,
+                               "before": before.verdict.what if before.verdict else None}
+        if not corrections:
+            rec["reason"] = "no quantized node has a bias initializer"
+            return rec, None
+        calibration.bias_corrections = corrections
+        after = self.setup.checker.check(self.build(weight_range, float_nodes)[1], "bias_corrected")
+        rec["after"] = after.verdict.what if after.verdict else after.error
+        better = after.scored and before.verdict is not None and after.verdict.error < before.verdict.error
+        if not better:
+            calibration.bias_corrections = {}
+            rec["reason"] = "did not lower the held-out error"
+            log.info("quantize: bias correction not kept (%s -> %s)", rec["before"], rec["after"])
+            return rec, None
+        rec["applied"] = True
+        log.info("quantize: bias correction of %d node(s): %s -> %s", len(corrections), rec["before"], rec["after"])
+        return rec, after

@@ -1,0 +1,114 @@
+"""What one quantize run shares, built once: the float model and its layer rules, the calibration data,
+the ONNX Runtime backend every calibration and check runs on, the held-out checker, and the placement
+kind and activation type of the configured backend (see ``QuantizeSetup.create``)."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import onnx
+from omegaconf import DictConfig
+
+from pipeline.accuracy import AccuracyBudget, Holdout
+from pipeline.config import enum_value
+from pipeline.data import Batch, DataProvider
+from pipeline.graph import input_specs
+from pipeline.placement import (
+    NodeDtypes,
+    activation_type,
+    onnxruntime_plan,
+    placement_kind,
+    resolve_rules,
+    tensorrt_plan,
+)
+from pipeline.progress import progress_bar
+from tasks.quantize import _prepare
+from tasks.quantize._accuracy import Checker, temp_workdir
+from tasks.quantize._calibrate import collect
+
+log = logging.getLogger("tune.quantize")
+
+
+def ort_backend(cfg: DictConfig) -> Any:
+    """The ONNX Runtime backend checks run on: the configured one, or ORT's defaults under TensorRT."""
+    from omegaconf import OmegaConf
+
+    from pipeline.backends.onnxruntime import OnnxRuntimeBackend
+    from pipeline.config import OnnxRuntimeBackendConfig
+
+    bcfg = cfg.backend if enum_value(cfg.backend.name) == "onnxruntime" else \
+        OmegaConf.structured(OnnxRuntimeBackendConfig())
+    return OnnxRuntimeBackend(bcfg)
+
+
+@dataclass(frozen=True)
+class QuantizeSetup:
+    """What every step of a quantize run shares (see ``QuantizeStage.run``)."""
+
+    cfg: DictConfig
+    out_dir: Path
+    # the float graph as calibrated before the float-exact transforms: export's model, with its LSTMs
+    # unrolled where that is exact (``lowering``, None when quantize.lower_rnn is off)
+    model: onnx.ModelProto
+    rules: dict[str, NodeDtypes]
+    lowering: dict[str, Any] | None
+    provider: DataProvider
+    total: int  # calibration batches, for the progress bars
+    backend: Any  # an OnnxRuntimeBackend: calibration and every check run on it
+    checker: Checker
+    kind: str  # placement: "onnxruntime" or "tensorrt"
+    act_type: str
+    work: tempfile.TemporaryDirectory  # the candidates checked on the holdout; removed when decided
+
+    @classmethod
+    def create(cls, cfg: DictConfig, out_dir: Path, float_path: Path, model: onnx.ModelProto,
+               rules: dict[str, NodeDtypes]) -> QuantizeSetup:
+        """The setup of ``model`` (export's, at ``float_path``) with its non-empty ``rules``."""
+        q = cfg.quantize
+        specs = input_specs(model)
+        provider = DataProvider(cfg, specs)
+        n_batches = int(q.calibration.batches)
+        total = provider.count("calibration", n_batches)
+        backend = ort_backend(cfg)
+        kind = placement_kind(cfg)
+        act_type = activation_type(cfg)
+        holdout = Holdout.from_config(cfg, specs)
+        with backend.prepare(float_path) as pm:
+            holdout.set_reference(pm)
+        work = temp_workdir(out_dir)
+        # ORT placements are checked with the fused kernels that will run them, TensorRT ones as Q/DQ math
+        checker = Checker(backend, holdout, AccuracyBudget.from_config(cfg), fused=kind == "onnxruntime",
+                          workdir=Path(work.name))
+        lowering = None
+        if bool(q.lower_rnn):
+            model, lowering = _prepare.lower_rnn(model, lambda: provider.batches("calibration", n_batches))
+            if lowering["applied"]:
+                rules = resolve_rules(model, q.layers, q.skip_names, q.op_types_to_quantize)
+        return cls(cfg, out_dir, model, rules, lowering, provider, total, backend, checker, kind, act_type, work)
+
+    @property
+    def q(self) -> DictConfig:
+        return self.cfg.quantize
+
+    @property
+    def builder(self) -> Callable[..., Any]:
+        """The placement of the configured backend's fusions: ``builder(model, rules, act_type, ...)``."""
+        return onnxruntime_plan if self.kind == "onnxruntime" else tensorrt_plan
+
+    def batches(self) -> Iterable[Batch]:
+        return self.provider.batches("calibration", int(self.q.calibration.batches))
+
+    def progress(self, it: Iterable[Batch], desc: str) -> Iterable[Batch]:
+        return progress_bar(bool(self.cfg.progress), iterable=it, total=self.total, desc=f"quantize: {desc}",
+                            unit="batch")
+
+    def calibrate(self, model: onnx.ModelProto) -> dict[str, dict]:
+        """Statistics of every candidate tensor of ``model`` on the calibration batches."""
+        q = self.q
+        return collect(model, self.batches, enum_value(q.algorithm), float(q.percentile),
+                       int(q.calibration.num_bins), self.backend.threads, self.progress)
