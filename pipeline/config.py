@@ -233,9 +233,7 @@ class AccuracyMetric(str, Enum):
     custom = "custom"  # accuracy.custom_metric: the user's function decides
 
 
-class OutputMetric(str, Enum):
-    """What accuracy.per_output holds one output to."""
-
+class OutputMetric(str, Enum):  # what accuracy.per_output holds one output to
     snr = "snr"
     cosine = "cosine"
     agreement = "agreement"  # top-1 agreement with the float model on decisive samples (class scores)
@@ -260,9 +258,8 @@ class AccuracyConfig:
     # the outputs that hold class scores (agreement and top-1 are counted on them); null: the first
     # output when its shape says so ([N, C] or [N, S, C])
     class_outputs: Optional[list[str]] = None
-    # metric=custom: "pkg.module.function", called as fn(outputs, reference, labels) -> float, higher is
-    # better; outputs/reference: one {output name: array} dict per held-out batch (the model's, the float
-    # model's), labels: one array per batch or None. Budget: score(float) - score(model) <= max_drop
+    # metric=custom: "pkg.module.function", fn(outputs, reference, labels) -> float, higher is better
+    # (pipeline.accuracy.CustomMetric); budget: score(float) - score(model) <= max_drop
     custom_metric: Optional[str] = None
     relative: bool = False  # metric=custom: max_drop is a percentage of the float model's score
     # when the PTQ model misses the budget, leave its most error-sensitive nodes float (at most this
@@ -270,9 +267,8 @@ class AccuracyConfig:
     recovery: bool = True
     max_float_fraction: float = 0.5
     # recovery stops this far inside the SNR budget (cosine: the same factor on 1 - cosine): the holdout
-    # is a few batches, and a model that only just meets the budget there misses it on unseen data (a
-    # text detector: 20.2 dB held out, 19.0 dB unseen; with 1 dB of margin 21.2 and 20.2). Verdicts
-    # still use the budget itself
+    # is a few batches, and a model that only just meets the budget there can miss it on unseen data.
+    # Verdicts still use the budget itself
     recovery_margin_db: float = 1.0
 
 
@@ -303,8 +299,7 @@ def _accuracy_problems(acc: DictConfig) -> list[str]:
             problems.append(str(exc))
         else:
             if not callable(fn):
-                problems.append(f"accuracy.custom_metric={acc.custom_metric} is a {type(fn).__name__}, not a "
-                                f"function")
+                problems.append(f"accuracy.custom_metric={acc.custom_metric} is a {type(fn).__name__}, not a function")
     return problems
 
 

@@ -132,6 +132,12 @@ def snr_from_energies(signal: float, noise: float) -> float:
     return 10.0 * math.log10(signal / noise)
 
 
+def db_text(x: float | None) -> str:
+    """An SNR for messages: "12.3 dB", "inf dB" (identical outputs) or "n/a"."""
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else (
+        "inf dB" if x == math.inf else f"{x:.1f} dB")
+
+
 def snr_db(reference: np.ndarray, test: np.ndarray, valid: int | None = None) -> float:
     return snr_from_energies(*energies(reference, test, valid))
 

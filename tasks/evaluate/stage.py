@@ -244,7 +244,7 @@ class EvaluateStage(Stage):
                   prepared: dict[str, PreparedModel]) -> dict[str, Any]:
         """Kernel fidelity of each quantized model on the first evaluation batches (fused kernels vs
         plain Q/DQ math), where the backend has a reference runner."""
-        from pipeline.accuracy import kernel_fidelity
+        from pipeline.fidelity import kernel_fidelity
 
         batches = list(DataProvider(ctx.cfg, specs).batches("evaluation", 2))
         feeds = [b.feeds for b in batches]

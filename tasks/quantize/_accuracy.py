@@ -20,10 +20,11 @@ from typing import Any
 
 import onnx
 
-from pipeline.accuracy import AccuracyBudget, AccuracyVerdict, FidelityResult, Holdout
+from pipeline.accuracy import AccuracyBudget, AccuracyVerdict, Holdout
 from pipeline.bodies import walk_views
 from pipeline.config import enum_value
 from pipeline.errors import StageError, first_line
+from pipeline.fidelity import FidelityResult
 from pipeline.graph import WEIGHTED_OPS
 from pipeline.graph_index import GraphIndex
 
@@ -86,7 +87,7 @@ class Checker:
 
     def check(self, model: onnx.ModelProto, name: str, fidelity: bool = False) -> Candidate:
         """Load and run ``model`` on the holdout; never raises for a model the runtime rejects."""
-        from pipeline.accuracy import kernel_fidelity
+        from pipeline.fidelity import kernel_fidelity
 
         c = Candidate(name, self.write(model, name))
         try:

@@ -15,13 +15,14 @@ import pytest
 from omegaconf import OmegaConf
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline.accuracy import AccuracyBudget, Holdout, kernel_fidelity
+from pipeline.accuracy import AccuracyBudget, Holdout
 from pipeline.backends.onnxruntime import OnnxRuntimeBackend, OrtPrepared
 from pipeline.calibration import Calibration
 from pipeline.config import OnnxRuntimeBackendConfig
 from pipeline.cpu import cpu_facts
 from pipeline.data import Batch, synthetic_batches
 from pipeline.errors import ConfigError
+from pipeline.fidelity import kernel_fidelity
 from pipeline.graph import input_specs
 from pipeline.placement import onnxruntime_plan, resolve_rules
 from pipeline.qdq import apply_plan
@@ -211,7 +212,7 @@ import sys, json
 sys.path.insert(0, {root!r})
 import numpy as np
 from tests.unit.test_accuracy import _backend, saturating_model
-from pipeline.accuracy import kernel_fidelity
+from pipeline.fidelity import kernel_fidelity
 from pipeline.cpu import cpu_facts
 path = {path!r}
 r = kernel_fidelity(_backend(), path, [{{"x": np.ones((1, 16, 8, 8), np.float32)}}])
@@ -360,7 +361,7 @@ def test_planted_kernel_disagreement_is_localized_to_its_node(tmp_path):
 def test_low_snr_model_on_an_exact_cpu_keeps_full_range_weights(tmp_path):
     """A noisy quantized model whose fused run differs from its Q/DQ reference by about its own
     quantization noise (as any two quantized runs do) is no kernel fault: full-range weights stay."""
-    from pipeline.accuracy import kernel_fidelity
+    from pipeline.fidelity import kernel_fidelity
 
     class NoisyTwin(OnnxRuntimeBackend):
         """The fused run is another quantized realization: as far from float as the reference, but
