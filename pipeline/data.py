@@ -383,6 +383,10 @@ def _custom_iterable(target: str, args: dict[str, Any], split: str) -> Iterable[
     return fn(**kwargs)
 
 
+# what this process has warned about once already
+_WARNED: set[str] = set()
+
+
 class DataProvider:
     """Fixed-size numpy batches for a model, from the configured data source."""
 
@@ -432,7 +436,8 @@ class DataProvider:
 
     def batches(self, split: str, max_batches: int | None = None) -> Iterator[Batch]:
         """``split`` is "calibration" (train data) or "evaluation" (held-out data)."""
-        if split == "calibration" and self.source == "none":
+        if split == "calibration" and self.source == "none" and not _WARNED:
+            _WARNED.add("synthetic")  # every pass over the data reads it again: one warning per run is enough
             log.warning("no calibration data configured: calibrating on SYNTHETIC random data; accuracy "
                         "will suffer. Configure data=digits|npz|custom for real data.")
         bs = self.batch_size

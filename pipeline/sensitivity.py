@@ -121,15 +121,18 @@ def _figure(height: float):
 def plot_node_sensitivity(rows: Sequence[dict], path: str | Path, title: str, xlabel: str,
                           left_float: Sequence[str] = (), limit: int = 30) -> Path:
     """Horizontal bars, largest ``rows[i]["value"]`` on top (each row: node, op_type, value, label);
-    the nodes in ``left_float`` are listed as grey bars marked "left float"."""
+    the nodes in ``left_float`` are grey and named "left float" (listed at the bottom when they have no row)."""
     shown = sorted(rows, key=lambda r: -r["value"])[:limit]
+    floated = set(left_float)
     marked = [n for n in left_float if n not in {r["node"] for r in shown}][:limit]
     n = len(shown) + len(marked)
     fig = _figure(max(2.5, 0.28 * n + 1.4))
     ax = fig.subplots()
-    names = [f"{r['node']} ({r.get('op_type') or '?'})" for r in shown] + [f"{m} (left float)" for m in marked]
+    names = [f"{r['node']} ({r.get('op_type') or '?'})" + (" - left float" if r["node"] in floated else "")
+             for r in shown] + [f"{m} (left float)" for m in marked]
     values = [max(r["value"], 0.0) for r in shown] + [0.0] * len(marked)
-    colors = ["#d62728" if k < 3 else "#1f77b4" for k in range(len(shown))] + ["#999999"] * len(marked)
+    colors = ["#999999" if r["node"] in floated else "#d62728" if k < 3 else "#1f77b4"
+              for k, r in enumerate(shown)] + ["#999999"] * len(marked)
     y = list(range(n))[::-1]
     ax.barh(y, values, color=colors)
     top = max(values, default=0.0) or 1.0
@@ -148,6 +151,10 @@ def plot_node_sensitivity(rows: Sequence[dict], path: str | Path, title: str, xl
     return Path(path)
 
 
+def _short(name: str, keep: int = 48) -> str:
+    return name if len(name) <= keep else "..." + name[-(keep - 3):]
+
+
 def plot_ranges(items: Sequence[dict], path: str | Path) -> Path:
     """One panel per tensor: the histogram of its values on the evaluation data (log counts) and the
     range its Q node represents (each item: tensor, node, values, lo, hi, dtype)."""
@@ -161,8 +168,8 @@ def plot_ranges(items: Sequence[dict], path: str | Path) -> Path:
         for x in (it["lo"], it["hi"]):
             ax.axvline(x, color="#d62728", linestyle="--", linewidth=1)
         clipped = float(np.mean((v < it["lo"]) | (v > it["hi"]))) if v.size else 0.0
-        ax.set_title(f"{it['tensor']} -> {it['node']}: {it['dtype']} range [{it['lo']:.3g}, {it['hi']:.3g}], "
-                     f"{100 * clipped:.2f}% clipped", fontsize=8)
+        ax.set_title(f"{_short(it['tensor'])} -> {_short(it['node'])}\n{it['dtype']} range [{it['lo']:.3g}, "
+                     f"{it['hi']:.3g}], {100 * clipped:.2f}% of the values clipped", fontsize=8)
         ax.tick_params(labelsize=7)
     for ax in axes[len(items):]:
         ax.set_visible(False)

@@ -54,8 +54,8 @@ def _fidelity_text(fid: dict[str, Any] | None, verdict: dict[str, Any]) -> str:
 
 def markdown(metrics: dict[str, Any]) -> str:
     """report.md: what was compared and how, the table, the budget, the machine, how to reproduce."""
-    sections = (_header(metrics), _table(metrics), _budget(metrics), _machine(metrics), _duplicates(metrics),
-                _definitions(), _reproduce(metrics))
+    sections = (_header(metrics), _table(metrics), _budget(metrics), _sensitivity(metrics), _machine(metrics),
+                _duplicates(metrics), _definitions(), _reproduce(metrics))
     return "\n".join(line for section in sections for line in section)
 
 
@@ -140,6 +140,27 @@ def _budget(metrics: dict[str, Any]) -> list[str]:
                          f"meet the budget on their own: if only they matter, set `accuracy.outputs=[{','.join(v['passing'])}]`.")
     for text in metrics.get("over_budget", []):
         lines.append(f"- **{text}**")
+    return lines
+
+
+def _sensitivity(metrics: dict[str, Any]) -> list[str]:
+    """Where the error comes from: the largest per-node contributions and the charts."""
+    sens = metrics.get("sensitivity")
+    if not sens:
+        return []
+    top = ", ".join(f"`{r['node']}` ({r['op_type']}, {r['label']})" for r in sens["top"])
+    lines = ["", "## Where the error comes from", "",
+             f"Each of the {sens['nodes']} quantized nodes of the {sens['model']} model quantized alone in the float "
+             f"graph (the whole model: {sens['whole_model']}). Largest contributions: {top}.", ""]
+    if "sensitivity.png" in sens["files"]:
+        lines.append("![per-node sensitivity](sensitivity.png)")
+    if "ranges.png" in sens["files"]:
+        lines += ["", "Calibration ranges of the activations the largest contributors read "
+                      "(histogram on the evaluation data, dashed: the range the Q node represents):", "",
+                  "![ranges](ranges.png)"]
+    if sens["left_float"]:
+        lines += ["", f"Left float by recovery (marked grey in the chart): {', '.join(f'`{n}`' for n in sens['left_float'])}."]
+    lines += ["", "Data: `evaluate/sensitivity.json`."]
     return lines
 
 

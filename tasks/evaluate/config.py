@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from omegaconf import DictConfig
+
+
+@dataclass
+class SensitivityConfig:
+    """Where the shipped model's error comes from: each quantized node's own contribution, measured on
+    the first evaluation batches (evaluate/sensitivity.png, ranges.png, sensitivity.json)."""
+
+    enabled: bool = True
+    batches: int = 2
+    max_nodes: int = 64  # quantized nodes measured, in graph order (each is one run of the float graph)
 
 
 @dataclass
@@ -16,6 +26,7 @@ class EvaluateConfig:
     # interleaved rounds over all models; each round times every model backend.timing_runs // rounds times
     latency_repeats: int = 5
     plot: bool = True  # write evaluate/summary.png (latency and accuracy per model)
+    sensitivity: SensitivityConfig = field(default_factory=SensitivityConfig)
 
 
 SCHEMA = EvaluateConfig
@@ -30,4 +41,7 @@ def validate(cfg: DictConfig) -> list[str]:
         problems.append(f"evaluate.top_k={e.top_k}: must be >= 1")
     if e.latency_repeats < 1:
         problems.append(f"evaluate.latency_repeats={e.latency_repeats}: must be >= 1")
+    for key in ("batches", "max_nodes"):
+        if e.sensitivity[key] < 1:
+            problems.append(f"evaluate.sensitivity.{key}={e.sensitivity[key]}: must be >= 1")
     return problems

@@ -10,6 +10,7 @@ and serves both the scoring pass and the latency run.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import dataclass
@@ -106,7 +107,8 @@ class _CustomScores:
 class EvaluateStage(Stage):
     name = "evaluate"
     inputs = ("export/model.onnx",)
-    optional_inputs = ("quantize/quantized_model.onnx", "autotune/optimized_final.onnx", "quantize/calibration.json")
+    optional_inputs = ("quantize/quantized_model.onnx", "autotune/optimized_final.onnx", "quantize/calibration.json",
+                       "quantize/float_model.onnx")
     outputs = ("evaluate/metrics.json", "evaluate/report.md")
     config_keys = ("evaluate", "data", "backend", "seed", "accuracy")
 
@@ -136,15 +138,40 @@ class EvaluateStage(Stage):
         metrics = self._metrics(ctx, backend, evaluated, duplicates, measured, specs, _precision(float_model))
         from tasks.evaluate import _report
 
+        artifacts = self._sensitivity(ctx, evaluated, specs, out_dir, metrics) if ecfg.sensitivity.enabled else {}
         safe = json_safe(metrics)
         metrics_path = atomic_write_json(out_dir / "metrics.json", safe)
         report_path = atomic_write_text(out_dir / "report.md", _report.markdown(metrics))
-        artifacts = {"evaluate/metrics.json": metrics_path, "evaluate/report.md": report_path}
+        artifacts.update({"evaluate/metrics.json": metrics_path, "evaluate/report.md": report_path})
         if ecfg.plot:
             artifacts["evaluate/summary.png"] = _report.plot(metrics, out_dir / "summary.png")
         log.info("%s", metrics["headline"])
         notes = [metrics["latency"]["warning"]] if metrics["latency"] and "warning" in metrics["latency"] else []
         return StageResult(artifacts=artifacts, metrics=safe, notes=notes)
+
+    @staticmethod
+    def _sensitivity(ctx: StageContext, evaluated: list[EvaluatedModel], specs: list[InputSpec], out_dir: Path,
+                     metrics: dict[str, Any]) -> dict[str, Path]:
+        """Each quantized node's own contribution to the shipped model's error (tasks/evaluate/_sensitivity.py);
+        its summary goes into ``metrics["sensitivity"]`` for the report."""
+        from tasks.evaluate import _sensitivity
+
+        shipped = next((c for c in reversed(evaluated) if c.key != "float"), None)
+        graph = ctx.artifact("quantize/float_model.onnx")
+        if shipped is None or graph is None:
+            return {}
+        s = ctx.cfg.evaluate.sensitivity
+        batches = list(DataProvider(ctx.cfg, specs).batches("evaluation", int(s.batches)))
+        left_float = list((metrics.get("quantization") or {}).get("float_nodes") or [])
+        artifacts = _sensitivity.analyse(ctx.cfg, load_model(graph, check=False), load_model(shipped.path, check=False),
+                                         shipped.label, batches, left_float, out_dir, int(s.max_nodes))
+        if artifacts:
+            doc = json.loads(artifacts["evaluate/sensitivity.json"].read_text())
+            metrics["sensitivity"] = {"model": shipped.label, "whole_model": doc["whole_model"]["label"],
+                                      "top": [{k: r.get(k) for k in ("node", "op_type", "label")} for r in doc["nodes"][:5]],
+                                      "nodes": len(doc["nodes"]), "left_float": left_float,
+                                      "files": sorted(Path(p).name for p in artifacts.values())}
+        return artifacts
 
     # ------------------------------------------------------------------ which models
     @staticmethod

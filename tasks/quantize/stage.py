@@ -12,6 +12,7 @@ held-out batches (``_decide``) -> writing; ``_placer.Placer`` builds every candi
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -111,6 +112,23 @@ class Calibrated:
     float_path: Path
     seconds: float
     samples: int
+
+
+def _sensitivity_chart(sensitivity: dict[str, Any], path: Path) -> Path:
+    """The budget was missed: how much of the PTQ model's output error each node removes when it alone
+    is left float (recovery's ranking), with the nodes recovery left float marked."""
+    from pipeline.sensitivity import plot_node_sensitivity
+
+    full = (sensitivity.get("full_placement") or {}).get("snr_db")
+    full_nsr = 10 ** (-full / 10) if full is not None else 0.0
+    rows = [{"node": r["node"], "op_type": r.get("op_type"), "value": max(full_nsr - r["error_without"], 0.0),
+             "label": f"{r['snr_db_without']:.1f} dB with it float" if r.get("snr_db_without") is not None
+             else (r.get("error") or "n/a")}
+            for r in sensitivity["ranking"] if r.get("error_without") is not None and math.isfinite(r["error_without"])]
+    title = ("quantize: the PTQ model misses the accuracy budget; output error removed by leaving each node "
+             "alone float" + (f"\n(every node int8: {full:.1f} dB; grey: left float by recovery)" if full is not None
+                              else ""))
+    return plot_node_sensitivity(rows, path, title, "noise / signal removed", sensitivity.get("float_nodes") or [])
 
 
 class QuantizeStage(Stage):
@@ -214,6 +232,8 @@ class QuantizeStage(Stage):
                      "quantize/float_model.onnx": cal.float_path}
         if sensitivity is not None:
             artifacts["quantize/sensitivity.json"] = atomic_write_json(out_dir / "sensitivity.json", sensitivity)
+            if sensitivity.get("ranking"):
+                artifacts["quantize/sensitivity.png"] = _sensitivity_chart(sensitivity, out_dir / "sensitivity.png")
         headline += self._details(plan, cal, decisions)
         return StageResult(artifacts, self._metrics(setup, plan, counts, cal, decisions, headline))
 

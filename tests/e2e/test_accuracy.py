@@ -121,6 +121,13 @@ def test_sensitive_node_stays_float_and_nothing_over_budget_ships(tmp_path):
     assert at["float_nodes"] == sens["float_nodes"]
     m = _metrics(rd)
     assert not m["over_budget"]
+    # where the error comes from: quantize's chart of the ranking, evaluate's per-node chart and ranges
+    assert (rd / "quantize" / "sensitivity.png").stat().st_size > 0
+    for name in ("sensitivity.png", "ranges.png", "sensitivity.json"):
+        assert (rd / "evaluate" / name).stat().st_size > 0, name
+    ev = json.loads((rd / "evaluate" / "sensitivity.json").read_text())
+    assert ev["left_float"] == sens["float_nodes"] and ev["nodes"] and ev["nodes"][0]["value"] >= ev["nodes"][-1]["value"]
+    assert "](sensitivity.png)" in (rd / "evaluate" / "report.md").read_text()
     assert all(v["budget"]["ok"] for k, v in m["models"].items() if k != "float")
     assert "Left float to meet the accuracy budget" in (rd / "evaluate" / "report.md").read_text()
 
