@@ -22,7 +22,7 @@ each with an ablation of quantize's accuracy features, all scored and timed in O
 
 Per model, --feeds (32) real feeds are written to <root>/<model>/feeds: quantize calibrates on feeds
 0..15 (quantize.calibration.batches=16), its accuracy checks (recovery, bias correction, autotune's
-budget) use feeds 16..23 (autotune.accuracy.holdout_batches=8), and every row is scored on feeds
+budget) use feeds 16..23 (accuracy.holdout_batches=8), and every row is scored on feeds
 24..31 only (data.eval_path=<root>/<model>/eval_feeds holds copies of them): no variant saw them.
 Rows: float; "ours: plain PTQ" (minmax, no equalization / smoothing / bias correction / outlier
 handling / recovery), plain PTQ with one feature switched on (each its own results_dir under
@@ -244,7 +244,7 @@ def markdown(rows: list[Row]) -> str:
 CALIB, HOLDOUT = 16, 8
 # plain static PTQ: minmax ranges, none of quantize's accuracy features
 PLAIN = ["quantize.algorithm=minmax", "quantize.equalization=false", "quantize.smoothing=false",
-         "quantize.bias_correction=false", "quantize.outlier_threshold=0", "autotune.accuracy.recovery=false"]
+         "quantize.bias_correction=false", "quantize.outlier_threshold=0", "accuracy.recovery=false"]
 # (row label, results_dir name, overrides on top of PLAIN); "defaults" is the shipped configuration
 ABLATION = [
     ("ours: plain PTQ", "plain", []),
@@ -344,7 +344,7 @@ def bench_trained(key: str, rd: Path, args: argparse.Namespace) -> tuple[list[TR
               if first_eval == CALIB + HOLDOUT else
               f"feeds {first_eval}..{n - 1} (not calibrated on, but quantize's holdout)")
     base = [*info["overrides"], f"data.eval_path={eval_dir}", f"quantize.calibration.batches={CALIB}",
-            f"autotune.accuracy.holdout_batches={HOLDOUT}"]
+            f"accuracy.holdout_batches={HOLDOUT}"]
     print(f"{key}: {n} feeds in {rd / 'feeds'} (sha256 {info['digest']}); calibration feeds 0..{CALIB - 1}, "
           f"holdout {CALIB}..{CALIB + HOLDOUT - 1}, scored on {scored}", flush=True)
 
