@@ -40,3 +40,5 @@ names its two models by content hash), which the final guard reuses instead of m
 ``driver.subgraph_autotuning_workflow`` runs the phases; ``report`` turns the records into the
 stage's metrics rows and ``report.md``.
 """
+
+from __future__ import annotations
