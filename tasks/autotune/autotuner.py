@@ -32,31 +32,24 @@ import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import onnx
-import yaml
 
-from pipeline.artifacts import atomic_write_text
 from pipeline.calibration import Calibration
-from pipeline.errors import first_line
 from pipeline.graph import model_hash, save_model
-from pipeline.graph_index import GraphIndex, weight_inputs
-from pipeline.placement import NodeDtypes, act_dtype, int32_bias, pass_through_aliases, weight_q
-from pipeline.plan import ActivationQ, QDQPlan
+from pipeline.graph_index import GraphIndex
+from pipeline.placement import NodeDtypes
 from pipeline.qdq import apply_plan, get_quantized_tensors, raise_opset
+from tasks.autotune.autotuner_state import TunerState
 from tasks.autotune.config import AutotuneConfig
 from tasks.autotune.insertion_points import InsertionPoint, candidate_points, point_groups, resolve
 from tasks.autotune.pattern import RegionPattern
 from tasks.autotune.pattern_cache import PatternCache
+from tasks.autotune.plan_builder import PlanBuilder
 from tasks.autotune.region import Region
 from tasks.autotune.scheme import InsertionScheme, Measurement, PatternSchemes, SchemeRecord
-from tasks.autotune.state_file import REGION_STATE, check_state
 
 log = logging.getLogger("tune.autotune")
-
-STATE_VERSION = 1
-
 
 # Config takes its defaults from the stage schema: one place for every number the two share
 _SCHEMA = AutotuneConfig()
@@ -115,8 +108,9 @@ def _flip(points: set[InsertionPoint], group: tuple[InsertionPoint, ...]) -> set
     return points - set(group) if set(group) <= points else points | set(group)
 
 
-class QDQAutotunerBase:
-    """Search machinery over a given list of regions (subclasses choose the regions)."""
+class QDQAutotunerBase(PlanBuilder, TunerState):
+    """Search machinery over a given list of regions (subclasses choose the regions); plan building
+    (plan_builder.py) and state save/load (autotuner_state.py) are its mixins."""
 
     def __init__(self, model: onnx.ModelProto):
         self.model = model
@@ -402,74 +396,6 @@ class QDQAutotunerBase:
                 out[r.id] = chosen
         return out
 
-    def build_plan(self, assignment: dict[int, InsertionScheme]) -> QDQPlan:
-        plan = QDQPlan()
-        g = self.index
-        weight_nodes: set[str] = set()
-        weights_only: set[str] = set()  # their activations stay float: no int32 bias for them
-        act: dict[tuple[str, str], set[tuple[str, int]] | None] = {}
-        for r in self.regions:
-            scheme = assignment.get(r.id)
-            if scheme is None:
-                continue
-            order = self.orders[r.id]
-            for p in scheme.points:
-                rp = resolve(p, r, order, self.model, g)
-                if rp is None:
-                    continue
-                if rp.tensor is None:
-                    weights_only.add(rp.weight_node)
-                    continue
-                dtype = self._dtype_for(p, rp, r, order)
-                if dtype is None:
-                    continue
-                key = (rp.tensor, dtype)
-                if rp.consumers is None or act.get(key, set()) is None:
-                    act[key] = None
-                else:
-                    act.setdefault(key, set()).update(rp.consumers)  # type: ignore[union-attr]
-                if rp.weight_node:
-                    weight_nodes.add(rp.weight_node)
-                if rp.consumers:
-                    for name, _ in rp.consumers:
-                        plan.node_rules[name] = self._dtypes[name].rule if name in self._dtypes else "autotune"
-        for (tensor, dtype), who in sorted(act.items(), key=lambda kv: kv[0]):
-            plan.activations.append(ActivationQ(tensor, dtype, None if who is None else tuple(sorted(who))))
-        outputs_q = {t for (t, _), who in act.items() if who is None}
-        weights_only -= weight_nodes
-        for name in sorted(weight_nodes | weights_only):
-            node = g.nodes[name]
-            d = self._dtypes.get(name)
-            if d is None or d.weights == "native":
-                continue
-            for i in weight_inputs(g, node):
-                plan.weights.append(weight_q(node, i, g.weight_shape(node.input[i]), d.weights,
-                                             weight_range=self.config.weight_range))
-            if (self.config.placement == "onnxruntime" and d.weights == "int8" and node.op_type in ("MatMul", "Gemm")
-                    and name not in weights_only and g.tail(node) not in outputs_q):
-                b = int32_bias(g, node, act_dtype(d, self.config.activation_type))
-                if b is not None:
-                    plan.biases.append(b)  # float-output QGemm (see pipeline.placement.int32_bias)
-        plan.aliases.update(pass_through_aliases(g, plan))
-        return plan
-
-    def _dtype_for(self, p: InsertionPoint, rp, region: Region, order: list[int]) -> str | None:
-        """Storage dtype at a point: the consumer's rule for an input, the producer's for an output."""
-        if p.kind == "node_output":
-            name: str | None = self.model.graph.node[order[p.index]].name
-        elif rp.consumers:
-            name = rp.consumers[0][0]
-        else:
-            prod = self.index.producer.get(rp.tensor)
-            name = prod.name if prod is not None else None
-            if name not in self._dtypes:
-                cons = self.index.consumers.get(rp.tensor, [])
-                name = cons[0][0].name if cons else None
-        d = self._dtypes.get(name) if name else None
-        if d is None or d.activations == "native":
-            return None
-        return act_dtype(d, self.config.activation_type)
-
     def export_model(self, insert_qdq: bool = True, assignment: dict[int, InsertionScheme] | None = None,
                      check: bool = True) -> onnx.ModelProto:
         if not insert_qdq:
@@ -493,51 +419,6 @@ class QDQAutotunerBase:
             return model.SerializeToString()
         save_model(model, output_path)
         return None
-
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION,
-            "model_sha256": self._model_sha,
-            "context": self.context,
-            "quant_type": self.config.default_quant_type,
-            "placement": self.config.placement,
-            "baseline_latency_ms": self.baseline_latency_ms,
-            "patterns": {sig: ps.to_dict() for sig, ps in self.pattern_schemes.items()},
-        }
-
-    def save_state(self, path: str | Path) -> None:
-        """Atomically write the state, and the pattern cache next to it (<stem>_pattern_cache.yaml)."""
-        p = Path(path)
-        atomic_write_text(p, yaml.safe_dump(self.state_dict(), sort_keys=False, width=200))
-        if self.pattern_cache is not None:
-            self.pattern_cache.save(p.with_name(f"{p.stem}_pattern_cache.yaml"))
-
-    def load_state(self, path: str | Path) -> None:
-        p = Path(path)
-        try:
-            doc = yaml.safe_load(p.read_text())
-            if not isinstance(doc, dict) or "patterns" not in doc:
-                raise ValueError("no 'patterns' table")
-        except (yaml.YAMLError, ValueError, OSError) as exc:
-            raise REGION_STATE.corrupt(p, first_line(exc)) from None
-        check_state(doc, p, REGION_STATE, version=STATE_VERSION, model_sha=self._model_sha, context=self.context,
-                    settings={"quant_type": self.config.default_quant_type, "placement": self.config.placement})
-        self.baseline_latency_ms = doc.get("baseline_latency_ms")
-        try:
-            for sig, d in doc["patterns"].items():
-                if sig in self.pattern_schemes:
-                    loaded = PatternSchemes.from_dict(d)
-                    loaded.candidates = self.pattern_schemes[sig].candidates
-                    if loaded.baseline_scheme is None:
-                        loaded.baseline_scheme = self.pattern_schemes[sig].baseline_scheme
-                    self.pattern_schemes[sig] = loaded
-                    best = loaded.find(loaded.best) if loaded.done and loaded.best is not None else None
-                    if best is not None and best.ok and self.pattern_cache is not None:
-                        # committed before the interruption: keep it in the cache saved next to the state
-                        self.pattern_cache.add(sig, best.scheme, best.ratio)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise REGION_STATE.corrupt(p, f"{type(exc).__name__}: {first_line(exc)}", fix="delete it") from None
 
     @property
     def num_measurements(self) -> int:

@@ -4,7 +4,9 @@
 generated scheme paired against the live float baseline, saves the state after every measurement
 (so a killed run resumes at the next unmeasured scheme), re-measures a pattern's best schemes with
 more rounds before committing the winner (the best of many noisy measurements is biased low), and
-writes one log per measurement and the model after each committed pattern.
+writes one log per measurement and the model after each committed pattern. Its ``SearchSession``
+says where the state is saved, what it must have been made with to be resumed, and where progress
+goes (``tasks.autotune.progress``, the protocol subgraph mode reports through too).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +27,25 @@ from pipeline.graph import load_model, save_model
 from tasks.autotune.autotuner import Config, QDQAutotuner
 from tasks.autotune.benchmark import PairedBenchmark
 from tasks.autotune.pattern_cache import PatternCache
+from tasks.autotune.progress import OnProgress, Progress
+from tasks.autotune.region import Region
 from tasks.autotune.scheme import Measurement, PatternSchemes
 from tasks.autotune.state_file import REGION_STATE, resume_or_set_aside
 
 log = logging.getLogger("tune.autotune")
 
 REMEASURE_TOP = 3
+
+
+@dataclass(frozen=True)
+class SearchSession:
+    """How a region search is saved, resumed and reported."""
+
+    # saved after every measurement; default <output_dir>/autotuner_state.yaml, the stage's own (one of
+    # another model or setting is set aside), while a state file named here is refused instead
+    state_file: str | Path | None = None
+    context: str | None = None  # fingerprint of calibration, backend, rules...: a state of another is stale
+    on_progress: OnProgress | None = None
 
 
 def init_benchmark_instance(backend: Backend, reference_model: str | Path, warmup_runs: int = 5,
@@ -61,13 +77,12 @@ def region_pattern_autotuning_workflow(
     config: Config | None = None,
     calibration: Calibration | None = None,
     pattern_cache: PatternCache | str | Path | None = None,
-    state_file: str | Path | None = None,
     qdq_baseline: onnx.ModelProto | None = None,
-    on_progress: Callable[[dict], None] | None = None,
-    context: str | None = None,
+    session: SearchSession | None = None,
 ) -> QDQAutotuner:
     """Tune every pattern; returns the autotuner with every pattern committed."""
     config = config or Config()
+    session = session or SearchSession()
     out = Path(output_dir)
     logs, region_models = out / "logs", out / "region_models"
     logs.mkdir(parents=True, exist_ok=True)
@@ -79,52 +94,30 @@ def region_pattern_autotuning_workflow(
                                           config.pattern_cache_max_entries_per_pattern)
     autotuner = QDQAutotuner(model)
     autotuner.initialize(config, pattern_cache, calibration)
-    autotuner.context = context
+    autotuner.context = session.context
     if qdq_baseline is not None:
         n = autotuner.import_qdq_baseline(qdq_baseline)
         log.info("QDQ baseline: seeded %d of %d patterns", n, autotuner.num_patterns)
-    state_path = Path(state_file) if state_file else out / "autotuner_state.yaml"
+    state_path = Path(session.state_file) if session.state_file else out / "autotuner_state.yaml"
     # the default state file is the stage's own: one of another model or setting is set aside
-    if resume_or_set_aside(lambda: autotuner.load_state(state_path), state_path, REGION_STATE, own=not state_file,
+    if resume_or_set_aside(lambda: autotuner.load_state(state_path), state_path, REGION_STATE,
+                           own=not session.state_file,
                            companions=[state_path.with_name(f"{state_path.stem}_pattern_cache.yaml")]):
         done = sum(ps.done for ps in autotuner.pattern_schemes.values())
         log.info("resuming from %s: %d/%d patterns done, %d measurements kept", state_path, done,
                  autotuner.num_patterns, autotuner.num_measurements)
 
-    def progress(event: str, **kw) -> None:
-        if on_progress is not None:
-            done = sum(ps.done for ps in autotuner.pattern_schemes.values())
-            best = min((r.ratio for ps in autotuner.pattern_schemes.values() for r in ps.records if r.ok),
-                       default=math.inf)
-            on_progress({"event": event, "patterns_done": done, "patterns": autotuner.num_patterns,
-                         "measurements": autotuner.num_measurements,
-                         "best_speedup": (1.0 / best) if math.isfinite(best) and best > 0 else None, **kw})
+    def progress() -> None:
+        if session.on_progress is not None:
+            session.on_progress(_progress(autotuner))
 
-    progress("start")
+    progress()
     for region in autotuner.regions:
         autotuner.set_profile_region(region, commit=False)
         ps = autotuner.current_profile_pattern_schemes
         if ps is None:
             continue
-        while (idx := autotuner.generate()) != -1:
-            rec = autotuner.pending_scheme
-            assert rec is not None
-            try:
-                data = autotuner.export_model(check=False).SerializeToString()
-            except Exception as exc:  # noqa: BLE001 - an unbuildable candidate is a failed measurement
-                log.debug("export of scheme %s failed", rec.scheme.key, exc_info=True)
-                m = Measurement.failed(f"export failed: {type(exc).__name__}: {exc}")
-            else:
-                m = benchmark.measure(data)
-            log_path = logs / f"region_{region.id}_scheme_{idx}.log"
-            m.log_path = str(log_path.relative_to(out))
-            _log_measurement(log_path, region.id, idx, ps, rec.origin, rec.scheme.key, m)
-            autotuner.submit(m)
-            if config.verbose:
-                log.info("  region %d scheme %d (%s, %d points): %s", region.id, idx, rec.origin, len(rec.scheme),
-                         f"{m.ratio:.3f}x of float" if m.ok else f"failed: {m.error}")
-            autotuner.save_state(state_path)
-            progress("measured", region=region.id)
+        _search_pattern(autotuner, region, benchmark, out, state_path, progress)
         _remeasure_winners(autotuner, ps, benchmark, logs, region.id, out, state_path)
         autotuner.commit_current()
         autotuner.save_state(state_path)
@@ -133,10 +126,45 @@ def region_pattern_autotuning_workflow(
         log.info("pattern %s (%d regions, %d nodes): best of %d schemes %s", ps.pattern[:10],
                  len(autotuner.pattern_regions[ps.pattern]), autotuner.patterns[region.id].num_nodes,
                  len(ps.records), f"{best.ratio:.3f}x of float ({best.origin})" if best else "none measurable")
-        progress("committed", region=region.id)
+        progress()
     autotuner.set_profile_region(None, commit=False)
     autotuner.save_state(state_path)
     return autotuner
+
+
+def _progress(autotuner: QDQAutotuner) -> Progress:
+    """Patterns done, measurements so far and the best speedup any scheme measured."""
+    done = sum(ps.done for ps in autotuner.pattern_schemes.values())
+    best = min((r.ratio for ps in autotuner.pattern_schemes.values() for r in ps.records if r.ok), default=math.inf)
+    speedup = (1.0 / best) if math.isfinite(best) and best > 0 else None
+    return Progress("autotune", done, autotuner.num_patterns, unit="pattern",
+                    postfix={"schemes": autotuner.num_measurements, "best": f"{speedup:.2f}x" if speedup else "-"})
+
+
+def _search_pattern(autotuner: QDQAutotuner, region: Region, benchmark: PairedBenchmark, out: Path,
+                    state_path: Path, progress: Callable[[], None]) -> None:
+    """Measure every scheme the autotuner generates for ``region``'s pattern, saving the state after each."""
+    ps = autotuner.current_profile_pattern_schemes
+    assert ps is not None
+    while (idx := autotuner.generate()) != -1:
+        rec = autotuner.pending_scheme
+        assert rec is not None
+        try:
+            data = autotuner.export_model(check=False).SerializeToString()
+        except Exception as exc:  # noqa: BLE001 - an unbuildable candidate is a failed measurement
+            log.debug("export of scheme %s failed", rec.scheme.key, exc_info=True)
+            m = Measurement.failed(f"export failed: {type(exc).__name__}: {exc}")
+        else:
+            m = benchmark.measure(data)
+        log_path = out / "logs" / f"region_{region.id}_scheme_{idx}.log"
+        m.log_path = str(log_path.relative_to(out))
+        _log_measurement(log_path, region.id, idx, ps, rec.origin, rec.scheme.key, m)
+        autotuner.submit(m)
+        if autotuner.config.verbose:
+            log.info("  region %d scheme %d (%s, %d points): %s", region.id, idx, rec.origin, len(rec.scheme),
+                     f"{m.ratio:.3f}x of float" if m.ok else f"failed: {m.error}")
+        autotuner.save_state(state_path)
+        progress()
 
 
 def _remeasure_winners(autotuner: QDQAutotuner, ps: PatternSchemes, benchmark: PairedBenchmark, logs: Path,

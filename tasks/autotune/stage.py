@@ -3,44 +3,32 @@
 Inputs: export's float model (the baseline every speedup is against), quantize's float_model.onnx
 (the graph Q/DQ go into), calibration.json (Q/DQ get calibrated scales; a default scale only where a
 tensor has no statistics, with a warning) and quantized_model.onnx as QDQ baseline
-(``autotune.qdq_baseline`` overrides it). ``_setup`` builds what both modes share once; ``_region``
-or ``_subgraph`` tunes; ``_finalize`` guards. Outputs: COMMON_OUTPUTS plus MODE_OUTPUTS[mode].
-
-The shipped optimized_final.onnx is decided by a fresh interleaved measurement of the float model,
-the PTQ model and the tuned model (not by the search's best-of-N), or, in subgraph mode, by the
-paired steps that already measured these very models (by content hash) when they decide clearly:
-it must beat the precision-matched float baseline by ``performance_threshold`` or the float model
-ships, and if the PTQ model measures faster than the tuned one, the PTQ model ships. Either way the
-stage says so, and the file written is byte for byte the model that was measured.
+(``autotune.qdq_baseline`` overrides it). ``_setup`` builds what both modes share once (a
+``TuneSetup``); ``_region`` or ``_subgraph`` tunes (a ``ModeResult``); ``guard.finalize`` decides
+what ships as optimized_final.onnx. Outputs: COMMON_OUTPUTS plus MODE_OUTPUTS[mode].
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from pipeline.accuracy import AccuracyBudget, Holdout
-from pipeline.artifacts import (
-    atomic_write_bytes,
-    atomic_write_json,
-    atomic_write_text,
-    fingerprint,
-    sha256_file,
-    user_path,
-)
+from pipeline.artifacts import atomic_write_bytes, atomic_write_json, fingerprint, sha256_file, user_path
 from pipeline.backends import create_backend
 from pipeline.calibration import Calibration, load_calibration, quantize_decisions
 from pipeline.config import enum_value, section
 from pipeline.errors import InputError, StageError, first_line
-from pipeline.graph import input_specs, load_model, model_hash, recorded_shapes, save_model
+from pipeline.graph import input_specs, load_model, model_hash, save_model
 from pipeline.placement import activation_type, placement_kind, resolve_rules
-from pipeline.progress import progress_bar
 from pipeline.stage import Stage, StageContext, StageResult
 from tasks.autotune.config import PRESETS
+from tasks.autotune.guard import finalize
+from tasks.autotune.progress import ProgressBars
+from tasks.autotune.tune_setup import ModeResult, TuneSetup
 
 log = logging.getLogger("tune.autotune")
 
@@ -76,47 +64,6 @@ def quant_type_of(cfg: DictConfig) -> str:
     return "int8"
 
 
-@dataclass(frozen=True)
-class TuneSetup:
-    """What both modes share, built once per run (see ``AutotuneStage._setup``)."""
-
-    out: Path
-    inputs: dict[str, Path]
-    model: Any  # the float graph Q/DQ go into (quantize/float_model.onnx, else export's)
-    backend: Any
-    config: Any  # tasks.autotune.autotuner.Config
-    calibration: Calibration
-    budget: AccuracyBudget
-    holdout: Holdout
-    baseline_path: Path  # export's float model: every speedup is against it
-    qdq_baseline: Any  # the placement region mode seeds its search with (None: start from no Q/DQ)
-    context_items: dict[str, Any]  # what a state file must have been made with to be resumed
-    runs: tuple[int, int, int, int]  # schemes_per_region, warmup_runs, timing_runs, rounds
-    performance_threshold: float  # the shipped Q/DQ model must beat float by this factor
-
-    def judge(self, prepared: Any) -> Any:
-        return self.holdout.score(prepared, self.budget)
-
-    @property
-    def accuracy_check(self) -> Any:
-        """What candidates are checked with before they are timed (None: budget off)."""
-        return self.judge if self.budget.enabled else None
-
-
-@dataclass
-class ModeResult:
-    """A mode's tuned model (not yet guarded), its metrics and its own artifacts."""
-
-    tuned: Path
-    metrics: dict[str, Any]
-    artifacts: dict[str, Path]
-    bench: Any = None  # a live benchmark to close before the final measurement
-    report: Any = None  # called with the final metrics to write the mode's report
-    # the mode's paired full-model measurements (subgraph mode's phase-3 steps), which the guard
-    # reuses where they measured the models it compares
-    steps: list[dict[str, Any]] | None = None
-
-
 # artifacts every run writes, and each mode's own (declared here, checked at the end of a run)
 COMMON_OUTPUTS = ("autotune/optimized_final.onnx", "autotune/baseline.onnx")
 MODE_OUTPUTS = {
@@ -138,7 +85,7 @@ class AutotuneStage(Stage):
         mode = enum_value(ctx.cfg.autotune.mode)
         setup = self._setup(ctx)
         result = (self._region if mode == "region" else self._subgraph)(ctx, setup)
-        metrics = self._finalize(setup, result)
+        metrics = finalize(setup, result)
         metrics.update(result.metrics)
         if result.report is not None:
             result.report(metrics)
@@ -220,7 +167,11 @@ class AutotuneStage(Stage):
     def _region(self, ctx: StageContext, setup: TuneSetup) -> ModeResult:
         """Region mode (tasks/autotune/region_workflow.py): pattern search on the full model, every
         candidate measured against a live float baseline."""
-        from tasks.autotune.region_workflow import init_benchmark_instance, region_pattern_autotuning_workflow
+        from tasks.autotune.region_workflow import (
+            SearchSession,
+            init_benchmark_instance,
+            region_pattern_autotuning_workflow,
+        )
 
         a, out, config = ctx.cfg.autotune, setup.out, setup.config
         schemes, warmup, timing, rounds = setup.runs
@@ -237,21 +188,10 @@ class AutotuneStage(Stage):
                                               config.pattern_cache_max_entries_per_pattern)
             log.info("warm start: %d patterns from %s", pattern_cache.num_patterns, a.pattern_cache)
         state_file = str(user_path(a.state_file)) if a.state_file else None
-        bar = progress_bar(bool(ctx.cfg.progress), total=None, desc="autotune", unit="pattern")
-
-        def on_progress(ev: dict) -> None:
-            bar.total = ev["patterns"]
-            bar.n = ev["patterns_done"]
-            sp = ev.get("best_speedup")
-            bar.set_postfix(schemes=ev["measurements"], best=f"{sp:.2f}x" if sp else "-", refresh=False)
-            bar.refresh()
-
-        try:
+        with ProgressBars(bool(ctx.cfg.progress)) as bars:
             tuner = region_pattern_autotuning_workflow(
-                setup.model, out, bench, config, setup.calibration, pattern_cache, state_file,
-                setup.qdq_baseline, on_progress, fingerprint(setup.context_items))
-        finally:
-            bar.close()
+                setup.model, out, bench, config, setup.calibration, pattern_cache, setup.qdq_baseline,
+                SearchSession(state_file, fingerprint(setup.context_items), bars))
         self._warn_defaulted(setup)
         tuned = out / "optimized_tuned.onnx"
         save_model(tuner.export_model(), tuned)
@@ -271,25 +211,21 @@ class AutotuneStage(Stage):
         return ModeResult(tuned, metrics, artifacts, bench=bench)
 
     def _subgraph(self, ctx: StageContext, setup: TuneSetup) -> ModeResult:
-        """Subgraph mode (tasks/autotune/subgraph_workflow.py): fusion groups, per-group profiling of
+        """Subgraph mode (tasks/autotune/subgraph/): fusion groups, per-group profiling of
         extracted subgraphs, incremental validation on the full model."""
         import time
 
-        from tasks.autotune.subgraph_workflow import subgraph_autotuning_workflow
+        from tasks.autotune.subgraph.driver import subgraph_autotuning_workflow
+        from tasks.autotune.subgraph.report import write_group_report
 
         cfg, a, out = ctx.cfg, ctx.cfg.autotune, setup.out
-        _, warmup, timing, rounds = setup.runs
         t0 = time.time()
         groups, graph_json, source = self._fusion_groups(cfg, setup)
         log.info("autotune: %d fusion groups from %s", len(groups), source)
         context = fingerprint({**setup.context_items, "mode": "subgraph", "groups": source,
                                "graph_json": sha256_file(graph_json) if graph_json is not None else None})
-        with _PhaseBars(bool(cfg.progress)) as bars:
-            result = subgraph_autotuning_workflow(
-                setup.model, out, setup.backend, groups, setup.config, setup.calibration, warmup, timing, rounds,
-                setup.accuracy_check, shapes={**setup.backend.opt_shapes(), **recorded_shapes(setup.model)},
-                incremental_validation=bool(a.incremental_validation), context=context, on_progress=bars.update,
-                float_model=setup.baseline_path, ptq_model=setup.inputs.get("quantize/quantized_model.onnx"))
+        with ProgressBars(bool(cfg.progress)) as bars:
+            result = subgraph_autotuning_workflow(setup, groups, context, bool(a.incremental_validation), bars)
         raw = self._check_raw(setup.backend, out / "optimized_raw.onnx", setup.judge)
         tuned = out / "optimized_tuned.onnx"
         if result.tuned is not None:  # byte for byte the model phase 3 measured
@@ -405,235 +341,3 @@ class AutotuneStage(Stage):
             return load_model(user_path(a.qdq_baseline), what="autotune.qdq_baseline")
         p = inputs.get("quantize/quantized_model.onnx")
         return load_model(p) if p is not None else None
-
-    def _finalize(self, setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
-        """The float, PTQ and tuned models' timings and accuracy verdicts (from the mode's own paired
-        steps when they measured these very models and decide clearly, else from one fresh
-        interleaved measurement); ship the fastest model that meets the budget and beats float by
-        ``performance_threshold``, else the float model."""
-        if result.bench is not None:
-            result.bench.close()  # free the search's live reference before the final comparison
-        baseline, tuned, ptq = setup.baseline_path, result.tuned, setup.inputs.get("quantize/quantized_model.onnx")
-        paths = [baseline, tuned] + ([ptq] if ptq is not None and model_hash(ptq) != model_hash(tuned) else [])
-        timings, verdicts, source = self._from_steps(setup, paths, result.steps) if result.steps else (None, None, "")
-        guard = {"measured": timings is None, "why": source}
-        if timings is None:
-            timings, verdicts = self._measure_final(setup, paths)
-            source = f"p10 of {timings[1].n} interleaved runs"
-            guard["why"] = ("measured float, tuned" + (" and PTQ models" if len(paths) > 2 else " models")
-                            + f" in one interleaved run ({guard['why'] or 'no paired steps to reuse'})")
-        choice, why = self._choose(setup, paths, timings, verdicts)
-        if choice == baseline and quantize_decisions(setup.inputs.get("quantize/calibration.json"))["all_float"]:
-            why = "the quantize stage left every quantizable node float to meet the accuracy budget"
-        base_t, tuned_t = timings[0], timings[1]
-        ptq_t = timings[2] if len(timings) > 2 and timings[2].ok else None
-        ptq_v = verdicts[2] if len(verdicts) > 2 else None
-        chosen_t = timings[paths.index(choice)]
-        chosen_v = verdicts[paths.index(choice)]
-        atomic_write_bytes(setup.out / "optimized_final.onnx", choice.read_bytes())
-        speedup = base_t.p10_ms / chosen_t.p10_ms
-        backend = setup.backend
-        # the CPU EP runs float models in FP32; TensorRT backends build them at backend.float_precision
-        precision = "FP32" if backend.name == "onnxruntime" else str(backend.cfg.get("float_precision", "FP32")).upper()
-        line = (f"Baseline: {base_t.p10_ms:.3f} ms / Final: {chosen_t.p10_ms:.3f} ms ({speedup:.2f}x speedup), "
-                f"accuracy {chosen_v.what} [{source}; baseline = {precision} float model on {backend.name}]")
-        log.info(line)
-        if choice != tuned:
-            log.warning("autotune: optimized_final.onnx is %s because %s", choice.name, why)
-        shipped = {baseline: "float", tuned: "tuned", ptq: "ptq"}.get(choice, "tuned")
-        return {
-            "baseline_ms": base_t.p10_ms, "final_ms": chosen_t.p10_ms, "speedup": speedup,
-            "baseline_median_ms": base_t.median_ms, "final_median_ms": chosen_t.median_ms,
-            "tuned_ms": tuned_t.p10_ms, "tuned_speedup": base_t.p10_ms / tuned_t.p10_ms,
-            "ptq_ms": ptq_t.p10_ms if ptq_t else None,
-            "ptq_speedup": (base_t.p10_ms / ptq_t.p10_ms) if ptq_t else None,
-            "accuracy": {"final": chosen_v.to_dict(), "tuned": verdicts[1].to_dict(),
-                         "ptq": ptq_v.to_dict() if ptq_v is not None else None},
-            "shipped": shipped, "shipped_reason": why, "guard": guard,
-            "baseline_precision": precision, "runtime": backend.describe(), "final_line": line,
-            "headline": f"{speedup:.2f}x vs {precision} float, {chosen_v.what} ({shipped if choice == tuned else why})",
-        }
-
-    @staticmethod
-    def _from_steps(setup: TuneSetup, paths: list[Path], steps: list[dict[str, Any]]
-                    ) -> tuple[list[Any] | None, list[Any] | None, str]:
-        """(timings, verdicts, where they come from) of ``paths`` (float, tuned[, PTQ]) from the mode's
-        paired steps, or (None, None, why not).
-
-        The kept steps chain paired ratios from the float model to the tuned one (each step's
-        reference is the previous one's candidate, by content hash); the PTQ model is on that chain
-        or was measured against the float model. Latencies are the float model's times the chained
-        ratio. Reused only when the chain's interval clears (or misses) the performance threshold.
-        """
-        from pipeline.accuracy import AccuracyVerdict
-        from pipeline.backends import Timing
-        from tasks.autotune.benchmark import chain_interval
-
-        shas = [model_hash(p) for p in paths]
-        ratio: dict[str, float] = {shas[0]: 1.0}
-        rounds: dict[str, list[list[float]]] = {shas[0]: []}
-        via: dict[str, list[int]] = {shas[0]: []}
-        verdict: dict[str, Any] = {shas[0]: AccuracyVerdict(True, "reference", "the float model itself")}
-        float_ms = None
-        for st in steps:
-            ref, cand = st.get("reference_sha"), st.get("candidate_sha")
-            if not st["measured"] or ref not in ratio or cand in ratio or (not st["kept"] and cand not in shas):
-                continue
-            if st["accuracy"] is not None:
-                verdict[cand] = AccuracyVerdict(**st["accuracy"])
-            if st["ratio"] is None:
-                continue  # over the budget: a verdict, no timing
-            float_ms = float_ms or (st["reference_ms"] / ratio[ref])
-            ratio[cand] = ratio[ref] * st["ratio"]
-            rounds[cand] = [*rounds[ref], st["round_ratios"]]
-            via[cand] = [*via[ref], st["index"]]
-        if shas[1] not in ratio:
-            return None, None, "the paired steps do not reach the tuned model from the float model"
-        if any(sh not in ratio and sh not in verdict for sh in shas[2:]):
-            return None, None, "the PTQ model was not measured against the float model"
-        if float_ms is None:
-            return None, None, "no paired step measured the float model"
-        low, high = chain_interval(rounds[shas[1]])
-        if low < 1.0 / setup.performance_threshold < high:
-            return None, None, (f"the paired steps put the tuned model at {ratio[shas[1]]:.3f}x the float latency "
-                                f"(95% interval {low:.3f}-{high:.3f}), too close to the performance threshold")
-        timings = [Timing(median_ms=float_ms * ratio[sh], p10_ms=float_ms * ratio[sh],
-                          n=sum(len(r) for r in rounds[sh]), backend=setup.backend.name) if sh in ratio
-                   else Timing.failed(setup.backend.name, "not timed: over the accuracy budget") for sh in shas]
-        verdicts = []
-        for p, sh in zip(paths, shas, strict=True):
-            if sh not in verdict:  # the accuracy budget is off (the steps judged nothing), or a build failed
-                try:
-                    with setup.backend.prepare(p) as pm:
-                        verdict[sh] = setup.judge(pm)
-                except Exception as exc:  # noqa: BLE001 - the fresh measurement reports it
-                    return None, None, f"{p.name} could not be judged ({first_line(exc)})"
-            verdicts.append(verdict[sh])
-        used = sorted({i for sh in shas if sh in via for i in via[sh]})
-        return timings, verdicts, (f"reused phase-3 paired step{'s' if len(used) != 1 else ''} "
-                                   f"{', '.join(map(str, used)) or '(none: the tuned model is the float model)'}"
-                                   f"; ratios chained from the float model, not measured again")
-
-    @staticmethod
-    def _measure_final(setup: TuneSetup, paths: list[Path]) -> tuple[list[Any], list[Any]]:
-        """Timings (one interleaved run) and accuracy verdicts of ``paths``; the float baseline and the
-        tuned model must both be measurable."""
-        from pipeline.backends.base import compare_prepared
-
-        backend = setup.backend
-        _, warmup, timing, _ = setup.runs
-        prepared, verdicts = [], []
-        try:
-            for p in paths:
-                try:
-                    pm = backend.prepare(p)
-                except Exception as exc:  # noqa: BLE001 - a model the runtime rejects is not shipped
-                    raise StageError(f"autotune: {p.name} cannot be loaded by {backend.name}: "
-                                     f"{first_line(exc)}") from None
-                prepared.append(pm)
-                verdicts.append(setup.judge(pm))
-            timings = compare_prepared(backend.name, prepared, rounds=6, runs_per_round=max(2, timing // 2),
-                                       warmup_runs=warmup)
-        finally:
-            for pm in prepared:
-                pm.close()
-        if not all(t.ok for t in timings[:2]):
-            bad = next(t for t in timings if not t.ok)
-            raise StageError(f"autotune: final measurement failed: {bad.error}")
-        return timings, verdicts
-
-    @staticmethod
-    def _choose(setup: TuneSetup, paths: list[Path], timings: list[Any], verdicts: list[Any]) -> tuple[Path, str]:
-        """(model to ship, why): tuned unless it misses the budget or the PTQ model is faster; float
-        when no quantized model meets the budget or beats float by the performance threshold."""
-        budget, threshold = setup.budget, setup.performance_threshold
-        baseline, tuned = paths[0], paths[1]
-        ptq = paths[2] if len(paths) > 2 else None
-        tuned_t, tuned_v = timings[1], verdicts[1]
-        ptq_t = timings[2] if ptq is not None and timings[2].ok else None
-        ptq_v = verdicts[2] if ptq is not None else None
-        ok = {tuned: tuned_v.ok or not budget.enabled, ptq: ptq_v is not None and (ptq_v.ok or not budget.enabled)}
-        choice, why = tuned, "tuned placement"
-        if not ok[tuned]:
-            choice, why = ptq, f"the tuned placement misses the accuracy budget ({tuned_v.what})"
-        elif ptq_t is not None and ok[ptq] and ptq_t.p10_ms < tuned_t.p10_ms * 0.98:
-            choice, why = ptq, "the quantize stage's model measured faster than the tuned placement"
-        if choice == ptq and (ptq_t is None or not ok[ptq]):
-            return baseline, (f"no quantized model meets the accuracy budget ({budget.describe()}; tuned: "
-                              f"{tuned_v.what}" + (f"; PTQ: {ptq_v.what}" if ptq_v is not None else "")
-                              + "): shipping the float model")
-        speedup = timings[0].p10_ms / timings[paths.index(choice)].p10_ms
-        if speedup < threshold:
-            return baseline, (f"no Q/DQ model beat the float baseline by the performance threshold "
-                              f"{threshold:.2f}x (best {speedup:.3f}x): shipping the float model")
-        return choice, why
-
-
-class _PhaseBars:
-    """One progress bar per subgraph-mode phase, the previous one closed when the next starts."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.bars: dict[str, Any] = {}
-
-    def update(self, phase: str, done: int, total: int) -> None:
-        bar = self.bars.get(phase)
-        if bar is None:
-            for b in self.bars.values():
-                b.close()
-            bar = self.bars[phase] = progress_bar(self.enabled, total=total, desc=phase, unit="step")
-        bar.total = total
-        bar.n = done
-        bar.refresh()
-
-    def __enter__(self) -> _PhaseBars:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for b in self.bars.values():
-            b.close()
-
-
-def write_group_report(path: Path, metrics: dict[str, Any]) -> None:
-    """autotune/report.md of a subgraph-mode run: the final line and one row per distinct group."""
-    rows = metrics.get("group_report") or []
-    lines = [
-        "# autotune (subgraph mode)", "",
-        metrics["final_line"], "",
-        f"Shipped: {metrics['shipped']} ({metrics['shipped_reason']}).", "",
-        f"{metrics['fusion_groups']} fusion groups, {metrics['groups']} with something to quantize, "
-        f"{metrics['distinct_groups']} distinct (each measured once on its subgraph); {metrics['measurements']} "
-        f"measurements ({metrics['tuning_seconds']:.0f} s of tuning in this invocation); incremental validation "
-        f"{'on' if metrics['incremental_validation'] else 'off'}, {metrics['kept_groups']} groups kept.", "",
-        "optimized_raw.onnx (every local winner, unvalidated): " + (
-            f"runs; accuracy {metrics['raw']['accuracy']['what']}"
-            f"{'' if metrics['raw']['accuracy']['ok'] else ' (OVER BUDGET)'}" if metrics["raw"].get("runs")
-            else f"does not run ({metrics['raw'].get('error')})") + ".", "",
-    ]
-    phases = metrics.get("phases") or []
-    if phases:
-        guard = metrics.get("guard") or {}
-        steps = [*phases, {"phase": "final guard", "steps": int(bool(guard.get("measured"))), "known": 0,
-                           "why": guard.get("why", "")}]
-        counts = ", ".join(f"{r['phase']} {r['steps']}" for r in steps)
-        lines += [f"Full-model steps: {sum(r['steps'] for r in steps)} ({counts}).", "",
-                  "| phase | full-model steps | why |", "|---|---|---|"]
-        for r in steps:
-            known = f" (+{r['known']} known from their parent)" if r["known"] else ""
-            lines.append(f"| {r['phase']} | {r['steps']}{known} | {r['why']} |")
-        lines += ["", "| step | phase | groups | bisects step | result |", "|---|---|---|---|---|"]
-        for st in metrics.get("steps") or []:
-            parent = "-" if st["parent"] is None else str(st["parent"])
-            lines.append(f"| {st['step']} | {st['phase']} | {st['groups']} | {parent} | {st['reason']} |")
-        lines.append("")
-    lines += [
-        "| group | instances | nodes | scheme (subgraph) | local gain | validation | full model | note |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for g in rows:
-        nodes = ", ".join(g["nodes"][:4]) + (f" (+{len(g['nodes']) - 4})" if len(g["nodes"]) > 4 else "")
-        full = f"{1.0 / g['full_model_ratio']:.3f}x" if g.get("full_model_ratio") else "-"
-        lines.append(f"| {g['group']} | {g['instances']} | {nodes} | {g['scheme']} | {g['local_gain']:.2f}x "
-                     f"({g['metric']}) | {g['validation']}{' (' + g['kept_scheme'] + ')' if g.get('kept_scheme') else ''}"
-                     f" | {full} | {g.get('reason') or ''} |")
-    atomic_write_text(path, "\n".join(lines) + "\n")

@@ -254,7 +254,7 @@ def test_fp8_subgraph_mode_warns_and_ships_what_the_guard_allows(tmp_path):
 
 
 def test_corrupt_cache_is_a_one_line_error_and_a_foreign_one_is_set_aside(tmp_path):
-    from tasks.autotune.subgraph_workflow import CACHE_VERSION
+    from tasks.autotune.subgraph.records import CACHE_VERSION
 
     model = models.save(models.conv_chain(), tmp_path, "m")
     rd = tmp_path / "r"

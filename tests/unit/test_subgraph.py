@@ -21,8 +21,9 @@ from tasks.autotune.autotuner import Config, QDQAutotunerBase
 from tasks.autotune.benchmark import compare_profiled
 from tasks.autotune.fusion_grouping import ort_fusion_groups, ort_optimized_graph
 from tasks.autotune.region import Region, RegionType
+from tasks.autotune.subgraph.profiling import _ranked, heuristic_schemes
+from tasks.autotune.subgraph.records import SubgraphCache
 from tasks.autotune.subgraph_extractor import extract_subgraph, reuse_key, tensor_infos
-from tasks.autotune.subgraph_workflow import SubgraphCache, _ranked, heuristic_schemes
 from tests import models
 from tests.conftest import compose
 
@@ -292,7 +293,8 @@ def _fake_step(bad: set[str], over: set[tuple[str, str]] = frozenset(), calls: l
 
 
 def _phase3(tmp_path, measure, name="cache.json"):
-    from tasks.autotune.subgraph_workflow import SubgraphCache, _Phase3
+    from tasks.autotune.subgraph.records import SubgraphCache
+    from tasks.autotune.subgraph.validation import _Phase3
 
     cache = SubgraphCache(tmp_path / name, "sha", "ctx")
     cache.load()
