@@ -43,8 +43,10 @@ def finalize(setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
         guard["why"] = ("measured float, tuned" + (" and PTQ models" if len(paths) > 2 else " models")
                         + f" in one interleaved run ({guard['why'] or 'no paired steps to reuse'})")
     choice, why = _choose(setup, paths, timings, verdicts)
-    if choice == baseline and quantize_decisions(setup.inputs.get("quantize/calibration.json"))["all_float"]:
-        why = "the quantize stage left every quantizable node float to meet the accuracy budget"
+    if quantize_decisions(setup.inputs.get("quantize/calibration.json"))["all_float"]:
+        # nothing was quantized: a "tuned" or "PTQ" model is the float graph again, and timing noise
+        # must not pick one of those copies over the float model itself
+        choice, why = baseline, "the quantize stage left every quantizable node float to meet the accuracy budget"
     base_t, tuned_t = timings[0], timings[1]
     ptq_t = timings[2] if len(timings) > 2 and timings[2].ok else None
     ptq_v = verdicts[2] if len(verdicts) > 2 else None
@@ -179,9 +181,10 @@ def _choose(setup: TuneSetup, paths: list[Path], timings: list[Any], verdicts: l
     elif ptq_t is not None and ok[ptq] and ptq_t.p10_ms < tuned_t.p10_ms * 0.98:
         choice, why = ptq, "the quantize stage's model measured faster than the tuned placement"
     if choice == ptq and (ptq_t is None or not ok[ptq]):
+        hint = tuned_v.hint or (ptq_v.hint if ptq_v is not None else "")
         return baseline, (f"no quantized model meets the accuracy budget ({budget.describe()}; tuned: "
                           f"{tuned_v.what}" + (f"; PTQ: {ptq_v.what}" if ptq_v is not None else "")
-                          + "): shipping the float model")
+                          + "): shipping the float model" + (f" ({hint})" if hint else ""))
     speedup = timings[0].p10_ms / timings[paths.index(choice)].p10_ms
     if speedup < threshold:
         return baseline, (f"no Q/DQ model beat the float baseline by the performance threshold "

@@ -119,6 +119,8 @@ def _recover(setup: QuantizeSetup, placer: Placer, unsupported: set[str], ops: d
     log.warning("quantize: the PTQ model misses the accuracy budget on %d held-out samples (%s); "
                 "ranking %d quantized nodes by their contribution to the output error",
                 holdout.samples, verdict.what, len(units))
+    if verdict.hint:
+        log.warning("quantize: %s", verdict.hint)
     float_nodes, recovered, report = recover_budget(
         placer.model, units, placed, recovery_checker(checker, cfg), verdict, outliers,
         math.floor(float(cfg.accuracy.max_float_fraction) * len(units)), bool(cfg.progress))
