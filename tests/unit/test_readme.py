@@ -117,3 +117,32 @@ def test_every_extra_test_is_marked_and_says_what_to_install():
                 before = text[:m.start() + 1].rstrip().splitlines()[-3:]
                 assert "@pytest.mark.extra" in before, f"{path.name}::{m.group(1)} lacks @pytest.mark.extra"
                 assert re.search(r"pip install|apt-get install", body), f"{path.name}::{m.group(1)}"
+
+
+def _section(title: str) -> str:
+    return README.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+
+
+def test_accuracy_as_you_define_it_examples_compose_and_the_metric_runs(tmp_path, monkeypatch):
+    """The custom metric as written scores outputs; both spec files compose through the CLI."""
+    import numpy as np
+
+    from tests import models
+
+    section = _section("Accuracy as you define it")
+    code = re.search(r"```python\n# my_metrics.py\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "my_metrics.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ns: dict = {}
+    exec(code, ns)  # noqa: S102 - the README's own example
+    logits = np.eye(4, dtype=np.float32)[[0, 1, 2, 3]]
+    assert ns["top1"]([{"logits": logits}], [{"logits": logits}], [np.array([0, 1, 2, 0])]) == 75.0
+    (tmp_path / "specs").mkdir()
+    models.save(models.conv_chain(), tmp_path, "minilm")
+    (tmp_path / "feeds").mkdir()
+    for name in ("minilm", "digits_top1"):
+        spec = re.search(rf"```yaml\n# specs/{name}.yaml\n(.*?)```", section, re.S).group(1)
+        (tmp_path / "specs" / f"{name}.yaml").write_text(spec)
+        proc = tune_in_process(["--config-path", "specs", "--config-name", name, "--cfg", "job"], cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+    assert "custom_metric: my_metrics.top1" in proc.stdout
