@@ -270,6 +270,27 @@ def _shape_overrides(data: Any, calibration: Iterable[Any] | None, batch_size: i
 # ---------------------------------------------------------------------------- the result
 
 
+def ort_session(results_dir: str | os.PathLike, providers: Sequence[str] = ("CPUExecutionProvider",)) -> Any:
+    """An onnxruntime.InferenceSession of the model a run shipped (autotune's, else quantize's, else
+    export's) with the session settings it ships with (autotune/ort_session.json: disabled fusions,
+    config entries, optimization level, threads): the two lines a deployment needs are
+
+        from pipeline.api import ort_session
+        session = ort_session("results/digits_cnn")
+    """
+    from pipeline.ort import SessionSettings
+    from pipeline.stage import MODEL_KEYS
+
+    manifest = Manifest(Path(results_dir))
+    shipped = next(((k, p) for k in MODEL_KEYS if (p := manifest.artifact(k)) is not None), None)
+    if shipped is None:
+        raise InputError(f"{results_dir}: no finished stage wrote a model (run tune with results_dir={results_dir})")
+    settings_path = manifest.artifact("autotune/ort_session.json")
+    use = shipped[0] == "autotune/optimized_final.onnx" and settings_path is not None
+    settings = SessionSettings.load(settings_path) if use else SessionSettings()
+    return settings.session(shipped[1], providers)
+
+
 def _result(results_dir: Path, summary: dict[str, Any]) -> TuneResult:
     from pipeline.stage import MODEL_KEYS
 

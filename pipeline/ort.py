@@ -1,17 +1,22 @@
 """ONNX Runtime sessions on ONNX models, for every stage that runs a model in ORT (export checks,
 calibration, bias correction, smoothing, subgraph extraction) and for the ORT backend: session
-options by optimization level, a session on a proto, bytes or path with intermediate tensors as
-extra outputs, and the guard that keeps ORT's int8 QDQ rewrites away from FP8 models.
+options by optimization level, the settings a tuned model ships with (``SessionSettings``), a
+session on a proto, bytes or path with intermediate tensors as extra outputs, and the guard that
+keeps ORT's int8 QDQ rewrites away from FP8 models.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import onnx
+
+from pipeline.artifacts import atomic_write_json, read_json
+from pipeline.errors import StateError
 
 _LEVELS = {
     "disable": "ORT_DISABLE_ALL",
@@ -38,11 +43,79 @@ def ort_session_options(optimization: str = "all", *, threads: int = 0,
     return so
 
 
+@dataclass(frozen=True)
+class SessionSettings:
+    """The ONNX Runtime session settings a model ships with (autotune/ort_session.json): they are not
+    stored in the .onnx file, and speed depends on them (a fusion that is slower than what it
+    replaces, the thread count). Defaults are ORT's own."""
+
+    disabled_optimizers: tuple[str, ...] = ()  # ORT graph transformer names, e.g. "SkipLayerNormFusion"
+    config_entries: tuple[tuple[str, str], ...] = ()  # session config entries, e.g. gelu approximation
+    graph_optimization_level: str = "all"  # all | extended | basic | disable
+    intra_op_num_threads: int = 0  # 0: ORT's choice (one per physical core)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"disabled_optimizers": list(self.disabled_optimizers), "config_entries": dict(self.config_entries),
+                "graph_optimization_level": self.graph_optimization_level,
+                "intra_op_num_threads": self.intra_op_num_threads}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SessionSettings:
+        level = str(d.get("graph_optimization_level", "all"))
+        if level not in _LEVELS:
+            raise ValueError(f"graph_optimization_level={level!r}, expected one of {', '.join(_LEVELS)}")
+        return cls(tuple(str(x) for x in d.get("disabled_optimizers") or ()),
+                   tuple(sorted((str(k), str(v)) for k, v in (d.get("config_entries") or {}).items())),
+                   level, int(d.get("intra_op_num_threads", 0)))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> SessionSettings:
+        """The settings of an ort_session.json; a StateError names a file that is not one."""
+        doc = read_json(path, "ORT session settings")
+        try:
+            return cls.from_dict(doc)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise StateError(f"ORT session settings {path} are corrupt ({exc}); re-run the autotune stage") from None
+
+    def save(self, path: str | os.PathLike) -> Path:
+        return atomic_write_json(path, self.to_dict())
+
+    def session(self, model: str | os.PathLike, providers: Iterable[str] = ("CPUExecutionProvider",)) -> Any:
+        """An InferenceSession of ``model`` with these settings: what a deployment runs."""
+        return ort_session(model, self.apply(ort_session_options()), providers=providers,
+                           disabled_optimizers=self.disabled_optimizers)
+
+    def changed(self, **fields: Any) -> SessionSettings:
+        return replace(self, **fields)
+
+    def apply(self, so: Any) -> Any:
+        """Set these settings on a SessionOptions (disabled_optimizers go to ``ort_session``)."""
+        import onnxruntime as ort
+
+        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[self.graph_optimization_level])
+        if self.intra_op_num_threads:
+            so.intra_op_num_threads = self.intra_op_num_threads
+        for key, value in self.config_entries:
+            so.add_session_config_entry(key, value)
+        return so
+
+    def describe(self) -> str:
+        parts = [f"disabled {', '.join(self.disabled_optimizers)}"] if self.disabled_optimizers else []
+        parts += [f"{k}={v}" for k, v in self.config_entries]
+        if self.graph_optimization_level != "all":
+            parts.append(f"graph optimization {self.graph_optimization_level}")
+        if self.intra_op_num_threads:
+            parts.append(f"{self.intra_op_num_threads} intra-op thread(s)")
+        return "; ".join(parts) or "ORT's defaults"
+
+
 def ort_session(model: onnx.ModelProto | bytes | str | os.PathLike, options: Any = None, *,
-                extra_outputs: Iterable[str] = (), providers: Iterable[str] = ("CPUExecutionProvider",)) -> Any:
+                extra_outputs: Iterable[str] = (), providers: Iterable[str] = ("CPUExecutionProvider",),
+                disabled_optimizers: Iterable[str] = ()) -> Any:
     """An InferenceSession for a model (proto, serialized bytes or path) with ``options`` (see
     ort_session_options; None: ORT's defaults) on ``providers``. ``extra_outputs`` (a proto only)
-    become graph outputs too, so intermediate tensors can be read from ``run``."""
+    become graph outputs too, so intermediate tensors can be read from ``run``;
+    ``disabled_optimizers`` names ORT graph transformers to skip (SessionSettings)."""
     import onnxruntime as ort
 
     if isinstance(model, onnx.ModelProto):
@@ -51,6 +124,10 @@ def ort_session(model: onnx.ModelProto | bytes | str | os.PathLike, options: Any
         raise TypeError("ort_session: extra_outputs needs the model as an onnx.ModelProto")
     else:
         data = model if isinstance(model, bytes) else str(model)
+    disabled = list(disabled_optimizers)
+    if disabled:
+        return ort.InferenceSession(data, sess_options=options, providers=list(providers),
+                                    disabled_optimizers=disabled)
     return ort.InferenceSession(data, sess_options=options, providers=list(providers))
 
 

@@ -8,6 +8,7 @@ during graph optimization, so the optimized graph shows which placements really 
 from __future__ import annotations
 
 import bisect
+import copy
 import functools
 import os
 import time
@@ -22,7 +23,7 @@ from pipeline.backends.base import Backend, BuildResult, PreparedModel, specs_of
 from pipeline.config import enum_value
 from pipeline.data import fixed_feeds
 from pipeline.errors import BackendUnavailable
-from pipeline.ort import disable_qdq_fusion_if_fp8, ort_session, ort_session_options
+from pipeline.ort import SessionSettings, disable_qdq_fusion_if_fp8, ort_session, ort_session_options
 
 
 @functools.lru_cache(maxsize=1)
@@ -166,6 +167,14 @@ class OrtProfiled(OrtPrepared):
 
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
+    # the session settings a tuned model ships with (autotune/ort_session.json); None: backend.* alone
+    settings: SessionSettings | None = None
+
+    def with_settings(self, settings: SessionSettings | None) -> OnnxRuntimeBackend:
+        """This backend with ``settings`` applied over backend.* to every session it creates."""
+        other = copy.copy(self)
+        other.settings = settings
+        return other
 
     def check_available(self) -> None:
         try:
@@ -182,6 +191,8 @@ class OnnxRuntimeBackend(Backend):
 
     @property
     def threads(self) -> int:
+        if self.settings is not None and self.settings.intra_op_num_threads:
+            return self.settings.intra_op_num_threads
         n = int(self.cfg.intra_op_threads)
         return n if n > 0 else physical_cores()
 
@@ -190,6 +201,8 @@ class OnnxRuntimeBackend(Backend):
                                  optimized_path=optimized_path)
         so.inter_op_num_threads = 1
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.cfg.allow_spinning else "0")
+        if self.settings is not None:
+            self.settings.apply(so)
         return so
 
     def session(self, model_path: str | Path, optimized_path: str | None = None,
@@ -201,7 +214,8 @@ class OnnxRuntimeBackend(Backend):
             so.enable_profiling = True
             so.profile_file_prefix = profile_prefix
         disable_qdq_fusion_if_fp8(so, model_path)
-        return ort_session(model_path, so, providers=self.cfg.providers)
+        return ort_session(model_path, so, providers=self.cfg.providers,
+                           disabled_optimizers=self.settings.disabled_optimizers if self.settings else ())
 
     def prepare(self, model_path: str | Path, profile: bool = False) -> OrtPrepared:
         if not profile:
@@ -252,8 +266,11 @@ class OnnxRuntimeBackend(Backend):
     def describe(self) -> dict[str, Any]:
         import onnxruntime as ort
 
-        return {"backend": self.name, "onnxruntime": ort.__version__, "providers": list(self.cfg.providers),
+        info = {"backend": self.name, "onnxruntime": ort.__version__, "providers": list(self.cfg.providers),
                 "threads": self.threads}
+        if self.settings is not None:
+            info["session"] = self.settings.describe()
+        return info
 
     def has_fast_kernels(self, quant_type: str) -> bool:
         # the CPU EP has integer kernels for int8/uint8 but none for fp8: FP8 Q/DQ only adds casts

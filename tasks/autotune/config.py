@@ -56,6 +56,19 @@ PRESETS: dict[str, tuple[int, int, int]] = {
 }
 
 
+@dataclass
+class RuntimeSearchConfig:
+    """After placement, the ONNX Runtime session settings the shipped model runs fastest with (graph
+    fusions to disable, gelu approximation, intra-op threads, optimization level), each kept only if
+    it is faster beyond the noise and the model still meets the accuracy budget; written to
+    autotune/ort_session.json. ONNX Runtime backend only."""
+
+    enabled: bool = True
+    max_seconds: float = 300.0  # the search stops after this long (what is measured so far is kept)
+    max_rounds: int = 12  # paired rounds per candidate at most (a clear verdict ends it sooner)
+    keep_below: float = 0.98  # a setting is kept when its latency ratio's 95% interval lies below this
+
+
 def _only(mode: str, default: Any = None) -> Any:
     """A key only one mode reads (``ignored_keys`` warns when the other mode is chosen)."""
     return field(default=default, metadata={"mode": mode})
@@ -79,6 +92,7 @@ class AutotuneConfig:
     performance_threshold: float = 1.02
     verbose: bool = False
     accuracy: AccuracyAlias = field(default_factory=AccuracyAlias)  # deprecated: use the `accuracy` group
+    runtime: RuntimeSearchConfig = field(default_factory=RuntimeSearchConfig)
 
     # ---- region mode
     schemes_per_region: Optional[int] = _only("region")
@@ -150,4 +164,11 @@ def validate(cfg: DictConfig) -> list[str]:
                 "minimum_topdown_search_size", "pattern_cache_max_entries_per_pattern"):
         if a[key] < 1:
             problems.append(f"autotune.{key}={a[key]}: must be >= 1")
+    r = a.runtime
+    if r.max_rounds < 2:
+        problems.append(f"autotune.runtime.max_rounds={r.max_rounds}: must be >= 2 (a ratio needs two rounds)")
+    if not 0.0 < r.keep_below <= 1.0:
+        problems.append(f"autotune.runtime.keep_below={r.keep_below}: must be in (0, 1]")
+    if r.max_seconds < 0:
+        problems.append(f"autotune.runtime.max_seconds={r.max_seconds}: must be >= 0")
     return problems

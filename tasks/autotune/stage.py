@@ -28,6 +28,7 @@ from pipeline.stage import Stage, StageContext, StageResult
 from tasks.autotune.config import PRESETS
 from tasks.autotune.guard import finalize
 from tasks.autotune.progress import ProgressBars
+from tasks.autotune.runtime_search import tune_runtime
 from tasks.autotune.tune_setup import ModeResult, TuneSetup
 
 log = logging.getLogger("tune.autotune")
@@ -87,11 +88,17 @@ class AutotuneStage(Stage):
         result = (self._region if mode == "region" else self._subgraph)(ctx, setup)
         metrics = finalize(setup, result)
         metrics.update(result.metrics)
+        runtime_artifacts, metrics["runtime"] = tune_runtime(setup, ctx.cfg.autotune.runtime)
+        if "speedup_vs_float_default" in metrics["runtime"]:
+            metrics["headline"] += (f"; session: {metrics['runtime']['describe']} -> "
+                                    f"{metrics['runtime']['speedup_vs_float_default']:.2f}x vs float with ORT's "
+                                    f"defaults ({metrics['runtime']['speedup_vs_float_same_settings']:.2f}x vs float "
+                                    f"with the same settings)")
         if result.report is not None:
             result.report(metrics)
         result.tuned.unlink(missing_ok=True)
         artifacts = {"autotune/optimized_final.onnx": setup.out / "optimized_final.onnx",
-                     "autotune/baseline.onnx": setup.baseline_path, **result.artifacts}
+                     "autotune/baseline.onnx": setup.baseline_path, **result.artifacts, **runtime_artifacts}
         missing = [k for k in (*COMMON_OUTPUTS, *MODE_OUTPUTS[mode]) if k not in artifacts]
         if missing:
             raise StageError(f"autotune ({mode} mode) did not write {', '.join(missing)}")

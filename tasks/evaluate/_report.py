@@ -54,8 +54,8 @@ def _fidelity_text(fid: dict[str, Any] | None, verdict: dict[str, Any]) -> str:
 
 def markdown(metrics: dict[str, Any]) -> str:
     """report.md: what was compared and how, the table, the budget, the machine, how to reproduce."""
-    sections = (_header(metrics), _table(metrics), _budget(metrics), _sensitivity(metrics), _machine(metrics),
-                _duplicates(metrics), _definitions(), _reproduce(metrics))
+    sections = (_header(metrics), _table(metrics), _session(metrics), _budget(metrics), _sensitivity(metrics),
+                _machine(metrics), _duplicates(metrics), _definitions(), _reproduce(metrics))
     return "\n".join(line for section in sections for line in section)
 
 
@@ -112,6 +112,17 @@ def _table(metrics: dict[str, Any]) -> list[str]:
             row += ["–", "–", "–", "–"]
         lines.append("| " + " | ".join(row) + " |")
     return lines
+
+
+def _session(metrics: dict[str, Any]) -> list[str]:
+    """The autotuned model's shipped session settings, and its speedup against float run with them too."""
+    m = metrics["models"].get("autotuned") or {}
+    if not m.get("session"):
+        return []
+    return ["", f"The autotuned model runs with the session settings in `autotune/ort_session.json` ({m['session']}): "
+                f"{_num(m.get('speedup'), '.2f')}x ({_num(m.get('speedup_p10'), '.2f')}x) against float with ORT's "
+                f"defaults (the table), {_num(m.get('speedup_same_session'), '.2f')}x "
+                f"({_num(m.get('speedup_same_session_p10'), '.2f')}x) against float run with the same settings."]
 
 
 def _budget(metrics: dict[str, Any]) -> list[str]:

@@ -108,7 +108,7 @@ class EvaluateStage(Stage):
     name = "evaluate"
     inputs = ("export/model.onnx",)
     optional_inputs = ("quantize/quantized_model.onnx", "autotune/optimized_final.onnx", "quantize/calibration.json",
-                       "quantize/float_model.onnx")
+                       "quantize/float_model.onnx", "autotune/ort_session.json")
     outputs = ("evaluate/metrics.json", "evaluate/report.md")
     config_keys = ("evaluate", "data", "backend", "seed", "accuracy")
 
@@ -123,11 +123,17 @@ class EvaluateStage(Stage):
 
         # every model is prepared once (a full engine build on TensorRT) for scoring and latency alike
         prepared: dict[str, PreparedModel] = {}
+        settings = self._session_settings(ctx, backend)
         try:
             for c in evaluated:
-                prepared[c.key] = self._prepare(backend, c)
+                # the autotuned model runs with the session settings it ships with
+                prepared[c.key] = self._prepare(backend.with_settings(settings) if settings and c.key == "autotuned"
+                                                else backend, c)
             scores, batches = self._score(ctx, backend, evaluated, specs, max_batches, prepared)
             fidelity = self._fidelity(ctx, backend, evaluated, specs, prepared)
+            if settings is not None and ecfg.latency and "autotuned" in prepared:
+                # float with the same settings: so a runtime win is not read as a quantization win
+                prepared["float_same_session"] = self._prepare(backend.with_settings(settings), evaluated[0])
             timings = (self._latency(backend, evaluated, prepared, int(ecfg.latency_repeats))
                        if ecfg.latency else None)
         finally:
@@ -340,14 +346,28 @@ class EvaluateStage(Stage):
                  rounds: int) -> dict[str, Any]:
         """Interleaved timing of the models already prepared for scoring (no second build)."""
         runs = max(1, backend.timing_runs // rounds)
-        timings = compare_prepared(backend.name, [prepared[c.key] for c in evaluated], rounds=rounds,
+        keys = [c.key for c in evaluated] + [k for k in prepared if k not in {c.key for c in evaluated}]
+        timings = compare_prepared(backend.name, [prepared[k] for k in keys], rounds=rounds,
                                    runs_per_round=runs, warmup_runs=backend.warmup_runs)
-        for c, t in zip(evaluated, timings, strict=True):
+        for c, t in zip(evaluated, timings, strict=False):
             if not t.ok:
                 raise StageError(f"latency of the {c.label} model {c.artifact} could not be measured on "
                                  f"{backend.name}: {(t.error or 'unknown error').strip().splitlines()[0]}")
-        return {"rounds": rounds, "runs_per_round": runs, "warmup_runs": backend.warmup_runs,
-                "timings": dict(zip((c.key for c in evaluated), timings, strict=True))}
+        timed = dict(zip(keys, timings, strict=True))
+        extra = {k: timed.pop(k) for k in keys[len(evaluated):]}
+        return {"rounds": rounds, "runs_per_round": runs, "warmup_runs": backend.warmup_runs, "timings": timed,
+                "extra": extra}
+
+    @staticmethod
+    def _session_settings(ctx: StageContext, backend: Backend) -> Any:
+        """autotune/ort_session.json when it changes anything on this (ONNX Runtime) backend, else None."""
+        from pipeline.ort import SessionSettings
+
+        path = ctx.artifact("autotune/ort_session.json")
+        if path is None or backend.name != "onnxruntime":
+            return None
+        settings = SessionSettings.load(path)
+        return None if settings == SessionSettings() else settings
 
     # ------------------------------------------------------------------ assembling the metrics
     def _metrics(self, ctx: StageContext, backend: Backend, evaluated: list[EvaluatedModel],
@@ -391,6 +411,12 @@ class EvaluateStage(Stage):
             "model_name": str(ctx.cfg.model.name),
             "reproduce": _reproduce_commands(ctx),
         }
+        same = (latency or {}).get("extra", {}).get("float_same_session")
+        if same is not None and same.ok and "autotuned" in models and models["autotuned"].get("latency_ms"):
+            at = latency["timings"]["autotuned"]
+            models["autotuned"]["speedup_same_session"] = same.median_ms / at.median_ms
+            models["autotuned"]["speedup_same_session_p10"] = same.p10_ms / at.p10_ms
+            models["autotuned"]["session"] = self._session_settings(ctx, backend).describe()
         if latency:
             ratios = (t.p90_ms / t.p10_ms for t in latency["timings"].values() if t.p10_ms > 0)
             spread = max((r for r in ratios if not math.isnan(r)), default=None)

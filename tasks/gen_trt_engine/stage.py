@@ -35,7 +35,7 @@ def _shapes(node: Any) -> dict[str, list[int]]:
 
 class GenTrtEngineStage(Stage):
     name = "gen_trt_engine"
-    optional_inputs = MODEL_KEYS
+    optional_inputs = (*MODEL_KEYS, "autotune/ort_session.json")
     outputs = ()  # which files depends on the backend (engine + build.log, or model.ort.onnx + build.json)
     config_keys = ("gen_trt_engine", "backend")
 
@@ -88,6 +88,11 @@ class GenTrtEngineStage(Stage):
         out_dir = ctx.stage_dir("gen_trt_engine")
         backend = create_backend(ctx.cfg.backend)
         if backend.name == "onnxruntime":
+            settings = ctx.artifact("autotune/ort_session.json") if source == "autotune/optimized_final.onnx" else None
+            if settings is not None:  # the graph ORT runs with the session settings the model ships with
+                from pipeline.ort import SessionSettings
+
+                backend = backend.with_settings(SessionSettings.load(settings))
             return self._ort(backend, model_path, source, out_dir)
         engine, build_log = out_dir / "model.engine", out_dir / "build.log"
         log.info("building a %s engine from %s (%s)", backend.name, model_path, source)
