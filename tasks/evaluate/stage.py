@@ -30,6 +30,7 @@ from pipeline.graph import InputSpec, input_specs, load_model
 from pipeline.metrics import ModelScores, json_safe
 from pipeline.progress import progress_bar
 from pipeline.stage import Stage, StageContext, StageResult
+from tasks.evaluate._custom import CustomScores
 
 log = logging.getLogger("tune.evaluate")
 
@@ -65,43 +66,6 @@ _MODELS = (
     ("ptq", "PTQ", "quantize/quantized_model.onnx"),
     ("autotuned", "autotuned", "autotune/optimized_final.onnx"),
 )
-
-
-class _CustomScores:
-    """accuracy.custom_metric over the whole evaluation set: each model's outputs (by name, padding
-    removed) are kept until the pass ends, since the metric may be dataset-level (mAP, recall@k).
-    Without a custom metric nothing is kept."""
-
-    def __init__(self, metric: Any, names: list[str], keys: list[str]):
-        self.metric, self.names = metric, names
-        self.outputs: dict[str, list[dict[str, np.ndarray]]] = {k: [] for k in keys}
-        self.labels: list[Any] = []
-        self.valid: list[int] = []
-
-    @classmethod
-    def from_config(cls, cfg: Any, names: list[str], keys: list[str]) -> _CustomScores:
-        from pipeline.accuracy import CustomMetric
-
-        return cls(CustomMetric.from_config(cfg), names, keys)
-
-    def add(self, key: str, outputs: list[np.ndarray], labels: Any, valid: int) -> None:
-        if self.metric is None:
-            return
-        from pipeline.accuracy import by_name
-
-        self.outputs[key].append(by_name(outputs, self.names, valid))
-        if key == "float":
-            self.labels.append(labels)
-            self.valid.append(valid)
-
-    def result(self) -> dict[str, float]:
-        """Each model's score (the float model's own outputs are its reference)."""
-        if self.metric is None:
-            return {}
-        from pipeline.accuracy import labels_of
-
-        labels, ref = labels_of(self.labels, self.valid), self.outputs["float"]
-        return {k: self.metric(outs, ref, labels) for k, outs in self.outputs.items()}
 
 
 class EvaluateStage(Stage):
@@ -228,7 +192,7 @@ class EvaluateStage(Stage):
         classes = list(classes) if classes is not None else None
         check_output_names(AccuracyBudget.from_config(ctx.cfg), classes, names)
         scores = {c.key: ModelScores(top_k=top_k, output_names=names, class_outputs=classes) for c in evaluated}
-        custom = _CustomScores.from_config(ctx.cfg, names, [c.key for c in evaluated])
+        custom = CustomScores.from_config(ctx.cfg, names, [c.key for c in evaluated])
         batches = 0
         bar = progress_bar(bool(ctx.cfg.progress), total=provider.count("evaluation", max_batches),
                            desc="evaluate", unit="batch")

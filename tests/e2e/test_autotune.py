@@ -48,6 +48,9 @@ def test_outputs_final_line_and_exact_placement(tiny, tmp_path):
     assert list((out / "region_models").glob("region_*_level_*.onnx"))
     assert "Baseline: " in proc.stderr and "x speedup)" in proc.stderr
     metrics = json.loads((rd / "manifest.json").read_text())["stages"]["autotune"]["metrics"]
+    # the session settings the model ships with: searched, in the manifest and beside the model
+    assert metrics["runtime"]["searched"] and metrics["runtime"]["steps"]
+    assert json.loads((out / "ort_session.json").read_text()) == metrics["runtime"]["settings"]
     final = onnx.load(str(out / "optimized_final.onnx"))
     onnx.checker.check_model(final)
     # the shipped file is exactly the measured winner: rebuild the committed placement from the state

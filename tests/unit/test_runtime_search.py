@@ -1,0 +1,131 @@
+"""The ONNX Runtime session settings search: its candidates come from the graph ORT runs, its settings
+file round-trips and opens sessions, quantized MatMuls that ORT runs in float are named."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from pipeline.errors import StateError
+from pipeline.ort import SessionSettings, ort_session, ort_session_options
+from tasks.autotune.runtime_search import FUSIONS, apply_change, candidates, float_matmuls
+from tests import models
+
+
+def _optimized(model: onnx.ModelProto, tmp_path, settings: SessionSettings = SessionSettings()) -> onnx.ModelProto:
+    so = settings.apply(ort_session_options("all", optimized_path=tmp_path / "opt.onnx"))
+    ort_session(model, so, disabled_optimizers=settings.disabled_optimizers)
+    return onnx.load(str(tmp_path / "opt.onnx"))
+
+
+def test_candidates_name_the_transformers_that_made_the_fused_ops(tmp_path):
+    model = models.transformer_layer()  # ORT fuses its erf GELU (Gelu) and residual + LN (SkipLayerNormalization)
+    opt = _optimized(model, tmp_path)
+    fused = {(n.domain, n.op_type) for n in opt.graph.node}
+    names = [name for name, _ in candidates(opt, model, cores=2)]
+    for key, transformer in FUSIONS.items():
+        assert (f"disable {transformer}" in names) == (key in fused)
+    assert "gelu approximation" in names and names[-1] == "1 intra-op thread"
+    # disabling the transformer a candidate names removes its fused op from the graph ORT runs
+    name, change = next((n, c) for n, c in candidates(opt, model, 2) if n.startswith("disable"))
+    again = _optimized(model, tmp_path, apply_change(SessionSettings(), change))
+    op = next(k for k, v in FUSIONS.items() if f"disable {v}" == name)
+    assert op in fused and op not in {(n.domain, n.op_type) for n in again.graph.node}
+
+
+def test_changes_accumulate_and_the_settings_file_round_trips(tmp_path):
+    s = apply_change(SessionSettings(), {"disable": "SkipLayerNormFusion"})
+    s = apply_change(s, {"entry": ("optimization.enable_gelu_approximation", "1")})
+    s = apply_change(apply_change(s, {"threads": 1}), {"disable": "BiasGeluFusion"})
+    assert s.disabled_optimizers == ("BiasGeluFusion", "SkipLayerNormFusion") and s.intra_op_num_threads == 1
+    path = s.save(tmp_path / "ort_session.json")
+    assert SessionSettings.load(path) == s
+    doc = path.read_text()
+    assert '"disabled_optimizers"' in doc and '"config_entries"' in doc and '"intra_op_num_threads": 1' in doc
+    sess = SessionSettings.load(path).session(models.save(models.attention_block(), tmp_path, "a"))
+    assert sess.get_session_options().intra_op_num_threads == 1
+    assert "disabled BiasGeluFusion, SkipLayerNormFusion" in s.describe()
+    (tmp_path / "bad.json").write_text('{"graph_optimization_level": "fastest"}')
+    with pytest.raises(StateError, match="bad.json are corrupt .*graph_optimization_level='fastest'"):
+        SessionSettings.load(tmp_path / "bad.json")
+
+
+def _qdq_matmul(act_dtype: int) -> onnx.ModelProto:
+    """x -> Q/DQ (``act_dtype``) -> MatMul with an int8 weight through DQ."""
+    rng = np.random.default_rng(0)
+    w = (rng.integers(-100, 100, (16, 8))).astype(np.int8)
+    zp = np.zeros((), np.int8 if act_dtype == TensorProto.INT8 else np.uint8)
+    inits = [onnx.numpy_helper.from_array(w, "w_q"), onnx.numpy_helper.from_array(np.float32(0.01), "w_s"),
+             onnx.numpy_helper.from_array(np.int8(0), "w_z"), onnx.numpy_helper.from_array(np.float32(0.02), "x_s"),
+             onnx.numpy_helper.from_array(zp, "x_z")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "x_s", "x_z"], ["x_q"], name="q"),
+             helper.make_node("DequantizeLinear", ["x_q", "x_s", "x_z"], ["x_dq"], name="dq"),
+             helper.make_node("DequantizeLinear", ["w_q", "w_s", "w_z"], ["w_dq"], name="wdq"),
+             helper.make_node("MatMul", ["x_dq", "w_dq"], ["y"], name="mm")]
+    g = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_quantized_matmul_that_ort_runs_in_float_is_named(tmp_path):
+    fused = _qdq_matmul(TensorProto.UINT8)
+    assert float_matmuls(fused, _optimized(fused, tmp_path)) == []
+    plain = SessionSettings(graph_optimization_level="basic")  # no QDQ fusion: the MatMul stays float
+    assert float_matmuls(fused, _optimized(fused, tmp_path, plain)) == ["mm"]
+
+
+class _Verdict:
+    ok, what = True, "within budget"
+
+    def to_dict(self) -> dict:
+        return {"ok": True, "what": self.what}
+
+
+def test_an_interrupted_search_resumes_at_the_next_candidate(tmp_path, monkeypatch):
+    """Each step is saved before the next begins: after an interruption the same search measures only
+    the candidates it had not, and ends where an uninterrupted one does; another model's state is
+    set aside."""
+    from omegaconf import OmegaConf
+
+    from pipeline.backends.onnxruntime import OnnxRuntimeBackend
+    from pipeline.config import OnnxRuntimeBackendConfig
+    from tasks.autotune import runtime_search as rs
+    from tasks.autotune.config import RuntimeSearchConfig
+
+    model = models.transformer_layer()
+    path = models.save(model, tmp_path, "t")
+    opt = _optimized(model, tmp_path)
+    backend = OnnxRuntimeBackend(OmegaConf.structured(OnnxRuntimeBackendConfig(warmup_runs=1, timing_runs=8)))
+    rcfg = OmegaConf.structured(RuntimeSearchConfig(max_rounds=3))
+    state = tmp_path / "runtime_search.json"
+    names = [n for n, _ in candidates(opt, model, 2)]
+    assert len(names) >= 3
+
+    measured: list[str] = []
+    real_step = rs.RuntimeSearch._step
+
+    def step(self, cand, current):
+        if len(measured) == 2:
+            raise KeyboardInterrupt  # killed while the third candidate is measured
+        measured.append(cand.name)
+        return real_step(self, cand, current)
+
+    monkeypatch.setattr(rs.RuntimeSearch, "_step", step)
+    with pytest.raises(KeyboardInterrupt):
+        rs.RuntimeSearch(backend, path, lambda pm: _Verdict(), rcfg, state, "ctx").run(opt, model, 2)
+    import json
+
+    assert [s["name"] for s in json.loads(state.read_text())["steps"]] == names[:2]
+    measured.clear()
+    monkeypatch.setattr(rs.RuntimeSearch, "_step", lambda self, c, cur: measured.append(c.name) or real_step(self, c, cur))
+    search = rs.RuntimeSearch(backend, path, lambda pm: _Verdict(), rcfg, state, "ctx")
+    search.run(opt, model, 2)
+    assert measured == names[2:] and [s["name"] for s in search.doc["steps"]] == names and search.doc["done"]
+    # the search of another model starts afresh and keeps the old state aside
+    other = models.save(models.transformer_layer(seed=1), tmp_path, "t2")
+    fresh = rs.RuntimeSearch(backend, other, lambda pm: _Verdict(), rcfg, state, "ctx")
+    measured.clear()
+    fresh.run(opt, model, 2)
+    assert measured == names and list((tmp_path / "stale").glob("*/runtime_search.json"))
