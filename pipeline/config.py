@@ -187,8 +187,8 @@ class OnnxRuntimeBackendConfig(BackendConfig):
     intra_op_threads: int = 0
     graph_optimization_level: GraphOptimizationLevel = GraphOptimizationLevel.all
     # ORT worker threads spin after each run by default; when models are measured in alternation,
-    # one session's spinning threads slow the next session's runs (measured here: up to 30% on the
-    # model measured right after another), so measurement sessions do not spin unless asked to
+    # one session's spinning threads slow the next session's runs, so measurement sessions do not
+    # spin unless asked to
     allow_spinning: bool = False
 
 
