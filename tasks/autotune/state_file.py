@@ -99,5 +99,6 @@ def resume_or_set_aside(load: Callable[[], Any], path: Path, kind: StateFileKind
         if not own:
             raise
         dest = set_aside(path, companions)
-        log.info("autotune: %s %s %s; moved to %s, tuning starts afresh", kind.what, path.name, exc.reason, dest)
+        log.info("autotune: %s %s %s; moved to %s/stale/%s/, starting afresh", kind.what, path.name, exc.reason,
+                 path.parent.name, dest.name)
         return False

@@ -42,8 +42,9 @@ def test_a_changed_model_re_tunes_and_sets_the_old_state_aside(tmp_path, mode):
     proc = run_tune(_args(model, rd, mode), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
-    notes = [ln for ln in proc.stderr.splitlines() if "tuning starts afresh" in ln]
+    notes = [ln for ln in proc.stderr.splitlines() if "starting afresh" in ln and STATE[mode] in ln]
     assert len(notes) == 1 and "belongs to a different model" in notes[0], proc.stderr
+    assert "moved to autotune/stale/" in notes[0]
     stale = list((rd / "autotune" / "stale").glob(f"*/{STATE[mode]}"))
     assert len(stale) == 1 and stale[0].read_bytes() == old  # nothing lost
     assert state.read_bytes() != old
