@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from pipeline.config import enum_value
 from pipeline.errors import ConfigError, InputError, first_line
 from pipeline.live import metric_name
-from pipeline.metrics import ModelScores, db_text
+from pipeline.metrics import FIRST_OUTPUT, ModelScores, db_text
 
 log = logging.getLogger("tune.accuracy")
 
@@ -197,6 +197,8 @@ def _restricted(scores: dict[str, Any], keep: list[bool]) -> dict[str, Any]:
     names = scores.get("output_names") or []
     classes = [names.index(c) for c in scores.get("class_outputs") or [] if c in names]
     kept = [i for i in classes if keep[i]]
+    if classes and not keep[classes[0]]:
+        out["top1"] = None  # top-1 is counted on the first class output, which is not judged
     if "agreement_per_output" in scores:
         first = kept[0] if kept else None
         out["agreement"] = _at(scores, "agreement_per_output", first) if first is not None else None
@@ -228,8 +230,8 @@ def _passing(scores: dict[str, Any], budget: AccuracyBudget) -> tuple[str, ...]:
     are several: a verdict that fails on one output names the others, so the user can say which
     output matters (accuracy.outputs)."""
     names = scores.get("output_names") or []
-    if len(names) < 2:
-        return ()
+    if len(names) < 2 or budget.metric in ("custom", "top1") or (budget.metric == "auto" and scores.get("top1") is not None):
+        return ()  # a whole-model metric decided: judging fewer outputs would not change it
     key, floor = (("cosine_per_output", budget.min_cosine) if budget.metric == "cosine"
                   else ("snr_db_per_output", budget.min_snr_db))
     flags = scores.get("float_outputs") or [True] * len(names)
@@ -400,9 +402,8 @@ class Holdout:
         if fresh < count:
             source = (f"the last {len(window)} calibration batches ({min(len(window), count - fresh)} of them also "
                       f"calibrated on: the calibration data has only {seen} batches)")
-        classes = cfg.accuracy.class_outputs
         return cls([b.feeds for b in window], [b.labels for b in window], [b.valid for b in window], source=source,
-                   budget=AccuracyBudget.from_config(cfg), class_outputs=list(classes) if classes is not None else None,
+                   budget=AccuracyBudget.from_config(cfg), class_outputs=class_outputs(cfg),
                    metric=CustomMetric.from_config(cfg))
 
     def set_reference(self, prepared: Any) -> None:
@@ -447,12 +448,22 @@ class Holdout:
         return int(sum(self.valid))
 
 
+def class_outputs(cfg: DictConfig) -> list[str] | None:
+    """accuracy.class_outputs, plus the outputs accuracy.per_output judges by agreement (which needs
+    class scores counted on them); None: the shape guess on the first output, and those outputs."""
+    a = cfg.accuracy
+    agreement = [str(o) for o, m in (a.per_output or {}).items() if enum_value(m) == "agreement"]
+    if a.class_outputs is None:
+        return None if not agreement else [FIRST_OUTPUT, *agreement]
+    return list(dict.fromkeys([*a.class_outputs, *agreement]))
+
+
 def check_output_names(budget: AccuracyBudget | None, class_outputs: list[str] | None,
                        names: list[str] | None) -> None:
     """A ConfigError naming the model's outputs when an accuracy key names an output it does not have."""
     if budget is not None:
         budget.check_outputs(names)
-    unknown = [o for o in class_outputs or [] if names and o not in names]
+    unknown = [o for o in class_outputs or [] if names and o not in names and o != FIRST_OUTPUT]
     if unknown:
         raise ConfigError(f"accuracy.class_outputs: the model has no output {', '.join(repr(o) for o in unknown)}; "
                           f"its outputs are {', '.join(names or [])}")

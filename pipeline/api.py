@@ -177,11 +177,14 @@ def _metric_overrides(metric: Any, live: dict[str, Any], given: set[str]) -> lis
         raise ConfigError("accuracy.custom_metric: given both as an override and as tune(metric=...); pass one")
     try:
         source = inspect.getsource(metric)
-    except (OSError, TypeError):
-        source = None
+    except (OSError, TypeError):  # a partial, a callable object: nothing to read, so never "unchanged"
+        source = f"id {id(metric)}"
     name = getattr(metric, "__qualname__", type(metric).__name__)
     short = getattr(metric, "__name__", type(metric).__name__)
-    key = f"{metric_attribute(short)}__{fingerprint({'name': name, 'source': source})[:16]}"
+    # closures and defaults are part of what the metric computes (make(k=1) and make(k=5) share a source)
+    bound = [repr(c.cell_contents) for c in getattr(metric, "__closure__", None) or ()] + \
+        [repr(getattr(metric, "__defaults__", None)), repr(getattr(metric, "__kwdefaults__", None))]
+    key = f"{metric_attribute(short)}__{fingerprint({'name': name, 'source': source, 'bound': bound})[:16]}"
     live[f"metric:{key}"] = metric
     return ["accuracy.metric=custom", f"accuracy.custom_metric=pipeline.live.{key}"]
 

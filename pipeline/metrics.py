@@ -95,6 +95,8 @@ def cosine_similarities(reference: np.ndarray, test: np.ndarray, valid: int | No
 
 
 DECISIVE_MARGIN = 0.5
+# in ModelScores.class_outputs: "the first output, when its shape says so" (the default guess)
+FIRST_OUTPUT = "*first*"
 
 
 def decisive_agreement(reference: np.ndarray, test: np.ndarray, valid: int | None = None,
@@ -184,10 +186,13 @@ class ModelScores:
     custom: float | None = None  # accuracy.custom_metric's score, set by whoever computed it
 
     def classes(self, count: int) -> list[int]:
-        """Indices of the outputs treated as class scores, the first one being the labels' output."""
+        """Indices of the outputs treated as class scores, the first one being the labels' output
+        (FIRST_OUTPUT in class_outputs: the first output, when its shape says so)."""
         if self.class_outputs is None:
             return [0]
-        return [self.output_names.index(n) for n in self.class_outputs if n in self.output_names[:count]]
+        out = [0 if n == FIRST_OUTPUT else self.output_names.index(n) for n in self.class_outputs
+               if n == FIRST_OUTPUT or n in self.output_names[:count]]
+        return list(dict.fromkeys(out))
 
     def update(self, reference: list[np.ndarray], outputs: list[np.ndarray], labels: np.ndarray | None,
                valid: int) -> None:

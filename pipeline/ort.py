@@ -81,9 +81,12 @@ class SessionSettings:
         return atomic_write_json(path, self.to_dict())
 
     def session(self, model: str | os.PathLike, providers: Iterable[str] = ("CPUExecutionProvider",)) -> Any:
-        """An InferenceSession of ``model`` with these settings: what a deployment runs."""
-        return ort_session(model, self.apply(ort_session_options()), providers=providers,
-                           disabled_optimizers=self.disabled_optimizers)
+        """An InferenceSession of ``model`` with these settings, as they were measured (one inter-op
+        thread, FP8 models kept away from ORT's int8 QDQ rewrites): what a deployment runs."""
+        so = self.apply(ort_session_options())
+        so.inter_op_num_threads = 1
+        disable_qdq_fusion_if_fp8(so, model)
+        return ort_session(model, so, providers=providers, disabled_optimizers=self.disabled_optimizers)
 
     def changed(self, **fields: Any) -> SessionSettings:
         return replace(self, **fields)

@@ -62,10 +62,12 @@ def only_node_quantized(float_model: onnx.ModelProto, qmodel: onnx.ModelProto, n
     position = next(k for k, n in enumerate(m.graph.node) if n.name == node)
     target = m.graph.node[position]
     chain: list[onnx.NodeProto] = []
+    added: set[str] = set()
     for qi in inputs:
         for n in (qi.q, qi.dq):
-            if n is None:
+            if n is None or n.output[0] in added:  # one chain read in two slots (Mul(x, x)) goes in once
                 continue
+            added.add(n.output[0])
             chain.append(n)
             for name in n.input:
                 if name in inits and name not in have:
@@ -75,16 +77,9 @@ def only_node_quantized(float_model: onnx.ModelProto, qmodel: onnx.ModelProto, n
             target.input[qi.slot] = qi.dq.output[0]
     for k, n in enumerate(chain):
         m.graph.node.insert(position + k, n)
-    _drop_unused_initializers(m)
+    # the float weights the node no longer reads stay: If/Loop bodies may read them too, and ORT
+    # drops initializers nothing reads
     return m
-
-
-def _drop_unused_initializers(m: onnx.ModelProto) -> None:
-    used = {i for n in m.graph.node for i in n.input} | {o.name for o in m.graph.output}
-    keep = [i for i in m.graph.initializer if i.name in used]
-    if len(keep) != len(m.graph.initializer):
-        del m.graph.initializer[:]
-        m.graph.initializer.extend(keep)
 
 
 def clip_range(qmodel: onnx.ModelProto, q: onnx.NodeProto) -> tuple[float, float, str] | None:

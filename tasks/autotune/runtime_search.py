@@ -75,7 +75,8 @@ class Candidate:
 def candidates(optimized: onnx.ModelProto, original: onnx.ModelProto, cores: int) -> list[tuple[str, dict]]:
     """(name, change) for every setting worth measuring on this graph: the transformers whose fused
     ops ORT put in it (LayerNormFusion only where it made LayerNormalization the model did not
-    have), the gelu approximation where a Gelu runs, fewer threads, the extended level."""
+    have), the gelu approximation where a Gelu runs, fewer threads than ``cores`` (the backend's
+    thread count), the extended level."""
     ops = {(n.domain or "", n.op_type) for n in optimized.graph.node}
     out: list[tuple[str, dict]] = [(f"disable {t}", {"disable": t}) for (d, op), t in FUSIONS.items()
                                    if (d, op) in ops]
@@ -88,6 +89,15 @@ def candidates(optimized: onnx.ModelProto, original: onnx.ModelProto, cores: int
         out.append(("graph optimization extended (no NCHWc layout)", {"level": "extended"}))
     out += [(f"{n} intra-op thread{'s' if n > 1 else ''}", {"threads": n}) for n in range(cores - 1, 0, -1)]
     return out
+
+
+def base_settings(backend: Any) -> SessionSettings:
+    """The settings the backend's own keys give (backend.graph_optimization_level, intra_op_threads):
+    where the search starts, and what ships when nothing helped."""
+    from pipeline.config import enum_value
+
+    return SessionSettings(graph_optimization_level=enum_value(backend.cfg.graph_optimization_level),
+                           intra_op_num_threads=int(backend.cfg.intra_op_threads))
 
 
 def apply_change(settings: SessionSettings, change: dict) -> SessionSettings:
@@ -121,7 +131,7 @@ class RuntimeSearch:
         self.backend, self.model, self.judge, self.cfg = backend, model, judge, cfg
         self.state_path = state_path
         self.doc: dict[str, Any] = {"version": STATE_VERSION, "model_sha256": model_hash(model), "context": context,
-                                    "steps": [], "settings": SessionSettings().to_dict(), "done": False}
+                                    "steps": [], "settings": base_settings(backend).to_dict(), "done": False}
 
     def _load(self) -> None:
         doc = read_json(self.state_path, RUNTIME_STATE.what)
@@ -206,7 +216,6 @@ def tune_runtime(setup: Any, rcfg: Any) -> tuple[dict[str, Path], dict[str, Any]
     import tempfile
 
     from pipeline.artifacts import fingerprint
-    from pipeline.backends.onnxruntime import physical_cores
     from pipeline.graph import load_model
 
     backend, out = setup.backend, setup.out
@@ -214,10 +223,11 @@ def tune_runtime(setup: Any, rcfg: Any) -> tuple[dict[str, Path], dict[str, Any]
         return {}, {"searched": False, "why": f"session settings are searched on ONNX Runtime only, not {backend.name}"}
     shipped = out / "optimized_final.onnx"
     path = out / "ort_session.json"
+    base = base_settings(backend)
     if not bool(rcfg.enabled):
-        SessionSettings().save(path)
+        base.save(path)
         return {"autotune/ort_session.json": path}, {"searched": False, "why": "autotune.runtime.enabled=false",
-                                                     "settings": SessionSettings().to_dict()}
+                                                     "settings": base.to_dict()}
     with tempfile.TemporaryDirectory(dir=out, prefix=".runtime.") as tmp:
         optimized = onnx.load(str(backend.build(shipped, Path(tmp) / "optimized.onnx").engine_path),
                               load_external_data=False)
@@ -226,13 +236,15 @@ def tune_runtime(setup: Any, rcfg: Any) -> tuple[dict[str, Path], dict[str, Any]
     if slow:
         log.info("runtime search: ONNX Runtime runs %d quantized MatMul/Gemm node(s) as float (its integer kernel "
                  "did not take them: their Q/DQ only adds rounding): %s", len(slow), ", ".join(slow[:8]))
-    context = fingerprint({**setup.context_items, "runtime": dict(rcfg), "shipped": model_hash(shipped)})
+    # max_seconds is left out: raising it must let an unfinished search go on, not start it again
+    context = fingerprint({**setup.context_items, "shipped": model_hash(shipped),
+                           "runtime": {k: rcfg[k] for k in ("max_rounds", "keep_below")}})
     search = RuntimeSearch(backend, shipped, setup.judge, rcfg, out / "runtime_search.json", context)
-    settings = search.run(optimized, original, physical_cores())
+    settings = search.run(optimized, original, backend.threads)
     settings.save(path)
     metrics: dict[str, Any] = {"searched": True, "settings": settings.to_dict(), "describe": settings.describe(),
                                "steps": search.doc["steps"], "float_matmuls": slow}
-    if settings != SessionSettings():
+    if settings != base:
         metrics.update(_honest_speedups(backend, setup.baseline_path, shipped, settings))
     log.info("runtime search: ships %s%s", settings.describe(),
              f" ({metrics['speedup_vs_float_default']:.2f}x float with ORT's defaults, "

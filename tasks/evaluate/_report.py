@@ -161,7 +161,9 @@ def _sensitivity(metrics: dict[str, Any]) -> list[str]:
         return []
     top = ", ".join(f"`{r['node']}` ({r['op_type']}, {r['label']})" for r in sens["top"])
     lines = ["", "## Where the error comes from", "",
-             f"Each of the {sens['nodes']} quantized nodes of the {sens['model']} model quantized alone in the float "
+             f"Each of the {sens['nodes']} quantized nodes of the {sens['model']} model"
+             + (f" (the first {sens['nodes']} of {sens['quantized_nodes']}, `evaluate.sensitivity.max_nodes`)"
+                if sens.get("quantized_nodes", sens["nodes"]) > sens["nodes"] else "") + " quantized alone in the float "
              f"graph (the whole model: {sens['whole_model']}). Largest contributions: {top}.", ""]
     if "sensitivity.png" in sens["files"]:
         lines.append("![per-node sensitivity](sensitivity.png)")

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from pipeline.accuracy import AccuracyBudget, CustomMetric, by_name, labels_of
+from pipeline.accuracy import AccuracyBudget, CustomMetric, by_name, class_outputs, labels_of
 from pipeline.artifacts import atomic_write_json
 from pipeline.errors import first_line
 from pipeline.metrics import ModelScores, json_safe
@@ -43,13 +43,16 @@ def analyse(cfg: Any, float_model: onnx.ModelProto, qmodel: onnx.ModelProto, lab
     model it is) on ``batches``; returns the artifacts written (none for a model without Q/DQ)."""
     inputs = quantized_inputs(qmodel)
     ops = {n.name: n.op_type for n in float_model.graph.node}
-    nodes = [n for n in inputs if n in ops][:max_nodes]
+    every = [n for n in inputs if n in ops]
+    nodes = every[:max_nodes]
     if not nodes:
         return {}
+    if len(every) > len(nodes):
+        log.info("evaluate: sensitivity of the first %d of %d quantized nodes (evaluate.sensitivity.max_nodes)",
+                 len(nodes), len(every))
     budget = AccuracyBudget.from_config(cfg)
     metric = CustomMetric.from_config(cfg)
-    classes = cfg.accuracy.class_outputs
-    judge = _Judge(float_model, batches, budget, metric, list(classes) if classes is not None else None)
+    judge = _Judge(float_model, batches, budget, metric, class_outputs(cfg))
     rows = []
     for name in nodes:
         try:
@@ -67,7 +70,8 @@ def analyse(cfg: Any, float_model: onnx.ModelProto, qmodel: onnx.ModelProto, lab
         r["value"] = r.get("drop", 0.0) if by_drop else r.get("nsr", 0.0)
     rows.sort(key=lambda r: (-r["value"], -r.get("nsr", 0.0)))
     doc = {"model": label, "measure": f"each node quantized alone ({unit})",
-           "batches": len(batches), "whole_model": whole, "left_float": left_float, "nodes": rows}
+           "batches": len(batches), "whole_model": whole, "left_float": left_float, "nodes": rows,
+           "quantized_nodes": len(every)}
     artifacts = {"evaluate/sensitivity.json": atomic_write_json(out_dir / "sensitivity.json", json_safe(doc))}
     title = (f"{label} model: each quantized node quantized alone, {unit}\n(the whole model: {whole['label']}; "
              f"red: the three largest contributions)")

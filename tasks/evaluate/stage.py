@@ -79,15 +79,15 @@ class EvaluateStage(Stage):
     def run(self, ctx: StageContext) -> StageResult:
         ecfg = ctx.cfg.evaluate
         out_dir = ctx.stage_dir("evaluate")
-        evaluated, duplicates = self._evaluated_models(ctx)
         backend = create_backend(ctx.cfg.backend)
+        settings = self._session_settings(ctx, backend)
+        evaluated, duplicates = self._evaluated_models(ctx, own_session=settings is not None)
         float_model = load_model(evaluated[0].path, check=False)
         specs = self._specs(evaluated, float_model)
         max_batches = int(ecfg.max_batches) if ecfg.max_batches is not None else None
 
         # every model is prepared once (a full engine build on TensorRT) for scoring and latency alike
         prepared: dict[str, PreparedModel] = {}
-        settings = self._session_settings(ctx, backend)
         try:
             for c in evaluated:
                 # the autotuned model runs with the session settings it ships with
@@ -139,13 +139,17 @@ class EvaluateStage(Stage):
             doc = json.loads(artifacts["evaluate/sensitivity.json"].read_text())
             metrics["sensitivity"] = {"model": shipped.label, "whole_model": doc["whole_model"]["label"],
                                       "top": [{k: r.get(k) for k in ("node", "op_type", "label")} for r in doc["nodes"][:5]],
-                                      "nodes": len(doc["nodes"]), "left_float": left_float,
+                                      "nodes": len(doc["nodes"]), "quantized_nodes": doc["quantized_nodes"],
+                                      "left_float": left_float,
                                       "files": sorted(Path(p).name for p in artifacts.values())}
         return artifacts
 
     # ------------------------------------------------------------------ which models
     @staticmethod
-    def _evaluated_models(ctx: StageContext) -> tuple[list[EvaluatedModel], list[dict[str, str]]]:
+    def _evaluated_models(ctx: StageContext, own_session: bool = False) -> tuple[list[EvaluatedModel],
+                                                                                 list[dict[str, str]]]:
+        """The models to evaluate, each file once; with ``own_session`` (the autotuned model ships
+        session settings of its own) the autotuned model is evaluated even when its bytes repeat."""
         evaluated: list[EvaluatedModel] = []
         duplicates: list[dict[str, str]] = []
         for key, label, artifact in _MODELS:
@@ -154,7 +158,7 @@ class EvaluateStage(Stage):
                 continue
             digest = sha256_file(path)
             same = next((c for c in evaluated if c.sha256 == digest), None)
-            if same is not None:
+            if same is not None and not (own_session and key == "autotuned"):
                 # quantize with quantize=none, or an autotune that kept the PTQ placement, gives the
                 # same bytes: measuring it again would only add noise to the comparison
                 log.info("%s model %s is identical to the %s model; evaluated once", label, artifact, same.label)
@@ -183,13 +187,12 @@ class EvaluateStage(Stage):
                max_batches: int | None, prepared: dict[str, PreparedModel]) -> tuple[dict[str, ModelScores], int]:
         """One pass over the evaluation data; every model runs each batch, so nothing is stored.
         ``prepared`` holds every model, prepared by the caller (who also closes them)."""
-        from pipeline.accuracy import AccuracyBudget, check_output_names
+        from pipeline.accuracy import AccuracyBudget, check_output_names, class_outputs
 
         provider = DataProvider(ctx.cfg, specs)
         top_k = int(ctx.cfg.evaluate.top_k)
         names = list(getattr(prepared["float"], "output_names", None) or [])
-        classes = ctx.cfg.accuracy.class_outputs
-        classes = list(classes) if classes is not None else None
+        classes = class_outputs(ctx.cfg)
         check_output_names(AccuracyBudget.from_config(ctx.cfg), classes, names)
         scores = {c.key: ModelScores(top_k=top_k, output_names=names, class_outputs=classes) for c in evaluated}
         custom = CustomScores.from_config(ctx.cfg, names, [c.key for c in evaluated])
