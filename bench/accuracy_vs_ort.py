@@ -459,13 +459,24 @@ def bench_trained(key: str, rd: Path, args: argparse.Namespace) -> tuple[list[TR
     return rows, threads, header
 
 
-def time_on_real_feed(backend, paths: list[Path], provider, rounds: int, runs: int) -> list:
+def time_on_real_feed(backend, paths: list[Path], provider, rounds: int, runs: int, settings: list | None = None
+                      ) -> list:
     """compare_interleaved, but every model is timed on the first evaluation feed instead of the backend's
     synthetic one: synthetic token ids (0..99) overflow token_type_ids' 2-row embedding in models whose
-    Gather table is behind a DequantizeLinear (ORT's and AIMET's), so their input bound is not known."""
+    Gather table is behind a DequantizeLinear (ORT's and AIMET's), so their input bound is not known.
+    ``settings``: per model, ONNX Runtime session settings (None: the backend's own)."""
+    from contextlib import ExitStack
+
     from pipeline.backends.base import Timing, compare_prepared, prepared_models
 
     feed = next(iter(provider.batches("evaluation", 1))).feeds
+    if settings is not None:  # one backend per model, each with its session settings
+        with ExitStack() as stack:
+            prepared = [stack.enter_context(backend.with_settings(s).prepare(p)) for p, s in
+                        zip(paths, settings, strict=True)]
+            for pm in prepared:
+                pm._feeds = {k: feed[k] for k in pm._feeds}
+            return compare_prepared(backend.name, prepared, rounds, runs, 5)
     with prepared_models(backend, paths) as (prepared, errors):
         for pm in prepared:
             if pm is not None and hasattr(pm, "_feeds"):

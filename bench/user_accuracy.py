@@ -9,9 +9,11 @@ accuracy.min_cosine=0.99 autotune.preset=quick`:
 - `accuracy.outputs=[sentence_embedding]`: judged on what the service reads.
 
 Feeds 0..15 calibrate, 16..23 are the holdout the budget is checked on, 24..31 are scored here
-(neither calibrated nor held out). Each shipped model is timed against the float model (ORT's
-default session) in one interleaved run on a real feed (p10 and median), its sentence cosine with
-the float model on the unseen feeds reported (mean and min), and its outputs listed.
+(neither calibrated nor held out). Each shipped model, with the session settings it ships with
+(autotune/ort_session.json) and with ORT's default session, is timed against the float model with
+ORT's defaults and with the same settings, in one interleaved run on a real feed (p10; median in
+brackets); its sentence cosine with the float model on the unseen feeds is reported (mean and min),
+and its outputs listed.
 
     pip install tokenizers
     python bench/user_accuracy.py --results-root /tmp/ua
@@ -52,7 +54,7 @@ def main() -> None:
     from pipeline.data import DataProvider
     from pipeline.graph import input_specs, load_model
     from pipeline.metrics import cosine_similarities
-    from pipeline.ort import ort_session
+    from pipeline.ort import SessionSettings, ort_session
     from tests.conftest import compose
 
     root = Path(args.results_root)
@@ -83,26 +85,32 @@ def main() -> None:
                for f in eval_feeds]
         cfg = compose(open_dict_overrides([*base, *extra, f"results_dir={rd}", f"backend.timing_runs={args.runs}"]))
         provider = DataProvider(cfg, input_specs(load_model(float_path)))
-        t_float, t_shipped = time_on_real_feed(create_backend(cfg.backend), [float_path, shipped], provider,
-                                               args.rounds, args.runs)
+        settings = SessionSettings.load(rd / "autotune" / "ort_session.json")
+        t_float, t_float_same, t_default, t_shipped = time_on_real_feed(
+            create_backend(cfg.backend), [float_path, float_path, shipped, shipped], provider, args.rounds, args.runs,
+            settings=[None, settings, None, settings])
         rows.append({"variant": label, "shipped": metrics["shipped"], "outputs": names,
-                     "float_nodes": len(metrics.get("float_nodes") or []),
+                     "float_nodes": len(metrics.get("float_nodes") or []), "session": settings.describe(),
                      "p10": t_float.p10_ms / t_shipped.p10_ms, "median": t_float.median_ms / t_shipped.median_ms,
+                     "p10_default_session": t_float.p10_ms / t_default.p10_ms,
+                     "p10_same_session": t_float_same.p10_ms / t_shipped.p10_ms,
                      "cos_mean": float(np.mean(cos)), "cos_min": float(np.min(cos)), "verdict":
                      metrics["accuracy"]["final"]["what"], "tuning_s": took})
         print(json.dumps(rows[-1]), flush=True)
 
     print(f"\n{tm.MODELS[KEY]['description']}; scored on {len(eval_feeds)} unseen feeds; "
           f"{args.rounds} x {args.runs} interleaved runs vs float (ORT default session)\n")
-    print("| judged | shipped | outputs kept | nodes float | speedup p10 (median) | sentence cosine mean (min) | "
+    print("| judged | shipped | outputs kept | nodes float | session settings | vs float, p10 (median) | "
+          "same, ORT default session | vs float with the same settings | sentence cosine mean (min) | "
           "verdict on the holdout |")
-    print("|---|---|---|---:|---|---|---|")
+    print("|---|---|---|---:|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['variant']} | failed: {r['error']} | | | | | |")
+            print(f"| {r['variant']} | failed: {r['error']} | | | | | | | | |")
             continue
-        print(f"| {r['variant']} | {r['shipped']} | {', '.join(r['outputs'])} | {r['float_nodes']} | "
-              f"{r['p10']:.2f}x ({r['median']:.2f}x) | {r['cos_mean']:.4f} ({r['cos_min']:.4f}) | {r['verdict']} |")
+        print(f"| {r['variant']} | {r['shipped']} | {', '.join(r['outputs'])} | {r['float_nodes']} | {r['session']} | "
+              f"{r['p10']:.2f}x ({r['median']:.2f}x) | {r['p10_default_session']:.2f}x | {r['p10_same_session']:.2f}x | "
+              f"{r['cos_mean']:.4f} ({r['cos_min']:.4f}) | {r['verdict']} |")
 
 
 if __name__ == "__main__":
