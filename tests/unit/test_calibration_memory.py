@@ -41,3 +41,29 @@ def test_peak_memory_does_not_grow_with_batches(tmp_path, algorithm):
     assert large["samples"] == 10 * small["samples"]
     # every batch exposes ~16 MB of activations: keeping them would add > 1 GB
     assert large["maxrss_kb"] <= 1.2 * small["maxrss_kb"], (small, large)
+
+
+@pytest.mark.parametrize("algorithm", ["minmax", "entropy"])
+def test_scales_do_not_depend_on_the_batch_size(algorithm):
+    """The same 64 samples in batches of 4 and of 16: identical minmax ranges, entropy thresholds within
+    2% (ranges come from a first pass, histograms are fixed-range: the grouping changes nothing)."""
+    import numpy as np
+
+    from pipeline.data import Batch
+    from tasks.quantize._calibrate import collect
+
+    model = models.with_dynamic_batch(models.conv_chain(channels=16, size=24))
+    data = np.random.default_rng(0).standard_normal((64, 3, 24, 24)).astype(np.float32)
+
+    def run(size: int) -> dict:
+        def batches():
+            for i in range(0, 64, size):
+                yield Batch({"input": data[i:i + size]}, None, size)
+        return collect(model, batches, algorithm, 99.9, 2048, 1, lambda it, d: it)
+
+    small, large = run(4), run(16)
+    assert small.keys() == large.keys() and small
+    for t in small:
+        assert (small[t]["min"], small[t]["max"]) == (large[t]["min"], large[t]["max"]), t
+        assert small[t]["samples"] == large[t]["samples"] == 64
+        assert small[t]["threshold"] == pytest.approx(large[t]["threshold"], rel=0.02), t
