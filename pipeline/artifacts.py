@@ -109,11 +109,50 @@ def read_json(path: str | os.PathLike, what: str = "file") -> Any:
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """sha256 of a file's bytes; for an ONNX file that keeps tensors in external data files, of the
+    .onnx and of every data file it names (a changed .data file is a changed model)."""
     h = hashlib.sha256()
+    onnx_file = str(path).lower().endswith(".onnx")
+    tail, mentions = b"", False
     with open(path, "rb") as fh:
         while block := fh.read(chunk):
             h.update(block)
+            if onnx_file and not mentions:
+                # external data entries are key/value strings "location" -> file: only a file that says
+                # "location" somewhere is parsed for them
+                mentions = b"location" in tail + block
+                tail = block[-16:]
+    digest = h.hexdigest()
+    if not mentions:
+        return digest
+    files = external_data_files(path)
+    if not files:
+        return digest
+    h = hashlib.sha256(digest.encode())
+    for f in files:
+        h.update(f.name.encode())
+        h.update(sha256_file(f, chunk).encode())
     return h.hexdigest()
+
+
+def external_data_files(path: str | os.PathLike) -> list[Path]:
+    """The external data files an ONNX file's tensors name (main graph and subgraphs), sorted."""
+    import onnx
+
+    def tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+        yield from graph.initializer
+        for node in graph.node:
+            for a in node.attribute:
+                if a.HasField("t"):
+                    yield a.t
+                yield from a.tensors
+                for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                    yield from tensors(g)
+
+    model = onnx.load(str(path), load_external_data=False)
+    found = {entry.value for t in tensors(model.graph) if t.data_location == onnx.TensorProto.EXTERNAL
+             for entry in t.external_data if entry.key == "location"}
+    return sorted(Path(path).parent / f for f in found)
 
 
 def set_aside(path: str | os.PathLike, companions: Iterable[str | os.PathLike] = ()) -> Path:

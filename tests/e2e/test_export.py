@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import onnx
 import pytest
 
@@ -103,3 +104,32 @@ def test_user_model_target_with_checkpoint(tmp_path):
     wrong = run_tune([*base, f"model.checkpoint={tmp_path / 'missing.pt'}", f"results_dir={tmp_path / 'c'}"],
                      cwd=tmp_path, env=env)
     assert wrong.returncode != 0 and "missing.pt does not exist" in wrong.stderr
+
+
+@pytest.mark.slow
+def test_a_model_stored_with_external_data_runs_and_a_changed_data_file_reruns_export(tmp_path):
+    """Weights in a .data file beside the .onnx: the pipeline reads them, the shipped model runs in ORT
+    from its path, and new weights in the .data file alone (the .onnx unchanged) re-run export."""
+    import onnxruntime as ort
+
+    from tests.e2e.test_autotune import QUICK
+
+    def write(seed: int, folder) -> None:
+        folder.mkdir(exist_ok=True)
+        onnx.save(models.conv_chain(seed=seed), str(folder / "m.onnx"), save_as_external_data=True,
+                  all_tensors_to_one_file=True, location="m.onnx.data", size_threshold=0)
+
+    write(0, tmp_path)
+    onnx_bytes = (tmp_path / "m.onnx").read_bytes()
+    rd = tmp_path / "r"
+    args = ["stages=[export,quantize,autotune]", "model=onnx", f"model.onnx_path={tmp_path / 'm.onnx'}",
+            "data=synthetic", f"results_dir={rd}", *QUICK]
+    run_tune(args, cwd=tmp_path, check=True)
+    shipped = rd / "autotune" / "optimized_final.onnx"
+    sess = ort.InferenceSession(str(shipped), providers=["CPUExecutionProvider"])
+    assert sess.run(None, {"input": np.zeros((2, 3, 16, 16), np.float32)})[0].shape == (2, 10)
+    write(1, tmp_path / "retrained")  # same shapes, so the same offsets: only the data file differs
+    (tmp_path / "m.onnx.data").write_bytes((tmp_path / "retrained" / "m.onnx.data").read_bytes())
+    assert (tmp_path / "m.onnx").read_bytes() == onnx_bytes
+    again = run_tune(args, cwd=tmp_path, check=True)
+    assert "export: up to date" not in again.stderr and "export: done" in again.stderr
