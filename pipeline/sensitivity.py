@@ -51,6 +51,21 @@ def quantized_inputs(qmodel: onnx.ModelProto) -> dict[str, list[QuantizedInput]]
     return out
 
 
+def float_tensor(float_model: onnx.ModelProto, qmodel: onnx.ModelProto, name: str) -> str | None:
+    """The float graph's name of a tensor of the Q/DQ model: the same name, or, where Q/DQ insertion
+    renamed a graph output's producer output (``gap`` -> ``gap_prequant``), the output of the same
+    node in the float graph; None when there is none."""
+    produced = {o for n in float_model.graph.node for o in n.output} | {i.name for i in float_model.graph.input}
+    if name in produced:
+        return name
+    q_node = next((n for n in qmodel.graph.node if name in n.output), None)
+    f_node = next((n for n in float_model.graph.node if q_node is not None and n.name == q_node.name), None)
+    if f_node is None:
+        return None
+    k = list(q_node.output).index(name)
+    return f_node.output[k] if k < len(f_node.output) else None
+
+
 def only_node_quantized(float_model: onnx.ModelProto, qmodel: onnx.ModelProto, node: str,
                         inputs: Sequence[QuantizedInput]) -> onnx.ModelProto:
     """``float_model`` (the graph ``qmodel``'s Q/DQ were placed into) with only ``node``'s quantized
@@ -68,6 +83,11 @@ def only_node_quantized(float_model: onnx.ModelProto, qmodel: onnx.ModelProto, n
             if n is None or n.output[0] in added:  # one chain read in two slots (Mul(x, x)) goes in once
                 continue
             added.add(n.output[0])
+            if n.op_type == "QuantizeLinear" and (src := float_tensor(float_model, qmodel, n.input[0])) != n.input[0]:
+                if src is None:
+                    raise ValueError(f"{n.name} quantizes {n.input[0]}, which the float graph does not have")
+                n = onnx.NodeProto.FromString(n.SerializeToString())
+                n.input[0] = src
             chain.append(n)
             for name in n.input:
                 if name in inits and name not in have:

@@ -26,6 +26,7 @@ from pipeline.metrics import ModelScores, json_safe
 from pipeline.ort import ort_session, ort_session_options
 from pipeline.sensitivity import (
     clip_range,
+    float_tensor,
     only_node_quantized,
     plot_node_sensitivity,
     plot_ranges,
@@ -132,8 +133,9 @@ def _range_items(float_model: onnx.ModelProto, qmodel: onnx.ModelProto, inputs: 
             if qi.q is None:
                 continue
             rng = clip_range(qmodel, qi.q)
-            if rng is not None:
-                wanted.append((qi.q.input[0], node, rng))
+            tensor = float_tensor(float_model, qmodel, qi.q.input[0])
+            if rng is not None and tensor is not None:
+                wanted.append((tensor, node, rng))
     if not wanted:
         return []
     tensors = sorted({t for t, _, _ in wanted})

@@ -126,7 +126,10 @@ class EvaluateStage(Stage):
         its summary goes into ``metrics["sensitivity"]`` for the report."""
         from tasks.evaluate import _sensitivity
 
-        shipped = next((c for c in reversed(evaluated) if c.key != "float"), None)
+        # the newest model that carries Q/DQ (an autotuned model may be the float graph again)
+        shipped = next((c for c in reversed(evaluated) if c.key != "float"
+                        and any(n.op_type == "DequantizeLinear" for n in load_model(c.path, check=False).graph.node)),
+                       None)
         graph = ctx.artifact("quantize/float_model.onnx")
         if shipped is None or graph is None:
             return {}

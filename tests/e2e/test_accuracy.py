@@ -126,7 +126,7 @@ def test_sensitive_node_stays_float_and_nothing_over_budget_ships(tmp_path):
     for name in ("sensitivity.png", "ranges.png", "sensitivity.json"):
         assert (rd / "evaluate" / name).stat().st_size > 0, name
     ev = json.loads((rd / "evaluate" / "sensitivity.json").read_text())
-    assert ev["left_float"] == sens["float_nodes"] and ev["nodes"] and ev["nodes"][0]["value"] >= ev["nodes"][-1]["value"]
+    assert set(sens["float_nodes"]) <= set(ev["left_float"]) and ev["nodes"] and ev["nodes"][0]["value"] >= ev["nodes"][-1]["value"]
     assert "](sensitivity.png)" in (rd / "evaluate" / "report.md").read_text()
     assert all(v["budget"]["ok"] for k, v in m["models"].items() if k != "float")
     assert "Left float to meet the accuracy budget" in (rd / "evaluate" / "report.md").read_text()
