@@ -17,6 +17,7 @@ from onnx import helper
 
 from pipeline.artifacts import atomic_output, sha256_bytes, sha256_file
 from pipeline.errors import InputError
+from pipeline.ort import fits_one_proto
 
 H = TypeVar("H", bound=Hashable)
 
@@ -54,7 +55,7 @@ def load_model(path: str | os.PathLike, what: str = "model", check: bool = True)
         raise InputError(f"{what} file {p} could not be read as ONNX ({type(exc).__name__}: {exc})") from None
     if check:
         try:
-            onnx.checker.check_model(model if model.ByteSize() < 2**31 - 1 else str(p))
+            onnx.checker.check_model(model if fits_one_proto(model) else str(p))
         except onnx.checker.ValidationError as exc:
             first = str(exc).strip().splitlines()[0]
             raise InputError(f"{what} file {p} fails onnx.checker: {first}") from None
@@ -68,7 +69,7 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, external_data: b
     renamed into place (data first), and the caller's model keeps its weights in memory.
     """
     target = Path(path)
-    if external_data or model.ByteSize() > 2**31 - 1:
+    if external_data or not fits_one_proto(model):
         target.parent.mkdir(parents=True, exist_ok=True)
         data_name = target.name + ".data"
         copy = onnx.ModelProto()

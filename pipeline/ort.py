@@ -112,6 +112,18 @@ class SessionSettings:
         return "; ".join(parts) or "ORT's defaults"
 
 
+def fits_one_proto(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` serializes as one protobuf message (under 2 GB); past that, protobuf's
+    ByteSize() itself raises EncodeError, so a model that large is checked, saved and given to ONNX
+    Runtime by path, with external data."""
+    from google.protobuf.message import EncodeError
+
+    try:
+        return model.ByteSize() < 2**31 - 1
+    except (EncodeError, ValueError):
+        return False
+
+
 def ort_session(model: onnx.ModelProto | bytes | str | os.PathLike, options: Any = None, *,
                 extra_outputs: Iterable[str] = (), providers: Iterable[str] = ("CPUExecutionProvider",),
                 disabled_optimizers: Iterable[str] = ()) -> Any:
@@ -121,6 +133,18 @@ def ort_session(model: onnx.ModelProto | bytes | str | os.PathLike, options: Any
     ``disabled_optimizers`` names ORT graph transformers to skip (SessionSettings)."""
     import onnxruntime as ort
 
+    if isinstance(model, onnx.ModelProto) and not fits_one_proto(model):
+        # over 2 GB there are no bytes to hand over: ORT reads a copy saved with external data
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="qdq-tune-ort-") as tmp:
+            copy = onnx.ModelProto()
+            copy.CopyFrom(with_outputs(model, extra_outputs))  # the external-data save empties the proto it writes
+            path = Path(tmp) / "model.onnx"
+            onnx.save_model(copy, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location="model.onnx.data")
+            del copy
+            return ort_session(path, options, providers=providers, disabled_optimizers=disabled_optimizers)
     if isinstance(model, onnx.ModelProto):
         data: bytes | str = with_outputs(model, extra_outputs).SerializeToString()
     elif extra_outputs:

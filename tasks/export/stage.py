@@ -32,7 +32,7 @@ from pipeline.graph import (
     record_input_shapes,
     save_model,
 )
-from pipeline.ort import ort_session
+from pipeline.ort import fits_one_proto, ort_session
 from pipeline.registry import import_object
 from pipeline.stage import Stage, StageContext, StageResult
 
@@ -157,11 +157,18 @@ class ExportStage(Stage):
         reference = _run_in_ort(model, feeds, src)
         specialized = self._check_specialized(cfg, original, model, fixed, inlined, src) if fixed else None
         model, folded = self._fold(model, src, feeds, reference)
+        big = not fits_one_proto(model)  # over 2 GB the checker reads the saved file (external data)
+        if big:
+            save_model(model, out)
         try:
-            onnx.checker.check_model(model)
+            onnx.checker.check_model(str(out) if big else model)
         except onnx.checker.ValidationError as exc:
+            if big:
+                for f in (out, out.with_name(out.name + ".data")):
+                    f.unlink(missing_ok=True)
             raise InputError(f"{src} fails onnx.checker after fixing shapes: {first_line(exc)}") from None
-        save_model(model, out)
+        if not big:
+            save_model(model, out)
         control = control_flow(model)
         if control["nodes"]:
             log.warning("export: %d If/Loop/Scan nodes hold %d nodes in their bodies (%d of the model's %d weighted "
