@@ -120,7 +120,8 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
             if onnx_file and not mentions:
                 # external data entries are key/value strings "location" -> file: only a file that says
                 # "location" somewhere is parsed for them
-                mentions = b"location" in tail + block
+                # the chunk itself, and the seam with the previous one (no copy of the whole chunk)
+                mentions = b"location" in block or b"location" in tail + block[:16]
                 tail = block[-16:]
     digest = h.hexdigest()
     if not mentions:

@@ -60,8 +60,6 @@ FUSIONS: dict[tuple[str, str], str] = {
 }
 GELU_APPROXIMATION = ("optimization.enable_gelu_approximation", "1")  # Gelu -> FastGelu (tanh form)
 _GELU_OPS = {"Gelu", "BiasGelu"}
-_INT_MATMULS = {"MatMulInteger", "QLinearMatMul", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "QGemm",
-                "QAttention"}
 
 
 @dataclass(frozen=True)
@@ -119,8 +117,6 @@ def float_matmuls(qmodel: onnx.ModelProto, optimized: onnx.ModelProto) -> list[s
     producer = {o: n.op_type for n in qmodel.graph.node for o in n.output}
     quantized = {n.name for n in qmodel.graph.node if n.op_type in ("MatMul", "Gemm")
                  and any(producer.get(i) == "DequantizeLinear" for i in n.input[:2])}
-    if not any(n.op_type in _INT_MATMULS for n in optimized.graph.node):
-        return sorted(quantized) if quantized else []
     return sorted(n.name for n in optimized.graph.node if n.op_type in ("MatMul", "Gemm") and n.name in quantized)
 
 

@@ -39,15 +39,16 @@ RANGE_PLOTS = 4  # activations of the worst nodes drawn in ranges.png
 
 
 def analyse(cfg: Any, float_model: onnx.ModelProto, qmodel: onnx.ModelProto, label: str, batches: list[Any],
-            left_float: list[str], out_dir: Path, max_nodes: int) -> dict[str, Path]:
+            left_float: list[str], out_dir: Path, max_nodes: int) -> tuple[dict[str, Path], dict[str, Any]]:
     """Measure, chart and record each quantized node's contribution for ``qmodel`` (``label``: which
-    model it is) on ``batches``; returns the artifacts written (none for a model without Q/DQ)."""
+    model it is) on ``batches``; returns the artifacts written and the record (none for a model
+    without Q/DQ)."""
     inputs = quantized_inputs(qmodel)
     ops = {n.name: n.op_type for n in float_model.graph.node}
     every = [n for n in inputs if n in ops]
     nodes = every[:max_nodes]
     if not nodes:
-        return {}
+        return {}, {}
     if len(every) > len(nodes):
         log.info("evaluate: sensitivity of the first %d of %d quantized nodes (evaluate.sensitivity.max_nodes)",
                  len(nodes), len(every))
@@ -81,7 +82,7 @@ def analyse(cfg: Any, float_model: onnx.ModelProto, qmodel: onnx.ModelProto, lab
     items = _range_items(float_model, qmodel, inputs, [r["node"] for r in rows[:RANGE_PLOTS]], batches)
     if items:
         artifacts["evaluate/ranges.png"] = plot_ranges(items, out_dir / "ranges.png")
-    return artifacts
+    return artifacts, doc
 
 
 class _Judge:

@@ -10,7 +10,6 @@ and serves both the scoring pass and the latency run.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass
@@ -126,20 +125,22 @@ class EvaluateStage(Stage):
         its summary goes into ``metrics["sensitivity"]`` for the report."""
         from tasks.evaluate import _sensitivity
 
-        # the newest model that carries Q/DQ (an autotuned model may be the float graph again)
-        shipped = next((c for c in reversed(evaluated) if c.key != "float"
-                        and any(n.op_type == "DequantizeLinear" for n in load_model(c.path, check=False).graph.node)),
-                       None)
         graph = ctx.artifact("quantize/float_model.onnx")
-        if shipped is None or graph is None:
+        # the newest model that carries Q/DQ (an autotuned model may be the float graph again)
+        shipped, qmodel = None, None
+        for c in reversed(evaluated[1:] if graph is not None else []):
+            qmodel = load_model(c.path, check=False)
+            if any(n.op_type == "DequantizeLinear" for n in qmodel.graph.node):
+                shipped = c
+                break
+        if shipped is None:
             return {}
         s = ctx.cfg.evaluate.sensitivity
         batches = list(DataProvider(ctx.cfg, specs).batches("evaluation", int(s.batches)))
         left_float = list((metrics.get("quantization") or {}).get("float_nodes") or [])
-        artifacts = _sensitivity.analyse(ctx.cfg, load_model(graph, check=False), load_model(shipped.path, check=False),
-                                         shipped.label, batches, left_float, out_dir, int(s.max_nodes))
+        artifacts, doc = _sensitivity.analyse(ctx.cfg, load_model(graph, check=False), qmodel, shipped.label, batches,
+                                              left_float, out_dir, int(s.max_nodes))
         if artifacts:
-            doc = json.loads(artifacts["evaluate/sensitivity.json"].read_text())
             metrics["sensitivity"] = {"model": shipped.label, "whole_model": doc["whole_model"]["label"],
                                       "top": [{k: r.get(k) for k in ("node", "op_type", "label")} for r in doc["nodes"][:5]],
                                       "nodes": len(doc["nodes"]), "quantized_nodes": doc["quantized_nodes"],
