@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--feeds", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--only", choices=["all", "sentence"], help="run one of the two variants")
     args = ap.parse_args()
 
     import onnx
@@ -71,6 +72,8 @@ def main() -> None:
 
     rows = []
     for label, extra in VARIANTS.items():
+        if args.only and (args.only == "sentence") != bool(extra):
+            continue
         rd = root / ("outputs_sentence" if extra else "outputs_all")
         err, took = run_tune(rd, "[export,quantize,autotune]", [*base, *extra])
         if err:

@@ -317,18 +317,22 @@ def plot(metrics: dict[str, Any], path: Path) -> Path:
     return Path(path)
 
 
+_TRANSFORMS = {"fold_scales": ("Scales folded into the layer before a MatMul", "Div/Mul node(s)"),
+               "equalization": ("Cross-layer equalization", "conv pair(s)"),
+               "smoothing": ("Outlier smoothing", "tensor(s)")}
+
+
 def _accuracy_steps(q: dict[str, Any]) -> list[str]:
     """What the quantize stage did to make int8 accurate: transforms, bias correction, kernel culprits."""
     lines = []
     for t in q.get("transforms") or []:
-        name = {"equalization": "Cross-layer equalization", "smoothing": "Outlier smoothing"}.get(
-            t.get("transform"), str(t.get("transform")))
+        name, unit = _TRANSFORMS.get(t.get("transform"), (str(t.get("transform")), "change(s)"))
         if t.get("applied"):
             n = len(t.get("changes") or [])
             muls = sum(bool(c.get("inserted_mul")) for c in t.get("changes") or [])
             extra = f", {muls} by an inserted Mul" if muls else ""
-            lines.append(f"{name}: {n} {'conv pair(s)' if t['transform'] == 'equalization' else 'tensor(s)'}"
-                         f"{extra}; float outputs within {t.get('float_rel_error', 0.0):.1e} of the original.")
+            lines.append(f"{name}: {n} {unit}{extra}; float outputs within {t.get('float_rel_error', 0.0):.1e} "
+                         "of the original.")
         else:
             lines.append(f"{name}: not applied ({t.get('reason')}).")
     b = q.get("bias_correction")

@@ -47,6 +47,14 @@ def transform_float(model: onnx.ModelProto, q: Any, batches: Callable[[], Iterab
         records.append({"transform": name, "applied": True, "float_rel_error": err, "changes": changes})
         return new
 
+    if bool(q.fold_scales):
+        from tasks.quantize._scale_folding import fold_matmul_scales
+
+        new, changes = fold_matmul_scales(model)
+        model = keep("fold_scales", new, changes, model)
+        if changes and records[-1]["applied"]:
+            log.info("quantize: %d constant scale(s) on MatMul outputs folded into the layers before them "
+                     "(float outputs within %.1e)", len(changes), records[-1]["float_rel_error"])
     if bool(q.equalization):
         new, changes = tf.equalize_cross_layer(model)
         model = keep("equalization", new, changes, model)

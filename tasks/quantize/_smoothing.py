@@ -110,13 +110,14 @@ class _Edit:
     axis: int = -1
 
 
-def _fits_last_axis(ed: Editor, name: str, k: int) -> bool:
+def _fits_last_axis(ed: Editor, name: str, k: int | None) -> bool:
     shape = ed.shape(name)
-    return len(shape) == 0 or shape[-1] in (1, k)
+    return k is None or len(shape) == 0 or shape[-1] in (1, k)
 
 
-def _absorber(ed: Editor, tensor: str, k: int) -> tuple[str, list[_Edit]] | None:
-    """How the producer of ``tensor`` can output tensor / s exactly (op label, constant edits)."""
+def _absorber(ed: Editor, tensor: str, k: int | None) -> tuple[str, list[_Edit]] | None:
+    """How the producer of ``tensor`` can output tensor / s exactly (op label, constant edits); s has
+    ``k`` channels on the last axis, or is one scalar when ``k`` is None."""
     i = ed.producer(tensor)
     if i is None:
         return None
@@ -132,11 +133,11 @@ def _absorber(ed: Editor, tensor: str, k: int) -> tuple[str, list[_Edit]] | None
             return None
     elif op == "Mul" and len(ins) == 2 and len(consts) == 1:
         edits = [_Edit(i, consts[0])]
-    elif op == "MatMul" and consts == [1] and ed.shape(ins[1])[-1:] == (k,):
+    elif op == "MatMul" and consts == [1] and (k is None or ed.shape(ins[1])[-1:] == (k,)):
         edits = [_Edit(i, 1)]
     elif op == "Gemm" and 1 in consts and 0 not in consts:
         axis = 0 if attr(node, "transB", 0) else 1
-        if ed.shape(ins[1])[axis] != k or (len(ins) > 2 and ins[2] and 2 not in consts):
+        if (k is not None and ed.shape(ins[1])[axis] != k) or (len(ins) > 2 and ins[2] and 2 not in consts):
             return None
         edits = [_Edit(i, 1, axis)] + ([_Edit(i, 2)] if len(ins) > 2 and ins[2] else [])
     elif op == "Add" and len(ins) == 2 and len(consts) == 1:

@@ -86,7 +86,11 @@ class QuantizeConfig:
     # their input and recurrent matrix products are quantized (kept only if the float outputs move by <= 1e-5)
     lower_rnn: bool = True
     # float-exact transforms before calibration, each kept only if the float outputs move by <= 1e-5:
-    # cross-layer equalization of Conv -> (Relu|LeakyRelu) -> Conv pairs (depthwise too) ...
+    # a constant Div/Mul on an activation x activation MatMul's output (attention's 1/sqrt(d)) is folded
+    # into the linear layer before one of its inputs, so no float op runs between the integer MatMul and
+    # the Softmax ...
+    fold_scales: bool = True
+    # ... cross-layer equalization of Conv -> (Relu|LeakyRelu) -> Conv pairs (depthwise too) ...
     equalization: bool = True
     # ... and migration of outlier activation channels of MatMul/Gemm inputs into their producer
     # (SmoothQuant-style, strength chosen per layer by the measured int8 error)

@@ -286,3 +286,69 @@ def test_float_rel_error_sees_a_one_percent_change():
     w = next(i for i in bumped.graph.initializer if i.name == "w")
     w.CopyFrom(numpy_helper.from_array((numpy_helper.to_array(w) * 1.01).astype(np.float32), "w"))
     assert 0.005 < float_rel_error(model, bumped, feeds) < 0.02
+
+
+# ------------------------------------------------------------------ attention scale folding
+def _heads_attention(relu_on: str = "", scores_read_twice: bool = False) -> onnx.ModelProto:
+    """[1, 8, 16] -> two heads of 8 as torch exports them: q/k projections (MatMul + bias Add), Reshape and
+    Transpose to heads, scores = q k^T / 8, Softmax. ``relu_on`` ("q" or "k") puts a Relu after that
+    projection (its path is then not linear); ``scores_read_twice`` makes q k^T a model output too."""
+    rng = np.random.default_rng(3)
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 8, 16])
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32) * 0.3, n)
+             for n, s in (("wq", (16, 16)), ("bq", (16,)), ("wk", (16, 16)), ("bk", (16,)))]
+    inits += [numpy_helper.from_array(np.array([1, 8, 2, 8], np.int64), "heads"),
+              numpy_helper.from_array(np.array(8.0, np.float32), "d")]
+    nodes = []
+    for p in ("q", "k"):
+        nodes += [helper.make_node("MatMul", ["x", f"w{p}"], [f"{p}0"], name=f"{p}/MatMul"),
+                  helper.make_node("Add", [f"{p}0", f"b{p}"], [f"{p}1"], name=f"{p}/Add")]
+        if relu_on == p:
+            nodes.append(helper.make_node("Relu", [f"{p}1"], [f"{p}1r"], name=f"{p}/Relu"))
+        nodes += [helper.make_node("Reshape", [nodes[-1].output[0], "heads"], [f"{p}2"], name=f"{p}/Reshape"),
+                  helper.make_node("Transpose", [f"{p}2"], [f"{p}3"], name=f"{p}/Transpose",
+                                   perm=[0, 2, 3, 1] if p == "k" else [0, 2, 1, 3])]
+    nodes += [helper.make_node("MatMul", ["q3", "k3"], ["s0"], name="scores"),
+              helper.make_node("Div", ["s0", "d"], ["s1"], name="scale"),
+              helper.make_node("Softmax", ["s1"], ["probs"], name="softmax", axis=-1)]
+    outputs = [helper.make_tensor_value_info("probs", onnx.TensorProto.FLOAT, [1, 2, 8, 8])]
+    if scores_read_twice:
+        outputs.append(helper.make_tensor_value_info("s0", onnx.TensorProto.FLOAT, [1, 2, 8, 8]))
+    return helper.make_model(helper.make_graph(nodes, "heads", [x], outputs, inits),
+                             opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("model_fn,node,into", [(models.transformer_layer, "attn/scale", "attn/q/Add"),
+                                                (models.attention_block, "attn/scale", "attn/q"),
+                                                (_heads_attention, "scale", "q/Add"),
+                                                (lambda: _heads_attention("q"), "scale", "k/Add")])
+def test_attention_scale_moves_into_a_projection_and_its_node_goes(model_fn, node, into):
+    """The query projection takes the scale; the key projection when the query path is not linear."""
+    from tasks.quantize._scale_folding import fold_matmul_scales
+
+    model = model_fn()
+    onnx.checker.check_model(model)
+    new, changes = fold_matmul_scales(model)
+    onnx.checker.check_model(new)
+    assert [c["node"] for c in changes] == [node]
+    assert node not in {n.name for n in new.graph.node}
+    assert changes[0]["into"].split()[-1] == into
+    assert float_rel_error(model, new, _feeds(model, 3, 0)) <= EXACT
+    assert {i.name for i in model.graph.initializer} - {i.name for i in new.graph.initializer} <= {"scale", "d"}
+
+
+def _no_linear_path() -> onnx.ModelProto:
+    """Relu on the query path; the key path's bias Add reads the MatMul output twice (no constant)."""
+    model = _heads_attention("q")
+    for n in model.graph.node:
+        if n.name == "k/Add":
+            n.input[1] = "k0"
+    return model
+
+
+@pytest.mark.parametrize("model_fn", [lambda: _heads_attention(scores_read_twice=True), _no_linear_path])
+def test_a_scale_that_cannot_move_is_left_alone(model_fn):
+    from tasks.quantize._scale_folding import fold_matmul_scales
+
+    new, changes = fold_matmul_scales(model_fn())
+    assert changes == [] and "scale" in {n.name for n in new.graph.node}
