@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import onnx
@@ -57,31 +57,59 @@ def candidate_tensors(model: onnx.ModelProto) -> list[str]:
 
 class ActivationRunner:
     """Values of ``tensors`` per batch; those inside Loop/Scan bodies come out of a copy of the model
-    that stacks them over the iterations (``pipeline.bodies.thread_out``), each iteration a sample."""
+    that stacks them over the iterations (``pipeline.bodies.thread_out``), each iteration a sample.
 
-    def __init__(self, model: onnx.ModelProto, tensors: list[str], threads: int):
+    With ``max_bytes`` (the working-set bound), the tensors are observed in groups that fit it beside
+    the weights (``pipeline.memory.observation_groups``): the model runs once per group and batch, and
+    only one group's values are alive at a time."""
+
+    def __init__(self, model: onnx.ModelProto, tensors: list[str], threads: int, max_bytes: float | None = None):
         from pipeline.ort import ort_session, ort_session_options
 
+        self.groups = _groups(model, tensors, max_bytes)
         model, self.stacked = thread_out(model, tensors)
         self.outputs = [self.stacked[t][0] if t in self.stacked else t for t in tensors]
+        self._output = dict(zip(tensors, self.outputs, strict=True))
         # keep every intermediate tensor observable: no fusions that would remove them
         self.session = ort_session(model, ort_session_options("basic", threads=threads), extra_outputs=self.outputs)
         self.tensors = tensors
 
-    def __call__(self, batch: Batch) -> dict[str, np.ndarray]:
-        outs = self.session.run(self.outputs, batch.feeds)
+    def __call__(self, batch: Batch) -> Iterator[tuple[str, np.ndarray]]:
+        """(tensor, its values on ``batch``), one group of tensors at a time."""
         rows = len(next(iter(batch.feeds.values())))
-        out = {}
-        for t, o in zip(self.tensors, outs, strict=True):
-            if t in self.stacked and o.size:
-                # the iteration axes join the body tensor's first axis (its batch, for an RNN cell): a
-                # conv tensor keeps its channels on axis 1. Which axis holds the batch inside a body is
-                # unknown, so padding samples stay in (repeats of a real sample: the range is the same)
-                axes = self.stacked[t][1]
-                out[t] = o.reshape(-1, *o.shape[axes + 1:]) if o.ndim - axes >= 2 else o.reshape(-1, *o.shape[axes:])
-            else:  # padding samples (repeats of the last one) must not weigh in the statistics
-                out[t] = o[: batch.valid] if o.ndim and o.shape[0] == rows else o
-        return out
+        for group in self.groups:
+            outs = self.session.run([self._output[t] for t in group], batch.feeds)
+            for t, o in zip(group, outs, strict=True):
+                yield t, self._samples(t, o, batch, rows)
+            del outs
+
+    def _samples(self, t: str, o: np.ndarray, batch: Batch, rows: int) -> np.ndarray:
+        if t in self.stacked and o.size:
+            # the iteration axes join the body tensor's first axis (its batch, for an RNN cell): a
+            # conv tensor keeps its channels on axis 1. Which axis holds the batch inside a body is
+            # unknown, so padding samples stay in (repeats of a real sample: the range is the same)
+            axes = self.stacked[t][1]
+            return o.reshape(-1, *o.shape[axes + 1:]) if o.ndim - axes >= 2 else o.reshape(-1, *o.shape[axes:])
+        # padding samples (repeats of the last one) must not weigh in the statistics
+        return o[: batch.valid] if o.ndim and o.shape[0] == rows else o
+
+
+def _groups(model: onnx.ModelProto, tensors: list[str], max_bytes: float | None) -> list[list[str]]:
+    """``tensors`` in groups whose values fit ``max_bytes`` beside the weights (held twice: this
+    process's model and ONNX Runtime's copy)."""
+    from pipeline.memory import GB, observation_groups, tensor_nbytes, weights_nbytes
+
+    if max_bytes is None or max_bytes == float("inf"):
+        return observation_groups(tensors, {}, None)
+    sizes = tensor_nbytes(model)
+    budget = max(max_bytes - 2 * weights_nbytes(model), 0.0)
+    groups = observation_groups(tensors, sizes, budget)
+    if len(groups) > 1:
+        need = sum(sizes.get(t, 0) for t in tensors)
+        log.info("calibration: the %d observed tensors take ~%.2f GB per batch, over the %.2f GB left beside the "
+                 "weights (quantize.calibration.max_memory_gb): the model runs %d times per batch", len(tensors),
+                 need / GB, budget / GB, len(groups))
+    return groups
 
 
 def kl_threshold(hist: np.ndarray, absmax: float, num_quantized_bins: int = 128) -> float:
@@ -312,11 +340,13 @@ def outlier_ratio(channel_max: np.ndarray) -> float:
 
 
 def collect(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]], algorithm: str, percentile: float,
-            num_bins: int, threads: int, progress: Callable[[Iterable[Batch], str], Iterable[Batch]]) -> dict[str, dict]:
+            num_bins: int, threads: int, progress: Callable[[Iterable[Batch], str], Iterable[Batch]],
+            max_bytes: float | None = None) -> dict[str, dict]:
     """Statistics per candidate tensor: min, max, absmax, threshold, algorithm, samples; with mse and auto
-    also ``thresholds`` per storage dtype, and with auto ``chosen`` (the algorithm that won, per dtype)."""
+    also ``thresholds`` per storage dtype, and with auto ``chosen`` (the algorithm that won, per dtype).
+    ``max_bytes`` bounds the working set (see ActivationRunner)."""
     tensors = candidate_tensors(model)
-    runner = ActivationRunner(model, tensors, threads)
+    runner = ActivationRunner(model, tensors, threads, max_bytes)
     stats, count = _ranges(runner, progress(batches(), "calibrating (pass 1: ranges)"))
     if algorithm in ("mse", "auto"):
         _error_minimizing_pass(stats, runner, progress(batches(), "calibrating (pass 2: histograms)"), algorithm,
@@ -324,7 +354,7 @@ def collect(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]], algo
     if algorithm in ("entropy", "percentile"):
         hists = {t: np.zeros(num_bins, np.int64) for t in stats}
         for batch in progress(batches(), "calibrating (pass 2: histograms)"):
-            for t, arr in runner(batch).items():
+            for t, arr in runner(batch):
                 s = stats.get(t)
                 if s is None or s["absmax"] <= 0:
                     continue
@@ -356,7 +386,7 @@ def _ranges(runner: ActivationRunner, batches: Iterable[Batch]) -> tuple[dict[st
     count = 0
     for batch in batches:
         count += batch.valid
-        for t, arr in runner(batch).items():
+        for t, arr in runner(batch):
             if arr.size:
                 lo, hi = channel_extremes(arr)
                 mins[t] = min(mins[t], float(lo.min()))
@@ -397,7 +427,7 @@ def _error_minimizing_pass(stats: dict[str, dict], runner: ActivationRunner, bat
     zeros = dict.fromkeys(stats, 0)
     absolute = {t: np.zeros(num_bins, np.int64) for t in stats} if algorithm == "auto" else {}
     for batch in batches:
-        for t, arr in runner(batch).items():
+        for t, arr in runner(batch):
             s = stats.get(t)
             if s is None or s["absmax"] <= 0:
                 continue

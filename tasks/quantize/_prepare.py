@@ -64,7 +64,10 @@ def transform_float(model: onnx.ModelProto, q: Any, batches: Callable[[], Iterab
     if bool(q.smoothing):
         candidates = tf.smoothing_candidates(model)
         if candidates:
-            absmax, samples = tf.channel_absmax(model, batches, candidates, threads)
+            from pipeline.memory import memory_limit_bytes
+
+            absmax, samples = tf.channel_absmax(model, batches, candidates, threads,
+                                                max_bytes=memory_limit_bytes(q.calibration.max_memory_gb))
             new, changes = tf.smooth_outliers(model, absmax, samples, act_dtype=act_type if act_type in
                                               ("int8", "uint8") else "int8")
             model = keep("smoothing", new, changes, model)

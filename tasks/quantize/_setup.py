@@ -69,7 +69,10 @@ class QuantizeSetup:
     def create(cls, cfg: DictConfig, out_dir: Path, float_path: Path, model: onnx.ModelProto,
                rules: dict[str, NodeDtypes]) -> QuantizeSetup:
         """The setup of ``model`` (export's, at ``float_path``) with its non-empty ``rules``."""
+        from pipeline.memory import check_weights_fit, memory_limit_bytes
+
         q = cfg.quantize
+        check_weights_fit(model, memory_limit_bytes(q.calibration.max_memory_gb), "quantize.calibration.max_memory_gb")
         specs = input_specs(model)
         provider = DataProvider(cfg, specs)
         n_batches = int(q.calibration.batches)
@@ -111,4 +114,11 @@ class QuantizeSetup:
         """Statistics of every candidate tensor of ``model`` on the calibration batches."""
         q = self.q
         return collect(model, self.batches, enum_value(q.algorithm), float(q.percentile),
-                       int(q.calibration.num_bins), self.backend.threads, self.progress)
+                       int(q.calibration.num_bins), self.backend.threads, self.progress, self.max_bytes)
+
+    @property
+    def max_bytes(self) -> float:
+        """The working-set bound of the passes that observe tensors (quantize.calibration.max_memory_gb)."""
+        from pipeline.memory import memory_limit_bytes
+
+        return memory_limit_bytes(self.q.calibration.max_memory_gb)

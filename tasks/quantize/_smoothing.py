@@ -289,15 +289,16 @@ def smooth_outliers(model: onnx.ModelProto, act_absmax: Mapping[str, np.ndarray]
 
 
 def channel_absmax(model: onnx.ModelProto, batches_fn: Callable[[], Iterable[Any]], tensors: Sequence[str],
-                   threads: int = 1, max_rows: int = SAMPLE_ROWS, seed: int = 0
+                   threads: int = 1, max_rows: int = SAMPLE_ROWS, seed: int = 0, max_bytes: float | None = None
                    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Per-channel (last axis) absmax of ``tensors`` over the float model's run on ``batches_fn()``
     (``pipeline.data.Batch`` objects or plain feed dicts), and up to ``max_rows`` rows of each tensor
-    reshaped to [-1, K], drawn uniformly over all batches (smallest random keys kept)."""
+    reshaped to [-1, K], drawn uniformly over all batches (smallest random keys kept); ``max_bytes``
+    bounds the working set (``ActivationRunner``)."""
     from pipeline.data import Batch
     from tasks.quantize._calibrate import ActivationRunner
 
-    runner = ActivationRunner(model, list(tensors), threads)
+    runner = ActivationRunner(model, list(tensors), threads, max_bytes)
     rng = np.random.default_rng(seed)
     absmax: dict[str, np.ndarray] = {}
     keys: dict[str, np.ndarray] = {}
@@ -307,7 +308,7 @@ def channel_absmax(model: onnx.ModelProto, batches_fn: Callable[[], Iterable[Any
             feeds = {k: np.asarray(v) for k, v in dict(batch).items()}
             first = next(iter(feeds.values()))
             batch = Batch(feeds, None, int(first.shape[0]) if first.ndim else 1)
-        for t, arr in runner(batch).items():
+        for t, arr in runner(batch):
             if arr.ndim == 0 or arr.size == 0:
                 continue
             a = np.asarray(arr, np.float32).reshape(-1, arr.shape[-1])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Optional
 
 from omegaconf import DictConfig
 
@@ -66,6 +67,10 @@ class LayerRule:
 class CalibrationConfig:
     batches: int = 16  # calibration batches of model.batch_size samples (streamed)
     num_bins: int = 2048  # histogram bins for entropy / percentile
+    # bound on calibration's working set (the weights, held by this process and by ONNX Runtime, plus one
+    # batch of the observed tensors): past it the tensors are observed in groups, the model running once
+    # per group and batch; weights alone over it are a one-line error. None: 80% of this machine's memory
+    max_memory_gb: Optional[float] = None
 
 
 @dataclass
@@ -119,6 +124,9 @@ def validate(cfg: DictConfig) -> list[str]:
         problems.append(f"quantize.calibration.batches={q.calibration.batches}: must be >= 1")
     if q.outlier_threshold < 0:
         problems.append(f"quantize.outlier_threshold={q.outlier_threshold}: must be >= 0 (0 turns it off)")
+    if q.calibration.max_memory_gb is not None and not q.calibration.max_memory_gb > 0:
+        problems.append(f"quantize.calibration.max_memory_gb={q.calibration.max_memory_gb}: must be > 0 "
+                        "(or null: 80% of this machine's memory)")
     if q.calibration.num_bins < 128:
         problems.append(f"quantize.calibration.num_bins={q.calibration.num_bins}: must be >= 128")
     for i, rule in enumerate(q.layers):

@@ -40,3 +40,12 @@ def test_corrupt_autotuner_state(digits_results, tmp_path):
     line = _one_line_exit_2(run_tune([f"results_dir={rd}", "stages=[autotune]", "autotune.preset=quick"],
                                      cwd=tmp_path))
     assert "autotuner_state.yaml is corrupt" in line and "delete it" in line, line
+
+
+def test_weights_over_the_calibration_memory_bound(digits_results, tmp_path):
+    rd = tmp_path / "run"
+    shutil.copytree(digits_results, rd)
+    line = _one_line_exit_2(run_tune([f"results_dir={rd}", "stages=[quantize]",
+                                      "quantize.calibration.max_memory_gb=0.00001"], cwd=tmp_path))
+    assert "quantize.calibration.max_memory_gb=0.00 GB" in line and "weights alone take" in line, line
+    assert "this machine has" in line, line

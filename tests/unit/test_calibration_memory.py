@@ -67,3 +67,40 @@ def test_scales_do_not_depend_on_the_batch_size(algorithm):
         assert (small[t]["min"], small[t]["max"]) == (large[t]["min"], large[t]["max"]), t
         assert small[t]["samples"] == large[t]["samples"] == 64
         assert small[t]["threshold"] == pytest.approx(large[t]["threshold"], rel=0.02), t
+
+
+def test_observation_groups_fit_the_budget():
+    from pipeline.memory import observation_groups
+
+    sizes = {"a": 40, "b": 40, "c": 30, "d": 100}
+    assert observation_groups(["a", "b", "c", "d"], sizes, None) == [["a", "b", "c", "d"]]
+    assert observation_groups(["a", "b", "c", "d"], sizes, 80) == [["a", "b"], ["c"], ["d"]]
+    # unknown sizes count as the largest known one
+    assert observation_groups(["a", "x", "b"], sizes, 120) == [["a"], ["x"], ["b"]]
+
+
+@pytest.mark.parametrize("algorithm", ["minmax", "entropy"])
+def test_a_memory_bound_splits_the_pass_and_changes_no_statistic(algorithm):
+    """With max_bytes just above the weights, the tensors are observed a few at a time: the model runs
+    several times per batch, and every statistic is what one pass over all tensors gives."""
+    import numpy as np
+
+    from pipeline.data import Batch
+    from pipeline.memory import tensor_nbytes, weights_nbytes
+    from tasks.quantize._calibrate import ActivationRunner, candidate_tensors, collect
+
+    model = models.conv_chain(channels=16, size=24)
+    data = np.random.default_rng(0).standard_normal((16, 3, 24, 24)).astype(np.float32)
+
+    def batches():
+        for i in range(0, 16, 2):
+            yield Batch({"input": data[i:i + 2]}, None, 2)
+
+    sizes = tensor_nbytes(model)
+    tensors = candidate_tensors(model)
+    assert all(t in sizes for t in tensors)  # every activation sized from the graph alone
+    bound = 2 * weights_nbytes(model) + 2 * max(sizes[t] for t in tensors)
+    assert len(ActivationRunner(model, tensors, 1, bound).groups) > 2
+    free = collect(model, batches, algorithm, 99.9, 2048, 1, lambda it, d: it)
+    bounded = collect(model, batches, algorithm, 99.9, 2048, 1, lambda it, d: it, max_bytes=bound)
+    assert free == bounded

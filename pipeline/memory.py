@@ -1,0 +1,117 @@
+"""How much memory a pass over a model needs, and how to split one that would not fit.
+
+A pass that observes intermediate tensors (calibration, smoothing statistics) holds the model's
+weights (in ONNX Runtime) and, per batch, the tensors it asked for. ``tensor_nbytes`` sizes those
+tensors from the graph alone (shape inference on a skeleton whose large constants carry dims but no
+data, so a model past 2 GB costs nothing extra to size); ``observation_groups`` splits the tensors into
+groups that each fit a budget: the pass then runs the model once per group and batch, slower but
+bounded; ``check_weights_fit`` is the one-line error for a model whose weights alone do not fit.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from pipeline.errors import InputError
+
+GB = 1024**3
+_SKELETON_KEEP = 1024  # constants up to this many bytes keep their values (Reshape shapes, ...)
+
+
+def machine_memory_bytes() -> int:
+    """Physical memory of this machine (0 where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _itemsize(elem_type: int) -> int:
+    try:
+        return int(np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).itemsize)
+    except (KeyError, TypeError, ValueError):
+        return 4
+
+
+def weights_nbytes(model: onnx.ModelProto) -> int:
+    """Bytes of the model's initializers, from their dims (external data is not read)."""
+    return sum(int(np.prod(t.dims, dtype=np.int64)) * _itemsize(t.data_type) for t in model.graph.initializer)
+
+
+def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+    sk = onnx.ModelProto()
+    sk.ir_version = model.ir_version
+    sk.opset_import.extend(model.opset_import)
+    g = sk.graph
+    g.node.extend(model.graph.node)
+    g.input.extend(model.graph.input)
+    g.output.extend(model.graph.output)
+    g.value_info.extend(model.graph.value_info)
+    for t in model.graph.initializer:
+        if t.data_location == TensorProto.EXTERNAL or t.ByteSize() > _SKELETON_KEEP:
+            g.initializer.append(TensorProto(name=t.name, data_type=t.data_type, dims=t.dims))
+        else:
+            g.initializer.append(t)
+    return sk
+
+
+def tensor_nbytes(model: onnx.ModelProto) -> dict[str, int]:
+    """Bytes of every tensor whose shape is static after shape inference (of the main graph)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(_skeleton(model), strict_mode=False)
+    except Exception:  # noqa: BLE001 - sizing is best effort: unknown sizes are estimated by the caller
+        inferred = model
+    out: dict[str, int] = {}
+    for vi in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
+        tt = vi.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else -1 for d in tt.shape.dim]
+        if tt.HasField("shape") and all(d >= 0 for d in dims):
+            out[vi.name] = int(np.prod(dims, dtype=np.int64)) * _itemsize(tt.elem_type)
+    return out
+
+
+def observation_groups(tensors: Sequence[str], sizes: dict[str, int], budget: float | None) -> list[list[str]]:
+    """``tensors`` in order, cut into groups whose summed sizes stay within ``budget`` bytes (one group
+    when there is no budget; a tensor of unknown size counts as the largest known one; a tensor
+    larger than the budget forms its own group)."""
+    if budget is None or not tensors:
+        return [list(tensors)] if tensors else []
+    fallback = max(sizes.values(), default=0)
+    groups: list[list[str]] = [[]]
+    used = 0
+    for t in tensors:
+        n = sizes.get(t, fallback)
+        if groups[-1] and used + n > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(t)
+        used += n
+    return groups
+
+
+def memory_limit_bytes(max_memory_gb: float | None) -> float:
+    """The working-set bound: ``max_memory_gb``, else 80% of this machine's memory (inf if unknown)."""
+    if max_memory_gb is not None:
+        return float(max_memory_gb) * GB
+    ram = machine_memory_bytes()
+    return 0.8 * ram if ram else float("inf")
+
+
+def check_weights_fit(model: onnx.ModelProto, limit: float, key: str) -> int:
+    """The model's weight bytes; an InputError when they alone exceed ``limit`` bytes."""
+    weights = weights_nbytes(model)
+    if weights > limit:
+        ram = machine_memory_bytes()
+        raise InputError(f"the model's weights alone take {weights / GB:.2f} GB, over {key}={limit / GB:.2f} GB "
+                         f"(this machine has {ram / GB:.1f} GB of memory); raise {key} or quantize on a machine "
+                         "with more memory")
+    return weights
+
+
+__all__ = ["GB", "check_weights_fit", "machine_memory_bytes", "memory_limit_bytes", "observation_groups",
+           "tensor_nbytes", "weights_nbytes"]
