@@ -112,6 +112,9 @@ class SessionSettings:
         return "; ".join(parts) or "ORT's defaults"
 
 
+BY_PATH_BYTES = 64 * 2**20  # protos larger than this reach ORT through a temporary file
+
+
 def fits_one_proto(model: onnx.ModelProto) -> bool:
     """Whether ``model`` serializes as one protobuf message (under 2 GB); past that, protobuf's
     ByteSize() itself raises EncodeError, so a model that large is checked, saved and given to ONNX
@@ -151,6 +154,15 @@ def ort_session(model: onnx.ModelProto | bytes | str | os.PathLike, options: Any
         raise TypeError("ort_session: extra_outputs needs the model as an onnx.ModelProto")
     else:
         data = model if isinstance(model, bytes) else str(model)
+    if isinstance(data, bytes) and len(data) > BY_PATH_BYTES:
+        # ORT parsing serialized bytes holds a copy beside its own (BERT-base: +1.2 GB); from a file, +0.7 GB
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="qdq-tune-ort-") as tmp:
+            path = Path(tmp) / "model.onnx"
+            path.write_bytes(data)
+            del data
+            return ort_session(path, options, providers=providers, disabled_optimizers=disabled_optimizers)
     disabled = list(disabled_optimizers)
     if disabled:
         return ort.InferenceSession(data, sess_options=options, providers=list(providers),

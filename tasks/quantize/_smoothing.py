@@ -333,21 +333,24 @@ def channel_absmax(model: onnx.ModelProto, batches_fn: Callable[[], Iterable[Any
 def float_rel_error(before: onnx.ModelProto, after: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]]
                     ) -> float:
     """max over outputs of ||y_after - y_before|| / ||y_before|| (norms over all ``feeds``), both run
-    on ORT CPU with graph optimizations off so fusions cannot differ between the two graphs."""
+    on ORT CPU with graph optimizations off so fusions cannot differ between the two graphs (one
+    session at a time: a large model is not held by ORT twice)."""
     from pipeline.ort import ort_session, ort_session_options
-
-    def session(m: onnx.ModelProto) -> Any:
-        return ort_session(m, ort_session_options("disable"))
 
     names = [o.name for o in before.graph.output]
     missing = sorted(set(names) - {o.name for o in after.graph.output})
     if missing:
         raise ValueError(f"transformed model lacks output(s) {missing}; transforms must keep every output")
-    sb, sa = session(before), session(after)
+
+    def outputs(m: onnx.ModelProto) -> list[list[np.ndarray]]:
+        session = ort_session(m, ort_session_options("disable"))
+        return [session.run(names, dict(f)) for f in feeds]
+
+    ref, got = outputs(before), outputs(after)
     num = dict.fromkeys(names, 0.0)
     den = dict.fromkeys(names, 0.0)
-    for f in feeds:
-        for n, yb, ya in zip(names, sb.run(names, dict(f)), sa.run(names, dict(f)), strict=True):
+    for rb, ra in zip(ref, got, strict=True):
+        for n, yb, ya in zip(names, rb, ra, strict=True):
             yb64, ya64 = np.asarray(yb, np.float64), np.asarray(ya, np.float64)
             num[n] += float(np.sum((ya64 - yb64) ** 2))
             den[n] += float(np.sum(yb64 ** 2))
