@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import onnx
 from onnx import TensorProto, helper
 
-from pipeline.graph import outer_reads, subgraphs, tensor_elem_types
+from pipeline.graph import infer_shapes, outer_reads, subgraphs, tensor_elem_types
 from pipeline.graph_index import OUTER_SCOPE_KEY, GraphIndex
 
 QUANTIZED_BODIES = ("Loop", "Scan")
@@ -85,10 +85,7 @@ def _view(model: onnx.ModelProto, node: onnx.NodeProto, g: GraphIndex, types: di
     typed = {vi.name for vi in [*graph.input, *graph.value_info, *graph.output]}
     if any(o and o not in typed for n in graph.node for o in n.output):
         # element types of the body's tensors (an exporter may not have written them)
-        try:
-            view = onnx.shape_inference.infer_shapes(view, strict_mode=False)
-        except Exception:  # noqa: BLE001 - shape inference is best effort for custom ops
-            pass
+        view = infer_shapes(view)
     return BodyView(node, view, frozenset(outer))
 
 

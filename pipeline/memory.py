@@ -15,12 +15,11 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import helper
 
 from pipeline.errors import InputError
 
 GB = 1024**3
-_SKELETON_KEEP = 1024  # constants up to this many bytes keep their values (Reshape shapes, ...)
 
 
 def machine_memory_bytes() -> int:
@@ -43,25 +42,10 @@ def weights_nbytes(model: onnx.ModelProto) -> int:
     return sum(int(np.prod(t.dims, dtype=np.int64)) * _itemsize(t.data_type) for t in model.graph.initializer)
 
 
-def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
-    sk = onnx.ModelProto()
-    sk.ir_version = model.ir_version
-    sk.opset_import.extend(model.opset_import)
-    g = sk.graph
-    g.node.extend(model.graph.node)
-    g.input.extend(model.graph.input)
-    g.output.extend(model.graph.output)
-    g.value_info.extend(model.graph.value_info)
-    for t in model.graph.initializer:
-        if t.data_location == TensorProto.EXTERNAL or t.ByteSize() > _SKELETON_KEEP:
-            g.initializer.append(TensorProto(name=t.name, data_type=t.data_type, dims=t.dims))
-        else:
-            g.initializer.append(t)
-    return sk
-
-
 def tensor_nbytes(model: onnx.ModelProto) -> dict[str, int]:
     """Bytes of every tensor whose shape is static after shape inference (of the main graph)."""
+    from pipeline.graph import _skeleton
+
     try:
         inferred = onnx.shape_inference.infer_shapes(_skeleton(model), strict_mode=False)
     except Exception:  # noqa: BLE001 - sizing is best effort: unknown sizes are estimated by the caller

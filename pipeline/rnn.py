@@ -21,17 +21,14 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from pipeline.graph import opset_version
+from pipeline.graph import infer_shapes, opset_version
 
 MAX_STEPS = 64  # longer sequences stay one LSTM node: the unrolled graph would grow with every step
 _DEFAULT_ACTS = (b"Sigmoid", b"Tanh", b"Tanh")
 
 
 def _static_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    except Exception:  # noqa: BLE001 - without shapes nothing is lowered
-        return {}
+    inferred = infer_shapes(model)
     out = {}
     for vi in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]:
         dims = [d.dim_value if d.HasField("dim_value") else -1 for d in vi.type.tensor_type.shape.dim]
@@ -172,8 +169,5 @@ def lower_lstm(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[dict[str, 
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     out.graph.initializer.extend(new_inits)
-    try:  # element types of the new tensors: placement quantizes only tensors known to be float
-        out = onnx.shape_inference.infer_shapes(out, strict_mode=False)
-    except Exception:  # noqa: BLE001 - shape inference is best effort; untyped tensors stay float
-        pass
+    out = infer_shapes(out)  # element types of the new tensors: placement quantizes only typed float ones
     return out, records

@@ -22,7 +22,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from pipeline.errors import InputError
-from pipeline.graph import fold_graph
+from pipeline.graph import fold_graph, infer_shapes
 
 log = logging.getLogger("tune.export")
 
@@ -130,11 +130,7 @@ def _inline_decided_ifs(model: onnx.ModelProto) -> list[dict[str, str]]:
 
 
 def _fold(model: onnx.ModelProto) -> onnx.ModelProto:
-    try:
-        model = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    except Exception:  # noqa: BLE001 - shape inference is best effort; folding then knows fewer shapes
-        log.debug("shape inference failed while specializing", exc_info=True)
-    return fold_graph(model, flatten_subgraphs=False)
+    return fold_graph(infer_shapes(model), flatten_subgraphs=False)
 
 
 def specialize(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[dict[str, str]]]:

@@ -68,6 +68,8 @@ def _static_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], source:
     e.g. an audio model's 8 kHz branch), the graph keeps its dynamic dims and the shapes are stored
     in its metadata instead (``record_input_shapes``): ``input_specs`` reads them.
     """
+    if not dynamic_inputs(model):  # nothing to fall back to: no copy of the weights
+        return fix_input_shapes(model, shapes, source)
     original = onnx.ModelProto()
     original.CopyFrom(model)
     fixed = fix_input_shapes(model, shapes, source)
