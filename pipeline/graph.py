@@ -17,7 +17,7 @@ from onnx import helper
 
 from pipeline.artifacts import atomic_output, sha256_bytes, sha256_file
 from pipeline.errors import InputError
-from pipeline.ort import fits_one_proto
+from pipeline.ort import externalized, fits_one_proto
 
 H = TypeVar("H", bound=Hashable)
 
@@ -72,12 +72,10 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, external_data: b
     if external_data or not fits_one_proto(model):
         target.parent.mkdir(parents=True, exist_ok=True)
         data_name = target.name + ".data"
-        copy = onnx.ModelProto()
-        copy.CopyFrom(model)  # onnx's external-data save empties the tensors of the model it is given
         with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as tmpdir:
             staged = Path(tmpdir) / target.name
-            onnx.save_model(copy, str(staged), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=data_name, size_threshold=1024)
+            with externalized(model, staged, data_name=data_name):
+                pass
             for produced in (Path(tmpdir) / data_name, staged):
                 if produced.exists():
                     with open(produced, "rb+") as fh:

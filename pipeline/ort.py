@@ -8,7 +8,8 @@ keeps ORT's int8 QDQ rewrites away from FP8 models.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -137,16 +138,13 @@ def ort_session(model: onnx.ModelProto | bytes | str | os.PathLike, options: Any
     import onnxruntime as ort
 
     if isinstance(model, onnx.ModelProto) and not fits_one_proto(model):
-        # over 2 GB there are no bytes to hand over: ORT reads a copy saved with external data
+        # over 2 GB there are no bytes to hand over: ORT reads the model saved with external data
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="qdq-tune-ort-") as tmp:
-            copy = onnx.ModelProto()
-            copy.CopyFrom(with_outputs(model, extra_outputs))  # the external-data save empties the proto it writes
             path = Path(tmp) / "model.onnx"
-            onnx.save_model(copy, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location="model.onnx.data")
-            del copy
+            with externalized(model, path, extra_outputs):
+                pass
             return ort_session(path, options, providers=providers, disabled_optimizers=disabled_optimizers)
     if isinstance(model, onnx.ModelProto):
         data: bytes | str = with_outputs(model, extra_outputs).SerializeToString()
@@ -168,6 +166,32 @@ def ort_session(model: onnx.ModelProto | bytes | str | os.PathLike, options: Any
         return ort.InferenceSession(data, sess_options=options, providers=list(providers),
                                     disabled_optimizers=disabled)
     return ort.InferenceSession(data, sess_options=options, providers=list(providers))
+
+
+@contextmanager
+def externalized(model: onnx.ModelProto, path: str | os.PathLike, extra_outputs: Iterable[str] = (),
+                 data_name: str | None = None) -> Iterator[Path]:
+    """Save ``model`` (with ``extra_outputs`` as graph outputs) to ``path`` with its tensors in one
+    external data file, without a second copy of the weights in memory: onnx's external-data save
+    moves the values out of the proto it writes, so they are written from ``model`` itself and read
+    back into it when the block ends (its outputs restored too)."""
+    from onnx.external_data_helper import _get_all_tensors, load_external_data_for_model
+
+    path = Path(path)
+    outputs = len(model.graph.output)
+    existing = {o.name for o in model.graph.output}
+    model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(t) for t in dict.fromkeys(extra_outputs)
+                              if t not in existing)
+    try:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data_name or path.name + ".data", size_threshold=1024)
+        yield path
+    finally:
+        load_external_data_for_model(model, str(path.parent))
+        for t in _get_all_tensors(model):  # as it was: the field unset (proto2 would serialize it)
+            if t.data_location == onnx.TensorProto.DEFAULT:
+                t.ClearField("data_location")
+        del model.graph.output[outputs:]
 
 
 def with_outputs(model: onnx.ModelProto, tensors: Iterable[str]) -> onnx.ModelProto:

@@ -28,11 +28,10 @@ class Editor:
     """
 
     def __init__(self, model: onnx.ModelProto, copy: bool = True):
-        if copy:
-            self.model = onnx.ModelProto()
-            self.model.CopyFrom(model)
-        else:  # read-only lookups: no edit may be made
-            self.model = model
+        # the copy is made at the first edit: a transform that finds nothing to change costs no second
+        # copy of the weights (copy=False: read-only lookups, no edit may be made)
+        self.model = model
+        self._copy_pending = copy
         self.graph = self.model.graph
         self.inits = {i.name: i for i in self.graph.initializer}
         self.outputs = {o.name for o in self.graph.output}
@@ -102,8 +101,17 @@ class Editor:
         return name
 
     # ---- edits
+    def _own(self) -> None:
+        if self._copy_pending:
+            self._copy_pending = False
+            own = onnx.ModelProto()
+            own.CopyFrom(self.model)
+            self.model, self.graph = own, own.graph
+            self.inits = {i.name: i for i in self.graph.initializer}
+
     def set_const(self, name: str, values: np.ndarray, readers: Sequence[Use]) -> str:
         """Give ``readers`` (which all read ``name``) the constant ``values``; returns its name."""
+        self._own()
         self.array(name)
         mine = set(readers)
         if (set(self.uses(name)) <= mine and values.shape == self._arrays[name].shape
@@ -123,6 +131,7 @@ class Editor:
         return new
 
     def add_node(self, node: onnx.NodeProto, consts: Mapping[str, np.ndarray], dtype: np.dtype) -> None:
+        self._own()
         for name, values in consts.items():
             self._arrays[name] = values
             self._dtypes[name] = np.dtype(dtype)
@@ -133,6 +142,7 @@ class Editor:
         self._index = None
 
     def rewire(self, readers: Iterable[Use], tensor: str) -> None:
+        self._own()
         for i, j in readers:
             self.graph.node[i].input[j] = tensor
         self._index = None

@@ -92,6 +92,8 @@ def fold_matmul_scales(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[di
             changes.append({"node": node.name, "op": node.op_type, "factor": factor, "matmul": ed.node(m).name,
                             "into": f"{label} {ed.node(ed.producer(src)).name}"})
             break
+    if not changes:
+        return model, []
     out = ed.finish()
     dropped = [n for n in out.graph.node if (n.name or n.output[0]) in folded]
     keep = [n for n in out.graph.node if (n.name or n.output[0]) not in folded]

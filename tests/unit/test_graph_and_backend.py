@@ -102,3 +102,25 @@ def test_batchnorm_folds_into_its_conv_and_outputs_stay_the_same():
     assert [n.op_type for n in model.graph.node] == ["Conv", "Relu"] and len(model.graph.node[0].input) == 3
     after = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     np.testing.assert_allclose(after, before, rtol=1e-4, atol=1e-5)
+
+
+def test_external_data_saves_leave_the_callers_model_as_it_was(tmp_path):
+    """save_model with external data and ort_session's path for protos past 2 GB write the weights out
+    of the caller's own proto (no second copy) and read them back: the model is byte-identical after."""
+    import numpy as np
+
+    from pipeline.graph import model_hash, save_model
+    from pipeline.ort import externalized, ort_session
+    from tests import models
+
+    model = models.transformer_layer()
+    before = model_hash(model)
+    save_model(model, tmp_path / "a.onnx", external_data=True)
+    assert (tmp_path / "a.onnx.data").stat().st_size > 10_000 and model_hash(model) == before
+    with externalized(model, tmp_path / "b.onnx", ["s0"]):
+        pass
+    assert model_hash(model) == before and [o.name for o in model.graph.output] == ["output"]
+    x = {"input": np.ones((1, 16, 32), np.float32)}
+    got = ort_session(tmp_path / "b.onnx").run(["output", "s0"], x)
+    want = ort_session(model, extra_outputs=["s0"]).run(["output", "s0"], x)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))

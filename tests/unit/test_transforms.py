@@ -352,3 +352,17 @@ def test_a_scale_that_cannot_move_is_left_alone(model_fn):
 
     new, changes = fold_matmul_scales(model_fn())
     assert changes == [] and "scale" in {n.name for n in new.graph.node}
+
+
+@pytest.mark.parametrize("model_fn", [models.transformer_layer, models.conv_chain, lambda: models.cle_chain("Relu")])
+def test_transforms_leave_their_input_untouched_and_copy_only_to_change(model_fn):
+    """The graph editor copies the model at its first edit: a transform with nothing to change returns
+    the very model it was given, and one that changes it leaves the input byte-identical."""
+    from pipeline.graph import model_hash
+    from tasks.quantize._scale_folding import fold_matmul_scales
+
+    model = model_fn()
+    before = model_hash(model)
+    for new, changes in (fold_matmul_scales(model), equalize_cross_layer(model)):
+        assert (new is model) == (not changes)
+        assert model_hash(model) == before
