@@ -11,6 +11,7 @@ a baseline.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -60,6 +61,17 @@ class Timing:
         return cls(**d)
 
 
+@dataclass(frozen=True)
+class ShippedSettings:
+    """How a backend's tuned runtime settings ship beside the model (autotune's runtime search): their
+    type (to_dict/from_dict/load/save/describe/changed), their artifact, and what messages call them."""
+
+    type: type
+    artifact: str  # e.g. "autotune/ort_session.json"
+    what: str  # e.g. "session settings"
+    defaults: str  # what runs without them, e.g. "ORT's defaults"
+
+
 @dataclass
 class BuildResult:
     engine_path: Path | None  # engine file (TensorRT) or optimized graph (ORT), if written
@@ -104,12 +116,24 @@ class Backend:
     """Base class: subclasses implement ``check_available``, ``prepare`` and ``build``."""
 
     name = "base"
+    # the kind of settings autotune tunes for this runtime and ships (None: none are searched)
+    shipped_settings: ShippedSettings | None = None
+    # the settings applied to every model this backend prepares or builds (None: its config alone)
+    settings: Any = None
 
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
         self.warmup_runs = int(cfg.warmup_runs)
         self.timing_runs = int(cfg.timing_runs)
         self._cache: dict[tuple[str, int, int], Timing] = {}
+
+    def with_settings(self, settings: Any) -> Backend:
+        """This backend with ``settings`` (its ``shipped_settings`` type) applied over its config to
+        every model it prepares or builds."""
+        other = copy.copy(self)
+        other.settings = settings
+        other._cache = {}  # a cached timing is of one model under the settings it was measured with
+        return other
 
     # -- to implement
     def check_available(self) -> None:

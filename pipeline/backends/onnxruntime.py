@@ -8,7 +8,6 @@ during graph optimization, so the optimized graph shows which placements really 
 from __future__ import annotations
 
 import bisect
-import copy
 import functools
 import os
 import time
@@ -19,7 +18,7 @@ import numpy as np
 import onnx
 
 from pipeline.artifacts import atomic_output, atomic_write_json
-from pipeline.backends.base import Backend, BuildResult, PreparedModel, specs_of
+from pipeline.backends.base import Backend, BuildResult, PreparedModel, ShippedSettings, specs_of
 from pipeline.config import enum_value
 from pipeline.data import fixed_feeds
 from pipeline.errors import BackendUnavailable
@@ -167,14 +166,10 @@ class OrtProfiled(OrtPrepared):
 
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
+    shipped_settings = ShippedSettings(SessionSettings, "autotune/ort_session.json", "session settings",
+                                       "ORT's defaults")
     # the session settings a tuned model ships with (autotune/ort_session.json); None: backend.* alone
     settings: SessionSettings | None = None
-
-    def with_settings(self, settings: SessionSettings | None) -> OnnxRuntimeBackend:
-        """This backend with ``settings`` applied over backend.* to every session it creates."""
-        other = copy.copy(self)
-        other.settings = settings
-        return other
 
     def check_available(self) -> None:
         try:

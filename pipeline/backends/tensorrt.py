@@ -19,6 +19,7 @@ profile shapes, plugin paths, layer-info parsers) lives in ``pipeline.backends.t
 from __future__ import annotations
 
 import importlib
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ import onnx
 from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_output, atomic_write_text
-from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing
+from pipeline.backends.base import Backend, BuildResult, PreparedModel, ShippedSettings, Timing
 from pipeline.backends.tensorrt_builder import (
     PluginLibraries,
     open_timing_cache,
@@ -37,6 +38,7 @@ from pipeline.backends.tensorrt_builder import (
     set_precision,
 )
 from pipeline.backends.tensorrt_log import ParseError, capture_logger, parser_errors
+from pipeline.backends.trt_build import TrtBuildSettings
 from pipeline.backends.trt_common import (
     EngineOptions,
     parse_builder_layers,
@@ -166,6 +168,10 @@ class TensorRTBackend(Backend):
     package_title = "the TensorRT Python package"
     builds_without_gpu = False
     supports_timing_cache = True
+    shipped_settings: ShippedSettings | None = ShippedSettings(
+        TrtBuildSettings, "autotune/trt_build.json", "build settings", "the backend's own build settings")
+    # the builder settings a tuned model ships with (autotune/trt_build.json): set on every build's config
+    settings: TrtBuildSettings | None = None
 
     def __init__(self, cfg: DictConfig):
         super().__init__(cfg)
@@ -174,7 +180,8 @@ class TensorRTBackend(Backend):
         self._plugins = PluginLibraries(self.name)
         # a stage may point this into its results_dir folder to keep the build logs of measurements
         self.logs_dir: Path | None = None
-        self._builds = 0
+        # shared with the copies with_settings makes, so their build logs never take one name
+        self._builds = itertools.count(1)
 
     # ------------------------------------------------------------------ availability
     def check_available(self) -> None:
@@ -276,6 +283,9 @@ class TensorRTBackend(Backend):
         level = self.cfg.get("builder_optimization_level")
         if level is not None and hasattr(config, "builder_optimization_level"):
             config.builder_optimization_level = int(level)
+        if self.settings is not None:  # the tuned settings, over the backend's own
+            self.settings.apply(trt, config)
+            logger.note(f"build settings: {self.settings.describe()}")
         info["data_type"] = set_precision(trt, config, options.data_type, strongly_typed, logger)
 
         if shapes:
@@ -341,8 +351,7 @@ class TensorRTBackend(Backend):
         if log_path is None:
             if self.logs_dir is None:
                 return None
-            self._builds += 1
-            log_path = Path(self.logs_dir) / f"build_{self._builds:04d}.log"
+            log_path = Path(self.logs_dir) / f"build_{next(self._builds):04d}.log"
         atomic_write_text(log_path, logger.text())
         return Path(log_path)
 
@@ -395,7 +404,10 @@ class TensorRTBackend(Backend):
             module, version = trt.__name__, getattr(trt, "__version__", "?")
         except BackendUnavailable:
             module, version = self.module_names[0], "not installed"
-        return {"backend": self.name, "module": module, "version": version, "device": int(self.cfg.device)}
+        info = {"backend": self.name, "module": module, "version": version, "device": int(self.cfg.device)}
+        if self.settings is not None:
+            info["build_settings"] = self.settings.describe()
+        return info
 
     def layer_info(self, model_path: str | Path) -> dict[str, Any] | None:
         """Engine inspector JSON for a DETAILED build; without a GPU (TensorRT-RTX) the builder's layer table."""
@@ -431,6 +443,8 @@ class TensorRTRtxBackend(TensorRTBackend):
     package_title = "the TensorRT-RTX Python bindings"
     builds_without_gpu = True
     supports_timing_cache = False  # deprecated in TensorRT-RTX: kernels are chosen on the device at run time
+    # autotune does not search TensorRT-RTX's build settings (with_settings still applies given ones)
+    shipped_settings = None
 
     def has_fast_kernels(self, quant_type: str) -> bool:
         # the TensorRT-RTX support matrix lists INT8 as weight-only: INT8 activation Q/DQ gives no int8 math

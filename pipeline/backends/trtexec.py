@@ -22,6 +22,7 @@ retried once without them and they stay off for the rest of this backend's life.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import re
@@ -38,7 +39,8 @@ import onnx
 from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_output, atomic_write_text
-from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing
+from pipeline.backends.base import Backend, BuildResult, PreparedModel, ShippedSettings, Timing
+from pipeline.backends.trt_build import TrtBuildSettings
 from pipeline.backends.trt_common import (
     EngineOptions,
     parse_layer_info,
@@ -153,6 +155,10 @@ class TrtexecPrepared(PreparedModel):
 
 class TrtexecBackend(Backend):
     name = "trtexec"
+    shipped_settings = ShippedSettings(TrtBuildSettings, "autotune/trt_build.json", "build settings",
+                                       "the backend's own build settings")
+    # the builder settings a tuned model ships with (autotune/trt_build.json): flags on every build
+    settings: TrtBuildSettings | None = None
 
     def __init__(self, cfg: DictConfig):
         super().__init__(cfg)
@@ -164,7 +170,8 @@ class TrtexecBackend(Backend):
         self.logs_dir: Path | None = None
         self.last_profile: dict[str, Any] | None = None
         self.last_layer_info: dict[str, Any] | None = None
-        self._invocations = 0
+        # shared with the copies with_settings makes, so their logs in logs_dir never take one name
+        self._invocations = itertools.count(1)
 
     @property
     def warmup_ms(self) -> int:
@@ -207,7 +214,8 @@ class TrtexecBackend(Backend):
         cfg = OmegaConf.merge(self.cfg, {"trtexec_args": args})
         other = TrtexecBackend(cfg)
         other.exe, other.version, other.logs_dir = self.exe, self.version, self.logs_dir
-        other.profiling_supported = self.profiling_supported
+        other.profiling_supported, other.settings = self.profiling_supported, self.settings
+        other._invocations = self._invocations
         return other
 
     def opt_shapes(self) -> dict[str, list[int]]:
@@ -255,8 +263,7 @@ class TrtexecBackend(Backend):
 
     def _run_once(self, argv: list[str], kind: str, stem: str, log_path: Path | None) -> tuple[str, int, Path]:
         if log_path is None:
-            self._invocations += 1
-            log_path = self._logs() / f"{self._invocations:04d}_{kind}_{stem}.log"
+            log_path = self._logs() / f"{next(self._invocations):04d}_{kind}_{stem}.log"
         timeout = float(self.cfg.get("timeout") or 0) or None
         t0 = time.perf_counter()
         try:
@@ -288,7 +295,8 @@ class TrtexecBackend(Backend):
         plugins = plugin_paths(options.plugin_libraries)
         run = TrtexecRun(onnx=model_path, strongly_typed=has_qdq(model), data_type=options.data_type,
                          workspace_mb=options.workspace_mb, shapes=profile_shapes(model, options, model_path.name),
-                         timing_cache=options.timing_cache, plugins=plugins, extra_args=self.run_args())
+                         timing_cache=options.timing_cache, plugins=plugins, extra_args=self.run_args(),
+                         build_args=self.settings.trtexec_flags() if self.settings is not None else [])
         return run, model
 
     # ------------------------------------------------------------------ protocol
@@ -397,8 +405,11 @@ class TrtexecBackend(Backend):
             return self.last_layer_info
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.name, "trtexec": self.exe or str(self.cfg.trtexec_path),
+        info = {"backend": self.name, "trtexec": self.exe or str(self.cfg.trtexec_path),
                 "tensorrt_version": self.version}
+        if self.settings is not None:
+            info["build_settings"] = self.settings.describe()
+        return info
 
 
 # the command-line pieces and output readers stay importable from here for the tests, which import them

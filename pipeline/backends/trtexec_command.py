@@ -58,7 +58,7 @@ class TrtexecRun:
     """One trtexec invocation; ``argv`` turns it into a command line.
 
     Our own flags are left out when the user's ``extra_args`` already set the same option, so a
-    user's --warmUp or --percentile wins instead of being duplicated.
+    user's --warmUp, --percentile or --builderOptimizationLevel wins instead of being duplicated.
     """
 
     onnx: Path | None = None
@@ -80,6 +80,7 @@ class TrtexecRun:
     export_layer_info: Path | None = None
     load_inputs: dict[str, Path] = field(default_factory=dict)
     export_output: Path | None = None
+    build_args: list[str] = field(default_factory=list)  # tuned builder flags (TrtBuildSettings.trtexec_flags)
     extra_args: list[str] = field(default_factory=list)
 
     def argv(self, exe: str) -> list[str]:
@@ -109,6 +110,8 @@ class TrtexecRun:
                 add(f"--maxShapes={_shape_spec({n: s[2] for n, s in self.shapes.items()})}")
             if self.timing_cache is not None:
                 add(f"--timingCacheFile={self.timing_cache}")
+            for arg in self.build_args:
+                add(arg)
         elif self.shapes:  # a dynamic engine runs at the profile's opt shapes
             add(f"--shapes={_shape_spec({n: s[1] for n, s in self.shapes.items()})}")
         for lib in self.plugins:

@@ -58,10 +58,11 @@ PRESETS: dict[str, tuple[int, int, int]] = {
 
 @dataclass
 class RuntimeSearchConfig:
-    """After placement, the ONNX Runtime session settings the shipped model runs fastest with (graph
-    fusions to disable, gelu approximation, intra-op threads, optimization level), each kept only if
-    it is faster beyond the noise and the model still meets the accuracy budget; written to
-    autotune/ort_session.json. ONNX Runtime backend only."""
+    """After placement, the runtime settings the shipped model runs fastest with, each kept only if it
+    is faster beyond the noise and the model still meets the accuracy budget. ONNX Runtime: session
+    settings (graph fusions to disable, gelu approximation, intra-op threads, optimization level),
+    written to autotune/ort_session.json; tensorrt and trtexec: builder settings (optimization level,
+    tiling optimization level, auxiliary streams), written to autotune/trt_build.json."""
 
     enabled: bool = True
     max_seconds: float = 300.0  # the search stops after this long (what is measured so far is kept)

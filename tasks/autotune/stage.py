@@ -89,11 +89,11 @@ class AutotuneStage(Stage):
         metrics = finalize(setup, result)
         metrics.update(result.metrics)
         runtime_artifacts, metrics["runtime"] = tune_runtime(setup, ctx.cfg.autotune.runtime)
-        if "speedup_vs_float_default" in metrics["runtime"]:
-            metrics["headline"] += (f"; session: {metrics['runtime']['describe']} -> "
-                                    f"{metrics['runtime']['speedup_vs_float_default']:.2f}x vs float with ORT's "
-                                    f"defaults ({metrics['runtime']['speedup_vs_float_same_settings']:.2f}x vs float "
-                                    f"with the same settings)")
+        rt = metrics["runtime"]
+        if "speedup_vs_float_default" in rt:
+            metrics["headline"] += (f"; {rt['what']}: {rt['describe']} -> {rt['speedup_vs_float_default']:.2f}x vs "
+                                    f"float with {rt['defaults']} ({rt['speedup_vs_float_same_settings']:.2f}x vs "
+                                    f"float with the same settings)")
         if result.report is not None:
             result.report(metrics)
         result.tuned.unlink(missing_ok=True)

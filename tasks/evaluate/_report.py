@@ -115,13 +115,15 @@ def _table(metrics: dict[str, Any]) -> list[str]:
 
 
 def _session(metrics: dict[str, Any]) -> list[str]:
-    """The autotuned model's shipped session settings, and its speedup against float run with them too."""
+    """The autotuned model's shipped runtime settings, and its speedup against float run with them too."""
     m = metrics["models"].get("autotuned") or {}
     if not m.get("session"):
         return []
-    return ["", f"The autotuned model runs with the session settings in `autotune/ort_session.json` ({m['session']}): "
-                f"{_num(m.get('speedup'), '.2f')}x ({_num(m.get('speedup_p10'), '.2f')}x) against float with ORT's "
-                f"defaults (the table), {_num(m.get('speedup_same_session'), '.2f')}x "
+    what, file = m.get("settings_what", "session settings"), m.get("settings_file", "autotune/ort_session.json")
+    defaults = m.get("settings_defaults", "ORT's defaults")
+    return ["", f"The autotuned model runs with the {what} in `{file}` ({m['session']}): "
+                f"{_num(m.get('speedup'), '.2f')}x ({_num(m.get('speedup_p10'), '.2f')}x) against float with "
+                f"{defaults} (the table), {_num(m.get('speedup_same_session'), '.2f')}x "
                 f"({_num(m.get('speedup_same_session_p10'), '.2f')}x) against float run with the same settings."]
 
 

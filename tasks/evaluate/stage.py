@@ -71,7 +71,7 @@ class EvaluateStage(Stage):
     name = "evaluate"
     inputs = ("export/model.onnx",)
     optional_inputs = ("quantize/quantized_model.onnx", "autotune/optimized_final.onnx", "quantize/calibration.json",
-                       "quantize/float_model.onnx", "autotune/ort_session.json")
+                       "quantize/float_model.onnx", "autotune/ort_session.json", "autotune/trt_build.json")
     outputs = ("evaluate/metrics.json", "evaluate/report.md")
     config_keys = ("evaluate", "data", "backend", "seed", "accuracy")
 
@@ -89,7 +89,7 @@ class EvaluateStage(Stage):
         prepared: dict[str, PreparedModel] = {}
         try:
             for c in evaluated:
-                # the autotuned model runs with the session settings it ships with
+                # the autotuned model runs with the runtime settings it ships with
                 prepared[c.key] = self._prepare(backend.with_settings(settings) if settings and c.key == "autotuned"
                                                 else backend, c)
             scores, batches = self._score(ctx, backend, evaluated, specs, max_batches, prepared)
@@ -331,14 +331,14 @@ class EvaluateStage(Stage):
 
     @staticmethod
     def _session_settings(ctx: StageContext, backend: Backend) -> Any:
-        """autotune/ort_session.json when it changes anything on this (ONNX Runtime) backend, else None."""
-        from pipeline.ort import SessionSettings
-
-        path = ctx.artifact("autotune/ort_session.json")
-        if path is None or backend.name != "onnxruntime":
+        """The runtime settings autotune shipped for this backend's kind (autotune/ort_session.json on
+        onnxruntime, autotune/trt_build.json on tensorrt and trtexec) when they change anything, else None."""
+        kind = backend.shipped_settings
+        path = ctx.artifact(kind.artifact) if kind is not None else None
+        if path is None:
             return None
-        settings = SessionSettings.load(path)
-        return None if settings == SessionSettings() else settings
+        settings = kind.type.load(path)
+        return None if settings == kind.type() else settings
 
     # ------------------------------------------------------------------ assembling the metrics
     def _metrics(self, ctx: StageContext, backend: Backend, evaluated: list[EvaluatedModel],
@@ -388,6 +388,9 @@ class EvaluateStage(Stage):
             models["autotuned"]["speedup_same_session"] = same.median_ms / at.median_ms
             models["autotuned"]["speedup_same_session_p10"] = same.p10_ms / at.p10_ms
             models["autotuned"]["session"] = self._session_settings(ctx, backend).describe()
+            kind = backend.shipped_settings
+            models["autotuned"].update(settings_file=kind.artifact, settings_what=kind.what,
+                                       settings_defaults=kind.defaults)
         if latency:
             ratios = (t.p90_ms / t.p10_ms for t in latency["timings"].values() if t.p10_ms > 0)
             spread = max((r for r in ratios if not math.isnan(r)), default=None)

@@ -1,7 +1,8 @@
 """The gen_trt_engine stage: builds a deployable engine from the newest model in results_dir.
 
 The model is autotune's optimized_final.onnx, else quantize's quantized_model.onnx, else export's
-model.onnx (or `gen_trt_engine.onnx_file`). With a TensorRT backend (tensorrt, tensorrt_rtx, trtexec)
+model.onnx (or `gen_trt_engine.onnx_file`); autotune's model is built with the runtime settings it
+was tuned with (autotune/trt_build.json on tensorrt and trtexec, ort_session.json on onnxruntime). With a TensorRT backend (tensorrt, tensorrt_rtx, trtexec)
 it writes gen_trt_engine/model.engine and the builder log build.log; with backend=onnxruntime there
 is no engine to build, so it writes the graph ONNX Runtime actually runs after its fusions
 (model.ort.onnx) and the build facts (build.json) instead.
@@ -35,7 +36,8 @@ def _shapes(node: Any) -> dict[str, list[int]]:
 
 class GenTrtEngineStage(Stage):
     name = "gen_trt_engine"
-    optional_inputs = (*MODEL_KEYS, "autotune/ort_session.json")
+    # the runtime settings autotune ships for its model, one file per backend kind
+    optional_inputs = (*MODEL_KEYS, "autotune/ort_session.json", "autotune/trt_build.json")
     outputs = ()  # which files depends on the backend (engine + build.log, or model.ort.onnx + build.json)
     config_keys = ("gen_trt_engine", "backend")
 
@@ -86,13 +88,8 @@ class GenTrtEngineStage(Stage):
     def run(self, ctx: StageContext) -> StageResult:
         model_path, source = self._pick_model(ctx)
         out_dir = ctx.stage_dir("gen_trt_engine")
-        backend = create_backend(ctx.cfg.backend)
+        backend = self._tuned(ctx, create_backend(ctx.cfg.backend), source)
         if backend.name == "onnxruntime":
-            settings = ctx.artifact("autotune/ort_session.json") if source == "autotune/optimized_final.onnx" else None
-            if settings is not None:  # the graph ORT runs with the session settings the model ships with
-                from pipeline.ort import SessionSettings
-
-                backend = backend.with_settings(SessionSettings.load(settings))
             return self._ort(backend, model_path, source, out_dir)
         engine, build_log = out_dir / "model.engine", out_dir / "build.log"
         log.info("building a %s engine from %s (%s)", backend.name, model_path, source)
@@ -109,11 +106,27 @@ class GenTrtEngineStage(Stage):
         for k in ("profile", "layers"):
             if info.get(k) is not None:
                 metrics[k] = info[k]
-        metrics["headline"] = (f"{backend.name} engine from {source}: {size / 2**20:.2f} MB, {precision}, "
+        tuned = f", {backend.settings.describe()}" if backend.settings is not None else ""
+        metrics["headline"] = (f"{backend.name} engine from {source}: {size / 2**20:.2f} MB, {precision}{tuned}, "
                                f"built in {seconds:.1f} s")
         log.info("wrote %s (%s)", engine, metrics["headline"])
         return StageResult(artifacts={"gen_trt_engine/model.engine": engine, "gen_trt_engine/build.log": build_log},
                            metrics=metrics)
+
+    @staticmethod
+    def _tuned(ctx: StageContext, backend: Any, source: str) -> Any:
+        """The backend with the runtime settings autotune shipped beside its model (ort_session.json,
+        trt_build.json: the backend's kind), when that model is the one built; else as configured."""
+        kind = backend.shipped_settings
+        path = ctx.artifact(kind.artifact) if kind is not None and source == "autotune/optimized_final.onnx" else None
+        if path is None:
+            return backend
+        settings = kind.type.load(path)
+        if settings == kind.type():  # nothing to change
+            return backend
+        log.info("building with the %s autotune tuned the model with (%s): %s", kind.what, kind.artifact,
+                 settings.describe())
+        return backend.with_settings(settings)
 
     @staticmethod
     def _ort(backend: Any, model_path: Path, source: str, out_dir: Path) -> StageResult:

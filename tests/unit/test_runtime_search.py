@@ -10,7 +10,7 @@ from onnx import TensorProto, helper
 
 from pipeline.errors import StateError
 from pipeline.ort import SessionSettings, ort_session, ort_session_options
-from tasks.autotune.runtime_search import FUSIONS, apply_change, candidates, float_matmuls
+from tasks.autotune.runtime_ort import FUSIONS, apply_change, candidates, float_matmuls
 from tests import models
 
 
@@ -114,18 +114,18 @@ def test_an_interrupted_search_resumes_at_the_next_candidate(tmp_path, monkeypat
 
     monkeypatch.setattr(rs.RuntimeSearch, "_step", step)
     with pytest.raises(KeyboardInterrupt):
-        rs.RuntimeSearch(backend, path, lambda pm: _Verdict(), rcfg, state, "ctx").run(opt, model, 2)
+        rs.RuntimeSearch(backend, path, lambda pm: _Verdict(), rcfg, state, "ctx").run(candidates(opt, model, 2))
     import json
 
     assert [s["name"] for s in json.loads(state.read_text())["steps"]] == names[:2]
     measured.clear()
     monkeypatch.setattr(rs.RuntimeSearch, "_step", lambda self, c, cur: measured.append(c.name) or real_step(self, c, cur))
     search = rs.RuntimeSearch(backend, path, lambda pm: _Verdict(), rcfg, state, "ctx")
-    search.run(opt, model, 2)
+    search.run(candidates(opt, model, 2))
     assert measured == names[2:] and [s["name"] for s in search.doc["steps"]] == names and search.doc["done"]
     # the search of another model starts afresh and keeps the old state aside
     other = models.save(models.transformer_layer(seed=1), tmp_path, "t2")
     fresh = rs.RuntimeSearch(backend, other, lambda pm: _Verdict(), rcfg, state, "ctx")
     measured.clear()
-    fresh.run(opt, model, 2)
+    fresh.run(candidates(opt, model, 2))
     assert measured == names and list((tmp_path / "stale").glob("*/runtime_search.json"))
