@@ -30,8 +30,9 @@ from dataclasses import dataclass
 import onnx
 from onnx import TensorProto, helper
 
-from pipeline.graph import infer_shapes, outer_reads, subgraphs, tensor_elem_types
+from pipeline.graph import outer_reads, subgraphs, tensor_elem_types
 from pipeline.graph_index import OUTER_SCOPE_KEY, GraphIndex
+from pipeline.shapes import infer_shapes
 
 QUANTIZED_BODIES = ("Loop", "Scan")
 

@@ -18,6 +18,7 @@ from onnx import helper
 from pipeline.artifacts import atomic_output, sha256_bytes, sha256_file
 from pipeline.errors import InputError
 from pipeline.ort import externalized, fits_one_proto
+from pipeline.shapes import infer_shapes
 
 H = TypeVar("H", bound=Hashable)
 
@@ -133,49 +134,6 @@ def recorded_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
         if p.key == SHAPES_KEY:
             return {k: [int(d) for d in v] for k, v in json.loads(p.value).items()}
     return {}
-
-
-_SKELETON_KEEP = 1024  # constants up to this many bytes keep their values in a skeleton (Reshape shapes, ...)
-_SKELETON_FROM = 64 * 2**20  # models above this many bytes are shape-inferred through a skeleton
-
-
-def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The model without the values of its large constants (their dims and types stay): what shape
-    inference needs, at a fraction of the size."""
-    sk = onnx.ModelProto()
-    sk.ir_version = model.ir_version
-    sk.opset_import.extend(model.opset_import)
-    g = sk.graph
-    g.node.extend(model.graph.node)
-    g.input.extend(model.graph.input)
-    g.output.extend(model.graph.output)
-    g.value_info.extend(model.graph.value_info)
-    for t in model.graph.initializer:
-        if t.data_location == onnx.TensorProto.EXTERNAL or t.ByteSize() > _SKELETON_KEEP:
-            g.initializer.append(onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims))
-        else:
-            g.initializer.append(t)
-    return sk
-
-
-def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with its tensors' types and shapes inferred (best effort: custom ops, failures leave
-    it as it was). A large model (past 2 GB onnx's own inference cannot serialize it) is inferred
-    through a weightless skeleton and its value_info and outputs are updated in place."""
-    try:
-        if fits_one_proto(model) and model.ByteSize() < _SKELETON_FROM:
-            return onnx.shape_inference.infer_shapes(model, strict_mode=False)
-        inferred = onnx.shape_inference.infer_shapes(_skeleton(model), strict_mode=False)
-    except Exception:  # noqa: BLE001 - shape inference is best effort for custom ops
-        return model
-    del model.graph.value_info[:]
-    model.graph.value_info.extend(inferred.graph.value_info)
-    for mine, theirs in zip(model.graph.output, inferred.graph.output, strict=True):
-        mine.CopyFrom(theirs)
-    for mine, theirs in zip(model.graph.node, inferred.graph.node, strict=True):
-        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in mine.attribute):
-            mine.CopyFrom(theirs)  # bodies carry their own inferred value_info
-    return model
 
 
 def record_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]]) -> onnx.ModelProto:

@@ -18,6 +18,7 @@ import onnx
 from onnx import helper
 
 from pipeline.errors import InputError
+from pipeline.shapes import skeleton
 
 GB = 1024**3
 
@@ -44,10 +45,8 @@ def weights_nbytes(model: onnx.ModelProto) -> int:
 
 def tensor_nbytes(model: onnx.ModelProto) -> dict[str, int]:
     """Bytes of every tensor whose shape is static after shape inference (of the main graph)."""
-    from pipeline.graph import _skeleton
-
     try:
-        inferred = onnx.shape_inference.infer_shapes(_skeleton(model), strict_mode=False)
+        inferred = onnx.shape_inference.infer_shapes(skeleton(model), strict_mode=False)
     except Exception:  # noqa: BLE001 - sizing is best effort: unknown sizes are estimated by the caller
         inferred = model
     out: dict[str, int] = {}

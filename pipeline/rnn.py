@@ -21,7 +21,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from pipeline.graph import infer_shapes, opset_version
+from pipeline.graph import opset_version
+from pipeline.shapes import infer_shapes
 
 MAX_STEPS = 64  # longer sequences stay one LSTM node: the unrolled graph would grow with every step
 _DEFAULT_ACTS = (b"Sigmoid", b"Tanh", b"Tanh")
