@@ -113,14 +113,15 @@ def weight_params(w: np.ndarray, axis: int | None, dtype: str, reduced: bool = F
     if search not in WEIGHT_SEARCHES:
         raise ValueError(f"weight search {search!r}: expected one of {', '.join(WEIGHT_SEARCHES)}")
     qmax = QTYPES[dtype][3] if is_fp8(dtype) else (REDUCED_QMAX if reduced else 127.0)
-    a = np.abs(w.astype(np.float32))
+    w32 = np.asarray(w, np.float32)
+    a = np.abs(w32)
     if axis is None:
         amax = np.asarray(a.max() if a.size else 0.0)
     else:
         amax = np.moveaxis(a, axis, 0).reshape(a.shape[axis], -1).max(axis=1)
-    if search == "mse" and not is_fp8(dtype) and not reduced and a.size:
-        w32 = w.astype(np.float32)
-        rows = w32.reshape(1, -1) if axis is None else np.moveaxis(w32, axis, 0).reshape(a.shape[axis], -1)
+    del a
+    if search == "mse" and not is_fp8(dtype) and not reduced and w32.size:
+        rows = w32.reshape(1, -1) if axis is None else np.moveaxis(w32, axis, 0).reshape(w32.shape[axis], -1)
         ratio = _best_clip_ratio(rows, amax.reshape(-1), qmax, -128.0 if dtype == "uint8" else -127.0)
         amax = (amax * ratio.reshape(amax.shape)).astype(np.float32)  # the clip _clip_error scored
     scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
@@ -128,10 +129,18 @@ def weight_params(w: np.ndarray, axis: int | None, dtype: str, reduced: bool = F
     return QuantParams(dtype, scale, zero, axis)
 
 
+_CLIP_BLOCK = 1 << 22  # values per block of rows searched at once: bounds the temporaries (~100 MB)
+
+
 def _best_clip_ratio(rows: np.ndarray, amax: np.ndarray, qmax: float, qmin: float) -> np.ndarray:
     """Per row, the clip ratio (of ``amax``) whose scale ratio * amax / qmax reconstructs the row with the
     lowest squared error, rounded and clamped to [qmin, qmax] as quantize_values does. Ratio 1.0 is a
-    candidate and a ratio only replaces a strictly better one, so no row ends worse than with absmax."""
+    candidate and a ratio only replaces a strictly better one, so no row ends worse than with absmax.
+    Rows are searched in blocks, so a 8192 x 8192 weight costs no more memory than a small one."""
+    step = max(1, _CLIP_BLOCK // max(1, rows.shape[1]))
+    if rows.shape[0] > step:
+        return np.concatenate([_best_clip_ratio(rows[i:i + step], amax[i:i + step], qmax, qmin)
+                               for i in range(0, rows.shape[0], step)])
     best = np.ones(rows.shape[0], np.float32)
     best_err = _clip_error(rows, amax, best, qmax, qmin)
 
