@@ -52,8 +52,8 @@ def main() -> None:
         m = json.loads((rd / "manifest.json").read_text())["stages"]["autotune"]["metrics"]
         settings = SessionSettings.load(rd / "autotune" / "ort_session.json")
         float_path, shipped = rd / "autotune" / "baseline.onnx", rd / "autotune" / "optimized_final.onnx"
-        tuned = backend.with_settings(settings)
-        prepared = [b.prepare(p) for b, p in ((backend, float_path), (tuned, float_path), (backend, shipped),
+        tuned, plain = backend.with_settings(settings), backend.as_deployed()
+        prepared = [b.prepare(p) for b, p in ((plain, float_path), (tuned, float_path), (plain, shipped),
                                                (tuned, shipped))]
         try:
             t = compare_prepared(backend.name, prepared, args.rounds, args.runs, 5)

@@ -91,7 +91,7 @@ def main() -> None:
         settings = SessionSettings.load(rd / "autotune" / "ort_session.json")
         t_float, t_float_same, t_default, t_shipped = time_on_real_feed(
             create_backend(cfg.backend), [float_path, float_path, shipped, shipped], provider, args.rounds, args.runs,
-            settings=[None, settings, None, settings])
+            settings=[SessionSettings(), settings, SessionSettings(), settings])
         rows.append({"variant": label, "shipped": metrics["shipped"], "outputs": names,
                      "float_nodes": len(metrics.get("float_nodes") or []), "session": settings.describe(),
                      "p10": t_float.p10_ms / t_shipped.p10_ms, "median": t_float.median_ms / t_shipped.median_ms,

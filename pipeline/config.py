@@ -187,8 +187,9 @@ class OnnxRuntimeBackendConfig(BackendConfig):
     intra_op_threads: int = 0
     graph_optimization_level: GraphOptimizationLevel = GraphOptimizationLevel.all
     # ORT worker threads spin after each run by default; when models are measured in alternation,
-    # one session's spinning threads slow the next session's runs, so measurement sessions do not
-    # spin unless asked to
+    # one session's spinning threads slow the next session's runs, so placement's measurement sessions
+    # do not spin unless asked to. A model measured with session settings (the runtime search, the
+    # shipped model, the float baselines it is compared with) runs as deployed: spinning, ORT's default
     allow_spinning: bool = False
 
 

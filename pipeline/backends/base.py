@@ -135,6 +135,12 @@ class Backend:
         other._cache = {}  # a cached timing is of one model under the settings it was measured with
         return other
 
+    def as_deployed(self) -> Backend:
+        """This backend as a deployment runs it with no tuned settings (their kind's defaults, e.g. ORT's
+        own session defaults): the baseline a tuned model's settings are compared against."""
+        kind = self.shipped_settings
+        return self.with_settings(kind.type()) if kind is not None else self
+
     # -- to implement
     def check_available(self) -> None:
         raise NotImplementedError

@@ -195,8 +195,9 @@ class OnnxRuntimeBackend(Backend):
         so = ort_session_options(enum_value(self.cfg.graph_optimization_level), threads=self.threads,
                                  optimized_path=optimized_path)
         so.inter_op_num_threads = 1
-        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.cfg.allow_spinning else "0")
-        if self.settings is not None:
+        if self.settings is None:  # a measurement session: see backend.allow_spinning
+            so.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.cfg.allow_spinning else "0")
+        else:  # as deployed: the settings over ORT's defaults (its worker threads spin between runs)
             self.settings.apply(so)
         return so
 

@@ -214,7 +214,7 @@ def _honest_speedups(backend: Any, float_path: Path, shipped: Path, settings: An
     from one interleaved run: a runtime win is not reported as a quantization win."""
     from pipeline.backends.base import compare_prepared
 
-    plain, tuned = backend, backend.with_settings(settings)
+    plain, tuned = backend.as_deployed(), backend.with_settings(settings)
     prepared = []
     try:
         for b, p in ((plain, float_path), (tuned, float_path), (plain, shipped), (tuned, shipped)):

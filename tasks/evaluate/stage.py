@@ -87,11 +87,13 @@ class EvaluateStage(Stage):
 
         # every model is prepared once (a full engine build on TensorRT) for scoring and latency alike
         prepared: dict[str, PreparedModel] = {}
+        # the autotuned model runs with the runtime settings it ships with, the others as deployed
+        # without them (ORT: its default session, whose threads spin, as the tuned one's do)
+        plain = backend.as_deployed() if settings else backend
         try:
             for c in evaluated:
-                # the autotuned model runs with the runtime settings it ships with
                 prepared[c.key] = self._prepare(backend.with_settings(settings) if settings and c.key == "autotuned"
-                                                else backend, c)
+                                                else plain, c)
             scores, batches = self._score(ctx, backend, evaluated, specs, max_batches, prepared)
             fidelity = self._fidelity(ctx, backend, evaluated, specs, prepared)
             if settings is not None and ecfg.latency and "autotuned" in prepared:
