@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import onnx
@@ -34,7 +35,14 @@ from onnx import TensorProto, helper, numpy_helper
 from pipeline.bodies import all_names, body_views, fresh_name, put_back
 from pipeline.calibration import Calibration
 from pipeline.errors import StageError, StateError
-from pipeline.graph import graph_reads, iter_nodes, opset_version, tensor_elem_types, topological_sort
+from pipeline.graph import (
+    graph_reads,
+    iter_nodes,
+    opset_version,
+    subgraphs,
+    tensor_elem_types,
+    topological_sort,
+)
 from pipeline.graph_index import GraphIndex, bias_tensor
 from pipeline.plan import Consumer, QDQPlan
 from pipeline.qmath import FP8, QuantParams, make_quantized_tensor, make_zero_point, quantize_values
@@ -102,12 +110,16 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
     """A copy of ``model`` with the plan's Q/DQ nodes inserted (see module docstring), in Loop/Scan
     bodies by ``plan.bodies``, or by ``calibration.bodies`` when the plan places the main graph only."""
     bodies = plan.bodies or calibration.bodies
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    out = raise_opset(out, max([required_opset(plan), *(required_opset(p) for p in bodies.values())]))
+    target = max([required_opset(plan), *(required_opset(p) for p in bodies.values())])
+    # the version converter needs the weights' values: a model it converts is copied whole
+    out, sources = _copy_sparing_weights(model, plan if opset_version(model) >= target else QDQPlan())
+    out = raise_opset(out, target)
     if calibration.bias_corrections:
         _correct_biases(out, {w.node for w in plan.weights}, calibration.bias_corrections)
-    _insert(out, plan, bodies, calibration, default_float_type, all_names(out.graph))
+    _insert(out, plan, bodies, calibration, default_float_type, all_names(out.graph), sources)
+    left = {i.name for i in out.graph.initializer} & set(sources)
+    if left:  # a spared weight is still read in float: never ship its placeholder
+        raise StageError(f"internal error: weight(s) {sorted(left)} spared from the copy are still read")
     if check:  # the autotuner skips it per candidate: a broken candidate fails its measurement anyway
         onnx.checker.check_model(out)
     return out
@@ -116,12 +128,51 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
 _FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 
+def _copy_fields(src: Any, dst: Any, skip: str) -> None:
+    for fd, value in src.ListFields():
+        if fd.name == skip:
+            continue
+        if fd.is_repeated:
+            getattr(dst, fd.name).extend(value)
+        elif fd.type == fd.TYPE_MESSAGE:
+            getattr(dst, fd.name).CopyFrom(value)
+        else:
+            setattr(dst, fd.name, value)
+
+
+def _copy_sparing_weights(model: onnx.ModelProto, plan: QDQPlan) -> tuple[onnx.ModelProto, dict[str, TensorProto]]:
+    """A copy of ``model`` in which the float weights the plan stores quantized (read by no other node,
+    outside any Loop/Scan/If body) are placeholders with dims only, and those weights by name: they
+    are quantized from ``model``'s own tensors, so no second full-precision copy of the weights is made
+    (a 2.4 GB model costs its int8 weights, not another 2.4 GB)."""
+    g = GraphIndex(model)
+    spared: dict[str, TensorProto] = {}
+    if not any(subgraphs(n) for n in model.graph.node):
+        stored = {(w.node, w.input_index) for w in plan.weights}
+        for node, idx in stored:
+            name = g.nodes[node].input[idx] if node in g.nodes else ""
+            if (name in g.inits and name not in g.graph_outputs
+                    and all((c.name, i) in stored for c, i in g.consumers.get(name, []))):
+                spared[name] = g.inits[name]
+    out = onnx.ModelProto()
+    _copy_fields(model, out, "graph")
+    _copy_fields(model.graph, out.graph, "initializer")
+    for t in model.graph.initializer:
+        if t.name in spared:
+            out.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims)
+        else:
+            out.graph.initializer.append(t)
+    return out, spared
+
+
 class _Insertion:
     """What the emitters of one graph share: its index (taken before any edit), the calibration, the
     names in use across the model, and the initializers and nodes they add."""
 
-    def __init__(self, model: onnx.ModelProto, calibration: Calibration, default_float_type: int, taken: set[str]):
+    def __init__(self, model: onnx.ModelProto, calibration: Calibration, default_float_type: int, taken: set[str],
+                 sources: dict[str, TensorProto] | None = None):
         self.g = GraphIndex(model)
+        self.sources = sources or {}  # weights whose values live in the source model (placeholders here)
         self.calibration = calibration
         self.default_float_type = default_float_type
         self.taken = taken
@@ -143,12 +194,12 @@ class _Insertion:
 
 
 def _insert(model: onnx.ModelProto, plan: QDQPlan, bodies: dict[str, QDQPlan], calibration: Calibration,
-            default_float_type: int, taken: set[str]) -> None:
+            default_float_type: int, taken: set[str], sources: dict[str, TensorProto] | None = None) -> None:
     """Insert ``plan`` into ``model``'s graph and ``bodies`` into its Loop/Scan bodies (in place); new
     names avoid ``taken`` (every name of the whole model) and are added to it."""
     if plan.aliases:
         calibration = calibration.with_aliases(plan.aliases)
-    ins = _Insertion(model, calibration, default_float_type, taken)
+    ins = _Insertion(model, calibration, default_float_type, taken, sources)
     _emit_activations(ins, plan)
     weight_scales = _emit_weights(ins, plan)
     _emit_biases(ins, plan, weight_scales)
@@ -219,7 +270,7 @@ def _emit_weights(ins: _Insertion, plan: QDQPlan) -> dict[tuple[str, int], Quant
         init = g.inits.get(name)
         if init is None:
             raise ValueError(f"weight input {w.input_index} of node {w.node} ({name}) is not an initializer")
-        values = numpy_helper.to_array(init).astype(np.float32)
+        values = numpy_helper.to_array(ins.sources.get(name, init)).astype(np.float32, copy=False)
         p = ins.calibration.weight_params(name, values, w.axis, w.dtype, w.reduced)
         weight_scales[(w.node, w.input_index)] = p
         ft = init.data_type if init.data_type in _FLOAT_TYPES else ins.default_float_type

@@ -104,3 +104,31 @@ def test_a_memory_bound_splits_the_pass_and_changes_no_statistic(algorithm):
     free = collect(model, batches, algorithm, 99.9, 2048, 1, lambda it, d: it)
     bounded = collect(model, batches, algorithm, 99.9, 2048, 1, lambda it, d: it, max_bytes=bound)
     assert free == bounded
+
+
+@pytest.mark.parametrize("model_fn", [models.transformer_layer, lambda: models.conv_chain(batch=2)])
+def test_apply_plan_quantizes_weights_from_the_source_without_copying_them(model_fn, monkeypatch):
+    """apply_plan copies the model without the float weights it stores quantized (they are read from
+    the source model): the result is byte-identical to quantizing a full copy, and the source is
+    untouched."""
+    from pipeline import qdq
+    from pipeline.calibration import Calibration
+    from pipeline.data import Batch, synthetic_batches
+    from pipeline.graph import input_specs, model_hash
+    from pipeline.placement import onnxruntime_plan, resolve_rules
+    from tasks.quantize._calibrate import collect
+
+    model = model_fn()
+    feeds = [f for f, _ in synthetic_batches(input_specs(model), 4, 0)]
+    stats = collect(model, lambda: iter([Batch(f, None, 1) for f in feeds]), "minmax", 99.99, 2048, 1,
+                    lambda it, d: it)
+    rules = resolve_rules(model, [{"module_name": "*", "weights": {"dtype": "int8"}, "activations": {"dtype": "int8"}}])
+    plan = onnxruntime_plan(model, rules, "uint8")
+    source = model_hash(model)
+    spared, sources = qdq._copy_sparing_weights(model, plan)
+    assert sources and all(not t.raw_data for t in spared.graph.initializer if t.name in sources)
+    lean = qdq.apply_plan(model, plan, Calibration(stats))
+    full_copy = qdq._copy_sparing_weights
+    monkeypatch.setattr(qdq, "_copy_sparing_weights", lambda m, p: full_copy(m, qdq.QDQPlan()))
+    whole = qdq.apply_plan(model, plan, Calibration(stats))
+    assert model_hash(lean) == model_hash(whole) and model_hash(model) == source
