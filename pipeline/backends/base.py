@@ -83,6 +83,9 @@ class PreparedModel:
     """A model loaded into a backend, ready to run and time."""
 
     specs: list[InputSpec]
+    # untimed runs after a switch from another model in time_interleaved: the other model's worker
+    # threads linger (ORT's spin between runs); the largest of the models timed together applies
+    settle_runs: int = 1
 
     def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         raise NotImplementedError
@@ -256,8 +259,8 @@ def time_interleaved(prepared: list[PreparedModel | None], rounds: int, runs_per
     its error (None models, and models with an error already, are skipped).
 
     Each model is warmed up once (``warmup_runs``); each round times every model for
-    ``runs_per_round`` runs after one untimed run (the previous model's worker threads slow the
-    first run after a switch). A model whose runs raise keeps its error and drops out; the others
+    ``runs_per_round`` runs after ``settle_runs`` untimed ones (the previous model's worker threads
+    slow the first runs after a switch). A model whose runs raise keeps its error and drops out; the others
     go on, unless ``stop_on_error`` (a paired comparison is void once either side fails).
     ``until`` (given the blocks so far) ends the timing after any complete round, before ``rounds``.
     """
@@ -280,6 +283,7 @@ def time_interleaved(prepared: list[PreparedModel | None], rounds: int, runs_per
                 fail(i, exc)
                 if stop_on_error:
                     return blocks, errors
+    settle = max([pm.settle_runs for pm in prepared if pm is not None] or [1])
     for r in range(rounds):
         # rotate the order every round: each model follows every other one equally often, so
         # no model always pays for its predecessor's lingering worker threads
@@ -288,7 +292,7 @@ def time_interleaved(prepared: list[PreparedModel | None], rounds: int, runs_per
                 continue
             pm = prepared[i]
             try:
-                pm.time_runs(1)  # type: ignore[union-attr]
+                pm.time_runs(settle)  # type: ignore[union-attr]
                 blocks[i].append(pm.time_runs(runs_per_round))  # type: ignore[union-attr]
             except Exception as exc:  # noqa: BLE001 - reported as a failed measurement
                 fail(i, exc)
