@@ -28,14 +28,21 @@ _LEVELS = {
 }
 
 
+SPINNING = "session.intra_op.allow_spinning"  # session config entry: worker threads spin between runs
+
+
 def ort_session_options(optimization: str = "all", *, threads: int = 0,
-                        optimized_path: str | os.PathLike | None = None) -> Any:
+                        optimized_path: str | os.PathLike | None = None, spinning: bool = False) -> Any:
     """ONNX Runtime SessionOptions: graph optimization ``optimization`` (disable, basic, extended,
-    layout, all), ``threads`` intra-op threads (0: ORT's choice), errors-only logging, and ORT's
-    optimized graph saved to ``optimized_path`` if given."""
+    layout, all), ``threads`` intra-op threads (0: ORT's choice), errors-only logging, ORT's
+    optimized graph saved to ``optimized_path`` if given, and worker threads that spin between runs
+    only with ``spinning`` (ORT's default, what a deployment runs): the pipeline's own sessions
+    alternate with Python work (statistics, comparisons), which a spinning worker would compete with
+    for the cores."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
+    so.add_session_config_entry(SPINNING, "1" if spinning else "0")
     so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[optimization])
     so.intra_op_num_threads = threads
     so.log_severity_level = 3
@@ -84,7 +91,7 @@ class SessionSettings:
     def session(self, model: str | os.PathLike, providers: Iterable[str] = ("CPUExecutionProvider",)) -> Any:
         """An InferenceSession of ``model`` with these settings, as they were measured (one inter-op
         thread, FP8 models kept away from ORT's int8 QDQ rewrites): what a deployment runs."""
-        so = self.apply(ort_session_options())
+        so = self.apply(ort_session_options(spinning=True))
         so.inter_op_num_threads = 1
         disable_qdq_fusion_if_fp8(so, model)
         return ort_session(model, so, providers=providers, disabled_optimizers=self.disabled_optimizers)
@@ -132,11 +139,13 @@ def ort_session(model: onnx.ModelProto | bytes | str | os.PathLike, options: Any
                 extra_outputs: Iterable[str] = (), providers: Iterable[str] = ("CPUExecutionProvider",),
                 disabled_optimizers: Iterable[str] = ()) -> Any:
     """An InferenceSession for a model (proto, serialized bytes or path) with ``options`` (see
-    ort_session_options; None: ORT's defaults) on ``providers``. ``extra_outputs`` (a proto only)
+    ort_session_options; None: its defaults, ORT's but for idle worker threads) on ``providers``. ``extra_outputs`` (a proto only)
     become graph outputs too, so intermediate tensors can be read from ``run``;
     ``disabled_optimizers`` names ORT graph transformers to skip (SessionSettings)."""
     import onnxruntime as ort
 
+    if options is None:
+        options = ort_session_options()
     if isinstance(model, onnx.ModelProto) and not fits_one_proto(model):
         # over 2 GB there are no bytes to hand over: ORT reads the model saved with external data
         import tempfile

@@ -195,12 +195,13 @@ class OnnxRuntimeBackend(Backend):
         return n if n > 0 else physical_cores()
 
     def session_options(self, optimized_path: str | None = None) -> Any:
+        # a placement measurement spins as backend.allow_spinning says; with settings, a session runs as
+        # deployed: the settings over ORT's defaults (its worker threads spin between runs)
         so = ort_session_options(enum_value(self.cfg.graph_optimization_level), threads=self.threads,
-                                 optimized_path=optimized_path)
+                                 optimized_path=optimized_path,
+                                 spinning=self.settings is not None or bool(self.cfg.allow_spinning))
         so.inter_op_num_threads = 1
-        if self.settings is None:  # a measurement session: see backend.allow_spinning
-            so.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.cfg.allow_spinning else "0")
-        else:  # as deployed: the settings over ORT's defaults (its worker threads spin between runs)
+        if self.settings is not None:
             self.settings.apply(so)
         return so
 
