@@ -283,7 +283,7 @@ def time_interleaved(prepared: list[PreparedModel | None], rounds: int, runs_per
                 fail(i, exc)
                 if stop_on_error:
                     return blocks, errors
-    settle = max([pm.settle_runs for pm in prepared if pm is not None] or [1])
+    settle = max([getattr(pm, "settle_runs", 1) for pm in prepared if pm is not None] or [1])
     for r in range(rounds):
         # rotate the order every round: each model follows every other one equally often, so
         # no model always pays for its predecessor's lingering worker threads
