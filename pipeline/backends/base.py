@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -83,9 +84,11 @@ class PreparedModel:
     """A model loaded into a backend, ready to run and time."""
 
     specs: list[InputSpec]
-    # untimed runs after a switch from another model in time_interleaved: the other model's worker
-    # threads linger (ORT's spin between runs); the largest of the models timed together applies
+    # untimed runs (at least settle_runs, for at least settle_seconds) after a switch from another model
+    # in time_interleaved: the other model's worker threads linger (ORT's spin between runs); the
+    # largest of the models timed together applies
     settle_runs: int = 1
+    settle_seconds: float = 0.0
 
     def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         raise NotImplementedError
@@ -284,6 +287,7 @@ def time_interleaved(prepared: list[PreparedModel | None], rounds: int, runs_per
                 if stop_on_error:
                     return blocks, errors
     settle = max([getattr(pm, "settle_runs", 1) for pm in prepared if pm is not None] or [1])
+    settle_s = max([getattr(pm, "settle_seconds", 0.0) for pm in prepared if pm is not None] or [0.0])
     for r in range(rounds):
         # rotate the order every round: each model follows every other one equally often, so
         # no model always pays for its predecessor's lingering worker threads
@@ -292,7 +296,7 @@ def time_interleaved(prepared: list[PreparedModel | None], rounds: int, runs_per
                 continue
             pm = prepared[i]
             try:
-                pm.time_runs(settle)  # type: ignore[union-attr]
+                _settle(pm, settle, settle_s)
                 blocks[i].append(pm.time_runs(runs_per_round))  # type: ignore[union-attr]
             except Exception as exc:  # noqa: BLE001 - reported as a failed measurement
                 fail(i, exc)
@@ -301,6 +305,13 @@ def time_interleaved(prepared: list[PreparedModel | None], rounds: int, runs_per
         if until is not None and until(blocks):
             break
     return blocks, errors
+
+
+def _settle(pm: Any, runs: int, seconds: float) -> None:
+    t0, n = time.perf_counter(), 0
+    while n < runs or time.perf_counter() - t0 < seconds:
+        pm.time_runs(1)
+        n += 1
 
 
 def compare_prepared(backend_name: str, prepared: list[PreparedModel], rounds: int = 5, runs_per_round: int = 1,

@@ -164,7 +164,8 @@ class OrtProfiled(OrtPrepared):
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-SPIN_SETTLE_RUNS = 4  # untimed runs after a switch when a session's worker threads spin
+SPIN_SETTLE_RUNS = 4  # untimed runs after a switch when a session's worker threads spin ...
+SPIN_SETTLE_SECONDS = 0.05  # ... taking at least this long
 
 
 class OnnxRuntimeBackend(Backend):
@@ -221,9 +222,10 @@ class OnnxRuntimeBackend(Backend):
         if not profile:
             pm = OrtPrepared(self.session(model_path), specs_of(model_path))
             if self.settings is not None or self.cfg.allow_spinning:
-                # a spinning session's threads keep two cores busy for a while after its runs: with
-                # one untimed run, the medians of short blocks measured 1.3x too slow (MiniLM)
-                pm.settle_runs = SPIN_SETTLE_RUNS
+                # a spinning session's threads keep the cores busy for tens of ms after its runs: after
+                # one untimed run the next model's median measured 1.3x (MiniLM) to 1.75x (digits, 0.8 ms)
+                # too slow; after 50 ms its median is within 3% of its p10
+                pm.settle_runs, pm.settle_seconds = SPIN_SETTLE_RUNS, SPIN_SETTLE_SECONDS
             return pm
         import shutil
         import tempfile
