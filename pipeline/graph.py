@@ -17,7 +17,7 @@ from onnx import helper
 
 from pipeline.artifacts import atomic_output, sha256_bytes, sha256_file
 from pipeline.errors import InputError
-from pipeline.ort import externalized, fits_one_proto
+from pipeline.ort import fits_one_proto, save_external
 from pipeline.shapes import infer_shapes
 
 H = TypeVar("H", bound=Hashable)
@@ -75,8 +75,7 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, external_data: b
         data_name = target.name + ".data"
         with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as tmpdir:
             staged = Path(tmpdir) / target.name
-            with externalized(model, staged, data_name=data_name):
-                pass
+            save_external(model, staged, data_name=data_name)
             for produced in (Path(tmpdir) / data_name, staged):
                 if produced.exists():
                     with open(produced, "rb+") as fh:

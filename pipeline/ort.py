@@ -8,8 +8,7 @@ keeps ORT's int8 QDQ rewrites away from FP8 models.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -152,8 +151,7 @@ def ort_session(model: onnx.ModelProto | bytes | str | os.PathLike, options: Any
 
         with tempfile.TemporaryDirectory(prefix="qdq-tune-ort-") as tmp:
             path = Path(tmp) / "model.onnx"
-            with externalized(model, path, extra_outputs):
-                pass
+            save_external(model, path, extra_outputs)
             return ort_session(path, options, providers=providers, disabled_optimizers=disabled_optimizers)
     if isinstance(model, onnx.ModelProto):
         data: bytes | str = with_outputs(model, extra_outputs).SerializeToString()
@@ -177,30 +175,54 @@ def ort_session(model: onnx.ModelProto | bytes | str | os.PathLike, options: Any
     return ort.InferenceSession(data, sess_options=options, providers=list(providers))
 
 
-@contextmanager
-def externalized(model: onnx.ModelProto, path: str | os.PathLike, extra_outputs: Iterable[str] = (),
-                 data_name: str | None = None) -> Iterator[Path]:
-    """Save ``model`` (with ``extra_outputs`` as graph outputs) to ``path`` with its tensors in one
-    external data file, without a second copy of the weights in memory: onnx's external-data save
-    moves the values out of the proto it writes, so they are written from ``model`` itself and read
-    back into it when the block ends (its outputs restored too)."""
-    from onnx.external_data_helper import _get_all_tensors, load_external_data_for_model
+def copy_fields(src: Any, dst: Any, skip: str) -> None:
+    """Copy every set field of protobuf message ``src`` into ``dst`` but ``skip``."""
+    for fd, value in src.ListFields():
+        if fd.name == skip:
+            continue
+        if fd.is_repeated:
+            getattr(dst, fd.name).extend(value)
+        elif fd.type == fd.TYPE_MESSAGE:
+            getattr(dst, fd.name).CopyFrom(value)
+        else:
+            setattr(dst, fd.name, value)
+
+
+def save_external(model: onnx.ModelProto, path: str | os.PathLike, extra_outputs: Iterable[str] = (),
+                  data_name: str | None = None, threshold: int = 1024) -> Path:
+    """Write ``model`` (with ``extra_outputs`` as graph outputs) to ``path`` with its main graph's
+    initializers of ``threshold`` bytes or more in one external data file (``data_name``, default
+    ``<name>.data``), streamed one tensor at a time. ``model`` is not changed, and no second copy of its
+    weights is made: onnx's own external-data save empties the proto it writes, and reading the
+    values back into it grows the process by the whole model (protobuf keeps the emptied memory)."""
+    from onnx.external_data_helper import uses_external_data
 
     path = Path(path)
-    outputs = len(model.graph.output)
-    existing = {o.name for o in model.graph.output}
-    model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(t) for t in dict.fromkeys(extra_outputs)
-                              if t not in existing)
-    try:
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data_name or path.name + ".data", size_threshold=1024)
-        yield path
-    finally:
-        load_external_data_for_model(model, str(path.parent))
-        for t in _get_all_tensors(model):  # as it was: the field unset (proto2 would serialize it)
-            if t.data_location == onnx.TensorProto.DEFAULT:
-                t.ClearField("data_location")
-        del model.graph.output[outputs:]
+    data_name = data_name or path.name + ".data"
+    out = onnx.ModelProto()
+    copy_fields(model, out, "graph")
+    copy_fields(model.graph, out.graph, "initializer")
+    existing = {o.name for o in out.graph.output}
+    out.graph.output.extend(onnx.helper.make_empty_tensor_value_info(t) for t in dict.fromkeys(extra_outputs)
+                            if t not in existing)
+    offset = 0
+    with open(path.parent / data_name, "wb") as fh:
+        for t in model.graph.initializer:
+            if uses_external_data(t):
+                raise ValueError(f"initializer {t.name} already refers to external data; load the model with it")
+            if t.ByteSize() < threshold:
+                out.graph.initializer.append(t)
+                continue
+            raw = t.raw_data if t.HasField("raw_data") else onnx.numpy_helper.to_array(t).tobytes()
+            fh.write(raw)
+            ref = out.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims,
+                                            data_location=onnx.TensorProto.EXTERNAL)
+            for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(len(raw)))):
+                ref.external_data.add(key=k, value=v)
+            offset += len(raw)
+            del raw
+    path.write_bytes(out.SerializeToString())
+    return path
 
 
 def with_outputs(model: onnx.ModelProto, tensors: Iterable[str]) -> onnx.ModelProto:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any
 
 import numpy as np
 import onnx
@@ -44,6 +43,7 @@ from pipeline.graph import (
     topological_sort,
 )
 from pipeline.graph_index import GraphIndex, bias_tensor
+from pipeline.ort import copy_fields
 from pipeline.plan import Consumer, QDQPlan
 from pipeline.qmath import FP8, QuantParams, make_quantized_tensor, make_zero_point, quantize_values
 
@@ -128,18 +128,6 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
 _FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 
-def _copy_fields(src: Any, dst: Any, skip: str) -> None:
-    for fd, value in src.ListFields():
-        if fd.name == skip:
-            continue
-        if fd.is_repeated:
-            getattr(dst, fd.name).extend(value)
-        elif fd.type == fd.TYPE_MESSAGE:
-            getattr(dst, fd.name).CopyFrom(value)
-        else:
-            setattr(dst, fd.name, value)
-
-
 def _copy_sparing_weights(model: onnx.ModelProto, plan: QDQPlan) -> tuple[onnx.ModelProto, dict[str, TensorProto]]:
     """A copy of ``model`` in which the float weights the plan stores quantized (read by no other node,
     outside any Loop/Scan/If body) are placeholders with dims only, and those weights by name: they
@@ -155,8 +143,8 @@ def _copy_sparing_weights(model: onnx.ModelProto, plan: QDQPlan) -> tuple[onnx.M
                     and all((c.name, i) in stored for c, i in g.consumers.get(name, []))):
                 spared[name] = g.inits[name]
     out = onnx.ModelProto()
-    _copy_fields(model, out, "graph")
-    _copy_fields(model.graph, out.graph, "initializer")
+    copy_fields(model, out, "graph")
+    copy_fields(model.graph, out.graph, "initializer")
     for t in model.graph.initializer:
         if t.name in spared:
             out.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims)
