@@ -323,11 +323,24 @@ def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, i
         return sum(1 for n in m.graph.node if n.op_type == "Constant")
 
     before, weights = constants(model), constant_weights(model)
+    if not _foldable(model):  # onnx-graphsurgeon would copy every weight to find nothing
+        return model, {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0}
     out = fold_graph(model)
     removed = len(model.graph.node) - len(out.graph.node)
     if removed <= 0 and before == 0:
         return model, {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0}
     return out, {"constant_nodes": before - constants(out), "constant_weights": weights, "nodes_removed": removed}
+
+
+def _foldable(model: onnx.ModelProto) -> bool:
+    """Whether a node of the main graph is a Constant, reads a shape (static once shapes are), computes
+    from constants only, or holds a body: what onnx-graphsurgeon's folding could change."""
+    known = {i.name for i in model.graph.initializer}
+    for n in model.graph.node:
+        if (n.op_type in ("Constant", "Shape", "Size") or subgraphs(n)
+                or (n.input and all(i in known or not i for i in n.input))):
+            return True
+    return False
 
 
 def fold_graph(model: onnx.ModelProto, flatten_subgraphs: bool = True) -> onnx.ModelProto:

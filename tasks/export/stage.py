@@ -237,6 +237,8 @@ class ExportStage(Stage):
                         first_line(exc))
             return model, _NOTHING_FOLDED
         if folded is model:
+            if not any(n.op_type == "BatchNormalization" for n in model.graph.node):
+                return model, _NOTHING_FOLDED  # nothing to fold: no copy of the weights
             folded = onnx.ModelProto()
             folded.CopyFrom(model)
         counts["batchnorm"] = fold_batchnorm(folded)
