@@ -17,7 +17,7 @@ from onnx import helper
 
 from pipeline.artifacts import atomic_output, sha256_bytes, sha256_file
 from pipeline.errors import InputError
-from pipeline.ort import fits_one_proto, save_external
+from pipeline.ort import copy_fields, fits_one_proto, save_external
 from pipeline.shapes import infer_shapes
 
 H = TypeVar("H", bound=Hashable)
@@ -89,6 +89,19 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, external_data: b
 
 
 def model_hash(model: onnx.ModelProto | bytes | str | os.PathLike) -> str:
+    """sha256 of a model: a proto's serialization (past 2 GB, of its parts in turn), bytes, or a file
+    with its external data."""
+    if isinstance(model, onnx.ModelProto) and not fits_one_proto(model):
+        import hashlib
+
+        h = hashlib.sha256()
+        rest = onnx.ModelProto()
+        copy_fields(model, rest, "graph")
+        copy_fields(model.graph, rest.graph, "initializer")
+        h.update(rest.SerializeToString(deterministic=True))
+        for t in model.graph.initializer:
+            h.update(t.SerializeToString(deterministic=True))
+        return h.hexdigest()
     if isinstance(model, onnx.ModelProto):
         data = model.SerializeToString(deterministic=True)
     elif isinstance(model, bytes):
