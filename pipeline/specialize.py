@@ -22,7 +22,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from pipeline.errors import InputError
-from pipeline.graph import fold_graph
+from pipeline.folding import fold_graph
 from pipeline.shapes import infer_shapes
 
 log = logging.getLogger("tune.export")

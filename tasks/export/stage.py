@@ -18,14 +18,12 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.artifacts import atomic_output, fingerprint, user_path
 from pipeline.config import enum_value, section
 from pipeline.errors import ConfigError, InputError, StageError, first_line
+from pipeline.folding import fold_batchnorm, fold_constant_identities, fold_constants
 from pipeline.graph import (
     control_flow,
     dynamic_inputs,
     ensure_node_names,
     fix_input_shapes,
-    fold_batchnorm,
-    fold_constant_identities,
-    fold_constants,
     input_specs,
     load_model,
     opset_version,

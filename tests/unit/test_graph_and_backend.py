@@ -80,7 +80,7 @@ def test_batchnorm_folds_into_its_conv_and_outputs_stay_the_same():
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from pipeline.graph import fold_batchnorm
+    from pipeline.folding import fold_batchnorm
 
     rng = np.random.default_rng(0)
     c = 6
