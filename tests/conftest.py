@@ -28,6 +28,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def record_runtime_search(monkeypatch, kill_at: int | None = None) -> list[str]:
+    """The names of the candidates the runtime search measures from now on (a fresh list); with
+    ``kill_at``, it raises KeyboardInterrupt (a kill) when it starts measuring that candidate (1-based)."""
+    from tasks.autotune import runtime_search as rs
+
+    measured: list[str] = []
+    real_step = getattr(rs.RuntimeSearch._step, "__wrapped__", rs.RuntimeSearch._step)
+
+    def step(self, cand, current):
+        if kill_at is not None and len(measured) == kill_at - 1:
+            raise KeyboardInterrupt
+        measured.append(cand.name)
+        return real_step(self, cand, current)
+
+    step.__wrapped__ = real_step
+    monkeypatch.setattr(rs.RuntimeSearch, "_step", step)
+    return measured
+
+
 def tune_command() -> list[str]:
     exe = shutil.which("tune", path=str(Path(sys.executable).parent)) or shutil.which("tune")
     return [exe] if exe else [sys.executable, "-m", "pipeline.cli"]

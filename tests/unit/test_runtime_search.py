@@ -12,6 +12,7 @@ from pipeline.errors import StateError
 from pipeline.ort import SessionSettings, ort_session, ort_session_options
 from tasks.autotune.runtime_ort import FUSIONS, apply_change, candidates, float_matmuls
 from tests import models
+from tests.conftest import record_runtime_search
 
 
 def _optimized(model: onnx.ModelProto, tmp_path, settings: SessionSettings = SessionSettings()) -> onnx.ModelProto:
@@ -103,23 +104,13 @@ def test_an_interrupted_search_resumes_at_the_next_candidate(tmp_path, monkeypat
     names = [n for n, _ in candidates(opt, model, 2)]
     assert len(names) >= 3
 
-    measured: list[str] = []
-    real_step = rs.RuntimeSearch._step
-
-    def step(self, cand, current):
-        if len(measured) == 2:
-            raise KeyboardInterrupt  # killed while the third candidate is measured
-        measured.append(cand.name)
-        return real_step(self, cand, current)
-
-    monkeypatch.setattr(rs.RuntimeSearch, "_step", step)
+    record_runtime_search(monkeypatch, kill_at=3)  # killed while the third candidate is measured
     with pytest.raises(KeyboardInterrupt):
         rs.RuntimeSearch(backend, path, lambda pm: _Verdict(), rcfg, state, "ctx").run(candidates(opt, model, 2))
     import json
 
     assert [s["name"] for s in json.loads(state.read_text())["steps"]] == names[:2]
-    measured.clear()
-    monkeypatch.setattr(rs.RuntimeSearch, "_step", lambda self, c, cur: measured.append(c.name) or real_step(self, c, cur))
+    measured = record_runtime_search(monkeypatch)
     search = rs.RuntimeSearch(backend, path, lambda pm: _Verdict(), rcfg, state, "ctx")
     search.run(candidates(opt, model, 2))
     assert measured == names[2:] and [s["name"] for s in search.doc["steps"]] == names and search.doc["done"]

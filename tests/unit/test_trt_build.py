@@ -24,6 +24,7 @@ from pipeline.errors import StageError, StateError
 from tasks.autotune import runtime_trt
 from tasks.autotune.config import RuntimeSearchConfig
 from tests import models
+from tests.conftest import record_runtime_search
 from tests.unit.test_trtexec import backend as trtexec_backend
 from tests.unit.test_trtexec import calls_of, fake_trtexec, qdq_conv_chain
 
@@ -306,23 +307,13 @@ def test_an_interrupted_tensorrt_search_resumes_at_the_next_candidate(tmp_path, 
     path = models.save(qdq_conv_chain(), tmp_path, "q")
     rcfg, state = OmegaConf.structured(RuntimeSearchConfig(max_rounds=4)), tmp_path / "runtime_search.json"
     cands = runtime_trt.candidates(b)
-    measured: list[str] = []
-    real_step = rs.RuntimeSearch._step
-
-    def step(self, cand, current):
-        if len(measured) == 2:
-            raise KeyboardInterrupt  # killed while the third candidate is measured
-        measured.append(cand.name)
-        return real_step(self, cand, current)
-
-    monkeypatch.setattr(rs.RuntimeSearch, "_step", step)
+    record_runtime_search(monkeypatch, kill_at=3)  # killed while the third candidate is measured
     with pytest.raises(KeyboardInterrupt):
         rs.RuntimeSearch(b, path, lambda pm: _Verdict(), rcfg, state, "ctx").run(cands)
     doc = json.loads(state.read_text())
     assert [s["name"] for s in doc["steps"]] == ALL_NAMES[:2] and doc["kind"] == "autotune/trt_build.json"
     assert doc["settings"]["builder_optimization_level"] == 4  # kept before the interruption
-    measured.clear()
-    monkeypatch.setattr(rs.RuntimeSearch, "_step", lambda self, c, cur: measured.append(c.name) or real_step(self, c, cur))
+    measured = record_runtime_search(monkeypatch)
     search = rs.RuntimeSearch(b, path, lambda pm: _Verdict(), rcfg, state, "ctx")
     found = search.run(cands)
     assert measured == ALL_NAMES[2:] and search.doc["done"]
