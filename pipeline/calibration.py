@@ -42,7 +42,8 @@ class Calibration:
 
     def __init__(self, tensors: dict[str, dict[str, Any]] | None = None, default_scale: float | None = None,
                  default_zero_point: float = 0.0, weight_clip: str | None = None,
-                 bias_corrections: dict[str, list[float]] | None = None, bodies: dict[str, QDQPlan] | None = None):
+                 bias_corrections: dict[str, list[float]] | None = None, bodies: dict[str, QDQPlan] | None = None,
+                 weight_cache: dict[tuple, QuantParams] | None = None):
         self.tensors = tensors or {}
         self.bodies = dict(bodies or {})
         # bias initializer -> mean output shift per channel that quantizing its node adds (measured by
@@ -57,9 +58,11 @@ class Calibration:
         if weight_clip not in WEIGHT_SEARCHES:
             raise ValueError(f"weight_clip={weight_clip!r}: expected one of {', '.join(WEIGHT_SEARCHES)}")
         self.weight_clip = weight_clip
-        # (weight name, digest, axis, dtype, reduced) -> scales: the mse search is far costlier than the
-        # hash, and autotune applies a plan to the same weights for every candidate
-        self._weights: dict[tuple, QuantParams] = {}
+        # (weight name, digest, axis, dtype, reduced, search) -> scales: the mse search is far costlier than
+        # the hash, autotune applies a plan to the same weights for every candidate, and the quantize
+        # stage's candidates (ranges, transforms) share one ``weight_cache``: the weights' scales do not
+        # depend on the activation statistics
+        self._weights: dict[tuple, QuantParams] = weight_cache if weight_cache is not None else {}
 
     @staticmethod
     def weight_clip_for(algorithm: str | None) -> str:
@@ -74,7 +77,7 @@ class Calibration:
         import hashlib
 
         digest = hashlib.blake2b(np.ascontiguousarray(values, np.float32).data, digest_size=16).hexdigest()
-        key = (name, digest, values.shape, axis, dtype, bool(reduced))
+        key = (name, digest, values.shape, axis, dtype, bool(reduced), self.weight_clip)
         if key not in self._weights:
             self._weights[key] = weight_params(values, axis, dtype, reduced, self.weight_clip)
         return self._weights[key]

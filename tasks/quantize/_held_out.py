@@ -9,7 +9,6 @@ from typing import Any
 
 import onnx
 
-from pipeline.calibration import Calibration
 from tasks.quantize._accuracy import Candidate, Checker, recovery_checker
 from tasks.quantize._calibrate import AUTO_CANDIDATES, PER_TENSOR, with_ranges
 from tasks.quantize._placer import Placer
@@ -35,8 +34,8 @@ def keep_transforms(setup: QuantizeSetup, transformed: onnx.ModelProto, stats: d
     original = setup.model
     stats_o = setup.calibrate(original)
 
-    err_t = Placer(setup, transformed, Calibration(stats, weight_clip=weight_clip)).held_out_error("transformed")
-    err_o = Placer(setup, original, Calibration(stats_o, weight_clip=weight_clip)).held_out_error("original")
+    err_t = Placer(setup, transformed, setup.calibration_of(stats, weight_clip)).held_out_error("transformed")
+    err_o = Placer(setup, original, setup.calibration_of(stats_o, weight_clip)).held_out_error("original")
     for t in transforms:
         if t.get("applied"):
             t["held_out_error"] = {"with": err_t, "without": err_o}
@@ -61,7 +60,7 @@ def choose_ranges(setup: QuantizeSetup, model: onnx.ModelProto, stats: dict[str,
     options = {}
     for method in (PER_TENSOR, *AUTO_CANDIDATES):
         st, clip = with_ranges(stats, method), _weight_clip(method)
-        errors[method] = Placer(setup, model, Calibration(st, weight_clip=clip)).held_out_error(f"ranges_{method}")
+        errors[method] = Placer(setup, model, setup.calibration_of(st, clip)).held_out_error(f"ranges_{method}")
         options[method] = (st, clip)
     usable = {k: v for k, v in errors.items() if v is not None}
     best = min(usable, key=lambda k: usable[k]) if usable else PER_TENSOR

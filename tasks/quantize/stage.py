@@ -187,7 +187,7 @@ class QuantizeStage(Stage):
             stats, weight_clip, ranges = choose_ranges(setup, model, stats)
         float_path = save_model(model, setup.out_dir / "float_model.onnx")
         seconds = time.time() - t0
-        calibration = Calibration(stats, weight_clip=weight_clip)
+        calibration = setup.calibration_of(stats, weight_clip)
         doc = calibration_document(stats, model, setup.cfg, calibration)
         samples = next(iter(stats.values()))["samples"] if stats else 0
         log.info("calibrated %d tensors on %d samples with %s in %.1f s", len(stats), samples,
