@@ -31,17 +31,16 @@ SPINNING = "session.intra_op.allow_spinning"  # session config entry: worker thr
 
 
 def ort_session_options(optimization: str = "all", *, threads: int = 0,
-                        optimized_path: str | os.PathLike | None = None, spinning: bool = False) -> Any:
+                        optimized_path: str | os.PathLike | None = None, spinning: bool | None = None) -> Any:
     """ONNX Runtime SessionOptions: graph optimization ``optimization`` (disable, basic, extended,
     layout, all), ``threads`` intra-op threads (0: ORT's choice), errors-only logging, ORT's
     optimized graph saved to ``optimized_path`` if given, and worker threads that spin between runs
-    only with ``spinning`` (ORT's default, what a deployment runs): the pipeline's own sessions
-    alternate with Python work (statistics, comparisons), which a spinning worker would compete with
-    for the cores."""
+    or not as ``spinning`` says (None: ORT's default, they spin)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
-    so.add_session_config_entry(SPINNING, "1" if spinning else "0")
+    if spinning is not None:
+        so.add_session_config_entry(SPINNING, "1" if spinning else "0")
     so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[optimization])
     so.intra_op_num_threads = threads
     so.log_severity_level = 3
@@ -138,7 +137,7 @@ def ort_session(model: onnx.ModelProto | bytes | str | os.PathLike, options: Any
                 extra_outputs: Iterable[str] = (), providers: Iterable[str] = ("CPUExecutionProvider",),
                 disabled_optimizers: Iterable[str] = ()) -> Any:
     """An InferenceSession for a model (proto, serialized bytes or path) with ``options`` (see
-    ort_session_options; None: its defaults, ORT's but for idle worker threads) on ``providers``. ``extra_outputs`` (a proto only)
+    ort_session_options; None: ORT's defaults) on ``providers``. ``extra_outputs`` (a proto only)
     become graph outputs too, so intermediate tensors can be read from ``run``;
     ``disabled_optimizers`` names ORT graph transformers to skip (SessionSettings)."""
     import onnxruntime as ort
