@@ -17,7 +17,7 @@ from onnx import helper
 
 from pipeline.artifacts import atomic_output, sha256_bytes, sha256_file
 from pipeline.errors import InputError
-from pipeline.ort import copy_fields, fits_one_proto, save_external
+from pipeline.ort import fits_one_proto, save_external, without_initializers
 from pipeline.shapes import infer_shapes
 
 H = TypeVar("H", bound=Hashable)
@@ -95,9 +95,7 @@ def model_hash(model: onnx.ModelProto | bytes | str | os.PathLike) -> str:
         import hashlib
 
         h = hashlib.sha256()
-        rest = onnx.ModelProto()
-        copy_fields(model, rest, "graph")
-        copy_fields(model.graph, rest.graph, "initializer")
+        rest = without_initializers(model)
         h.update(rest.SerializeToString(deterministic=True))
         for t in model.graph.initializer:
             h.update(t.SerializeToString(deterministic=True))

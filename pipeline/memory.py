@@ -18,6 +18,7 @@ import onnx
 from onnx import helper
 
 from pipeline.errors import InputError
+from pipeline.graph import value_dims
 from pipeline.shapes import skeleton
 
 GB = 1024**3
@@ -51,10 +52,9 @@ def tensor_nbytes(model: onnx.ModelProto) -> dict[str, int]:
         inferred = model
     out: dict[str, int] = {}
     for vi in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
-        tt = vi.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else -1 for d in tt.shape.dim]
-        if tt.HasField("shape") and all(d >= 0 for d in dims):
-            out[vi.name] = int(np.prod(dims, dtype=np.int64)) * _itemsize(tt.elem_type)
+        dims = value_dims(vi)
+        if vi.type.tensor_type.HasField("shape") and all(isinstance(d, int) for d in dims):
+            out[vi.name] = int(np.prod(dims, dtype=np.int64)) * _itemsize(vi.type.tensor_type.elem_type)
     return out
 
 

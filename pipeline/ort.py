@@ -174,8 +174,7 @@ def ort_session(model: onnx.ModelProto | bytes | str | os.PathLike, options: Any
     return ort.InferenceSession(data, sess_options=options, providers=list(providers))
 
 
-def copy_fields(src: Any, dst: Any, skip: str) -> None:
-    """Copy every set field of protobuf message ``src`` into ``dst`` but ``skip``."""
+def _copy_fields(src: Any, dst: Any, skip: str) -> None:
     for fd, value in src.ListFields():
         if fd.name == skip:
             continue
@@ -185,6 +184,15 @@ def copy_fields(src: Any, dst: Any, skip: str) -> None:
             getattr(dst, fd.name).CopyFrom(value)
         else:
             setattr(dst, fd.name, value)
+
+
+def without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` without its main graph's initializers (everything else, bodies included):
+    where a large model's weights are handled one tensor at a time instead of copied whole."""
+    out = onnx.ModelProto()
+    _copy_fields(model, out, "graph")
+    _copy_fields(model.graph, out.graph, "initializer")
+    return out
 
 
 def save_external(model: onnx.ModelProto, path: str | os.PathLike, extra_outputs: Iterable[str] = (),
@@ -198,9 +206,7 @@ def save_external(model: onnx.ModelProto, path: str | os.PathLike, extra_outputs
 
     path = Path(path)
     data_name = data_name or path.name + ".data"
-    out = onnx.ModelProto()
-    copy_fields(model, out, "graph")
-    copy_fields(model.graph, out.graph, "initializer")
+    out = without_initializers(model)
     existing = {o.name for o in out.graph.output}
     out.graph.output.extend(onnx.helper.make_empty_tensor_value_info(t) for t in dict.fromkeys(extra_outputs)
                             if t not in existing)

@@ -43,7 +43,7 @@ from pipeline.graph import (
     topological_sort,
 )
 from pipeline.graph_index import GraphIndex, bias_tensor
-from pipeline.ort import copy_fields
+from pipeline.ort import without_initializers
 from pipeline.plan import Consumer, QDQPlan
 from pipeline.qmath import FP8, QuantParams, make_quantized_tensor, make_zero_point, quantize_values
 
@@ -142,9 +142,7 @@ def _copy_sparing_weights(model: onnx.ModelProto, plan: QDQPlan) -> tuple[onnx.M
             if (name in g.inits and name not in g.graph_outputs
                     and all((c.name, i) in stored for c, i in g.consumers.get(name, []))):
                 spared[name] = g.inits[name]
-    out = onnx.ModelProto()
-    copy_fields(model, out, "graph")
-    copy_fields(model.graph, out.graph, "initializer")
+    out = without_initializers(model)
     for t in model.graph.initializer:
         if t.name in spared:
             out.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims)

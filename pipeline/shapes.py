@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import onnx
 
-from pipeline.ort import fits_one_proto
+from pipeline.ort import fits_one_proto, without_initializers
 
 _SKELETON_KEEP = 1024  # constants up to this many bytes keep their values in a skeleton (Reshape shapes, ...)
 _SKELETON_FROM = 64 * 2**20  # models above this many bytes are shape-inferred through a skeleton
@@ -18,14 +18,8 @@ _SKELETON_FROM = 64 * 2**20  # models above this many bytes are shape-inferred t
 def skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     """The model without the values of its large constants (their dims and types stay): what shape
     inference needs, at a fraction of the size."""
-    sk = onnx.ModelProto()
-    sk.ir_version = model.ir_version
-    sk.opset_import.extend(model.opset_import)
+    sk = without_initializers(model)
     g = sk.graph
-    g.node.extend(model.graph.node)
-    g.input.extend(model.graph.input)
-    g.output.extend(model.graph.output)
-    g.value_info.extend(model.graph.value_info)
     for t in model.graph.initializer:
         if t.data_location == onnx.TensorProto.EXTERNAL or t.ByteSize() > _SKELETON_KEEP:
             g.initializer.append(onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims))
