@@ -44,6 +44,8 @@ class AccuracyBudget:
     per_output: tuple[tuple[str, str], ...] = ()  # (output, snr|cosine|agreement) replacing the default metric
     custom_metric: str | None = None  # metric=custom: the function's dotted path
     relative: bool = False  # metric=custom: max_drop in percent of the float model's score
+    # the share of max_drop that top-1 agreement with the float model may lose (tightened() lowers it)
+    agreement_share: float = 1.0
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> AccuracyBudget:
@@ -54,22 +56,29 @@ class AccuracyBudget:
                    a.custom_metric or None, bool(a.relative))
 
     def tightened(self, margin_db: float) -> AccuracyBudget:
-        """This budget ``margin_db`` inside its SNR floor, and the same factor on 1 - cosine and on a
-        custom metric's allowed drop (top-1 budgets unchanged)."""
+        """This budget ``margin_db`` inside its SNR floor, and the same factor on 1 - cosine, on a
+        custom metric's allowed drop and on the top-1 disagreement with the float model allowed
+        (top-1 against labels unchanged: it is not an error the quantization adds)."""
         factor = 10 ** (-margin_db / 10)
         return replace(self, min_snr_db=self.min_snr_db + margin_db, min_cosine=1.0 - (1.0 - self.min_cosine) * factor,
-                       max_drop=self.max_drop * factor if self.metric == "custom" else self.max_drop)
+                       max_drop=self.max_drop * factor if self.metric == "custom" else self.max_drop,
+                       agreement_share=self.agreement_share * factor)
+
+    @property
+    def max_disagreement(self) -> float:
+        """Points of top-1 agreement with the float model that may be lost."""
+        return self.max_drop * self.agreement_share
 
     def describe(self) -> str:
         if self.metric == "custom":
             what = f"{metric_name(self.custom_metric or 'custom')} drop <= {self.max_drop:g}{'% of the float score' if self.relative else ''}"
             return what + self._scope()
         base = {"top1": f"top-1 drop <= {self.max_drop:g} points",
-                "agreement": f"top-1 agreement >= {100 - self.max_drop:g}%",
+                "agreement": f"top-1 agreement >= {100 - self.max_disagreement:.3g}%",
                 "snr": f"SNR >= {self.min_snr_db:g} dB on every output",
                 "cosine": f"cosine >= {self.min_cosine:g} on every output"}.get(
             self.metric, f"top-1 drop <= {self.max_drop:g} points with labels, else SNR >= {self.min_snr_db:g} dB "
-                         f"on every output and, for class scores, agreement >= {100 - self.max_drop:g}% on "
+                         f"on every output and, for class scores, agreement >= {100 - self.max_disagreement:.3g}% on "
                          f"decisive samples")
         return base + self._scope()
 
@@ -133,10 +142,10 @@ class AccuracyBudget:
             n = (scores.get("decisive_samples_per_output") or [None] * (i + 1))[i]
             if agree is None:
                 agree = (scores.get("agreement_per_output") or [None] * (i + 1))[i]
-            ok = agree is not None and 100.0 * (1.0 - agree) <= self.max_drop
+            ok = agree is not None and 100.0 * (1.0 - agree) <= self.max_disagreement
             on = f" on {n} decisive samples" if n else ""
             what = (f"agreement n/a on output '{output}' (no class scores)" if agree is None else
-                    f"agreement {100 * agree:.1f}%{on} on output '{output}' (min {100 - self.max_drop:g}%)")
+                    f"agreement {100 * agree:.1f}%{on} on output '{output}' (min {100 - self.max_disagreement:.3g}%)")
             snr = (scores.get("snr_db_per_output") or [None] * (i + 1))[i]
             return AccuracyVerdict(ok, "agreement", what, snr, None, agree, output=_name(output))
         return replace(self, metric=metric, outputs=(), per_output=())._default(pick, None)
@@ -164,15 +173,15 @@ class AccuracyBudget:
             ok, what = drop <= self.max_drop, f"top-1 drop {drop:.2f} points (max {self.max_drop:g})"
             output = None
         elif metric == "agreement":
-            ok = 100.0 * (1.0 - agree) <= self.max_drop
-            what = f"agreement {100 * agree:.1f}% (min {100 - self.max_drop:g}%)"
+            ok = 100.0 * (1.0 - agree) <= self.max_disagreement
+            what = f"agreement {100 * agree:.1f}% (min {100 - self.max_disagreement:.3g}%)"
         elif metric == "snr_and_agreement":
             n_dec = scores.get("decisive_samples")
-            agree_ok = decisive is None or 100.0 * (1.0 - decisive) <= self.max_drop
+            agree_ok = decisive is None or 100.0 * (1.0 - decisive) <= self.max_disagreement
             ok = snr_ok and agree_ok
             on = f" on {n_dec} decisive samples" if n_dec is not None else ""
             what = snr_what + ("; agreement n/a (no decisive samples)" if decisive is None else
-                               f"; agreement {100 * decisive:.1f}%{on} (min {100 - self.max_drop:g}%)")
+                               f"; agreement {100 * decisive:.1f}%{on} (min {100 - self.max_disagreement:.3g}%)")
         elif metric == "cosine":
             ok = worst_cos is not None and worst_cos >= self.min_cosine
             what = (f"cosine {worst_cos if worst_cos is not None else float('nan'):.4f} on {_name(cos_out)} "

@@ -267,9 +267,10 @@ class AccuracyConfig:
     # share of the quantized nodes) until it meets it
     recovery: bool = True
     max_float_fraction: float = 0.5
-    # recovery stops this far inside the SNR budget (cosine: the same factor on 1 - cosine): the holdout
-    # is a few batches, and a model that only just meets the budget there can miss it on unseen data.
-    # Verdicts still use the budget itself
+    # recovery stops, and autotune's candidates and settings stay, this far inside the SNR budget
+    # (cosine, top-1 disagreement with float, custom drop: the same factor): the holdout is a few
+    # batches, and a model that only just meets the budget there can miss it on unseen data.
+    # evaluate's verdicts use the budget itself
     recovery_margin_db: float = 1.0
 
 

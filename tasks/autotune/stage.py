@@ -123,12 +123,15 @@ class AutotuneStage(Stage):
         save_model(model, baseline_path)
         if "quantize/float_model.onnx" in inputs:
             model = load_model(inputs["quantize/float_model.onnx"])
-        budget = AccuracyBudget.from_config(cfg)
+        # the holdout is a few batches: every choice keeps quantize's recovery margin inside the
+        # budget, so a model that only just meets it there does not miss it on unseen data
+        margin = float(cfg.accuracy.recovery_margin_db)
+        budget = AccuracyBudget.from_config(cfg).tightened(margin)
         holdout = Holdout.from_config(cfg, input_specs(model))
         with backend.prepare(baseline_path) as pm:
             holdout.set_reference(pm)
-        log.info("autotune: every candidate is held to the accuracy budget (%s) on %d samples of %s",
-                 budget.describe(), holdout.samples, holdout.source)
+        log.info("autotune: every candidate is held to the accuracy budget with accuracy.recovery_margin_db=%g "
+                 "inside it (%s) on %d samples of %s", margin, budget.describe(), holdout.samples, holdout.source)
         qdq_baseline = self._qdq_baseline(ctx, inputs)
         context_items = {
             "calibration": sha256_file(inputs["quantize/calibration.json"]) if "quantize/calibration.json" in inputs

@@ -503,5 +503,9 @@ def test_recovery_aims_inside_the_budget_by_its_margin():
     b = AccuracyBudget(min_snr_db=20.0, min_cosine=0.99, max_drop=1.0)
     t = b.tightened(1.0)
     assert t.min_snr_db == 21.0 and t.max_drop == 1.0
+    assert t.max_disagreement == pytest.approx(10 ** -0.1)  # 2 flips in 251 decisive samples no longer pass
+    scores = {"agreement": 0.99, "decisive_agreement": 249 / 251, "decisive_samples": 251, "snr_db": 30.0}
+    assert b.judge(scores, None).ok and not t.judge(scores, None).ok
+    assert t.judge({**scores, "decisive_agreement": 250 / 251}, None).ok
     assert t.min_cosine == pytest.approx(1 - 0.01 * 10 ** -0.1)  # 1 dB less error energy
     assert b.tightened(0.0) == b
