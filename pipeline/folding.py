@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
+from pipeline import weights
 from pipeline.graph import WEIGHTED_OPS, subgraphs
 
 
@@ -26,14 +27,14 @@ def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, i
     def constants(m: onnx.ModelProto) -> int:
         return sum(1 for n in m.graph.node if n.op_type == "Constant")
 
-    before, weights = constants(model), constant_weights(model)
+    before, from_constants = constants(model), constant_weights(model)
     if not _foldable(model):  # onnx-graphsurgeon would copy every weight to find nothing
         return model, {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0}
     out = fold_graph(model)
     removed = len(model.graph.node) - len(out.graph.node)
     if removed <= 0 and before == 0:
         return model, {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0}
-    return out, {"constant_nodes": before - constants(out), "constant_weights": weights, "nodes_removed": removed}
+    return out, {"constant_nodes": before - constants(out), "constant_weights": from_constants, "nodes_removed": removed}
 
 
 def _foldable(model: onnx.ModelProto) -> bool:
@@ -92,15 +93,15 @@ def fold_batchnorm(model: onnx.ModelProto) -> int:
                 or (len(conv.input) > 2 and conv.input[2] and conv.input[2] not in inits)):
             continue
         eps = next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5)
-        gamma, beta, mean, var = (numpy_helper.to_array(inits[t]).astype(np.float64) for t in bn.input[1:])
+        gamma, beta, mean, var = (weights.array(inits[t]).astype(np.float64) for t in bn.input[1:])
         w_init = inits[conv.input[1]]
-        w = numpy_helper.to_array(w_init).astype(np.float64)
-        b = (numpy_helper.to_array(inits[conv.input[2]]).astype(np.float64)
+        w = weights.array(w_init).astype(np.float64)
+        b = (weights.array(inits[conv.input[2]]).astype(np.float64)
              if len(conv.input) > 2 and conv.input[2] else np.zeros(w.shape[0]))
         if gamma.shape != (w.shape[0],) or consumers.get(conv.input[1]) != 1:
             continue  # a shared weight cannot take one BN's factors
         factor = gamma / np.sqrt(var + eps)
-        dtype = numpy_helper.to_array(w_init).dtype
+        dtype = weights.array(w_init).dtype
         new_w = numpy_helper.from_array((w * factor.reshape(-1, *([1] * (w.ndim - 1)))).astype(dtype), conv.input[1])
         new_b_name = f"{conv.name or conv.output[0]}_folded_bias"
         new_b = numpy_helper.from_array(((b - mean) * factor + beta).astype(dtype), new_b_name)

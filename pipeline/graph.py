@@ -16,7 +16,7 @@ import onnx
 from onnx import helper
 
 from pipeline.artifacts import atomic_output, sha256_bytes, sha256_file
-from pipeline.errors import InputError
+from pipeline.errors import InputError, first_line
 from pipeline.ort import fits_one_proto, save_external, without_initializers
 from pipeline.shapes import infer_shapes
 
@@ -49,28 +49,52 @@ def check_onnx_path(path: str | os.PathLike, what: str = "model") -> Path:
 
 def load_model(path: str | os.PathLike, what: str = "model", check: bool = True) -> onnx.ModelProto:
     """Load and check an ONNX file, turning every failure into an InputError naming the file."""
+    from onnx.external_data_helper import uses_external_data
+
+    from pipeline import weights
+
     p = check_onnx_path(path, what)
     try:
-        model = onnx.load(str(p))
+        model = onnx.load(str(p), load_external_data=False)
     except Exception as exc:  # noqa: BLE001 - protobuf raises several types for garbage
         raise InputError(f"{what} file {p} could not be read as ONNX ({type(exc).__name__}: {exc})") from None
+    external = any(uses_external_data(t) for t, _ in weights.all_tensors(model.graph))
     if check:
         try:
-            onnx.checker.check_model(model if fits_one_proto(model) else str(p))
+            weights.check_model(model)
         except onnx.checker.ValidationError as exc:
             first = str(exc).strip().splitlines()[0]
             raise InputError(f"{what} file {p} fails onnx.checker: {first}") from None
+    if external:
+        try:
+            weights.attach(model, p.parent)
+        except (OSError, KeyError, ValueError) as exc:
+            raise InputError(f"{what} file {p}: its external data cannot be read ({first_line(exc)}); keep the "
+                             f"data files its tensors name beside it") from None
     return model
 
 
-def save_model(model: onnx.ModelProto, path: str | os.PathLike, external_data: bool = False) -> Path:
-    """Atomically write an ONNX model (external data for > 2 GB models or when asked).
+EXTERNAL_FROM = 64 * 2**20  # models with more weight bytes are written with external data
+
+
+def save_model(model: onnx.ModelProto, path: str | os.PathLike, external_data: bool = False,
+               share_weights: bool = False) -> Path:
+    """Atomically write an ONNX model; with external data when asked, past EXTERNAL_FROM bytes of
+    weights or when some stay on disk (pipeline.weights): the next stage then reads them one at a time.
+    ``share_weights`` (working files, never artifacts): tensors on disk stay references to hard links
+    of their data files beside ``path`` instead of being copied.
 
     With external data, both files are written in a private temporary folder next to the target and
     renamed into place (data first), and the caller's model keeps its weights in memory.
     """
+    from pipeline import weights
+
     target = Path(path)
-    if external_data or not fits_one_proto(model):
+    if share_weights and weights.has_lazy(model) and fits_one_proto(model) and not external_data:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return write_model_bytes(model.SerializeToString(), target, share_weights=True)
+    if external_data or weights.has_lazy(model) or not fits_one_proto(model) \
+            or weights.stored_bytes(model) > EXTERNAL_FROM:
         target.parent.mkdir(parents=True, exist_ok=True)
         data_name = target.name + ".data"
         with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as tmpdir:
@@ -88,17 +112,65 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, external_data: b
     return target
 
 
+def write_model_bytes(data: bytes, path: str | os.PathLike, share_weights: bool = False) -> Path:
+    """Atomically write a serialized model. One that reads tensors from pipeline.weights' folder is
+    written with its own external data, or (``share_weights``, working files) with hard links of
+    those data files beside it."""
+    from pipeline import weights
+
+    target = Path(path)
+    if weights.referenced(data) and not share_weights:
+        return save_model(onnx.load_from_string(data), target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    weights.share_into(data, target.parent)
+    with atomic_output(target) as tmp:
+        tmp.write_bytes(data)
+    return target
+
+
+def model_bytes(path: str | os.PathLike) -> bytes:
+    """A model file's serialization, complete on its own: with external data, the proto whose large
+    tensors refer to pipeline.weights' folder (ONNX Runtime and write_model_bytes resolve them)."""
+    from pipeline.artifacts import external_data_files
+
+    if not external_data_files(path):
+        return Path(path).read_bytes()
+    return load_model(path, check=False).SerializeToString()
+
+
+def copy_model(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Copy a model file with its external data (renamed after ``dst``)."""
+    from pipeline.artifacts import atomic_write_bytes, external_data_files
+
+    if not external_data_files(src):
+        return atomic_write_bytes(dst, Path(src).read_bytes())
+    return save_model(load_model(src, check=False), dst)
+
+
+def remove_model(path: str | os.PathLike) -> None:
+    """Delete a model file and the external data file save_model wrote for it, if any."""
+    p = Path(path)
+    p.unlink(missing_ok=True)
+    p.with_name(p.name + ".data").unlink(missing_ok=True)
+
+
 def model_hash(model: onnx.ModelProto | bytes | str | os.PathLike) -> str:
     """sha256 of a model: a proto's serialization (past 2 GB, of its parts in turn), bytes, or a file
     with its external data."""
-    if isinstance(model, onnx.ModelProto) and not fits_one_proto(model):
+    from pipeline import weights
+
+    if isinstance(model, onnx.ModelProto) and (weights.has_lazy(model) or not fits_one_proto(model)):
         import hashlib
 
         h = hashlib.sha256()
         rest = without_initializers(model)
         h.update(rest.SerializeToString(deterministic=True))
         for t in model.graph.initializer:
-            h.update(t.SerializeToString(deterministic=True))
+            if weights.is_lazy(t):  # its content, not the link's name (which differs between runs)
+                h.update(onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims).SerializeToString())
+                h.update(weights.digest(t).encode())
+            else:
+                h.update(t.SerializeToString(deterministic=True))
         return h.hexdigest()
     if isinstance(model, onnx.ModelProto):
         data = model.SerializeToString(deterministic=True)

@@ -144,6 +144,10 @@ def ort_session(model: onnx.ModelProto | bytes | str | os.PathLike, options: Any
 
     if options is None:
         options = ort_session_options()
+    from pipeline import weights
+
+    for k, v in weights.session_entries(model if isinstance(model, (onnx.ModelProto, bytes)) else b"").items():
+        options.add_session_config_entry(k, v)  # where a proto's on-disk weights are (pipeline.weights)
     if isinstance(model, onnx.ModelProto) and not fits_one_proto(model):
         # over 2 GB there are no bytes to hand over: ORT reads the model saved with external data
         import tempfile
@@ -164,6 +168,7 @@ def ort_session(model: onnx.ModelProto | bytes | str | os.PathLike, options: Any
 
         with tempfile.TemporaryDirectory(prefix="qdq-tune-ort-") as tmp:
             path = Path(tmp) / "model.onnx"
+            weights.share_into(data, tmp)
             path.write_bytes(data)
             del data
             return ort_session(path, options, providers=providers, disabled_optimizers=disabled_optimizers)
@@ -204,6 +209,8 @@ def save_external(model: onnx.ModelProto, path: str | os.PathLike, extra_outputs
     values back into it grows the process by the whole model (protobuf keeps the emptied memory)."""
     from onnx.external_data_helper import uses_external_data
 
+    from pipeline import weights
+
     path = Path(path)
     data_name = data_name or path.name + ".data"
     out = without_initializers(model)
@@ -213,19 +220,19 @@ def save_external(model: onnx.ModelProto, path: str | os.PathLike, extra_outputs
     offset = 0
     with open(path.parent / data_name, "wb") as fh:
         for t in model.graph.initializer:
-            if uses_external_data(t):
-                raise ValueError(f"initializer {t.name} already refers to external data; load the model with it")
-            if t.ByteSize() < threshold:
+            lazy = weights.is_lazy(t)
+            if uses_external_data(t) and not lazy:
+                raise ValueError(f"initializer {t.name} refers to external data outside pipeline.weights; load the "
+                                 "model with pipeline.graph.load_model")
+            if not lazy and t.ByteSize() < threshold:
                 out.graph.initializer.append(t)
                 continue
-            raw = t.raw_data if t.HasField("raw_data") else onnx.numpy_helper.to_array(t).tobytes()
-            fh.write(raw)
+            length = weights.copy_to(t, fh)
             ref = out.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims,
                                             data_location=onnx.TensorProto.EXTERNAL)
-            for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(len(raw)))):
+            for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(length))):
                 ref.external_data.add(key=k, value=v)
-            offset += len(raw)
-            del raw
+            offset += length
     path.write_bytes(out.SerializeToString())
     return path
 

@@ -31,6 +31,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from pipeline import weights
 from pipeline.bodies import all_names, body_views, fresh_name, put_back
 from pipeline.calibration import Calibration
 from pipeline.errors import StageError, StateError
@@ -75,7 +76,7 @@ def raise_opset(model: onnx.ModelProto, target: int) -> onnx.ModelProto:
         from onnx import version_converter
 
         converted = version_converter.convert_version(model, target)
-        onnx.checker.check_model(converted)
+        weights.check_model(converted)
         return converted
     except Exception:  # noqa: BLE001 - the converter lacks adapters for some ops
         if current < 13:
@@ -96,7 +97,7 @@ def _correct_biases(model: onnx.ModelProto, quantized: set[str], corrections: di
     targets = {b[0] for n in sorted(quantized) if n in g.nodes and (b := bias_tensor(g, g.nodes[n])) is not None}
     for i, init in enumerate(model.graph.initializer):
         if init.name in targets and init.name in corrections:
-            b = numpy_helper.to_array(init)
+            b = weights.array(init)
             delta = np.asarray(corrections[init.name], np.float64)
             if delta.size != b.size:
                 raise StateError(f"bias correction of '{init.name}' has {delta.size} values, the bias {b.size}; "
@@ -121,7 +122,7 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
     if left:  # a spared weight is still read in float: never ship its placeholder
         raise StageError(f"internal error: weight(s) {sorted(left)} spared from the copy are still read")
     if check:  # the autotuner skips it per candidate: a broken candidate fails its measurement anyway
-        onnx.checker.check_model(out)
+        weights.check_model(out)
     return out
 
 
@@ -256,7 +257,7 @@ def _emit_weights(ins: _Insertion, plan: QDQPlan) -> dict[tuple[str, int], Quant
         init = g.inits.get(name)
         if init is None:
             raise ValueError(f"weight input {w.input_index} of node {w.node} ({name}) is not an initializer")
-        values = numpy_helper.to_array(ins.sources.get(name, init)).astype(np.float32, copy=False)
+        values = weights.array(ins.sources.get(name, init)).astype(np.float32, copy=False)
         p = ins.calibration.weight_params(name, values, w.axis, w.dtype, w.reduced)
         weight_scales[(w.node, w.input_index)] = p
         ft = init.data_type if init.data_type in _FLOAT_TYPES else ins.default_float_type
@@ -288,7 +289,7 @@ def _emit_biases(ins: _Insertion, plan: QDQPlan, weight_scales: dict[tuple[str, 
             continue
         ap = ins.calibration.params(b.activation, b.activation_dtype)
         scale = (np.float32(ap.scale) * np.asarray(wp.scale, np.float32)).astype(np.float32).reshape(-1)
-        values = numpy_helper.to_array(init).astype(np.float64).reshape(-1)
+        values = weights.array(init).astype(np.float64).reshape(-1)
         if scale.size not in (1, values.size):
             continue
         q = np.clip(np.rint(values / scale), -(2**31), 2**31 - 1).astype(np.int32)

@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from pipeline import weights
 from pipeline.graph import opset_version
 from pipeline.shapes import infer_shapes
 
@@ -99,9 +100,9 @@ def _lower(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto], shapes: dic
     steps, batch, _ = shapes[node.input[0]]
     hidden = int(helper.get_attribute_value(next(a for a in node.attribute if a.name == "hidden_size")))
     inputs = list(node.input) + [""] * (8 - len(node.input))
-    w = numpy_helper.to_array(inits[inputs[1]])[0]  # [4H, in]
-    r = numpy_helper.to_array(inits[inputs[2]])[0]  # [4H, H]
-    b = numpy_helper.to_array(inits[inputs[3]])[0] if inputs[3] else np.zeros(8 * hidden, w.dtype)
+    w = weights.array(inits[inputs[1]])[0]  # [4H, in]
+    r = weights.array(inits[inputs[2]])[0]  # [4H, H]
+    b = weights.array(inits[inputs[3]])[0] if inputs[3] else np.zeros(8 * hidden, w.dtype)
     e = _Emitter(f"{node.name}/lowered", opset)
     xw = e.op("MatMul", [inputs[0], e.const("W_t", np.ascontiguousarray(w.T))])
     xw = e.op("Add", [xw, e.const("bias", b[:4 * hidden] + b[4 * hidden:])])

@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from pipeline import weights
 from pipeline.artifacts import Manifest, ResultsDirLock, fingerprint, sha256_file
 from pipeline.config import ordered_stages, section, validate
 from pipeline.errors import PipelineError, StageError
@@ -145,6 +146,8 @@ def _run_one(stage: Stage, ctx: StageContext, inputs: dict[str, Path], fp: str) 
     except Exception as exc:
         manifest.update(stage.name, status="failed", finished=time.time(), error=f"{type(exc).__name__}: {exc}")
         raise
+    finally:
+        weights.release()  # the stage's models are gone: its data files lose their extra hard links
     finished = time.time()
     manifest.update(
         stage.name, status="done", finished=finished, seconds=round(finished - started, 3),

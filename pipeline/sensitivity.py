@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
+from pipeline import weights
 from pipeline.artifacts import atomic_output
 from pipeline.qmath import QTYPES
 
@@ -107,13 +107,13 @@ def clip_range(qmodel: onnx.ModelProto, q: onnx.NodeProto) -> tuple[float, float
     inits = {i.name: i for i in qmodel.graph.initializer}
     if len(q.input) < 2 or q.input[1] not in inits:
         return None
-    scale = numpy_helper.to_array(inits[q.input[1]]).astype(np.float64)
+    scale = weights.array(inits[q.input[1]]).astype(np.float64)
     if scale.size != 1:
         return None
     zp_init = inits.get(q.input[2]) if len(q.input) > 2 else None
     elem = zp_init.data_type if zp_init is not None else onnx.TensorProto.UINT8
     dtype = next((k for k, v in QTYPES.items() if v[0] == elem), "uint8")
-    zp = 0.0 if zp_init is None or dtype.startswith("fp8") else float(numpy_helper.to_array(zp_init).reshape(-1)[0])
+    zp = 0.0 if zp_init is None or dtype.startswith("fp8") else float(weights.array(zp_init).reshape(-1)[0])
     s = float(scale.reshape(-1)[0])
     if dtype == "int8":
         return s * (-128 - zp), s * (127 - zp), dtype

@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from pipeline import weights
 from pipeline.errors import InputError
 from pipeline.folding import fold_graph
 from pipeline.shapes import infer_shapes
@@ -106,7 +107,7 @@ def _inline_decided_ifs(model: onnx.ModelProto) -> list[dict[str, str]]:
         if cond is None:
             nodes.append(node)
             continue
-        value = numpy_helper.to_array(cond)
+        value = weights.array(cond)
         if value.size != 1:
             nodes.append(node)
             continue

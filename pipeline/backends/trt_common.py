@@ -30,6 +30,7 @@ import onnx
 from omegaconf import DictConfig
 from onnx import TensorProto, helper, numpy_helper
 
+from pipeline import weights
 from pipeline.artifacts import user_path
 from pipeline.config import enum_value
 from pipeline.errors import InputError, StageError
@@ -240,8 +241,8 @@ def fold_int32_biases(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
         keep = []
         for n in graph.node:
             if n.op_type == "DequantizeLinear" and n.input[0] in inits and inits[n.input[0]].data_type == TensorProto.INT32:
-                q = numpy_helper.to_array(inits[n.input[0]]).astype(np.float64)
-                s = numpy_helper.to_array(inits[n.input[1]])
+                q = weights.array(inits[n.input[0]]).astype(np.float64)
+                s = weights.array(inits[n.input[1]])
                 axis = next((a.i for a in n.attribute if a.name == "axis"), 1)
                 if s.ndim == 1 and q.ndim > 0:
                     shape = [1] * q.ndim
@@ -288,8 +289,8 @@ def to_symmetric_int8(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
                 continue
             key = (n.input[1], n.input[2])
             if key not in done:
-                s = numpy_helper.to_array(inits[n.input[1]]).astype(np.float64)
-                z = numpy_helper.to_array(zp_t).astype(np.float64)
+                s = weights.array(inits[n.input[1]]).astype(np.float64)
+                z = weights.array(zp_t).astype(np.float64)
                 amax = np.maximum(np.abs(-z * s), np.abs((255.0 - z) * s))
                 new_s = np.where(amax > 0, amax / 127.0, 1.0).astype(
                     helper.tensor_dtype_to_np_dtype(inits[n.input[1]].data_type))

@@ -16,6 +16,7 @@ measurement times as many runs as a fixed one and a clear one a fraction of them
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -28,7 +29,7 @@ import numpy as np
 
 from pipeline.backends import Backend, PreparedModel
 from pipeline.backends.base import prepared_models, time_interleaved
-from pipeline.graph import model_hash
+from pipeline.graph import model_hash, write_model_bytes
 from tasks.autotune.scheme import Measurement
 
 log = logging.getLogger("tune.autotune")
@@ -113,20 +114,14 @@ class PairedBenchmark:
         key = model_hash(model)
         if use_cache and key in self._cache:
             return dataclasses.replace(self._cache[key])  # callers annotate their copy (log path)
-        tmp = None
-        if isinstance(model, bytes):
-            tmp = tempfile.NamedTemporaryFile(suffix=".onnx", delete=False)
-            tmp.write(model)
-            tmp.close()
-            path = Path(tmp.name)
-        else:
-            path = Path(model)
-        try:
+        with contextlib.ExitStack() as stack:
+            if isinstance(model, bytes):
+                path = write_model_bytes(model, Path(stack.enter_context(
+                    tempfile.TemporaryDirectory(prefix="qdq-tune-candidate-"))) / "candidate.onnx", share_weights=True)
+            else:
+                path = Path(model)
             cap = rounds or (2 * self.rounds if stop_at is not None else self.rounds)
             result = self._measure(path, max(cap, MIN_ROUNDS) if stop_at is not None else cap, stop_at)
-        finally:
-            if tmp is not None:
-                Path(tmp.name).unlink(missing_ok=True)
         self.count += 1
         if (result.ok or result.over_budget) and use_cache:
             self._cache[key] = result

@@ -45,7 +45,7 @@ def ort_optimized_graph(model: onnx.ModelProto | str | Path, level: str = "exten
     """The graph ONNX Runtime's CPU EP runs after its optimizations at ``level``."""
     from pipeline.ort import ort_session, ort_session_options
 
-    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else Path(model).read_bytes()
+    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
     with tempfile.TemporaryDirectory() as d:
         optimized = os.path.join(d, "optimized.onnx")
         ort_session(data, ort_session_options(level, optimized_path=optimized))

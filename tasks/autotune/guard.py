@@ -14,10 +14,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.artifacts import atomic_write_bytes
 from pipeline.calibration import quantize_decisions
 from pipeline.errors import StageError, first_line
-from pipeline.graph import model_hash
+from pipeline.graph import copy_model, model_hash
 from tasks.autotune.tune_setup import ModeResult, TuneSetup
 
 if TYPE_CHECKING:
@@ -52,7 +51,7 @@ def finalize(setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
     ptq_v = verdicts[2] if len(verdicts) > 2 else None
     chosen_t = timings[paths.index(choice)]
     chosen_v = verdicts[paths.index(choice)]
-    atomic_write_bytes(setup.out / "optimized_final.onnx", choice.read_bytes())
+    copy_model(choice, setup.out / "optimized_final.onnx")
     speedup = base_t.p10_ms / chosen_t.p10_ms
     backend = setup.backend
     # the CPU EP runs float models in FP32; TensorRT backends build them at backend.float_precision

@@ -23,7 +23,7 @@ import onnx
 from pipeline.artifacts import atomic_write_json
 from pipeline.backends import Backend, PreparedModel
 from pipeline.calibration import Calibration
-from pipeline.graph import load_model, save_model
+from pipeline.graph import load_model, remove_model, save_model
 from tasks.autotune.autotuner import Config, QDQAutotuner
 from tasks.autotune.benchmark import PairedBenchmark
 from tasks.autotune.pattern_cache import PatternCache
@@ -210,4 +210,4 @@ def _remeasure_winners(autotuner: QDQAutotuner, ps: PatternSchemes, benchmark: P
             autotuner.save_state(state_path)
     finally:
         duel.close()
-        inc_path.unlink(missing_ok=True)
+        remove_model(inc_path)

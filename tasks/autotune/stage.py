@@ -17,12 +17,12 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pipeline.accuracy import AccuracyBudget, Holdout
-from pipeline.artifacts import atomic_write_bytes, atomic_write_json, fingerprint, sha256_file, user_path
+from pipeline.artifacts import atomic_write_json, fingerprint, sha256_file, user_path
 from pipeline.backends import create_backend
 from pipeline.calibration import Calibration, load_calibration, quantize_decisions
 from pipeline.config import enum_value, section
 from pipeline.errors import InputError, StageError, first_line
-from pipeline.graph import input_specs, load_model, model_hash, save_model
+from pipeline.graph import input_specs, load_model, model_hash, remove_model, save_model, write_model_bytes
 from pipeline.placement import activation_type, placement_kind, resolve_rules
 from pipeline.stage import Stage, StageContext, StageResult
 from tasks.autotune.config import PRESETS
@@ -96,7 +96,7 @@ class AutotuneStage(Stage):
                                     f"float with the same settings)")
         if result.report is not None:
             result.report(metrics)
-        result.tuned.unlink(missing_ok=True)
+        remove_model(result.tuned)
         artifacts = {"autotune/optimized_final.onnx": setup.out / "optimized_final.onnx",
                      "autotune/baseline.onnx": setup.baseline_path, **result.artifacts, **runtime_artifacts}
         missing = [k for k in (*COMMON_OUTPUTS, *MODE_OUTPUTS[mode]) if k not in artifacts]
@@ -239,7 +239,7 @@ class AutotuneStage(Stage):
         raw = self._check_raw(setup.backend, out / "optimized_raw.onnx", setup.judge)
         tuned = out / "optimized_tuned.onnx"
         if result.tuned is not None:  # byte for byte the model phase 3 measured
-            atomic_write_bytes(tuned, result.tuned)
+            write_model_bytes(result.tuned, tuned)
         else:
             save_model(result.tuner.export_model(assignment=result.assignment), tuned)
         metrics = dict(

@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from pipeline import weights
 from pipeline.errors import StageError, first_line
 from pipeline.graph import graph_inputs, input_specs
 from pipeline.graph_index import GraphIndex
@@ -71,7 +72,7 @@ def extract_subgraph(index: GraphIndex, nodes: list[int], infos: dict[str, Tenso
         value = next((a.t for a in p.attribute if a.name == "value"), None) if p is not None and \
             p.op_type == "Constant" else None
         if value is not None:
-            arr = numpy_helper.to_array(value)
+            arr = weights.array(value)
             initializers.append(numpy_helper.from_array(arr, t))
             continue
         info = infos[t]
@@ -99,8 +100,8 @@ def reuse_key(signature: str, model: onnx.ModelProto, order: list[int], infos: d
     """Groups measured once for all: same structure (signature), same boundary input shapes and the
     same weight shapes, node by node in canonical order."""
     inits = {i.name: tuple(i.dims) for i in model.graph.initializer}
-    weights = [[inits.get(t) for t in model.graph.node[i].input] for i in order]
-    text = json.dumps([signature, sorted(list(infos[t].shape) for t in inputs if t in infos), weights],
+    weight_shapes = [[inits.get(t) for t in model.graph.node[i].input] for i in order]
+    text = json.dumps([signature, sorted(list(infos[t].shape) for t in inputs if t in infos), weight_shapes],
                       default=list)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -8,6 +8,7 @@ difference goes into the manifest. `model=onnx` validates and copies an existing
 from __future__ import annotations
 
 import logging
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import numpy as np
 import onnx
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline import weights
 from pipeline.artifacts import atomic_output, fingerprint, user_path
 from pipeline.config import enum_value, section
 from pipeline.errors import ConfigError, InputError, StageError, first_line
@@ -30,7 +32,7 @@ from pipeline.graph import (
     record_input_shapes,
     save_model,
 )
-from pipeline.ort import fits_one_proto, ort_session
+from pipeline.ort import ort_session
 from pipeline.registry import import_object
 from pipeline.stage import Stage, StageContext, StageResult
 
@@ -157,18 +159,11 @@ class ExportStage(Stage):
         reference = _run_in_ort(model, feeds, src)
         specialized = self._check_specialized(cfg, original, model, fixed, inlined, src) if fixed else None
         model, folded = self._fold(model, src, feeds, reference)
-        big = not fits_one_proto(model)  # over 2 GB the checker reads the saved file (external data)
-        if big:
-            save_model(model, out)
         try:
-            onnx.checker.check_model(str(out) if big else model)
+            weights.check_model(model)
         except onnx.checker.ValidationError as exc:
-            if big:
-                for f in (out, out.with_name(out.name + ".data")):
-                    f.unlink(missing_ok=True)
             raise InputError(f"{src} fails onnx.checker after fixing shapes: {first_line(exc)}") from None
-        if not big:
-            save_model(model, out)
+        save_model(model, out)
         control = control_flow(model)
         if control["nodes"]:
             log.warning("export: %d If/Loop/Scan nodes hold %d nodes in their bodies (%d of the model's %d weighted "
@@ -267,7 +262,8 @@ class ExportStage(Stage):
         module.eval()
         opset = int(mcfg.opset)
         exporter = enum_value(mcfg.exporter)
-        with atomic_output(out) as tmp, torch.no_grad():
+        with tempfile.TemporaryDirectory(prefix=".export.", dir=out_dir) as work, torch.no_grad():
+            tmp = Path(work) / out.name
             kwargs: dict[str, Any] = dict(input_names=in_names, output_names=out_names, opset_version=opset)
             try:
                 if exporter == "dynamo":
@@ -292,7 +288,8 @@ class ExportStage(Stage):
                 model = version_converter.convert_version(model, opset)
             onnx.checker.check_model(model, full_check=True)
             model = onnx.shape_inference.infer_shapes(model)
-            tmp.write_bytes(model.SerializeToString())
+        save_model(model, out)  # past EXTERNAL_FROM with external data: quantize then reads it tensor by tensor
+        del model
         if ctx.cfg.export.verify:
             metrics.update(self._verify(module, example, in_names, out, mcfg))
         return metrics

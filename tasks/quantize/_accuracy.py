@@ -25,7 +25,7 @@ from pipeline.bodies import walk_views
 from pipeline.config import enum_value
 from pipeline.errors import StageError, first_line
 from pipeline.fidelity import FidelityResult
-from pipeline.graph import WEIGHTED_OPS
+from pipeline.graph import WEIGHTED_OPS, save_model
 from pipeline.graph_index import GraphIndex
 
 log = logging.getLogger("tune.quantize")
@@ -69,9 +69,7 @@ class Checker:
     workdir: Path
 
     def write(self, model: onnx.ModelProto, name: str) -> Path:
-        path = self.workdir / f"{name}.onnx"
-        path.write_bytes(model.SerializeToString())
-        return path
+        return save_model(model, self.workdir / f"{name}.onnx", share_weights=True)
 
     def runs(self, model: onnx.ModelProto) -> str | None:
         """None if the model loads and runs on a holdout batch with the fused kernels and as plain Q/DQ

@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from pipeline import weights
 from pipeline.graph import topological_sort
 
 Use = tuple[int, int]  # (index in graph.node, input index)
@@ -75,7 +76,7 @@ class Editor:
 
     def array(self, name: str) -> np.ndarray:
         if name not in self._arrays:
-            a = numpy_helper.to_array(self.inits[name])
+            a = weights.array(self.inits[name])
             self._dtypes[name] = a.dtype
             self._arrays[name] = a.astype(np.float64)
         return self._arrays[name]

@@ -23,6 +23,7 @@ import numpy as np
 import onnx
 from omegaconf import DictConfig
 
+from pipeline import weights
 from pipeline.artifacts import atomic_write_json
 from pipeline.bodies import QUANTIZED_BODIES, unique_names, walk_views
 from pipeline.calibration import Calibration
@@ -61,7 +62,7 @@ def _weight_records(model: onnx.ModelProto, calibration: Calibration, done: set[
             name = node.input[i]
             if name in out or name in done:
                 continue
-            w = onnx.numpy_helper.to_array(g.inits[name]).astype(np.float32)
+            w = weights.array(g.inits[name]).astype(np.float32)
             axis = weight_axis(node, i, w.shape)
             rec: dict[str, Any] = {"node": node.name, "op_type": node.op_type, "axis": axis,
                                    "shape": list(w.shape), "absmax": float(np.abs(w).max()) if w.size else 0.0}

@@ -201,7 +201,7 @@ def _profile_group(backend: Backend, sub_tuner: QDQAutotunerBase, schemes: dict[
                 results[name] = {"ok": False, "error": f"export failed: {first_line(exc)}", "points": scheme.key}
                 continue
             p = Path(tmp) / f"{name}.onnx"
-            save_model(m, p)
+            save_model(m, p, share_weights=True)
             paths.append(p)
             built.append(name)
         timings = compare_profiled(backend, paths, rounds, max(2, timing_runs // max(rounds, 1)), warmup_runs) \

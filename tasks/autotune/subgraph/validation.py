@@ -9,14 +9,16 @@ the start step and the two passes.
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import atomic_write_bytes, atomic_write_json
+from pipeline.artifacts import atomic_write_json
 from pipeline.backends import Backend
 from pipeline.errors import StateError
-from pipeline.graph import model_hash
+from pipeline.graph import model_bytes, model_hash, write_model_bytes
 from tasks.autotune.autotuner import QDQAutotunerBase
 from tasks.autotune.benchmark import PairedBenchmark, ratio_interval
 from tasks.autotune.progress import OnProgress, Progress
@@ -95,9 +97,9 @@ class _Models:
 
     def _build(self, state: State) -> bytes:
         if not state and self.float_model is not None:
-            return Path(self.float_model).read_bytes()
+            return model_bytes(self.float_model)
         if state and self.ptq_model is not None and set(state.values()) == {PTQ}:
-            return Path(self.ptq_model).read_bytes()
+            return model_bytes(self.ptq_model)
         return self.tuner.export_model(assignment=self.assign(state), check=False).SerializeToString()
 
     def sha(self, state: State) -> str:
@@ -133,7 +135,7 @@ class _FullModel:
         """``candidate`` paired with ``reference`` (whose content hash is ``sha``)."""
         if self.bench is None or self.reference != sha:
             self.close()
-            atomic_write_bytes(self.path, reference)
+            write_model_bytes(reference, self.path, share_weights=True)
             self.bench = PairedBenchmark(self.backend, self.path, *self.args)
             self.reference = sha
         return self.bench.measure(candidate, use_cache=False, stop_at=1.0 - MIN_STEP_GAIN)
@@ -142,7 +144,7 @@ class _FullModel:
         if self.bench is not None:
             self.bench.close()
             self.bench = None
-        self.path.unlink(missing_ok=True)
+        shutil.rmtree(self.path.parent, ignore_errors=True)
 
 
 def _outcome(m: Measurement) -> tuple[str, str]:
@@ -327,7 +329,8 @@ def validate(setup: TuneSetup, gs: GroupSet, results: dict[str, GroupResult], as
              cache: SubgraphCache, on_progress: OnProgress | None) -> tuple[State, bytes, list[dict[str, Any]]]:
     """Phase 3: (the chosen state, its model as measured, the phase summary)."""
     models = _Models(gs.tuner, assign, setup.ptq_model, setup.baseline_path)
-    full = _FullModel(setup, setup.out / "validation_current.onnx")
+    # a working folder: the current model may share hard links of on-disk weights (pipeline.weights)
+    full = _FullModel(setup, Path(tempfile.mkdtemp(prefix=".validation.", dir=setup.out)) / "current.onnx")
     phase = _Phase3(cache, lambda a, b: full.measure(models.data(a), models.sha(a), models.data(b)), models.sha,
                     lambda st: _log_step(st, gs, setup.out / "logs", on_progress))
     try:

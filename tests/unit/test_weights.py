@@ -1,0 +1,82 @@
+"""pipeline.weights: a model stored with external data keeps its large tensors on disk, read one at a
+time; every consumer (ORT sessions, saves, hashes, the checker) sees a complete model."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from pipeline import weights
+from pipeline.errors import InputError
+from pipeline.graph import load_model, model_hash, save_model
+from pipeline.ort import ort_session
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from large_model import write_big_model  # noqa: E402 - the bench's generator, one layer in memory at a time
+
+WIDTH = 256  # 256 KB per weight: past LAZY_MIN_BYTES
+
+
+@pytest.fixture
+def stored(tmp_path):
+    path = write_big_model(tmp_path / "src" / "m.onnx", layers=3, width=WIDTH)
+    yield path
+    weights.release()
+
+
+def _feeds() -> dict[str, np.ndarray]:
+    return {"input": np.random.default_rng(0).standard_normal((4, WIDTH)).astype(np.float32)}
+
+
+def _reference(path: Path) -> np.ndarray:
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, _feeds())[0]
+
+
+def test_large_tensors_stay_on_disk_and_read_back_exactly(stored):
+    want = _reference(stored)  # before anything is linked: onnx and ORT read the file as users do
+    inline = onnx.load(str(stored))
+    model = load_model(stored)
+    assert model.ByteSize() < 10_000 and all(weights.is_lazy(t) for t in model.graph.initializer)
+    for t, full in zip(model.graph.initializer, inline.graph.initializer, strict=True):
+        np.testing.assert_array_equal(weights.array(t), onnx.numpy_helper.to_array(full))
+    np.testing.assert_array_equal(ort_session(model).run(None, _feeds())[0], want)
+    assert model_hash(model) == model_hash(load_model(stored))  # the same content, whatever the link's name
+
+
+def test_saved_models_carry_their_own_data_and_links_end_with_the_stage(stored, tmp_path):
+    model = load_model(stored)
+    out = save_model(model, tmp_path / "out" / "copy.onnx")
+    assert sorted(p.name for p in out.parent.iterdir()) == ["copy.onnx", "copy.onnx.data"]
+    shared = save_model(model, tmp_path / "work" / "w.onnx", share_weights=True)
+    data, link = stored.with_name("m.onnx.data"), shared.parent / weights.referenced(model)[0]
+    assert link.stat().st_ino == data.stat().st_ino and data.stat().st_nlink == 3  # source, weights folder, work
+    np.testing.assert_array_equal(ort_session(shared).run(None, _feeds())[0], _reference(out))
+    weights.release()
+    link.unlink()  # a working folder's link goes with the folder
+    assert data.stat().st_nlink == 1
+    np.testing.assert_array_equal(_reference(out), _reference(stored))  # onnx's own loader accepts it again
+    onnx.checker.check_model(str(stored))
+
+
+def test_a_replaced_data_file_does_not_change_a_loaded_model(stored):
+    model = load_model(stored)
+    before = weights.array(model.graph.initializer[0]).copy()
+    fresh = write_big_model(stored.parent / "new" / "m.onnx", layers=3, width=WIDTH, seed=5)
+    os.replace(fresh.with_name("m.onnx.data"), stored.with_name("m.onnx.data"))  # atomic, like every save here
+    np.testing.assert_array_equal(weights.array(model.graph.initializer[0]), before)
+    assert model_hash(load_model(stored)) != model_hash(model)
+
+
+def test_a_short_data_file_is_one_line_naming_the_tensor(stored):
+    data = stored.with_name("m.onnx.data")
+    with open(data, "r+b") as fh:
+        fh.truncate(data.stat().st_size - 4)
+    with pytest.raises(InputError, match=r"its external data cannot be read \(tensor w2 needs bytes"):
+        load_model(stored)
