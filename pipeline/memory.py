@@ -41,7 +41,11 @@ def _itemsize(elem_type: int) -> int:
 
 def weights_nbytes(model: onnx.ModelProto) -> int:
     """Bytes of the model's initializers, from their dims (external data is not read)."""
-    return sum(int(np.prod(t.dims, dtype=np.int64)) * _itemsize(t.data_type) for t in model.graph.initializer)
+    return sum(weights_nbytes_of(t) for t in model.graph.initializer)
+
+
+def weights_nbytes_of(t: onnx.TensorProto) -> int:
+    return int(np.prod(t.dims, dtype=np.int64)) * _itemsize(t.data_type)
 
 
 def tensor_nbytes(model: onnx.ModelProto) -> dict[str, int]:
@@ -97,4 +101,4 @@ def check_weights_fit(model: onnx.ModelProto, limit: float, key: str) -> int:
 
 
 __all__ = ["GB", "check_weights_fit", "machine_memory_bytes", "memory_limit_bytes", "observation_groups",
-           "tensor_nbytes", "weights_nbytes"]
+           "tensor_nbytes", "weights_nbytes", "weights_nbytes_of"]

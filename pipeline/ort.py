@@ -17,6 +17,7 @@ import onnx
 
 from pipeline.artifacts import atomic_write_json, read_json
 from pipeline.errors import StateError
+from pipeline.progress import work_bar
 
 _LEVELS = {
     "disable": "ORT_DISABLE_ALL",
@@ -218,7 +219,8 @@ def save_external(model: onnx.ModelProto, path: str | os.PathLike, extra_outputs
     out.graph.output.extend(onnx.helper.make_empty_tensor_value_info(t) for t in dict.fromkeys(extra_outputs)
                             if t not in existing)
     offset = 0
-    with open(path.parent / data_name, "wb") as fh:
+    with open(path.parent / data_name, "wb") as fh, \
+            work_bar(weights.stored_bytes(model), f"writing {path.name}", unit="B", unit_scale=True) as bar:
         for t in model.graph.initializer:
             lazy = weights.is_lazy(t)
             if uses_external_data(t) and not lazy:
@@ -227,7 +229,9 @@ def save_external(model: onnx.ModelProto, path: str | os.PathLike, extra_outputs
             if not lazy and t.ByteSize() < threshold:
                 out.graph.initializer.append(t)
                 continue
+            bar.set_postfix_str(t.name, refresh=False)
             length = weights.copy_to(t, fh)
+            bar.update(length)
             ref = out.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims,
                                             data_location=onnx.TensorProto.EXTERNAL)
             for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(length))):

@@ -46,6 +46,7 @@ from pipeline.graph import (
 from pipeline.graph_index import GraphIndex, bias_tensor
 from pipeline.ort import without_initializers
 from pipeline.plan import Consumer, QDQPlan
+from pipeline.progress import work_bar
 from pipeline.qmath import FP8, QuantParams, make_quantized_tensor, make_zero_point, quantize_values
 
 log = logging.getLogger("tune.qdq")
@@ -251,24 +252,27 @@ def _emit_weights(ins: _Insertion, plan: QDQPlan) -> dict[tuple[str, int], Quant
     """Weights stored quantized, each followed by a DequantizeLinear; returns the scales by (node, input)."""
     g = ins.g
     weight_scales: dict[tuple[str, int], QuantParams] = {}
-    for w in plan.weights:
-        node = g.nodes[w.node]
-        name = node.input[w.input_index]
-        init = g.inits.get(name)
-        if init is None:
-            raise ValueError(f"weight input {w.input_index} of node {w.node} ({name}) is not an initializer")
-        values = weights.array(ins.sources.get(name, init)).astype(np.float32, copy=False)
-        p = ins.calibration.weight_params(name, values, w.axis, w.dtype, w.reduced)
-        weight_scales[(w.node, w.input_index)] = p
-        ft = init.data_type if init.data_type in _FLOAT_TYPES else ins.default_float_type
-        base = ins.unique(f"{name}_{w.node}" if len(g.consumers.get(name, [])) > 1 else name)
-        q_name, s_name, z_name, dq_out = ins.dq_names(base)
-        ins.new_inits += [make_quantized_tensor(q_name, quantize_values(values, p), w.dtype),
-                          _scalar_or_vector(s_name, p.scale, ft), make_zero_point(z_name, p.zero_point, w.dtype)]
-        attrs = {"axis": w.axis} if w.axis is not None else {}
-        ins.new_nodes.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [dq_out],
-                                              name=ins.unique(f"{base}_DequantizeLinear"), **attrs))
-        node.input[w.input_index] = dq_out
+    with work_bar(len(plan.weights), "quantizing weights", unit="weight") as bar:
+        for w in plan.weights:
+            bar.set_postfix_str(w.node, refresh=False)  # the weight it is on; tqdm gives the ETA
+            node = g.nodes[w.node]
+            name = node.input[w.input_index]
+            init = g.inits.get(name)
+            if init is None:
+                raise ValueError(f"weight input {w.input_index} of node {w.node} ({name}) is not an initializer")
+            values = weights.array(ins.sources.get(name, init)).astype(np.float32, copy=False)
+            p = ins.calibration.weight_params(name, values, w.axis, w.dtype, w.reduced)
+            weight_scales[(w.node, w.input_index)] = p
+            ft = init.data_type if init.data_type in _FLOAT_TYPES else ins.default_float_type
+            base = ins.unique(f"{name}_{w.node}" if len(g.consumers.get(name, [])) > 1 else name)
+            q_name, s_name, z_name, dq_out = ins.dq_names(base)
+            ins.new_inits += [make_quantized_tensor(q_name, quantize_values(values, p), w.dtype),
+                              _scalar_or_vector(s_name, p.scale, ft), make_zero_point(z_name, p.zero_point, w.dtype)]
+            attrs = {"axis": w.axis} if w.axis is not None else {}
+            ins.new_nodes.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [dq_out],
+                                                  name=ins.unique(f"{base}_DequantizeLinear"), **attrs))
+            node.input[w.input_index] = dq_out
+            bar.update(1)
     return weight_scales
 
 

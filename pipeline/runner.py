@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline import weights
+from pipeline import progress, weights
 from pipeline.artifacts import Manifest, ResultsDirLock, fingerprint, sha256_file
 from pipeline.config import ordered_stages, section, validate
 from pipeline.errors import PipelineError, StageError
@@ -94,6 +94,7 @@ def run_pipeline(cfg: DictConfig, results_dir: Path) -> dict[str, Any]:
     from pipeline.backends import check_backend
 
     check_backend(cfg)  # a missing runtime fails here, before the lock and any stage
+    progress.configure(bool(cfg.progress))  # the bars deep inside (weights, saves) follow the config too
     names = ordered_stages(cfg)
     stages = [load_stage(n) for n in names]  # fail on unbuilt stages before doing any work
     results_dir = Path(results_dir)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 import onnx
 
+from pipeline import weights
 from pipeline.bodies import body_views, thread_out
 from pipeline.data import Batch
 from pipeline.graph_index import GraphIndex
@@ -73,11 +74,15 @@ class ActivationRunner:
         # keep every intermediate tensor observable: no fusions that would remove them
         self.session = ort_session(model, ort_session_options("basic", threads=threads), extra_outputs=self.outputs)
         self.tensors = tensors
+        self.note: Callable[[str], None] | None = None
 
     def __call__(self, batch: Batch) -> Iterator[tuple[str, np.ndarray]]:
         """(tensor, its values on ``batch``), one group of tensors at a time."""
         rows = len(next(iter(batch.feeds.values())))
-        for group in self.groups:
+        for i, group in enumerate(self.groups):
+            if self.note is not None:  # the progress bar says which tensors the pass is on
+                where = f"tensors {group[0]}..{group[-1]}" if len(group) > 1 else f"tensor {group[0]}"
+                self.note(where + (f" (group {i + 1} of {len(self.groups)})" if len(self.groups) > 1 else ""))
             outs = self.session.run([self._output[t] for t in group], batch.feeds)
             for t, o in zip(group, outs, strict=True):
                 yield t, self._samples(t, o, batch, rows)
@@ -95,14 +100,15 @@ class ActivationRunner:
 
 
 def _groups(model: onnx.ModelProto, tensors: list[str], max_bytes: float | None) -> list[list[str]]:
-    """``tensors`` in groups whose values fit ``max_bytes`` beside the weights (held twice: this
-    process's model and ONNX Runtime's copy)."""
-    from pipeline.memory import GB, observation_groups, tensor_nbytes, weights_nbytes
+    """``tensors`` in groups whose values fit ``max_bytes`` beside the weights (ONNX Runtime's copy, and
+    this process's where they are not on disk: pipeline.weights)."""
+    from pipeline.memory import GB, observation_groups, tensor_nbytes, weights_nbytes, weights_nbytes_of
 
     if max_bytes is None or max_bytes == float("inf"):
         return observation_groups(tensors, {}, None)
     sizes = tensor_nbytes(model)
-    budget = max(max_bytes - 2 * weights_nbytes(model), 0.0)
+    held = weights_nbytes(model) - sum(weights_nbytes_of(t) for t in model.graph.initializer if weights.is_lazy(t))
+    budget = max(max_bytes - weights_nbytes(model) - held, 0.0)
     groups = observation_groups(tensors, sizes, budget)
     if len(groups) > 1:
         need = sum(sizes.get(t, 0) for t in tensors)
@@ -347,13 +353,19 @@ def collect(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]], algo
     ``max_bytes`` bounds the working set (see ActivationRunner)."""
     tensors = candidate_tensors(model)
     runner = ActivationRunner(model, tensors, threads, max_bytes)
-    stats, count = _ranges(runner, progress(batches(), "calibrating (pass 1: ranges)"))
+
+    def passing(desc: str) -> Iterable[Batch]:
+        bar = progress(batches(), desc)
+        runner.note = getattr(bar, "set_postfix_str", None)  # a tqdm bar shows the tensors the pass is on
+        return bar
+
+    stats, count = _ranges(runner, passing("calibrating (pass 1: ranges)"))
     if algorithm in ("mse", "auto"):
-        _error_minimizing_pass(stats, runner, progress(batches(), "calibrating (pass 2: histograms)"), algorithm,
+        _error_minimizing_pass(stats, runner, passing("calibrating (pass 2: histograms)"), algorithm,
                                percentile, num_bins)
     if algorithm in ("entropy", "percentile"):
         hists = {t: np.zeros(num_bins, np.int64) for t in stats}
-        for batch in progress(batches(), "calibrating (pass 2: histograms)"):
+        for batch in passing("calibrating (pass 2: histograms)"):
             for t, arr in runner(batch):
                 s = stats.get(t)
                 if s is None or s["absmax"] <= 0:
