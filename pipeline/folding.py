@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from pipeline import weights
 from pipeline.graph import WEIGHTED_OPS, subgraphs
+from pipeline.ort import without_initializers
 
 
 def constant_weights(model: onnx.ModelProto) -> int:
@@ -54,13 +56,30 @@ def fold_graph(model: onnx.ModelProto, flatten_subgraphs: bool = True) -> onnx.M
     well), cleaned up and topologically sorted; IR version, producer and metadata stay the model's."""
     import onnx_graphsurgeon as gs
 
-    graph = gs.import_onnx(model)
+    graph = gs.import_onnx(_readable(model))
     graph.fold_constants(flatten_subgraphs=flatten_subgraphs).cleanup().toposort()
     out = gs.export_onnx(graph)
     out.ir_version = model.ir_version
     out.producer_name, out.producer_version = model.producer_name, model.producer_version
     del out.metadata_props[:]
     out.metadata_props.extend(model.metadata_props)
+    return out
+
+
+def _readable(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` as onnx-graphsurgeon can fold it. gs reads a TensorProto's values itself (onnx's
+    to_array) and hands ONNX Runtime serialized bytes, so a tensor kept on disk (pipeline.weights) is
+    readable by neither: the ones feeding a node computable from constants are read into a copy (the
+    rest stay references; gs exports a tensor it never read as the TensorProto it was given)."""
+    if not weights.has_lazy(model):
+        return model
+    known = {i.name for i in model.graph.initializer}
+    needed = {i for n in model.graph.node if n.input and all(i in known or not i for i in n.input) for i in n.input}
+    if not any(weights.is_lazy(t) and t.name in needed for t in model.graph.initializer):
+        return model
+    out = without_initializers(model)
+    out.graph.initializer.extend(numpy_helper.from_array(weights.array(t), t.name)
+                                 if weights.is_lazy(t) and t.name in needed else t for t in model.graph.initializer)
     return out
 
 
@@ -72,7 +91,6 @@ def fold_batchnorm(model: onnx.ModelProto) -> int:
     between integer kernels. W' = W * g / sqrt(v + eps) per output channel, b' = (b - m) * g /
     sqrt(v + eps) + beta.
     """
-    from onnx import numpy_helper
 
     g = model.graph
     inits = {i.name: i for i in g.initializer}

@@ -80,3 +80,31 @@ def test_a_short_data_file_is_one_line_naming_the_tensor(stored):
         fh.truncate(data.stat().st_size - 4)
     with pytest.raises(InputError, match=r"its external data cannot be read \(tensor w2 needs bytes"):
         load_model(stored)
+
+
+def test_constant_folding_reads_the_weights_it_folds_and_leaves_the_rest_on_disk(tmp_path):
+    """A weight kept on disk that feeds a Transpose (tf2onnx stores MatMul weights transposed) is folded
+    by onnx-graphsurgeon like an in-memory one; the weight nothing folds stays a reference."""
+    from onnx import TensorProto, helper
+
+    from pipeline.folding import fold_constants
+
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((WIDTH, WIDTH)).astype(np.float32) for _ in range(2))
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["a"], ["at"], perm=[1, 0]), helper.make_node("MatMul", ["input", "at"], ["m"]),
+         helper.make_node("MatMul", ["m", "b"], ["output"])], "g",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [4, WIDTH])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, [4, WIDTH])],
+        [onnx.numpy_helper.from_array(a, "a"), onnx.numpy_helper.from_array(b, "b")])
+    path = tmp_path / "t.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path),
+              save_as_external_data=True, location="t.onnx.data", size_threshold=0)
+    model = load_model(path)
+    want = ort_session(model).run(None, _feeds())[0]
+    folded, counts = fold_constants(model)
+    assert [n.op_type for n in folded.graph.node] == ["MatMul", "MatMul"], counts
+    inits = {t.name: t for t in folded.graph.initializer}
+    assert weights.is_lazy(inits["b"]) and not any(weights.is_lazy(t) for n, t in inits.items() if n != "b")
+    np.testing.assert_allclose(ort_session(folded).run(None, _feeds())[0], want, rtol=1e-5, atol=1e-5)
+    weights.release()
