@@ -267,10 +267,9 @@ class AccuracyConfig:
     # share of the quantized nodes) until it meets it
     recovery: bool = True
     max_float_fraction: float = 0.5
-    # recovery stops, and autotune's candidates and settings stay, this far inside the SNR budget
-    # (cosine, top-1 disagreement with float, custom drop: the same factor): the holdout is a few
-    # batches, and a model that only just meets the budget there can miss it on unseen data.
-    # evaluate's verdicts use the budget itself
+    # recovery stops, and autotune's choices stay, this far inside the SNR budget (cosine, top-1
+    # disagreement, custom drop: the same factor): a model that only just meets the budget on the
+    # few holdout batches can miss it on unseen data. evaluate's verdicts use the budget itself
     recovery_margin_db: float = 1.0
 
 

@@ -9,7 +9,7 @@ from onnx import numpy_helper
 
 from pipeline import weights
 from pipeline.graph import WEIGHTED_OPS, subgraphs
-from pipeline.ort import without_initializers
+from pipeline.weights import without_initializers
 
 
 def constant_weights(model: onnx.ModelProto) -> int:

@@ -17,8 +17,8 @@ from onnx import helper
 
 from pipeline.artifacts import atomic_output, sha256_bytes, sha256_file
 from pipeline.errors import InputError, first_line
-from pipeline.ort import fits_one_proto, save_external, without_initializers
 from pipeline.shapes import infer_shapes
+from pipeline.weights import fits_one_proto, save_external, without_initializers
 
 H = TypeVar("H", bound=Hashable)
 

@@ -17,7 +17,7 @@ import onnx
 
 from pipeline.artifacts import atomic_write_json, read_json
 from pipeline.errors import StateError
-from pipeline.progress import work_bar
+from pipeline.weights import fits_one_proto, save_external
 
 _LEVELS = {
     "disable": "ORT_DISABLE_ALL",
@@ -122,18 +122,6 @@ class SessionSettings:
 BY_PATH_BYTES = 64 * 2**20  # protos larger than this reach ORT through a temporary file
 
 
-def fits_one_proto(model: onnx.ModelProto) -> bool:
-    """Whether ``model`` serializes as one protobuf message (under 2 GB); past that, protobuf's
-    ByteSize() itself raises EncodeError, so a model that large is checked, saved and given to ONNX
-    Runtime by path, with external data."""
-    from google.protobuf.message import EncodeError
-
-    try:
-        return model.ByteSize() < 2**31 - 1
-    except (EncodeError, ValueError):
-        return False
-
-
 def ort_session(model: onnx.ModelProto | bytes | str | os.PathLike, options: Any = None, *,
                 extra_outputs: Iterable[str] = (), providers: Iterable[str] = ("CPUExecutionProvider",),
                 disabled_optimizers: Iterable[str] = ()) -> Any:
@@ -178,67 +166,6 @@ def ort_session(model: onnx.ModelProto | bytes | str | os.PathLike, options: Any
         return ort.InferenceSession(data, sess_options=options, providers=list(providers),
                                     disabled_optimizers=disabled)
     return ort.InferenceSession(data, sess_options=options, providers=list(providers))
-
-
-def _copy_fields(src: Any, dst: Any, skip: str) -> None:
-    for fd, value in src.ListFields():
-        if fd.name == skip:
-            continue
-        if fd.is_repeated:
-            getattr(dst, fd.name).extend(value)
-        elif fd.type == fd.TYPE_MESSAGE:
-            getattr(dst, fd.name).CopyFrom(value)
-        else:
-            setattr(dst, fd.name, value)
-
-
-def without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` without its main graph's initializers (everything else, bodies included):
-    where a large model's weights are handled one tensor at a time instead of copied whole."""
-    out = onnx.ModelProto()
-    _copy_fields(model, out, "graph")
-    _copy_fields(model.graph, out.graph, "initializer")
-    return out
-
-
-def save_external(model: onnx.ModelProto, path: str | os.PathLike, extra_outputs: Iterable[str] = (),
-                  data_name: str | None = None, threshold: int = 1024) -> Path:
-    """Write ``model`` (with ``extra_outputs`` as graph outputs) to ``path`` with its main graph's
-    initializers of ``threshold`` bytes or more in one external data file (``data_name``, default
-    ``<name>.data``), streamed one tensor at a time. ``model`` is not changed, and no second copy of its
-    weights is made: onnx's own external-data save empties the proto it writes, and reading the
-    values back into it grows the process by the whole model (protobuf keeps the emptied memory)."""
-    from onnx.external_data_helper import uses_external_data
-
-    from pipeline import weights
-
-    path = Path(path)
-    data_name = data_name or path.name + ".data"
-    out = without_initializers(model)
-    existing = {o.name for o in out.graph.output}
-    out.graph.output.extend(onnx.helper.make_empty_tensor_value_info(t) for t in dict.fromkeys(extra_outputs)
-                            if t not in existing)
-    offset = 0
-    with open(path.parent / data_name, "wb") as fh, \
-            work_bar(weights.stored_bytes(model), f"writing {path.name}", unit="B", unit_scale=True) as bar:
-        for t in model.graph.initializer:
-            lazy = weights.is_lazy(t)
-            if uses_external_data(t) and not lazy:
-                raise ValueError(f"initializer {t.name} refers to external data outside pipeline.weights; load the "
-                                 "model with pipeline.graph.load_model")
-            if not lazy and t.ByteSize() < threshold:
-                out.graph.initializer.append(t)
-                continue
-            bar.set_postfix_str(t.name, refresh=False)
-            length = weights.copy_to(t, fh)
-            bar.update(length)
-            ref = out.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims,
-                                            data_location=onnx.TensorProto.EXTERNAL)
-            for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(length))):
-                ref.external_data.add(key=k, value=v)
-            offset += length
-    path.write_bytes(out.SerializeToString())
-    return path
 
 
 def with_outputs(model: onnx.ModelProto, tensors: Iterable[str]) -> onnx.ModelProto:

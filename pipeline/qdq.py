@@ -44,10 +44,10 @@ from pipeline.graph import (
     topological_sort,
 )
 from pipeline.graph_index import GraphIndex, bias_tensor
-from pipeline.ort import without_initializers
 from pipeline.plan import Consumer, QDQPlan
 from pipeline.progress import work_bar
 from pipeline.qmath import FP8, QuantParams, make_quantized_tensor, make_zero_point, quantize_values
+from pipeline.weights import without_initializers
 
 log = logging.getLogger("tune.qdq")
 

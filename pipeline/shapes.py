@@ -10,7 +10,7 @@ from __future__ import annotations
 import onnx
 
 from pipeline import weights
-from pipeline.ort import fits_one_proto, without_initializers
+from pipeline.weights import fits_one_proto, without_initializers
 
 _SKELETON_KEEP = 1024  # constants up to this many bytes keep their values in a skeleton (Reshape shapes, ...)
 _SKELETON_FROM = 64 * 2**20  # models above this many bytes are shape-inferred through a skeleton

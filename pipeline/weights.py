@@ -25,9 +25,9 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 import onnx
@@ -149,8 +149,6 @@ def check_model(model: onnx.ModelProto, full_check: bool = False) -> None:
     the proto are checked as references to a stand-in file (onnx's checker refuses a data file with
     several hard links, and this folder's are; ``attach`` has checked the real bytes), and a model
     past 2 GB through a file with external data."""
-    from pipeline.ort import fits_one_proto, save_external, without_initializers
-
     external = [t for t, _ in all_tensors(model.graph) if t.data_location == onnx.TensorProto.EXTERNAL]
     if not external and fits_one_proto(model):
         onnx.checker.check_model(model, full_check=full_check)
@@ -279,3 +277,76 @@ def stored_bytes(model: onnx.ModelProto) -> int:
     """Bytes of the main graph's initializer values, in the proto or on disk."""
     return sum(_span(t)[2] if is_lazy(t) else len(t.raw_data) if t.HasField("raw_data") else t.ByteSize()
                for t in model.graph.initializer)
+
+
+def fits_one_proto(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` serializes as one protobuf message (under 2 GB); past that, protobuf's
+    ByteSize() itself raises EncodeError, so a model that large is checked, saved and given to ONNX
+    Runtime by path, with external data."""
+    from google.protobuf.message import EncodeError
+
+    try:
+        return model.ByteSize() < 2**31 - 1
+    except (EncodeError, ValueError):
+        return False
+
+
+def _copy_fields(src: Any, dst: Any, skip: str) -> None:
+    for fd, value in src.ListFields():
+        if fd.name == skip:
+            continue
+        if fd.is_repeated:
+            getattr(dst, fd.name).extend(value)
+        elif fd.type == fd.TYPE_MESSAGE:
+            getattr(dst, fd.name).CopyFrom(value)
+        else:
+            setattr(dst, fd.name, value)
+
+
+def without_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` without its main graph's initializers (everything else, bodies included):
+    where a large model's weights are handled one tensor at a time instead of copied whole."""
+    out = onnx.ModelProto()
+    _copy_fields(model, out, "graph")
+    _copy_fields(model.graph, out.graph, "initializer")
+    return out
+
+
+def save_external(model: onnx.ModelProto, path: str | os.PathLike, extra_outputs: Iterable[str] = (),
+                  data_name: str | None = None, threshold: int = 1024) -> Path:
+    """Write ``model`` (with ``extra_outputs`` as graph outputs) to ``path`` with its main graph's
+    initializers of ``threshold`` bytes or more in one external data file (``data_name``, default
+    ``<name>.data``), streamed one tensor at a time. ``model`` is not changed, and no second copy of its
+    weights is made: onnx's own external-data save empties the proto it writes, and reading the
+    values back into it grows the process by the whole model (protobuf keeps the emptied memory)."""
+    from onnx.external_data_helper import uses_external_data
+
+    from pipeline.progress import work_bar
+
+    path = Path(path)
+    data_name = data_name or path.name + ".data"
+    out = without_initializers(model)
+    existing = {o.name for o in out.graph.output}
+    out.graph.output.extend(onnx.helper.make_empty_tensor_value_info(t) for t in dict.fromkeys(extra_outputs)
+                            if t not in existing)
+    offset = 0
+    with open(path.parent / data_name, "wb") as fh, \
+            work_bar(stored_bytes(model), f"writing {path.name}", unit="B", unit_scale=True) as bar:
+        for t in model.graph.initializer:
+            lazy = is_lazy(t)
+            if uses_external_data(t) and not lazy:
+                raise ValueError(f"initializer {t.name} refers to external data outside pipeline.weights; load the "
+                                 "model with pipeline.graph.load_model")
+            if not lazy and t.ByteSize() < threshold:
+                out.graph.initializer.append(t)
+                continue
+            bar.set_postfix_str(t.name, refresh=False)
+            length = copy_to(t, fh)
+            bar.update(length)
+            ref = out.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims,
+                                            data_location=onnx.TensorProto.EXTERNAL)
+            for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(length))):
+                ref.external_data.add(key=k, value=v)
+            offset += length
+    path.write_bytes(out.SerializeToString())
+    return path

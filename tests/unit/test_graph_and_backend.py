@@ -110,7 +110,8 @@ def test_external_data_saves_leave_the_callers_model_as_it_was(tmp_path):
     import numpy as np
 
     from pipeline.graph import model_hash, save_model
-    from pipeline.ort import ort_session, save_external
+    from pipeline.ort import ort_session
+    from pipeline.weights import save_external
     from tests import models
 
     model = models.transformer_layer()
