@@ -24,6 +24,7 @@ from pipeline.artifacts import atomic_write_json
 from pipeline.errors import first_line
 from pipeline.metrics import ModelScores, json_safe
 from pipeline.ort import ort_session, ort_session_options
+from pipeline.progress import work_bar
 from pipeline.sensitivity import (
     clip_range,
     float_tensor,
@@ -56,13 +57,16 @@ def analyse(cfg: Any, float_model: onnx.ModelProto, qmodel: onnx.ModelProto, lab
     metric = CustomMetric.from_config(cfg)
     judge = _Judge(float_model, batches, budget, metric, class_outputs(cfg))
     rows = []
-    for name in nodes:
-        try:
-            row = judge.contribution(only_node_quantized(float_model, qmodel, name, inputs[name]))
-        except Exception as exc:  # noqa: BLE001 - a variant ORT rejects is reported, not fatal
-            log.debug("sensitivity of %s failed", name, exc_info=True)
-            row = {"error": first_line(exc), "nsr": 0.0, "label": "could not run"}
-        rows.append({"node": name, "op_type": ops[name], **row})
+    with work_bar(len(nodes), "evaluate: sensitivity", unit="node") as bar:
+        for name in nodes:
+            bar.set_postfix_str(name)
+            try:
+                row = judge.contribution(only_node_quantized(float_model, qmodel, name, inputs[name]))
+            except Exception as exc:  # noqa: BLE001 - a variant ORT rejects is reported, not fatal
+                log.debug("sensitivity of %s failed", name, exc_info=True)
+                row = {"error": first_line(exc), "nsr": 0.0, "label": "could not run"}
+            rows.append({"node": name, "op_type": ops[name], **row})
+            bar.update(1)
     whole = judge.contribution(qmodel)
     # the user's metric ranks when it tells the nodes apart; a coarse one (top-1 on a few batches) often
     # does not, and then the output error does

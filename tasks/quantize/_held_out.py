@@ -9,6 +9,7 @@ from typing import Any
 
 import onnx
 
+from pipeline.progress import work_bar
 from tasks.quantize._accuracy import Candidate, Checker, recovery_checker
 from tasks.quantize._calibrate import AUTO_CANDIDATES, PER_TENSOR, with_ranges
 from tasks.quantize._placer import Placer
@@ -58,10 +59,14 @@ def choose_ranges(setup: QuantizeSetup, model: onnx.ModelProto, stats: dict[str,
     MobileNetV3 the per-tensor choice gave 19.7 dB held out where entropy everywhere gave 27.0 dB."""
     errors: dict[str, float | None] = {}
     options = {}
-    for method in (PER_TENSOR, *AUTO_CANDIDATES):
-        st, clip = with_ranges(stats, method), _weight_clip(method)
-        errors[method] = Placer(setup, model, setup.calibration_of(st, clip)).held_out_error(f"ranges_{method}")
-        options[method] = (st, clip)
+    methods = (PER_TENSOR, *AUTO_CANDIDATES)
+    with work_bar(len(methods), "quantize: auto ranges", unit="candidate") as bar:
+        for method in methods:
+            bar.set_postfix_str(method)
+            st, clip = with_ranges(stats, method), _weight_clip(method)
+            errors[method] = Placer(setup, model, setup.calibration_of(st, clip)).held_out_error(f"ranges_{method}")
+            options[method] = (st, clip)
+            bar.update(1)
     usable = {k: v for k, v in errors.items() if v is not None}
     best = min(usable, key=lambda k: usable[k]) if usable else PER_TENSOR
     log.info("quantize: auto ranges: %s (held-out error %s)", best,

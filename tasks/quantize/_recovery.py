@@ -50,6 +50,8 @@ def rank_sensitivity(units: list[str], build: Callable[[set[str]], onnx.ModelPro
     ranking = []
     it = progress(units) if progress is not None else units
     for name in it:
+        if hasattr(it, "set_postfix_str"):
+            it.set_postfix_str(name, refresh=False)  # the node left float now
         c = checker.check(build({name}), "sensitivity")
         err = c.verdict.error if c.scored else math.inf
         ranking.append({"node": name, "error_without": err,
