@@ -13,6 +13,10 @@ is the process's maximum resident set):
 
     python bench/large_model.py --root /tmp/large                # both
     python bench/large_model.py --root /tmp/large --only big --layers 3 --width 4096   # smaller
+    python bench/large_model.py --root /tmp/large --only big --together   # one process for the four stages
+
+``--together`` runs the generated model's four stages in one `tune` process, as the acceptance command
+does (`stages=[export,quantize,autotune,evaluate]`): its peak RSS is the whole run's.
 """
 
 from __future__ import annotations
@@ -101,6 +105,7 @@ def main() -> None:
     ap.add_argument("--only", choices=["big", "bert_base"])
     ap.add_argument("--layers", type=int, default=9)
     ap.add_argument("--width", type=int, default=8192)
+    ap.add_argument("--together", action="store_true", help="the generated model's stages in one process")
     args = ap.parse_args()
     root = Path(args.root)
     rows = []
@@ -109,9 +114,10 @@ def main() -> None:
         if not src.exists():
             write_big_model(src, args.layers, args.width)
         size = sum(p.stat().st_size for p in src.parent.glob("big.onnx*"))
-        rd = root / "big_results"
+        rd = root / ("big_together" if args.together else "big_results")
         extra = ["model=onnx", f"model.onnx_path={src}", "data=synthetic", "autotune.preset=quick"]
-        for stage in ("export", "quantize", "autotune", "evaluate"):
+        for stage in (("export,quantize,autotune,evaluate",) if args.together else
+                      ("export", "quantize", "autotune", "evaluate")):
             r = timed_stage(rd, stage, extra)
             rows.append({"model": f"generated {args.layers} x MatMul {args.width}^2 ({size / 1e9:.2f} GB)", **r})
             print(json.dumps(rows[-1]), flush=True)
