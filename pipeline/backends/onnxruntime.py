@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from pipeline.artifacts import atomic_output, atomic_write_json
+from pipeline.artifacts import atomic_output, atomic_write_json, external_data_files
 from pipeline.backends.base import Backend, BuildResult, PreparedModel, ShippedSettings, specs_of
 from pipeline.config import enum_value
 from pipeline.data import fixed_feeds
@@ -207,10 +207,13 @@ class OnnxRuntimeBackend(Backend):
         return so
 
     def session(self, model_path: str | Path, optimized_path: str | None = None,
-                profile_prefix: str | None = None) -> Any:
-        """A session with this backend's options; ``optimized_path`` saves the graph ORT runs,
-        ``profile_prefix`` turns its profiler on."""
+                profile_prefix: str | None = None, external_data: str | None = None) -> Any:
+        """A session with this backend's options; ``optimized_path`` saves the graph ORT runs (its
+        weights in the file ``external_data`` beside it, if given: past 2 GB ORT cannot write them
+        inline), ``profile_prefix`` turns its profiler on."""
         so = self.session_options(optimized_path)
+        if external_data:
+            so.add_session_config_entry("session.optimized_model_external_initializers_file_name", external_data)
         if profile_prefix:
             so.enable_profiling = True
             so.profile_file_prefix = profile_prefix
@@ -256,8 +259,11 @@ class OnnxRuntimeBackend(Backend):
         """Create a session; with ``out_path``, save the graph ORT actually runs (after its fusions)."""
         t0 = time.perf_counter()
         if out_path is not None:
+            data = Path(out_path).with_name(Path(out_path).name + ".data")
+            data.unlink(missing_ok=True)
             with atomic_output(out_path, suffix=".onnx") as tmp:
-                session = self.session(model_path, optimized_path=str(tmp))
+                session = self.session(model_path, optimized_path=str(tmp),
+                                       external_data=data.name if external_data_files(model_path) else None)
                 # run once before the file is committed: a graph that loads but fails to run is not written
                 session.run(None, fixed_feeds(specs_of(model_path)))
         else:

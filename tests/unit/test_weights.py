@@ -108,3 +108,19 @@ def test_constant_folding_reads_the_weights_it_folds_and_leaves_the_rest_on_disk
     assert weights.is_lazy(inits["b"]) and not any(weights.is_lazy(t) for n, t in inits.items() if n != "b")
     np.testing.assert_allclose(ort_session(folded).run(None, _feeds())[0], want, rtol=1e-5, atol=1e-5)
     weights.release()
+
+
+def test_the_graph_ort_runs_of_a_model_with_external_data_is_written_with_it(stored, tmp_path):
+    """gen_trt_engine's model.ort.onnx of an external-data model: ORT writes its weights to
+    ``<name>.data`` beside it (inline, a model past 2 GB could not be written), and it runs from its path."""
+    import onnxruntime as ort
+    from omegaconf import OmegaConf
+
+    from pipeline.backends.onnxruntime import OnnxRuntimeBackend
+    from pipeline.config import OnnxRuntimeBackendConfig
+
+    backend = OnnxRuntimeBackend(OmegaConf.structured(OnnxRuntimeBackendConfig(warmup_runs=1, timing_runs=2)))
+    out = backend.build(stored, tmp_path / "model.ort.onnx").engine_path
+    assert out.with_name("model.ort.onnx.data").stat().st_size >= 3 * WIDTH * WIDTH * 4
+    got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, _feeds())[0]
+    np.testing.assert_allclose(got, _reference(stored), rtol=1e-5, atol=1e-5)
