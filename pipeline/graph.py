@@ -119,10 +119,9 @@ def write_model_bytes(data: bytes, path: str | os.PathLike, share_weights: bool 
     from pipeline import weights
 
     target = Path(path)
-    if weights.referenced(data) and not share_weights:
-        return save_model(onnx.load_from_string(data), target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    weights.share_into(data, target.parent)
+    if weights.referenced(data) and not (share_weights and weights.share_into(data, target.parent)):
+        return save_model(onnx.load_from_string(data), target)
     with atomic_output(target) as tmp:
         tmp.write_bytes(data)
     return target

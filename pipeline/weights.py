@@ -255,9 +255,10 @@ def referenced(model: onnx.ModelProto | bytes) -> list[str]:
     return sorted({_info(t)["location"] for t in model.graph.initializer if is_lazy(t)})
 
 
-def share_into(model: onnx.ModelProto | bytes, folder: str | os.PathLike) -> None:
-    """Hard-link the data files ``model`` reads from the weights folder into ``folder`` (copied where
-    no link can be made), so the model written there opens by path like any ONNX file."""
+def share_into(model: onnx.ModelProto | bytes, folder: str | os.PathLike) -> bool:
+    """Hard-link the data files ``model`` reads from the weights folder into ``folder``, so the model
+    written there opens by path like any ONNX file; False where a link cannot be made (another file
+    system): the caller then writes the model with its own data file."""
     for name in referenced(model):
         dst = Path(folder) / name
         if dst.exists():
@@ -265,7 +266,8 @@ def share_into(model: onnx.ModelProto | bytes, folder: str | os.PathLike) -> Non
         try:
             os.link(weights_root() / name, dst)
         except OSError:
-            shutil.copyfile(weights_root() / name, dst)
+            return False
+    return True
 
 
 def session_entries(model: onnx.ModelProto | bytes) -> dict[str, str]:
