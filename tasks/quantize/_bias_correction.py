@@ -39,10 +39,13 @@ class BiasSlot:
     axis: int  # channel axis of ``output``
 
 
-def bias_slots(model: onnx.ModelProto, nodes: Iterable[str]) -> tuple[list[BiasSlot], list[str]]:
-    """(slots of the weighted ``nodes`` whose bias is an initializer, names of those without one)."""
+def bias_slots(model: onnx.ModelProto, nodes: Iterable[str]) -> tuple[list[BiasSlot], list[str], list[BiasSlot]]:
+    """(slots of the weighted ``nodes`` whose bias is an initializer of their own, names of those
+    without one, slots whose bias other nodes read too). Exporters merge equal initializers: torch
+    gave BERT's zero-initialized attention biases and a LayerNorm's beta one tensor, and correcting
+    each node into it moved all of them (BERT-base: held-out SNR 22.8 -> -2.6 dB)."""
     g = GraphIndex(model)
-    slots, missing = [], []
+    slots, missing, shared = [], [], []
     for name in nodes:
         node = g.nodes.get(name)
         if node is None or node.op_type not in WEIGHTED_OPS:
@@ -50,9 +53,11 @@ def bias_slots(model: onnx.ModelProto, nodes: Iterable[str]) -> tuple[list[BiasS
         b = bias_tensor(g, node)
         if b is None:
             missing.append(name)
+        elif len(g.consumers.get(b[0], [])) > 1:
+            shared.append(BiasSlot(name, *b))
         else:
             slots.append(BiasSlot(name, *b))
-    return slots, missing
+    return slots, missing, shared
 
 
 def _session(model: onnx.ModelProto, outputs: list[str], threads: int):
@@ -124,7 +129,7 @@ def corrections(float_model: onnx.ModelProto, build: Callable[[dict[str, list[fl
     nodes above it are corrected already. A record has the node, its bias tensor and the mean |shift|
     relative to the output's RMS before and after.
     """
-    slots, missing = bias_slots(float_model, quantized)
+    slots, missing, shared = bias_slots(float_model, quantized)
     sizes = {i.name: int(np.prod(i.dims)) for i in float_model.graph.initializer}
     mismatched = [s for s in slots if s.bias not in sizes]
     slots = [s for s in slots if s.bias in sizes]
@@ -157,4 +162,5 @@ def corrections(float_model: onnx.ModelProto, build: Callable[[dict[str, list[fl
     records += [{"node": n, "bias": None, "skipped": "no bias initializer"} for n in missing]
     records += [{"node": s.node, "bias": s.bias, "skipped": "bias does not match the output channels"}
                 for s in mismatched]
+    records += [{"node": s.node, "bias": s.bias, "skipped": "bias shared with other nodes"} for s in shared]
     return {b: [float(x) for x in v] for b, v in total.items()}, records
