@@ -42,6 +42,7 @@ _CHUNK = 16 * 2**20
 _root: Path | None = None
 _links: dict[tuple[int, int], str] = {}  # (st_dev, st_ino) of a data file -> its link's name
 _digests: dict[tuple[str, int, int], str] = {}
+_unlinkable: set[tuple[int, int]] = set()  # data files a hard link failed for (warned once)
 
 
 def weights_root() -> Path:
@@ -62,6 +63,7 @@ def release() -> None:
     _root = None
     _links.clear()
     _digests.clear()
+    _unlinkable.clear()
 
 
 def _info(t: onnx.TensorProto) -> dict[str, str]:
@@ -98,6 +100,8 @@ def _link(source: Path) -> str | None:
     hard link cannot be made."""
     st = source.stat()
     key = (st.st_dev, st.st_ino)
+    if key in _unlinkable:
+        return None
     if key not in _links:
         # named after the file's path, size and time: the same file gets the same name in every run (so
         # serialized candidates hash the same on resume), a rewritten one another
@@ -106,6 +110,7 @@ def _link(source: Path) -> str | None:
         try:
             os.link(source, weights_root() / name)
         except OSError as exc:
+            _unlinkable.add(key)
             log.warning("%s cannot be hard-linked into %s (%s): its weights are read into memory. Set TMPDIR to a "
                         "folder on the same file system to keep them on disk", source, weights_root(), exc.strerror)
             return None
