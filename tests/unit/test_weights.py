@@ -124,3 +124,18 @@ def test_the_graph_ort_runs_of_a_model_with_external_data_is_written_with_it(sto
     assert out.with_name("model.ort.onnx.data").stat().st_size >= 3 * WIDTH * WIDTH * 4
     got = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, _feeds())[0]
     np.testing.assert_allclose(got, _reference(stored), rtol=1e-5, atol=1e-5)
+
+
+def test_without_a_hard_link_the_weights_are_read_into_memory_with_one_warning(stored, monkeypatch, caplog):
+    """A data file on another file system than TMPDIR cannot be linked: the model is read as before."""
+    import errno
+
+    def cross_device(src, dst):
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+
+    monkeypatch.setattr(os, "link", cross_device)
+    with caplog.at_level("WARNING", logger="tune.weights"):
+        model = load_model(stored)
+    assert not weights.has_lazy(model) and model.ByteSize() > 3 * WIDTH * WIDTH * 4
+    assert len(caplog.records) == 1 and "Set TMPDIR" in caplog.records[0].getMessage()
+    np.testing.assert_array_equal(ort_session(model).run(None, _feeds())[0], _reference(stored))
