@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from pipeline import weights
 from pipeline.artifacts import atomic_output, sha256_bytes, sha256_file
 from pipeline.errors import InputError, first_line
 from pipeline.shapes import infer_shapes
@@ -51,8 +52,6 @@ def load_model(path: str | os.PathLike, what: str = "model", check: bool = True)
     """Load and check an ONNX file, turning every failure into an InputError naming the file."""
     from onnx.external_data_helper import uses_external_data
 
-    from pipeline import weights
-
     p = check_onnx_path(path, what)
     try:
         model = onnx.load(str(p), load_external_data=False)
@@ -87,11 +86,8 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, external_data: b
     With external data, both files are written in a private temporary folder next to the target and
     renamed into place (data first), and the caller's model keeps its weights in memory.
     """
-    from pipeline import weights
-
     target = Path(path)
     if share_weights and weights.has_lazy(model) and fits_one_proto(model) and not external_data:
-        target.parent.mkdir(parents=True, exist_ok=True)
         return write_model_bytes(model.SerializeToString(), target, share_weights=True)
     if external_data or weights.has_lazy(model) or not fits_one_proto(model) \
             or weights.stored_bytes(model) > EXTERNAL_FROM:
@@ -116,8 +112,6 @@ def write_model_bytes(data: bytes, path: str | os.PathLike, share_weights: bool 
     """Atomically write a serialized model. One that reads tensors from pipeline.weights' folder is
     written with its own external data, or (``share_weights``, working files) with hard links of
     those data files beside it."""
-    from pipeline import weights
-
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     if weights.referenced(data) and not (share_weights and weights.share_into(data, target.parent)):
@@ -156,8 +150,6 @@ def remove_model(path: str | os.PathLike) -> None:
 def model_hash(model: onnx.ModelProto | bytes | str | os.PathLike) -> str:
     """sha256 of a model: a proto's serialization (past 2 GB, of its parts in turn), bytes, or a file
     with its external data."""
-    from pipeline import weights
-
     if isinstance(model, onnx.ModelProto) and (weights.has_lazy(model) or not fits_one_proto(model)):
         import hashlib
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import onnx
 
+from pipeline import weights
 from pipeline.artifacts import atomic_write_json, read_json
 from pipeline.errors import StateError
 from pipeline.weights import fits_one_proto, save_external
@@ -133,8 +134,6 @@ def ort_session(model: onnx.ModelProto | bytes | str | os.PathLike, options: Any
 
     if options is None:
         options = ort_session_options()
-    from pipeline import weights
-
     for k, v in weights.session_entries(model if isinstance(model, (onnx.ModelProto, bytes)) else b"").items():
         options.add_session_config_entry(k, v)  # where a proto's on-disk weights are (pipeline.weights)
     if isinstance(model, onnx.ModelProto) and not fits_one_proto(model):
