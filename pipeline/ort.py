@@ -30,12 +30,22 @@ _LEVELS = {
 
 
 SPINNING = "session.intra_op.allow_spinning"  # session config entry: worker threads spin between runs
+_threads = 0  # intra-op threads of the pipeline's own sessions: the run's backend.intra_op_threads
 
 
-def ort_session_options(optimization: str = "all", *, threads: int = 0,
+def configure_threads(threads: int) -> None:
+    """Give the pipeline's own sessions (calibration, transforms, checks) the run's thread count too:
+    `backend.intra_op_threads=1` means one thread for all of ONNX Runtime's work (shared machines,
+    and qemu-user, whose multi-threaded guests crash)."""
+    global _threads
+    _threads = int(threads)
+
+
+def ort_session_options(optimization: str = "all", *, threads: int | None = None,
                         optimized_path: str | os.PathLike | None = None, spinning: bool | None = None) -> Any:
     """ONNX Runtime SessionOptions: graph optimization ``optimization`` (disable, basic, extended,
-    layout, all), ``threads`` intra-op threads (0: ORT's choice), errors-only logging, ORT's
+    layout, all), ``threads`` intra-op threads (0: ORT's choice; None: the run's, configure_threads),
+    errors-only logging, ORT's
     optimized graph saved to ``optimized_path`` if given, and worker threads that spin between runs
     or not as ``spinning`` says (None: ORT's default, they spin)."""
     import onnxruntime as ort
@@ -44,7 +54,7 @@ def ort_session_options(optimization: str = "all", *, threads: int = 0,
     if spinning is not None:
         so.add_session_config_entry(SPINNING, "1" if spinning else "0")
     so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[optimization])
-    so.intra_op_num_threads = threads
+    so.intra_op_num_threads = _threads if threads is None else threads
     so.log_severity_level = 3
     if optimized_path:
         so.optimized_model_filepath = str(optimized_path)

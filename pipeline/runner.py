@@ -19,6 +19,7 @@ from pipeline import progress, weights
 from pipeline.artifacts import Manifest, ResultsDirLock, fingerprint, sha256_file
 from pipeline.config import ordered_stages, section, validate
 from pipeline.errors import PipelineError, StageError
+from pipeline.ort import configure_threads
 from pipeline.registry import load_stage
 from pipeline.stage import Stage, StageContext, StageResult
 
@@ -95,6 +96,7 @@ def run_pipeline(cfg: DictConfig, results_dir: Path) -> dict[str, Any]:
 
     check_backend(cfg)  # a missing runtime fails here, before the lock and any stage
     progress.configure(bool(cfg.progress))  # the bars deep inside (weights, saves) follow the config too
+    configure_threads(int(cfg.backend.get("intra_op_threads", 0) or 0))
     names = ordered_stages(cfg)
     stages = [load_stage(n) for n in names]  # fail on unbuilt stages before doing any work
     results_dir = Path(results_dir)

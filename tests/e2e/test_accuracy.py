@@ -13,7 +13,7 @@ import pytest
 
 from tests import models
 from tests.conftest import PLAIN_QUANTIZE, run_tune
-from tests.unit.test_accuracy import qemu_haswell
+from tests.unit.test_accuracy import qemu_haswell, run_emulated
 
 pytestmark = pytest.mark.slow
 
@@ -64,8 +64,8 @@ def test_default_pipeline_keeps_top1_within_a_point_on_avx2_without_vnni(digits_
              "evaluate.latency=false", "evaluate.plot=false", "progress=false"]
 
     def emulated(stages: str) -> subprocess.CompletedProcess:
-        proc = subprocess.run([*prefix, "-m", "pipeline.cli", f"results_dir={rd}", f"stages=[{stages}]", *small],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=1500)
+        proc = run_emulated(prefix, ["-m", "pipeline.cli", f"results_dir={rd}", f"stages=[{stages}]", *small],
+                            cwd=tmp_path, timeout=1500)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc
 
