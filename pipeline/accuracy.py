@@ -64,6 +64,10 @@ class AccuracyBudget:
                        max_drop=self.max_drop * factor if self.metric == "custom" else self.max_drop,
                        agreement_share=self.agreement_share * factor)
 
+    def agreement_tightened(self, margin_db: float) -> AccuracyBudget:
+        """This budget with only the top-1 disagreement allowed tightened as ``tightened`` does."""
+        return replace(self, agreement_share=self.tightened(margin_db).agreement_share)
+
     @property
     def max_disagreement(self) -> float:
         """Points of top-1 agreement with the float model that may be lost."""

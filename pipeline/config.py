@@ -267,9 +267,9 @@ class AccuracyConfig:
     # share of the quantized nodes) until it meets it
     recovery: bool = True
     max_float_fraction: float = 0.5
-    # recovery stops, and autotune's choices stay, this far inside the SNR budget (cosine, top-1
-    # disagreement, custom drop: the same factor): a model that only just meets the budget on the
-    # few holdout batches can miss it on unseen data. evaluate's verdicts use the budget itself
+    # recovery stops this far inside the SNR budget (cosine, top-1 disagreement, custom drop: the same
+    # factor; autotune's choices: on disagreement): a model that only just meets the budget on the few
+    # holdout batches can miss it on unseen data. evaluate's verdicts use the budget itself
     recovery_margin_db: float = 1.0
 
 
