@@ -243,7 +243,7 @@ def qemu_haswell() -> list[str] | None:
 def run_emulated(prefix: list[str], args: list[str], **kwargs) -> subprocess.CompletedProcess:
     """``args`` run by Python on the emulated CPU with one thread everywhere (BLAS too: qemu-user's
     multi-threaded guests are unreliable). qemu-user itself crashes now and then (SIGSEGV in the
-    emulator, seen twice in ~20 CI runs): a run killed by a signal is run once more, and if that one
+    emulator, seen in two CI runs so far): a run killed by a signal is run once more, and if that one
     dies too, the test fails with both runs' last lines."""
     env = {**os.environ, **{k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}}
     proc = subprocess.run([*prefix, *args], capture_output=True, text=True, env=env, **kwargs)
