@@ -11,6 +11,8 @@ from pipeline import weights
 from pipeline.graph import WEIGHTED_OPS, subgraphs
 from pipeline.weights import without_initializers
 
+NOTHING_FOLDED = {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0}
+
 
 def constant_weights(model: onnx.ModelProto) -> int:
     """Weighted ops (main graph) whose weight input comes from a Constant node, not an initializer."""
@@ -31,11 +33,11 @@ def fold_constants(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, i
 
     before, from_constants = constants(model), constant_weights(model)
     if not _foldable(model):  # onnx-graphsurgeon would copy every weight to find nothing
-        return model, {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0}
+        return model, dict(NOTHING_FOLDED)
     out = fold_graph(model)
     removed = len(model.graph.node) - len(out.graph.node)
     if removed <= 0 and before == 0:
-        return model, {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0}
+        return model, dict(NOTHING_FOLDED)
     return out, {"constant_nodes": before - constants(out), "constant_weights": from_constants, "nodes_removed": removed}
 
 

@@ -3,6 +3,7 @@ content hashes, topological order, tensor-type lookups and what control-flow bod
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import os
 import tempfile
@@ -76,6 +77,23 @@ def load_model(path: str | os.PathLike, what: str = "model", check: bool = True)
 EXTERNAL_FROM = 64 * 2**20  # models with more weight bytes are written with external data
 
 
+@contextlib.contextmanager
+def staged_model(target: Path) -> Iterator[Path]:
+    """A path to write ``target`` and its ``<name>.data`` at, in a private folder beside it; when the
+    block ends without an error both are synced and renamed into place, data first (atomic, like
+    atomic_output, for a model with external data)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as tmpdir:
+        staged = Path(tmpdir) / target.name
+        yield staged
+        for produced in (staged.with_name(target.name + ".data"), staged):
+            if produced.exists():
+                with open(produced, "rb+") as fh:
+                    os.fsync(fh.fileno())
+                os.chmod(produced, 0o644)
+                os.replace(produced, target.parent / produced.name)
+
+
 def save_model(model: onnx.ModelProto, path: str | os.PathLike, external_data: bool = False,
                share_weights: bool = False) -> Path:
     """Atomically write an ONNX model; with external data when asked, past EXTERNAL_FROM bytes of
@@ -91,17 +109,8 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, external_data: b
         return write_model_bytes(model.SerializeToString(), target, share_weights=True)
     if external_data or weights.has_lazy(model) or not fits_one_proto(model) \
             or weights.stored_bytes(model) > EXTERNAL_FROM:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        data_name = target.name + ".data"
-        with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as tmpdir:
-            staged = Path(tmpdir) / target.name
-            save_external(model, staged, data_name=data_name)
-            for produced in (Path(tmpdir) / data_name, staged):
-                if produced.exists():
-                    with open(produced, "rb+") as fh:
-                        os.fsync(fh.fileno())
-                    os.chmod(produced, 0o644)
-                    os.replace(produced, target.parent / produced.name)
+        with staged_model(target) as staged:
+            save_external(model, staged, data_name=target.name + ".data")
         return target
     with atomic_output(target) as tmp:
         tmp.write_bytes(model.SerializeToString())

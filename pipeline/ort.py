@@ -45,9 +45,8 @@ def ort_session_options(optimization: str = "all", *, threads: int | None = None
                         optimized_path: str | os.PathLike | None = None, spinning: bool | None = None) -> Any:
     """ONNX Runtime SessionOptions: graph optimization ``optimization`` (disable, basic, extended,
     layout, all), ``threads`` intra-op threads (0: ORT's choice; None: the run's, configure_threads),
-    errors-only logging, ORT's
-    optimized graph saved to ``optimized_path`` if given, and worker threads that spin between runs
-    or not as ``spinning`` says (None: ORT's default, they spin)."""
+    errors-only logging, ORT's optimized graph saved to ``optimized_path`` if given, and worker threads
+    that spin between runs or not as ``spinning`` says (None: ORT's default, they spin)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()

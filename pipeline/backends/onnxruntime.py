@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 import onnx
 
-from pipeline.artifacts import atomic_output, atomic_write_json, external_data_files
+from pipeline.artifacts import atomic_write_json, external_data_files
 from pipeline.backends.base import Backend, BuildResult, PreparedModel, ShippedSettings, specs_of
 from pipeline.config import enum_value
 from pipeline.data import fixed_feeds
 from pipeline.errors import BackendUnavailable
+from pipeline.graph import staged_model
 from pipeline.ort import SessionSettings, disable_qdq_fusion_if_fp8, ort_session, ort_session_options
 
 
@@ -259,12 +260,11 @@ class OnnxRuntimeBackend(Backend):
         """Create a session; with ``out_path``, save the graph ORT actually runs (after its fusions)."""
         t0 = time.perf_counter()
         if out_path is not None:
-            data = Path(out_path).with_name(Path(out_path).name + ".data")
-            data.unlink(missing_ok=True)
-            with atomic_output(out_path, suffix=".onnx") as tmp:
-                session = self.session(model_path, optimized_path=str(tmp),
-                                       external_data=data.name if external_data_files(model_path) else None)
-                # run once before the file is committed: a graph that loads but fails to run is not written
+            out = Path(out_path)
+            # staged beside it with its data file: a graph that loads but fails to run is not written
+            with staged_model(out) as staged:
+                session = self.session(model_path, optimized_path=str(staged),
+                                       external_data=out.name + ".data" if external_data_files(model_path) else None)
                 session.run(None, fixed_feeds(specs_of(model_path)))
         else:
             self.session(model_path)

@@ -20,7 +20,7 @@ from pipeline import weights
 from pipeline.artifacts import atomic_output, fingerprint, user_path
 from pipeline.config import enum_value, section
 from pipeline.errors import ConfigError, InputError, StageError, first_line
-from pipeline.folding import fold_batchnorm, fold_constant_identities, fold_constants
+from pipeline.folding import NOTHING_FOLDED, fold_batchnorm, fold_constant_identities, fold_constants
 from pipeline.graph import (
     control_flow,
     dynamic_inputs,
@@ -39,7 +39,7 @@ from pipeline.stage import Stage, StageContext, StageResult
 log = logging.getLogger("tune.export")
 
 
-_NOTHING_FOLDED = {"constant_nodes": 0, "constant_weights": 0, "nodes_removed": 0, "batchnorm": 0}
+_NOTHING_FOLDED = {**NOTHING_FOLDED, "batchnorm": 0}
 
 
 def _run_in_ort(model: onnx.ModelProto, feeds: dict[str, Any], src: Path) -> list[Any]:

@@ -107,7 +107,7 @@ def _groups(model: onnx.ModelProto, tensors: list[str], max_bytes: float | None)
     if max_bytes is None or max_bytes == float("inf"):
         return observation_groups(tensors, {}, None)
     sizes = tensor_nbytes(model)
-    held = weights_nbytes(model) - sum(weights_nbytes_of(t) for t in model.graph.initializer if weights.is_lazy(t))
+    held = sum(weights_nbytes_of(t) for t in model.graph.initializer if not weights.is_lazy(t))
     budget = max(max_bytes - weights_nbytes(model) - held, 0.0)
     groups = observation_groups(tensors, sizes, budget)
     if len(groups) > 1:
