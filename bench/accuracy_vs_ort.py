@@ -5,7 +5,7 @@ into <results-root>/<model>, quantizes the same float model with onnxruntime.qua
 quantize_static (QDQ, uint8 activations, per-channel int8 weights, after quant_pre_process,
 calibrated on the first quantize.calibration.batches calibration batches, as the quantize stage
 was) once with reduce_range=False and once with reduce_range=True, then scores all five models
-against the float model on the evaluation data (pipeline.metrics.ModelScores) and times them in one
+against the float model on the evaluation data (pipeline.accuracy.metrics.ModelScores) and times them in one
 interleaved run. Accuracy is top-1 where the data is labelled (digits_cnn); every model also gets
 top-1 agreement with float, relative L2 error of the outputs vs float (= 10^(-SNR/20)) and SNR.
 Speed is float latency / model latency (> 1 = faster than float), of p10 and of medians. Prints a
@@ -86,7 +86,7 @@ def main() -> None:
 
     import onnxruntime as ort
 
-    from pipeline.cpu import describe
+    from pipeline.accuracy.cpu import describe
 
     print(f"CPU: {describe()}")
     print(f"onnxruntime {ort.__version__}")
@@ -132,8 +132,8 @@ def bench_model(name: str, rd: Path, args: argparse.Namespace) -> tuple[list[Row
 
     from pipeline.artifacts import sha256_file
     from pipeline.backends import compare_interleaved, create_backend
-    from pipeline.data import DataProvider
-    from pipeline.graph import input_specs, load_model
+    from pipeline.data.adapters import DataProvider
+    from pipeline.graph.model import input_specs, load_model
     from tests.conftest import compose
 
     overrides = [f"model={name}", "autotune.preset=quick", *args.extra]
@@ -201,7 +201,7 @@ def ort_quantize(pre: Path, out: Path, provider, n_batches: int, reduce_range: b
 
 def score(backend, paths: list[Path | None], provider, max_batches: int | None, top_k: int) -> list[dict | None]:
     """ModelScores.result() of every model vs the float model (paths[0]) in one pass over the evaluation data."""
-    from pipeline.metrics import ModelScores
+    from pipeline.accuracy.metrics import ModelScores
 
     prepared = []
     try:
@@ -274,7 +274,7 @@ def run_tune(rd: Path, stages: str, overrides: list[str]) -> tuple[str | None, f
     rd.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with open(rd / "tune.log", "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "pipeline.cli", f"stages={stages}", f"results_dir={rd}",
+        proc = subprocess.run([sys.executable, "-m", "pipeline.app.cli", f"stages={stages}", f"results_dir={rd}",
                                "progress=false", *overrides], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     took = time.time() - t0
     if proc.returncode == 0:
@@ -325,10 +325,10 @@ def _short(text: str) -> str:
 def bench_trained(key: str, rd: Path, args: argparse.Namespace) -> tuple[list[TRow], int, str]:
     import trained_models as tm
 
+    from pipeline.app.cli import open_dict_overrides
     from pipeline.backends import create_backend
-    from pipeline.cli import open_dict_overrides
-    from pipeline.data import DataProvider
-    from pipeline.graph import input_specs, load_model
+    from pipeline.data.adapters import DataProvider
+    from pipeline.graph.model import input_specs, load_model
     from tests.conftest import compose
 
     rd.mkdir(parents=True, exist_ok=True)
@@ -532,7 +532,7 @@ def aimet_row(key: str, rd: Path, float_path: Path, args: argparse.Namespace) ->
 def score_isolated(backend, paths: list[Path | None], provider, max_batches: int | None, top_k: int
                    ) -> list[tuple[dict | None, str | None]]:
     """Like score(), but a model that cannot be prepared or run gets an error instead of failing the others."""
-    from pipeline.metrics import ModelScores
+    from pipeline.accuracy.metrics import ModelScores
 
     prepared: list = []
     errors: list[str | None] = []

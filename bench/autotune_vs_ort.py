@@ -35,14 +35,14 @@ def main() -> None:
     from quantize_vs_ort import _accuracy, _ort_quantize
 
     from pipeline.backends import compare_interleaved, create_backend
-    from pipeline.data import DataProvider
-    from pipeline.graph import input_specs, load_model
+    from pipeline.data.adapters import DataProvider
+    from pipeline.graph.model import input_specs, load_model
     from tests.conftest import compose
 
     rd = Path(args.results_dir or tempfile.mkdtemp(prefix=f"bench_at_{args.model}_"))
     overrides = [f"model={args.model}", *args.extra]
     t0 = time.time()
-    subprocess.run([sys.executable, "-m", "pipeline.cli", "stages=[export,quantize,autotune]", f"results_dir={rd}",
+    subprocess.run([sys.executable, "-m", "pipeline.app.cli", "stages=[export,quantize,autotune]", f"results_dir={rd}",
                     "progress=false", *overrides], check=True, cwd=ROOT)
     tune_s = time.time() - t0
     cfg = compose([*overrides, f"results_dir={rd}", f"backend.timing_runs={args.runs}", "backend.warmup_runs=5"])

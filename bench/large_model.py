@@ -71,7 +71,7 @@ def write_big_model(path: Path, layers: int, width: int, batch: int = 4, seed: i
 
 def timed_stage(results: Path, stage: str, extra: list[str]) -> dict:
     """One `tune` process running ``stage``: exit code, wall seconds, peak RSS (GB), last error line."""
-    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "pipeline.cli", f"results_dir={results}",
+    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "pipeline.app.cli", f"results_dir={results}",
            f"stages=[{stage}]", "progress=false", *extra]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -84,11 +84,11 @@ def timed_stage(results: Path, stage: str, extra: list[str]) -> dict:
 def output_error(results: Path, feeds: int = 8) -> dict:
     """The shipped model, loaded by ONNX Runtime from its path, vs export's float model: relative L2
     error of the output over ``feeds`` synthetic inputs."""
-    from pipeline.ort import ort_session
+    from pipeline.backends.ort import inference_session
 
     shipped = results / "autotune" / "optimized_final.onnx"
     rng = np.random.default_rng(1)
-    ref, got = ort_session(results / "export" / "model.onnx"), ort_session(shipped)
+    ref, got = inference_session(results / "export" / "model.onnx"), inference_session(shipped)
     shape = [d if isinstance(d, int) else 1 for d in ref.get_inputs()[0].shape]
     num = den = 0.0
     for _ in range(feeds):

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def tune(rd: Path, overrides: list[str]) -> None:
-    subprocess.run([sys.executable, "-m", "pipeline.cli", "stages=[export,quantize,autotune]", f"results_dir={rd}",
+    subprocess.run([sys.executable, "-m", "pipeline.app.cli", "stages=[export,quantize,autotune]", f"results_dir={rd}",
                     "progress=false", *overrides], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
 
 

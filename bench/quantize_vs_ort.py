@@ -36,13 +36,13 @@ def main() -> None:
     args = ap.parse_args()
 
     from pipeline.backends import compare_interleaved, create_backend
-    from pipeline.data import DataProvider
-    from pipeline.graph import input_specs, load_model
+    from pipeline.data.adapters import DataProvider
+    from pipeline.graph.model import input_specs, load_model
     from tests.conftest import compose
 
     rd = Path(args.results_dir or tempfile.mkdtemp(prefix=f"bench_{args.model}_"))
     overrides = [f"model={args.model}", f"quantize.calibration.batches={args.calib_batches}", *args.extra]
-    subprocess.run([sys.executable, "-m", "pipeline.cli", "stages=[export,quantize]", f"results_dir={rd}",
+    subprocess.run([sys.executable, "-m", "pipeline.app.cli", "stages=[export,quantize]", f"results_dir={rd}",
                     "progress=false", *overrides], check=True, cwd=ROOT)
     float_path = rd / "export" / "model.onnx"
     ours = rd / "quantize" / "quantized_model.onnx"

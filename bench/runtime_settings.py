@@ -38,8 +38,8 @@ def main() -> None:
 
     from pipeline.backends.base import compare_prepared
     from pipeline.backends.onnxruntime import OnnxRuntimeBackend
+    from pipeline.backends.ort import SessionSettings
     from pipeline.config import OnnxRuntimeBackendConfig
-    from pipeline.ort import SessionSettings
 
     backend = OnnxRuntimeBackend(OmegaConf.structured(OnnxRuntimeBackendConfig(warmup_runs=5, timing_runs=args.runs)))
     rows = []

@@ -41,7 +41,7 @@ MODELS = {
 
 
 def _tune(overrides: list[str], rd: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pipeline.cli", f"results_dir={rd}", "progress=false", *overrides],
+    subprocess.run([sys.executable, "-m", "pipeline.app.cli", f"results_dir={rd}", "progress=false", *overrides],
                    check=True, cwd=ROOT)
 
 
@@ -69,7 +69,7 @@ def _measure(backend, paths: list[Path], rounds: int, runs: int) -> tuple[list[f
     """(latency per path, per-round best-run times per path): one interleaved run, identical files
     (by content hash) measured once."""
     from pipeline.backends.base import prepared_models, time_interleaved
-    from pipeline.graph import model_hash
+    from pipeline.graph.model import model_hash
 
     shas = [model_hash(p) for p in paths]
     unique = list(dict.fromkeys(shas))
@@ -106,8 +106,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=10)
     args = ap.parse_args()
 
+    from pipeline.accuracy.cpu import describe
     from pipeline.backends import create_backend
-    from pipeline.cpu import describe
     from tests.conftest import compose
 
     root = Path(args.results_root or tempfile.mkdtemp(prefix="bench_sg_"))

@@ -50,12 +50,12 @@ def main() -> None:
     import onnx
     import trained_models as tm
 
+    from pipeline.accuracy.metrics import cosine_similarities
+    from pipeline.app.cli import open_dict_overrides
     from pipeline.backends import create_backend
-    from pipeline.cli import open_dict_overrides
-    from pipeline.data import DataProvider
-    from pipeline.graph import input_specs, load_model
-    from pipeline.metrics import cosine_similarities
-    from pipeline.ort import SessionSettings, ort_session
+    from pipeline.backends.ort import SessionSettings, inference_session
+    from pipeline.data.adapters import DataProvider
+    from pipeline.graph.model import input_specs, load_model
     from tests.conftest import compose
 
     root = Path(args.results_root)
@@ -83,7 +83,7 @@ def main() -> None:
         shipped = rd / "autotune" / "optimized_final.onnx"
         float_path = rd / "export" / "model.onnx"
         names = [o.name for o in onnx.load(str(shipped), load_external_data=False).graph.output]
-        ref, got = ort_session(float_path), ort_session(shipped)
+        ref, got = inference_session(float_path), inference_session(shipped)
         cos = [float(cosine_similarities(ref.run(["sentence_embedding"], f)[0], got.run(["sentence_embedding"], f)[0])[0])
                for f in eval_feeds]
         cfg = compose(open_dict_overrides([*base, *extra, f"results_dir={rd}", f"backend.timing_runs={args.runs}"]))

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import ResultsDirLocked, StateError
+from pipeline.errors import InputError, ResultsDirLocked, StateError
 
 
 def user_path(value: str | os.PathLike) -> Path:
@@ -301,3 +301,13 @@ class Manifest:
         except ValueError:
             rel = str(p.resolve())
         return {"path": rel, "sha256": sha256_file(p), "bytes": p.stat().st_size}
+
+def check_onnx_path(path: str | os.PathLike, what: str = "model") -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise InputError(f"{what} file {p} does not exist; give the path of an existing .onnx file")
+    if p.is_dir():
+        raise InputError(f"{what} path {p} is a folder; give the path of an .onnx file")
+    if p.suffix.lower() != ".onnx":
+        raise InputError(f"{what} file {p} is not an ONNX file (name must end in .onnx)")
+    return p

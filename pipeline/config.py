@@ -8,6 +8,8 @@ stage registry. Checks that span fields run in ``validate`` and report every pro
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
@@ -15,9 +17,10 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from pipeline.artifacts import user_path
+from pipeline.artifacts import check_onnx_path, user_path
 from pipeline.errors import ConfigError, InputError
 from pipeline.registry import stage_schemas, stage_validators
+from pipeline.values import enum_value
 
 
 class StageName(str, Enum):
@@ -260,7 +263,7 @@ class AccuracyConfig:
     # output when its shape says so ([N, C] or [N, S, C])
     class_outputs: Optional[list[str]] = None
     # metric=custom: "pkg.module.function", fn(outputs, reference, labels) -> float, higher is better
-    # (pipeline.accuracy.CustomMetric); budget: score(float) - score(model) <= max_drop
+    # (pipeline.accuracy.budget.CustomMetric); budget: score(float) - score(model) <= max_drop
     custom_metric: Optional[str] = None
     relative: bool = False  # metric=custom: max_drop is a percentage of the float model's score
     # when the PTQ model misses the budget, leave its most error-sensitive nodes float (at most this
@@ -310,7 +313,6 @@ _NOTED: set[str] = set()
 def note_once(message: str) -> None:
     """One ``tune: <message>`` line on stderr per process: validation runs before the job and again
     in it, and a note about the config should be read once."""
-    import sys
 
     if message not in _NOTED:
         _NOTED.add(message)
@@ -415,8 +417,6 @@ def validate(cfg: DictConfig) -> None:
     if not 7 <= cfg.model.opset <= 23:
         problems.append(f"model.opset={cfg.model.opset}: supported opsets are 7..23")
     if cfg.model.name == "onnx" and not OmegaConf.is_missing(cfg.model, "onnx_path"):
-        from pipeline.graph import check_onnx_path  # onnx and numpy: not imported for `tune --help`
-
         try:
             check_onnx_path(user_path(cfg.model.onnx_path), "model.onnx_path")
         except InputError as exc:
@@ -444,7 +444,6 @@ def validate(cfg: DictConfig) -> None:
 
 def _unknown_keys(node: Any, path: str) -> list[str]:
     """Keys a schema does not declare (e.g. added with `+key=`): a typo would otherwise be ignored."""
-    import dataclasses
 
     out: list[str] = []
     if isinstance(node, DictConfig):
@@ -465,9 +464,6 @@ def _unknown_keys(node: Any, path: str) -> list[str]:
     return out
 
 
-def enum_value(v: Any) -> str:
-    """The string of an enum config value (OmegaConf hands enums back as Enum members)."""
-    return v.value if isinstance(v, Enum) else str(v)
 
 
 def resolved_data_source(cfg: DictConfig) -> str:
@@ -488,13 +484,3 @@ def ordered_stages(cfg: DictConfig) -> list[str]:
     """The requested stages in pipeline order (the order in the spec does not matter)."""
     wanted = {enum_value(s) for s in cfg.stages}
     return [s for s in STAGE_ORDER if s in wanted]
-
-
-def section(cfg: DictConfig, key: str) -> Any:
-    """A resolved, plain-dict copy of one config section (for fingerprints and manifests)."""
-    node = OmegaConf.select(cfg, key) if "." in key else cfg.get(key)
-    if node is None:
-        return {}
-    if not isinstance(node, (DictConfig, ListConfig)):
-        return node.value if isinstance(node, Enum) else node
-    return OmegaConf.to_container(node, resolve=True, enum_to_str=True)  # type: ignore[return-value]

@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config, items):
 def record_runtime_search(monkeypatch, kill_at: int | None = None) -> list[str]:
     """The names of the candidates the runtime search measures from now on (a fresh list); with
     ``kill_at``, it raises KeyboardInterrupt (a kill) when it starts measuring that candidate (1-based)."""
-    from tasks.autotune import runtime_search as rs
+    from tasks.autotune.runtime import search as rs
 
     measured: list[str] = []
     real_step = getattr(rs.RuntimeSearch._step, "__wrapped__", rs.RuntimeSearch._step)
@@ -49,7 +49,7 @@ def record_runtime_search(monkeypatch, kill_at: int | None = None) -> list[str]:
 
 def tune_command() -> list[str]:
     exe = shutil.which("tune", path=str(Path(sys.executable).parent)) or shutil.which("tune")
-    return [exe] if exe else [sys.executable, "-m", "pipeline.cli"]
+    return [exe] if exe else [sys.executable, "-m", "pipeline.app.cli"]
 
 
 def run_tune(args: list[str], cwd: Path, timeout: float = 900, check: bool = False,
@@ -68,7 +68,7 @@ def tune_in_process(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     import contextlib
     import io
 
-    from pipeline import cli
+    from pipeline.app import cli
 
     out, err, code = io.StringIO(), io.StringIO(), 0
     argv = sys.argv
@@ -84,11 +84,11 @@ def tune_in_process(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 def compose(overrides: list[str] | None = None, config_dir: str | None = None, config_name: str = "tune"):
-    from pipeline.cli import _compose
+    from pipeline.app.cli import compose
     from pipeline.config import register_configs
 
     register_configs()
-    return _compose(config_dir, config_name, overrides or [])
+    return compose(config_dir, config_name, overrides or [])
 
 
 @pytest.fixture(scope="session")

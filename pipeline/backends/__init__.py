@@ -1,13 +1,16 @@
-"""Latency and engine backends behind one protocol (see base.Backend); chosen by `backend=`."""
+"""Runtimes behind one protocol (``base.Backend``: prepare, run, time, build), chosen by `backend=`:
+ONNX Runtime (``onnxruntime``, with its sessions and session settings in ``ort``), TensorRT and
+TensorRT-RTX (``tensorrt``, builder settings in ``trt_build``), trtexec. Imports the framework,
+``graph`` and ``data``."""
 
 from __future__ import annotations
 
 from omegaconf import DictConfig
 
 from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing, compare_interleaved
-from pipeline.config import enum_value
 from pipeline.errors import ConfigError
 from pipeline.registry import import_object
+from pipeline.values import enum_value
 
 # backend name -> "package.module.Class"; imported lazily so a missing TensorRT only matters when chosen
 BACKENDS: dict[str, str] = {

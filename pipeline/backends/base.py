@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from pipeline.graph import InputSpec, input_specs, load_model, model_hash
+from pipeline.graph.model import InputSpec, input_specs, load_model, model_hash
 
 log = logging.getLogger("tune.backend")
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import bisect
 import functools
+import json
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -19,11 +22,16 @@ import onnx
 
 from pipeline.artifacts import atomic_write_json, external_data_files
 from pipeline.backends.base import Backend, BuildResult, PreparedModel, ShippedSettings, specs_of
-from pipeline.config import enum_value
-from pipeline.data import fixed_feeds
+from pipeline.backends.ort import (
+    SessionSettings,
+    disable_qdq_fusion_if_fp8,
+    inference_session,
+    ort_session_options,
+)
+from pipeline.data.adapters import fixed_feeds
 from pipeline.errors import BackendUnavailable
-from pipeline.graph import staged_model
-from pipeline.ort import SessionSettings, disable_qdq_fusion_if_fp8, ort_session, ort_session_options
+from pipeline.graph.model import staged_model
+from pipeline.values import enum_value
 
 
 @functools.lru_cache(maxsize=1)
@@ -143,8 +151,6 @@ class OrtProfiled(OrtPrepared):
         return super().time_runs(n)
 
     def layer_samples(self) -> list[list[dict[str, float]]] | None:
-        import json
-
         path = self.session.end_profiling()
         try:
             runs = parse_ort_profile(json.loads(Path(path).read_text()))
@@ -160,7 +166,6 @@ class OrtProfiled(OrtPrepared):
 
     def close(self) -> None:
         super().close()
-        import shutil
 
         shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -219,7 +224,7 @@ class OnnxRuntimeBackend(Backend):
             so.enable_profiling = True
             so.profile_file_prefix = profile_prefix
         disable_qdq_fusion_if_fp8(so, model_path)
-        return ort_session(model_path, so, providers=self.cfg.providers,
+        return inference_session(model_path, so, providers=self.cfg.providers,
                            disabled_optimizers=self.settings.disabled_optimizers if self.settings else ())
 
     def prepare(self, model_path: str | Path, profile: bool = False) -> OrtPrepared:
@@ -231,8 +236,6 @@ class OnnxRuntimeBackend(Backend):
                 # too slow; after 50 ms its median is within 3% of its p10
                 pm.settle_runs, pm.settle_seconds = SPIN_SETTLE_RUNS, SPIN_SETTLE_SECONDS
             return pm
-        import shutil
-        import tempfile
 
         workdir = Path(tempfile.mkdtemp(prefix="qdq-tune-ort-profile-"))
         try:
@@ -253,7 +256,7 @@ class OnnxRuntimeBackend(Backend):
         # every DequantizeLinear of a weight makes its float copy on each run: ORT's arena would keep
         # them all (a 0.6 GB int8 model's reference held 1.47 GB after one run; without it, 0.22 GB)
         so.enable_cpu_mem_arena = False
-        return OrtPrepared(ort_session(model_path, so, providers=self.cfg.providers), specs_of(model_path))
+        return OrtPrepared(inference_session(model_path, so, providers=self.cfg.providers), specs_of(model_path))
 
     def build(self, model_path: str | Path, out_path: str | Path | None = None,
               log_path: str | Path | None = None) -> BuildResult:

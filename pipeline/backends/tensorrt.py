@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import json
 import logging
 import time
 from pathlib import Path
@@ -48,9 +49,9 @@ from pipeline.backends.trt_common import (
     shape_problems,
     tensorrt_qdq_view,
 )
-from pipeline.data import fixed_feeds
+from pipeline.data.adapters import fixed_feeds
 from pipeline.errors import BackendUnavailable, StageError
-from pipeline.graph import InputSpec, has_qdq, input_specs
+from pipeline.graph.model import InputSpec, has_qdq, input_specs
 
 log = logging.getLogger("tune.backend")
 
@@ -411,7 +412,6 @@ class TensorRTBackend(Backend):
 
     def layer_info(self, model_path: str | Path) -> dict[str, Any] | None:
         """Engine inspector JSON for a DETAILED build; without a GPU (TensorRT-RTX) the builder's layer table."""
-        import json
 
         model_path = Path(model_path)
         serialized, _, logger = self._engine_bytes(model_path, self.default_options(), None)

@@ -30,11 +30,11 @@ import onnx
 from omegaconf import DictConfig
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline import weights
 from pipeline.artifacts import user_path
-from pipeline.config import enum_value
 from pipeline.errors import InputError, StageError
-from pipeline.graph import graph_inputs, graph_reads, subgraphs, value_dims
+from pipeline.graph import weights
+from pipeline.graph.model import graph_inputs, graph_reads, subgraphs, value_dims
+from pipeline.values import enum_value
 
 # --------------------------------------------------------------------------- build options
 

@@ -68,7 +68,7 @@ from pipeline.backends.trtexec_parse import (
     timing_from_summary,
 )
 from pipeline.errors import BackendUnavailable, InputError, StageError
-from pipeline.graph import InputSpec, has_qdq, input_specs
+from pipeline.graph.model import InputSpec, has_qdq, input_specs
 
 log = logging.getLogger("tune.backend")
 

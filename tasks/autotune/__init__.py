@@ -23,7 +23,7 @@ _API = {
     "InsertionPoint": "tasks.autotune.insertion_points",
     "InsertionScheme": "tasks.autotune.scheme",
     "CombinedRegionSearch": "tasks.autotune.region_search",
-    "get_quantized_tensors": "pipeline.qdq",
+    "get_quantized_tensors": "pipeline.quant.qdq",
     "region_pattern_autotuning_workflow": "tasks.autotune.region_workflow",
     "init_benchmark_instance": "tasks.autotune.region_workflow",
     "benchmark_onnx_model": "tasks.autotune.region_workflow",

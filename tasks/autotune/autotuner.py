@@ -35,11 +35,11 @@ from pathlib import Path
 
 import onnx
 
-from pipeline.calibration import Calibration
-from pipeline.graph import model_hash, save_model
-from pipeline.graph_index import GraphIndex
-from pipeline.placement import NodeDtypes
-from pipeline.qdq import apply_plan, get_quantized_tensors, raise_opset
+from pipeline.graph.index import GraphIndex
+from pipeline.graph.model import model_hash, save_model
+from pipeline.quant.calibration import Calibration
+from pipeline.quant.placement import NodeDtypes
+from pipeline.quant.qdq import apply_plan, get_quantized_tensors, raise_opset
 from tasks.autotune.autotuner_state import TunerState
 from tasks.autotune.config import AutotuneConfig
 from tasks.autotune.insertion_points import InsertionPoint, candidate_points, point_groups, resolve

@@ -29,7 +29,7 @@ import numpy as np
 
 from pipeline.backends import Backend, PreparedModel
 from pipeline.backends.base import prepared_models, time_interleaved
-from pipeline.graph import model_hash, write_model_bytes
+from pipeline.graph.model import model_hash, write_model_bytes
 from tasks.autotune.scheme import Measurement
 
 log = logging.getLogger("tune.autotune")

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from pipeline.config import AccuracyMetric, enum_value, note_once
+from pipeline.config import AccuracyMetric, note_once
+from pipeline.values import enum_value
 
 
 class Mode(str, Enum):
@@ -128,7 +130,6 @@ class AutotuneConfig:
 
 def ignored_keys(a: DictConfig) -> list[str]:
     """``autotune.<key>=<value>`` for every key set away from its default that the chosen mode ignores."""
-    import dataclasses
 
     mode = enum_value(a.mode)
     out = []

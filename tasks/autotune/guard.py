@@ -14,9 +14,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.calibration import quantize_decisions
 from pipeline.errors import StageError, first_line
-from pipeline.graph import copy_model, model_hash
+from pipeline.graph.model import copy_model, model_hash
+from pipeline.quant.calibration import quantize_decisions
 from tasks.autotune.tune_setup import ModeResult, TuneSetup
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ def _from_steps(setup: TuneSetup, paths: list[Path], steps: list[Step]
     or was measured against the float model. Latencies are the float model's times the chained
     ratio. Reused only when the chain's interval clears (or misses) the performance threshold.
     """
-    from pipeline.accuracy import AccuracyVerdict
+    from pipeline.accuracy.budget import AccuracyVerdict
     from pipeline.backends import Timing
     from tasks.autotune.benchmark import chain_interval
 

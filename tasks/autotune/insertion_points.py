@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import onnx
 
-from pipeline.graph import WEIGHTED_OPS
-from pipeline.graph_index import GraphIndex, weight_inputs
-from pipeline.placement import PASS_THROUGH_OPS, too_small
+from pipeline.graph.index import GraphIndex, weight_inputs
+from pipeline.graph.model import WEIGHTED_OPS
+from pipeline.quant.placement import PASS_THROUGH_OPS, too_small
 from tasks.autotune.region import Region
 
 KINDS = ("node_input", "node_output", "child_input", "region_output", "activation_input", "weight")

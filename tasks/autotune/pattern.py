@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import onnx
 
-from pipeline.graph import topological_order
-from pipeline.graph_index import GraphIndex
+from pipeline.graph.index import GraphIndex
+from pipeline.graph.model import topological_order
 from tasks.autotune.region import Region
 
 

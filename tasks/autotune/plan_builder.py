@@ -7,9 +7,9 @@ from typing import Any
 
 import onnx
 
-from pipeline.graph_index import GraphIndex, weight_inputs
-from pipeline.placement import NodeDtypes, act_dtype, int32_bias, pass_through_aliases, weight_q
-from pipeline.plan import ActivationQ, QDQPlan
+from pipeline.graph.index import GraphIndex, weight_inputs
+from pipeline.quant.placement import NodeDtypes, act_dtype, int32_bias, pass_through_aliases, weight_q
+from pipeline.quant.plan import ActivationQ, QDQPlan
 from tasks.autotune.insertion_points import InsertionPoint, resolve
 from tasks.autotune.region import Region
 from tasks.autotune.scheme import InsertionScheme
@@ -72,7 +72,7 @@ class PlanBuilder:
                     and name not in weights_only and g.tail(node) not in outputs_q):
                 b = int32_bias(g, node, act_dtype(d, self.config.activation_type))
                 if b is not None:
-                    plan.biases.append(b)  # float-output QGemm (see pipeline.placement.int32_bias)
+                    plan.biases.append(b)  # float-output QGemm (see pipeline.quant.placement.int32_bias)
         plan.aliases.update(pass_through_aliases(g, plan))
         return plan
 

@@ -24,9 +24,9 @@ from pathlib import Path
 import onnx
 
 from pipeline.errors import PipelineError
-from pipeline.graph import load_model
-from pipeline.graph_index import GraphIndex
-from pipeline.placement import QUANTIZABLE_OPS
+from pipeline.graph.index import GraphIndex
+from pipeline.graph.model import load_model
+from pipeline.quant.placement import QUANTIZABLE_OPS
 from tasks.autotune.pattern import RegionPattern
 from tasks.autotune.region import Region, RegionType
 from tasks.autotune.region_search import CombinedRegionSearch
@@ -56,8 +56,8 @@ def _control_flow(model: onnx.ModelProto) -> list[str]:
     """What became of the model's control flow: the inputs it was specialized on (export's
     model.fixed_inputs) and, per If/Loop/Scan of the main graph, its bodies' nodes, how many of them
     are quantized, and why the rest are float. Regions cover the main graph only."""
-    from pipeline.graph import WEIGHTED_OPS, iter_nodes
-    from pipeline.specialize import recorded_fixed_inputs
+    from pipeline.graph.model import WEIGHTED_OPS, iter_nodes
+    from pipeline.transforms.specialize import recorded_fixed_inputs
 
     lines = []
     fixed = recorded_fixed_inputs(model)

@@ -51,8 +51,8 @@ from collections.abc import Callable, Iterable
 import onnx
 
 from pipeline.errors import InputError
-from pipeline.graph import WEIGHTED_OPS, topological_order
-from pipeline.graph_index import GraphIndex
+from pipeline.graph.index import GraphIndex
+from pipeline.graph.model import WEIGHTED_OPS, topological_order
 from tasks.autotune.region import Region, RegionType
 
 _EXIT = -1  # virtual exit node of the post-dominator analysis

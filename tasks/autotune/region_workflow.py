@@ -22,8 +22,8 @@ import onnx
 
 from pipeline.artifacts import atomic_write_json
 from pipeline.backends import Backend, PreparedModel
-from pipeline.calibration import Calibration
-from pipeline.graph import load_model, remove_model, save_model
+from pipeline.graph.model import load_model, remove_model, save_model
+from pipeline.quant.calibration import Calibration
 from tasks.autotune.autotuner import Config, QDQAutotuner
 from tasks.autotune.benchmark import PairedBenchmark
 from tasks.autotune.pattern_cache import PatternCache

@@ -10,25 +10,34 @@ what ships as optimized_final.onnx. Outputs: COMMON_OUTPUTS plus MODE_OUTPUTS[mo
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline.accuracy import AccuracyBudget, Holdout
+from pipeline.accuracy.budget import AccuracyBudget, Holdout
 from pipeline.artifacts import atomic_write_json, fingerprint, sha256_file, user_path
 from pipeline.backends import create_backend
-from pipeline.calibration import Calibration, load_calibration, quantize_decisions
-from pipeline.config import enum_value, section
 from pipeline.errors import InputError, StageError, first_line
-from pipeline.graph import input_specs, load_model, model_hash, remove_model, save_model, write_model_bytes
-from pipeline.placement import activation_type, placement_kind, resolve_rules
+from pipeline.graph.model import (
+    input_specs,
+    load_model,
+    model_hash,
+    remove_model,
+    save_model,
+    write_model_bytes,
+)
+from pipeline.quant.calibration import Calibration, load_calibration, quantize_decisions
+from pipeline.quant.placement import activation_type, placement_kind, resolve_rules
 from pipeline.stage import Stage, StageContext, StageResult
+from pipeline.values import enum_value, section
 from tasks.autotune.config import PRESETS
 from tasks.autotune.guard import finalize
 from tasks.autotune.progress import ProgressBars
-from tasks.autotune.runtime_search import tune_runtime
+from tasks.autotune.runtime.search import tune_runtime
 from tasks.autotune.tune_setup import ModeResult, TuneSetup
 
 log = logging.getLogger("tune.autotune")
@@ -224,7 +233,6 @@ class AutotuneStage(Stage):
     def _subgraph(self, ctx: StageContext, setup: TuneSetup) -> ModeResult:
         """Subgraph mode (tasks/autotune/subgraph/): fusion groups, per-group profiling of
         extracted subgraphs, incremental validation on the full model."""
-        import time
 
         from tasks.autotune.subgraph.driver import subgraph_autotuning_workflow
         from tasks.autotune.subgraph.report import write_group_report
@@ -294,10 +302,9 @@ class AutotuneStage(Stage):
         autotune.graph_json names a TensorRT layer-information file; without it, ONNX Runtime groups
         come from its own optimized graph, TensorRT groups from one float build of the model
         (``<model>.<precision>.graph.json`` in the autotune folder, reused when present)."""
-        import json
 
         from pipeline.backends.trt_common import parse_layer_info
-        from tasks.autotune.fusion_grouping import ort_fusion_groups, trt_fusion_groups
+        from tasks.autotune.subgraph.fusion_grouping import ort_fusion_groups, trt_fusion_groups
 
         a = cfg.autotune
         backend, model_path, model, out = setup.backend, setup.baseline_path, setup.model, setup.out

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.accuracy import AccuracyBudget, Holdout
-from pipeline.calibration import Calibration
+from pipeline.accuracy.budget import AccuracyBudget, Holdout
+from pipeline.quant.calibration import Calibration
 
 if TYPE_CHECKING:
     from tasks.autotune.subgraph.records import Step

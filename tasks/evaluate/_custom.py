@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.accuracy import CustomMetric, by_name, labels_of
+from pipeline.accuracy.budget import CustomMetric, by_name, labels_of
 
 
 class CustomScores:

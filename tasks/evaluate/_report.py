@@ -135,7 +135,7 @@ def _budget(metrics: dict[str, Any]) -> list[str]:
     custom = metrics.get("custom_metric")
     if custom:
         scores = ", ".join(f"{metrics['models'][k]['label']} {_num(v, '.6g')}" for k, v in custom["scores"].items())
-        source = "a function passed to pipeline.api.tune()" if custom["path"].startswith("pipeline.live.") \
+        source = "a function passed to pipeline.api.tune()" if custom["path"].startswith("pipeline.data.live.") \
             else f"`{custom['path']}`"
         lines.append(f"Custom metric `{custom['name']}` ({source}; higher is better): {scores}.")
     classes = metrics["models"]["float"].get("class_outputs")

@@ -19,13 +19,9 @@ from typing import Any
 import numpy as np
 import onnx
 
-from pipeline.accuracy import AccuracyBudget, CustomMetric, by_name, class_outputs, labels_of
-from pipeline.artifacts import atomic_write_json
-from pipeline.errors import first_line
-from pipeline.metrics import ModelScores, json_safe
-from pipeline.ort import ort_session, ort_session_options
-from pipeline.progress import work_bar
-from pipeline.sensitivity import (
+from pipeline.accuracy.budget import AccuracyBudget, CustomMetric, by_name, class_outputs, labels_of
+from pipeline.accuracy.metrics import ModelScores, json_safe
+from pipeline.accuracy.sensitivity import (
     clip_range,
     float_tensor,
     only_node_quantized,
@@ -33,6 +29,10 @@ from pipeline.sensitivity import (
     plot_ranges,
     quantized_inputs,
 )
+from pipeline.artifacts import atomic_write_json
+from pipeline.backends.ort import inference_session, ort_session_options
+from pipeline.errors import first_line
+from pipeline.progress import work_bar
 
 log = logging.getLogger("tune.evaluate")
 
@@ -106,7 +106,7 @@ class _Judge:
         return self.metric is not None and self.budget.metric == "custom"
 
     def _run(self, model: onnx.ModelProto) -> list[list[np.ndarray]]:
-        sess = ort_session(model, ort_session_options("disable", threads=1))
+        sess = inference_session(model, ort_session_options("disable", threads=1))
         return [[np.asarray(o) for o in sess.run(None, b.feeds)] for b in self.batches]
 
     def contribution(self, model: onnx.ModelProto) -> dict[str, Any]:
@@ -144,7 +144,7 @@ def _range_items(float_model: onnx.ModelProto, qmodel: onnx.ModelProto, inputs: 
     if not wanted:
         return []
     tensors = sorted({t for t, _, _ in wanted})
-    sess = ort_session(float_model, ort_session_options("disable", threads=1), extra_outputs=tensors)
+    sess = inference_session(float_model, ort_session_options("disable", threads=1), extra_outputs=tensors)
     values: dict[str, list[np.ndarray]] = {t: [] for t in tensors}
     for b in batches:
         for t, v in zip(tensors, sess.run(tensors, b.feeds), strict=True):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,14 +20,14 @@ from typing import Any
 import numpy as np
 import onnx
 
+from pipeline.accuracy.metrics import ModelScores, json_safe
 from pipeline.artifacts import atomic_write_json, atomic_write_text, sha256_file
 from pipeline.backends import create_backend
 from pipeline.backends.base import Backend, PreparedModel, Timing, compare_prepared
 from pipeline.config import STAGE_ORDER, resolved_data_source
-from pipeline.data import DataProvider
+from pipeline.data.adapters import DataProvider
 from pipeline.errors import PipelineError, StageError, first_line
-from pipeline.graph import InputSpec, input_specs, load_model
-from pipeline.metrics import ModelScores, json_safe
+from pipeline.graph.model import InputSpec, input_specs, load_model
 from pipeline.progress import progress_bar
 from pipeline.stage import Stage, StageContext, StageResult
 from tasks.evaluate._custom import CustomScores
@@ -193,7 +194,7 @@ class EvaluateStage(Stage):
                max_batches: int | None, prepared: dict[str, PreparedModel]) -> tuple[dict[str, ModelScores], int]:
         """One pass over the evaluation data; every model runs each batch, so nothing is stored.
         ``prepared`` holds every model, prepared by the caller (who also closes them)."""
-        from pipeline.accuracy import AccuracyBudget, check_output_names, class_outputs
+        from pipeline.accuracy.budget import AccuracyBudget, check_output_names, class_outputs
 
         provider = DataProvider(ctx.cfg, specs)
         top_k = int(ctx.cfg.evaluate.top_k)
@@ -250,7 +251,7 @@ class EvaluateStage(Stage):
                   prepared: dict[str, PreparedModel]) -> dict[str, Any]:
         """Kernel fidelity of each quantized model on the first evaluation batches (fused kernels vs
         plain Q/DQ math), where the backend has a reference runner."""
-        from pipeline.fidelity import kernel_fidelity
+        from pipeline.accuracy.fidelity import kernel_fidelity
 
         batches = list(DataProvider(ctx.cfg, specs).batches("evaluation", 2))
         feeds = [b.feeds for b in batches]
@@ -268,10 +269,10 @@ class EvaluateStage(Stage):
     @staticmethod
     def _judge(ctx: StageContext, metrics: dict[str, Any], fidelity: dict[str, Any]) -> None:
         """Hold every quantized model to the accuracy budget; say in words which ones miss it and why."""
-        from pipeline.accuracy import AccuracyBudget
-        from pipeline.calibration import quantize_decisions
-        from pipeline.cpu import cpu_facts, describe
-        from pipeline.live import metric_name
+        from pipeline.accuracy.budget import AccuracyBudget
+        from pipeline.accuracy.cpu import cpu_facts, describe
+        from pipeline.data.live import metric_name
+        from pipeline.quant.calibration import quantize_decisions
 
         budget = AccuracyBudget.from_config(ctx.cfg)
         decisions = quantize_decisions(ctx.artifact("quantize/calibration.json"))
@@ -459,7 +460,6 @@ def _backend_text(info: dict[str, Any]) -> str:
 
 def _reproduce_commands(ctx: StageContext) -> dict[str, str]:
     """`tune` command lines that rebuild this results_dir and that re-run only the evaluation."""
-    import shlex
 
     done = {s for s, e in ctx.manifest.stages.items() if e.get("status") == "done"}
     stages = [s for s in STAGE_ORDER if s in done or s == "evaluate"]
@@ -478,6 +478,6 @@ def _reproduce_commands(ctx: StageContext) -> dict[str, str]:
         args = [*overrides, f"stages=[{','.join(stage_list)}]", f"results_dir={rd}"]
         return " ".join(["tune", *(shlex.quote(a) for a in args)])
 
-    from pipeline.live import in_memory_groups
+    from pipeline.data.live import in_memory_groups
 
     return {"full": cmd(stages), "evaluate_only": cmd(["evaluate"]), "in_memory": in_memory_groups(ctx.cfg)}

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipeline.data import digits_arrays
+from pipeline.data.adapters import digits_arrays
 
 log = logging.getLogger("tune.export")
 

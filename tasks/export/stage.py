@@ -16,12 +16,11 @@ import numpy as np
 import onnx
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import weights
 from pipeline.artifacts import atomic_output, fingerprint, user_path
-from pipeline.config import enum_value, section
+from pipeline.backends.ort import inference_session
 from pipeline.errors import ConfigError, InputError, StageError, first_line
-from pipeline.folding import NOTHING_FOLDED, fold_batchnorm, fold_constant_identities, fold_constants
-from pipeline.graph import (
+from pipeline.graph import weights
+from pipeline.graph.model import (
     control_flow,
     dynamic_inputs,
     ensure_node_names,
@@ -32,9 +31,15 @@ from pipeline.graph import (
     record_input_shapes,
     save_model,
 )
-from pipeline.ort import ort_session
 from pipeline.registry import import_object
 from pipeline.stage import Stage, StageContext, StageResult
+from pipeline.transforms.folding import (
+    NOTHING_FOLDED,
+    fold_batchnorm,
+    fold_constant_identities,
+    fold_constants,
+)
+from pipeline.values import enum_value, section
 
 log = logging.getLogger("tune.export")
 
@@ -45,7 +50,7 @@ _NOTHING_FOLDED = {**NOTHING_FOLDED, "batchnorm": 0}
 def _run_in_ort(model: onnx.ModelProto, feeds: dict[str, Any], src: Path) -> list[Any]:
     """The model's outputs on ``feeds`` in ONNX Runtime; InputError (one line) if it does not run."""
     try:
-        return ort_session(model).run(None, feeds)
+        return inference_session(model).run(None, feeds)
     except Exception as exc:  # noqa: BLE001 - ORT raises generic errors for bad models
         raise InputError(f"{src} does not run in ONNX Runtime: {first_line(exc)}") from None
 
@@ -53,7 +58,7 @@ def _run_in_ort(model: onnx.ModelProto, feeds: dict[str, Any], src: Path) -> lis
 def _loads_in_ort(model: onnx.ModelProto) -> str | None:
     """None if ONNX Runtime can create a session for the model, else its first error line."""
     try:
-        ort_session(model)
+        inference_session(model)
         return None
     except Exception as exc:  # noqa: BLE001 - ORT raises generic errors for models it rejects
         return first_line(exc)
@@ -139,7 +144,7 @@ class ExportStage(Stage):
         mcfg = cfg.model
         src = user_path(mcfg.onnx_path)
         model = load_model(src, what="model.onnx_path")
-        from pipeline.specialize import bind_inputs, fixed_arrays, specialize
+        from pipeline.transforms.specialize import bind_inputs, fixed_arrays, specialize
 
         fixed = fixed_arrays(model, OmegaConf.to_container(mcfg.fixed_inputs) if mcfg.get("fixed_inputs") else {},
                              str(src))
@@ -180,11 +185,11 @@ class ExportStage(Stage):
                            fixed: dict[str, np.ndarray], inlined: list[dict[str, str]], src: Path) -> dict[str, Any]:
         """The specialized model's outputs equal the original's (fed the fixed values) on every calibration
         batch (StageError otherwise); the record for the manifest."""
-        from pipeline.data import DataProvider
-        from pipeline.specialize import describe
+        from pipeline.data.adapters import DataProvider
+        from pipeline.transforms.specialize import describe
 
         specs = input_specs(model)
-        ours, theirs = ort_session(model), ort_session(original)
+        ours, theirs = inference_session(model), inference_session(original)
         names = [o.name for o in model.graph.output]
         worst, batches = 0.0, 0
         for batch in DataProvider(cfg, specs).batches("calibration", int(cfg.quantize.calibration.batches)):
@@ -208,7 +213,7 @@ class ExportStage(Stage):
         """The first calibration batch when data is configured (a model may only run on real values: an
         audio model's sample rate selects an If branch), else seeded synthetic feeds."""
         from pipeline.config import resolved_data_source
-        from pipeline.data import DataProvider, fixed_feeds
+        from pipeline.data.adapters import DataProvider, fixed_feeds
 
         specs = input_specs(model)
         if resolved_data_source(cfg) in ("npz", "custom"):
@@ -329,7 +334,7 @@ class ExportStage(Stage):
     def _digits_example(ctx: StageContext, mcfg: DictConfig):
         import torch
 
-        from pipeline.data import digits_arrays
+        from pipeline.data.adapters import digits_arrays
 
         size = int(mcfg.image_size)
         x, _ = digits_arrays("test", int(ctx.cfg.seed), float(ctx.cfg.data.get("test_fraction", 0.3)), (1, size, size))
@@ -413,7 +418,7 @@ class ExportStage(Stage):
         with torch.no_grad():
             ref = module(*example)
         refs = [ref] if isinstance(ref, torch.Tensor) else list(ref)
-        sess = ort_session(path)
+        sess = inference_session(path)
         got = sess.run(None, {n: t.numpy() for n, t in zip(in_names, example, strict=True)})
         diffs, scale = [], 0.0
         for r, g in zip(refs, got, strict=False):

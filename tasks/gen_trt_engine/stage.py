@@ -16,12 +16,12 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.artifacts import user_path
+from pipeline.artifacts import check_onnx_path, user_path
 from pipeline.backends import create_backend
-from pipeline.config import enum_value
 from pipeline.errors import StageError, first_line
-from pipeline.graph import check_onnx_path, load_model
+from pipeline.graph.model import load_model
 from pipeline.stage import MODEL_KEYS, Stage, StageContext, StageResult
+from pipeline.values import enum_value
 
 log = logging.getLogger("tune.gen_trt_engine")
 

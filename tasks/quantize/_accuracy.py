@@ -14,19 +14,19 @@ import math
 import re
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import onnx
 
-from pipeline.accuracy import AccuracyBudget, AccuracyVerdict, Holdout
-from pipeline.bodies import walk_views
-from pipeline.config import enum_value
+from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict, Holdout
+from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.errors import StageError, first_line
-from pipeline.fidelity import FidelityResult
-from pipeline.graph import WEIGHTED_OPS, save_model
-from pipeline.graph_index import GraphIndex
+from pipeline.graph.bodies import walk_views
+from pipeline.graph.index import GraphIndex
+from pipeline.graph.model import WEIGHTED_OPS, save_model
+from pipeline.values import enum_value
 
 log = logging.getLogger("tune.quantize")
 
@@ -85,7 +85,7 @@ class Checker:
 
     def check(self, model: onnx.ModelProto, name: str, fidelity: bool = False) -> Candidate:
         """Load and run ``model`` on the holdout; never raises for a model the runtime rejects."""
-        from pipeline.fidelity import kernel_fidelity
+        from pipeline.accuracy.fidelity import kernel_fidelity
 
         c = Candidate(name, self.write(model, name))
         try:
@@ -271,6 +271,5 @@ def start_range(requested: Any) -> str:
 
 def recovery_checker(checker: Checker, cfg: Any) -> Checker:
     """``checker`` with the budget accuracy.recovery_margin_db inside itself, for recovery's searches."""
-    from dataclasses import replace
 
     return replace(checker, budget=checker.budget.tightened(float(cfg.accuracy.recovery_margin_db)))

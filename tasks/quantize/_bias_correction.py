@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from pipeline.graph import WEIGHTED_OPS
-from pipeline.graph_index import GraphIndex, bias_tensor
+from pipeline.graph.index import GraphIndex, bias_tensor
+from pipeline.graph.model import WEIGHTED_OPS
 
 # levels corrected (one quantized-model run over the calibration feeds each), from the inputs down
 MAX_SWEEPS = 12
@@ -61,10 +61,10 @@ def bias_slots(model: onnx.ModelProto, nodes: Iterable[str]) -> tuple[list[BiasS
 
 
 def _session(model: onnx.ModelProto, outputs: list[str], threads: int):
-    from pipeline.ort import ort_session, ort_session_options
+    from pipeline.backends.ort import inference_session, ort_session_options
 
     # plain Q/DQ math and no fusions: every node's output stays observable
-    return ort_session(model, ort_session_options("disable", threads=threads), extra_outputs=outputs)
+    return inference_session(model, ort_session_options("disable", threads=threads), extra_outputs=outputs)
 
 
 def _channel_sums(a: np.ndarray, axis: int) -> tuple[np.ndarray, int]:

@@ -11,7 +11,7 @@ mse picks, per tensor and per storage dtype, the clip threshold with the lowest 
 quantization error on that histogram (``range_mse``: clipped values cost their squared distance to
 the clip edge, in-range values their squared distance to the nearest level, exact zeros nothing);
 auto computes the minmax, percentile, entropy and mse thresholds and keeps the one with the lowest
-such error. Both record ``thresholds`` per dtype, which ``pipeline.qmath.activation_params`` prefers
+such error. Both record ``thresholds`` per dtype, which ``pipeline.quant.qmath.activation_params`` prefers
 to ``threshold``: symmetric int8 and asymmetric uint8 are best clipped at different places.
 
 onnxruntime.quantization's calibrators were the first choice, but they keep intermediate outputs of
@@ -30,11 +30,11 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 import onnx
 
-from pipeline import weights
-from pipeline.bodies import body_views, thread_out
-from pipeline.data import Batch
-from pipeline.graph_index import GraphIndex
-from pipeline.qmath import QTYPES
+from pipeline.data.adapters import Batch
+from pipeline.graph import weights
+from pipeline.graph.bodies import body_views, thread_out
+from pipeline.graph.index import GraphIndex
+from pipeline.quant.qmath import QTYPES
 
 log = logging.getLogger("tune.quantize")
 
@@ -58,21 +58,21 @@ def candidate_tensors(model: onnx.ModelProto) -> list[str]:
 
 class ActivationRunner:
     """Values of ``tensors`` per batch; those inside Loop/Scan bodies come out of a copy of the model
-    that stacks them over the iterations (``pipeline.bodies.thread_out``), each iteration a sample.
+    that stacks them over the iterations (``pipeline.graph.bodies.thread_out``), each iteration a sample.
 
     With ``max_bytes`` (the working-set bound), the tensors are observed in groups that fit it beside
-    the weights (``pipeline.memory.observation_groups``): the model runs once per group and batch, and
+    the weights (``pipeline.graph.memory.observation_groups``): the model runs once per group and batch, and
     only one group's values are alive at a time."""
 
     def __init__(self, model: onnx.ModelProto, tensors: list[str], threads: int, max_bytes: float | None = None):
-        from pipeline.ort import ort_session, ort_session_options
+        from pipeline.backends.ort import inference_session, ort_session_options
 
         self.groups = _groups(model, tensors, max_bytes)
         model, self.stacked = thread_out(model, tensors)
         self.outputs = [self.stacked[t][0] if t in self.stacked else t for t in tensors]
         self._output = dict(zip(tensors, self.outputs, strict=True))
         # keep every intermediate tensor observable: no fusions that would remove them
-        self.session = ort_session(model, ort_session_options("basic", threads=threads), extra_outputs=self.outputs)
+        self.session = inference_session(model, ort_session_options("basic", threads=threads), extra_outputs=self.outputs)
         self.tensors = tensors
         self.note: Callable[[str], None] | None = None
 
@@ -101,8 +101,8 @@ class ActivationRunner:
 
 def _groups(model: onnx.ModelProto, tensors: list[str], max_bytes: float | None) -> list[list[str]]:
     """``tensors`` in groups whose values fit ``max_bytes`` beside the weights (ONNX Runtime's copy, and
-    this process's where they are not on disk: pipeline.weights)."""
-    from pipeline.memory import GB, observation_groups, tensor_nbytes, weights_nbytes, weights_nbytes_of
+    this process's where they are not on disk: pipeline.graph.weights)."""
+    from pipeline.graph.memory import GB, observation_groups, tensor_nbytes, weights_nbytes, weights_nbytes_of
 
     if max_bytes is None or max_bytes == float("inf"):
         return observation_groups(tensors, {}, None)
@@ -187,7 +187,7 @@ def range_mse(hist: np.ndarray, lo: float, hi: float, dtype: str, thresholds: np
 
     ``hist`` counts the non-zero values over [lo, hi] (the tensor's min and max); ``zeros`` the exact
     zeros, which every range represents exactly. The scale and zero point of a threshold are those of
-    ``pipeline.qmath.activation_params``. Values are taken as uniform within their bin, and the error is
+    ``pipeline.quant.qmath.activation_params``. Values are taken as uniform within their bin, and the error is
     integrated exactly over each bin: squared distance to the clip edge outside the representable
     range, to the nearest grid point inside it (fp8: the grid step of the bin's binade). This is
     step^2 / 12 where bins are wider than a step, and stays right for a spike on a grid point, such
@@ -277,7 +277,7 @@ def _local_minima(values: np.ndarray) -> int:
     return int(np.sum((padded[1:-1] <= padded[:-2]) & (padded[1:-1] <= padded[2:])))
 
 
-def _signed_histogram(arr: np.ndarray, lo: float, hi: float, num_bins: int) -> tuple[np.ndarray, int]:
+def signed_histogram(arr: np.ndarray, lo: float, hi: float, num_bins: int) -> tuple[np.ndarray, int]:
     """Counts of the non-zero values over [lo, hi], and the number of exact zeros."""
     a = arr.astype(np.float32, copy=False).ravel()
     nz = a[a != 0]
@@ -444,7 +444,7 @@ def _error_minimizing_pass(stats: dict[str, dict], runner: ActivationRunner, bat
             if s is None or s["absmax"] <= 0:
                 continue
             if s["max"] > s["min"]:
-                h, z = _signed_histogram(arr, s["min"], s["max"], num_bins)
+                h, z = signed_histogram(arr, s["min"], s["max"], num_bins)
                 signed[t] += h
                 zeros[t] += z
             if algorithm == "auto":  # with zeros: percentile counts them, entropy takes them out

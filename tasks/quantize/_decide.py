@@ -15,11 +15,11 @@ from typing import Any
 
 import onnx
 
-from pipeline.bodies import QUANTIZED_BODIES
-from pipeline.config import enum_value
 from pipeline.errors import StageError
-from pipeline.graph import iter_nodes
-from pipeline.placement import PASS_THROUGH_OPS
+from pipeline.graph.bodies import QUANTIZED_BODIES
+from pipeline.graph.model import iter_nodes
+from pipeline.quant.placement import PASS_THROUGH_OPS
+from pipeline.values import enum_value
 from tasks.quantize._accuracy import Candidate, choose_weight_range, recovery_checker, runnable, start_range
 from tasks.quantize._placer import Placer
 from tasks.quantize._recovery import recover_budget
@@ -33,7 +33,7 @@ def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None
     """(decisions, sensitivity report or None): weight storage, kernel-fidelity culprits, float nodes and
     bias correction of ``placer``'s model, decided on ``setup.checker``'s held-out batches. ``outliers``
     are the element-wise nodes on tensors with outlier channels, recovery's first candidates."""
-    from pipeline.cpu import cpu_facts, describe
+    from pipeline.accuracy.cpu import cpu_facts, describe
 
     checker, budget, holdout = setup.checker, setup.checker.budget, setup.checker.holdout
     facts = cpu_facts()

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from pipeline import weights
-from pipeline.graph import topological_sort
+from pipeline.graph import weights
+from pipeline.graph.model import topological_sort
 
 Use = tuple[int, int]  # (index in graph.node, input index)
 
@@ -178,4 +179,67 @@ def attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
     return default
 
 
-__all__ = ["Editor", "Use", "attr"]
+@dataclass(frozen=True)
+class ConstEdit:
+    """Divide constant input ``index`` of node ``node`` by s along ``axis`` (-1: the last axis,
+    broadcasting a size-1 or scalar constant up to K)."""
+
+    node: int
+    index: int
+    axis: int = -1
+
+
+def _fits_last_axis(ed: Editor, name: str, k: int | None) -> bool:
+    shape = ed.shape(name)
+    return k is None or len(shape) == 0 or shape[-1] in (1, k)
+
+
+def absorber(ed: Editor, tensor: str, k: int | None) -> tuple[str, list[ConstEdit]] | None:
+    """How the producer of ``tensor`` can output tensor / s exactly (op label, constant edits); s has
+    ``k`` channels on the last axis, or is one scalar when ``k`` is None."""
+    i = ed.producer(tensor)
+    if i is None:
+        return None
+    node = ed.node(i)
+    if node.output[0] != tensor:
+        return None
+    op, ins = node.op_type, list(node.input)
+    consts = [j for j, t in enumerate(ins) if ed.is_float_const(t)]
+    edits: list[ConstEdit]
+    if op == "LayerNormalization":
+        edits = [ConstEdit(i, j) for j in (1, 2) if j < len(ins) and ins[j]]
+        if any(e.index not in consts for e in edits):
+            return None
+    elif op == "Mul" and len(ins) == 2 and len(consts) == 1:
+        edits = [ConstEdit(i, consts[0])]
+    elif op == "MatMul" and consts == [1] and (k is None or ed.shape(ins[1])[-1:] == (k,)):
+        edits = [ConstEdit(i, 1)]
+    elif op == "Gemm" and 1 in consts and 0 not in consts:
+        axis = 0 if attr(node, "transB", 0) else 1
+        if (k is not None and ed.shape(ins[1])[axis] != k) or (len(ins) > 2 and ins[2] and 2 not in consts):
+            return None
+        edits = [ConstEdit(i, 1, axis)] + ([ConstEdit(i, 2)] if len(ins) > 2 and ins[2] else [])
+    elif op == "Add" and len(ins) == 2 and len(consts) == 1:
+        inner_t = ins[1 - consts[0]]
+        if inner_t in ed.outputs or ed.uses(inner_t) != [(i, 1 - consts[0])]:
+            return None
+        inner = absorber(ed, inner_t, k)
+        if inner is None:
+            return None
+        return f"{inner[0]}+Add", [*inner[1], ConstEdit(i, consts[0])]
+    else:
+        return None
+    if any(e.axis == -1 and not _fits_last_axis(ed, ins[e.index], k) for e in edits):
+        return None
+    return op, edits
+
+
+def divide_along(values: np.ndarray, s: np.ndarray, axis: int) -> np.ndarray:
+    if axis == -1:
+        return values / s
+    shape = [1] * values.ndim
+    shape[axis] = -1
+    return values / s.reshape(shape)
+
+
+__all__ = ["ConstEdit", "Editor", "Use", "absorber", "attr", "divide_along"]

@@ -8,10 +8,10 @@ from typing import Any
 
 import onnx
 
-from pipeline.calibration import Calibration
 from pipeline.errors import StageError
-from pipeline.graph import control_flow
-from pipeline.qdq import apply_plan
+from pipeline.graph.model import control_flow
+from pipeline.quant.calibration import Calibration
+from pipeline.quant.qdq import apply_plan
 from tasks.quantize import _prepare
 from tasks.quantize._accuracy import Candidate, start_range
 from tasks.quantize._setup import QuantizeSetup

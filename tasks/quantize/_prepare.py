@@ -17,7 +17,7 @@ from typing import Any
 
 import onnx
 
-from pipeline.data import Batch
+from pipeline.data.adapters import Batch
 
 log = logging.getLogger("tune.quantize")
 
@@ -64,7 +64,7 @@ def transform_float(model: onnx.ModelProto, q: Any, batches: Callable[[], Iterab
     if bool(q.smoothing):
         candidates = tf.smoothing_candidates(model)
         if candidates:
-            from pipeline.memory import memory_limit_bytes
+            from pipeline.graph.memory import memory_limit_bytes
 
             absmax, samples = tf.channel_absmax(model, batches, candidates, threads,
                                                 max_bytes=memory_limit_bytes(q.calibration.max_memory_gb))
@@ -86,7 +86,7 @@ def lower_rnn(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]]
     """(the model with its LSTMs unrolled where that is exact, the record). Unlike the transforms above it
     is not weighed against the PTQ error: it makes more of the model quantizable, which recovery and
     autotune then weigh node by node."""
-    from pipeline.rnn import lower_lstm
+    from pipeline.transforms.rnn import lower_lstm
     from tasks.quantize import _transforms as tf
 
     new, changes = lower_lstm(model)

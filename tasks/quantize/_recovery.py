@@ -15,9 +15,9 @@ from typing import Any
 
 import onnx
 
-from pipeline.accuracy import AccuracyVerdict
-from pipeline.bodies import QUANTIZED_BODIES
-from pipeline.graph import WEIGHTED_OPS, iter_nodes
+from pipeline.accuracy.budget import AccuracyVerdict
+from pipeline.graph.bodies import QUANTIZED_BODIES
+from pipeline.graph.model import WEIGHTED_OPS, iter_nodes
 from tasks.quantize._accuracy import Candidate, Checker
 
 log = logging.getLogger("tune.quantize")

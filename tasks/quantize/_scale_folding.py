@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from tasks.quantize._graph_edit import Editor
-from tasks.quantize._smoothing import _absorber, _divide
+from tasks.quantize._graph_edit import Editor, absorber, divide_along
 
 # ops a scalar factor passes through unchanged: x * f reshaped is the reshaped x, times f
 SCALE_TRANSPARENT = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
@@ -78,14 +77,14 @@ def fold_matmul_scales(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[di
         m, factor = found
         for t in ed.node(m).input:
             src = _linear_source(ed, t)
-            absorb = _absorber(ed, src, None) if src is not None else None
+            absorb = absorber(ed, src, None) if src is not None else None
             if absorb is None:
                 continue
             label, edits = absorb
             s = np.array(1.0 / factor)
             for e in edits:
                 name = ed.node(e.node).input[e.index]
-                ed.set_const(name, _divide(ed.array(name), s, e.axis), [(e.node, e.index)])
+                ed.set_const(name, divide_along(ed.array(name), s, e.axis), [(e.node, e.index)])
             node = ed.node(i)
             ed.rewire(ed.uses(node.output[0]), ed.node(m).output[0])
             folded.add(node.name or node.output[0])

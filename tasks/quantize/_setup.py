@@ -14,12 +14,12 @@ from typing import Any
 import onnx
 from omegaconf import DictConfig
 
-from pipeline.accuracy import AccuracyBudget, Holdout
-from pipeline.calibration import Calibration
-from pipeline.config import enum_value
-from pipeline.data import Batch, DataProvider
-from pipeline.graph import input_specs
-from pipeline.placement import (
+from pipeline.accuracy.budget import AccuracyBudget, Holdout
+from pipeline.data.adapters import Batch, DataProvider
+from pipeline.graph.model import input_specs
+from pipeline.progress import progress_bar
+from pipeline.quant.calibration import Calibration
+from pipeline.quant.placement import (
     NodeDtypes,
     activation_type,
     onnxruntime_plan,
@@ -27,7 +27,7 @@ from pipeline.placement import (
     resolve_rules,
     tensorrt_plan,
 )
-from pipeline.progress import progress_bar
+from pipeline.values import enum_value
 from tasks.quantize import _prepare
 from tasks.quantize._accuracy import Checker, temp_workdir
 from tasks.quantize._calibrate import collect
@@ -72,7 +72,7 @@ class QuantizeSetup:
     def create(cls, cfg: DictConfig, out_dir: Path, float_path: Path, model: onnx.ModelProto,
                rules: dict[str, NodeDtypes]) -> QuantizeSetup:
         """The setup of ``model`` (export's, at ``float_path``) with its non-empty ``rules``."""
-        from pipeline.memory import check_weights_fit, memory_limit_bytes
+        from pipeline.graph.memory import check_weights_fit, memory_limit_bytes
 
         q = cfg.quantize
         check_weights_fit(model, memory_limit_bytes(q.calibration.max_memory_gb), "quantize.calibration.max_memory_gb")
@@ -128,6 +128,6 @@ class QuantizeSetup:
     @property
     def max_bytes(self) -> float:
         """The working-set bound of the passes that observe tensors (quantize.calibration.max_memory_gb)."""
-        from pipeline.memory import memory_limit_bytes
+        from pipeline.graph.memory import memory_limit_bytes
 
         return memory_limit_bytes(self.q.calibration.max_memory_gb)

@@ -22,9 +22,9 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from pipeline.qmath import activation_params, quantize_values, weight_params
+from pipeline.quant.qmath import activation_params, quantize_values, weight_params
 from tasks.quantize._calibrate import outlier_ratio
-from tasks.quantize._graph_edit import Editor, Use, attr
+from tasks.quantize._graph_edit import ConstEdit, Editor, Use, absorber, attr, divide_along
 
 log = logging.getLogger("tune.quantize")
 
@@ -100,69 +100,6 @@ def smoothing_error(x: np.ndarray, weights_kn: Sequence[np.ndarray], s: np.ndarr
     return total
 
 
-@dataclass(frozen=True)
-class _Edit:
-    """Divide constant input ``index`` of node ``node`` by s along ``axis`` (-1: the last axis,
-    broadcasting a size-1 or scalar constant up to K)."""
-
-    node: int
-    index: int
-    axis: int = -1
-
-
-def _fits_last_axis(ed: Editor, name: str, k: int | None) -> bool:
-    shape = ed.shape(name)
-    return k is None or len(shape) == 0 or shape[-1] in (1, k)
-
-
-def _absorber(ed: Editor, tensor: str, k: int | None) -> tuple[str, list[_Edit]] | None:
-    """How the producer of ``tensor`` can output tensor / s exactly (op label, constant edits); s has
-    ``k`` channels on the last axis, or is one scalar when ``k`` is None."""
-    i = ed.producer(tensor)
-    if i is None:
-        return None
-    node = ed.node(i)
-    if node.output[0] != tensor:
-        return None
-    op, ins = node.op_type, list(node.input)
-    consts = [j for j, t in enumerate(ins) if ed.is_float_const(t)]
-    edits: list[_Edit]
-    if op == "LayerNormalization":
-        edits = [_Edit(i, j) for j in (1, 2) if j < len(ins) and ins[j]]
-        if any(e.index not in consts for e in edits):
-            return None
-    elif op == "Mul" and len(ins) == 2 and len(consts) == 1:
-        edits = [_Edit(i, consts[0])]
-    elif op == "MatMul" and consts == [1] and (k is None or ed.shape(ins[1])[-1:] == (k,)):
-        edits = [_Edit(i, 1)]
-    elif op == "Gemm" and 1 in consts and 0 not in consts:
-        axis = 0 if attr(node, "transB", 0) else 1
-        if (k is not None and ed.shape(ins[1])[axis] != k) or (len(ins) > 2 and ins[2] and 2 not in consts):
-            return None
-        edits = [_Edit(i, 1, axis)] + ([_Edit(i, 2)] if len(ins) > 2 and ins[2] else [])
-    elif op == "Add" and len(ins) == 2 and len(consts) == 1:
-        inner_t = ins[1 - consts[0]]
-        if inner_t in ed.outputs or ed.uses(inner_t) != [(i, 1 - consts[0])]:
-            return None
-        inner = _absorber(ed, inner_t, k)
-        if inner is None:
-            return None
-        return f"{inner[0]}+Add", [*inner[1], _Edit(i, consts[0])]
-    else:
-        return None
-    if any(e.axis == -1 and not _fits_last_axis(ed, ins[e.index], k) for e in edits):
-        return None
-    return op, edits
-
-
-def _divide(values: np.ndarray, s: np.ndarray, axis: int) -> np.ndarray:
-    if axis == -1:
-        return values / s
-    shape = [1] * values.ndim
-    shape[axis] = -1
-    return values / s.reshape(shape)
-
-
 @dataclass
 class _Consumers:
     uses: list[Use]
@@ -188,10 +125,10 @@ def _weights_kn(ed: Editor, c: _Consumers) -> list[np.ndarray]:
     return [ed.array(w) if axis == 0 else ed.array(w).T for w, (_, axis) in c.weights.items()]
 
 
-def _absorbing(ed: Editor, tensor: str, c: _Consumers, k: int) -> tuple[str, list[_Edit]] | None:
+def _absorbing(ed: Editor, tensor: str, c: _Consumers, k: int) -> tuple[str, list[ConstEdit]] | None:
     """The producer edits that absorb 1/s, when ``tensor`` feeds only the smoothed consumers."""
     exclusive = tensor not in ed.outputs and set(ed.uses(tensor)) == set(c.uses)
-    return _absorber(ed, tensor, k) if exclusive else None
+    return absorber(ed, tensor, k) if exclusive else None
 
 
 def _apply_smoothing(ed: Editor, tensor: str, c: _Consumers, s: np.ndarray) -> tuple[str, bool]:
@@ -206,7 +143,7 @@ def _apply_smoothing(ed: Editor, tensor: str, c: _Consumers, s: np.ndarray) -> t
         label, edits = found
         for e in edits:
             name = ed.node(e.node).input[e.index]
-            ed.set_const(name, _divide(ed.array(name), s, e.axis), [(e.node, e.index)])
+            ed.set_const(name, divide_along(ed.array(name), s, e.axis), [(e.node, e.index)])
         return label, False
     inv = ed.unique(f"{tensor}_smooth_inv_scale")
     out = ed.unique(f"{tensor}_smoothed")
@@ -234,7 +171,7 @@ def smooth_outliers(model: onnx.ModelProto, act_absmax: Mapping[str, np.ndarray]
     ``smoothing_error`` on ``samples[t]``; the tensor is left alone unless it beats alpha 0 (no
     smoothing) by more than 2%. Without samples for a tensor, alpha 0.5 (SmoothQuant's default) is
     used and no errors are reported. 1/s is folded into the producer when the tensor feeds only
-    those consumers and is not a graph output (see ``_absorber``), else a Mul is inserted, and only
+    those consumers and is not a graph output (see ``absorber``), else a Mul is inserted, and only
     for a tensor whose channels differ by MUL_MIN_OUTLIER_RATIO or more.
 
     Records, one per smoothed tensor: tensor, consumers, alpha, absorbed_by (producer op chain, or
@@ -292,10 +229,10 @@ def channel_absmax(model: onnx.ModelProto, batches_fn: Callable[[], Iterable[Any
                    threads: int = 1, max_rows: int = SAMPLE_ROWS, seed: int = 0, max_bytes: float | None = None
                    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Per-channel (last axis) absmax of ``tensors`` over the float model's run on ``batches_fn()``
-    (``pipeline.data.Batch`` objects or plain feed dicts), and up to ``max_rows`` rows of each tensor
+    (``pipeline.data.adapters.Batch`` objects or plain feed dicts), and up to ``max_rows`` rows of each tensor
     reshaped to [-1, K], drawn uniformly over all batches (smallest random keys kept); ``max_bytes``
     bounds the working set (``ActivationRunner``)."""
-    from pipeline.data import Batch
+    from pipeline.data.adapters import Batch
     from tasks.quantize._calibrate import ActivationRunner
 
     runner = ActivationRunner(model, list(tensors), threads, max_bytes)
@@ -335,7 +272,7 @@ def float_rel_error(before: onnx.ModelProto, after: onnx.ModelProto, feeds: Sequ
     """max over outputs of ||y_after - y_before|| / ||y_before|| (norms over all ``feeds``), both run
     on ORT CPU with graph optimizations off so fusions cannot differ between the two graphs (one
     session at a time: a large model is not held by ORT twice)."""
-    from pipeline.ort import ort_session, ort_session_options
+    from pipeline.backends.ort import inference_session, ort_session_options
 
     names = [o.name for o in before.graph.output]
     missing = sorted(set(names) - {o.name for o in after.graph.output})
@@ -343,7 +280,7 @@ def float_rel_error(before: onnx.ModelProto, after: onnx.ModelProto, feeds: Sequ
         raise ValueError(f"transformed model lacks output(s) {missing}; transforms must keep every output")
 
     def outputs(m: onnx.ModelProto) -> list[list[np.ndarray]]:
-        session = ort_session(m, ort_session_options("disable"))
+        session = inference_session(m, ort_session_options("disable"))
         return [session.run(names, dict(f)) for f in feeds]
 
     ref, got = outputs(before), outputs(after)

@@ -23,17 +23,17 @@ import numpy as np
 import onnx
 from omegaconf import DictConfig
 
-from pipeline import weights
 from pipeline.artifacts import atomic_write_json
-from pipeline.bodies import QUANTIZED_BODIES, unique_names, walk_views
-from pipeline.calibration import Calibration
-from pipeline.config import enum_value
-from pipeline.graph import iter_nodes, load_model, save_model
-from pipeline.graph_index import GraphIndex, weight_inputs
-from pipeline.placement import NodeDtypes, resolve_rules, weight_axis
-from pipeline.qdq import qdq_summary
-from pipeline.qmath import FP8, QTYPES, activation_params
+from pipeline.graph import weights
+from pipeline.graph.bodies import QUANTIZED_BODIES, unique_names, walk_views
+from pipeline.graph.index import GraphIndex, weight_inputs
+from pipeline.graph.model import iter_nodes, load_model, save_model
+from pipeline.quant.calibration import Calibration
+from pipeline.quant.placement import NodeDtypes, resolve_rules, weight_axis
+from pipeline.quant.qdq import qdq_summary
+from pipeline.quant.qmath import FP8, QTYPES, activation_params
 from pipeline.stage import Stage, StageContext, StageResult
+from pipeline.values import enum_value
 from tasks.quantize import _prepare
 from tasks.quantize._decide import decide
 from tasks.quantize._held_out import choose_ranges, keep_transforms, refine_ranges
@@ -118,7 +118,7 @@ class Calibrated:
 def _sensitivity_chart(sensitivity: dict[str, Any], path: Path) -> Path:
     """The budget was missed: how much of the PTQ model's output error each node removes when it alone
     is left float (recovery's ranking), with the nodes recovery left float marked."""
-    from pipeline.sensitivity import plot_node_sensitivity
+    from pipeline.accuracy.sensitivity import plot_node_sensitivity
 
     full = (sensitivity.get("full_placement") or {}).get("snr_db")
     full_nsr = 10 ** (-full / 10) if full is not None else 0.0

@@ -64,7 +64,7 @@ def test_default_pipeline_keeps_top1_within_a_point_on_avx2_without_vnni(digits_
              "evaluate.latency=false", "evaluate.plot=false", "progress=false"]
 
     def emulated(stages: str) -> subprocess.CompletedProcess:
-        proc = run_emulated(prefix, ["-m", "pipeline.cli", f"results_dir={rd}", f"stages=[{stages}]", *small],
+        proc = run_emulated(prefix, ["-m", "pipeline.app.cli", f"results_dir={rd}", f"stages=[{stages}]", *small],
                             cwd=tmp_path, timeout=1500)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc

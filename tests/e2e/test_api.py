@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from pipeline.api import tune
-from pipeline.data import data_fingerprint
+from pipeline.data.adapters import data_fingerprint
 from pipeline.errors import ConfigError
 from tests.conftest import run_tune
 
@@ -139,7 +139,7 @@ def test_a_metric_function_judges_every_model_and_its_scores_are_reported(tmp_pa
     ev = json.loads((rd / "manifest.json").read_text())["stages"]["evaluate"]["metrics"]
     scores = ev["custom_metric"]["scores"]
     assert set(scores) >= {"float", "ptq"} and all(0 <= v <= 100 for v in scores.values())
-    assert ev["custom_metric"]["name"] == "top1" and ev["custom_metric"]["path"].startswith("pipeline.live.top1__")
+    assert ev["custom_metric"]["name"] == "top1" and ev["custom_metric"]["path"].startswith("pipeline.data.live.top1__")
     report = (rd / "evaluate" / "report.md").read_text()
     assert "Custom metric `top1` (a function passed to pipeline.api.tune()" in report
     assert f"float {scores['float']:.6g}" in report

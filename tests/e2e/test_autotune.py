@@ -13,7 +13,7 @@ import onnx
 import pytest
 import yaml
 
-from pipeline.qdq import get_quantized_tensors
+from pipeline.quant.qdq import get_quantized_tensors
 from tests import models
 from tests.conftest import PLAIN_QUANTIZE, run_tune, tune_command
 
@@ -54,8 +54,8 @@ def test_outputs_final_line_and_exact_placement(tiny, tmp_path):
     final = onnx.load(str(out / "optimized_final.onnx"))
     onnx.checker.check_model(final)
     # the shipped file is exactly the measured winner: rebuild the committed placement from the state
-    from pipeline.calibration import load_calibration
-    from pipeline.graph import load_model
+    from pipeline.graph.model import load_model
+    from pipeline.quant.calibration import load_calibration
     from tasks.autotune.autotuner import Config, QDQAutotuner
 
     tuner = QDQAutotuner(load_model(rd / "quantize" / "float_model.onnx"))  # the graph autotune places Q/DQ in

@@ -10,7 +10,7 @@ import json
 import onnx
 import pytest
 
-from pipeline.ort import ort_session
+from pipeline.backends.ort import inference_session
 from tests import models
 from tests.conftest import run_tune
 from tests.unit.test_bodies import _body_matmuls
@@ -40,7 +40,7 @@ def test_rnn_inside_a_loop_or_scan_body_is_quantized_tuned_and_evaluated_within_
     assert list(calib["bodies"]) == [node] and "W" in calib["weights"]
     qmodel = onnx.load(str(rd / "quantize" / "quantized_model.onnx"))
     assert list(_body_matmuls(qmodel).values()) == [["DequantizeLinear", "DequantizeLinear"]] * 2
-    ort_session(qmodel)
+    inference_session(qmodel)
     assert stages["autotune"]["metrics"]["accuracy"]["final"]["ok"]
     metrics = json.loads((rd / "evaluate" / "metrics.json").read_text())
     assert not metrics["over_budget"], metrics["over_budget"]

@@ -89,7 +89,7 @@ def test_fixed_input_the_model_does_not_have_is_a_one_line_error(tmp_path):
 def test_lstm_is_unrolled_exactly_and_its_matmuls_quantized(tmp_path):
     """A torch LSTM (5 steps, batch 2, h0/c0 inputs): quantize unrolls it into MatMuls (float outputs
     equal within 1e-5), quantizes them and meets the budget."""
-    from pipeline.rnn import lower_lstm
+    from pipeline.transforms.rnn import lower_lstm
 
     path = models.save(models.stateful_rnn(batch=2), tmp_path, "rnn")
     model = onnx.load(str(path))

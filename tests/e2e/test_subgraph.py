@@ -82,7 +82,7 @@ def test_outputs_report_and_group_reuse(blocks, tmp_path):
     import onnxruntime as ort
 
     from pipeline.backends.base import specs_of
-    from pipeline.data import fixed_feeds
+    from pipeline.data.adapters import fixed_feeds
 
     for sub in (out / "subgraphs").glob("*.onnx"):
         sess = ort.InferenceSession(str(sub), providers=["CPUExecutionProvider"])

@@ -63,7 +63,7 @@ def test_summary_lists_every_job_and_a_failed_one_with_its_reason(tiny, tmp_path
 
 
 def test_overlapping_cpu_timing_is_flagged_and_pareto_front():
-    from pipeline.sweep import _overlapping, pareto
+    from pipeline.app.sweep import overlapping, pareto
 
     def row(job, host, start, end, speedup=1.0, drop=0.0, backend="onnxruntime"):
         return {"job": job, "host": host, "backend": backend, "timing_windows": [[start, end]], "speedup": speedup,
@@ -71,14 +71,14 @@ def test_overlapping_cpu_timing_is_flagged_and_pareto_front():
 
     rows = [row("a", "h1", 0, 10), row("b", "h1", 5, 15), row("c", "h2", 0, 10), row("d", "h1", 20, 30),
             row("e", "h1", 0, 10, backend="tensorrt")]
-    assert _overlapping(rows) == {"a", "b"}  # other host, later, or a GPU backend: comparable
+    assert overlapping(rows) == {"a", "b"}  # other host, later, or a GPU backend: comparable
     pts = [row("fast", "h", 0, 1, 3.0, 2.0), row("exact", "h", 0, 1, 1.5, 0.0), row("worse", "h", 0, 1, 1.4, 0.5),
            row("mid", "h", 0, 1, 2.0, 1.0)]
     assert sorted(pareto(pts)) == ["exact", "fast", "mid"]
 
 
 def test_reproduce_command_names_spec_file_overrides_and_job_folder():
-    from pipeline.sweep import reproduce_command
+    from pipeline.app.sweep import reproduce_command
 
     hc = {"job": {"config_name": "resnet50"},
           "runtime": {"output_dir": "/r/multirun/seed=1", "config_sources": [
@@ -133,7 +133,7 @@ def test_multirun_with_cfg_is_a_one_line_error(tmp_path):
 
 
 def test_a_missing_sweep_extra_is_named(monkeypatch, capsys):
-    from pipeline import cli
+    from pipeline.app import cli
 
     # a plugin whose parent namespace package is missing too is "not available", not an exception
     assert not cli.module_available("qdq_tune_no_such_parent.hydra_ray_launcher")

@@ -16,17 +16,17 @@ import pytest
 from omegaconf import OmegaConf
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline.accuracy import AccuracyBudget, Holdout
+from pipeline.accuracy.budget import AccuracyBudget, Holdout
+from pipeline.accuracy.cpu import cpu_facts
+from pipeline.accuracy.fidelity import kernel_fidelity
 from pipeline.backends.onnxruntime import OnnxRuntimeBackend, OrtPrepared
-from pipeline.calibration import Calibration
 from pipeline.config import OnnxRuntimeBackendConfig
-from pipeline.cpu import cpu_facts
-from pipeline.data import Batch, synthetic_batches
+from pipeline.data.adapters import Batch, synthetic_batches
 from pipeline.errors import ConfigError
-from pipeline.fidelity import kernel_fidelity
-from pipeline.graph import input_specs
-from pipeline.placement import onnxruntime_plan, resolve_rules
-from pipeline.qdq import apply_plan
+from pipeline.graph.model import input_specs
+from pipeline.quant.calibration import Calibration
+from pipeline.quant.placement import onnxruntime_plan, resolve_rules
+from pipeline.quant.qdq import apply_plan
 from tasks.quantize import _accuracy
 from tasks.quantize._calibrate import collect
 from tests import models
@@ -62,7 +62,7 @@ def test_embedding_under_budget_is_rejected_even_with_full_argmax_agreement():
     """An embedding [N, 512] whose argmax never moves but whose values carry 0.19 relative error
     (SNR 14.4 dB): agreement says nothing about an embedding, so it misses the budget; the verdict
     names the output it judged. Each output of a two-output model is held to the budget on its own."""
-    from pipeline.metrics import ModelScores
+    from pipeline.accuracy.metrics import ModelScores
 
     rng = np.random.default_rng(0)
     ref = rng.standard_normal((16, 512)).astype(np.float32)
@@ -88,7 +88,7 @@ def test_embedding_under_budget_is_rejected_even_with_full_argmax_agreement():
 
 def test_a_probability_map_is_judged_by_snr_not_by_an_argmax_over_columns():
     """A detector's [N, 1, H, W] map has no classes: no agreement is computed, SNR alone decides."""
-    from pipeline.metrics import ModelScores
+    from pipeline.accuracy.metrics import ModelScores
 
     rng = np.random.default_rng(0)
     ref = rng.random((1, 1, 48, 64)).astype(np.float32)
@@ -102,7 +102,7 @@ def test_a_probability_map_is_judged_by_snr_not_by_an_argmax_over_columns():
 
 def _two_outputs(snr_noise: float = 0.19) -> dict:
     """Scores of a model with a clean 'pooled' [N, 64] output and a noisy 'tokens' [N, 8, 64] one."""
-    from pipeline.metrics import ModelScores
+    from pipeline.accuracy.metrics import ModelScores
 
     rng = np.random.default_rng(1)
     tokens = rng.standard_normal((16, 8, 64)).astype(np.float32)
@@ -141,7 +141,7 @@ def test_per_output_metrics_replace_the_default_one_for_their_outputs():
 def test_class_outputs_by_declaration_not_by_shape():
     """A [N, 64] ReLU feature output looks like class scores; declared otherwise it is judged by SNR
     alone, and a declared class output on a second position gets the agreement."""
-    from pipeline.metrics import ModelScores
+    from pipeline.accuracy.metrics import ModelScores
 
     rng = np.random.default_rng(2)
     feats = np.maximum(rng.standard_normal((32, 64)), 0).astype(np.float32)
@@ -168,7 +168,7 @@ def test_custom_metric_budget_is_the_drop_of_the_users_score():
 
 
 def test_custom_metric_that_raises_or_returns_nan_is_one_line():
-    from pipeline.accuracy import CustomMetric
+    from pipeline.accuracy.budget import CustomMetric
     from pipeline.errors import InputError
 
     def boom(outputs, reference, labels):
@@ -213,8 +213,8 @@ import sys, json
 sys.path.insert(0, {root!r})
 import numpy as np
 from tests.unit.test_accuracy import _backend, saturating_model
-from pipeline.fidelity import kernel_fidelity
-from pipeline.cpu import cpu_facts
+from pipeline.accuracy.fidelity import kernel_fidelity
+from pipeline.accuracy.cpu import cpu_facts
 path = {path!r}
 r = kernel_fidelity(_backend(), path, [{{"x": np.ones((1, 16, 8, 8), np.float32)}}])
 print(json.dumps({{"ok": r.ok, "snr": r.snr_db, "saturates": cpu_facts()["u8s8_saturates"]}}))
@@ -376,7 +376,7 @@ def test_planted_kernel_disagreement_is_localized_to_its_node(tmp_path):
 def test_low_snr_model_on_an_exact_cpu_keeps_full_range_weights(tmp_path):
     """A noisy quantized model whose fused run differs from its Q/DQ reference by about its own
     quantization noise (as any two quantized runs do) is no kernel fault: full-range weights stay."""
-    from pipeline.fidelity import kernel_fidelity
+    from pipeline.accuracy.fidelity import kernel_fidelity
 
     class NoisyTwin(OnnxRuntimeBackend):
         """The fused run is another quantized realization: as far from float as the reference, but
@@ -421,7 +421,7 @@ def _write_q(tmp_path):
 
 
 def test_final_summary_says_which_models_miss_the_budget(capsys, tmp_path):
-    from pipeline.summary import print_summary
+    from pipeline.app.summary import print_summary
 
     text = "PTQ model misses the accuracy budget: top-1 drop 64.0 points (max 1); likely cause: ..."
     print_summary({"evaluate": {"status": "done", "metrics": {"headline": "float 97.0% | ptq 33.0% OVER BUDGET",
@@ -432,7 +432,7 @@ def test_final_summary_says_which_models_miss_the_budget(capsys, tmp_path):
 
 # ------------------------------------------------------------------ no model that does not run is written
 def _dense_setup(tmp_path):
-    from pipeline.placement import resolve_rules as rr
+    from pipeline.quant.placement import resolve_rules as rr
 
     model = models.dense_2d_bias()
     specs = input_specs(model)
@@ -485,7 +485,7 @@ def test_recovery_finds_nodes_that_only_matter_together():
     pair."""
     from pathlib import Path
 
-    from pipeline.accuracy import AccuracyVerdict
+    from pipeline.accuracy.budget import AccuracyVerdict
     from tasks.quantize._accuracy import Candidate
     from tasks.quantize._recovery import greedy_recovery, rank_sensitivity, recover
 
@@ -513,7 +513,7 @@ def test_recovery_finds_nodes_that_only_matter_together():
 
 
 def test_recovery_aims_inside_the_budget_by_its_margin():
-    from pipeline.accuracy import AccuracyBudget
+    from pipeline.accuracy.budget import AccuracyBudget
 
     b = AccuracyBudget(min_snr_db=20.0, min_cosine=0.99, max_drop=1.0)
     t = b.tightened(1.0)

@@ -6,12 +6,12 @@ import numpy as np
 import onnx
 import pytest
 
-from pipeline.calibration import Calibration
-from pipeline.data import Batch
+from pipeline.data.adapters import Batch
 from pipeline.errors import StateError
-from pipeline.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
-from pipeline.qdq import apply_plan, get_quantized_tensors
-from pipeline.qmath import activation_params
+from pipeline.quant.calibration import Calibration
+from pipeline.quant.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
+from pipeline.quant.qdq import apply_plan, get_quantized_tensors
+from pipeline.quant.qmath import activation_params
 from tasks.autotune.autotuner import Config, QDQAutotuner
 from tasks.autotune.insertion_points import InsertionPoint
 from tasks.autotune.pattern import RegionPattern

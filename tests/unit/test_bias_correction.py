@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 from onnx import numpy_helper
 
-from pipeline.calibration import Calibration
-from pipeline.data import Batch, synthetic_batches
-from pipeline.graph import input_specs
-from pipeline.placement import onnxruntime_plan, resolve_rules
-from pipeline.qdq import apply_plan
+from pipeline.data.adapters import Batch, synthetic_batches
+from pipeline.graph.model import input_specs
+from pipeline.quant.calibration import Calibration
+from pipeline.quant.placement import onnxruntime_plan, resolve_rules
+from pipeline.quant.qdq import apply_plan
 from tasks.quantize._bias_correction import bias_slots, corrections, mean_shifts
 from tasks.quantize._calibrate import collect
 from tests import models

@@ -10,13 +10,13 @@ import onnx
 import pytest
 from onnx import helper
 
-from pipeline.bodies import body, thread_out, unique_names
-from pipeline.calibration import Calibration, load_calibration
-from pipeline.data import Batch
-from pipeline.graph import input_specs, iter_nodes
-from pipeline.ort import ort_session
-from pipeline.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
-from pipeline.qdq import apply_plan
+from pipeline.backends.ort import inference_session
+from pipeline.data.adapters import Batch
+from pipeline.graph.bodies import body, thread_out, unique_names
+from pipeline.graph.model import input_specs, iter_nodes
+from pipeline.quant.calibration import Calibration, load_calibration
+from pipeline.quant.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
+from pipeline.quant.qdq import apply_plan
 from tasks.autotune.autotuner import Config, QDQAutotuner
 from tasks.quantize._calibrate import collect
 from tests import models
@@ -59,7 +59,7 @@ def _body_matmuls(model: onnx.ModelProto) -> dict[str, list[str]]:
 
 
 def _snr_db(model: onnx.ModelProto, quantized: onnx.ModelProto) -> float:
-    a_sess, b_sess = ort_session(model), ort_session(quantized)
+    a_sess, b_sess = inference_session(model), inference_session(quantized)
     sig = err = 0.0
     for feed in _feeds(model, seed=1):
         a, b = a_sess.run(None, feed)[0], b_sess.run(None, feed)[0]
@@ -107,7 +107,7 @@ def test_tensors_of_nested_bodies_are_stacked_over_every_enclosing_loop():
     threaded, found = thread_out(model, ["rnn/inner/xw", "rnn/h_new", "logits"])
     assert set(found) == {"rnn/inner/xw", "rnn/h_new"}  # main-graph tensors are read as they are
     assert found["rnn/inner/xw"][1] == 2 and found["rnn/h_new"][1] == 1
-    outs = ort_session(threaded).run([found["rnn/inner/xw"][0], found["rnn/h_new"][0]], _feeds(model, 1)[0])
+    outs = inference_session(threaded).run([found["rnn/inner/xw"][0], found["rnn/h_new"][0]], _feeds(model, 1)[0])
     assert outs[0].shape == (6, 3, 2, 32) and outs[1].shape == (6, 2, 32)
 
 
@@ -125,13 +125,13 @@ def test_sibling_bodies_with_the_same_names_are_renamed_apart():
     del g.value_info[:]
     model = onnx.shape_inference.infer_shapes(model)
     feed = _feeds(model, 1)[0]
-    before = ort_session(model).run(None, feed)[0]
+    before = inference_session(model).run(None, feed)[0]
     assert unique_names(model) > 0
     onnx.checker.check_model(model, full_check=True)
     names = [n.name for n in iter_nodes(model.graph)]
     values = [o for n in iter_nodes(model.graph) for o in n.output]
     assert "" not in names and len(set(names)) == len(names) and len(set(values)) == len(values)
-    np.testing.assert_array_equal(ort_session(model).run(None, feed)[0], before)
+    np.testing.assert_array_equal(inference_session(model).run(None, feed)[0], before)
     plan = _plan(model, "onnxruntime")
     assert set(plan.bodies) == {"rnn/Scan", "rnn2/Scan"}
     assert len(_body_matmuls(apply_plan(model, plan, Calibration(_stats(model))))) == 4

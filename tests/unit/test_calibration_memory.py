@@ -13,7 +13,7 @@ from tests import models
 SCRIPT = r"""
 import json, resource, sys
 import numpy as np, onnx
-from pipeline.data import Batch
+from pipeline.data.adapters import Batch
 from tasks.quantize._calibrate import collect
 model = onnx.load(sys.argv[1])
 n = int(sys.argv[2])
@@ -49,7 +49,7 @@ def test_scales_do_not_depend_on_the_batch_size(algorithm):
     2% (ranges come from a first pass, histograms are fixed-range: the grouping changes nothing)."""
     import numpy as np
 
-    from pipeline.data import Batch
+    from pipeline.data.adapters import Batch
     from tasks.quantize._calibrate import collect
 
     model = models.with_dynamic_batch(models.conv_chain(channels=16, size=24))
@@ -70,7 +70,7 @@ def test_scales_do_not_depend_on_the_batch_size(algorithm):
 
 
 def test_observation_groups_fit_the_budget():
-    from pipeline.memory import observation_groups
+    from pipeline.graph.memory import observation_groups
 
     sizes = {"a": 40, "b": 40, "c": 30, "d": 100}
     assert observation_groups(["a", "b", "c", "d"], sizes, None) == [["a", "b", "c", "d"]]
@@ -85,8 +85,8 @@ def test_a_memory_bound_splits_the_pass_and_changes_no_statistic(algorithm):
     several times per batch, and every statistic is what one pass over all tensors gives."""
     import numpy as np
 
-    from pipeline.data import Batch
-    from pipeline.memory import tensor_nbytes, weights_nbytes
+    from pipeline.data.adapters import Batch
+    from pipeline.graph.memory import tensor_nbytes, weights_nbytes
     from tasks.quantize._calibrate import ActivationRunner, candidate_tensors, collect
 
     model = models.conv_chain(channels=16, size=24)
@@ -111,11 +111,11 @@ def test_apply_plan_quantizes_weights_from_the_source_without_copying_them(model
     """apply_plan copies the model without the float weights it stores quantized (they are read from
     the source model): the result is byte-identical to quantizing a full copy, and the source is
     untouched."""
-    from pipeline import qdq
-    from pipeline.calibration import Calibration
-    from pipeline.data import Batch, synthetic_batches
-    from pipeline.graph import input_specs, model_hash
-    from pipeline.placement import onnxruntime_plan, resolve_rules
+    from pipeline.data.adapters import Batch, synthetic_batches
+    from pipeline.graph.model import input_specs, model_hash
+    from pipeline.quant import qdq
+    from pipeline.quant.calibration import Calibration
+    from pipeline.quant.placement import onnxruntime_plan, resolve_rules
     from tasks.quantize._calibrate import collect
 
     model = model_fn()

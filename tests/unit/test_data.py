@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.data import DataProvider, digits_arrays, rebatch, to_feeds
+from pipeline.data.adapters import DataProvider, digits_arrays, rebatch, to_feeds
 from pipeline.errors import InputError
-from pipeline.graph import InputSpec, input_specs
+from pipeline.graph.model import InputSpec, input_specs
 from tests import models
 from tests.conftest import compose
 

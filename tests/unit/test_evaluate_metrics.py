@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.metrics import (
+from pipeline.accuracy.metrics import (
     ModelScores,
     cosine_similarities,
     json_safe,

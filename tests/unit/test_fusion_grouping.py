@@ -3,7 +3,7 @@ original nodes by boundary tensors."""
 
 from __future__ import annotations
 
-from tasks.autotune.fusion_grouping import ort_fusion_groups
+from tasks.autotune.subgraph.fusion_grouping import ort_fusion_groups
 from tests import models
 
 
@@ -46,7 +46,7 @@ def test_trtexec_graph_json_groups_and_skips_layers_of_no_onnx_node():
     import json
     from pathlib import Path
 
-    from tasks.autotune.fusion_grouping import trt_fusion_groups
+    from tasks.autotune.subgraph.fusion_grouping import trt_fusion_groups
 
     doc = json.loads((Path(__file__).parents[1] / "fixtures" / "trtexec" / "graph_fp16_conv_chain.json").read_text())
     groups = {g.names: g.fused_ops for g in trt_fusion_groups(models.conv_chain(), doc)}
@@ -59,7 +59,7 @@ def test_trt_layers_sharing_an_onnx_node_are_one_group():
     import json
     from pathlib import Path
 
-    from tasks.autotune.fusion_grouping import trt_fusion_groups
+    from tasks.autotune.subgraph.fusion_grouping import trt_fusion_groups
 
     doc = json.loads((Path(__file__).parents[1] / "fixtures" / "trtexec" / "layer_info_10x.json").read_text())
     g = next(g for g in trt_fusion_groups(models.conv_chain(), doc) if "conv1" in g.names)

@@ -7,7 +7,7 @@ import pytest
 from pipeline.backends import compare_interleaved, create_backend
 from pipeline.backends.onnxruntime import physical_cores
 from pipeline.errors import InputError
-from pipeline.graph import dynamic_inputs, fix_input_shapes, input_specs, load_model
+from pipeline.graph.model import dynamic_inputs, fix_input_shapes, input_specs, load_model
 from tests import models
 from tests.conftest import compose
 
@@ -80,7 +80,7 @@ def test_batchnorm_folds_into_its_conv_and_outputs_stay_the_same():
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from pipeline.folding import fold_batchnorm
+    from pipeline.transforms.folding import fold_batchnorm
 
     rng = np.random.default_rng(0)
     c = 6
@@ -105,13 +105,13 @@ def test_batchnorm_folds_into_its_conv_and_outputs_stay_the_same():
 
 
 def test_external_data_saves_leave_the_callers_model_as_it_was(tmp_path):
-    """save_model with external data and ort_session's path for protos past 2 GB stream the weights out
+    """save_model with external data and inference_session's path for protos past 2 GB stream the weights out
     of the caller's proto one tensor at a time and leave it byte-identical."""
     import numpy as np
 
-    from pipeline.graph import model_hash, save_model
-    from pipeline.ort import ort_session
-    from pipeline.weights import save_external
+    from pipeline.backends.ort import inference_session
+    from pipeline.graph.model import model_hash, save_model
+    from pipeline.graph.weights import save_external
     from tests import models
 
     model = models.transformer_layer()
@@ -121,6 +121,6 @@ def test_external_data_saves_leave_the_callers_model_as_it_was(tmp_path):
     save_external(model, tmp_path / "b.onnx", ["s0"])
     assert model_hash(model) == before and [o.name for o in model.graph.output] == ["output"]
     x = {"input": np.ones((1, 16, 32), np.float32)}
-    got = ort_session(tmp_path / "b.onnx").run(["output", "s0"], x)
-    want = ort_session(model, extra_outputs=["s0"]).run(["output", "s0"], x)
+    got = inference_session(tmp_path / "b.onnx").run(["output", "s0"], x)
+    want = inference_session(model, extra_outputs=["s0"]).run(["output", "s0"], x)
     assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))

@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline.data import Batch
+from pipeline.data.adapters import Batch
 from tasks.quantize._calibrate import collect
 from tasks.quantize._recovery import outlier_units
 
@@ -62,7 +62,7 @@ def test_block_recovery_finds_the_stretch_of_the_graph_that_makes_the_error():
     backbone): the smallest stretch that meets the budget is left float, and the profile says so."""
     from pathlib import Path
 
-    from pipeline.accuracy import AccuracyVerdict
+    from pipeline.accuracy.budget import AccuracyVerdict
     from tasks.quantize._accuracy import Candidate
     from tasks.quantize._recovery import block_recovery
 

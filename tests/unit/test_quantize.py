@@ -10,11 +10,11 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from pipeline.calibration import Calibration
-from pipeline.data import Batch
-from pipeline.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
-from pipeline.qdq import apply_plan, get_quantized_tensors
-from pipeline.qmath import QTYPES
+from pipeline.data.adapters import Batch
+from pipeline.quant.calibration import Calibration
+from pipeline.quant.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
+from pipeline.quant.qdq import apply_plan, get_quantized_tensors
+from pipeline.quant.qmath import QTYPES
 from tasks.quantize._calibrate import collect
 from tests import models
 
@@ -23,7 +23,7 @@ FP8 = [{"module_name": "*", "weights": {"dtype": "fp8_e4m3fn"}, "activations": {
 
 
 def _batches(model, n=4, seed=0):
-    from pipeline.graph import input_specs
+    from pipeline.graph.model import input_specs
 
     spec = input_specs(model)[0]
     rng = np.random.default_rng(seed)
@@ -46,7 +46,7 @@ def _ort_ops(model: onnx.ModelProto, tmp_path) -> Counter:
 
 
 def _run(model, feeds):
-    from pipeline.ort import disable_qdq_fusion_if_fp8
+    from pipeline.backends.ort import disable_qdq_fusion_if_fp8
 
     so = ort.SessionOptions()
     disable_qdq_fusion_if_fp8(so, model)

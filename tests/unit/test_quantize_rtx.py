@@ -7,11 +7,11 @@ import numpy as np
 import onnx
 import pytest
 
-from pipeline.calibration import Calibration
-from pipeline.data import Batch
-from pipeline.graph import input_specs
-from pipeline.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
-from pipeline.qdq import apply_plan
+from pipeline.data.adapters import Batch
+from pipeline.graph.model import input_specs
+from pipeline.quant.calibration import Calibration
+from pipeline.quant.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
+from pipeline.quant.qdq import apply_plan
 from tasks.quantize._calibrate import collect
 from tests import models
 from tests.conftest import compose

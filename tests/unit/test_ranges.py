@@ -12,12 +12,12 @@ import pytest
 from omegaconf import OmegaConf
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline.calibration import Calibration, load_calibration
-from pipeline.data import Batch
-from pipeline.placement import resolve_rules, tensorrt_plan
-from pipeline.qdq import apply_plan
-from pipeline.qmath import QTYPES, QuantParams, activation_params, quantize_values, weight_params
-from tasks.quantize._calibrate import AUTO_CANDIDATES, _signed_histogram, collect, range_mse
+from pipeline.data.adapters import Batch
+from pipeline.quant.calibration import Calibration, load_calibration
+from pipeline.quant.placement import resolve_rules, tensorrt_plan
+from pipeline.quant.qdq import apply_plan
+from pipeline.quant.qmath import QTYPES, QuantParams, activation_params, quantize_values, weight_params
+from tasks.quantize._calibrate import AUTO_CANDIDATES, collect, range_mse, signed_histogram
 from tasks.quantize.stage import calibration_document
 from tests import models
 
@@ -81,7 +81,7 @@ def _collect(batches, algorithm: str, percentile: float = 99.99) -> dict:
 def test_histogram_mse_matches_the_quantization_error(dtype, relu):
     x = _values(_outlier_batches(n=1, outliers=20, relu=relu))
     lo, hi = float(x.min()), float(x.max())
-    hist, zeros = _signed_histogram(x, lo, hi, 2048)
+    hist, zeros = signed_histogram(x, lo, hi, 2048)
     absmax = max(-lo, hi)
     for t in (absmax, 0.5 * absmax, 0.2 * absmax, 0.1 * absmax):
         stats = {"min": lo, "max": hi, "threshold": t, "algorithm": "mse"}
@@ -160,7 +160,7 @@ def test_auto_never_picks_a_worse_threshold(caplog):
     with caplog.at_level(logging.INFO, logger="tune.quantize"):
         auto = _collect(batches, "auto", percentile=99.9)
     alone = {alg: _collect(batches, alg, percentile=99.9) for alg in AUTO_CANDIDATES}
-    hist, zeros = _signed_histogram(x, auto["min"], auto["max"], 2048)
+    hist, zeros = signed_histogram(x, auto["min"], auto["max"], 2048)
     assert auto["algorithm"] == "auto" and set(auto["chosen"]) == set(QTYPES)
     for dt in QTYPES:
         cands = {alg: s.get("thresholds", {}).get(dt, s["threshold"]) for alg, s in alone.items()}
@@ -236,7 +236,7 @@ def _cfg(algorithm: str):
 def test_calibration_json_carries_the_mse_weight_clip_into_apply_plan(tmp_path):
     model = models.conv_chain(channels=64)  # w2: 64 channels of 576 weights
     w2 = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == "w2"))
-    from pipeline.graph import input_specs
+    from pipeline.graph.model import input_specs
 
     spec = input_specs(model)[0]
 

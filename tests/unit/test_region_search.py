@@ -12,7 +12,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline.graph_index import GraphIndex
+from pipeline.graph.index import GraphIndex
 from tasks.autotune import region_inspect
 from tasks.autotune.pattern import RegionPattern
 from tasks.autotune.region import Region, RegionType

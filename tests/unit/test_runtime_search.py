@@ -8,16 +8,16 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from pipeline.backends.ort import SessionSettings, inference_session, ort_session_options
 from pipeline.errors import StateError
-from pipeline.ort import SessionSettings, ort_session, ort_session_options
-from tasks.autotune.runtime_ort import FUSIONS, apply_change, candidates, float_matmuls
+from tasks.autotune.runtime.ort import FUSIONS, apply_change, candidates, float_matmuls
 from tests import models
 from tests.conftest import record_runtime_search
 
 
 def _optimized(model: onnx.ModelProto, tmp_path, settings: SessionSettings = SessionSettings()) -> onnx.ModelProto:
     so = settings.apply(ort_session_options("all", optimized_path=tmp_path / "opt.onnx"))
-    ort_session(model, so, disabled_optimizers=settings.disabled_optimizers)
+    inference_session(model, so, disabled_optimizers=settings.disabled_optimizers)
     return onnx.load(str(tmp_path / "opt.onnx"))
 
 
@@ -92,8 +92,8 @@ def test_an_interrupted_search_resumes_at_the_next_candidate(tmp_path, monkeypat
 
     from pipeline.backends.onnxruntime import OnnxRuntimeBackend
     from pipeline.config import OnnxRuntimeBackendConfig
-    from tasks.autotune import runtime_search as rs
     from tasks.autotune.config import RuntimeSearchConfig
+    from tasks.autotune.runtime import search as rs
 
     model = models.transformer_layer()
     path = models.save(model, tmp_path, "t")

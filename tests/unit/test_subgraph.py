@@ -13,17 +13,17 @@ import pytest
 from pipeline.backends import create_backend
 from pipeline.backends.onnxruntime import edge_nodes, parse_ort_profile
 from pipeline.backends.trtexec import TrtexecBackend, parse_shape_spec
-from pipeline.calibration import Calibration
-from pipeline.data import fixed_feeds
+from pipeline.data.adapters import fixed_feeds
 from pipeline.errors import InputError, StateError
-from pipeline.graph import input_specs
+from pipeline.graph.model import input_specs
+from pipeline.quant.calibration import Calibration
 from tasks.autotune.autotuner import Config, QDQAutotunerBase
 from tasks.autotune.benchmark import compare_profiled
-from tasks.autotune.fusion_grouping import ort_fusion_groups, ort_optimized_graph
 from tasks.autotune.region import Region, RegionType
+from tasks.autotune.subgraph.extractor import extract_subgraph, reuse_key, tensor_infos
+from tasks.autotune.subgraph.fusion_grouping import ort_fusion_groups, ort_optimized_graph
 from tasks.autotune.subgraph.profiling import _ranked, heuristic_schemes
 from tasks.autotune.subgraph.records import SubgraphCache
-from tasks.autotune.subgraph_extractor import extract_subgraph, reuse_key, tensor_infos
 from tests import models
 from tests.conftest import compose
 
@@ -294,11 +294,11 @@ def _fake_step(bad: set[str], over: set[tuple[str, str]] = frozenset(), calls: l
 
 def _phase3(tmp_path, measure, name="cache.json"):
     from tasks.autotune.subgraph.records import SubgraphCache
-    from tasks.autotune.subgraph.validation import _Phase3
+    from tasks.autotune.subgraph.validation import Phase3
 
     cache = SubgraphCache(tmp_path / name, "sha", "ctx")
     cache.load()
-    return _Phase3(cache, measure, lambda state: repr(sorted(state.items()))), cache
+    return Phase3(cache, measure, lambda state: repr(sorted(state.items()))), cache
 
 
 @pytest.mark.parametrize("k", [0, 1, 2, 3])

@@ -1,5 +1,5 @@
 """Float-exact transforms: cross-layer equalization and SmoothQuant-style outlier smoothing keep the float
-function and make int8 Q/DQ math (computed here with numpy, independently of pipeline.qdq) more accurate."""
+function and make int8 Q/DQ math (computed here with numpy, independently of pipeline.quant.qdq) more accurate."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import helper, numpy_helper
 
-from pipeline.data import Batch
+from pipeline.data.adapters import Batch
 from tasks.quantize._transforms import (
     channel_absmax,
     equalize_cross_layer,
@@ -358,7 +358,7 @@ def test_a_scale_that_cannot_move_is_left_alone(model_fn):
 def test_transforms_leave_their_input_untouched_and_copy_only_to_change(model_fn):
     """The graph editor copies the model at its first edit: a transform with nothing to change returns
     the very model it was given, and one that changes it leaves the input byte-identical."""
-    from pipeline.graph import model_hash
+    from pipeline.graph.model import model_hash
     from tasks.quantize._scale_folding import fold_matmul_scales
 
     model = model_fn()

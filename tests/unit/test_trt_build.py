@@ -21,8 +21,8 @@ from pipeline.backends.tensorrt import TensorRTBackend
 from pipeline.backends.trt_build import TrtBuildSettings
 from pipeline.config import TensorRTBackendConfig
 from pipeline.errors import StageError, StateError
-from tasks.autotune import runtime_trt
 from tasks.autotune.config import RuntimeSearchConfig
+from tasks.autotune.runtime import trt as runtime_trt
 from tests import models
 from tests.conftest import record_runtime_search
 from tests.unit.test_trtexec import backend as trtexec_backend
@@ -250,7 +250,7 @@ open(opts["--exportTimes"], "w").write(json.dumps([{{"startComputeMs": 1.0 + i, 
 def test_the_search_keeps_a_faster_setting_and_drops_a_slower_one(tmp_path, caplog):
     """Through trtexec command lines end to end: each step builds both engines with their flags, and
     what ships is what the fake made faster; the final comparison reports float against it both ways."""
-    from tasks.autotune.runtime_search import tune_runtime
+    from tasks.autotune.runtime.search import tune_runtime
 
     exe, calls = timed_trtexec(tmp_path)
     out = tmp_path / "autotune"
@@ -300,7 +300,7 @@ class _TimedTensorRT(TensorRTBackend):
 
 
 def test_an_interrupted_tensorrt_search_resumes_at_the_next_candidate(tmp_path, monkeypatch):
-    from tasks.autotune import runtime_search as rs
+    from tasks.autotune.runtime import search as rs
 
     b = _TimedTensorRT(OmegaConf.structured(TensorRTBackendConfig(warmup_runs=1, timing_runs=16)))
     b._trt = SimpleNamespace(__name__="tensorrt", __version__="10.8.0")
@@ -321,7 +321,7 @@ def test_an_interrupted_tensorrt_search_resumes_at_the_next_candidate(tmp_path, 
 
 
 def test_backends_without_a_search_say_so():
-    from tasks.autotune.runtime_search import tune_runtime
+    from tasks.autotune.runtime.search import tune_runtime
 
     rtx = SimpleNamespace(name="tensorrt_rtx", shipped_settings=None)
     artifacts, metrics = tune_runtime(SimpleNamespace(backend=rtx, out=Path(".")), None)

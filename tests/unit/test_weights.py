@@ -1,4 +1,4 @@
-"""pipeline.weights: a model stored with external data keeps its large tensors on disk, read one at a
+"""pipeline.graph.weights: a model stored with external data keeps its large tensors on disk, read one at a
 time; every consumer (ORT sessions, saves, hashes, the checker) sees a complete model."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import numpy as np
 import onnx
 import pytest
 
-from pipeline import weights
+from pipeline.backends.ort import inference_session
 from pipeline.errors import InputError
-from pipeline.graph import load_model, model_hash, save_model
-from pipeline.ort import ort_session
+from pipeline.graph import weights
+from pipeline.graph.model import load_model, model_hash, save_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from large_model import write_big_model  # noqa: E402 - the bench's generator, one layer in memory at a time
@@ -46,7 +46,7 @@ def test_large_tensors_stay_on_disk_and_read_back_exactly(stored):
     assert model.ByteSize() < 10_000 and all(weights.is_lazy(t) for t in model.graph.initializer)
     for t, full in zip(model.graph.initializer, inline.graph.initializer, strict=True):
         np.testing.assert_array_equal(weights.array(t), onnx.numpy_helper.to_array(full))
-    np.testing.assert_array_equal(ort_session(model).run(None, _feeds())[0], want)
+    np.testing.assert_array_equal(inference_session(model).run(None, _feeds())[0], want)
     assert model_hash(model) == model_hash(load_model(stored))  # the same content, whatever the link's name
 
 
@@ -57,7 +57,7 @@ def test_saved_models_carry_their_own_data_and_links_end_with_the_stage(stored, 
     shared = save_model(model, tmp_path / "work" / "w.onnx", share_weights=True)
     data, link = stored.with_name("m.onnx.data"), shared.parent / weights.referenced(model)[0]
     assert link.stat().st_ino == data.stat().st_ino and data.stat().st_nlink == 3  # source, weights folder, work
-    np.testing.assert_array_equal(ort_session(shared).run(None, _feeds())[0], _reference(out))
+    np.testing.assert_array_equal(inference_session(shared).run(None, _feeds())[0], _reference(out))
     weights.release()
     link.unlink()  # a working folder's link goes with the folder
     assert data.stat().st_nlink == 1
@@ -87,7 +87,7 @@ def test_constant_folding_reads_the_weights_it_folds_and_leaves_the_rest_on_disk
     by onnx-graphsurgeon like an in-memory one; the weight nothing folds stays a reference."""
     from onnx import TensorProto, helper
 
-    from pipeline.folding import fold_constants
+    from pipeline.transforms.folding import fold_constants
 
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((WIDTH, WIDTH)).astype(np.float32) for _ in range(2))
@@ -101,12 +101,12 @@ def test_constant_folding_reads_the_weights_it_folds_and_leaves_the_rest_on_disk
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path),
               save_as_external_data=True, location="t.onnx.data", size_threshold=0)
     model = load_model(path)
-    want = ort_session(model).run(None, _feeds())[0]
+    want = inference_session(model).run(None, _feeds())[0]
     folded, counts = fold_constants(model)
     assert [n.op_type for n in folded.graph.node] == ["MatMul", "MatMul"], counts
     inits = {t.name: t for t in folded.graph.initializer}
     assert weights.is_lazy(inits["b"]) and not any(weights.is_lazy(t) for n, t in inits.items() if n != "b")
-    np.testing.assert_allclose(ort_session(folded).run(None, _feeds())[0], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(inference_session(folded).run(None, _feeds())[0], want, rtol=1e-5, atol=1e-5)
     weights.release()
 
 
@@ -138,4 +138,4 @@ def test_without_a_hard_link_the_weights_are_read_into_memory_with_one_warning(s
         model = load_model(stored)
     assert not weights.has_lazy(model) and model.ByteSize() > 3 * WIDTH * WIDTH * 4
     assert len(caplog.records) == 1 and "Set TMPDIR" in caplog.records[0].getMessage()
-    np.testing.assert_array_equal(ort_session(model).run(None, _feeds())[0], _reference(stored))
+    np.testing.assert_array_equal(inference_session(model).run(None, _feeds())[0], _reference(stored))

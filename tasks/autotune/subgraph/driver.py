@@ -7,12 +7,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.graph import load_model, model_hash, recorded_shapes, save_model
+from pipeline.graph.model import load_model, model_hash, recorded_shapes, save_model
 from tasks.autotune.autotuner import QDQAutotunerBase
-from tasks.autotune.fusion_grouping import FusionGroup
 from tasks.autotune.progress import OnProgress
 from tasks.autotune.scheme import InsertionScheme
 from tasks.autotune.state_file import SUBGRAPH_CACHE, resume_or_set_aside
+from tasks.autotune.subgraph.fusion_grouping import FusionGroup
 from tasks.autotune.subgraph.profiling import GroupSet, profile_groups
 from tasks.autotune.subgraph.records import Step, SubgraphCache
 from tasks.autotune.subgraph.report import group_rows, step_rows

@@ -12,18 +12,18 @@ from typing import Any
 from pipeline.artifacts import atomic_write_json
 from pipeline.backends import Backend
 from pipeline.errors import first_line
-from pipeline.graph import WEIGHTED_OPS, save_model
-from pipeline.graph_index import weight_inputs
-from pipeline.placement import too_small
+from pipeline.graph.index import weight_inputs
+from pipeline.graph.model import WEIGHTED_OPS, save_model
+from pipeline.quant.placement import too_small
 from tasks.autotune.autotuner import QDQAutotunerBase
 from tasks.autotune.benchmark import ProfiledTiming, compare_profiled
-from tasks.autotune.fusion_grouping import FusionGroup
 from tasks.autotune.insertion_points import InsertionPoint
 from tasks.autotune.progress import OnProgress, Progress
 from tasks.autotune.region import Region, RegionType
 from tasks.autotune.scheme import InsertionScheme
+from tasks.autotune.subgraph.extractor import extract_subgraph, reuse_key, tensor_infos
+from tasks.autotune.subgraph.fusion_grouping import FusionGroup
 from tasks.autotune.subgraph.records import MIN_LOCAL_GAIN, PTQ, SCHEMES, GroupResult, SubgraphCache
-from tasks.autotune.subgraph_extractor import extract_subgraph, reuse_key, tensor_infos
 from tasks.autotune.tune_setup import TuneSetup
 
 log = logging.getLogger("tune.autotune")

@@ -18,7 +18,7 @@ from typing import Any
 from pipeline.artifacts import atomic_write_json
 from pipeline.backends import Backend
 from pipeline.errors import StateError
-from pipeline.graph import model_bytes, model_hash, write_model_bytes
+from pipeline.graph.model import model_bytes, model_hash, write_model_bytes
 from tasks.autotune.autotuner import QDQAutotunerBase
 from tasks.autotune.benchmark import PairedBenchmark, ratio_interval
 from tasks.autotune.progress import OnProgress, Progress
@@ -164,7 +164,7 @@ def _outcome(m: Measurement) -> tuple[str, str]:
                        f"(needs < {1.0 - margin:.3f}; {how})")
 
 
-class _Phase3:
+class Phase3:
     """The full-model steps of phase 3 and the group test over them.
 
     ``measure(before, after)`` pairs the model of state ``after`` with that of ``before`` (states map
@@ -254,7 +254,7 @@ def _gain(rec: GroupResult, scheme: str, current: str = "none") -> float:
     return (base - win) * len(rec.instances) if base is not None and win is not None else 0.0
 
 
-def _pass1_from_ptq(phase: _Phase3, results: dict[str, GroupResult], models: _Models,
+def _pass1_from_ptq(phase: Phase3, results: dict[str, GroupResult], models: _Models,
                     alternatives: dict[str, list[str]]) -> list[tuple[str, str]]:
     """Pass 1 from the PTQ placement: only the groups whose local result says they should change (a
     scheme, float included, beat the group's PTQ form on its subgraph)."""
@@ -274,7 +274,7 @@ def _pass1_from_ptq(phase: _Phase3, results: dict[str, GroupResult], models: _Mo
     return items
 
 
-def _pass2_from_float(phase: _Phase3, gs: GroupSet, results: dict[str, GroupResult], models: _Models,
+def _pass2_from_float(phase: Phase3, gs: GroupSet, results: dict[str, GroupResult], models: _Models,
                       items1: list[tuple[str, str]], kept1: State) -> list[tuple[str, str]]:
     """Pass 2 from the float model: every group not kept, in graph order (without a local winner:
     its preferred form)."""
@@ -290,7 +290,7 @@ def _pass2_from_float(phase: _Phase3, gs: GroupSet, results: dict[str, GroupResu
     return items
 
 
-def _validate(phase: _Phase3, gs: GroupSet, results: dict[str, GroupResult], models: _Models,
+def _validate(phase: Phase3, gs: GroupSet, results: dict[str, GroupResult], models: _Models,
               ptq_state: State) -> tuple[State, list[dict[str, Any]]]:
     """Start, pass 1 and pass 2 (see the package docstring); the chosen state and the phase summary."""
     alternatives: dict[str, list[str]] = {}  # per key, the schemes pass 1 may try, best first
@@ -329,9 +329,9 @@ def validate(setup: TuneSetup, gs: GroupSet, results: dict[str, GroupResult], as
              cache: SubgraphCache, on_progress: OnProgress | None) -> tuple[State, bytes, list[dict[str, Any]]]:
     """Phase 3: (the chosen state, its model as measured, the phase summary)."""
     models = _Models(gs.tuner, assign, setup.ptq_model, setup.baseline_path)
-    # a working folder: the current model may share hard links of on-disk weights (pipeline.weights)
+    # a working folder: the current model may share hard links of on-disk weights (pipeline.graph.weights)
     full = _FullModel(setup, Path(tempfile.mkdtemp(prefix=".validation.", dir=setup.out)) / "current.onnx")
-    phase = _Phase3(cache, lambda a, b: full.measure(models.data(a), models.sha(a), models.data(b)), models.sha,
+    phase = Phase3(cache, lambda a, b: full.measure(models.data(a), models.sha(a), models.data(b)), models.sha,
                     lambda st: _log_step(st, gs, setup.out / "logs", on_progress))
     try:
         chosen, phases = _validate(phase, gs, results, models, {k: PTQ for k in gs.by_key}

@@ -1,0 +1,331 @@
+"""The pipeline as one Python call, for scripts and notebooks: ``tune(overrides, model=net, data=loader)``.
+
+It runs what the `tune` command runs: the same composition and one-line config errors, the same
+Hydra job, runner, results_dir, manifest and skip-if-up-to-date; it returns a ``TuneResult`` instead
+of exiting. In-memory objects reach the stages through the `custom` model and data options: their
+``_target_`` is a function of ``pipeline.data.live`` that hands back the live object, and their ``args``
+are the objects' fingerprints (class name, parameter and code hashes; a content hash of the data).
+So the manifest records them, a re-run with the same objects skips every finished stage, and changed
+weights or data re-run the stages that read them.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from pipeline.artifacts import Manifest
+from pipeline.data.live import held, metric_attribute
+from pipeline.errors import ConfigError, InputError
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """What a tune() call left in results_dir."""
+
+    results_dir: Path
+    stages: Mapping[str, str]  # each requested stage: "done" (ran) or "skipped" (up to date)
+    model: Path | None  # the shipped model: autotune's, else quantize's, else export's
+    speedup: float | None  # of the shipped model over the float model (p10 latency)
+    accuracy: str | None  # the shipped model's accuracy verdict, in words
+    accuracy_ok: bool | None  # whether it meets the accuracy budget
+    metrics: Mapping[str, Mapping[str, Any]] = field(repr=False)  # each stage's metrics, as in manifest.json
+
+
+def tune(overrides: Sequence[str] | Mapping[str, Any] = (), *, model: Any = None, data: Any = None,
+         eval_data: Any = None, metric: Callable[..., float] | None = None,
+         config_path: str | os.PathLike | None = None, config_name: str = "tune") -> TuneResult:
+    """Run the pipeline on the packaged config (or the spec file ``config_name`` in ``config_path``).
+
+    ``overrides``: what follows `tune` on a command line, as ``["autotune.preset=quick", ...]`` or
+    ``{"autotune.preset": "quick", "stages": ["export", "quantize"]}``.
+    ``model``: a torch.nn.Module, an onnx.ModelProto or the path of an .onnx file.
+    ``data``: calibration data, a DataLoader or any iterable of batches (read as `data=custom` reads
+    them: arrays, tensors, (inputs, labels) tuples or dicts), or the whole set at once as an array, a
+    tensor, an (inputs, labels) tuple of them or a dict of them by input name. A module's input shapes
+    come from the first batch unless model.input_shapes is set.
+    ``eval_data``: the same for evaluation; without it, evaluate scores ``data``.
+    ``metric``: the accuracy that counts, ``fn(outputs, reference, labels) -> float`` (higher is better;
+    see accuracy.custom_metric): sets accuracy.metric=custom, judged with accuracy.max_drop.
+    The data is read once here for its fingerprint; the manifest records it and the module's hashes.
+
+    Raises the PipelineError whose message `tune` would print (a bad key: ConfigError).
+    """
+    from pipeline.app.cli import checked_config, open_dict_overrides, run_job, user_config_dir
+    from pipeline.config import register_configs
+
+    args = _override_list(overrides)
+    config_dir = user_config_dir(config_path, "config_path") if config_path is not None else None
+    given = {_key(a) for a in args}
+    live: dict[str, Any] = {}
+    extra = _model_overrides(model, live, given)
+    data_extra, calibration = _data_overrides(data, eval_data, live, given)
+    data_extra += _metric_overrides(metric, live, given)
+    register_configs()
+    training = model.training if "model=custom" in extra else None
+    try:
+        with held(live):
+            args = open_dict_overrides([*args, *extra, *data_extra])
+            cfg = checked_config(args, config_dir, config_name)
+            if training is not None and not cfg.model.input_shapes:
+                args += open_dict_overrides(_shape_overrides(data, calibration, int(cfg.model.batch_size)))
+            results_dir, summary = run_job(args, config_dir, config_name)
+    finally:
+        if training is not None:
+            model.train(training)  # export puts the module in eval mode
+    return _result(results_dir, summary)
+
+
+# ---------------------------------------------------------------------------- overrides
+
+
+def _override_list(overrides: Sequence[str] | Mapping[str, Any]) -> list[str]:
+    if isinstance(overrides, Mapping):
+        return [f"{k}={_value(v)}" for k, v in overrides.items()]
+    if isinstance(overrides, str):
+        return [overrides]
+    return [str(o) for o in overrides]
+
+
+def _value(v: Any) -> str:
+    """A Python value in Hydra's override grammar (strings quoted, so paths and hashes stay strings)."""
+    from hydra.core.override_parser.types import Override, Quote, QuotedString
+
+    def plain(x: Any) -> Any:
+        if isinstance(x, enum.Enum):
+            x = x.value
+        if isinstance(x, (str, os.PathLike)):
+            return QuotedString(text=os.fspath(x), quote=Quote.single)
+        if isinstance(x, Mapping):
+            return {str(k): plain(y) for k, y in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(y) for y in x]
+        return x.item() if hasattr(x, "item") else x  # numpy scalars
+
+    return Override._get_value_element_as_str(plain(v))
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _model_overrides(model: Any, live: dict[str, Any], given: set[str]) -> list[str]:
+    if model is None:
+        return []
+    if "model" in given:
+        raise ConfigError("model: given both as an override and as tune(model=...); pass one of them")
+    if isinstance(model, (str, os.PathLike)):
+        return ["model=onnx", f"model.onnx_path={_value(Path(model).expanduser().resolve())}"]
+    import onnx
+
+    if isinstance(model, onnx.ModelProto):
+        return ["model=onnx", f"model.onnx_path={_value(_saved_model(model))}"]
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise InputError(f"model: give a torch.nn.Module, an onnx.ModelProto or an .onnx path (got "
+                         f"{type(model).__name__})")
+    cls = type(model)
+    args = {"class_name": f"{cls.__module__}.{cls.__qualname__}", "parameters": _parameters_hash(model),
+            "code": _code_hash(model)}
+    live[f"model:{args['class_name']}:{args['parameters']}:{args['code']}"] = model
+    return ["model=custom", "model._target_=pipeline.data.live.in_memory_model", f"model.args={_value(args)}"]
+
+
+def _saved_model(model: Any) -> Path:
+    """A ModelProto in a file named by its hash: the same model keeps the same model.onnx_path."""
+
+    from pipeline.graph.model import model_hash, save_model
+
+    path = Path(tempfile.gettempdir()) / "qdq-tune-models" / f"{model_hash(model)[:16]}.onnx"
+    if not path.exists():
+        save_model(model, path)
+    return path
+
+
+def _parameters_hash(module: Any) -> str:
+    import torch
+
+    from pipeline.artifacts import fingerprint, sha256_bytes
+
+    state = {}
+    for name, t in module.state_dict().items():
+        raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        state[name] = [str(t.dtype), list(t.shape), sha256_bytes(raw)]
+    return fingerprint(state)
+
+
+def _metric_overrides(metric: Any, live: dict[str, Any], given: set[str]) -> list[str]:
+    """accuracy.metric=custom naming the function in pipeline.data.live by its name and source hash (a
+    changed metric re-runs what it judged)."""
+
+    from pipeline.artifacts import fingerprint
+
+    if metric is None:
+        return []
+    if not callable(metric):
+        raise InputError(f"metric: give a function fn(outputs, reference, labels) -> float (got "
+                         f"{type(metric).__name__})")
+    if "accuracy.custom_metric" in given:
+        raise ConfigError("accuracy.custom_metric: given both as an override and as tune(metric=...); pass one")
+    try:
+        source = inspect.getsource(metric)
+    except (OSError, TypeError):  # a partial, a callable object: nothing to read, so never "unchanged"
+        source = f"id {id(metric)}"
+    name = getattr(metric, "__qualname__", type(metric).__name__)
+    short = getattr(metric, "__name__", type(metric).__name__)
+    # closures and defaults are part of what the metric computes (make(k=1) and make(k=5) share a source)
+    bound = [repr(c.cell_contents) for c in getattr(metric, "__closure__", None) or ()] + \
+        [repr(getattr(metric, "__defaults__", None)), repr(getattr(metric, "__kwdefaults__", None))]
+    key = f"{metric_attribute(short)}__{fingerprint({'name': name, 'source': source, 'bound': bound})[:16]}"
+    live[f"metric:{key}"] = metric
+    return ["accuracy.metric=custom", f"accuracy.custom_metric=pipeline.data.live.{key}"]
+
+
+def _code_hash(module: Any) -> str:
+    """Of the module's structure and its class's source: a new activation or forward changes no weight."""
+
+    from pipeline.artifacts import fingerprint
+
+    try:
+        source = inspect.getsource(type(module))
+    except (OSError, TypeError):  # classes made at run time have no source to read
+        source = None
+    return fingerprint({"structure": repr(module), "source": source})
+
+
+def _data_overrides(data: Any, eval_data: Any, live: dict[str, Any], given: set[str]
+                    ) -> tuple[list[str], Iterable[Any] | None]:
+    """The data=custom overrides for in-memory data, and the calibration batches."""
+    if data is None:
+        if eval_data is not None:
+            raise InputError("eval_data: given without data (the calibration data)")
+        return [], None
+    if "data" in given:
+        raise ConfigError("data: given both as an override and as tune(data=...); pass one of them")
+    from pipeline.data.adapters import data_fingerprint
+
+    calibration = _batches(data, "data")
+    evaluation = calibration if eval_data is None else _batches(eval_data, "eval_data")
+    fps = {"calibration": data_fingerprint(calibration)}
+    fps["evaluation"] = fps["calibration"] if eval_data is None else data_fingerprint(evaluation)
+    live[f"data:{fps['calibration']}"], live[f"data:{fps['evaluation']}"] = calibration, evaluation
+    return ["data=custom", "data._target_=pipeline.data.live.in_memory_data", f"data.args={_value(fps)}"], calibration
+
+
+def _whole_set(data: Any) -> bool:
+    """An array, a tensor, a dict of them or an (inputs, labels) tuple of them: every sample at once."""
+    import numpy as np
+
+    def array(x: Any) -> bool:
+        return isinstance(x, np.ndarray) or hasattr(x, "detach")
+
+    return array(data) or isinstance(data, Mapping) or (isinstance(data, tuple) and bool(data)
+                                                        and all(array(v) for v in data))
+
+
+def _batches(data: Any, what: str) -> Iterable[Any]:
+    """``data`` as batches that can be read more than once."""
+    if _whole_set(data):
+        return [data]  # one batch: DataProvider cuts it to the model's batch size
+    if isinstance(data, Iterator):
+        return list(data)  # a generator is read once here, and every stage reads the data again
+    if not isinstance(data, Iterable):
+        raise InputError(f"{what}: give a DataLoader, an iterable of batches or arrays (got {type(data).__name__})")
+    if hasattr(data, "sampler"):  # a DataLoader: torch is imported already
+        from torch.utils.data import RandomSampler
+
+        from pipeline.config import note_once
+
+        if isinstance(data.sampler, RandomSampler):
+            note_once(f"note: {what}: the DataLoader shuffles, so every pass (and every call) reads other "
+                      f"batches and no stage is skipped as up to date; give tune() one with shuffle=False")
+    return data
+
+
+def _shape_overrides(data: Any, calibration: Iterable[Any] | None, batch_size: int) -> list[str]:
+    """model.input_shapes (and input_dtypes) of a module from the first calibration batch: a DataLoader's
+    batch size, or model.batch_size for data given as whole arrays."""
+    from pipeline.data.adapters import batch_inputs
+
+    first = next(iter(calibration), None) if calibration is not None else None
+    if first is None:
+        raise ConfigError("model.input_shapes: required for a torch model passed without data, e.g. "
+                          "{'model.input_shapes': {'input': [1, 3, 224, 224]}}")
+    arrays = batch_inputs(first)
+    batch = [batch_size] if _whole_set(data) else []
+    shapes = {k: batch + list(a.shape[len(batch):]) for k, a in arrays.items()}
+    out = [f"model.input_shapes={_value(shapes)}"]
+    dtypes = {k: str(a.dtype) for k, a in arrays.items() if str(a.dtype) != "float32"}
+    if dtypes:
+        out.append(f"model.input_dtypes={_value(dtypes)}")
+    return out
+
+
+# ---------------------------------------------------------------------------- the result
+
+
+def ort_session(results_dir: str | os.PathLike, providers: Sequence[str] = ("CPUExecutionProvider",)) -> Any:
+    """An onnxruntime.InferenceSession of the model a run shipped (autotune's, else quantize's, else
+    export's) with the session settings it ships with (autotune/ort_session.json: disabled fusions,
+    config entries, optimization level, threads): the two lines a deployment needs are
+
+        from pipeline.api import ort_session
+        session = ort_session("results/digits_cnn")
+    """
+    from pipeline.backends.ort import SessionSettings
+    from pipeline.stage import MODEL_KEYS
+
+    manifest = Manifest(Path(results_dir))
+    shipped = next(((k, p) for k in MODEL_KEYS if (p := manifest.artifact(k)) is not None), None)
+    if shipped is None:
+        raise InputError(f"{results_dir}: no finished stage wrote a model (run tune with results_dir={results_dir})")
+    settings_path = manifest.artifact("autotune/ort_session.json")
+    use = shipped[0] == "autotune/optimized_final.onnx" and settings_path is not None
+    settings = SessionSettings.load(settings_path) if use else SessionSettings()
+    return settings.session(shipped[1], providers)
+
+
+def _result(results_dir: Path, summary: dict[str, Any]) -> TuneResult:
+    from pipeline.stage import MODEL_KEYS
+
+    manifest = Manifest(results_dir)
+    shipped = next((p for k in MODEL_KEYS if (p := manifest.artifact(k)) is not None), None)
+    speedup, verdict = _shipped_numbers(manifest, shipped)
+    return TuneResult(
+        results_dir=Path(results_dir),
+        stages=MappingProxyType({name: info["status"] for name, info in summary.items()}),
+        model=shipped,
+        speedup=speedup,
+        accuracy=verdict.get("what"),
+        accuracy_ok=verdict.get("ok"),
+        metrics=MappingProxyType({name: MappingProxyType(info.get("metrics") or {})
+                                  for name, info in summary.items()}),
+    )
+
+
+def _metrics(manifest: Manifest, stage: str) -> dict[str, Any]:
+    entry = manifest.entry(stage) or {}
+    return (entry.get("metrics") or {}) if entry.get("status") == "done" else {}
+
+
+def _shipped_numbers(manifest: Manifest, shipped: Path | None) -> tuple[float | None, dict[str, Any]]:
+    """Speedup and accuracy verdict of the shipped model: autotune's final measurement (the one its
+    final line prints), else evaluate's numbers for that model."""
+    tuned = _metrics(manifest, "autotune")
+    if "speedup" in tuned:
+        return float(tuned["speedup"]), (tuned.get("accuracy") or {}).get("final") or {}
+    ev = _metrics(manifest, "evaluate")
+    if not ev or shipped is None:
+        return None, {}
+    key = {"optimized_final.onnx": "autotuned", "quantized_model.onnx": "ptq"}.get(shipped.name, "float")
+    key = next((d["identical_to"] for d in ev.get("duplicates") or [] if d["model"] == key), key)
+    m = ev["models"].get(key) or {}
+    return m.get("speedup_p10"), m.get("budget") or {}

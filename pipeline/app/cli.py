@@ -1,0 +1,394 @@
+"""The `tune` console script: a Hydra app over conf/tune.yaml.
+
+Before handing over to Hydra, the command line is composed once with Hydra's compose API so that a
+bad key, a wrong type or an unknown group option is reported on one line (exit 2) instead of
+Hydra's multi-line report. `--config-path DIR` is taken relative to the current directory and
+searched in addition to the packaged conf/, so a spec file kept in a user's repo can extend `tune`.
+
+``checked_config`` (that one-line check) and ``run_job`` (one Hydra run that raises instead of
+exiting) are what the Python API (pipeline/api.py) runs too, so both entry points behave alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.config import register_configs
+from pipeline.errors import ConfigError, PipelineError
+
+log = logging.getLogger("tune")
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def _fail(msg: str, code: int) -> None:
+    print(f"tune: error: {msg}", file=sys.stderr)
+    sys.exit(code)
+
+
+def user_config_dir(value: str | os.PathLike, what: str = "--config-path") -> str:
+    """The absolute folder of a user's spec files, searched next to the packaged configs."""
+    value = str(value)
+    if value.startswith("pkg://"):
+        raise ConfigError(f"{what} {value}: give a folder holding your spec files")
+    d = Path(value).expanduser().resolve()
+    if not d.is_dir():
+        raise ConfigError(f"{what} {value}: no such folder ({d})")
+    return str(d)
+
+
+def _rewrite_config_path(argv: list[str]) -> list[str]:
+    """`--config-path/-cp DIR` -> `--config-dir <abs DIR>`: searched next to the packaged configs."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        value = None
+        if a in ("--config-path", "-cp") and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+        elif a.startswith("--config-path="):
+            value, i = a.split("=", 1)[1], i + 1
+        else:
+            out.append(a)
+            i += 1
+            continue
+        try:
+            out += ["--config-dir", user_config_dir(value)]
+        except ConfigError as exc:
+            _fail(str(exc), EXIT_USAGE)
+    if out.count("--config-dir") + sum(a in ("-cd",) for a in out) > 1:
+        _fail("give either --config-path or --config-dir, not both", EXIT_USAGE)
+    return out
+
+
+# Dict-typed schema fields: Hydra's struct mode refuses new keys inside them on plain `key=value`
+# overrides, so such overrides are passed as `++key=value` (add-or-override) on the user's behalf.
+_DICT_FIELDS = ("input_shapes", "min_shapes", "opt_shapes", "max_shapes", "args", "input_dtypes", "batch_axes",
+                "fixed_inputs")
+
+
+def open_dict_overrides(argv: list[str]) -> list[str]:
+    out = []
+    for a in argv:
+        key = a.split("=", 1)[0]
+        if "=" in a and not a.startswith(("-", "+", "~")) and any(
+                key.endswith("." + f) or "." + f + "." in key for f in _DICT_FIELDS):
+            a = "++" + a
+        out.append(a)
+    return out
+
+
+def _first_of_sweeps(overrides: list[str]) -> list[str]:
+    """Collapse `key=a,b,c` sweeps to their first value, to check a multirun before it starts."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    out = []
+    for o, raw in zip(parsed, overrides, strict=True):
+        if o.is_sweep_override():
+            first = next(iter(o.sweep_string_iterator()))
+            out.append(f"{o.get_key_element()}={first}")
+        else:
+            out.append(raw)
+    return out
+
+
+def _one_line(exc: BaseException) -> str:
+    """Turn a Hydra/OmegaConf composition error into one line naming the key and what is allowed."""
+    from hydra.errors import MissingConfigException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+    chain: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in chain:
+        if isinstance(e, MissingConfigException):
+            opts = getattr(e, "options", None) or []
+            first = str(e).strip().splitlines()[0]
+            if opts:
+                shown = sorted(o for o in opts if not o.startswith("base_"))
+                return f"{first.rstrip('.')}; available: {', '.join(shown)}"
+            return first
+    for e in chain:
+        if isinstance(e, OmegaConfBaseException) and getattr(e, "full_key", None):
+            msg = str(e).strip().splitlines()[0]
+            if isinstance(e, (ConfigKeyError, ConfigAttributeError)) and " not in " in msg:
+
+                otype = getattr(e, "object_type", None)
+                allowed = ""
+                if otype is not None and dataclasses.is_dataclass(otype):
+                    allowed = f"; allowed: {', '.join(f.name for f in dataclasses.fields(otype))}"
+                return f"unknown config key '{e.full_key}'{allowed}"
+            return f"{e.full_key}: {msg}"
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return " ".join(lines[:2]) if lines else type(exc).__name__
+
+
+def _search_path(config_dir: str | None):
+    """The packaged conf/ plus an optional user folder searched first, as `tune --config-dir` has it."""
+    from hydra._internal.utils import create_automatic_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+
+    search_path = create_automatic_config_search_path(None, None, "pkg://conf")
+    if config_dir:
+        search_path.prepend("command-line", f"file://{os.path.abspath(config_dir)}",
+                            anchor=SearchPathQuery(provider="schema"))
+    return search_path
+
+
+def compose(config_dir: str | None, config_name: str, overrides: list[str]) -> DictConfig:
+    """Compose exactly as the app will: packaged conf/ plus an optional user folder searched first."""
+    from hydra._internal.hydra import Hydra
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    GlobalHydra.instance().clear()
+    app = Hydra.create_main_hydra2(task_name="tune", config_search_path=_search_path(config_dir))
+    cfg = app.compose_config(config_name=config_name, overrides=overrides, run_mode=RunMode.RUN,
+                             with_log_configuration=False)
+    from omegaconf import open_dict
+
+    with open_dict(cfg):
+        cfg.pop("hydra", None)
+    GlobalHydra.instance().clear()
+    return cfg
+
+
+# Hydra plugins behind optional extras: group option -> (plugin module, extra)
+_PLUGINS = {"hydra/sweeper=optuna": ("hydra_plugins.hydra_optuna_sweeper", "optuna"),
+            "hydra/launcher=ray": ("hydra_plugins.hydra_ray_launcher", "ray"),
+            "hydra/launcher=ray_gpu": ("hydra_plugins.hydra_ray_launcher", "ray")}
+
+
+def module_available(name: str) -> bool:
+    """Whether `name` can be imported; False (not an exception) when a parent package is missing too."""
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # find_spec("a.b") imports "a", which may itself be missing
+        return False
+
+
+def _check_plugins(overrides: list[str]) -> None:
+    """A sweeper or launcher from an extra that is not installed: one line naming the extra."""
+    for o in overrides:
+        module, extra = _PLUGINS.get(o, (None, None))
+        if module is not None and not module_available(module):
+            _fail(f"{o} needs the {extra} extra: pip install 'qdq-tune[{extra}]'", EXIT_USAGE)
+
+
+def checked_config(overrides: list[str], config_dir: str | None = None, config_name: str = "tune",
+                   multirun: bool = False) -> DictConfig:
+    """Compose the config a run of ``overrides`` gets (a sweep: its first job) and validate it; a bad
+    key, value, group option or missing runtime raises a PipelineError whose message is the one line
+    `tune` prints after "tune: error: "."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from pipeline.backends import check_backend
+    from pipeline.config import validate
+
+    overrides = [o for o in overrides if not o.startswith("hydra.") and not o.startswith("hydra/")]
+    try:
+        overrides = _first_of_sweeps(overrides) if multirun else overrides
+        cfg = compose(config_dir, config_name, overrides)
+        validate(cfg)
+        check_backend(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"invalid config: {exc}") from exc
+    except PipelineError:
+        raise
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:  # Hydra/OmegaConf's many types for bad input
+        raise ConfigError(_one_line(exc)) from exc
+    finally:
+        GlobalHydra.instance().clear()
+    return cfg
+
+
+def _precheck(argv: list[str]) -> None:
+    """Compose and validate the config the command line asks for; exit 2 with one line if it is bad."""
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        args = get_args_parser().parse_args(argv)
+    except SystemExit:
+        return  # let Hydra print its own usage error
+    if args.help or args.hydra_help or args.info or args.shell_completion:
+        return
+    _check_plugins(args.overrides)
+    if args.multirun and args.cfg:
+        _fail("-m and --cfg cannot be combined: print one job's config with --cfg job and single values",
+              EXIT_USAGE)
+    try:
+        cfg = checked_config(args.overrides, args.config_dir, args.config_name or "tune", multirun=args.multirun)
+    except PipelineError as exc:
+        _fail(str(exc), exc.exit_code)
+    if args.cfg == "job" and not args.package:
+        # the validated config (deprecated aliases moved to their new keys) is what the job runs
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(cfg, resolve=args.resolve), end="")
+        sys.exit(0)
+
+
+def run_job(overrides: list[str], config_dir: str | None = None, config_name: str = "tune"
+            ) -> tuple[Path, dict[str, Any]]:
+    """One run of the pipeline as `tune` makes it: the same Hydra job (.hydra/, tune.log), runner and
+    end-of-run table; returns (results_dir, the runner's summary). A failure raises instead of
+    exiting, and the process gets back the root logger's handlers (Hydra's job logging replaces them)
+    and an unset HydraConfig (relative paths resolve from the current folder again)."""
+    from hydra._internal.hydra import Hydra
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from pipeline.app.runner import run_pipeline
+    from pipeline.app.summary import print_summary
+
+    outcome: dict[str, Any] = {}
+
+    def job(cfg: DictConfig) -> None:
+        results_dir = outcome["results_dir"] = Path(HydraConfig.get().runtime.output_dir)
+        try:
+            outcome["summary"] = run_pipeline(cfg, results_dir)
+        except Exception as exc:  # noqa: BLE001 - raised below: through Hydra it would print a second report
+            outcome["error"] = exc
+            return
+        print_summary(outcome["summary"], results_dir)
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    GlobalHydra.instance().clear()
+    try:
+        # hydra.main names the job after this file and adds hydra.mode: .hydra/ reads as the CLI's would
+        app = Hydra.create_main_hydra2(task_name=Path(__file__).stem, config_search_path=_search_path(config_dir))
+        app.run(config_name=config_name, task_function=job, overrides=[*overrides, "hydra.mode=RUN"])
+    except KeyboardInterrupt:
+        if "results_dir" in outcome:
+            print(f"\ntune: interrupted; state saved in {outcome['results_dir']}. Run it again to resume.",
+                  file=sys.stderr)
+        raise
+    finally:
+        GlobalHydra.instance().clear()
+        HydraConfig.instance().cfg = None
+        for h in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(h)
+            h.close()
+        for h in handlers:
+            if h not in root.handlers:
+                root.addHandler(h)
+        root.setLevel(level)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["results_dir"], outcome["summary"]
+
+
+@hydra.main(config_path="pkg://conf", config_name="tune", version_base="1.3")
+def _hydra_app(cfg: DictConfig) -> tuple[float, float] | None:
+    """One run; in a multirun, returns (speedup, accuracy drop) of the shipped model for sweepers."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from pipeline.app.runner import run_pipeline
+    from pipeline.app.summary import print_summary
+
+    hc = HydraConfig.get()
+    results_dir = Path(hc.runtime.output_dir)
+    multirun = hc.mode == RunMode.MULTIRUN
+    if multirun:
+        _job_status(results_dir, cfg, "running")
+    try:
+        summary = run_pipeline(cfg, results_dir)
+    except PipelineError as exc:
+        log.debug("failure", exc_info=True)
+        if not multirun:
+            _fail(str(exc), exc.exit_code)
+        # one failed job of a sweep must not stop the others: it becomes a row of the summary
+        print(f"tune: error: {exc}", file=sys.stderr)
+        _job_status(results_dir, cfg, "failed", str(exc))
+        return None
+    except KeyboardInterrupt:
+        print(f"\ntune: interrupted; state saved in {results_dir}. Re-run the same command to resume.",
+              file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+    print_summary(summary, results_dir)
+    if multirun:
+        from pipeline.app.sweep import job_objectives
+
+        _job_status(results_dir, cfg, "done")
+        return job_objectives(summary)
+    return None
+
+
+def _job_status(results_dir: Path, cfg: DictConfig, status: str, reason: str | None = None) -> None:
+    """results_dir/job.json of a multirun job: what the sweep summary reads besides the manifest."""
+
+    from hydra.core.hydra_config import HydraConfig
+
+    from pipeline.app.sweep import reproduce_command
+    from pipeline.artifacts import atomic_write_json
+    from pipeline.values import enum_value
+
+    hc = OmegaConf.to_container(HydraConfig.get(), resolve=False)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(results_dir / "job.json", {
+        "status": status, "reason": reason, "host": socket.gethostname(),
+        "backend": enum_value(cfg.backend.name), "command": reproduce_command(hc),
+    })
+
+
+def _job_dirname(override_dirname: str, num: int) -> str:
+    """A multirun job's folder: its overrides, or (past what file systems allow in one name) its job
+    number and a hash of them (the overrides are in the job's .hydra/overrides.yaml either way)."""
+
+    if all(len(part.encode()) <= 200 for part in str(override_dirname).split("/")):
+        return str(override_dirname)
+    return f"job{int(num)}_{hashlib.sha1(str(override_dirname).encode()).hexdigest()[:10]}"
+
+
+# registered on import: launchers that run jobs in other processes (Ray) resolve the sweep subdir there
+if not OmegaConf.has_resolver("tune_job_dir"):
+    OmegaConf.register_new_resolver("tune_job_dir", _job_dirname)
+
+
+def _group_listing() -> str:
+    """Config groups and their options for `tune --help` (schemas, stored as base_*, are not options)."""
+    import conf
+
+    root = Path(conf.__file__).parent
+    lines = []
+    for group in sorted(p for p in root.iterdir() if p.is_dir() and p.name not in ("hydra", "__pycache__")):
+        options = sorted(f.stem for f in group.glob("*.yaml"))
+        if options:
+            lines.append(f"{group.name}: {', '.join(options)}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("tune_groups"):
+        OmegaConf.register_new_resolver("tune_groups", _group_listing)
+    register_configs()
+    argv = open_dict_overrides(_rewrite_config_path(sys.argv[1:]))
+    _precheck(argv)
+    sys.argv = [sys.argv[0], *argv]
+    os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    _hydra_app()
+
+
+if __name__ == "__main__":
+    main()

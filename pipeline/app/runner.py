@@ -1,0 +1,162 @@
+"""Runs the requested stages in order inside one results_dir.
+
+A stage is skipped when its manifest entry is ``done``, its fingerprint (its config sections plus
+the sha256 of every input artifact) is unchanged and its outputs are intact. Once a stage runs, every
+later stage in the same invocation runs too. The manifest is rewritten atomically at every status
+change, so an interrupted run shows which stage was in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import shutil
+import socket
+import subprocess
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from pipeline import progress
+from pipeline.artifacts import Manifest, ResultsDirLock, fingerprint, sha256_file
+from pipeline.backends.ort import configure_threads
+from pipeline.config import ordered_stages, validate
+from pipeline.errors import PipelineError, StageError
+from pipeline.graph import weights
+from pipeline.registry import load_stage
+from pipeline.stage import Stage, StageContext, StageResult
+from pipeline.values import section
+
+log = logging.getLogger("tune")
+
+
+def _version() -> str:
+
+    try:
+        return version("qdq-tune")
+    except PackageNotFoundError:
+        return "dev"
+
+
+# part of every fingerprint: a new release of qdq-tune re-runs stages instead of trusting old outputs
+_VERSION = _version()
+
+
+_PACKAGES = ("qdq-tune", "onnx", "onnxruntime", "torch", "numpy", "hydra-core", "onnx-graphsurgeon",
+             "tensorrt", "tensorrt-rtx-cu13-bindings")
+
+
+def environment() -> dict[str, Any]:
+    """What a result depends on besides the config: host, Python, package versions, CPU and GPU."""
+
+    from pipeline.accuracy.cpu import describe
+
+    packages = {}
+    for name in _PACKAGES:
+        try:
+            packages[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    gpus: list[str] = []
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=10)
+            gpus = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return {"host": socket.gethostname(), "python": platform.python_version(), "packages": packages,
+            "cpu": describe(), "gpus": gpus}
+
+
+def _outputs_intact(manifest: Manifest, entry: dict[str, Any]) -> bool:
+    for rec in entry.get("outputs", {}).values():
+        p = manifest.results_dir / rec["path"]
+        if not p.exists() or p.stat().st_size != rec.get("bytes", -1) or sha256_file(p) != rec["sha256"]:
+            return False
+    return True
+
+
+def stage_fingerprint(stage: Stage, cfg: DictConfig, inputs: dict[str, Path]) -> str:
+    return fingerprint(
+        {
+            "qdq_tune": _VERSION,
+            "config": {k: section(cfg, k) for k in stage.config_keys},
+            "inputs": {k: sha256_file(p) for k, p in sorted(inputs.items())},
+        }
+    )
+
+
+def run_pipeline(cfg: DictConfig, results_dir: Path) -> dict[str, Any]:
+    """Run ``cfg.stages`` in ``results_dir``; returns {stage: {"status", "metrics", ...}}."""
+    validate(cfg)
+    from pipeline.backends import check_backend
+
+    check_backend(cfg)  # a missing runtime fails here, before the lock and any stage
+    progress.configure(bool(cfg.progress))  # the bars deep inside (weights, saves) follow the config too
+    configure_threads(int(cfg.backend.get("intra_op_threads", 0) or 0))
+    names = ordered_stages(cfg)
+    stages = [load_stage(n) for n in names]  # fail on unbuilt stages before doing any work
+    results_dir = Path(results_dir)
+    summary: dict[str, Any] = {}
+    with ResultsDirLock(results_dir) as lock:
+        if lock.took_over_from is not None:
+            log.warning("took over a stale lock in %s (pid %s is gone)", results_dir,
+                        lock.took_over_from.get("pid", "?"))
+        manifest = Manifest(results_dir)
+        manifest.data["environment"] = environment()  # of the latest invocation
+        ctx = StageContext(cfg=cfg, results_dir=results_dir, manifest=manifest, log=log)
+        rerun_rest = bool(cfg.get("force", False))
+        for stage in stages:
+            ctx.log = logging.getLogger(f"tune.{stage.name}")
+            inputs = stage.resolve_inputs(ctx)
+            fp = stage_fingerprint(stage, cfg, inputs)
+            entry = manifest.entry(stage.name)
+            if (not rerun_rest and entry and entry.get("status") == "done"
+                    and entry.get("fingerprint") == fp and _outputs_intact(manifest, entry)):
+                log.info("%s: up to date, skipped (inputs and config unchanged)", stage.name)
+                summary[stage.name] = {"status": "skipped", "metrics": entry.get("metrics", {})}
+                continue
+            rerun_rest = True
+            summary[stage.name] = _run_one(stage, ctx, inputs, fp)
+    return summary
+
+
+def _run_one(stage: Stage, ctx: StageContext, inputs: dict[str, Path], fp: str) -> dict[str, Any]:
+    manifest = ctx.manifest
+    started = time.time()
+    manifest.update(
+        stage.name, status="running", fingerprint=fp, started=started, finished=None, error=None,
+        inputs={k: manifest.describe_file(p) for k, p in inputs.items()},
+        config={k: section(ctx.cfg, k) for k in stage.config_keys},
+    )
+    log.info("%s: running", stage.name)
+    try:
+        result = stage.run(ctx)
+        if not isinstance(result, StageResult):
+            raise TypeError(f"stage {stage.name} returned {type(result).__name__}, not StageResult")
+        missing = [k for k in stage.outputs if k not in result.artifacts or not Path(result.artifacts[k]).exists()]
+        if missing:
+            raise StageError(f"stage {stage.name} finished without writing {', '.join(missing)}")
+    except KeyboardInterrupt:
+        manifest.update(stage.name, status="interrupted", finished=time.time())
+        raise
+    except PipelineError as exc:
+        manifest.update(stage.name, status="failed", finished=time.time(), error=str(exc))
+        raise
+    except Exception as exc:
+        manifest.update(stage.name, status="failed", finished=time.time(), error=f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        weights.release()  # the stage's models are gone: its data files lose their extra hard links
+    finished = time.time()
+    manifest.update(
+        stage.name, status="done", finished=finished, seconds=round(finished - started, 3),
+        outputs={k: manifest.describe_file(Path(p)) for k, p in result.artifacts.items()},
+        metrics=result.metrics, notes=result.notes,
+    )
+    log.info("%s: done in %.1f s", stage.name, finished - started)
+    return {"status": "done", "metrics": result.metrics, "seconds": finished - started}

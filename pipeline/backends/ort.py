@@ -1,0 +1,217 @@
+"""ONNX Runtime sessions on ONNX models, for every stage that runs a model in ORT (export checks,
+calibration, bias correction, smoothing, subgraph extraction) and for the ORT backend: session
+options by optimization level, the settings a tuned model ships with (``SessionSettings``), a
+session on a proto, bytes or path with intermediate tensors as extra outputs, and the guard that
+keeps ORT's int8 QDQ rewrites away from FP8 models.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from pipeline.artifacts import atomic_write_json, read_json
+from pipeline.errors import StateError
+from pipeline.graph import weights
+from pipeline.graph.weights import fits_one_proto, save_external
+
+_LEVELS = {
+    "disable": "ORT_DISABLE_ALL",
+    "basic": "ORT_ENABLE_BASIC",
+    "extended": "ORT_ENABLE_EXTENDED",
+    "layout": "ORT_ENABLE_LAYOUT",
+    "all": "ORT_ENABLE_ALL",
+}
+
+
+SPINNING = "session.intra_op.allow_spinning"  # session config entry: worker threads spin between runs
+_threads = 0  # intra-op threads of the pipeline's own sessions: the run's backend.intra_op_threads
+
+
+def configure_threads(threads: int) -> None:
+    """Give the pipeline's own sessions (calibration, transforms, checks) the run's thread count too:
+    `backend.intra_op_threads=1` means one thread for all of ONNX Runtime's work (shared machines,
+    and qemu-user, whose multi-threaded guests crash)."""
+    global _threads
+    _threads = int(threads)
+
+
+def ort_session_options(optimization: str = "all", *, threads: int | None = None,
+                        optimized_path: str | os.PathLike | None = None, spinning: bool | None = None) -> Any:
+    """ONNX Runtime SessionOptions: graph optimization ``optimization`` (disable, basic, extended,
+    layout, all), ``threads`` intra-op threads (0: ORT's choice; None: the run's, configure_threads),
+    errors-only logging, ORT's optimized graph saved to ``optimized_path`` if given, and worker threads
+    that spin between runs or not as ``spinning`` says (None: ORT's default, they spin)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    if spinning is not None:
+        so.add_session_config_entry(SPINNING, "1" if spinning else "0")
+    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[optimization])
+    so.intra_op_num_threads = _threads if threads is None else threads
+    so.log_severity_level = 3
+    if optimized_path:
+        so.optimized_model_filepath = str(optimized_path)
+    return so
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """The ONNX Runtime session settings a model ships with (autotune/ort_session.json): they are not
+    stored in the .onnx file, and speed depends on them (a fusion that is slower than what it
+    replaces, the thread count). Defaults are ORT's own."""
+
+    disabled_optimizers: tuple[str, ...] = ()  # ORT graph transformer names, e.g. "SkipLayerNormFusion"
+    config_entries: tuple[tuple[str, str], ...] = ()  # session config entries, e.g. gelu approximation
+    graph_optimization_level: str = "all"  # all | extended | basic | disable
+    intra_op_num_threads: int = 0  # 0: ORT's choice (one per physical core)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"disabled_optimizers": list(self.disabled_optimizers), "config_entries": dict(self.config_entries),
+                "graph_optimization_level": self.graph_optimization_level,
+                "intra_op_num_threads": self.intra_op_num_threads}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SessionSettings:
+        level = str(d.get("graph_optimization_level", "all"))
+        if level not in _LEVELS:
+            raise ValueError(f"graph_optimization_level={level!r}, expected one of {', '.join(_LEVELS)}")
+        return cls(tuple(str(x) for x in d.get("disabled_optimizers") or ()),
+                   tuple(sorted((str(k), str(v)) for k, v in (d.get("config_entries") or {}).items())),
+                   level, int(d.get("intra_op_num_threads", 0)))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> SessionSettings:
+        """The settings of an ort_session.json; a StateError names a file that is not one."""
+        doc = read_json(path, "ORT session settings")
+        try:
+            return cls.from_dict(doc)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise StateError(f"ORT session settings {path} are corrupt ({exc}); re-run the autotune stage") from None
+
+    def save(self, path: str | os.PathLike) -> Path:
+        return atomic_write_json(path, self.to_dict())
+
+    def session(self, model: str | os.PathLike, providers: Iterable[str] = ("CPUExecutionProvider",)) -> Any:
+        """An InferenceSession of ``model`` with these settings, as they were measured (one inter-op
+        thread, FP8 models kept away from ORT's int8 QDQ rewrites): what a deployment runs."""
+        so = self.apply(ort_session_options(spinning=True))
+        so.inter_op_num_threads = 1
+        disable_qdq_fusion_if_fp8(so, model)
+        return inference_session(model, so, providers=providers, disabled_optimizers=self.disabled_optimizers)
+
+    def changed(self, **fields: Any) -> SessionSettings:
+        return replace(self, **fields)
+
+    def apply(self, so: Any) -> Any:
+        """Set these settings on a SessionOptions (disabled_optimizers go to ``inference_session``)."""
+        import onnxruntime as ort
+
+        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[self.graph_optimization_level])
+        if self.intra_op_num_threads:
+            so.intra_op_num_threads = self.intra_op_num_threads
+        for key, value in self.config_entries:
+            so.add_session_config_entry(key, value)
+        return so
+
+    def describe(self) -> str:
+        parts = [f"disabled {', '.join(self.disabled_optimizers)}"] if self.disabled_optimizers else []
+        parts += [f"{k}={v}" for k, v in self.config_entries]
+        if self.graph_optimization_level != "all":
+            parts.append(f"graph optimization {self.graph_optimization_level}")
+        if self.intra_op_num_threads:
+            parts.append(f"{self.intra_op_num_threads} intra-op thread(s)")
+        return "; ".join(parts) or "ORT's defaults"
+
+
+BY_PATH_BYTES = 64 * 2**20  # protos larger than this reach ORT through a temporary file
+
+
+def inference_session(model: onnx.ModelProto | bytes | str | os.PathLike, options: Any = None, *,
+                extra_outputs: Iterable[str] = (), providers: Iterable[str] = ("CPUExecutionProvider",),
+                disabled_optimizers: Iterable[str] = ()) -> Any:
+    """An InferenceSession for a model (proto, serialized bytes or path) with ``options`` (see
+    ort_session_options; None: ORT's defaults) on ``providers``. ``extra_outputs`` (a proto only)
+    become graph outputs too, so intermediate tensors can be read from ``run``;
+    ``disabled_optimizers`` names ORT graph transformers to skip (SessionSettings)."""
+    import onnxruntime as ort
+
+    if options is None:
+        options = ort_session_options()
+    for k, v in weights.session_entries(model if isinstance(model, (onnx.ModelProto, bytes)) else b"").items():
+        options.add_session_config_entry(k, v)  # where a proto's on-disk weights are (pipeline.graph.weights)
+    if isinstance(model, onnx.ModelProto) and not fits_one_proto(model):
+        # over 2 GB there are no bytes to hand over: ORT reads the model saved with external data
+
+        with tempfile.TemporaryDirectory(prefix="qdq-tune-ort-") as tmp:
+            path = Path(tmp) / "model.onnx"
+            save_external(model, path, extra_outputs)
+            return inference_session(path, options, providers=providers, disabled_optimizers=disabled_optimizers)
+    if isinstance(model, onnx.ModelProto):
+        data: bytes | str = with_outputs(model, extra_outputs).SerializeToString()
+    elif extra_outputs:
+        raise TypeError("inference_session: extra_outputs needs the model as an onnx.ModelProto")
+    else:
+        data = model if isinstance(model, bytes) else str(model)
+    if isinstance(data, bytes) and len(data) > BY_PATH_BYTES:
+        # ORT parsing serialized bytes holds a copy beside its own (BERT-base: +1.2 GB); from a file, +0.7 GB
+
+        with tempfile.TemporaryDirectory(prefix="qdq-tune-ort-") as tmp:
+            path = Path(tmp) / "model.onnx"
+            weights.share_into(data, tmp)
+            path.write_bytes(data)
+            del data
+            return inference_session(path, options, providers=providers, disabled_optimizers=disabled_optimizers)
+    disabled = list(disabled_optimizers)
+    if disabled:
+        return ort.InferenceSession(data, sess_options=options, providers=list(providers),
+                                    disabled_optimizers=disabled)
+    return ort.InferenceSession(data, sess_options=options, providers=list(providers))
+
+
+def with_outputs(model: onnx.ModelProto, tensors: Iterable[str]) -> onnx.ModelProto:
+    """A copy of ``model`` with ``tensors`` that are not graph outputs yet added as untyped outputs;
+    the model itself when there is nothing to add."""
+    existing = {o.name for o in model.graph.output}
+    new = [t for t in tensors if t not in existing]
+    if not new:
+        return model
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for t in new:
+        m.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
+    return m
+
+
+_FP8_TYPES = (17, 18, 19, 20)  # FLOAT8E4M3FN, FLOAT8E4M3FNUZ, FLOAT8E5M2, FLOAT8E5M2FNUZ
+
+
+def has_fp8(model: str | Path | bytes | Any) -> bool:
+    """Whether a model stores FP8 tensors (its Q/DQ pairs must not go through ORT's QDQ fusions)."""
+    if isinstance(model, (str, Path)):
+        model = onnx.load(str(model), load_external_data=False)
+    elif isinstance(model, bytes):
+        model = onnx.load_from_string(model)
+    return any(i.data_type in _FP8_TYPES for i in model.graph.initializer)
+
+
+def disable_qdq_fusion_if_fp8(so: Any, model: str | Path | bytes | Any) -> None:
+    """Keep ORT's int8-minded QDQ rewrites away from FP8 models.
+
+    ORT's CPU QDQ selectors do not check the quantized type: they fuse FP8 DQ -> Conv into a
+    QLinearConv that fails type checking, and the level-2 ReluQuantFusion drops a Relu before an
+    FP8 Q because zero point 0 "is the bottom of the range" (true for uint8 only), which changes
+    results. FP8 Q/DQ has no fast kernels on the CPU EP anyway, so such models run at basic level.
+    """
+    if has_fp8(model):
+        import onnxruntime as ort
+
+        so.add_session_config_entry("session.disable_quant_qdq", "1")
+        if so.graph_optimization_level.value > ort.GraphOptimizationLevel.ORT_ENABLE_BASIC.value:
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC

@@ -1,0 +1,2 @@
+"""Runtime settings tuned after the placement: one greedy search (``search``) over candidates from the
+backend's own space, ONNX Runtime session settings (``ort``) or TensorRT builder settings (``trt``)."""

@@ -1,0 +1,234 @@
+"""The runtime half of int8 speed: the runtime settings the shipped model runs fastest with, searched
+after placement and shipped beside it. One search serves every kind of runtime settings; the
+backend's kind decides what is searched (``SPACES``) and what ships (its ``shipped_settings``):
+
+- onnxruntime: session settings (tasks.autotune.runtime.ort), shipped as autotune/ort_session.json;
+- tensorrt, trtexec: builder settings (tasks.autotune.runtime.trt), shipped as autotune/trt_build.json.
+
+The search is greedy and sequential: every candidate is the current settings plus one change,
+checked against the accuracy budget, then timed against the current settings on the same model in
+paired rounds until the 95% interval of the latency ratio is clear of ``keep_below``; it is kept only
+when it lies below. Every step is saved to autotune/runtime_search.json, so an interrupted search
+resumes at the next candidate. A final interleaved run compares float and shipped models with and
+without the settings, and the backend's own settings ship unless the found ones win there too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.artifacts import atomic_write_json, read_json
+from pipeline.backends.base import time_interleaved
+from pipeline.errors import first_line
+from pipeline.graph.model import model_hash
+from tasks.autotune.benchmark import ratio_interval, round_ratios, sequential_verdict
+from tasks.autotune.runtime import ort as runtime_ort
+from tasks.autotune.runtime import trt as runtime_trt
+from tasks.autotune.state_file import StateFileKind, check_state, resume_or_set_aside
+
+log = logging.getLogger("tune.autotune")
+
+STATE_VERSION = 1
+RUNTIME_STATE = StateFileKind(
+    what="runtime search state",
+    corrupt_fix="delete it to search the runtime settings afresh",
+    mismatch_fix="delete it to search afresh",
+    context_changes="the shipped model, backend or accuracy budget changed",
+    context_fix="delete it to search afresh",
+)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the search needs from one kind of runtime settings (their type is the backend's
+    ``shipped_settings.type``)."""
+
+    # backend -> the settings the search starts from, and that ship when nothing helped
+    base: Callable[[Any], Any]
+    # (backend, shipped model) -> ([(name, change)] in the order they are tried, what the metrics add)
+    candidates: Callable[[Any, Path], tuple[list[tuple[str, dict]], dict[str, Any]]]
+    # (settings, change) -> the settings with that change
+    apply: Callable[[Any, dict], Any]
+
+
+_TRT = SearchSpace(runtime_trt.base_settings, runtime_trt.search_candidates, runtime_trt.apply_change)
+# backend name -> what is searched on it (tensorrt_rtx: nothing yet)
+SPACES: dict[str, SearchSpace] = {
+    "onnxruntime": SearchSpace(runtime_ort.base_settings, runtime_ort.search_candidates, runtime_ort.apply_change),
+    "tensorrt": _TRT,
+    "trtexec": _TRT,
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One change to the current settings, and what it is called in logs and the state file."""
+
+    name: str
+    settings: Any
+
+
+class RuntimeSearch:
+    """The greedy search over one backend's runtime settings for one shipped model (see module
+    docstring); what it searches comes from ``SPACES[backend.name]``."""
+
+    def __init__(self, backend: Any, model: Path, judge: Any, cfg: Any, state_path: Path, context: str):
+        self.backend, self.model, self.judge, self.cfg = backend, model, judge, cfg
+        self.space = SPACES[backend.name]
+        self.settings_type = backend.shipped_settings.type
+        self.state_path = state_path
+        self.doc: dict[str, Any] = {"version": STATE_VERSION, "model_sha256": model_hash(model), "context": context,
+                                    "kind": backend.shipped_settings.artifact, "steps": [],
+                                    "settings": self.space.base(backend).to_dict(), "done": False}
+
+    def _load(self) -> None:
+        doc = read_json(self.state_path, RUNTIME_STATE.what)
+        if not isinstance(doc, dict) or not isinstance(doc.get("steps"), list):
+            raise RUNTIME_STATE.corrupt(self.state_path, "no 'steps' list")
+        check_state(doc, self.state_path, RUNTIME_STATE, version=STATE_VERSION,
+                    model_sha=self.doc["model_sha256"], context=self.doc["context"])
+        try:
+            self.settings_type.from_dict(doc.get("settings") or {})
+        except (ValueError, TypeError) as exc:
+            raise RUNTIME_STATE.corrupt(self.state_path, first_line(exc)) from None
+        self.doc = doc
+
+    def run(self, candidates: list[tuple[str, dict]]) -> Any:
+        """The settings found by trying ``candidates`` ((name, change) in order), resuming from the state
+        file when it is this model's."""
+        if resume_or_set_aside(self._load, self.state_path, RUNTIME_STATE, own=True):
+            log.info("runtime search: resuming from %s (%d candidates measured)", self.state_path.name,
+                     len(self.doc["steps"]))
+        settings = self.settings_type.from_dict(self.doc["settings"])
+        done = {st["name"] for st in self.doc["steps"]}
+        t0 = time.time()
+        for name, change in candidates:
+            if self.doc["done"] or name in done:
+                continue
+            if time.time() - t0 > float(self.cfg.max_seconds):
+                log.info("runtime search: autotune.runtime.max_seconds=%g reached; the rest is not measured",
+                         float(self.cfg.max_seconds))
+                break
+            step = self._step(Candidate(name, self.space.apply(settings, change)), settings)
+            if step["kept"]:
+                settings = self.settings_type.from_dict(step["settings"])
+                self.doc["settings"] = settings.to_dict()
+            self.doc["steps"].append(step)
+            atomic_write_json(self.state_path, self.doc, indent=1)
+        else:
+            self.doc["done"] = True
+        atomic_write_json(self.state_path, self.doc, indent=1)
+        return settings
+
+    def _step(self, cand: Candidate, current: Any) -> dict[str, Any]:
+        """Judge ``cand`` on the holdout, then time it against ``current`` in paired rounds."""
+        step: dict[str, Any] = {"name": cand.name, "settings": cand.settings.to_dict(), "kept": False}
+        ref_pm = cand_pm = None
+        try:
+            ref_pm = self.backend.with_settings(current).prepare(self.model)
+            cand_pm = self.backend.with_settings(cand.settings).prepare(self.model)
+            verdict = self.judge(cand_pm)
+            step["accuracy"] = verdict.to_dict()
+            if not verdict.ok:
+                step["why"] = f"misses the accuracy budget ({verdict.what})"
+                log.info("runtime search: %s: %s", cand.name, step["why"])
+                return step
+            blocks, errors = time_interleaved(
+                [ref_pm, cand_pm], int(self.cfg.max_rounds), max(2, self.backend.timing_runs // 8),
+                self.backend.warmup_runs, stop_on_error=True,
+                until=lambda b: sequential_verdict(round_ratios(b[0], b[1]), float(self.cfg.keep_below)) is not None)
+        except Exception as exc:  # noqa: BLE001 - a setting the runtime rejects is a failed step, not a failed run
+            step["why"] = f"failed: {first_line(exc)}"
+            log.info("runtime search: %s %s", cand.name, step["why"])
+            return step
+        finally:
+            for pm in (ref_pm, cand_pm):
+                if pm is not None:
+                    pm.close()
+        if any(errors):
+            step["why"] = f"timing failed: {next(e for e in errors if e)}"
+            return step
+        ratios = round_ratios(blocks[0], blocks[1])
+        low, high = ratio_interval(ratios)
+        step.update(ratio=float(sorted(ratios)[len(ratios) // 2]) if ratios else None, interval=[low, high],
+                    rounds=len(ratios), kept=high < float(self.cfg.keep_below))
+        step["why"] = (f"{step['ratio']:.3f}x the latency (95% interval {low:.3f}-{high:.3f}, {len(ratios)} rounds): "
+                       + ("kept" if step["kept"] else f"not below {float(self.cfg.keep_below):g}"))
+        log.info("runtime search: %s: %s", cand.name, step["why"])
+        return step
+
+
+def tune_runtime(setup: Any, rcfg: Any) -> tuple[dict[str, Path], dict[str, Any]]:
+    """Search the shipped model's runtime settings (the backend's kind: ``SPACES``), write them beside
+    it (ort_session.json, trt_build.json) and compare float and shipped models with the backend's own
+    settings and with the found ones, in one interleaved run; (artifacts, metrics["runtime"])."""
+    from pipeline.artifacts import fingerprint
+
+    backend, out = setup.backend, setup.out
+    kind = backend.shipped_settings
+    if backend.name not in SPACES or kind is None:
+        return {}, {"searched": False, "why": f"runtime settings are searched on {', '.join(SPACES)} only, "
+                                              f"not {backend.name}"}
+    space, shipped = SPACES[backend.name], out / "optimized_final.onnx"
+    path, key = out / Path(kind.artifact).name, kind.artifact
+    base = space.base(backend)
+    if not bool(rcfg.enabled):
+        base.save(path)
+        return {key: path}, {"searched": False, "why": "autotune.runtime.enabled=false", "settings": base.to_dict(),
+                             "file": key}
+    cands, extra = space.candidates(backend, shipped)
+    # max_seconds is left out: raising it must let an unfinished search go on, not start it again
+    context = fingerprint({**setup.context_items, "shipped": model_hash(shipped),
+                           "runtime": {k: rcfg[k] for k in ("max_rounds", "keep_below")}})
+    search = RuntimeSearch(backend, shipped, setup.judge, rcfg, out / "runtime_search.json", context)
+    settings = search.run(cands)
+    metrics: dict[str, Any] = {"steps": search.doc["steps"], **extra}
+    if settings != base:
+        metrics.update(_honest_speedups(backend, setup.baseline_path, shipped, settings))
+        ms = metrics.get("p10_ms")
+        if ms is None or ms["shipped_tuned"] >= ms["shipped_default"]:
+            # each step was paired against the previous settings; the final guard compares the end
+            # result with the start once more, and the backend's own settings ship unless it is faster there too
+            log.info("runtime search: %s measured no faster than the backend's own settings in the final "
+                     "comparison; shipping those", settings.describe())
+            metrics["rejected"] = settings.to_dict()
+            settings = base
+            for k in ("speedup_vs_float_default", "speedup_vs_float_same_settings"):
+                metrics.pop(k, None)
+    settings.save(path)
+    metrics.update(searched=True, settings=settings.to_dict(), describe=settings.describe(), file=key,
+                   what=kind.what, defaults=kind.defaults)
+    log.info("runtime search: ships %s%s", settings.describe(),
+             f" ({metrics['speedup_vs_float_default']:.2f}x float with {kind.defaults}, "
+             f"{metrics['speedup_vs_float_same_settings']:.2f}x float with the same settings)"
+             if "speedup_vs_float_default" in metrics else "")
+    return {key: path, "autotune/runtime_search.json": out / "runtime_search.json"}, metrics
+
+
+def _honest_speedups(backend: Any, float_path: Path, shipped: Path, settings: Any) -> dict[str, Any]:
+    """p10 latencies of float and shipped models, with the backend's own settings and with ``settings``,
+    from one interleaved run: a runtime win is not reported as a quantization win."""
+    from pipeline.backends.base import compare_prepared
+
+    plain, tuned = backend.as_deployed(), backend.with_settings(settings)
+    prepared = []
+    try:
+        for b, p in ((plain, float_path), (tuned, float_path), (plain, shipped), (tuned, shipped)):
+            prepared.append(b.prepare(p))
+        t = compare_prepared(backend.name, prepared, rounds=6, runs_per_round=max(2, backend.timing_runs // 6),
+                             warmup_runs=backend.warmup_runs)
+    finally:
+        for pm in prepared:
+            pm.close()
+    if not all(x.ok for x in t):
+        return {"comparison_error": next(x.error for x in t if not x.ok)}
+    ms = {k: x.p10_ms for k, x in zip(("float_default", "float_tuned", "shipped_default", "shipped_tuned"), t,
+                                      strict=True)}
+    return {"p10_ms": ms, "speedup_vs_float_default": ms["float_default"] / ms["shipped_tuned"],
+            "speedup_vs_float_same_settings": ms["float_tuned"] / ms["shipped_tuned"],
+            "speedup_default_session": ms["float_default"] / ms["shipped_default"]}

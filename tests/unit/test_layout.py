@@ -1,0 +1,168 @@
+"""The tree shows the architecture: the README's module map matches it, imports point down only (no
+circle among modules or packages, every import resolved, also those inside functions), no private
+name crosses a module, and no file grows past what one reader can hold."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+# pipeline's sub-packages, lowest first: each may import the framework and those before it
+LAYERS = ["graph", "transforms", "quant", "data", "backends", "accuracy", "app"]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for top in ("pipeline", "tasks"):
+        for p in (ROOT / top).rglob("*.py"):
+            parts = list(p.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = p
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str) -> list[tuple[str, str]]:
+    """(imported module, imported name or "") for every import in ``module``, anywhere in the file."""
+    path = MODULES[module]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(t, "") for a in node.names if (t := _resolve(a.name))]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                base = ".".join(pkg[:len(pkg) - node.level + 1] + ([base] if base else []))
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                if sub in MODULES:
+                    out.append((sub, ""))
+                elif (t := _resolve(base)) is not None:
+                    out.append((t, a.name))
+    return [(t, n) for t, n in out if t != module]
+
+
+EDGES = {m: _imports(m) for m in MODULES}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while (w := stack.pop()) != v:
+                comp.append(w)
+            if comp:
+                found.append(sorted([v, *comp]))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle_among_modules():
+    graph = {m: {t for t, _ in ts if not MODULES[t].name == "__init__.py" or t == m} for m, ts in EDGES.items()}
+    assert _cycles(graph) == []
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] == "pipeline":
+        return parts[1] if len(parts) > 1 and parts[1] in LAYERS else "framework"
+    return "tasks"
+
+
+def test_pipeline_packages_import_only_downwards():
+    order = ["framework", *LAYERS]
+    wrong = []
+    for m, targets in EDGES.items():
+        if not m.startswith("pipeline") or m == "pipeline.api":  # api: the public face of app
+            continue
+        for t, _ in targets:
+            if t.startswith("tasks"):
+                wrong.append(f"{m} imports {t}")
+            elif t.startswith("pipeline") and order.index(_layer(t)) > order.index(_layer(m)):
+                wrong.append(f"{m} ({_layer(m)}) imports {t} ({_layer(t)})")
+    assert wrong == []
+
+
+def test_no_private_name_crosses_a_module():
+    """A name starting with `_` is imported only from its own module; a private module (`_x.py`) only
+    from inside its package."""
+    wrong = []
+    for m, targets in EDGES.items():
+        for t, name in targets:
+            if name.startswith("_") and not name.startswith("__"):
+                wrong.append(f"{m} imports {t}.{name}")
+            leaf = t.rpartition(".")[2]
+            if leaf.startswith("_") and not leaf.startswith("__") and not m.startswith(t.rpartition(".")[0] + "."):
+                wrong.append(f"{m} imports private module {t}")
+    for p in (ROOT / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(("pipeline", "tasks")):
+                wrong += [f"{p.name} imports {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")
+                          and f"{node.module}.{a.name}" not in MODULES]  # a stage's private module is tested
+    assert wrong == []
+
+
+def test_pipeline_top_level_is_small_and_every_package_says_what_it_owns():
+    top = [p.name for p in (ROOT / "pipeline").glob("*.py") if p.name != "__init__.py"]
+    assert len(top) <= 10, top
+    for init in [*(ROOT / "pipeline").rglob("__init__.py"), *(ROOT / "tasks").rglob("__init__.py")]:
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc) > 60, f"{init.relative_to(ROOT)} needs a docstring saying what it owns"
+
+
+def test_no_file_over_500_lines():
+    long = [str(p.relative_to(ROOT)) for m, p in MODULES.items() if len(p.read_text().splitlines()) > 500]
+    assert long == []
+
+
+def _readme_map() -> set[str]:
+    block = README.split("## How the code is laid out", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    paths, stack = set(), []
+    for line in block.splitlines():
+        indent = (len(line) - len(line.lstrip())) // 2
+        name, _, rest = line.strip().partition(" ")
+        stack = stack[:indent]
+        if name.endswith("/"):
+            stack.append(name.rstrip("/"))
+            # a package line may list its small modules inline: "config.py, stage.py; _models.py (...)"
+            paths.update("/".join([*stack, f]) for f in re.findall(r"(\w+\.py)", rest))
+        else:
+            paths.add("/".join([*stack, name]))
+    return paths
+
+
+def test_readme_module_map_lists_every_module_and_nothing_else():
+    tree = {str(p.relative_to(ROOT)) for p in MODULES.values() if p.name != "__init__.py"}
+    listed = _readme_map()
+    assert sorted(tree - listed) == [], "modules the README's map leaves out"
+    assert sorted(listed - tree) == [], "the README's map names modules that do not exist"
