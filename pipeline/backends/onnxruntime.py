@@ -231,9 +231,9 @@ class OnnxRuntimeBackend(Backend):
         if not profile:
             pm = OrtPrepared(self.session(model_path), specs_of(model_path))
             if self.settings is not None or self.cfg.allow_spinning:
-                # a spinning session's threads keep the cores busy for tens of ms after its runs: after
-                # one untimed run the next model's median measured 1.3x (MiniLM) to 1.75x (digits, 0.8 ms)
-                # too slow; after 50 ms its median is within 3% of its p10
+                # a spinning session's threads keep the cores busy for tens of ms after its runs, so the
+                # next model is timed only after settle runs and a pause (README: "Why the code does what
+                # it does")
                 pm.settle_runs, pm.settle_seconds = SPIN_SETTLE_RUNS, SPIN_SETTLE_SECONDS
             return pm
 
@@ -254,7 +254,7 @@ class OnnxRuntimeBackend(Backend):
         so = self.session_options()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         # every DequantizeLinear of a weight makes its float copy on each run: ORT's arena would keep
-        # them all (a 0.6 GB int8 model's reference held 1.47 GB after one run; without it, 0.22 GB)
+        # them all, so the reference session runs without it
         so.enable_cpu_mem_arena = False
         return OrtPrepared(inference_session(model_path, so, providers=self.cfg.providers), specs_of(model_path))
 

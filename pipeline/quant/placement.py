@@ -296,10 +296,9 @@ def _feeds_quantized(g: GraphIndex, qnodes: dict[str, NodeDtypes], tensor: str) 
 
 
 def _before_layernorm(g: GraphIndex, node: onnx.NodeProto) -> bool:
-    # A residual Add feeding LayerNormalization: left float, ORT fuses the two into
-    # SkipLayerNormalization, which measured slower on the CPU EP than QLinearAdd + DQ +
-    # LayerNormalization (bert_tiny: 12% faster model at batch 1, 18% at batch 8; bench/
-    # quantize_vs_ort.py --model bert_tiny). The autotuner can still toggle it back.
+    # A residual Add feeding LayerNormalization stays float: ORT then fuses the two into
+    # SkipLayerNormalization, which is faster on the CPU EP than QLinearAdd + DQ + LayerNormalization
+    # (README: "Why the code does what it does"). The autotuner can still toggle it back.
     return node.op_type == "Add" and any(c.op_type == "LayerNormalization"
                                          for c, _ in g.consumers.get(node.output[0], []))
 

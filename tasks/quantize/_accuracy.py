@@ -244,7 +244,7 @@ def choose_weight_range(build: Callable[..., onnx.ModelProto], checker: Checker,
     within = [c for c in exact if c.scored and c.verdict.ok]
     if within:
         # the fastest within the budget, unless the most accurate is within ACCURACY_BAND of its speed:
-        # 7-bit weights cost ~3-6 dB of output SNR, worth it only for a clear speed gain
+        # 7-bit weights cost output SNR, worth it only for a clear speed gain
         fastest = min(within, key=lambda c: c.latency_p10_ms if c.latency_p10_ms is not None else math.inf)
         accurate = min(within, key=lambda c: c.verdict.error)
         slow, fast = accurate.latency_p10_ms, fastest.latency_p10_ms

@@ -41,9 +41,9 @@ class BiasSlot:
 
 def bias_slots(model: onnx.ModelProto, nodes: Iterable[str]) -> tuple[list[BiasSlot], list[str], list[BiasSlot]]:
     """(slots of the weighted ``nodes`` whose bias is an initializer of their own, names of those
-    without one, slots whose bias other nodes read too). Exporters merge equal initializers: torch
-    gave BERT's zero-initialized attention biases and a LayerNorm's beta one tensor, and correcting
-    each node into it moved all of them (BERT-base: held-out SNR 22.8 -> -2.6 dB)."""
+    without one, slots whose bias other nodes read too). Exporters merge equal initializers (torch
+    gives equal zero biases and a LayerNorm's beta one tensor): a bias other nodes read is never
+    corrected, since correcting one node into it would move all of them."""
     g = GraphIndex(model)
     slots, missing, shared = [], [], []
     for name in nodes:

@@ -12,8 +12,7 @@ import onnx
 import pytest
 
 from tests import models
-from tests.conftest import PLAIN_QUANTIZE, run_tune
-from tests.unit.test_accuracy import qemu_haswell, run_emulated
+from tests.helpers import PLAIN_QUANTIZE, qemu_haswell, run_emulated, run_tune
 
 pytestmark = pytest.mark.slow
 

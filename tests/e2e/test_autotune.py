@@ -15,10 +15,7 @@ import yaml
 
 from pipeline.quant.qdq import get_quantized_tensors
 from tests import models
-from tests.conftest import PLAIN_QUANTIZE, run_tune, tune_command
-
-QUICK = ["autotune.preset=quick", "backend.warmup_runs=1", "autotune.warmup_runs=1", "autotune.timing_runs=8",
-         "quantize.calibration.batches=2", "data.num_samples=16", "progress=false", *PLAIN_QUANTIZE]
+from tests.helpers import QUICK, run_tune, tune_command
 
 
 def _measurements(state: Path) -> int:
@@ -117,7 +114,7 @@ def test_optimized_final_builds_with_tensorrt_rtx(tiny, tmp_path):
     if importlib.util.find_spec("tensorrt_rtx") is None:
         pytest.importorskip("tensorrt_rtx_bindings")
     from pipeline.backends import create_backend
-    from tests.conftest import compose
+    from tests.helpers import compose
 
     for placement in ("onnxruntime", "tensorrt"):
         rd = tmp_path / placement

@@ -7,7 +7,7 @@ import shutil
 
 import numpy as np
 
-from tests.conftest import run_tune
+from tests.helpers import run_tune
 
 
 def _one_line_exit_2(proc) -> str:

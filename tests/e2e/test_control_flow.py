@@ -12,8 +12,7 @@ import pytest
 
 from pipeline.backends.ort import inference_session
 from tests import models
-from tests.conftest import run_tune
-from tests.unit.test_bodies import _body_matmuls
+from tests.helpers import body_matmuls, run_tune
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +38,7 @@ def test_rnn_inside_a_loop_or_scan_body_is_quantized_tuned_and_evaluated_within_
     assert samples > 0 and all(calib["tensors"][t]["samples"] == samples for t in tensors)
     assert list(calib["bodies"]) == [node] and "W" in calib["weights"]
     qmodel = onnx.load(str(rd / "quantize" / "quantized_model.onnx"))
-    assert list(_body_matmuls(qmodel).values()) == [["DequantizeLinear", "DequantizeLinear"]] * 2
+    assert list(body_matmuls(qmodel).values()) == [["DequantizeLinear", "DequantizeLinear"]] * 2
     inference_session(qmodel)
     assert stages["autotune"]["metrics"]["accuracy"]["final"]["ok"]
     metrics = json.loads((rd / "evaluate" / "metrics.json").read_text())

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.artifacts import Manifest
 from tests import models
-from tests.conftest import compose, run_tune
+from tests.helpers import compose, run_tune
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # small timing budget: these tests check plumbing, not speed

@@ -10,7 +10,7 @@ import onnx
 import pytest
 
 from tests import models
-from tests.conftest import run_tune
+from tests.helpers import run_tune
 
 
 def test_default_export_is_verified_and_rerun_skips(digits_results, tmp_path):
@@ -113,7 +113,7 @@ def test_a_model_stored_with_external_data_runs_and_a_changed_data_file_reruns_e
     from its path, and new weights in the .data file alone (the .onnx unchanged) re-run export."""
     import onnxruntime as ort
 
-    from tests.e2e.test_autotune import QUICK
+    from tests.helpers import QUICK
 
     def write(seed: int, folder) -> None:
         folder.mkdir(exist_ok=True)

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from tests import models
-from tests.conftest import run_tune
+from tests.helpers import run_tune
 
 HAS_RTX = any(importlib.util.find_spec(m) is not None for m in ("tensorrt_rtx", "tensorrt_rtx_bindings"))
 needs_rtx = pytest.mark.skipif(not HAS_RTX, reason="TensorRT-RTX bindings missing: pip install 'qdq-tune[rtx]'")
@@ -57,7 +57,7 @@ def test_onnxruntime_writes_its_optimized_graph(tmp_path):
 
 
 def test_trtexec_backend_builds_through_the_stage(tmp_path):
-    from tests.unit.test_trtexec import calls_of, fake_trtexec
+    from tests.helpers import calls_of, fake_trtexec
 
     exe, calls = fake_trtexec(tmp_path)
     model = models.save(models.conv_chain(), tmp_path, "conv")

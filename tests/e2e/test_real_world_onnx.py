@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import run_tune
+from tests.helpers import run_tune
 
 pytestmark = pytest.mark.slow
 

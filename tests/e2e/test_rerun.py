@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from tests import models
-from tests.conftest import PLAIN_QUANTIZE, run_tune
+from tests.helpers import PLAIN_QUANTIZE, run_tune
 
 QUICK = ["autotune.preset=quick", "backend.warmup_runs=1", "autotune.warmup_runs=1", "autotune.timing_runs=6",
          "quantize.calibration.batches=2", "data.num_samples=16", "progress=false", *PLAIN_QUANTIZE]

@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 
 from tests import models
-from tests.conftest import run_tune
+from tests.helpers import run_tune
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,7 @@ import onnx
 import pytest
 
 from tests import models
-from tests.conftest import run_tune, tune_command
-from tests.e2e.test_autotune import QUICK
+from tests.helpers import QUICK, run_tune, tune_command
 
 SUBGRAPH = ["autotune.mode=subgraph", *QUICK]
 
@@ -234,7 +233,7 @@ def test_dynamic_batch_model_keeps_its_dynamic_dim(tmp_path):
 
     if importlib.util.find_spec("tensorrt_rtx_bindings") or importlib.util.find_spec("tensorrt_rtx"):
         from pipeline.backends import create_backend
-        from tests.conftest import compose
+        from tests.helpers import compose
 
         rtx = create_backend(compose(["backend=tensorrt_rtx"]).backend)
         for name in ("optimized_raw", "optimized_final"):  # dynamic batch: built with an optimization profile
@@ -298,7 +297,7 @@ def test_subgraph_outputs_build_with_tensorrt_rtx(blocks, tmp_path):
     if importlib.util.find_spec("tensorrt_rtx") is None:
         pytest.importorskip("tensorrt_rtx_bindings")
     from pipeline.backends import create_backend
-    from tests.conftest import compose
+    from tests.helpers import compose
 
     rtx = create_backend(compose(["backend=tensorrt_rtx"]).backend)
     for placement in ("onnxruntime", "tensorrt"):
@@ -315,7 +314,7 @@ def test_trtexec_backend_generates_the_graph_json_and_profiles_layers(tmp_path):
     """backend=trtexec without autotune.graph_json: one FP16 build writes model.fp16.graph.json (the fake
     trtexec returns a TensorRT 10 fixture for conv_chain), subgraphs are timed with --exportProfile and
     without the full model's shape flags."""
-    from tests.unit.test_trtexec import calls_of, fake_trtexec
+    from tests.helpers import calls_of, fake_trtexec
 
     exe, calls = fake_trtexec(tmp_path, layer_info="graph_fp16_conv_chain.json")
     model = models.save(models.conv_chain(), tmp_path, "m")
@@ -366,7 +365,7 @@ def test_subgraph_mode_builds_at_most_a_third_of_region_modes_full_models_on_trt
     mode's count includes its float build for the layer information and the check of optimized_raw.onnx."""
     import shutil
 
-    from tests.unit.test_trtexec import calls_of, fake_trtexec
+    from tests.helpers import calls_of, fake_trtexec
 
     m = models.residual_block(blocks=3)
     exe, calls = fake_trtexec(tmp_path, layer_info=str(_layer_info(m, tmp_path / "layers.json")))

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests import models
-from tests.conftest import run_tune
-from tests.e2e.test_autotune import QUICK
+from tests.helpers import QUICK, run_tune
 
 
 def _args(model: Path, rd: Path, extra: list[str]) -> list[str]:

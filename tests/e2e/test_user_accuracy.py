@@ -12,8 +12,7 @@ import onnx
 import pytest
 
 from tests import models
-from tests.conftest import run_tune
-from tests.e2e.test_autotune import QUICK
+from tests.helpers import QUICK, run_tune
 
 METRICS = '''
 import numpy as np

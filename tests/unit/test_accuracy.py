@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 import math
-import os
-import platform
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
-from omegaconf import OmegaConf
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, numpy_helper
 
 from pipeline.accuracy.budget import AccuracyBudget, Holdout
 from pipeline.accuracy.cpu import cpu_facts
 from pipeline.accuracy.fidelity import kernel_fidelity
 from pipeline.backends.onnxruntime import OnnxRuntimeBackend, OrtPrepared
-from pipeline.config import OnnxRuntimeBackendConfig
 from pipeline.data.adapters import Batch, synthetic_batches
 from pipeline.errors import ConfigError
 from pipeline.graph.model import input_specs
@@ -30,10 +23,7 @@ from pipeline.quant.qdq import apply_plan
 from tasks.quantize import _accuracy
 from tasks.quantize._calibrate import collect
 from tests import models
-
-
-def _backend() -> OnnxRuntimeBackend:
-    return OnnxRuntimeBackend(OmegaConf.structured(OnnxRuntimeBackendConfig(warmup_runs=1, timing_runs=4)))
+from tests.helpers import ort_backend, qemu_haswell, run_emulated, saturating_model
 
 
 # ------------------------------------------------------------------ budget verdicts
@@ -183,40 +173,17 @@ def test_custom_metric_that_raises_or_returns_nan_is_one_line():
 
 
 # ------------------------------------------------------------------ kernel fidelity
-def saturating_model() -> onnx.ModelProto:
-    """u8 activations at 255 times s8 weights at 127: VPMADDUBSW's int16 pair sums (AVX2 without VNNI)
-    saturate at 32767 < 2 x 255 x 127, VNNI's int32 sums do not."""
-    c = 16
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, 8, 8])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])
-    inits = [numpy_helper.from_array(np.array(1 / 255, np.float32), "xs"),
-             numpy_helper.from_array(np.array(0, np.uint8), "xz"),
-             numpy_helper.from_array(np.full((4, c, 1, 1), 127, np.int8), "wq"),
-             numpy_helper.from_array(np.full(4, 0.01, np.float32), "ws"),
-             numpy_helper.from_array(np.zeros(4, np.int8), "wz"),
-             numpy_helper.from_array(np.array(0.5, np.float32), "ys"),
-             numpy_helper.from_array(np.array(0, np.uint8), "yz")]
-    nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
-             helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"]),
-             helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"], axis=0),
-             helper.make_node("Conv", ["xd", "wd"], ["c"]),
-             helper.make_node("QuantizeLinear", ["c", "ys", "yz"], ["cq"]),
-             helper.make_node("DequantizeLinear", ["cq", "ys", "yz"], ["y"])]
-    m = helper.make_model(helper.make_graph(nodes, "saturate", [x], [y], inits),
-                          opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 8
-    return m
 
 
 _SATURATION_SCRIPT = """
 import sys, json
 sys.path.insert(0, {root!r})
 import numpy as np
-from tests.unit.test_accuracy import _backend, saturating_model
+from tests.helpers import ort_backend, saturating_model
 from pipeline.accuracy.fidelity import kernel_fidelity
 from pipeline.accuracy.cpu import cpu_facts
 path = {path!r}
-r = kernel_fidelity(_backend(), path, [{{"x": np.ones((1, 16, 8, 8), np.float32)}}])
+r = kernel_fidelity(ort_backend(), path, [{{"x": np.ones((1, 16, 8, 8), np.float32)}}])
 print(json.dumps({{"ok": r.ok, "snr": r.snr_db, "saturates": cpu_facts()["u8s8_saturates"]}}))
 """
 
@@ -224,35 +191,13 @@ print(json.dumps({{"ok": r.ok, "snr": r.snr_db, "saturates": cpu_facts()["u8s8_s
 def test_fidelity_check_on_a_graph_that_saturates_u8s8_without_vnni(tmp_path):
     path = tmp_path / "saturate.onnx"
     onnx.save(saturating_model(), str(path))
-    r = kernel_fidelity(_backend(), path, [{"x": np.ones((1, 16, 8, 8), np.float32)}])
+    r = kernel_fidelity(ort_backend(), path, [{"x": np.ones((1, 16, 8, 8), np.float32)}])
     assert r.checked
     if cpu_facts()["u8s8_saturates"]:
         assert not r.ok and "disagree" in r.reason
     else:  # VNNI: the fused kernels are exact
         assert r.ok and r.snr_db == math.inf or r.snr_db > 60
 
-
-def qemu_haswell() -> list[str] | None:
-    """A command prefix that runs this Python on an emulated AVX2 CPU without VNNI (qemu-user)."""
-    qemu = shutil.which("qemu-x86_64")
-    if qemu is None or platform.machine() != "x86_64":
-        return None
-    return [qemu, "-cpu", "Haswell", sys.executable]
-
-
-def run_emulated(prefix: list[str], args: list[str], **kwargs) -> subprocess.CompletedProcess:
-    """``args`` run by Python on the emulated CPU with one thread everywhere (BLAS too: qemu-user's
-    multi-threaded guests are unreliable). qemu-user itself crashes now and then (SIGSEGV in the
-    emulator, seen in two CI runs so far): a run killed by a signal is run once more, and if that one
-    dies too, the test fails with both runs' last lines."""
-    env = {**os.environ, **{k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}}
-    proc = subprocess.run([*prefix, *args], capture_output=True, text=True, env=env, **kwargs)
-    if proc.returncode >= 0:
-        return proc
-    again = subprocess.run([*prefix, *args], capture_output=True, text=True, env=env, **kwargs)
-    if again.returncode < 0:
-        again.stderr = f"{proc.stderr[-1500:]}\n--- run again, killed too ---\n{again.stderr}"
-    return again
 
 
 @pytest.mark.slow
@@ -322,7 +267,7 @@ def _conv_setup(tmp_path, backend):
 
 
 def test_fidelity_failure_switches_to_an_exact_weight_storage(tmp_path):
-    backend = PerturbingBackend(_backend().cfg)
+    backend = PerturbingBackend(ort_backend().cfg)
     build, holdout = _conv_setup(tmp_path, backend)
     checker = _accuracy.Checker(backend, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
     measured = []
@@ -343,7 +288,7 @@ def test_fidelity_failure_switches_to_an_exact_weight_storage(tmp_path):
 
 
 def test_known_saturating_cpu_never_gets_full_range_weights(tmp_path):
-    backend = _backend()
+    backend = ort_backend()
     build, holdout = _conv_setup(tmp_path, backend)
     checker = _accuracy.Checker(backend, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
     choice, why, _, _ = _accuracy.choose_weight_range(build, checker, "auto", True, lambda p: [2.0, 1.0])
@@ -361,7 +306,7 @@ def one_bad_kernel(m: onnx.ModelProto) -> bool:
 
 
 def test_planted_kernel_disagreement_is_localized_to_its_node(tmp_path):
-    backend = PerturbingBackend(_backend().cfg, one_bad_kernel)
+    backend = PerturbingBackend(ort_backend().cfg, one_bad_kernel)
     build, holdout = _conv_setup(tmp_path, backend)
     checker = _accuracy.Checker(backend, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
     units = [n.name for n in models.conv_chain(batch=2).graph.node if n.op_type in ("Conv", "Gemm", "MatMul")]
@@ -399,22 +344,22 @@ def test_low_snr_model_on_an_exact_cpu_keeps_full_range_weights(tmp_path):
         def close(self):
             self.pm.close()
 
-    backend = NoisyTwin(_backend().cfg)
+    backend = NoisyTwin(ort_backend().cfg)
     path = tmp_path / "float.onnx"
     onnx.save(models.conv_chain(batch=2), str(path))
     feeds = [f for f, _ in synthetic_batches(input_specs(models.conv_chain(batch=2)), 64, 0)]
-    with _backend().prepare(path) as pm:
+    with ort_backend().prepare(path) as pm:
         floats = [[np.asarray(o) for o in pm.run(f)] for f in feeds]
     r = kernel_fidelity(backend, path, feeds, float_outputs=floats)
     assert r.snr_db < 5 and r.ok and 0.6 < r.noise_ratio < 1.6  # ~0 dB apart, equally far from float
     # a kernel that adds error of its own is still caught
-    r_bad = kernel_fidelity(PerturbingBackend(_backend().cfg, one_bad_kernel), _write_q(tmp_path), feeds[:2],
-                            float_outputs=[[np.asarray(o) for o in _backend().run(path, f)] for f in feeds[:2]])
+    r_bad = kernel_fidelity(PerturbingBackend(ort_backend().cfg, one_bad_kernel), _write_q(tmp_path), feeds[:2],
+                            float_outputs=[[np.asarray(o) for o in ort_backend().run(path, f)] for f in feeds[:2]])
     assert not r_bad.ok and "reference's error vs float" in r_bad.reason
 
 
 def _write_q(tmp_path):
-    build, _ = _conv_setup(tmp_path, _backend())
+    build, _ = _conv_setup(tmp_path, ort_backend())
     path = tmp_path / "q.onnx"
     onnx.save(build("full"), str(path))
     return path
@@ -440,7 +385,7 @@ def _dense_setup(tmp_path):
     stats = collect(model, lambda: iter([Batch(f, None, 2) for f in feeds]), "minmax", 99.9, 2048, 1,
                     lambda it, desc: it)
     rules = rr(model, [{"module_name": "*", "weights": {"dtype": "int8"}, "activations": {"dtype": "int8"}}])
-    backend = _backend()
+    backend = ort_backend()
     float_path = tmp_path / "float.onnx"
     onnx.save(model, str(float_path))
     holdout = Holdout(feeds[:2], [None] * 2, [2] * 2)

@@ -20,6 +20,7 @@ from pipeline.quant.qdq import apply_plan
 from tasks.autotune.autotuner import Config, QDQAutotuner
 from tasks.quantize._calibrate import collect
 from tests import models
+from tests.helpers import body_matmuls
 
 INT8 = [{"module_name": "*", "weights": {"dtype": "int8"}, "activations": {"dtype": "int8"}}]
 BUILDERS = {"scan": models.scan_rnn, "loop": models.loop_rnn, "nested": lambda: models.scan_rnn(inner_steps=2)}
@@ -42,21 +43,6 @@ def _plan(model: onnx.ModelProto, placement: str):
     return tensorrt_plan(model, rules) if placement == "tensorrt" else onnxruntime_plan(model, rules, "uint8")
 
 
-def _body_matmuls(model: onnx.ModelProto) -> dict[str, list[str]]:
-    """MatMul inside any Loop/Scan body -> the op types producing its two inputs (in its own body)."""
-    out = {}
-
-    def visit(graph: onnx.GraphProto, inside: bool) -> None:
-        producer = {o: n.op_type for n in graph.node for o in n.output}
-        for n in graph.node:
-            if inside and n.op_type == "MatMul":
-                out[n.name] = [producer.get(t, "outer") for t in n.input[:2]]
-            if n.op_type in ("Loop", "Scan"):
-                visit(body(n), True)
-
-    visit(model.graph, False)
-    return out
-
 
 def _snr_db(model: onnx.ModelProto, quantized: onnx.ModelProto) -> float:
     a_sess, b_sess = inference_session(model), inference_session(quantized)
@@ -74,11 +60,11 @@ def test_body_matmuls_read_dequantized_inputs_and_stay_close_to_float(name, plac
     model = BUILDERS[name]()
     stats = _stats(model)
     plan = _plan(model, placement)
-    matmuls = _body_matmuls(model)
+    matmuls = body_matmuls(model)
     assert len(matmuls) == 2 and set(matmuls) <= set(plan.quantized_nodes())
     assert len(plan.bodies) == 1
     q = apply_plan(model, plan, Calibration(stats))  # passes onnx.checker
-    assert _body_matmuls(q) == {n: ["DequantizeLinear", "DequantizeLinear"] for n in matmuls}
+    assert body_matmuls(q) == {n: ["DequantizeLinear", "DequantizeLinear"] for n in matmuls}
     assert _snr_db(model, q) >= 25.0
 
 
@@ -134,7 +120,7 @@ def test_sibling_bodies_with_the_same_names_are_renamed_apart():
     np.testing.assert_array_equal(inference_session(model).run(None, feed)[0], before)
     plan = _plan(model, "onnxruntime")
     assert set(plan.bodies) == {"rnn/Scan", "rnn2/Scan"}
-    assert len(_body_matmuls(apply_plan(model, plan, Calibration(_stats(model))))) == 4
+    assert len(body_matmuls(apply_plan(model, plan, Calibration(_stats(model))))) == 4
 
 
 def test_autotune_models_keep_the_body_placement_of_calibration_json(tmp_path):
@@ -150,5 +136,5 @@ def test_autotune_models_keep_the_body_placement_of_calibration_json(tmp_path):
     tuner.initialize(Config(placement="onnxruntime", activation_type="uint8"), calibration=calibration)
     for assignment in ({}, None):  # no Q/DQ in the main graph, and the search's current placement
         q = tuner.export_model(assignment=assignment)
-        assert list(_body_matmuls(q).values()) == [["DequantizeLinear", "DequantizeLinear"]] * 2
+        assert list(body_matmuls(q).values()) == [["DequantizeLinear", "DequantizeLinear"]] * 2
         assert _snr_db(model, q) >= 25.0

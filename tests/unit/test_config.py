@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 
 import pytest
+import yaml
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 import conf
 from pipeline.config import validate
 from pipeline.errors import ConfigError
-from tests.conftest import compose, run_tune
+from pipeline.values import enum_value
+from tests.helpers import compose, run_tune
 
 CONF = Path(conf.__file__).parent
 GROUPS = ["model", "data", "backend", "export", "quantize", "autotune", "gen_trt_engine", "evaluate"]
@@ -34,6 +39,26 @@ def test_every_option_composes(group, option, tmp_path):
         overrides.append("data._target_=builtins.list")
     cfg = compose(overrides)
     validate(cfg)
+    # what the option's file sets is what the composed config holds
+    chosen = yaml.safe_load((CONF / group / f"{option}.yaml").read_text()) or {}
+    bases = [d for d in chosen.pop("defaults", []) if isinstance(d, str) and d.startswith("base_")]
+    assert len(bases) == 1, f"{group}/{option}.yaml extends one schema"
+    schema = ConfigStore.instance().repo[group][f"{bases[0]}.yaml"].node
+    assert OmegaConf.get_type(cfg[group]) is OmegaConf.get_type(schema), f"{group}={option} has its schema's type"
+    for key, want in _leaves(chosen):
+        got = OmegaConf.select(cfg, f"{group}.{key}")
+        got = OmegaConf.to_container(got, enum_to_str=True) if OmegaConf.is_config(got) else got
+        assert (enum_value(got) if isinstance(got, Enum) else got) == want, f"{group}.{key}"
+
+
+def _leaves(node: dict, prefix: str = "") -> list[tuple[str, object]]:
+    out = []
+    for k, v in node.items():
+        if isinstance(v, dict) and v:
+            out += _leaves(v, f"{prefix}{k}.")
+        else:
+            out.append((f"{prefix}{k}", v))
+    return out
 
 
 def test_validate_collects_every_problem():
@@ -91,7 +116,7 @@ def test_accuracy_group_and_its_deprecated_alias_compose_the_same_run(capsys):
     from omegaconf import OmegaConf
 
     from pipeline.config import validate
-    from tests.conftest import compose
+    from tests.helpers import compose
 
     new = compose(["accuracy.min_snr_db=25", "results_dir=/tmp/x"])
     old = compose(["autotune.accuracy.min_snr_db=25", "results_dir=/tmp/x"])
@@ -103,12 +128,6 @@ def test_accuracy_group_and_its_deprecated_alias_compose_the_same_run(capsys):
 
 
 def test_a_bad_accuracy_value_names_its_key():
-    import pytest
-
-    from pipeline.config import validate
-    from pipeline.errors import ConfigError
-    from tests.conftest import compose
-
     with pytest.raises(ConfigError, match=r"accuracy.max_float_fraction=1.5: must be in \(0, 1\]"):
         validate(compose(["accuracy.max_float_fraction=1.5", "results_dir=/tmp/x"]))
 
@@ -116,7 +135,7 @@ def test_a_bad_accuracy_value_names_its_key():
 def test_a_key_the_chosen_mode_ignores_is_named(capsys):
     from pipeline.config import validate
     from tasks.autotune.config import ignored_keys
-    from tests.conftest import compose
+    from tests.helpers import compose
 
     cfg = compose(["autotune.mode=subgraph", "autotune.schemes_per_region=5", "results_dir=/tmp/x"])
     assert ignored_keys(cfg.autotune) == ["autotune.schemes_per_region=5"]

@@ -8,7 +8,7 @@ from pipeline.data.adapters import DataProvider, digits_arrays, rebatch, to_feed
 from pipeline.errors import InputError
 from pipeline.graph.model import InputSpec, input_specs
 from tests import models
-from tests.conftest import compose
+from tests.helpers import compose
 
 SPEC = [InputSpec("input", (4, 1, 8, 8), np.dtype(np.float32))]
 

@@ -9,7 +9,7 @@ from pipeline.backends.onnxruntime import physical_cores
 from pipeline.errors import InputError
 from pipeline.graph.model import dynamic_inputs, fix_input_shapes, input_specs, load_model
 from tests import models
-from tests.conftest import compose
+from tests.helpers import compose
 
 
 def test_dynamic_dims_are_fixed_or_rejected_with_hint():

@@ -14,7 +14,7 @@ from pipeline.quant.placement import onnxruntime_plan, resolve_rules, tensorrt_p
 from pipeline.quant.qdq import apply_plan
 from tasks.quantize._calibrate import collect
 from tests import models
-from tests.conftest import compose
+from tests.helpers import compose
 
 pytestmark = pytest.mark.rtx
 

@@ -18,7 +18,7 @@ from tasks.autotune.pattern import RegionPattern
 from tasks.autotune.region import Region, RegionType
 from tasks.autotune.region_search import CombinedRegionSearch, discover_regions
 from tests import models
-from tests.conftest import run_tune
+from tests.helpers import run_tune
 
 
 # ---------------------------------------------------------------- helpers

@@ -12,7 +12,7 @@ from pipeline.backends.ort import SessionSettings, inference_session, ort_sessio
 from pipeline.errors import StateError
 from tasks.autotune.runtime.ort import FUSIONS, apply_change, candidates, float_matmuls
 from tests import models
-from tests.conftest import record_runtime_search
+from tests.helpers import record_runtime_search
 
 
 def _optimized(model: onnx.ModelProto, tmp_path, settings: SessionSettings = SessionSettings()) -> onnx.ModelProto:
@@ -128,7 +128,7 @@ def test_models_with_settings_run_as_deployed_and_placement_measurements_do_not_
     is compared with (as_deployed: ORT's defaults), runs as a deployment does, spinning; so do the
     sessions ``SessionSettings.session`` gives a deployment."""
     from pipeline.backends import create_backend
-    from tests.conftest import compose
+    from tests.helpers import compose
 
     backend = create_backend(compose([]).backend)
     key = "session.intra_op.allow_spinning"

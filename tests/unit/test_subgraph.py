@@ -25,7 +25,7 @@ from tasks.autotune.subgraph.fusion_grouping import ort_fusion_groups, ort_optim
 from tasks.autotune.subgraph.profiling import _ranked, heuristic_schemes
 from tasks.autotune.subgraph.records import SubgraphCache
 from tests import models
-from tests.conftest import compose
+from tests.helpers import compose
 
 
 def _tuner(model: onnx.ModelProto) -> QDQAutotunerBase:

@@ -23,7 +23,7 @@ from pipeline.backends import check_backend, create_backend
 from pipeline.backends.tensorrt import EngineOptions, TensorRTBackend
 from pipeline.errors import BackendUnavailable, StageError
 from tests import models
-from tests.conftest import compose, run_tune
+from tests.helpers import compose, run_tune
 
 # --------------------------------------------------------------------------- Q/DQ test models
 

@@ -24,9 +24,7 @@ from pipeline.errors import StageError, StateError
 from tasks.autotune.config import RuntimeSearchConfig
 from tasks.autotune.runtime import trt as runtime_trt
 from tests import models
-from tests.conftest import record_runtime_search
-from tests.unit.test_trtexec import backend as trtexec_backend
-from tests.unit.test_trtexec import calls_of, fake_trtexec, qdq_conv_chain
+from tests.helpers import calls_of, fake_trtexec, qdq_conv_chain, record_runtime_search, trtexec_backend
 
 ALL = TrtBuildSettings(builder_optimization_level=5, tiling_optimization_level=1, max_aux_streams=0)
 ALL_NAMES = ["builder optimization level 4", "builder optimization level 5", "tiling optimization level FAST",
@@ -136,7 +134,7 @@ def test_tensorrt_rtx_takes_the_builder_config_calls_and_builds(tmp_path, monkey
     assert config.tiling_optimization_level == trt.TilingOptimizationLevel.FAST
 
     from pipeline.backends.tensorrt import TensorRTRtxBackend
-    from tests.conftest import compose
+    from tests.helpers import compose
 
     applied = []
     real_apply = TrtBuildSettings.apply
@@ -342,7 +340,7 @@ class _Manifest:
 
 def _ctx(tmp_path: Path, exe: Path, artifacts: dict[str, Path]):
     from pipeline.stage import StageContext
-    from tests.conftest import compose
+    from tests.helpers import compose
 
     cfg = compose(["backend=trtexec", f"backend.trtexec_path={exe}", "stages=[gen_trt_engine]"])
     return StageContext(cfg, tmp_path, _Manifest(artifacts), logging.getLogger("test"))

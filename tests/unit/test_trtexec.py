@@ -6,16 +6,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
-from pipeline.backends import create_backend
 from pipeline.backends.tensorrt import EngineOptions
 from pipeline.backends.trtexec import (
     TrtexecBackend,
@@ -28,82 +25,13 @@ from pipeline.backends.trtexec import (
 )
 from pipeline.errors import BackendUnavailable, InputError, StageError
 from tests import models
-from tests.conftest import compose
+from tests.helpers import calls_of, compose, fake_trtexec, qdq_conv_chain, trtexec_backend
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "trtexec"
 
 
 # --------------------------------------------------------------------------- helpers
 
-
-def qdq_conv_chain() -> onnx.ModelProto:
-    """conv_chain with one int8 Q/DQ pair in front of conv1 (enough for "the model has Q/DQ")."""
-    m = models.conv_chain()
-    g = m.graph
-    g.initializer.extend([numpy_helper.from_array(np.array(0.05, np.float32), "s"),
-                          helper.make_tensor("z", TensorProto.INT8, [], [0])])
-    q = helper.make_node("QuantizeLinear", ["input", "s", "z"], ["input_q"], name="conv1/in_q")
-    dq = helper.make_node("DequantizeLinear", ["input_q", "s", "z"], ["input_dq"], name="conv1/in_dq")
-    g.node[0].input[0] = "input_dq"
-    g.node.insert(0, dq)
-    g.node.insert(0, q)
-    return m
-
-
-def fake_trtexec(tmp_path: Path, reject_profiling: bool = False, no_gpu: bool = False,
-                 layer_info: str = "layer_info_10x.json") -> tuple[Path, Path]:
-    """An executable standing in for trtexec: records its argv, writes the files it is asked for
-    (``layer_info``: the fixture it writes for --exportLayerInfo)."""
-    calls = tmp_path / "calls.jsonl"
-    script = tmp_path / "trtexec"
-    script.write_text(f"""#!{sys.executable}
-import json, shutil, sys
-from pathlib import Path
-FIX = Path({str(FIXTURES)!r})
-args = sys.argv[1:]
-with open({str(calls)!r}, "a") as fh:
-    fh.write(json.dumps(args) + "\\n")
-opts = dict(a.split("=", 1) if "=" in a else (a, "") for a in args)
-print("&&&& RUNNING TensorRT.trtexec [TensorRT v100800] [b43] # trtexec " + " ".join(args))
-if {no_gpu!r}:
-    print("[03/14/2025-10:21:07] [E] Cuda failure: no CUDA-capable device is detected")
-    sys.exit(1)
-profiling = [a.split("=")[0] for a in args if a.split("=")[0] in
-             ("--exportProfile", "--exportLayerInfo", "--profilingVerbosity", "--separateProfileRun")]
-if {reject_profiling!r} and profiling:
-    print("[03/14/2025-10:21:07] [E] Unknown option: " + profiling[0] + " " + opts.get(profiling[0], ""))
-    print("&&&& FAILED TensorRT.trtexec [TensorRT v100800] [b43] # trtexec " + " ".join(args))
-    sys.exit(1)
-if "--saveEngine" in opts:
-    Path(opts["--saveEngine"]).write_bytes(b"fake serialized engine")
-if "--exportLayerInfo" in opts:
-    shutil.copy(FIX / {layer_info!r}, opts["--exportLayerInfo"])
-if "--skipInference" in opts:
-    print("[03/14/2025-10:21:11] [I] Engine built in 1.86 sec.")
-    print("[03/14/2025-10:21:11] [I] Skipped inference phase since --skipInference is added.")
-    sys.exit(0)
-if "--exportTimes" in opts:
-    shutil.copy(FIX / "times_10x.json", opts["--exportTimes"])
-if "--exportProfile" in opts:
-    shutil.copy(FIX / "profile_10x.json", opts["--exportProfile"])
-if "--exportOutput" in opts:
-    Path(opts["--exportOutput"]).write_text(json.dumps(
-        [{{"name": "logits", "dimensions": "2x10", "values": [float(i) for i in range(20)]}}]))
-print((FIX / "perf_10x.log").read_text())
-""")
-    script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    return script, calls
-
-
-def calls_of(calls: Path) -> list[list[str]]:
-    return [json.loads(line) for line in calls.read_text().splitlines()] if calls.exists() else []
-
-
-def backend(exe: Path, *overrides: str) -> TrtexecBackend:
-    cfg = compose(["backend=trtexec", f"backend.trtexec_path={exe}", *overrides])
-    b = create_backend(cfg.backend)
-    assert isinstance(b, TrtexecBackend)
-    return b
 
 
 # --------------------------------------------------------------------------- command lines
@@ -163,7 +91,7 @@ def test_profiling_flags_and_strip():
 
 def test_strongly_typed_only_with_qdq_and_precision_flags(tmp_path):
     exe, _ = fake_trtexec(tmp_path)
-    b = backend(exe)
+    b = trtexec_backend(exe)
     float_model = models.save(models.conv_chain(), tmp_path, "float")
     qdq_model = tmp_path / "qdq.onnx"
     onnx.save(qdq_conv_chain(), str(qdq_model))
@@ -178,7 +106,7 @@ def test_strongly_typed_only_with_qdq_and_precision_flags(tmp_path):
 
 def test_shapes_from_batch_shortcut_and_explicit(tmp_path):
     exe, _ = fake_trtexec(tmp_path)
-    b = backend(exe)
+    b = trtexec_backend(exe)
     dyn = models.save(models.with_dynamic_batch(models.conv_chain()), tmp_path, "dyn")
     run, _ = b._build_run(dyn, EngineOptions(min_batch=1, opt_batch=4, max_batch=16))
     argv = run.argv("trtexec")
@@ -199,7 +127,7 @@ def test_plugins_are_checked_and_passed(tmp_path):
     exe, _ = fake_trtexec(tmp_path)
     lib = tmp_path / "libplug.so"
     lib.write_bytes(b"\x7fELF")
-    b = backend(exe, f"backend.plugin_libraries=[{lib}]")
+    b = trtexec_backend(exe, f"backend.plugin_libraries=[{lib}]")
     model = models.save(models.conv_chain(), tmp_path, "m")
     run, _ = b._build_run(model, b.default_options())
     assert run.plugins == [str(lib)]
@@ -289,12 +217,12 @@ def test_check_available_is_one_line(tmp_path):
         TrtexecBackend(compose(["backend=trtexec", f"backend.trtexec_path={tmp_path}/trtexec"]).backend
                        ).check_available()
     exe, _ = fake_trtexec(tmp_path)
-    backend(exe)  # found: no error
+    trtexec_backend(exe)  # found: no error
 
 
 def test_build_writes_engine_and_log(tmp_path):
     exe, calls = fake_trtexec(tmp_path)
-    b = backend(exe, "backend.export_layer_info=true")
+    b = trtexec_backend(exe, "backend.export_layer_info=true")
     model = models.save(models.conv_chain(), tmp_path, "m")
     out, log_path = tmp_path / "out" / "model.engine", tmp_path / "out" / "build.log"
     res = b.build(model, out, log_path, EngineOptions(workspace_mb=256))
@@ -310,7 +238,7 @@ def test_build_writes_engine_and_log(tmp_path):
 
 def test_measure_uses_exported_times_and_warmup_ms(tmp_path):
     exe, calls = fake_trtexec(tmp_path)
-    b = backend(exe, "backend.warmup_ms=300", "backend.warmup_runs=7", "backend.timing_runs=50",
+    b = trtexec_backend(exe, "backend.warmup_ms=300", "backend.warmup_runs=7", "backend.timing_runs=50",
                 "backend.export_profile=true")
     b.logs_dir = tmp_path / "logs"
     model = models.save(models.conv_chain(), tmp_path, "m")
@@ -325,7 +253,7 @@ def test_measure_uses_exported_times_and_warmup_ms(tmp_path):
 
 def test_unknown_profiling_option_retries_once_and_is_remembered(tmp_path):
     exe, calls = fake_trtexec(tmp_path, reject_profiling=True)
-    b = backend(exe, "backend.export_profile=true", "backend.timing_runs=50")
+    b = trtexec_backend(exe, "backend.export_profile=true", "backend.timing_runs=50")
     b.logs_dir = tmp_path / "logs"
     model = models.save(models.conv_chain(), tmp_path, "m")
     t = b.measure(model)
@@ -345,7 +273,7 @@ def test_unknown_profiling_option_retries_once_and_is_remembered(tmp_path):
 
 def test_no_gpu_is_backend_unavailable(tmp_path):
     exe, _ = fake_trtexec(tmp_path, no_gpu=True)
-    b = backend(exe)
+    b = trtexec_backend(exe)
     with pytest.raises(BackendUnavailable, match="no usable CUDA GPU") as exc:
         b.measure(models.save(models.conv_chain(), tmp_path, "m"))
     assert len(str(exc.value).splitlines()) == 1
@@ -356,7 +284,7 @@ def test_failed_build_names_the_log(tmp_path):
     exe.write_text(f"#!{sys.executable}\nprint('[03/14/2025-10:21:09] [E] [TRT] ModelImporter.cpp:151: ERROR: "
                    f"No importer registered for op: Foo')\nraise SystemExit(1)\n")
     exe.chmod(0o755)
-    b = backend(exe)
+    b = trtexec_backend(exe)
     model = models.save(models.conv_chain(), tmp_path, "m")
     with pytest.raises(StageError, match="No importer registered for op: Foo.*full log: .*build.log"):
         b.build(model, tmp_path / "m.engine", tmp_path / "build.log")
@@ -366,7 +294,7 @@ def test_failed_build_names_the_log(tmp_path):
 
 def test_prepare_time_runs_and_run(tmp_path):
     exe, calls = fake_trtexec(tmp_path)
-    b = backend(exe, "backend.warmup_ms=100")
+    b = trtexec_backend(exe, "backend.warmup_ms=100")
     model = models.save(models.conv_chain(), tmp_path, "m")
     with b.prepare(model) as pm:
         assert "--skipInference" in calls_of(calls)[0]
@@ -398,7 +326,7 @@ def test_parse_outputs_keeps_each_outputs_element_type():
 
 def test_build_info_reports_data_type(tmp_path):
     exe, _ = fake_trtexec(tmp_path)
-    b = backend(exe)
+    b = trtexec_backend(exe)
     float_model = models.save(models.conv_chain(), tmp_path, "float")
     qdq_model = tmp_path / "qdq.onnx"
     onnx.save(qdq_conv_chain(), str(qdq_model))
@@ -409,7 +337,7 @@ def test_build_info_reports_data_type(tmp_path):
 
 def test_prepared_runs_never_read_a_stale_times_or_outputs_file(tmp_path):
     exe, _ = fake_trtexec(tmp_path)
-    b = backend(exe, "backend.warmup_ms=0")
+    b = trtexec_backend(exe, "backend.warmup_ms=0")
     model = models.save(models.conv_chain(), tmp_path, "m")
     with b.prepare(model) as pm:
         (pm.workdir / "times.json").write_text(json.dumps([{"startComputeMs": 1.0, "computeMs": 999.0}] * 3))
@@ -426,7 +354,7 @@ def test_measure_cache_lives_in_the_base_class(tmp_path):
 
     assert "measure" not in TrtexecBackend.__dict__ and "_measure_uncached" in TrtexecBackend.__dict__
     exe, calls = fake_trtexec(tmp_path)
-    b = backend(exe, "backend.timing_runs=50")
+    b = trtexec_backend(exe, "backend.timing_runs=50")
     model = models.save(models.conv_chain(), tmp_path, "m")
     t = Backend.measure(b, model)
     assert t.ok and b.measure(model) is t and len(calls_of(calls)) == 1
