@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from tqdm import tqdm
@@ -12,6 +14,22 @@ _enabled = True  # the run's `progress` key (configure), for bars deep inside li
 def configure(enabled: bool) -> None:
     global _enabled
     _enabled = enabled
+
+
+def is_enabled() -> bool:
+    """Whether bars that are not told otherwise show (the run's `progress` key; True outside a run)."""
+    return _enabled
+
+
+@contextlib.contextmanager
+def configured(enabled: bool) -> Iterator[None]:
+    """``configure(enabled)`` for the block; the previous value is back after it, also when it raises."""
+    previous = _enabled
+    configure(enabled)
+    try:
+        yield
+    finally:
+        configure(previous)
 
 
 def progress_bar(enabled: bool | None = None, **kwargs: Any) -> tqdm:

@@ -22,7 +22,7 @@ from types import MappingProxyType
 from typing import Any
 
 from pipeline.artifacts import Manifest
-from pipeline.data.live import held, metric_attribute
+from pipeline.data.live import metric_attribute
 from pipeline.errors import ConfigError, InputError
 
 
@@ -59,6 +59,7 @@ def tune(overrides: Sequence[str] | Mapping[str, Any] = (), *, model: Any = None
     Raises the PipelineError whose message `tune` would print (a bad key: ConfigError).
     """
     from pipeline.app.cli import checked_config, open_dict_overrides, run_job, user_config_dir
+    from pipeline.app.scope import run_scope  # onnx, numpy: `import pipeline.api` stays light
     from pipeline.config import register_configs
 
     args = _override_list(overrides)
@@ -71,7 +72,7 @@ def tune(overrides: Sequence[str] | Mapping[str, Any] = (), *, model: Any = None
     register_configs()
     training = model.training if "model=custom" in extra else None
     try:
-        with held(live):
+        with run_scope(live=live):  # the runner's scope inside sets the config's threads and bars
             args = open_dict_overrides([*args, *extra, *data_extra])
             cfg = checked_config(args, config_dir, config_name)
             if training is not None and not cfg.model.input_shapes:

@@ -20,9 +20,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline import progress
+from pipeline.app.scope import run_scope
 from pipeline.artifacts import Manifest, ResultsDirLock, fingerprint, sha256_file
-from pipeline.backends.ort import configure_threads
 from pipeline.config import ordered_stages, validate
 from pipeline.errors import PipelineError, StageError
 from pipeline.graph import weights
@@ -96,11 +95,14 @@ def run_pipeline(cfg: DictConfig, results_dir: Path) -> dict[str, Any]:
     from pipeline.backends import check_backend
 
     check_backend(cfg)  # a missing runtime fails here, before the lock and any stage
-    progress.configure(bool(cfg.progress))  # the bars deep inside (weights, saves) follow the config too
-    configure_threads(int(cfg.backend.get("intra_op_threads", 0) or 0))
-    names = ordered_stages(cfg)
-    stages = [load_stage(n) for n in names]  # fail on unbuilt stages before doing any work
-    results_dir = Path(results_dir)
+    stages = [load_stage(n) for n in ordered_stages(cfg)]  # fail on unbuilt stages before doing any work
+    # the bars and ORT sessions deep inside (weights, saves, calibration) follow the config too, for
+    # this run only
+    with run_scope(threads=int(cfg.backend.get("intra_op_threads", 0) or 0), progress=bool(cfg.progress)):
+        return _run_stages(cfg, stages, Path(results_dir))
+
+
+def _run_stages(cfg: DictConfig, stages: list[Stage], results_dir: Path) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     with ResultsDirLock(results_dir) as lock:
         if lock.took_over_from is not None:

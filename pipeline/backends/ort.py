@@ -7,9 +7,10 @@ keeps ORT's int8 QDQ rewrites away from FP8 models.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,23 @@ def configure_threads(threads: int) -> None:
     and qemu-user, whose multi-threaded guests crash)."""
     global _threads
     _threads = int(threads)
+
+
+def configured_threads() -> int:
+    """The intra-op thread count of the pipeline's own sessions (0, ORT's choice, outside a run)."""
+    return _threads
+
+
+@contextlib.contextmanager
+def threads_configured(threads: int) -> Iterator[None]:
+    """``configure_threads(threads)`` for the block; the previous count is back after it, also when it
+    raises."""
+    previous = _threads
+    configure_threads(threads)
+    try:
+        yield
+    finally:
+        configure_threads(previous)
 
 
 def ort_session_options(optimization: str = "all", *, threads: int | None = None,
@@ -160,7 +178,7 @@ def inference_session(model: onnx.ModelProto | bytes | str | os.PathLike, option
     else:
         data = model if isinstance(model, bytes) else str(model)
     if isinstance(data, bytes) and len(data) > BY_PATH_BYTES:
-        # ORT parsing serialized bytes holds a copy beside its own (BERT-base: +1.2 GB); from a file, +0.7 GB
+        # ORT parsing serialized bytes holds a copy beside its own; reading from a file holds less
 
         with tempfile.TemporaryDirectory(prefix="qdq-tune-ort-") as tmp:
             path = Path(tmp) / "model.onnx"

@@ -24,13 +24,21 @@ _LIVE: dict[str, Any] = {}
 
 @contextlib.contextmanager
 def held(objects: Mapping[str, Any]) -> Iterator[None]:
-    """Hold ``objects`` (key -> object) for the ``_target_``s below while the block runs."""
+    """Hold ``objects`` (key -> object) for the ``_target_``s below while the block runs; after it, also
+    when it raises, each key holds what it held before (an enclosing call's object) or nothing."""
+    previous = {key: _LIVE[key] for key in objects if key in _LIVE}
     _LIVE.update(objects)
     try:
         yield
     finally:
         for key in objects:
             _LIVE.pop(key, None)
+        _LIVE.update(previous)
+
+
+def held_keys() -> frozenset[str]:
+    """The keys of the objects held now (none outside a tune() call)."""
+    return frozenset(_LIVE)
 
 
 def in_memory_model(class_name: str, parameters: str, code: str) -> Any:

@@ -9,9 +9,9 @@ to it. Any proto holding such references is then complete on its own: ORT opens 
 ``session.model_external_initializers_file_folder_path`` set to that folder, ``array`` reads one
 tensor's values, and ``save_model`` streams them into the new model's data file. A hard link keeps
 the bytes a model was loaded with even when the file it came from is replaced (every write here is
-an atomic replace). The folder is removed after each stage (``release``) and at exit: while it
-exists, onnx's own loader and checker refuse the linked files (they reject data files with several
-hard links), so code outside the pipeline reads them after the stage.
+an atomic replace). The folder is removed after each stage (``release``), after a run (``own_folder``)
+and at exit: while it exists, onnx's own loader and checker refuse the linked files (they reject data
+files with several hard links), so code outside the pipeline reads them after the stage.
 
 Where a hard link cannot be made (the data file is on another file system than ``TMPDIR``), the
 model's tensors are read into memory as before, with a warning naming the fix.
@@ -20,6 +20,7 @@ model's tensors are read into memory as before, with a warning naming the fix.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import logging
 import os
@@ -64,6 +65,26 @@ def release() -> None:
     _links.clear()
     _digests.clear()
     _unlinkable.clear()
+
+
+def current_root() -> Path | None:
+    """The weights folder in use, or None where none is made (``weights_root`` makes one)."""
+    return _root
+
+
+@contextlib.contextmanager
+def own_folder() -> Iterator[None]:
+    """A weights folder of the block's own: made on first use, released at the end (also when the block
+    raises), and the folder and links in use before it back after it, so one run's per-stage
+    ``release`` never removes the folder a caller's loaded models read."""
+    global _root, _links, _digests, _unlinkable
+    previous = _root, _links, _digests, _unlinkable
+    _root, _links, _digests, _unlinkable = None, {}, {}, set()
+    try:
+        yield
+    finally:
+        release()
+        _root, _links, _digests, _unlinkable = previous
 
 
 def _info(t: onnx.TensorProto) -> dict[str, str]:

@@ -1,0 +1,46 @@
+"""One run's process-wide settings, set for the run and restored after it.
+
+A few settings reach code deep below the stages, which takes no config: whether progress bars show
+(`progress`), how many threads the pipeline's own ONNX Runtime sessions use
+(`backend.intra_op_threads`), the folder of hard links a loaded model's weights are read from, and the
+objects a ``pipeline.api.tune()`` call was given in memory. ``run_scope`` sets them for one run and puts
+back what was there before, also when the run raises, so two runs in one process (two tune() calls,
+a notebook's cells) never see each other's. Each setting stays owned by its module; this composes their
+own context managers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from pipeline import progress as bars
+from pipeline.backends import ort
+from pipeline.data import live as live_objects
+from pipeline.graph import weights
+
+
+@contextlib.contextmanager
+def run_scope(*, threads: int | None = None, progress: bool | None = None,
+              live: Mapping[str, Any] | None = None) -> Iterator[None]:
+    """The run-wide settings for the block, each back to its previous value after it.
+
+    Args:
+        threads: intra-op threads of the pipeline's own ORT sessions (0: ORT's choice).
+        progress: whether bars deep inside library code show (on interactive terminals).
+        live: objects a tune() call was given, by the key their config args name.
+
+    None keeps the enclosing value: ``pipeline.api.tune`` holds its objects before the config is
+    composed, and the runner's scope inside it sets the config's threads and bars. Every scope gets a
+    weights folder of its own, removed when it ends.
+    """
+    with contextlib.ExitStack() as stack:
+        if threads is not None:
+            stack.enter_context(ort.threads_configured(threads))
+        if progress is not None:
+            stack.enter_context(bars.configured(progress))
+        if live:
+            stack.enter_context(live_objects.held(live))
+        stack.enter_context(weights.own_folder())
+        yield

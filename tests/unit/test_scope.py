@@ -1,0 +1,52 @@
+"""pipeline.app.scope: one run's process-wide settings (bars, ORT threads, the weights folder, the objects
+tune() was given) hold for that run only; the next run, and the caller, see what was there before."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline import progress
+from pipeline.app.scope import run_scope
+from pipeline.backends import ort
+from pipeline.data import live
+from pipeline.graph import weights
+
+
+def _settings() -> tuple[int, bool, frozenset[str], object]:
+    return ort.configured_threads(), progress.is_enabled(), live.held_keys(), weights.current_root()
+
+
+def test_two_runs_in_one_process_do_not_see_each_others_settings():
+    before = _settings()
+    seen = []
+    for threads, bars, key in ((1, False, "data:a"), (3, True, "data:b")):
+        with run_scope(live={key: [key]}), run_scope(threads=threads, progress=bars):
+            folder = weights.weights_root()
+            assert live.in_memory_data(key[5:], key[5:]) == [key]
+            seen.append((ort.configured_threads(), progress.is_enabled(), live.held_keys(), folder))
+        assert _settings() == before and not folder.exists()
+    assert seen[0][:3] == (1, False, {"data:a"}) and seen[1][:3] == (3, True, {"data:b"})
+    assert seen[0][3] != seen[1][3]
+
+
+def test_a_failing_run_restores_every_setting_and_none_keeps_the_enclosing_value():
+    before = _settings()
+    with pytest.raises(RuntimeError), run_scope(threads=2, progress=False, live={"data:x": []}):
+        with run_scope():  # None: the enclosing run's values
+            assert (ort.configured_threads(), progress.is_enabled(), live.held_keys()) == (2, False, {"data:x"})
+        raise RuntimeError("stage failed")
+    assert _settings() == before
+
+
+def test_a_run_keeps_the_callers_weights_folder_and_an_outer_calls_objects():
+    caller = weights.weights_root()
+    try:
+        with live.held({"data:k": "outer"}):
+            with run_scope(live={"data:k": "inner"}):
+                assert weights.current_root() != caller and live.in_memory_data("k", "k") == "inner"
+                weights.weights_root()
+                weights.release()  # the runner's per-stage release removes the run's folder only
+            assert weights.current_root() == caller and caller.is_dir()
+            assert live.in_memory_data("k", "k") == "outer"
+    finally:
+        weights.release()
