@@ -110,12 +110,25 @@ def test_onnx_models_and_arrays_skip_when_unchanged_and_rerun_when_changed(tmp_p
 
 
 def test_input_shapes_from_whole_arrays_take_model_batch_size(tmp_path):
+    """Two calls in one process with their own settings: each leaves the run-wide ones as it found them."""
     x, y = np.zeros((20, 1, 8, 8), np.float32), np.zeros(20, np.int64)
-    for extra, batch in (([], 1), (["model.batch_size=4"], 4)):
+    before = _run_wide()
+    for extra, batch in ((["backend.intra_op_threads=1"], 1), (["model.batch_size=4", "backend.intra_op_threads=2"], 4)):
         rd = tmp_path / f"b{batch}"
         tune(["stages=[export]", f"results_dir={rd}", "progress=false", *extra], model=TinyNet(), data=(x, y))
         config = json.loads((rd / "manifest.json").read_text())["stages"]["export"]["config"]
         assert config["model"]["input_shapes"] == {"input": [batch, 1, 8, 8]}
+        assert _run_wide() == before
+
+
+def _run_wide() -> tuple:
+    """Bars, ORT threads, held objects and weights folder: what pipeline.app.scope sets for one run."""
+    from pipeline import progress
+    from pipeline.backends.ort import configured_threads
+    from pipeline.data.live import held_keys
+    from pipeline.graph.weights import current_root
+
+    return progress.is_enabled(), configured_threads(), held_keys(), current_root()
 
 
 @pytest.mark.slow
