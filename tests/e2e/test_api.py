@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from pipeline.api import tune
 from pipeline.data.adapters import data_fingerprint
 from pipeline.errors import ConfigError
-from tests.conftest import run_tune
+from tests.helpers import run_tune
 
 STAGES = ["export", "quantize", "autotune", "evaluate"]
 FAST = ["quantize.calibration.batches=2", "accuracy.holdout_batches=2", "backend.warmup_runs=1",
