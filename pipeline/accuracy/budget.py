@@ -10,21 +10,23 @@ kernel-fidelity check.
   first ``quantize.calibration.batches``), with the float model's outputs on it; ``score`` runs a
   prepared model on it and judges the result against the budget.
 - ``CustomMetric`` is the user's own accuracy (accuracy.custom_metric), called over whole slices.
-Kernel fidelity (fused kernels vs plain Q/DQ math) is pipeline/fidelity.py.
+Kernel fidelity (fused kernels vs plain Q/DQ math) is pipeline/accuracy/fidelity.py; the scores
+every verdict reads are pipeline/accuracy/scores.py.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 from omegaconf import DictConfig
 
-from pipeline.accuracy.metrics import FIRST_OUTPUT, ModelScores, db_text
+from pipeline.accuracy.metrics import FIRST_OUTPUT, ModelScores, db_text, json_safe, valid_rows
+from pipeline.accuracy.scores import Scores
 from pipeline.data.live import metric_name
 from pipeline.errors import ConfigError, InputError, first_line
 from pipeline.values import enum_value
@@ -104,19 +106,21 @@ class AccuracyBudget:
                 raise ConfigError(f"{key}: the model has no output {', '.join(repr(o) for o in unknown)}; its outputs "
                                   f"are {', '.join(names)}")
 
-    def judge(self, scores: dict[str, Any], float_top1: float | None,
+    def judge(self, scores: Scores | Mapping[str, Any], float_top1: float | None,
               custom: tuple[float, float] | None = None) -> AccuracyVerdict:
-        """Verdict for a model's ModelScores.result() (``float_top1``: the float model's top-1;
-        ``custom``: (float model's, this model's) score of accuracy.custom_metric).
+        """Verdict for a model's Scores, or their ``to_dict`` form (``float_top1``: the float model's
+        top-1; ``custom``: (float model's, this model's) score of accuracy.custom_metric).
 
         Without labels every judged float output is held to the budget on its own (its SNR, or its
         cosine with ``metric=cosine``, or the metric ``per_output`` names for it) and the worst one
         decides; for class scores, top-1 agreement on the decisive samples is an extra condition,
         never an excuse for a noisy output.
         """
+        if not isinstance(scores, Scores):
+            scores = Scores.from_dict(scores)
         judged = _judged(scores, self.outputs, {o for o, _ in self.per_output})
         verdict = (self._custom(judged, custom) if self.metric == "custom" else
-                   self._default(judged, float_top1) if _any_judged(judged) or not self.per_output else None)
+                   self._default(judged, float_top1) if judged.any_judged() or not self.per_output else None)
         for output, metric in self.per_output:
             own = self._one_output(scores, output, metric)
             verdict = own if verdict is None else verdict.combined(own)
@@ -124,7 +128,7 @@ class AccuracyBudget:
             verdict = replace(verdict, passing=_passing(scores, self))
         return verdict if self.enabled or verdict.ok else replace(verdict, ok=True)
 
-    def _custom(self, scores: dict[str, Any], custom: tuple[float, float] | None) -> AccuracyVerdict:
+    def _custom(self, scores: Scores, custom: tuple[float, float] | None) -> AccuracyVerdict:
         if custom is None:
             raise RuntimeError("metric=custom: judge() needs the custom scores (Holdout.judge computes them)")
         ref, got = custom
@@ -132,36 +136,35 @@ class AccuracyBudget:
         allowed = self.max_drop * abs(ref) / 100.0 if self.relative else self.max_drop
         name = metric_name(self.custom_metric or "custom")
         limit = f"{self.max_drop:g}% of float" if self.relative else f"{self.max_drop:g}"
-        worst_snr, snr_out, _ = _worst(scores, "snr_db_per_output", "snr_db")
-        return AccuracyVerdict(drop <= allowed, "custom", f"{name} {got:.4g} (float {ref:.4g}, drop {drop:.4g}, "
-                               f"max {limit})", worst_snr, None, None, None, None, output=None,
-                               custom=got, custom_float=ref)
+        worst_snr, _, _ = scores.worst("snr_db")
+        return AccuracyVerdict(ok=drop <= allowed, metric="custom",
+                               what=f"{name} {got:.4g} (float {ref:.4g}, drop {drop:.4g}, max {limit})",
+                               snr_db=worst_snr, custom=got, custom_float=ref)
 
-    def _one_output(self, scores: dict[str, Any], output: str, metric: str) -> AccuracyVerdict:
+    def _one_output(self, scores: Scores, output: str, metric: str) -> AccuracyVerdict:
         """``output`` judged by ``metric`` alone (accuracy.per_output)."""
-        i = (scores.get("output_names") or []).index(output)
-        pick = _output_only(scores, i)
+        i = (scores.output_names or []).index(output)
         if metric == "agreement":
-            agree = (scores.get("decisive_agreement_per_output") or [None] * (i + 1))[i]
-            n = (scores.get("decisive_samples_per_output") or [None] * (i + 1))[i]
+            own = scores.outputs[i]
+            agree, n = own.decisive_agreement, own.decisive_samples
             if agree is None:
-                agree = (scores.get("agreement_per_output") or [None] * (i + 1))[i]
+                agree = own.agreement
             ok = agree is not None and 100.0 * (1.0 - agree) <= self.max_disagreement
             on = f" on {n} decisive samples" if n else ""
             what = (f"agreement n/a on output '{output}' (no class scores)" if agree is None else
                     f"agreement {100 * agree:.1f}%{on} on output '{output}' (min {100 - self.max_disagreement:.3g}%)")
-            snr = (scores.get("snr_db_per_output") or [None] * (i + 1))[i]
-            return AccuracyVerdict(ok, "agreement", what, snr, None, agree, output=_name(output))
-        return replace(self, metric=metric, outputs=(), per_output=())._default(pick, None)
+            return AccuracyVerdict(ok=ok, metric="agreement", what=what, snr_db=own.snr_db, agreement=agree,
+                                   output=_name(output))
+        return replace(self, metric=metric, outputs=(), per_output=())._default(scores.only(i), None)
 
-    def _default(self, scores: dict[str, Any], float_top1: float | None) -> AccuracyVerdict:
-        top1 = scores.get("top1")
+    def _default(self, scores: Scores, float_top1: float | None) -> AccuracyVerdict:
+        top1 = scores.top1
         drop = None if top1 is None or float_top1 is None else 100.0 * (float_top1 - top1)
-        agree = scores.get("agreement")
-        # ModelScores gives agreement on decisive samples; a bare dict (tests, old metrics) its plain agreement
-        decisive = scores.get("decisive_agreement") if "decisive_samples" in scores else agree
-        worst_snr, snr_out, n_out = _worst(scores, "snr_db_per_output", "snr_db")
-        worst_cos, cos_out, _ = _worst(scores, "cosine_per_output", "cosine")
+        agree = scores.agreement
+        # scores that never counted decisive samples (a bare dict) are judged on their plain agreement
+        decisive = scores.decisive_agreement if scores.decisive_samples is not None else agree
+        worst_snr, snr_out, n_out = scores.worst("snr_db")
+        worst_cos, cos_out, _ = scores.worst("cosine")
         metric = self.metric
         if metric == "auto":
             metric = "top1" if drop is not None else ("snr_and_agreement" if agree is not None else "snr")
@@ -180,7 +183,7 @@ class AccuracyBudget:
             ok = 100.0 * (1.0 - agree) <= self.max_disagreement
             what = f"agreement {100 * agree:.1f}% (min {100 - self.max_disagreement:.3g}%)"
         elif metric == "snr_and_agreement":
-            n_dec = scores.get("decisive_samples")
+            n_dec = scores.decisive_samples
             agree_ok = decisive is None or 100.0 * (1.0 - decisive) <= self.max_disagreement
             ok = snr_ok and agree_ok
             on = f" on {n_dec} decisive samples" if n_dec is not None else ""
@@ -193,79 +196,30 @@ class AccuracyBudget:
             output = cos_out
         else:
             ok, what = snr_ok, snr_what
-        return AccuracyVerdict(bool(ok), metric, what, worst_snr, worst_cos, agree, top1, drop,
+        return AccuracyVerdict(ok=bool(ok), metric=metric, what=what, snr_db=worst_snr, cosine=worst_cos,
+                               agreement=agree, top1=top1, top1_drop=drop,
                                output=_name(output) if output is not None else None)
 
 
-def _at(scores: dict[str, Any], key: str, i: int) -> Any:
-    values = scores.get(key) or []
-    return values[i] if i < len(values) else None
-
-
-def _restricted(scores: dict[str, Any], keep: list[bool]) -> dict[str, Any]:
-    """``scores`` with only the outputs flagged in ``keep`` judged; agreement is that of the first kept
-    class output (None when no kept output holds class scores)."""
-    out = dict(scores)
-    out["float_outputs"] = [bool(f) and k for f, k in zip(scores.get("float_outputs") or keep, keep, strict=False)]
-    names = scores.get("output_names") or []
-    classes = [names.index(c) for c in scores.get("class_outputs") or [] if c in names]
-    kept = [i for i in classes if keep[i]]
-    if classes and not keep[classes[0]]:
-        out["top1"] = None  # top-1 is counted on the first class output, which is not judged
-    if "agreement_per_output" in scores:
-        first = kept[0] if kept else None
-        out["agreement"] = _at(scores, "agreement_per_output", first) if first is not None else None
-        out["decisive_agreement"] = _at(scores, "decisive_agreement_per_output", first) if first is not None else None
-        out["decisive_samples"] = _at(scores, "decisive_samples_per_output", first) if first is not None else None
-    return out
-
-
-def _judged(scores: dict[str, Any], outputs: tuple[str, ...], elsewhere: set[str]) -> dict[str, Any]:
+def _judged(scores: Scores, outputs: tuple[str, ...], elsewhere: set[str]) -> Scores:
     """``scores`` restricted to the outputs the default metric judges: ``outputs`` (empty: all) less
     those judged ``elsewhere`` (accuracy.per_output)."""
-    names = scores.get("output_names")
+    names = scores.output_names
     if not names or (not outputs and not elsewhere):
         return scores
-    return _restricted(scores, [(not outputs or n in outputs) and n not in elsewhere for n in names])
+    return scores.restricted([(not outputs or n in outputs) and n not in elsewhere for n in names])
 
 
-def _any_judged(scores: dict[str, Any]) -> bool:
-    flags = scores.get("float_outputs")
-    return flags is None or any(flags)
-
-
-def _output_only(scores: dict[str, Any], i: int) -> dict[str, Any]:
-    return _restricted(scores, [j == i for j in range(len(scores.get("output_names") or []))])
-
-
-def _passing(scores: dict[str, Any], budget: AccuracyBudget) -> tuple[str, ...]:
+def _passing(scores: Scores, budget: AccuracyBudget) -> tuple[str, ...]:
     """The outputs that meet the budget's per-output floor on their own (SNR, or cosine), when there
     are several: a verdict that fails on one output names the others, so the user can say which
     output matters (accuracy.outputs)."""
-    names = scores.get("output_names") or []
-    if len(names) < 2 or budget.metric in ("custom", "top1") or (budget.metric == "auto" and scores.get("top1") is not None):
+    names = scores.output_names or []
+    if len(names) < 2 or budget.metric in ("custom", "top1") or (budget.metric == "auto" and scores.top1 is not None):
         return ()  # a whole-model metric decided: judging fewer outputs would not change it
-    key, floor = (("cosine_per_output", budget.min_cosine) if budget.metric == "cosine"
-                  else ("snr_db_per_output", budget.min_snr_db))
-    flags = scores.get("float_outputs") or [True] * len(names)
-    return tuple(n for i, n in enumerate(names)
-                 if flags[i] and _at(scores, key, i) is not None and _at(scores, key, i) >= floor)
-
-
-def _worst(scores: dict[str, Any], per_output: str, overall: str) -> tuple[float | None, str | int | None, int]:
-    """(lowest value over the float outputs, that output's name or index, number of outputs judged)."""
-    values = scores.get(per_output)
-    if not values:
-        v = scores.get(overall)
-        return v, None, 1
-    floats = scores.get("float_outputs") or [True] * len(values)
-    names = scores.get("output_names") or list(range(len(values)))
-    judged = [(v, n) for v, n, f in zip(values, names, floats, strict=False) if f and v is not None
-              and not (isinstance(v, float) and math.isnan(v))]
-    if not judged:
-        return scores.get(overall), None, 0
-    v, n = min(judged, key=lambda x: x[0])
-    return v, n, len(judged)
+    attr, floor = ("cosine", budget.min_cosine) if budget.metric == "cosine" else ("snr_db", budget.min_snr_db)
+    return tuple(o.name for o in scores.outputs
+                 if o.is_float and getattr(o, attr) is not None and getattr(o, attr) >= floor)
 
 
 def _name(output: str | int | None) -> str:
@@ -309,8 +263,6 @@ class AccuracyVerdict:
                 f"{'they matter' if len(self.passing) > 1 else 'it matters'}, set accuracy.outputs=[{names}]")
 
     def to_dict(self) -> dict[str, Any]:
-        from pipeline.accuracy.metrics import json_safe
-
         return json_safe(asdict(self))
 
     @property
@@ -364,8 +316,6 @@ class CustomMetric:
 
 def by_name(outputs: list[np.ndarray], names: list[str] | None, valid: int) -> dict[str, np.ndarray]:
     """One batch's outputs as {name: array} with the padding samples removed (what a custom metric sees)."""
-    from pipeline.accuracy.metrics import valid_rows
-
     batch = next((o.shape[0] for o in outputs if o.ndim), None)
     keys = names if names and len(names) == len(outputs) else [str(i) for i in range(len(outputs))]
     return {k: valid_rows(np.asarray(o), valid, batch) for k, o in zip(keys, outputs, strict=True)}
@@ -424,7 +374,7 @@ class Holdout:
         self.reference = self.outputs(prepared)
         self.output_names = list(getattr(prepared, "output_names", None) or []) or None
         check_output_names(self.budget, self.class_outputs, self.output_names)
-        self.float_top1 = self.scores(self.reference)["top1"]
+        self.float_top1 = self.scores(self.reference).top1
         if self.metric is not None:
             self.float_custom = self.metric(self._named(self.reference), self._named(self.reference),
                                             labels_of(self.labels, self.valid))
@@ -432,12 +382,12 @@ class Holdout:
     def _named(self, outputs: list[list[np.ndarray]]) -> list[dict[str, np.ndarray]]:
         return [by_name(o, self.output_names, v) for o, v in zip(outputs, self.valid, strict=True)]
 
-    def scores(self, outputs: list[list[np.ndarray]]) -> dict[str, Any]:
-        """ModelScores.result() of a model's outputs on the holdout against the float outputs."""
+    def scores(self, outputs: list[list[np.ndarray]]) -> Scores:
+        """The scores of a model's outputs on the holdout against the float outputs."""
         s = ModelScores(top_k=1, output_names=list(self.output_names or []), class_outputs=self.class_outputs)
         for ref, out, labels, valid in zip(self.reference, outputs, self.labels, self.valid, strict=True):
             s.update(ref, out, labels, valid)
-        return s.result()
+        return s.scores()
 
     def outputs(self, prepared: Any) -> list[list[np.ndarray]]:
         return [[np.asarray(o) for o in prepared.run(f)] for f in self.feeds]

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.accuracy.scores import OutputScores, Scores
+
 
 def valid_rows(a: np.ndarray, valid: int | None, batch: int | None = None) -> np.ndarray:
     """The first ``valid`` samples of ``a`` when its first axis is the batch axis, else ``a`` itself."""
@@ -232,36 +234,36 @@ class ModelScores:
                 self.cosine_sums[i] += float(np.sum(cos))
                 self.cosine_counts[i] += int(cos.size)
 
-    def result(self) -> dict[str, Any]:
-        """Metrics as plain floats; a metric that does not apply is None. SNR may be +inf here."""
+    def scores(self) -> Scores:
+        """What was accumulated, as plain floats; a score that does not apply is None. SNR may be +inf."""
         accuracy = self.labelled > 0 and self.labelled == self.samples
-        cosines = [c / n if f and n else None for c, n, f in
-                   zip(self.cosine_sums, self.cosine_counts, self.float_outputs, strict=True)]
-        out: dict[str, Any] = {
-            "samples": self.samples,
-            "top1": self.top1_hits / self.labelled if accuracy else None,
-        }
-        if self.top_k > 1:
-            out[f"top{self.top_k}"] = self.topk_hits / self.labelled if accuracy and self.topk_possible else None
-        out.update({
-            "agreement": self.agree / self.compared if self.compared else None,
-            "cosine": cosines[0] if cosines else None,  # of the first output
-            "snr_db": snr_from_energies(sum(self.signal), sum(self.noise)),
-            "snr_db_per_output": [snr_from_energies(s, n) for s, n in zip(self.signal, self.noise, strict=True)],
-            "cosine_per_output": cosines,
-            "float_outputs": list(self.float_outputs),
-            "decisive_agreement": self.decisive_agree / self.decisive_compared if self.decisive_compared else None,
-            "decisive_samples": self.decisive_compared,
-        })
-        out["identical_outputs"] = bool(self.noise) and all(n == 0.0 for n in self.noise)
-        if self.output_names and len(self.output_names) == len(self.signal):
-            out["output_names"] = list(self.output_names)
-        # per output: agreement and decisive agreement on the class outputs, None elsewhere
-        counted = [c if c[1] else None for c in self.agreement_counts]
-        out["agreement_per_output"] = [c[0] / c[1] if c else None for c in counted]
-        out["decisive_agreement_per_output"] = [c[2] / c[3] if c and c[3] else None for c in counted]
-        out["decisive_samples_per_output"] = [c[3] if c else None for c in counted]
-        names = out.get("output_names") or list(range(len(self.signal)))
-        out["class_outputs"] = [names[i] for i in self.classes(len(self.signal))
-                                if self.agreement_counts and self.agreement_counts[i][1]]
-        return out
+        count = len(self.signal)
+        named = bool(self.output_names) and len(self.output_names) == count
+        outputs = tuple(self._output(i, named) for i in range(count))
+        labels = self.output_names if named else list(range(count))
+        return Scores(
+            samples=self.samples, top1=self.top1_hits / self.labelled if accuracy else None, top_k=self.top_k,
+            topk=self.topk_hits / self.labelled if self.top_k > 1 and accuracy and self.topk_possible else None,
+            agreement=self.agree / self.compared if self.compared else None,
+            cosine=outputs[0].cosine if outputs else None, snr_db=snr_from_energies(sum(self.signal), sum(self.noise)),
+            decisive_agreement=self.decisive_agree / self.decisive_compared if self.decisive_compared else None,
+            decisive_samples=self.decisive_compared,
+            identical_outputs=bool(self.noise) and all(n == 0.0 for n in self.noise), outputs=outputs,
+            class_outputs=tuple(labels[i] for i in self.classes(count)
+                                if self.agreement_counts and self.agreement_counts[i][1]))
+
+    def _output(self, i: int, named: bool) -> OutputScores:
+        """Output ``i``'s scores; agreement and decisive agreement on the class outputs only."""
+        agree, compared, decisive_agree, decisive = self.agreement_counts[i]
+        counted = compared > 0
+        return OutputScores(
+            name=self.output_names[i] if named else None,
+            snr_db=snr_from_energies(self.signal[i], self.noise[i]),
+            cosine=self.cosine_sums[i] / self.cosine_counts[i] if self.float_outputs[i] and self.cosine_counts[i] else None,
+            is_float=self.float_outputs[i], agreement=agree / compared if counted else None,
+            decisive_agreement=decisive_agree / decisive if counted and decisive else None,
+            decisive_samples=decisive if counted else None)
+
+    def result(self) -> dict[str, Any]:
+        """``scores()`` in its dict form (metrics.json's per-model scores)."""
+        return self.scores().to_dict()

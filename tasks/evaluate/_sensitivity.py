@@ -117,7 +117,7 @@ class _Judge:
         for ref, out, b in zip(self.reference, outputs, self.batches, strict=True):
             s.update(ref, out, b.labels, b.valid)
         plain = self.budget if not self._custom else replace(self.budget, metric="snr")
-        snr = plain.judge(s.result(), None).snr_db
+        snr = plain.judge(s.scores(), None).snr_db
         nsr = 0.0 if snr is None or snr == math.inf else 10 ** (-snr / 10)
         row = {"nsr": nsr, "snr_db": snr, "label": "exact" if nsr == 0 else f"{snr:.1f} dB"}
         if self._custom:
