@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipeline.errors import StageError, first_line
 from pipeline.graph.model import copy_model, model_hash
 from pipeline.quant.calibration import quantize_decisions
+from tasks.autotune.paired_step import PairedStep
 from tasks.autotune.tune_setup import ModeResult, TuneSetup
-
-if TYPE_CHECKING:
-    from tasks.autotune.subgraph.records import Step
 
 log = logging.getLogger("tune.autotune")
 
@@ -76,7 +74,7 @@ def finalize(setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
     }
 
 
-def _from_steps(setup: TuneSetup, paths: list[Path], steps: list[Step]
+def _from_steps(setup: TuneSetup, paths: list[Path], steps: list[PairedStep]
                 ) -> tuple[list[Any] | None, list[Any] | None, str]:
     """(timings, verdicts, where they come from) of ``paths`` (float, tuned[, PTQ]) from the mode's
     paired steps, or (None, None, why not).
@@ -142,7 +140,7 @@ def _measure_final(setup: TuneSetup, paths: list[Path]) -> tuple[list[Any], list
     from pipeline.backends.base import compare_prepared
 
     backend = setup.backend
-    _, warmup, timing, _ = setup.runs
+    warmup, timing = setup.runs.warmup_runs, setup.runs.timing_runs
     prepared, verdicts = [], []
     try:
         for p in paths:

@@ -38,7 +38,7 @@ from tasks.autotune.config import PRESETS
 from tasks.autotune.guard import finalize
 from tasks.autotune.progress import ProgressBars
 from tasks.autotune.runtime.search import tune_runtime
-from tasks.autotune.tune_setup import ModeResult, TuneSetup
+from tasks.autotune.tune_setup import ModeResult, TuneRuns, TuneSetup
 
 log = logging.getLogger("tune.autotune")
 
@@ -154,7 +154,7 @@ class AutotuneStage(Stage):
             "accuracy": section(cfg, "accuracy"),
         }
         return TuneSetup(out, inputs, model, backend, config, calibration, budget, holdout, baseline_path,
-                         qdq_baseline, context_items, (schemes, warmup, timing, 4),
+                         qdq_baseline, context_items, TuneRuns(schemes, warmup, timing, 4),
                          float(cfg.autotune.performance_threshold))
 
     @staticmethod
@@ -194,9 +194,9 @@ class AutotuneStage(Stage):
         )
 
         a, out, config = ctx.cfg.autotune, setup.out, setup.config
-        schemes, warmup, timing, rounds = setup.runs
-        bench = init_benchmark_instance(setup.backend, setup.baseline_path, warmup, timing, rounds,
-                                        setup.accuracy_check)
+        runs = setup.runs
+        bench = init_benchmark_instance(setup.backend, setup.baseline_path, runs.warmup_runs, runs.timing_runs,
+                                        runs.rounds, setup.accuracy_check)
         first = bench.measure(setup.baseline_path, use_cache=False)  # fails fast if the backend cannot measure here
         if not first.ok:
             raise StageError(f"autotune: cannot measure the float model on {setup.backend.name}: {first.error}")
@@ -223,7 +223,7 @@ class AutotuneStage(Stage):
         metrics = dict(
             mode="region", full_model_measurements=tuner.num_measurements,
             regions=len(tuner.regions), patterns=tuner.num_patterns, measurements=tuner.num_measurements,
-            benchmark_runs=bench.count, schemes_per_region=schemes,
+            benchmark_runs=bench.count, schemes_per_region=runs.schemes_per_region,
             over_budget_candidates=sum(1 for ps in tuner.pattern_schemes.values() for r in ps.records
                                        for m in r.measurements if m.over_budget),
             **self._common_metrics(setup),

@@ -5,13 +5,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipeline.accuracy.budget import AccuracyBudget, Holdout
 from pipeline.quant.calibration import Calibration
+from tasks.autotune.paired_step import PairedStep
 
-if TYPE_CHECKING:
-    from tasks.autotune.subgraph.records import Step
+
+@dataclass(frozen=True)
+class TuneRuns:
+    """How much each mode measures: schemes tried per region, and the runs of one paired measurement."""
+
+    schemes_per_region: int
+    warmup_runs: int
+    timing_runs: int
+    rounds: int  # paired rounds of one measurement
 
 
 @dataclass(frozen=True)
@@ -29,7 +37,7 @@ class TuneSetup:
     baseline_path: Path  # export's float model: every speedup is against it
     qdq_baseline: Any  # the placement region mode seeds its search with (None: start from no Q/DQ)
     context_items: dict[str, Any]  # what a state file must have been made with to be resumed
-    runs: tuple[int, int, int, int]  # schemes_per_region, warmup_runs, timing_runs, rounds
+    runs: TuneRuns
     performance_threshold: float  # the shipped Q/DQ model must beat float by this factor
 
     def judge(self, prepared: Any) -> Any:
@@ -57,4 +65,4 @@ class ModeResult:
     report: Any = None  # called with the final metrics to write the mode's report
     # the mode's paired full-model measurements (subgraph mode's phase-3 steps), which the guard
     # reuses where they measured the models it compares
-    steps: list[Step] | None = None
+    steps: list[PairedStep] | None = None

@@ -9,12 +9,13 @@ from typing import Any
 
 from pipeline.graph.model import load_model, model_hash, recorded_shapes, save_model
 from tasks.autotune.autotuner import QDQAutotunerBase
+from tasks.autotune.paired_step import PairedStep
 from tasks.autotune.progress import OnProgress
 from tasks.autotune.scheme import InsertionScheme
 from tasks.autotune.state_file import SUBGRAPH_CACHE, resume_or_set_aside
 from tasks.autotune.subgraph.fusion_grouping import FusionGroup
 from tasks.autotune.subgraph.profiling import GroupSet, profile_groups
-from tasks.autotune.subgraph.records import Step, SubgraphCache
+from tasks.autotune.subgraph.records import SubgraphCache
 from tasks.autotune.subgraph.report import group_rows, step_rows
 from tasks.autotune.subgraph.validation import Assignments, validate
 from tasks.autotune.tune_setup import TuneSetup
@@ -36,7 +37,7 @@ class SubgraphResult:
     report: list[dict[str, Any]] = field(default_factory=list)
     tuned: bytes | None = None  # the tuned model, byte for byte the one phase 3 measured
     # every phase-3 step; the kept ones chain paired measurements from the float model to ``tuned``
-    steps: list[Step] = field(default_factory=list)
+    steps: list[PairedStep] = field(default_factory=list)
     phases: list[dict[str, Any]] = field(default_factory=list)  # full-model steps per phase, and why
     step_report: list[dict[str, Any]] = field(default_factory=list)  # one row per phase-3 step
 

@@ -179,8 +179,8 @@ def _profile_key(setup: TuneSetup, gs: GroupSet, backend: Backend, rep: Region,
         profile: dict[str, Any] = {"schemes": {"none": {"ok": True, "points": "none"}}, "metric": "total",
                                    "error": "the extracted subgraph orders its nodes differently; left float"}
     else:
-        _, warmup, timing, rounds = setup.runs
-        profile = _profile_group(backend, sub_tuner, schemes, warmup, timing, rounds)
+        runs = setup.runs
+        profile = _profile_group(backend, sub_tuner, schemes, runs.warmup_runs, runs.timing_runs, runs.rounds)
     rec.schemes, rec.metric, rec.error = profile["schemes"], profile["metric"], profile.get("error")
     rec.ranked = _ranked(profile)
     rec.winner = rec.ranked[0] if rec.ranked else "none"

@@ -1,9 +1,9 @@
 """Subgraph mode's records and their file, ``autotune_cache.json``.
 
-A ``GroupResult`` is one reuse key's phase-2 result, a ``Step`` one phase-3 full-model step. The
-cache keeps the document as it is on disk (``groups`` and ``steps`` are its JSON tables, so a
-resumed run writes back exactly what it read) and converts at the boundary: ``to_dict`` gives the
-very keys, in the very order, that the file has always had.
+A ``GroupResult`` is one reuse key's phase-2 result, a ``PairedStep`` (tasks/autotune/paired_step.py)
+one phase-3 full-model step. The cache keeps the document as it is on disk (``groups`` and ``steps``
+are its JSON tables, so a resumed run writes back exactly what it read) and converts at the
+boundary: ``to_dict`` gives the very keys, in the very order, that the file has always had.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 from pipeline.artifacts import atomic_write_json
 from pipeline.errors import first_line
+from tasks.autotune.paired_step import PairedStep
 from tasks.autotune.scheme import InsertionScheme
 from tasks.autotune.state_file import SUBGRAPH_CACHE, check_state
 
@@ -86,60 +87,6 @@ class GroupResult:
         return InsertionScheme.from_keys(self.schemes[scheme]["points"])
 
 
-@dataclass
-class Step:
-    """One phase-3 step: ``changes`` (reuse key -> scheme) applied to the model of the steps kept
-    before it, measured paired against that model, or ``known_from`` a rejected step whose candidate
-    was this very model."""
-
-    index: int
-    pass_: int  # 0: the PTQ placement against the float model; 1, 2: the passes
-    changes: dict[str, str]
-    parent: int | None  # the step this one bisects
-    children: list[int] = field(default_factory=list)
-    measured: bool = False
-    known_from: int | None = None
-    outcome: str = ""  # kept | slower | neutral | over_budget | failed
-    over_budget: bool = False
-    ratio: float | None = None
-    interval: list[float] | None = None
-    rounds: int = 0
-    reason: str = ""
-    # a measured step's paired measurement (a known step has none of these)
-    round_ratios: list[float] | None = None
-    latency_ms: float | None = None
-    reference_ms: float | None = None
-    noise: float | None = None
-    accuracy: dict[str, Any] | None = None
-    reference_sha: str | None = None
-    candidate_sha: str | None = None
-
-    @property
-    def kept(self) -> bool:
-        return self.outcome == "kept"
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"index": self.index, "pass": self.pass_, "changes": self.changes,
-                             "parent": self.parent, "children": list(self.children), "measured": self.measured,
-                             "known_from": self.known_from, "outcome": self.outcome,
-                             "over_budget": self.over_budget, "ratio": self.ratio, "interval": self.interval,
-                             "rounds": self.rounds}
-        if self.measured:
-            d.update(round_ratios=self.round_ratios, latency_ms=self.latency_ms, reference_ms=self.reference_ms,
-                     noise=self.noise, accuracy=self.accuracy, reference_sha=self.reference_sha,
-                     candidate_sha=self.candidate_sha)
-        d.update(reason=self.reason, kept=self.kept)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Step:
-        return cls(d["index"], d["pass"], dict(d["changes"]), d["parent"], list(d["children"]), d["measured"],
-                   d.get("known_from"), d["outcome"], d.get("over_budget", False), d.get("ratio"),
-                   d.get("interval"), d.get("rounds", 0), d.get("reason", ""), d.get("round_ratios"),
-                   d.get("latency_ms"), d.get("reference_ms"), d.get("noise"), d.get("accuracy"),
-                   d.get("reference_sha"), d.get("candidate_sha"))
-
-
 class SubgraphCache:
     """autotune_cache.json: phase-2 results per reuse key and the phase-3 steps, saved atomically."""
 
@@ -175,7 +122,7 @@ class SubgraphCache:
 
     @property
     def steps(self) -> list[dict[str, Any]]:
-        """The file's phase-3 steps (Step.to_dict() each)."""
+        """The file's phase-3 steps (PairedStep.to_dict() each)."""
         return self.doc["phase3"]["steps"]
 
     def group(self, key: str) -> GroupResult:
@@ -185,13 +132,13 @@ class SubgraphCache:
         self.groups[key] = result.to_dict()
         self.save()
 
-    def step(self, index: int) -> Step:
-        return Step.from_dict(self.steps[index])
+    def step(self, index: int) -> PairedStep:
+        return PairedStep.from_dict(self.steps[index])
 
-    def step_records(self) -> list[Step]:
-        return [Step.from_dict(d) for d in self.steps]
+    def step_records(self) -> list[PairedStep]:
+        return [PairedStep.from_dict(d) for d in self.steps]
 
-    def add_step(self, step: Step, parent: Step | None) -> None:
+    def add_step(self, step: PairedStep, parent: PairedStep | None) -> None:
         """Record a new step (and its parent's new child) and save."""
         self.steps.append(step.to_dict())
         if parent is not None:

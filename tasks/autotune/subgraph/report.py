@@ -7,13 +7,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.artifacts import atomic_write_text
-from tasks.autotune.subgraph.records import PASSES, PTQ, GroupResult, Step
+from tasks.autotune.paired_step import PairedStep
+from tasks.autotune.subgraph.records import PASSES, PTQ, GroupResult
 
 if TYPE_CHECKING:
     from tasks.autotune.subgraph.profiling import GroupSet
 
 
-def phase_summary(steps: list[Step], start: str, n1: int, n2: int, idle: str | None) -> list[dict[str, Any]]:
+def phase_summary(steps: list[PairedStep], start: str, n1: int, n2: int, idle: str | None
+                  ) -> list[dict[str, Any]]:
     """Full-model steps per phase, and why they were taken (``idle``: why pass 2 had nothing to test)."""
     out = []
     for pass_, what in ((0, "the PTQ placement against the float model"),
@@ -39,12 +41,12 @@ def phase_summary(steps: list[Step], start: str, n1: int, n2: int, idle: str | N
     return out
 
 
-def _step_note(step: Step) -> str:
+def _step_note(step: PairedStep) -> str:
     n = len(step.changes)
     return f"step {step.index}{f' ({n} groups together)' if n > 1 else ''}: {step.reason}"
 
 
-def group_rows(gs: GroupSet, results: dict[str, GroupResult], steps: list[Step], chosen: dict[str, str],
+def group_rows(gs: GroupSet, results: dict[str, GroupResult], steps: list[PairedStep], chosen: dict[str, str],
                incremental_validation: bool) -> list[dict[str, Any]]:
     """One row per distinct group, in graph order: its local result and what validation made of it."""
     rows = []
@@ -67,7 +69,7 @@ def group_rows(gs: GroupSet, results: dict[str, GroupResult], steps: list[Step],
     return rows
 
 
-def step_rows(gs: GroupSet, steps: list[Step]) -> list[dict[str, Any]]:
+def step_rows(gs: GroupSet, steps: list[PairedStep]) -> list[dict[str, Any]]:
     """One row per phase-3 step."""
     return [{"step": st.index, "phase": PASSES[st.pass_], "parent": st.parent,
              "groups": "PTQ placement" if st.pass_ == 0 else

@@ -21,6 +21,7 @@ from pipeline.errors import StateError
 from pipeline.graph.model import model_bytes, model_hash, write_model_bytes
 from tasks.autotune.autotuner import QDQAutotunerBase
 from tasks.autotune.benchmark import PairedBenchmark, ratio_interval
+from tasks.autotune.paired_step import PairedStep
 from tasks.autotune.progress import OnProgress, Progress
 from tasks.autotune.scheme import InsertionScheme, Measurement
 from tasks.autotune.subgraph.profiling import GroupSet
@@ -32,7 +33,6 @@ from tasks.autotune.subgraph.records import (
     PTQ,
     SCHEMES,
     GroupResult,
-    Step,
     SubgraphCache,
 )
 from tasks.autotune.subgraph.report import phase_summary
@@ -124,8 +124,8 @@ class _FullModel:
     step changes it."""
 
     def __init__(self, setup: TuneSetup, path: Path):
-        _, warmup_runs, timing_runs, rounds = setup.runs
-        self.args = (warmup_runs, timing_runs, rounds, setup.accuracy_check)
+        runs = setup.runs
+        self.args = (runs.warmup_runs, runs.timing_runs, runs.rounds, setup.accuracy_check)
         self.backend: Backend = setup.backend
         self.path = path
         self.bench: PairedBenchmark | None = None
@@ -174,17 +174,18 @@ class Phase3:
     """
 
     def __init__(self, cache: SubgraphCache, measure: Callable[[State, State], Measurement],
-                 sha: Callable[[State], str], on_step: Callable[[Step], None] | None = None,
+                 sha: Callable[[State], str], on_step: Callable[[PairedStep], None] | None = None,
                  fallback: Callable[[str, str], str | None] | None = None):
         self.cache, self.measure, self.sha, self.on_step = cache, measure, sha, on_step
         # a group's next scheme to try after ``scheme`` missed the budget alone (None: none left)
         self.fallback = fallback or (lambda key, scheme: None)
         self.chosen: State = {}
         self.over_budget: set[str] = set()  # keys whose every scheme tried alone missed the budget
-        self.steps: list[Step] = cache.step_records()
+        self.steps: list[PairedStep] = cache.step_records()
         self._next = 0  # replay cursor
 
-    def step(self, pass_: int, changes: State, parent: Step | None = None, known: Step | None = None) -> Step:
+    def step(self, pass_: int, changes: State, parent: PairedStep | None = None,
+             known: PairedStep | None = None) -> PairedStep:
         """Apply ``changes`` to the current model in one step (``known``: a rejected step whose candidate
         is this very model, so this one is rejected alike without measuring)."""
         where = parent.index if parent is not None else None
@@ -205,26 +206,26 @@ class Phase3:
             self.chosen.update(changes)
         return rec
 
-    def _known(self, pass_: int, changes: State, parent: int | None, known: Step) -> Step:
+    def _known(self, pass_: int, changes: State, parent: int | None, known: PairedStep) -> PairedStep:
         source = self.steps[known.index if known.known_from is None else known.known_from]
-        return Step(len(self.steps), pass_, changes, parent, measured=False, known_from=source.index,
-                    outcome=source.outcome, over_budget=source.over_budget, ratio=None, interval=None, rounds=0,
-                    reason=f"{source.reason} (the same model as step {source.index}: not measured)")
+        return PairedStep(len(self.steps), pass_, changes, parent, measured=False, known_from=source.index,
+                          outcome=source.outcome, over_budget=source.over_budget, ratio=None, interval=None,
+                          rounds=0, reason=f"{source.reason} (the same model as step {source.index}: not measured)")
 
-    def _measured(self, pass_: int, changes: State, parent: int | None) -> Step:
+    def _measured(self, pass_: int, changes: State, parent: int | None) -> PairedStep:
         before, after = dict(self.chosen), {**self.chosen, **changes}
         m = self.measure(before, after)
         outcome, reason = _outcome(m)
-        return Step(len(self.steps), pass_, changes, parent, measured=True, known_from=None, outcome=outcome,
-                    over_budget=m.over_budget, ratio=m.ratio if m.ok else None,
-                    interval=list(ratio_interval(m.round_ratios)) if m.ok else None,
-                    rounds=len(m.round_ratios), round_ratios=list(m.round_ratios),
-                    latency_ms=m.latency_ms if m.ok else None, reference_ms=m.reference_ms if m.ok else None,
-                    noise=m.noise, accuracy=m.accuracy, reference_sha=self.sha(before),
-                    candidate_sha=self.sha(after), reason=reason)
+        return PairedStep(len(self.steps), pass_, changes, parent, measured=True, known_from=None,
+                          outcome=outcome, over_budget=m.over_budget, ratio=m.ratio if m.ok else None,
+                          interval=list(ratio_interval(m.round_ratios)) if m.ok else None,
+                          rounds=len(m.round_ratios), round_ratios=list(m.round_ratios),
+                          latency_ms=m.latency_ms if m.ok else None,
+                          reference_ms=m.reference_ms if m.ok else None, noise=m.noise, accuracy=m.accuracy,
+                          reference_sha=self.sha(before), candidate_sha=self.sha(after), reason=reason)
 
-    def test(self, items: list[tuple[str, str]], pass_: int, parent: Step | None = None,
-             known: Step | None = None) -> State:
+    def test(self, items: list[tuple[str, str]], pass_: int, parent: PairedStep | None = None,
+             known: PairedStep | None = None) -> State:
         """Group test of ``items`` (key, scheme): all in one step; a step rejected as slower, over the
         budget or failed is split in halves, and when the first half is kept whole, the second
         half's step is its parent's model again (known, not measured). A single group over the
@@ -344,7 +345,7 @@ def validate(setup: TuneSetup, gs: GroupSet, results: dict[str, GroupResult], as
     return chosen, tuned, phases
 
 
-def _log_step(step: Step, gs: GroupSet, logs: Path, on_progress: OnProgress | None) -> None:
+def _log_step(step: PairedStep, gs: GroupSet, logs: Path, on_progress: OnProgress | None) -> None:
     atomic_write_json(logs / f"validation_step_{step.index}.json", step.to_dict(), indent=1)
     ids = sorted(gs.first_id(k) for k in step.changes if k in gs.by_key)
     what = ("the PTQ placement" if step.pass_ == 0 else
