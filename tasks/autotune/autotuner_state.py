@@ -12,7 +12,7 @@ from pipeline.artifacts import atomic_write_text
 from pipeline.errors import first_line
 from tasks.autotune.pattern_cache import PatternCache
 from tasks.autotune.scheme import PatternSchemes
-from tasks.autotune.state_file import REGION_STATE, check_state
+from tasks.autotune.state_file import REGION_STATE, StateDocument, StateHeader
 
 STATE_VERSION = 1
 
@@ -27,16 +27,16 @@ class TunerState:
     pattern_cache: PatternCache | None
     _model_sha: str
 
+    def state_header(self) -> StateHeader:
+        """What a state file must have been made with for this search to resume from it."""
+        return StateHeader.of(STATE_VERSION, self._model_sha, self.context,
+                              quant_type=self.config.default_quant_type, placement=self.config.placement)
+
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION,
-            "model_sha256": self._model_sha,
-            "context": self.context,
-            "quant_type": self.config.default_quant_type,
-            "placement": self.config.placement,
+        return StateDocument(self.state_header(), {
             "baseline_latency_ms": self.baseline_latency_ms,
             "patterns": {sig: ps.to_dict() for sig, ps in self.pattern_schemes.items()},
-        }
+        }).to_dict()
 
     def save_state(self, path: str | Path) -> None:
         """Atomically write the state, and the pattern cache next to it (<stem>_pattern_cache.yaml)."""
@@ -53,11 +53,10 @@ class TunerState:
                 raise ValueError("no 'patterns' table")
         except (yaml.YAMLError, ValueError, OSError) as exc:
             raise REGION_STATE.corrupt(p, first_line(exc)) from None
-        check_state(doc, p, REGION_STATE, version=STATE_VERSION, model_sha=self._model_sha, context=self.context,
-                    settings={"quant_type": self.config.default_quant_type, "placement": self.config.placement})
-        self.baseline_latency_ms = doc.get("baseline_latency_ms")
+        body = StateDocument.resume(doc, p, REGION_STATE, self.state_header()).body
+        self.baseline_latency_ms = body.get("baseline_latency_ms")
         try:
-            for sig, d in doc["patterns"].items():
+            for sig, d in body["patterns"].items():
                 if sig in self.pattern_schemes:
                     loaded = PatternSchemes.from_dict(d)
                     loaded.candidates = self.pattern_schemes[sig].candidates

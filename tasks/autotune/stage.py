@@ -37,7 +37,7 @@ from pipeline.values import enum_value, section
 from tasks.autotune.config import PRESETS
 from tasks.autotune.guard import finalize
 from tasks.autotune.progress import ProgressBars
-from tasks.autotune.runtime.search import tune_runtime
+from tasks.autotune.runtime.search import search_runtime
 from tasks.autotune.tune_setup import ModeResult, TuneRuns, TuneSetup
 
 log = logging.getLogger("tune.autotune")
@@ -97,12 +97,9 @@ class AutotuneStage(Stage):
         result = (self._region if mode == "region" else self._subgraph)(ctx, setup)
         metrics = finalize(setup, result)
         metrics.update(result.metrics)
-        runtime_artifacts, metrics["runtime"] = tune_runtime(setup, ctx.cfg.autotune.runtime)
-        rt = metrics["runtime"]
-        if "speedup_vs_float_default" in rt:
-            metrics["headline"] += (f"; {rt['what']}: {rt['describe']} -> {rt['speedup_vs_float_default']:.2f}x vs "
-                                    f"float with {rt['defaults']} ({rt['speedup_vs_float_same_settings']:.2f}x vs "
-                                    f"float with the same settings)")
+        runtime_artifacts, runtime = search_runtime(setup, ctx.cfg.autotune.runtime)
+        metrics["runtime"] = runtime.to_dict()
+        metrics["headline"] += runtime.headline()
         if result.report is not None:
             result.report(metrics)
         remove_model(result.tuned)

@@ -1,12 +1,14 @@
-"""The one check of the autotuner's resumable files before a run continues from them.
+"""The one header of the autotuner's resumable files, and its one check before a run continues.
 
-Region mode resumes from ``autotuner_state.yaml``, subgraph mode from ``autotune_cache.json``. Both
-record the format version, the model's hash and the measurement context (a fingerprint of
-calibration, backend, rules, ...). A corrupt file is refused with a one-line ``StateError`` naming
-the file and the fix. A file made for another model or under other settings is stale
-(``StaleStateError``): the stage re-runs because its inputs changed, so ``resume_or_set_aside``
-moves the pipeline's own stale files to ``<folder>/stale/<content hash>/`` (nothing is lost) and the
-run starts afresh; a state file the user named explicitly is still refused.
+Region mode resumes from ``autotuner_state.yaml``, subgraph mode from ``autotune_cache.json``, the
+runtime search from ``runtime_search.json``. Each is a ``StateDocument``: a ``StateHeader`` (the
+format version, the model's hash, the measurement context, a fingerprint of calibration, backend,
+rules, ..., and the settings the file must have been made with, such as its kind) followed by the
+file's own tables. A corrupt file is refused with a one-line ``StateError`` naming the file and the
+fix. A file made for another model or under other settings is stale (``StaleStateError``): the stage
+re-runs because its inputs changed, so ``resume_or_set_aside`` moves the pipeline's own stale files to
+``<folder>/stale/<content hash>/`` (nothing is lost) and the run starts afresh; a state file the user
+named explicitly is still refused.
 """
 
 from __future__ import annotations
@@ -57,31 +59,88 @@ SUBGRAPH_CACHE = StateFileKind(
 )
 
 
-def check_state(doc: Mapping[str, Any], path: str | Path, kind: StateFileKind, *, version: int, model_sha: str,
-                context: str | None, settings: Mapping[str, Any] | None = None) -> None:
-    """Raise a one-line StateError unless ``doc`` (a loaded state document) was written in format
-    ``version`` (a document without a version is taken as the current one) for the model hashed
-    ``model_sha``, with ``settings`` (key -> value this run uses) and measurement ``context``."""
-    reason = None
-    if doc.get("version", version) != version:
-        reason = f"has format version {doc.get('version')}, this qdq-tune reads version {version}"
-    elif doc.get("model_sha256") != model_sha:
-        reason = "belongs to a different model"
-    else:
-        for key, want in (settings or {}).items():
-            if doc.get(key) != want:
-                reason = f"was made with {key}={doc.get(key)}, this run uses {want}"
-                break
-    if reason is not None:
-        raise StaleStateError(f"{kind.what} {path} {reason}; {kind.mismatch_fix}", reason)
-    found = doc.get("context")
-    if kind.lenient_context:
-        differs = context is not None and found not in (None, context)
-    else:
-        differs = found != context
-    if differs:
-        reason = f"was measured with other inputs or settings ({kind.context_changes})"
-        raise StaleStateError(f"{kind.what} {path} {reason}; {kind.context_fix}", reason)
+@dataclass(frozen=True)
+class StateHeader:
+    """What a resumable file starts with: what it was made for, and so what a run must match to resume."""
+
+    version: int  # the file's format version
+    model_sha256: str | None
+    context: str | None  # the measurement context's fingerprint
+    # (key, value) the file must have been made with, in file order: its kind, the quant type, ...
+    settings: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, version: int, model_sha256: str | None, context: str | None, **settings: Any) -> StateHeader:
+        return cls(version, model_sha256, context, tuple(settings.items()))
+
+    @property
+    def setting_keys(self) -> tuple[str, ...]:
+        return tuple(k for k, _ in self.settings)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The header's keys in a file, in order."""
+        return ("version", "model_sha256", "context", *self.setting_keys)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "model_sha256": self.model_sha256, "context": self.context,
+                **dict(self.settings)}
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any], settings: Iterable[str] = ()) -> StateHeader:
+        """The header of a loaded document whose header has the setting keys ``settings`` (a key it
+        lacks reads as None)."""
+        return cls(doc.get("version"), doc.get("model_sha256"), doc.get("context"),
+                   tuple((k, doc.get(k)) for k in settings))
+
+    def check(self, doc: Mapping[str, Any], path: str | Path, kind: StateFileKind) -> None:
+        """Raise a one-line StaleStateError unless ``doc`` (a loaded state document) was written with
+        this header: this format version (a document without a version is taken as this one), model,
+        settings and measurement context (how strictly: ``kind.lenient_context``)."""
+        found = StateHeader.from_dict({"version": self.version, **doc}, self.setting_keys)
+        reason = None
+        if found.version != self.version:
+            reason = f"has format version {found.version}, this qdq-tune reads version {self.version}"
+        elif found.model_sha256 != self.model_sha256:
+            reason = "belongs to a different model"
+        else:
+            for (key, want), (_, got) in zip(self.settings, found.settings, strict=True):
+                if got != want:
+                    reason = f"was made with {key}={got}, this run uses {want}"
+                    break
+        if reason is not None:
+            raise StaleStateError(f"{kind.what} {path} {reason}; {kind.mismatch_fix}", reason)
+        if kind.lenient_context:
+            differs = self.context is not None and found.context not in (None, self.context)
+        else:
+            differs = found.context != self.context
+        if differs:
+            reason = f"was measured with other inputs or settings ({kind.context_changes})"
+            raise StaleStateError(f"{kind.what} {path} {reason}; {kind.context_fix}", reason)
+
+
+@dataclass
+class StateDocument:
+    """One resumable file: its header, then the file's own tables (``body``, in file order)."""
+
+    header: StateHeader
+    body: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.header.to_dict(), **self.body}
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any], settings: Iterable[str] = ()) -> StateDocument:
+        """Split a loaded document whose header has the setting keys ``settings``."""
+        header = StateHeader.from_dict(doc, settings)
+        return cls(header, {k: v for k, v in doc.items() if k not in header.keys})
+
+    @classmethod
+    def resume(cls, doc: Mapping[str, Any], path: str | Path, kind: StateFileKind, header: StateHeader
+               ) -> StateDocument:
+        """``doc`` (a loaded document of the right shape) with ``header``, once ``header.check`` passed."""
+        header.check(doc, path, kind)
+        return cls(header, cls.from_dict(doc, header.setting_keys).body)
 
 
 def resume_or_set_aside(load: Callable[[], Any], path: Path, kind: StateFileKind, *, own: bool,

@@ -1,9 +1,10 @@
 """Subgraph mode's records and their file, ``autotune_cache.json``.
 
 A ``GroupResult`` is one reuse key's phase-2 result, a ``PairedStep`` (tasks/autotune/paired_step.py)
-one phase-3 full-model step. The cache keeps the document as it is on disk (``groups`` and ``steps``
-are its JSON tables, so a resumed run writes back exactly what it read) and converts at the
-boundary: ``to_dict`` gives the very keys, in the very order, that the file has always had.
+one phase-3 full-model step. The cache keeps the document as it is on disk (a ``StateDocument``:
+``groups`` and ``steps`` are its JSON tables, so a resumed run writes back exactly what it read) and
+converts at the boundary: ``to_dict`` gives the very keys, in the very order, that the file has
+always had.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pipeline.artifacts import atomic_write_json
 from pipeline.errors import first_line
 from tasks.autotune.paired_step import PairedStep
 from tasks.autotune.scheme import InsertionScheme
-from tasks.autotune.state_file import SUBGRAPH_CACHE, check_state
+from tasks.autotune.state_file import SUBGRAPH_CACHE, StateDocument, StateHeader
 
 CACHE_VERSION = 2
 # heuristic schemes, in the order they are listed (and win ties), and the group's form in the PTQ
@@ -92,8 +93,8 @@ class SubgraphCache:
 
     def __init__(self, path: Path, model_sha: str, context: str | None):
         self.path = path
-        self.doc: dict[str, Any] = {"version": CACHE_VERSION, "mode": "subgraph", "model_sha256": model_sha,
-                                    "context": context, "groups": {}, "phase3": {"steps": []}}
+        self.document = StateDocument(StateHeader.of(CACHE_VERSION, model_sha, context, mode="subgraph"),
+                                      {"groups": {}, "phase3": {"steps": []}})
 
     def load(self) -> bool:
         if not self.path.exists():
@@ -106,24 +107,27 @@ class SubgraphCache:
                 raise ValueError("no 'groups' table or 'phase3' steps")
         except (ValueError, OSError) as exc:
             raise SUBGRAPH_CACHE.corrupt(self.path, first_line(exc)) from None
-        check_state(doc, self.path, SUBGRAPH_CACHE, version=CACHE_VERSION, model_sha=self.doc["model_sha256"],
-                    context=self.doc["context"])
-        self.doc = doc
+        self.document = StateDocument.resume(doc, self.path, SUBGRAPH_CACHE, self.document.header)
         return True
 
+    @property
+    def doc(self) -> dict[str, Any]:
+        """The file's document, as written."""
+        return self.document.to_dict()
+
     def save(self) -> None:
-        self.doc["measurements"] = self.measurements  # recorded for readers of the file
+        self.document.body["measurements"] = self.measurements  # recorded for readers of the file
         atomic_write_json(self.path, self.doc, indent=1)
 
     @property
     def groups(self) -> dict[str, Any]:
         """The file's groups table (reuse key -> GroupResult.to_dict())."""
-        return self.doc["groups"]
+        return self.document.body["groups"]
 
     @property
     def steps(self) -> list[dict[str, Any]]:
         """The file's phase-3 steps (PairedStep.to_dict() each)."""
-        return self.doc["phase3"]["steps"]
+        return self.document.body["phase3"]["steps"]
 
     def group(self, key: str) -> GroupResult:
         return GroupResult.from_dict(self.groups[key])
