@@ -47,7 +47,7 @@ from tasks.autotune.pattern import RegionPattern
 from tasks.autotune.pattern_cache import PatternCache
 from tasks.autotune.plan_builder import PlanBuilder
 from tasks.autotune.region import Region
-from tasks.autotune.scheme import InsertionScheme, Measurement, PatternSchemes, SchemeRecord
+from tasks.autotune.scheme import InsertionScheme, Measurement, PatternSchemes, SchemeRecord, rank_by_ratio
 
 log = logging.getLogger("tune.autotune")
 
@@ -286,9 +286,6 @@ class QDQAutotunerBase(PlanBuilder, TunerState):
             budget = max(len(cached) + 2, math.ceil(budget * self.config.warm_start_budget))
         return min(budget, self.config.schemes_per_region)
 
-    def _ranked(self, ps: PatternSchemes) -> list[SchemeRecord]:
-        return sorted((r for r in ps.records if r.ok), key=lambda r: (r.ratio, r.scheme.key))
-
     def generate(self) -> int:
         """Create the next unique scheme for the current pattern; its index, or -1 when exhausted."""
         ps = self.current_profile_pattern_schemes
@@ -303,7 +300,7 @@ class QDQAutotunerBase(PlanBuilder, TunerState):
             if scheme not in tried:
                 return self._add(ps, scheme, origin)
         groups = point_groups(ps.candidates)
-        ranked = self._ranked(ps)
+        ranked = rank_by_ratio((r for r in ps.records if r.ok), lambda r: r.ratio, lambda r: r.scheme.key)
         if ranked:
             best = ranked[0].scheme
             for grp in self._toggle_order(ps, groups, best):  # coordinate descent: flip one fused group

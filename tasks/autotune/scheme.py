@@ -1,12 +1,37 @@
-"""Insertion schemes and the per-pattern record of every scheme measured."""
+"""Insertion schemes, the per-pattern record of every scheme measured, and the one ranking of
+measured things by latency ratio."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tasks.autotune.insertion_points import InsertionPoint
+
+T = TypeVar("T")
+
+
+def rank_by_ratio(items: Iterable[T], ratio: Callable[[T], float], tie_break: Callable[[T], Any],
+                  tie_band: float = 0.0) -> list[T]:
+    """``items`` best first by latency ``ratio`` (lower is faster). Those within ``tie_band``
+    (relative) of the best count as tied with it and go by ``tie_break`` alone, so a preferred form
+    is not displaced by noise; the rest go by ratio, then ``tie_break``.
+
+    Args:
+        items: what is ranked (measured schemes, scheme names, ...).
+        ratio: an item's latency ratio.
+        tie_break: the order among equal (or tied) ratios.
+        tie_band: how far above the best ratio, as a fraction of it, still counts as tied.
+    """
+    ratios = [(item, ratio(item)) for item in items]
+    if not ratios:
+        return []
+    best = min(r for _, r in ratios)
+    tie = best * (1.0 + tie_band)
+    ranked = sorted(ratios, key=lambda ir: (best if ir[1] <= tie else ir[1], tie_break(ir[0])))
+    return [item for item, _ in ranked]
 
 
 @dataclass(frozen=True)

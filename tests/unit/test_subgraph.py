@@ -22,7 +22,7 @@ from tasks.autotune.benchmark import compare_profiled
 from tasks.autotune.region import Region, RegionType
 from tasks.autotune.subgraph.extractor import extract_subgraph, reuse_key, tensor_infos
 from tasks.autotune.subgraph.fusion_grouping import ort_fusion_groups, ort_optimized_graph
-from tasks.autotune.subgraph.profiling import _ranked, heuristic_schemes
+from tasks.autotune.subgraph.profiling import heuristic_schemes, ranked_schemes
 from tasks.autotune.subgraph.records import SubgraphCache
 from tests import models
 from tests.helpers import compose
@@ -109,11 +109,11 @@ def test_ranking_prefers_the_runtimes_form_within_noise():
         "none": {"ok": True, "compute_ratio": 1.0}, "preferred": {"ok": True, "compute_ratio": 0.305},
         "activations_only": {"ok": True, "compute_ratio": 0.300}, "full": {"ok": True, "compute_ratio": 0.5},
         "weights_only": {"ok": True, "compute_ratio": 0.99}}}
-    assert _ranked(rec) == ["preferred", "activations_only", "full"]  # weights_only: not 3% better than none
+    assert ranked_schemes(rec) == ["preferred", "activations_only", "full"]  # weights_only: not 3% better than none
     rec["metric"] = "total"  # no per-layer times: total latency decides
     for t in rec["schemes"].values():
         t["total_ratio"] = t["compute_ratio"]
-    assert _ranked(rec)[0] == "preferred"
+    assert ranked_schemes(rec)[0] == "preferred"
 
 
 def test_parse_ort_profile_splits_runs_and_node_times():

@@ -20,7 +20,7 @@ from tasks.autotune.benchmark import ProfiledTiming, compare_profiled
 from tasks.autotune.insertion_points import InsertionPoint
 from tasks.autotune.progress import OnProgress, Progress
 from tasks.autotune.region import Region, RegionType
-from tasks.autotune.scheme import InsertionScheme
+from tasks.autotune.scheme import InsertionScheme, rank_by_ratio
 from tasks.autotune.subgraph.extractor import extract_subgraph, reuse_key, tensor_infos
 from tasks.autotune.subgraph.fusion_grouping import FusionGroup
 from tasks.autotune.subgraph.records import MIN_LOCAL_GAIN, PTQ, SCHEMES, GroupResult, SubgraphCache
@@ -116,21 +116,14 @@ def heuristic_schemes(tuner: QDQAutotunerBase, region: Region) -> dict[str, Inse
     return out
 
 
-def _ranked(profile: dict[str, Any]) -> list[str]:
+def ranked_schemes(profile: dict[str, Any]) -> list[str]:
     """A profile's ({"schemes": ..., "metric": ...}) schemes that beat "none" locally by
     MIN_LOCAL_GAIN, best first; schemes within MIN_LOCAL_GAIN of the best count as tied and keep the
     SCHEMES order (the runtime's preferred form first)."""
     metric = "compute_ratio" if profile.get("metric") == "compute" else "total_ratio"
     good = {n: t[metric] for n, t in profile["schemes"].items()
             if n != "none" and t.get("ok") and t.get(metric) is not None and t[metric] < 1.0 - MIN_LOCAL_GAIN}
-    if not good:
-        return []
-    tie = min(good.values()) * (1.0 + MIN_LOCAL_GAIN)
-
-    def rank(n: str) -> tuple[float, int]:
-        return (0.0 if good[n] <= tie else good[n]), SCHEMES.index(n)
-
-    return sorted(good, key=rank)
+    return rank_by_ratio(good, good.__getitem__, SCHEMES.index, tie_band=MIN_LOCAL_GAIN)
 
 
 def profile_groups(setup: TuneSetup, gs: GroupSet, cache: SubgraphCache,
@@ -182,7 +175,7 @@ def _profile_key(setup: TuneSetup, gs: GroupSet, backend: Backend, rep: Region,
         runs = setup.runs
         profile = _profile_group(backend, sub_tuner, schemes, runs.warmup_runs, runs.timing_runs, runs.rounds)
     rec.schemes, rec.metric, rec.error = profile["schemes"], profile["metric"], profile.get("error")
-    rec.ranked = _ranked(profile)
+    rec.ranked = ranked_schemes(profile)
     rec.winner = rec.ranked[0] if rec.ranked else "none"
     ratio = rec.ratio(rec.winner)
     rec.local_gain = (1.0 / ratio) if rec.winner != "none" and ratio else 1.0
