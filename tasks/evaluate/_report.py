@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import atomic_output
+from tasks.evaluate._latency import ModelLatency
 
 _COLORS = {"float": "#7f7f7f", "ptq": "#1f77b4", "autotuned": "#ff7f0e"}
 _SOURCES = {
@@ -103,9 +104,9 @@ def _table(metrics: dict[str, Any]) -> list[str]:
             row += ["reference", "reference", "reference"]
         else:
             row += [_pct(m.get("agreement")), _num(m.get("cosine"), ".5f"), _snr(m)]
-        t = m.get("latency_ms")
-        if t:
-            row += [f"{t['median']:.3f}", f"{t['p10']:.3f}", f"{t['p90']:.3f}"]
+        if m.get("latency_ms"):
+            t = ModelLatency.from_dict(m["latency_ms"])
+            row += [f"{t.median:.3f}", f"{t.p10:.3f}", f"{t.p90:.3f}"]
             sp, sp10 = m.get("speedup"), m.get("speedup_p10")
             row.append("1.00x (baseline)" if ref else f"{_num(sp, '.2f')}x ({_num(sp10, '.2f')}x)")
         else:
@@ -254,45 +255,60 @@ def plot(metrics: dict[str, Any], path: Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    models = metrics["models"]
-    keys = list(models)
-    labels = [models[k]["label"] for k in keys]
+    keys = list(metrics["models"])
+    labels = [metrics["models"][k]["label"] for k in keys]
     colors = [_COLORS.get(k, "#2ca02c") for k in keys]
-    x = list(range(len(keys)))
     fig = Figure(figsize=(10, 4.2), layout="constrained")
     FigureCanvasAgg(fig)
     ax_lat, ax_acc = fig.subplots(1, 2)
+    _latency_panel(ax_lat, metrics, keys, colors)
+    _accuracy_panel(ax_acc, metrics, keys, colors)
+    for ax in (ax_lat, ax_acc):
+        ax.set_xticks(list(range(len(keys))), labels)
+        ax.set_xlim(-0.6, len(keys) - 0.4)
+    fig.suptitle(f"Evaluation of {metrics.get('model_name', 'model')}\nbaseline: {metrics['baseline']}",
+                 fontsize=10)
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    return Path(path)
 
-    if metrics.get("latency"):
-        med = [models[k]["latency_ms"]["median"] for k in keys]
-        lo = [models[k]["latency_ms"]["median"] - models[k]["latency_ms"]["p10"] for k in keys]
-        hi = [models[k]["latency_ms"]["p90"] - models[k]["latency_ms"]["median"] for k in keys]
-        ax_lat.bar(x, med, width=0.6, color=colors, yerr=[lo, hi], capsize=6, ecolor="black")
-        for i, k in enumerate(keys):
-            sp, sp10 = models[k].get("speedup"), models[k].get("speedup_p10")
-            text = f"{med[i]:.3g} ms"
-            if k != "float" and sp is not None:
-                text += f"\n{sp:.2f}x" + ("" if sp10 is None else f" (p10: {sp10:.2f}x)")
-            ax_lat.annotate(text, (i, med[i] + hi[i]), xytext=(0, 4), textcoords="offset points",
-                            ha="center", va="bottom", fontsize=9)
-        ax_lat.set_ylim(0, max(m + h for m, h in zip(med, hi, strict=True)) * 1.3)
-        ax_lat.set_ylabel(f"latency per batch of {metrics['data']['batch_size']} (ms)")
-        ax_lat.set_title("Latency (median, whiskers p10–p90; lower is better)", fontsize=10)
-    else:
-        ax_lat.text(0.5, 0.5, "latency not measured\n(evaluate.latency=false)", ha="center", va="center",
-                    transform=ax_lat.transAxes)
-        ax_lat.set_yticks([])
-        ax_lat.set_title("Latency", fontsize=10)
-    ax_lat.set_xticks(x, labels)
-    ax_lat.set_xlim(-0.6, len(keys) - 0.4)
 
+def _latency_panel(ax: Any, metrics: dict[str, Any], keys: list[str], colors: list[str]) -> None:
+    """Median latency per model with p10-p90 whiskers, each bar labelled with its speedups."""
+    models = metrics["models"]
+    if not metrics.get("latency"):
+        ax.text(0.5, 0.5, "latency not measured\n(evaluate.latency=false)", ha="center", va="center",
+                transform=ax.transAxes)
+        ax.set_yticks([])
+        ax.set_title("Latency", fontsize=10)
+        return
+    times = [ModelLatency.from_dict(models[k]["latency_ms"]) for k in keys]
+    med = [t.median for t in times]
+    lo = [t.median - t.p10 for t in times]
+    hi = [t.p90 - t.median for t in times]
+    ax.bar(list(range(len(keys))), med, width=0.6, color=colors, yerr=[lo, hi], capsize=6, ecolor="black")
+    for i, k in enumerate(keys):
+        sp, sp10 = models[k].get("speedup"), models[k].get("speedup_p10")
+        text = f"{med[i]:.3g} ms"
+        if k != "float" and sp is not None:
+            text += f"\n{sp:.2f}x" + ("" if sp10 is None else f" (p10: {sp10:.2f}x)")
+        ax.annotate(text, (i, med[i] + hi[i]), xytext=(0, 4), textcoords="offset points",
+                    ha="center", va="bottom", fontsize=9)
+    ax.set_ylim(0, max(m + h for m, h in zip(med, hi, strict=True)) * 1.3)
+    ax.set_ylabel(f"latency per batch of {metrics['data']['batch_size']} (ms)")
+    ax.set_title("Latency (median, whiskers p10–p90; lower is better)", fontsize=10)
+
+
+def _accuracy_panel(ax: Any, metrics: dict[str, Any], keys: list[str], colors: list[str]) -> None:
+    """The custom metric per model in its own units, else top-1 accuracy (or agreement with float)."""
+    models = metrics["models"]
     custom = metrics.get("custom_metric")
     if custom:  # the user's own metric is the accuracy that counts: plotted in its own units
         name = custom["name"]
         vals = [models[k].get("custom_metric") for k in keys]
         heights = [0.0 if v is None else v for v in vals]
         texts = ["n/a" if v is None else f"{v:.4g}" for v in vals]
-        ax_acc.set_ylim(min(0.0, *heights) * 1.12, max(1e-12, *heights) * 1.12)
+        ax.set_ylim(min(0.0, *heights) * 1.12, max(1e-12, *heights) * 1.12)
         title, ylabel = f"custom metric {name}", name
     else:
         labelled = metrics["data"]["labelled"]
@@ -301,22 +317,14 @@ def plot(metrics: dict[str, Any], path: Path) -> Path:
         vals = [models[k].get(metric) for k in keys]
         heights = [0.0 if v is None else 100 * v for v in vals]
         texts = ["n/a" if v is None else f"{100 * v:.2f}%" for v in vals]
-        ax_acc.set_ylim(0, 112)
-        ax_acc.set_yticks(range(0, 101, 20))
-    ax_acc.bar(x, heights, width=0.6, color=colors)
+        ax.set_ylim(0, 112)
+        ax.set_yticks(range(0, 101, 20))
+    ax.bar(list(range(len(keys))), heights, width=0.6, color=colors)
     for i, text in enumerate(texts):
-        ax_acc.annotate(text, (i, heights[i]), xytext=(0, 4), textcoords="offset points", ha="center",
-                        va="bottom", fontsize=9)
-    ax_acc.set_ylabel(ylabel)
-    ax_acc.set_title(f"{title}, {metrics['data']['samples']} samples (higher is better)", fontsize=10)
-    ax_acc.set_xticks(x, labels)
-    ax_acc.set_xlim(-0.6, len(keys) - 0.4)
-
-    fig.suptitle(f"Evaluation of {metrics.get('model_name', 'model')}\nbaseline: {metrics['baseline']}",
-                 fontsize=10)
-    with atomic_output(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    return Path(path)
+        ax.annotate(text, (i, heights[i]), xytext=(0, 4), textcoords="offset points", ha="center",
+                    va="bottom", fontsize=9)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{title}, {metrics['data']['samples']} samples (higher is better)", fontsize=10)
 
 
 _TRANSFORMS = {"fold_scales": ("Scales folded into the layer before a MatMul", "Div/Mul node(s)"),

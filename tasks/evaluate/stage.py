@@ -11,7 +11,6 @@ and serves both the scoring pass and the latency run.
 from __future__ import annotations
 
 import logging
-import math
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ import onnx
 from pipeline.accuracy.metrics import ModelScores, json_safe
 from pipeline.artifacts import atomic_write_json, atomic_write_text, sha256_file
 from pipeline.backends import create_backend
-from pipeline.backends.base import Backend, PreparedModel, Timing, compare_prepared
+from pipeline.backends.base import Backend, PreparedModel, compare_prepared
 from pipeline.config import STAGE_ORDER, resolved_data_source
 from pipeline.data.adapters import DataProvider
 from pipeline.errors import PipelineError, StageError, first_line
@@ -31,6 +30,7 @@ from pipeline.graph.model import InputSpec, input_specs, load_model
 from pipeline.progress import progress_bar
 from pipeline.stage import Stage, StageContext, StageResult
 from tasks.evaluate._custom import CustomScores
+from tasks.evaluate._latency import LatencyRun, ModelLatency
 
 log = logging.getLogger("tune.evaluate")
 
@@ -47,6 +47,19 @@ class EvaluatedModel:
 
 
 @dataclass(frozen=True)
+class EvaluationPlan:
+    """What is evaluated: the models (float first), the files left out as byte-identical to one of
+    them, the inputs they all take, the float model's precision and the runtime settings the
+    autotuned model ships with (None: none that change anything)."""
+
+    models: list[EvaluatedModel]
+    duplicates: list[dict[str, str]]
+    specs: list[InputSpec]
+    precision: str
+    settings: Any
+
+
+@dataclass(frozen=True)
 class Measurements:
     """What the evaluation pass measured, per model key: scores over ``batches`` batches, kernel
     fidelity (None where the check could not run) and the interleaved latency (None when not timed)."""
@@ -54,11 +67,7 @@ class Measurements:
     scores: dict[str, ModelScores]
     batches: int
     fidelity: dict[str, Any]
-    latency: dict[str, Any] | None
-
-
-# p90/p10 above this means the machine was busy while timing: the medians are not to be trusted
-_NOISY_SPREAD = 1.5
+    latency: LatencyRun | None
 
 # (metrics key, report label, artifact key) in the order they are listed and measured
 _MODELS = (
@@ -84,6 +93,7 @@ class EvaluateStage(Stage):
         evaluated, duplicates = self._evaluated_models(ctx, own_session=settings is not None)
         float_model = load_model(evaluated[0].path, check=False)
         specs = self._specs(evaluated, float_model)
+        plan = EvaluationPlan(evaluated, duplicates, specs, _precision(float_model), settings)
         max_batches = int(ecfg.max_batches) if ecfg.max_batches is not None else None
 
         # every model is prepared once (a full engine build on TensorRT) for scoring and latency alike
@@ -107,7 +117,7 @@ class EvaluateStage(Stage):
                 pm.close()
 
         measured = Measurements(scores, batches, fidelity, timings)
-        metrics = self._metrics(ctx, backend, evaluated, duplicates, measured, specs, _precision(float_model))
+        metrics = self._metrics(ctx, backend, plan, measured)
         from tasks.evaluate import _report
 
         artifacts = self._sensitivity(ctx, evaluated, specs, out_dir, metrics) if ecfg.sensitivity.enabled else {}
@@ -118,7 +128,7 @@ class EvaluateStage(Stage):
         if ecfg.plot:
             artifacts["evaluate/summary.png"] = _report.plot(metrics, out_dir / "summary.png")
         log.info("%s", metrics["headline"])
-        notes = [metrics["latency"]["warning"]] if metrics["latency"] and "warning" in metrics["latency"] else []
+        notes = [timings.warning] if timings is not None and timings.warning is not None else []
         return StageResult(artifacts=artifacts, metrics=safe, notes=notes)
 
     @staticmethod
@@ -267,7 +277,7 @@ class EvaluateStage(Stage):
         return out
 
     @staticmethod
-    def _judge(ctx: StageContext, metrics: dict[str, Any], fidelity: dict[str, Any]) -> None:
+    def _judge(ctx: StageContext, metrics: dict[str, Any], measured: Measurements) -> None:
         """Hold every quantized model to the accuracy budget; say in words which ones miss it and why."""
         from pipeline.accuracy.budget import AccuracyBudget
         from pipeline.accuracy.cpu import cpu_facts, describe
@@ -295,8 +305,8 @@ class EvaluateStage(Stage):
                 continue
             custom = (metrics["models"]["float"]["custom_metric"], m["custom_metric"]) \
                 if budget.metric == "custom" else None
-            v = budget.judge(m, float_top1, custom)
-            fid = fidelity.get(key)
+            v = budget.judge(measured.scores[key].scores(), float_top1, custom)
+            fid = measured.fidelity.get(key)
             m["budget"] = v.to_dict()
             m["kernel_fidelity"] = fid.to_dict() if fid is not None else None
             if v.ok:
@@ -317,7 +327,7 @@ class EvaluateStage(Stage):
     # ------------------------------------------------------------------ latency
     @staticmethod
     def _latency(backend: Backend, evaluated: list[EvaluatedModel], prepared: dict[str, PreparedModel],
-                 rounds: int) -> dict[str, Any]:
+                 rounds: int) -> LatencyRun:
         """Interleaved timing of the models already prepared for scoring (no second build)."""
         runs = max(1, backend.timing_runs // rounds)
         keys = [c.key for c in evaluated] + [k for k in prepared if k not in {c.key for c in evaluated}]
@@ -329,8 +339,7 @@ class EvaluateStage(Stage):
                                  f"{backend.name}: {(t.error or 'unknown error').strip().splitlines()[0]}")
         timed = dict(zip(keys, timings, strict=True))
         extra = {k: timed.pop(k) for k in keys[len(evaluated):]}
-        return {"rounds": rounds, "runs_per_round": runs, "warmup_runs": backend.warmup_runs, "timings": timed,
-                "extra": extra}
+        return LatencyRun(rounds, runs, backend.warmup_runs, timed, extra)
 
     @staticmethod
     def _session_settings(ctx: StageContext, backend: Backend) -> Any:
@@ -344,68 +353,70 @@ class EvaluateStage(Stage):
         return None if settings == kind.type() else settings
 
     # ------------------------------------------------------------------ assembling the metrics
-    def _metrics(self, ctx: StageContext, backend: Backend, evaluated: list[EvaluatedModel],
-                 duplicates: list[dict[str, str]], measured: Measurements, specs: list[InputSpec],
-                 precision: str = "FP32") -> dict[str, Any]:
+    def _metrics(self, ctx: StageContext, backend: Backend, plan: EvaluationPlan,
+                 measured: Measurements) -> dict[str, Any]:
         latency = measured.latency
         info = backend.describe()
-        baseline = f"{precision} float model on {_backend_text(info)}"
-        base_t: Timing | None = latency["timings"]["float"] if latency else None
-        models: dict[str, Any] = {}
-        for c in evaluated:
-            m: dict[str, Any] = {"label": c.label, "file": c.artifact, "sha256": c.sha256}
-            m.update(measured.scores[c.key].result())
-            if measured.scores[c.key].custom is not None:
-                m["custom_metric"] = measured.scores[c.key].custom
-            if latency:
-                t: Timing = latency["timings"][c.key]
-                m["latency_ms"] = {"median": t.median_ms, "p10": t.p10_ms, "p90": t.p90_ms, "min": t.min_ms,
-                                   "samples": t.n}
-                m["speedup"] = base_t.median_ms / t.median_ms if t.median_ms > 0 else None
-                m["speedup_p10"] = base_t.p10_ms / t.p10_ms if t.p10_ms > 0 else None
-            models[c.key] = m
+        models = _model_metrics(plan.models, measured)
         first = models["float"]
-        top_k = int(ctx.cfg.evaluate.top_k)
         metrics: dict[str, Any] = {
-            "baseline": baseline,
+            "baseline": f"{plan.precision} float model on {_backend_text(info)}",
             "backend": info,
             "data": {
                 "source": resolved_data_source(ctx.cfg),
                 "samples": first["samples"],
                 "batches": measured.batches,
-                "batch_size": specs[0].batch if specs else 1,
+                "batch_size": plan.specs[0].batch if plan.specs else 1,
                 "labelled": first["top1"] is not None,
                 "max_batches": ctx.cfg.evaluate.max_batches,
             },
-            "top_k": top_k,
+            "top_k": int(ctx.cfg.evaluate.top_k),
             "models": models,
-            "duplicates": duplicates,
-            "latency": None if latency is None else {k: latency[k] for k in ("rounds", "runs_per_round",
-                                                                               "warmup_runs")},
+            "duplicates": plan.duplicates,
+            "latency": None if latency is None else latency.to_dict(),
             "model_name": str(ctx.cfg.model.name),
             "reproduce": _reproduce_commands(ctx),
         }
-        same = (latency or {}).get("extra", {}).get("float_same_session")
-        if same is not None and same.ok and "autotuned" in models and models["autotuned"].get("latency_ms"):
-            at = latency["timings"]["autotuned"]
-            models["autotuned"]["speedup_same_session"] = same.median_ms / at.median_ms
-            models["autotuned"]["speedup_same_session_p10"] = same.p10_ms / at.p10_ms
-            models["autotuned"]["session"] = self._session_settings(ctx, backend).describe()
-            kind = backend.shipped_settings
-            models["autotuned"].update(settings_file=kind.artifact, settings_what=kind.what,
-                                       settings_defaults=kind.defaults)
-        if latency:
-            ratios = (t.p90_ms / t.p10_ms for t in latency["timings"].values() if t.p10_ms > 0)
-            spread = max((r for r in ratios if not math.isnan(r)), default=None)
-            metrics["latency"]["max_p90_over_p10"] = spread
-            if spread is not None and spread > _NOISY_SPREAD:
-                note = (f"timings were noisy (p90/p10 up to {spread:.1f}x): other processes were busy; "
-                        f"trust the p10 ratio or re-run with more evaluate.latency_repeats")
-                metrics["latency"]["warning"] = note
-                log.warning("%s", note)
-        self._judge(ctx, metrics, measured.fidelity)
+        if latency is not None:
+            _same_session(models, latency, plan.settings, backend)
+            if latency.warning is not None:
+                log.warning("%s", latency.warning)
+        self._judge(ctx, metrics, measured)
         metrics["headline"] = headline(metrics)
         return metrics
+
+
+def _model_metrics(evaluated: list[EvaluatedModel], measured: Measurements) -> dict[str, dict[str, Any]]:
+    """Each model's entry in metrics.json: its file, scores, custom metric, times and speedups."""
+    latency = measured.latency
+    models: dict[str, Any] = {}
+    for c in evaluated:
+        scores = measured.scores[c.key]
+        m: dict[str, Any] = {"label": c.label, "file": c.artifact, "sha256": c.sha256, **scores.result()}
+        if scores.custom is not None:
+            m["custom_metric"] = scores.custom
+        if latency is not None:
+            base, t = latency.timings["float"], latency.timings[c.key]
+            m["latency_ms"] = ModelLatency.from_timing(t).to_dict()
+            m["speedup"] = base.median_ms / t.median_ms if t.median_ms > 0 else None
+            m["speedup_p10"] = base.p10_ms / t.p10_ms if t.p10_ms > 0 else None
+        models[c.key] = m
+    return models
+
+
+def _same_session(models: dict[str, dict[str, Any]], latency: LatencyRun, settings: Any, backend: Backend) -> None:
+    """The autotuned model's speedup against float run with the same shipped settings, so a runtime
+    win is not read as a quantization win; and which settings those were."""
+    same = latency.extra.get("float_same_session")
+    if same is None or not same.ok or "autotuned" not in models or not models["autotuned"].get("latency_ms"):
+        return
+    at = latency.timings["autotuned"]
+    models["autotuned"]["speedup_same_session"] = same.median_ms / at.median_ms
+    models["autotuned"]["speedup_same_session_p10"] = same.p10_ms / at.p10_ms
+    models["autotuned"]["session"] = settings.describe()
+    kind = backend.shipped_settings
+    models["autotuned"].update(settings_file=kind.artifact, settings_what=kind.what,
+                               settings_defaults=kind.defaults)
 
 
 def headline(metrics: dict[str, Any]) -> str:
@@ -426,7 +437,7 @@ def headline(metrics: dict[str, Any]) -> str:
         if m.get("over_budget"):
             text += " OVER BUDGET"
         if key == "float" and m.get("latency_ms"):
-            text += f" {m['latency_ms']['median']:.3g} ms"
+            text += f" {ModelLatency.from_dict(m['latency_ms']).median:.3g} ms"
         elif m.get("speedup") is not None:
             text += f" {m['speedup']:.2f}x"
             if m.get("speedup_p10") is not None:
