@@ -14,7 +14,7 @@ import math
 import re
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -190,10 +190,22 @@ def localize(units: list[str], fails: Callable[[set[str]], bool], max_checks: in
     return found
 
 
+@dataclass(frozen=True)
+class WeightStorage:
+    """The weight storage chosen for a placement: ``chosen`` is the checked candidate of the placement
+    that will be written, ``checked`` every candidate tried (calibration.json's ``variants``)."""
+
+    weight_range: str
+    reason: str
+    chosen: Candidate
+    checked: list[Candidate]
+    culprits: list[str] = field(default_factory=list)  # left float: their fused kernels disagree
+
+
 def choose_weight_range(build: Callable[..., onnx.ModelProto], checker: Checker, requested: str,
                         saturates: bool | None, measure: Callable[[list[Path]], list[float | None]],
-                        units: list[str] | None = None) -> tuple[str, str, list[Candidate], list[str]]:
-    """(weight range, why, candidates checked, culprit nodes to leave float) for an ORT placement.
+                        units: list[str] | None = None) -> WeightStorage:
+    """The weight storage of an ORT placement, with the culprit nodes to leave float.
 
     ``build(weight_range, float_nodes)`` places the model. ``auto``: full range where the fused kernels
     agree with the Q/DQ reference and the CPU has int8 dot-product instructions. Where they disagree on
@@ -205,34 +217,52 @@ def choose_weight_range(build: Callable[..., onnx.ModelProto], checker: Checker,
     """
     if requested != "auto":
         cand = checker.check(build(requested), f"weights_{requested}", fidelity=True)
-        return requested, f"quantize.weight_range={requested}", [cand], []
+        return WeightStorage(requested, f"quantize.weight_range={requested}", cand, [cand])
     full = checker.check(build("full"), "weights_full", fidelity=True)
     if full.usable and not saturates:
-        return "full", "fused kernels agree with the Q/DQ reference", [full], []
+        return WeightStorage("full", "fused kernels agree with the Q/DQ reference", full, [full])
     why = ("this CPU's u8s8 kernels saturate (AVX2 without VNNI)" if saturates else
            f"this CPU's fused kernels disagree with the Q/DQ reference ({full.fidelity.reason if full.fidelity else full.error})")
     if not saturates and full.error is None and units:
-        everything = set(units)
+        kept, why = _localized(build, checker, full, why, saturates, units)
+        if kept is not None:
+            return kept
+    return _exact_storage(build, checker, full, why, measure)
 
-        def fails(quantized: set[str]) -> bool:
-            c = checker.check(build("full", everything - quantized), "fidelity_localize", fidelity=True)
-            return c.error is None and c.fidelity is not None and not c.fidelity.ok
 
-        culprits = localize(list(units), fails)
-        if culprits and len(culprits) * 2 <= len(units):
-            fixed = checker.check(build("full", set(culprits)), "weights_full", fidelity=True)
-            if fixed.usable:
-                log.warning("quantize: %s; localized to %d node(s) left float: %s", why, len(culprits),
-                            ", ".join(culprits))
-                return "full", (f"full-range int8 weights; {len(culprits)} node(s) whose fused kernels disagree "
-                                f"with the Q/DQ reference left float: {', '.join(culprits)}"), [fixed], culprits
-        if saturates is False and not culprits:
-            # exact kernels and no node to blame: what differs is the model's own quantization noise
-            log.warning("quantize: %s, but no node is responsible on its own; keeping full-range weights on a CPU "
-                        "whose u8s8 kernels are exact", why)
-            return "full", f"full-range int8 weights ({why}; no culprit node: not a kernel fault)", [full], []
-        if culprits:
-            why += f"; {len(culprits)} of {len(units)} quantized nodes show it"
+def _localized(build: Callable[..., onnx.ModelProto], checker: Checker, full: Candidate, why: str,
+               saturates: bool | None, units: list[str]) -> tuple[WeightStorage | None, str]:
+    """(full-range weights with the culprits among ``units`` left float, or None; ``why`` completed):
+    the fused kernels' disagreement with the Q/DQ reference localized by group testing."""
+    everything = set(units)
+
+    def fails(quantized: set[str]) -> bool:
+        c = checker.check(build("full", everything - quantized), "fidelity_localize", fidelity=True)
+        return c.error is None and c.fidelity is not None and not c.fidelity.ok
+
+    culprits = localize(list(units), fails)
+    if culprits and len(culprits) * 2 <= len(units):
+        fixed = checker.check(build("full", set(culprits)), "weights_full", fidelity=True)
+        if fixed.usable:
+            log.warning("quantize: %s; localized to %d node(s) left float: %s", why, len(culprits),
+                        ", ".join(culprits))
+            return WeightStorage("full", (f"full-range int8 weights; {len(culprits)} node(s) whose fused kernels "
+                                          f"disagree with the Q/DQ reference left float: {', '.join(culprits)}"),
+                                 fixed, [fixed], culprits), why
+    if saturates is False and not culprits:
+        # exact kernels and no node to blame: what differs is the model's own quantization noise
+        log.warning("quantize: %s, but no node is responsible on its own; keeping full-range weights on a CPU "
+                    "whose u8s8 kernels are exact", why)
+        return WeightStorage("full", f"full-range int8 weights ({why}; no culprit node: not a kernel fault)",
+                             full, [full]), why
+    if culprits:
+        why += f"; {len(culprits)} of {len(units)} quantized nodes show it"
+    return None, why
+
+
+def _exact_storage(build: Callable[..., onnx.ModelProto], checker: Checker, full: Candidate, why: str,
+                   measure: Callable[[list[Path]], list[float | None]]) -> WeightStorage:
+    """The fastest exact weight storage (7-bit or uint8) within the budget, else the most accurate one."""
     variants = [checker.check(build(v), f"weights_{v}", fidelity=True) for v in ("reduced", "uint8")]
     exact = [c for c in variants if c.usable]
     if not exact:
@@ -244,7 +274,7 @@ def choose_weight_range(build: Callable[..., onnx.ModelProto], checker: Checker,
     within = [c for c in exact if c.scored and c.verdict.ok]
     if within:
         # the fastest within the budget, unless the most accurate is within ACCURACY_BAND of its speed:
-        # 7-bit weights cost output SNR, worth it only for a clear speed gain
+        # 7-bit weights cost ~3-6 dB of output SNR, worth it only for a clear speed gain
         fastest = min(within, key=lambda c: c.latency_p10_ms if c.latency_p10_ms is not None else math.inf)
         accurate = min(within, key=lambda c: c.verdict.error)
         slow, fast = accurate.latency_p10_ms, fastest.latency_p10_ms
@@ -259,7 +289,7 @@ def choose_weight_range(build: Callable[..., onnx.ModelProto], checker: Checker,
     timing = ", ".join(f"{c.name.removeprefix('weights_')} {c.latency_p10_ms:.3f} ms" for c in exact
                        if c.latency_p10_ms is not None)
     snr = ", ".join(f"{c.name.removeprefix('weights_')} {c.verdict.what}" for c in exact if c.scored)
-    return choice, f"{desc}: {why} ({rule}; p10 {timing}; {snr})", [full, *variants], []
+    return WeightStorage(choice, f"{desc}: {why} ({rule}; p10 {timing}; {snr})", best, [full, *variants])
 
 
 def start_range(requested: Any) -> str:

@@ -20,7 +20,14 @@ from pipeline.graph.bodies import QUANTIZED_BODIES
 from pipeline.graph.model import iter_nodes
 from pipeline.quant.placement import PASS_THROUGH_OPS
 from pipeline.values import enum_value
-from tasks.quantize._accuracy import Candidate, choose_weight_range, recovery_checker, runnable, start_range
+from tasks.quantize._accuracy import (
+    Candidate,
+    WeightStorage,
+    choose_weight_range,
+    recovery_checker,
+    runnable,
+    start_range,
+)
 from tasks.quantize._placer import Placer
 from tasks.quantize._recovery import recover_budget
 from tasks.quantize._setup import QuantizeSetup
@@ -40,9 +47,9 @@ def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None
     ops = {n.name: n.op_type for n in iter_nodes(placer.model.graph, QUANTIZED_BODIES)}
     start = start_range(enum_value(setup.q.weight_range))
     unsupported = runnable(lambda s: placer.build(start, s)[1], checker, set(ops))
-    weight_range, why, checked, culprits = _weight_storage(setup, placer, unsupported, ops, facts)
-    chosen = next(c for c in checked if c.name == f"weights_{weight_range}")
-    unsupported |= set(culprits)
+    storage = _weight_storage(setup, placer, unsupported, ops, facts)
+    weight_range, why, chosen = storage.weight_range, storage.reason, storage.chosen
+    unsupported |= set(storage.culprits)
     if chosen.error is not None:
         raise StageError(f"quantize: the quantized model is not written because {chosen.error}")
     if weight_range == "full":
@@ -62,11 +69,11 @@ def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None
             final = corrected
     decisions = {
         "weight_range": weight_range, "weight_range_reason": why, "cpu": facts,
-        "unsupported_nodes": sorted(unsupported - set(culprits)),
-        "fidelity_culprits": culprits,
+        "unsupported_nodes": sorted(unsupported - set(storage.culprits)),
+        "fidelity_culprits": storage.culprits,
         "bias_correction": bias,
         "kernel_fidelity": chosen.fidelity.to_dict() if chosen.fidelity else None,
-        "variants": [c.to_dict() for c in checked],
+        "variants": [c.to_dict() for c in storage.checked],
         "budget": budget.describe(), "holdout": holdout.source, "holdout_samples": holdout.samples,
         "accuracy": final.verdict.to_dict() if final.verdict else None,
         "float_nodes": sorted(set(float_nodes) | unsupported),
@@ -75,9 +82,9 @@ def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None
 
 
 def _weight_storage(setup: QuantizeSetup, placer: Placer, unsupported: set[str], ops: dict[str, str],
-                    facts: dict[str, Any]) -> tuple[str, str, list[Candidate], list[str]]:
-    """(weight range, why, candidates checked, kernel-fidelity culprits) with the nodes the runtime cannot
-    run quantized left float: chosen on this CPU for ORT placements, the requested one for TensorRT."""
+                    facts: dict[str, Any]) -> WeightStorage:
+    """The weight storage (and kernel-fidelity culprits) with the nodes the runtime cannot run quantized
+    left float: chosen on this CPU for ORT placements, the requested one for TensorRT."""
     checker = setup.checker
     requested = enum_value(setup.q.weight_range)
     start = start_range(requested)
@@ -88,7 +95,8 @@ def _weight_storage(setup: QuantizeSetup, placer: Placer, unsupported: set[str],
     if setup.kind != "onnxruntime":
         why = ("TensorRT placement: full-range int8 (TensorRT's integer kernels do not saturate)"
                if requested == "auto" else f"quantize.weight_range={requested}")
-        return start, why, [checker.check(placed(start), f"weights_{start}")], []
+        cand = checker.check(placed(start), f"weights_{start}")
+        return WeightStorage(start, why, cand, [cand])
     units = [n for n in placer.build(start, unsupported)[0].quantized_nodes()
              if ops.get(n) not in (None, *PASS_THROUGH_OPS)]
     return choose_weight_range(placed, checker, requested, facts["u8s8_saturates"],

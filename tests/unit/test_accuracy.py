@@ -276,7 +276,8 @@ def test_fidelity_failure_switches_to_an_exact_weight_storage(tmp_path):
         measured.append(paths)
         return [1.0 + i for i in range(len(paths))]  # the first exact variant is "fastest"
 
-    choice, why, checked, _ = _accuracy.choose_weight_range(build, checker, "auto", False, measure)
+    storage = _accuracy.choose_weight_range(build, checker, "auto", False, measure)
+    choice, why, checked = storage.weight_range, storage.reason, storage.checked
     full = next(c for c in checked if c.name == "weights_full")
     assert full.fidelity is not None and not full.fidelity.ok
     assert choice == "reduced" and "disagree with the Q/DQ reference" in why
@@ -291,11 +292,13 @@ def test_known_saturating_cpu_never_gets_full_range_weights(tmp_path):
     backend = ort_backend()
     build, holdout = _conv_setup(tmp_path, backend)
     checker = _accuracy.Checker(backend, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
-    choice, why, _, _ = _accuracy.choose_weight_range(build, checker, "auto", True, lambda p: [2.0, 1.0])
+    storage = _accuracy.choose_weight_range(build, checker, "auto", True, lambda p: [2.0, 1.0])
+    choice, why = storage.weight_range, storage.reason
     assert choice == "uint8" and "saturate (AVX2 without VNNI)" in why
-    choice, _, _, _ = _accuracy.choose_weight_range(build, checker, "auto", False, lambda p: [1.0] * len(p))
+    choice = _accuracy.choose_weight_range(build, checker, "auto", False, lambda p: [1.0] * len(p)).weight_range
     assert choice == "full"
-    choice, why, _, _ = _accuracy.choose_weight_range(build, checker, "reduced", False, lambda p: [1.0] * len(p))
+    storage = _accuracy.choose_weight_range(build, checker, "reduced", False, lambda p: [1.0] * len(p))
+    choice, why = storage.weight_range, storage.reason
     assert choice == "reduced" and why == "quantize.weight_range=reduced"
 
 
@@ -312,8 +315,9 @@ def test_planted_kernel_disagreement_is_localized_to_its_node(tmp_path):
     units = [n.name for n in models.conv_chain(batch=2).graph.node if n.op_type in ("Conv", "Gemm", "MatMul")]
     assert len(units) >= 3 and "conv2" in units
     timed = []
-    choice, why, checked, culprits = _accuracy.choose_weight_range(
+    storage = _accuracy.choose_weight_range(
         build, checker, "auto", False, lambda p: timed.append(p) or [1.0] * len(p), units)
+    choice, why, checked, culprits = storage.weight_range, storage.reason, storage.checked, storage.culprits
     assert culprits == ["conv2"] and choice == "full" and "conv2" in why
     assert checked[0].usable and not timed  # the whole model's weight storage is untouched
 
