@@ -1,16 +1,20 @@
 """The calibration record: per-tensor statistics from the quantize stage's calibration.json and what
 else it decided, read back for every model that is quantized from it.
 
+``TensorStats`` is one tensor's statistics, ``QuantizeDecisions`` the stage's other decisions (weight
+storage, nodes left float, CPU and accuracy facts); both refuse a table with unknown or missing keys.
 ``Calibration`` turns statistics into activation scales (a default scale where there are none, if
 allowed), searches weight scales the way calibration chose (memoized: autotune quantizes the same
 weights for every candidate), and carries the measured bias corrections and the plans of Loop/Scan
 bodies. ``load_calibration`` reads one from calibration.json; ``quantize_decisions`` reads the
-stage's other decisions (weight storage, nodes left float, CPU and accuracy facts).
+decisions.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +23,7 @@ import numpy as np
 from pipeline.artifacts import read_json
 from pipeline.errors import StageError, StateError
 from pipeline.quant.plan import QDQPlan
-from pipeline.quant.qmath import WEIGHT_SEARCHES, QuantParams, activation_params, weight_params
+from pipeline.quant.qmath import QTYPES, WEIGHT_SEARCHES, QuantParams, activation_params, weight_params
 
 
 class MissingCalibration(StageError):
@@ -31,6 +35,143 @@ class MissingCalibration(StageError):
         self.tensor = tensor
 
 
+def check_keys(table: Any, required: Iterable[str], allowed: Iterable[str]) -> None:
+    """ValueError (one line) naming the unknown and the missing keys of ``table``."""
+    if not isinstance(table, Mapping):
+        raise ValueError(f"is a {type(table).__name__}, expected a table")
+    allowed = set(allowed)
+    unknown = sorted(str(k) for k in table if k not in allowed)
+    missing = [k for k in required if k not in table]
+    problems = []
+    if unknown:
+        problems.append(f"unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
+    if missing:
+        problems.append(f"missing key(s) {', '.join(missing)}")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorStats(Mapping[str, Any]):
+    """One tensor's calibration statistics (``tasks.quantize``'s collect; calibration.json's ``tensors``).
+
+    ``threshold`` is the algorithm's clipping magnitude; mse and auto add ``thresholds`` per storage
+    dtype, which win over it, auto ``chosen`` (the algorithm that won, per dtype) and, before its
+    whole-model range choice, ``candidates``. ``scales`` are the scale and zero point per dtype that
+    calibration.json records beside them (under each dtype's name). The record also reads as the
+    mapping of those keys: ``pipeline.quant.qmath.activation_params`` takes statistics as a mapping.
+    """
+
+    min: float
+    max: float
+    absmax: float
+    channel_ratio: float | None = None  # largest channel's absmax over the median one's
+    thresholds: dict[str, float] | None = None
+    threshold: float
+    chosen: dict[str, str] | None = None
+    candidates: dict[str, dict[str, float]] | None = None
+    algorithm: str
+    samples: int | None = None  # statistics made by hand count none; calibration.json's always do
+    scales: dict[str, dict[str, float]] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k in STATS_KEYS if (v := getattr(self, k)) is not None}
+        out.update(self.scales or {})
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], written: bool = False) -> TensorStats:
+        """The record of ``d`` (ValueError naming its unknown or missing keys); ``written``: a table of
+        calibration.json, which always counts its samples."""
+        if isinstance(d, TensorStats):
+            return d
+        check_keys(d, (*_REQUIRED_STATS, *(("samples",) if written else ())), (*STATS_KEYS, *QTYPES))
+        scales = {dt: d[dt] for dt in QTYPES if dt in d}
+        return cls(**{k: d[k] for k in STATS_KEYS if k in d}, scales=scales or None)
+
+    def with_scales(self) -> TensorStats:
+        """The record with the scale and zero point of every storage dtype (calibration.json's)."""
+        scales = {}
+        for dt in QTYPES:
+            p = activation_params(self, dt)
+            scales[dt] = {"scale": float(p.scale), "zero_point": float(p.zero_point)}
+        return replace(self, scales=scales)
+
+    def __getitem__(self, key: str) -> Any:
+        if key in QTYPES:
+            value = (self.scales or {}).get(key)
+        else:
+            value = getattr(self, key) if key in STATS_KEYS else None
+        if value is None:  # an absent key, as in calibration.json
+            raise KeyError(key)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.to_dict())
+
+    def __len__(self) -> int:
+        return len(self.to_dict())
+
+
+# the statistics' own keys, in calibration.json's order (each dtype's scales follow them)
+STATS_KEYS = tuple(f.name for f in fields(TensorStats) if f.name != "scales")
+_REQUIRED_STATS = ("min", "max", "absmax", "threshold", "algorithm")
+
+
+def stats_table(tensors: Mapping[str, Mapping[str, Any]] | None, written: bool = False) -> dict[str, TensorStats]:
+    """Tensor name -> TensorStats of a table of statistics (ValueError naming a tensor whose keys are
+    wrong; ``written``: see ``TensorStats.from_dict``)."""
+    out = {}
+    for name, s in (tensors or {}).items():
+        try:
+            out[name] = TensorStats.from_dict(s, written)
+        except ValueError as exc:
+            raise ValueError(f"tensors[{name!r}]: {exc}") from None
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantizeDecisions:
+    """What the quantize stage decided beside the ranges: calibration.json's ``decisions``, which
+    autotune follows (weight storage, nodes left float) and evaluate reports (CPU, accuracy facts).
+
+    Without a ``decisions`` table (the float model passed through, or no quantize stage) the weight
+    storage is full range, no node is float and every other field is None.
+    """
+
+    weight_range: str = "full"
+    weight_range_reason: str | None = None
+    cpu: dict[str, Any] | None = None  # pipeline.accuracy.cpu.cpu_facts of the machine that quantized
+    unsupported_nodes: list[str] | None = None  # the runtime cannot run them quantized
+    fidelity_culprits: list[str] | None = None  # their fused kernels disagree with the Q/DQ reference
+    bias_correction: dict[str, Any] | None = None
+    kernel_fidelity: dict[str, Any] | None = None
+    variants: list[dict[str, Any]] | None = None  # every weight storage checked
+    budget: str | None = None
+    holdout: str | None = None
+    holdout_samples: int | None = None
+    accuracy: dict[str, Any] | None = None  # the held-out verdict of the placement written
+    float_nodes: list[str] = field(default_factory=list)
+    transforms: list[dict[str, Any]] | None = None
+    ranges: dict[str, Any] | None = None  # quantize.algorithm=auto's range choice, absent otherwise
+    body_nodes: list[str] | None = None  # quantized nodes inside Loop/Scan bodies
+    all_float: bool = False  # recovery left every quantizable node float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: v for f in fields(self)
+                if (v := getattr(self, f.name)) is not None or f.name not in _OPTIONAL_DECISIONS}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> QuantizeDecisions:
+        """The record of ``d`` (ValueError naming its unknown or missing keys)."""
+        names = [f.name for f in fields(cls)]
+        check_keys(d, [k for k in names if k not in _OPTIONAL_DECISIONS], names)
+        return cls(**d)
+
+
+_OPTIONAL_DECISIONS = ("ranges",)
+
+
 class Calibration:
     """Per-tensor statistics from calibration.json (or a default scale where there are none), and how
     weight scales are searched (``weight_clip``: "max" or "mse").
@@ -38,14 +179,14 @@ class Calibration:
     Without an explicit ``weight_clip`` it follows the statistics' algorithm (see ``weight_clip_for``),
     so statistics straight from calibration get the weights that calibration.json records.
     ``bodies`` are the plans of Loop/Scan bodies the quantize stage chose; apply_plan places them with
-    a plan that has none of its own (autotune's, which tunes the main graph).
+    a plan that has none of its own (autotune's, which tunes the main graph). Copies made for other
+    statistics of the same weights share ``weight_cache``.
     """
 
-    def __init__(self, tensors: dict[str, dict[str, Any]] | None = None, default_scale: float | None = None,
+    def __init__(self, tensors: Mapping[str, Mapping[str, Any]] | None = None, default_scale: float | None = None,
                  default_zero_point: float = 0.0, weight_clip: str | None = None,
-                 bias_corrections: dict[str, list[float]] | None = None, bodies: dict[str, QDQPlan] | None = None,
-                 weight_cache: dict[tuple, QuantParams] | None = None):
-        self.tensors = tensors or {}
+                 bias_corrections: dict[str, list[float]] | None = None, bodies: dict[str, QDQPlan] | None = None):
+        self.tensors = stats_table(tensors)
         self.bodies = dict(bodies or {})
         # bias initializer -> mean output shift per channel that quantizing its node adds (measured by
         # the quantize stage's bias correction); apply_plan subtracts it where the plan quantizes the node
@@ -54,16 +195,16 @@ class Calibration:
         self.default_zero_point = default_zero_point
         self.defaulted: set[str] = set()
         if weight_clip is None:
-            algorithms = {s.get("algorithm") for s in self.tensors.values() if isinstance(s, dict)}
+            algorithms = {s.algorithm for s in self.tensors.values()}
             weight_clip = "mse" if any(self.weight_clip_for(a) == "mse" for a in algorithms) else "max"
         if weight_clip not in WEIGHT_SEARCHES:
             raise ValueError(f"weight_clip={weight_clip!r}: expected one of {', '.join(WEIGHT_SEARCHES)}")
         self.weight_clip = weight_clip
         # (weight name, digest, axis, dtype, reduced, search) -> scales: the mse search is far costlier than
         # the hash, autotune applies a plan to the same weights for every candidate, and the quantize
-        # stage's candidates (ranges, transforms) share one ``weight_cache``: the weights' scales do not
-        # depend on the activation statistics
-        self._weights: dict[tuple, QuantParams] = weight_cache if weight_cache is not None else {}
+        # stage's candidates (ranges, transforms) share one cache: the weights' scales do not depend on
+        # the activation statistics
+        self.weight_cache: dict[tuple, QuantParams] = {}
 
     @staticmethod
     def weight_clip_for(algorithm: str | None) -> str:
@@ -78,16 +219,16 @@ class Calibration:
 
         digest = hashlib.blake2b(np.ascontiguousarray(values, np.float32).data, digest_size=16).hexdigest()
         key = (name, digest, values.shape, axis, dtype, bool(reduced), self.weight_clip)
-        if key not in self._weights:
-            self._weights[key] = weight_params(values, axis, dtype, reduced, self.weight_clip)
-        return self._weights[key]
+        if key not in self.weight_cache:
+            self.weight_cache[key] = weight_params(values, axis, dtype, reduced, self.weight_clip)
+        return self.weight_cache[key]
 
     def with_aliases(self, aliases: dict[str, str]) -> Calibration:
         """A copy where each ``tensor`` takes the statistics of its ``source``."""
         c = Calibration(dict(self.tensors), self.default_scale, self.default_zero_point, self.weight_clip,
                         self.bias_corrections, self.bodies)
         c.defaulted = self.defaulted
-        c._weights = self._weights
+        c.weight_cache = self.weight_cache
         for t, src in aliases.items():
             c.alias(t, src)
         return c
@@ -110,11 +251,16 @@ class Calibration:
 
 def load_calibration(path: str | Path, default_scale: float | None = None,
                      default_zero_point: float = 0.0) -> Calibration:
-    """The Calibration of a quantize/calibration.json (StateError if the file is not one); its
-    ``weight_clip`` (absent before mse weights existed: "max") decides how weight scales are searched."""
+    """The Calibration of a quantize/calibration.json (StateError if the file is not one, or a tensor's
+    statistics have unknown or missing keys); its ``weight_clip`` (absent before mse weights existed:
+    "max") decides how weight scales are searched."""
     doc = read_json(path, "calibration file")
     if not isinstance(doc, dict) or not isinstance(doc.get("tensors"), dict):
         raise StateError(f"calibration file {path} has no 'tensors' table; re-run the quantize stage")
+    try:
+        tensors = stats_table(doc["tensors"], written=True)
+    except ValueError as exc:
+        raise StateError(f"calibration file {path}: {exc}; re-run the quantize stage") from None
     clip = doc.get("weight_clip", "max")
     if clip not in WEIGHT_SEARCHES:
         raise StateError(f"calibration file {path}: weight_clip={clip!r}, expected one of "
@@ -127,16 +273,18 @@ def load_calibration(path: str | Path, default_scale: float | None = None,
     except (AttributeError, TypeError, ValueError) as exc:
         raise StateError(f"calibration file {path}: bodies is not a table of plans ({exc}); re-run the quantize "
                          f"stage") from None
-    return Calibration(doc["tensors"], default_scale, default_zero_point, clip, corrections, bodies)
+    return Calibration(tensors, default_scale, default_zero_point, clip, corrections, bodies)
 
 
-def quantize_decisions(path: str | Path | None) -> dict[str, Any]:
+def quantize_decisions(path: str | Path | None) -> QuantizeDecisions:
     """The quantize stage's decisions in calibration.json (weight storage, nodes left float, CPU and
-    accuracy facts); defaults for a file written before they existed or when there is none."""
+    accuracy facts): the defaults where it has no ``decisions`` table or there is none, StateError where
+    the table has unknown or missing keys."""
     doc = read_json(path, "calibration file") if path is not None else {}
     d = doc.get("decisions") if isinstance(doc, dict) else None
-    d = dict(d) if isinstance(d, dict) else {}
-    d.setdefault("weight_range", "full")
-    d.setdefault("float_nodes", [])
-    d.setdefault("all_float", False)  # recovery left every quantizable node float
-    return d
+    if d is None:
+        return QuantizeDecisions()
+    try:
+        return QuantizeDecisions.from_dict(d)
+    except ValueError as exc:
+        raise StateError(f"calibration file {path}: decisions: {exc}; re-run the quantize stage") from None

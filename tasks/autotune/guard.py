@@ -40,7 +40,7 @@ def finalize(setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
         guard["why"] = ("measured float, tuned" + (" and PTQ models" if len(paths) > 2 else " models")
                         + f" in one interleaved run ({guard['why'] or 'no paired steps to reuse'})")
     choice, why = _choose(setup, paths, timings, verdicts)
-    if quantize_decisions(setup.inputs.get("quantize/calibration.json"))["all_float"]:
+    if quantize_decisions(setup.inputs.get("quantize/calibration.json")).all_float:
         # nothing was quantized: a "tuned" or "PTQ" model is the float graph again, and timing noise
         # must not pick one of those copies over the float model itself
         choice, why = baseline, "the quantize stage left every quantizable node float to meet the accuracy budget"

@@ -166,19 +166,19 @@ class AutotuneStage(Stage):
         if node_dtypes is not None and not node_dtypes:
             raise StageError("autotune: the quantize rules leave every node float (quantize=none?); set "
                              "autotune.quant_type=int8 to tune anyway")
-        if decisions["all_float"]:
+        if decisions.all_float:
             log.info("autotune: the quantize stage left every quantizable node float to meet the accuracy budget; "
                      "nothing to place, the float model ships unless a measured candidate says otherwise")
-        elif decisions["weight_range"] != "full" or decisions["float_nodes"]:
-            log.info("autotune: following the quantize stage: %s weights%s", decisions["weight_range"],
-                     f", {len(decisions['float_nodes'])} nodes float" if decisions["float_nodes"] else "")
+        elif decisions.weight_range != "full" or decisions.float_nodes:
+            log.info("autotune: following the quantize stage: %s weights%s", decisions.weight_range,
+                     f", {len(decisions.float_nodes)} nodes float" if decisions.float_nodes else "")
         return Config(
             **{k: a[k] for k in SHARED_FIELDS},
             default_quant_type=quant_type, default_dq_dtype=enum_value(a.default_dq_dtype),
             schemes_per_region=schemes, placement=placement_kind(cfg),
             activation_type=activation_type(cfg) if quant_type == "int8" else "int8",
             seed=int(cfg.seed), node_filter_list=_node_filters(list(a.node_filter_list)), node_dtypes=node_dtypes,
-            weight_range=decisions["weight_range"], float_nodes=list(decisions["float_nodes"]),
+            weight_range=decisions.weight_range, float_nodes=list(decisions.float_nodes),
         )
 
     def _region(self, ctx: StageContext, setup: TuneSetup) -> ModeResult:

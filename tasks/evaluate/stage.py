@@ -288,11 +288,12 @@ class EvaluateStage(Stage):
         decisions = quantize_decisions(ctx.artifact("quantize/calibration.json"))
         facts = cpu_facts()
         metrics["machine"] = {"cpu": facts, "cpu_line": describe(facts),
-                              "quantized_on": (decisions.get("cpu") or {}).get("brand")}
-        metrics["quantization"] = {k: decisions.get(k) for k in ("weight_range", "weight_range_reason",
-                                                                 "float_nodes", "budget", "transforms",
-                                                                 "bias_correction", "fidelity_culprits",
-                                                                 "body_nodes")}
+                              "quantized_on": (decisions.cpu or {}).get("brand")}
+        metrics["quantization"] = {
+            "weight_range": decisions.weight_range, "weight_range_reason": decisions.weight_range_reason,
+            "float_nodes": decisions.float_nodes, "budget": decisions.budget, "transforms": decisions.transforms,
+            "bias_correction": decisions.bias_correction, "fidelity_culprits": decisions.fidelity_culprits,
+            "body_nodes": decisions.body_nodes}
         metrics["budget"] = budget.describe()
         if budget.metric == "custom":
             metrics["custom_metric"] = {"name": metric_name(budget.custom_metric), "path": budget.custom_metric,
@@ -314,10 +315,10 @@ class EvaluateStage(Stage):
             cause = ""
             if fid is not None and fid.checked and not fid.ok:
                 cause = f"likely cause: {fid.reason} on {describe(facts)}"
-                if facts.get("u8s8_saturates") and decisions.get("weight_range") == "full":
+                if facts.get("u8s8_saturates") and decisions.weight_range == "full":
                     cause += ", whose u8s8 kernels saturate with full-range int8 weights (AVX2 without VNNI)"
-            elif decisions.get("cpu") and decisions["cpu"].get("brand") != facts.get("brand"):
-                cause = (f"likely cause: quantized on {decisions['cpu'].get('brand')}, evaluated on "
+            elif decisions.cpu and decisions.cpu.get("brand") != facts.get("brand"):
+                cause = (f"likely cause: quantized on {decisions.cpu.get('brand')}, evaluated on "
                          f"{facts.get('brand')}: re-run stages=[quantize,...] on this machine")
             m["over_budget"] = f"{m['label']} model misses the accuracy budget: {v.what}" + (f"; {cause}" if cause else "")
             flagged.append(m["over_budget"])

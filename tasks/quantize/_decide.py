@@ -18,6 +18,7 @@ import onnx
 from pipeline.errors import StageError
 from pipeline.graph.bodies import QUANTIZED_BODIES
 from pipeline.graph.model import iter_nodes
+from pipeline.quant.calibration import QuantizeDecisions
 from pipeline.quant.placement import PASS_THROUGH_OPS
 from pipeline.values import enum_value
 from tasks.quantize._accuracy import (
@@ -36,7 +37,7 @@ log = logging.getLogger("tune.quantize")
 
 
 def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None = None
-           ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+           ) -> tuple[QuantizeDecisions, dict[str, Any] | None]:
     """(decisions, sensitivity report or None): weight storage, kernel-fidelity culprits, float nodes and
     bias correction of ``placer``'s model, decided on ``setup.checker``'s held-out batches. ``outliers``
     are the element-wise nodes on tensors with outlier channels, recovery's first candidates."""
@@ -67,17 +68,17 @@ def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None
         bias, corrected = placer.fix_bias(weight_range, unsupported | set(float_nodes), final)
         if corrected is not None:
             final = corrected
-    decisions = {
-        "weight_range": weight_range, "weight_range_reason": why, "cpu": facts,
-        "unsupported_nodes": sorted(unsupported - set(storage.culprits)),
-        "fidelity_culprits": storage.culprits,
-        "bias_correction": bias,
-        "kernel_fidelity": chosen.fidelity.to_dict() if chosen.fidelity else None,
-        "variants": [c.to_dict() for c in storage.checked],
-        "budget": budget.describe(), "holdout": holdout.source, "holdout_samples": holdout.samples,
-        "accuracy": final.verdict.to_dict() if final.verdict else None,
-        "float_nodes": sorted(set(float_nodes) | unsupported),
-    }
+    decisions = QuantizeDecisions(
+        weight_range=weight_range, weight_range_reason=why, cpu=facts,
+        unsupported_nodes=sorted(unsupported - set(storage.culprits)),
+        fidelity_culprits=storage.culprits,
+        bias_correction=bias,
+        kernel_fidelity=chosen.fidelity.to_dict() if chosen.fidelity else None,
+        variants=[c.to_dict() for c in storage.checked],
+        budget=budget.describe(), holdout=holdout.source, holdout_samples=holdout.samples,
+        accuracy=final.verdict.to_dict() if final.verdict else None,
+        float_nodes=sorted(set(float_nodes) | unsupported),
+    )
     return decisions, sensitivity
 
 

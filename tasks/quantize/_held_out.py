@@ -5,11 +5,13 @@ the full placement and again once recovery has left nodes float."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import onnx
 
 from pipeline.progress import work_bar
+from pipeline.quant.calibration import QuantizeDecisions, stats_table
 from tasks.quantize._accuracy import Candidate, Checker, recovery_checker
 from tasks.quantize._calibrate import AUTO_CANDIDATES, PER_TENSOR, with_ranges
 from tasks.quantize._placer import Placer
@@ -76,20 +78,21 @@ def choose_ranges(setup: QuantizeSetup, model: onnx.ModelProto, stats: dict[str,
 
 
 def refine_ranges(setup: QuantizeSetup, placer: Placer, auto_stats: dict[str, dict], ranges: dict[str, Any],
-                  decisions: dict[str, Any]) -> dict[str, dict]:
+                  decisions: QuantizeDecisions) -> tuple[dict[str, dict] | None, QuantizeDecisions]:
     """``auto`` after recovery: the range choice again, for the placement that leaves the recovered nodes
     float (the full placement's error, which chose the ranges first, is dominated by those nodes). If
     another choice is better there, it is taken, each float node it makes unnecessary is quantized
-    again, and bias correction is redone. Updates ``placer.calibration``, ``ranges`` and
-    ``decisions``; returns the statistics in force."""
+    again, and bias correction is redone. Updates ``placer.calibration`` and ``ranges``; returns (the
+    statistics now in force, None if the choice stands; the decisions)."""
     calibration, checker = placer.calibration, setup.checker
-    wr, float_nodes = decisions["weight_range"], set(decisions["float_nodes"])
+    wr, float_nodes = decisions.weight_range, set(decisions.float_nodes)
 
     def use(method: str) -> dict[str, dict]:
-        calibration.tensors = with_ranges(auto_stats, method)
+        stats = with_ranges(auto_stats, method)
+        calibration.tensors = stats_table(stats)
         calibration.weight_clip = _weight_clip(method)
         calibration.bias_corrections = {}
-        return calibration.tensors
+        return stats
 
     def check(nodes: set[str], name: str, by: Checker = checker) -> Candidate | None:
         c = by.check(placer.build(wr, nodes)[1], name)
@@ -106,24 +109,24 @@ def refine_ranges(setup: QuantizeSetup, placer: Placer, auto_stats: dict[str, di
     best = min(usable, key=lambda k: usable[k]) if usable else ranges["chosen"]
     if best == ranges["chosen"]:
         calibration.tensors, calibration.weight_clip, calibration.bias_corrections = saved
-        return saved[0]
+        return None, decisions
     log.info("quantize: auto ranges with the %d float nodes: %s (held-out error %s)", len(float_nodes), best,
              ", ".join(f"{k} {_num(v)}" for k, v in errors.items()))
     stats = use(best)
     ranges.update(chosen=best, weight_clip=calibration.weight_clip, rechosen_after_recovery=True)
     final = check(float_nodes, "ranges_final")
     strict = recovery_checker(checker, setup.cfg)  # recovery's margin holds here too
-    for n in sorted(float_nodes - set(decisions["unsupported_nodes"]) - set(decisions["fidelity_culprits"])):
+    for n in sorted(float_nodes - set(decisions.unsupported_nodes) - set(decisions.fidelity_culprits)):
         c = check(float_nodes - {n}, "ranges_requantize", strict)
         if c is not None and c.verdict.ok:
             float_nodes.discard(n)
             final = check(float_nodes, "ranges_requantized")
             log.info("quantize: %s quantized again: %s", n, c.verdict.what)
-    decisions["float_nodes"] = sorted(float_nodes)
+    decisions = replace(decisions, float_nodes=sorted(float_nodes))
     if bool(setup.q.bias_correction) and final is not None:
         bias, corrected = placer.fix_bias(wr, float_nodes, final)
-        decisions["bias_correction"] = bias
+        decisions = replace(decisions, bias_correction=bias)
         final = corrected or final
     if final is not None:
-        decisions["accuracy"] = final.verdict.to_dict()
-    return stats
+        decisions = replace(decisions, accuracy=final.verdict.to_dict())
+    return stats, decisions

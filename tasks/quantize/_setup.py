@@ -123,7 +123,9 @@ class QuantizeSetup:
         """A Calibration of ``stats`` that shares the weight scales this run has searched: they do not
         depend on the activation statistics (a 2.4 GB model's five range candidates searched its 9 x 67M
         weights five times)."""
-        return Calibration(stats, weight_clip=weight_clip, weight_cache=self.weight_cache)
+        calibration = Calibration(stats, weight_clip=weight_clip)
+        calibration.weight_cache = self.weight_cache
+        return calibration
 
     @property
     def max_bytes(self) -> float:

@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,10 @@ from pipeline.graph import weights
 from pipeline.graph.bodies import QUANTIZED_BODIES, unique_names, walk_views
 from pipeline.graph.index import GraphIndex, weight_inputs
 from pipeline.graph.model import iter_nodes, load_model, save_model
-from pipeline.quant.calibration import Calibration
+from pipeline.quant.calibration import Calibration, QuantizeDecisions, TensorStats
 from pipeline.quant.placement import NodeDtypes, resolve_rules, weight_axis
 from pipeline.quant.qdq import qdq_summary
-from pipeline.quant.qmath import FP8, QTYPES, activation_params
+from pipeline.quant.qmath import FP8
 from pipeline.stage import Stage, StageContext, StageResult
 from pipeline.values import enum_value
 from tasks.quantize import _prepare
@@ -79,13 +79,7 @@ def calibration_document(stats: dict[str, dict], model: onnx.ModelProto, cfg: Di
     if calibration is None:
         calibration = Calibration(stats, weight_clip=Calibration.weight_clip_for(enum_value(cfg.quantize.algorithm)))
     weight_clip = calibration.weight_clip
-    tensors = {}
-    for name, s in stats.items():
-        rec = dict(s)
-        for dt in QTYPES:
-            p = activation_params(s, dt)
-            rec[dt] = {"scale": float(p.scale), "zero_point": float(p.zero_point)}
-        tensors[name] = rec
+    tensors = {name: TensorStats.from_dict(s).with_scales().to_dict() for name, s in stats.items()}
     return {
         "version": 1,
         "algorithm": enum_value(cfg.quantize.algorithm),
@@ -197,32 +191,33 @@ class QuantizeStage(Stage):
 
     @staticmethod
     def _decide(setup: QuantizeSetup, placer: Placer, cal: Calibrated
-                ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+                ) -> tuple[QuantizeDecisions, dict[str, Any] | None]:
         """(decisions, sensitivity report or None); with auto ranges and nodes left float, the ranges are
         chosen again for that placement."""
         outliers = outlier_units(cal.model, cal.stats, list(setup.rules), float(setup.q.outlier_threshold))
         decisions, sensitivity = decide(setup, placer, outliers)
-        if cal.ranges is not None and decisions["float_nodes"]:
-            cal.stats = refine_ranges(setup, placer, cal.auto_stats, cal.ranges, decisions)
+        if cal.ranges is not None and decisions.float_nodes:
+            stats, decisions = refine_ranges(setup, placer, cal.auto_stats, cal.ranges, decisions)
+            cal.stats = stats if stats is not None else cal.stats
             cal.doc = calibration_document(cal.stats, cal.model, setup.cfg, placer.calibration)
         return decisions, sensitivity
 
-    def _write(self, setup: QuantizeSetup, placer: Placer, cal: Calibrated, decisions: dict[str, Any],
+    def _write(self, setup: QuantizeSetup, placer: Placer, cal: Calibrated, decisions: QuantizeDecisions,
                sensitivity: dict[str, Any] | None) -> StageResult:
         """calibration.json (with ``decisions``), quantized_model.onnx, sensitivity.json; the metrics."""
         out_dir, doc = setup.out_dir, cal.doc
         out_model, out_calib = out_dir / "quantized_model.onnx", out_dir / "calibration.json"
-        decisions["transforms"] = cal.transforms
         doc["transforms"] = cal.transforms
         if cal.ranges is not None:
-            doc["ranges"] = decisions["ranges"] = cal.ranges
+            doc["ranges"] = cal.ranges
         doc["bias_corrections"] = placer.calibration.bias_corrections
-        plan, qmodel = placer.build(decisions["weight_range"], set(decisions["float_nodes"]))
+        plan, qmodel = placer.build(decisions.weight_range, set(decisions.float_nodes))
         # the Loop/Scan body placement, which autotune keeps (it tunes the main graph)
         doc["bodies"] = {k: p.to_dict() for k, p in plan.bodies.items()}
-        decisions["body_nodes"] = sorted(n for p in plan.bodies.values() for n in p.quantized_nodes())
-        decisions["all_float"] = not plan.quantized_nodes()
-        doc["decisions"] = decisions
+        decisions = replace(decisions, transforms=cal.transforms, ranges=cal.ranges,
+                            body_nodes=sorted(n for p in plan.bodies.values() for n in p.quantized_nodes()),
+                            all_float=not plan.quantized_nodes())
+        doc["decisions"] = decisions.to_dict()
         atomic_write_json(out_calib, doc)
         save_model(qmodel, out_model, external_data=bool(setup.q.use_external_data_format))
         self._log_rules(cal.model, plan, setup.rules, setup.act_type)
@@ -240,7 +235,7 @@ class QuantizeStage(Stage):
 
     @staticmethod
     def _headline(setup: QuantizeSetup, plan: Any, counts: dict[str, int], cal: Calibrated,
-                  decisions: dict[str, Any], sensitivity: dict[str, Any] | None) -> str:
+                  decisions: QuantizeDecisions, sensitivity: dict[str, Any] | None) -> str:
         """What was placed: algorithm, placement, quantized nodes by dtype, Q/DQ counts."""
         dtypes = Counter(a.dtype for p in plan.walk() for a in p.activations) + \
             Counter(w.dtype for p in plan.walk() for w in p.weights)
@@ -253,42 +248,42 @@ class QuantizeStage(Stage):
         # recovery's last resort: the rules matched, the budget left every node float
         full = (sensitivity or {}).get("full_placement") or {}
         headline = (f"float model: every quantizable node left float to meet the accuracy budget "
-                    f"(the {decisions['weight_range']}-range int8 placement reached {full.get('what')})")
+                    f"(the {decisions.weight_range}-range int8 placement reached {full.get('what')})")
         log.warning("quantize: %s; quantized_model.onnx is the float model", headline)
         return headline
 
     @staticmethod
-    def _details(plan: Any, cal: Calibrated, decisions: dict[str, Any]) -> str:
+    def _details(plan: Any, cal: Calibrated, decisions: QuantizeDecisions) -> str:
         """The headline's tail: held-out accuracy, weight storage, what improved int8, float nodes."""
         quantized = plan.quantized_nodes()
         in_bodies = len(quantized) - len(plan.node_rules)
-        acc = decisions.get("accuracy") or {}
+        acc = decisions.accuracy or {}
         out = ""
         if acc and quantized:
             out += f"; holdout {acc.get('what')}" + ("" if acc.get("ok") else " OVER BUDGET")
-        if decisions["weight_range"] != "full":
-            out += f"; weights {decisions['weight_range']}"
-        improved = _prepare.summary(cal.transforms, decisions.get("bias_correction"))
+        if decisions.weight_range != "full":
+            out += f"; weights {decisions.weight_range}"
+        improved = _prepare.summary(cal.transforms, decisions.bias_correction)
         if improved:
             out += "; " + ", ".join(improved)
-        if decisions["float_nodes"] and quantized:
-            out += f"; {len(decisions['float_nodes'])} sensitive nodes left float"
+        if decisions.float_nodes and quantized:
+            out += f"; {len(decisions.float_nodes)} sensitive nodes left float"
         if in_bodies:
             out += f"; {in_bodies} nodes inside Loop/Scan bodies quantized (autotune keeps them as placed)"
         return out
 
     @staticmethod
     def _metrics(setup: QuantizeSetup, plan: Any, counts: dict[str, int], cal: Calibrated,
-                 decisions: dict[str, Any], headline: str) -> dict[str, Any]:
+                 decisions: QuantizeDecisions, headline: str) -> dict[str, Any]:
         quantized = plan.quantized_nodes()
         return {
-            "weight_range": decisions["weight_range"], "weight_range_reason": decisions["weight_range_reason"],
-            "cpu": decisions["cpu"], "kernel_fidelity": decisions.get("kernel_fidelity"),
-            "accuracy": decisions.get("accuracy") or {}, "float_nodes": decisions["float_nodes"],
+            "weight_range": decisions.weight_range, "weight_range_reason": decisions.weight_range_reason,
+            "cpu": decisions.cpu, "kernel_fidelity": decisions.kernel_fidelity,
+            "accuracy": decisions.accuracy or {}, "float_nodes": decisions.float_nodes,
             "transforms": [{k: v for k, v in t.items() if k != "changes"} | {"changes": len(t["changes"])}
                            for t in cal.transforms],
-            "bias_correction": {k: v for k, v in (decisions.get("bias_correction") or {}).items() if k != "records"},
-            "fidelity_culprits": decisions.get("fidelity_culprits", []), "ranges": cal.ranges,
+            "bias_correction": {k: v for k, v in (decisions.bias_correction or {}).items() if k != "records"},
+            "fidelity_culprits": decisions.fidelity_culprits, "ranges": cal.ranges,
             "placement": setup.kind, "activation_type": setup.act_type, "calibrated_tensors": len(cal.stats),
             "calibration_samples": cal.samples, "calibration_seconds": round(cal.seconds, 2),
             "quantized_nodes": len(quantized), "body_nodes": len(quantized) - len(plan.node_rules),

@@ -1,0 +1,86 @@
+"""calibration.json's records: per-tensor statistics and the quantize stage's decisions survive a
+to_dict/from_dict round trip, and a file with unknown or missing keys is refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.errors import StateError
+from pipeline.quant.calibration import (
+    QuantizeDecisions,
+    TensorStats,
+    load_calibration,
+    quantize_decisions,
+)
+from pipeline.quant.qmath import QTYPES, activation_params
+
+STATS = {"min": -1.0, "max": 3.0, "absmax": 3.0, "channel_ratio": 4.0, "thresholds": {"int8": 2.0, "uint8": 2.5},
+         "threshold": 2.0, "chosen": {"int8": "mse", "uint8": "entropy"}, "algorithm": "auto", "samples": 16}
+
+DECISIONS = {
+    "weight_range": "reduced", "weight_range_reason": "weights use 7-bit range", "cpu": {"brand": "x"},
+    "unsupported_nodes": ["a"], "fidelity_culprits": [], "bias_correction": None, "kernel_fidelity": None,
+    "variants": [{"name": "weights_full"}], "budget": "top-1 drop <= 1 point", "holdout": "calibration batches 4..5",
+    "holdout_samples": 8, "accuracy": {"ok": True}, "float_nodes": ["a", "b"], "transforms": [],
+    "body_nodes": [], "all_float": False,
+}
+
+
+def _write(tmp_path, doc) -> str:
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_tensor_stats_round_trip_with_the_scales_calibration_json_records():
+    s = TensorStats.from_dict(STATS)
+    assert s.algorithm == "auto" and s.samples == 16 and s.thresholds["uint8"] == 2.5 and s.candidates is None
+    assert s.to_dict() == STATS and list(s.to_dict()) == list(STATS)
+    written = s.with_scales().to_dict()
+    assert set(written) == set(STATS) | set(QTYPES)
+    for dt in QTYPES:  # the scales are those activation_params gives the statistics
+        assert written[dt]["scale"] == pytest.approx(float(activation_params(STATS, dt).scale))
+    assert TensorStats.from_dict(written, written=True).to_dict() == written
+    # it reads as the mapping of its keys, as activation_params takes it
+    assert dict(s) == STATS and s.get("candidates") is None and "chosen" in s
+
+
+def test_decisions_round_trip_and_defaults_without_a_table(tmp_path):
+    d = QuantizeDecisions.from_dict(DECISIONS)
+    assert d.weight_range == "reduced" and d.float_nodes == ["a", "b"] and d.ranges is None
+    assert d.to_dict() == DECISIONS  # ranges is written only with auto ranges
+    ranged = {**DECISIONS, "ranges": {"chosen": "mse"}}
+    assert QuantizeDecisions.from_dict(ranged).to_dict() == ranged
+    assert quantize_decisions(_write(tmp_path, {"tensors": {}, "decisions": DECISIONS})) == d
+    none = quantize_decisions(None)
+    assert (none.weight_range, none.float_nodes, none.all_float) == ("full", [], False)
+    assert quantize_decisions(_write(tmp_path, {"tensors": {}})) == none  # the float model passed through
+
+
+@pytest.mark.parametrize("decisions,problem", [
+    ({**DECISIONS, "weight_storage": "full"}, "unknown key(s) weight_storage"),
+    ({k: v for k, v in DECISIONS.items() if k != "all_float"}, "missing key(s) all_float"),
+    ([], "is a list, expected a table"),
+])
+def test_decisions_with_unknown_or_missing_keys_are_refused_naming_the_file(tmp_path, decisions, problem):
+    path = _write(tmp_path, {"tensors": {}, "decisions": decisions})
+    with pytest.raises(StateError) as e:
+        quantize_decisions(path)
+    msg = str(e.value)
+    assert "\n" not in msg and path in msg and problem in msg and e.value.exit_code == 2
+
+
+@pytest.mark.parametrize("stats,problem", [
+    ({**STATS, "mean": 0.5}, "unknown key(s) mean"),
+    ({k: v for k, v in STATS.items() if k != "threshold"}, "missing key(s) threshold"),
+    ({k: v for k, v in STATS.items() if k != "samples"}, "missing key(s) samples"),
+])
+def test_statistics_with_unknown_or_missing_keys_are_refused_naming_the_file(tmp_path, stats, problem):
+    path = _write(tmp_path, {"tensors": {"x": stats}})
+    with pytest.raises(StateError) as e:
+        load_calibration(path)
+    msg = str(e.value)
+    assert "\n" not in msg and path in msg and "tensors['x']" in msg and problem in msg and e.value.exit_code == 2
+    assert load_calibration(_write(tmp_path, {"tensors": {"x": STATS}})).tensors["x"] == TensorStats.from_dict(STATS)
