@@ -152,8 +152,9 @@ def test_integer_inputs_and_several_outputs_in_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_digits_model_float_accuracy(tmp_path):
+def test_default_digits_model_float_accuracy(digits_results, tmp_path):
     rd = tmp_path / "digits"
+    shutil.copytree(digits_results, rd)  # the session's trained and exported default model
     run_tune(["stages=[export,evaluate]", f"results_dir={rd}"], cwd=tmp_path, check=True)
     metrics = json.loads((rd / "evaluate" / "metrics.json").read_text())
     flt = metrics["models"]["float"]
