@@ -39,3 +39,19 @@ def tiny_models(tmp_path) -> dict[str, Path]:
         "residual_block": models.save(models.residual_block(), tmp_path, "residual_block"),
         "attention_block": models.save(models.attention_block(), tmp_path, "attention_block"),
     }
+
+
+# the residual-block models the end-to-end tests tune, by role; each file is written once per session
+RESIDUAL_MODELS = {
+    "tiny": {"blocks": 3, "channels": 16},  # region mode's kill/resume, multirun, exactness
+    "sweep": {"blocks": 2, "channels": 16},  # a multirun of three jobs
+    "blocks": {"blocks": 3, "channels": 32, "size": 24},  # subgraph mode: groups worth profiling
+}
+
+
+@pytest.fixture(scope="session")
+def residual_models(tmp_path_factory) -> dict[str, Path]:
+    """Residual-block ONNX files shared by every test that tunes one (read-only: copy before editing)."""
+    root = tmp_path_factory.mktemp("residual")
+    return {k: models.save(models.residual_block(**kw), root, k) for k, kw in RESIDUAL_MODELS.items()}
+

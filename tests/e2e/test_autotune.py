@@ -14,7 +14,6 @@ import pytest
 import yaml
 
 from pipeline.quant.qdq import get_quantized_tensors
-from tests import models
 from tests.helpers import QUICK, run_tune, tune_command
 
 
@@ -24,8 +23,8 @@ def _measurements(state: Path) -> int:
 
 
 @pytest.fixture
-def tiny(tmp_path) -> Path:
-    return models.save(models.residual_block(blocks=3, channels=16), tmp_path, "tiny")
+def tiny(residual_models) -> Path:
+    return residual_models['tiny']
 
 
 def _args(model: Path, rd: Path, extra: list[str] | None = None) -> list[str]:

@@ -56,8 +56,8 @@ def _tree(cache: dict) -> list:
 
 
 @pytest.fixture
-def blocks(tmp_path) -> Path:
-    return models.save(models.residual_block(blocks=3, channels=32, size=24), tmp_path, "blocks")
+def blocks(residual_models) -> Path:
+    return residual_models['blocks']
 
 
 @pytest.mark.slow

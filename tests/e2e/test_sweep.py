@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from tests import models
 from tests.helpers import QUICK, run_tune
 
 
@@ -18,8 +17,8 @@ def _args(model: Path, rd: Path, extra: list[str]) -> list[str]:
 
 
 @pytest.fixture
-def tiny(tmp_path) -> Path:
-    return models.save(models.residual_block(blocks=2, channels=16), tmp_path, "tiny")
+def tiny(residual_models) -> Path:
+    return residual_models['sweep']
 
 
 @pytest.mark.slow
