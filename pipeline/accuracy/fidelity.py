@@ -44,18 +44,26 @@ class FidelityResult:
         return json_safe(asdict(self))
 
 
+@dataclass(frozen=True)
+class FidelityThresholds:
+    """When fused outputs pass: an SNR against the Q/DQ reference of at least ``min_snr_db``, or (given
+    the float model's outputs) at most ``max_noise_ratio`` times the reference's error vs float."""
+
+    min_snr_db: float = FIDELITY_MIN_SNR_DB
+    max_noise_ratio: float = FIDELITY_MAX_NOISE_RATIO
+
+
 def kernel_fidelity(backend: Any, model_path: str | Path, feeds: list[dict[str, np.ndarray]],
-                    min_snr_db: float = FIDELITY_MIN_SNR_DB, prepared: Any = None,
-                    float_outputs: list[list[np.ndarray]] | None = None,
-                    max_noise_ratio: float = FIDELITY_MAX_NOISE_RATIO) -> FidelityResult:
+                    prepared: Any = None, float_outputs: list[list[np.ndarray]] | None = None,
+                    thresholds: FidelityThresholds = FidelityThresholds()) -> FidelityResult:
     """Whether ``backend``'s fused kernels compute what ``model_path``'s Q/DQ graph says on ``feeds``.
 
-    The fused outputs pass when their SNR against the reference is at least ``min_snr_db``, or, given
-    the float model's outputs on the same feeds, when the fused model is at most ``max_noise_ratio``
-    times as far from float as the reference is: two quantized runs of a noisy model differ by about
-    its quantization noise, which is no kernel fault; a faulty kernel adds error of its own.
-    ``prepared`` reuses a model the caller prepared (not closed here). Backends without a reference
-    runner give an unchecked result.
+    The fused outputs pass when their SNR against the reference is at least ``thresholds.min_snr_db``,
+    or, given the float model's outputs on the same feeds, when the fused model is at most
+    ``thresholds.max_noise_ratio`` times as far from float as the reference is: two quantized runs of a
+    noisy model differ by about its quantization noise, which is no kernel fault; a faulty kernel adds
+    error of its own. ``prepared`` reuses a model the caller prepared (not closed here). Backends
+    without a reference runner give an unchecked result.
     """
     ref = backend.prepare_reference(model_path)
     if ref is None:
@@ -85,10 +93,11 @@ def kernel_fidelity(backend: Any, model_path: str | Path, feeds: list[dict[str, 
             fused.close()
     snr = snr_from_energies(signal, noise)
     ratio = None if float_outputs is None else (fused_err / ref_err if ref_err else (0.0 if not fused_err else math.inf))
-    ok = snr == math.inf or snr >= min_snr_db or (ratio is not None and ratio <= max_noise_ratio)
+    ok = (snr == math.inf or snr >= thresholds.min_snr_db
+          or (ratio is not None and ratio <= thresholds.max_noise_ratio))
     reason = ""
     if not ok:
         reason = f"fused kernels disagree with the Q/DQ reference (output SNR {db_text(snr)}"
         reason += (f"; {ratio:.2f}x the reference's error vs float)" if ratio is not None
-                   else f" < {min_snr_db:g} dB)")
+                   else f" < {thresholds.min_snr_db:g} dB)")
     return FidelityResult(True, ok, snr, max_diff, len(feeds), reason, ratio)
