@@ -68,13 +68,13 @@ def _autotune(overrides: list[str], rd: Path) -> dict:
 def _measure(backend, paths: list[Path], rounds: int, runs: int) -> tuple[list[float], list[list[float]]]:
     """(latency per path, per-round best-run times per path): one interleaved run, identical files
     (by content hash) measured once."""
-    from pipeline.backends.base import prepared_models, time_interleaved
+    from pipeline.backends.base import TimingPlan, prepared_models, time_interleaved
     from pipeline.graph.model import model_hash
 
     shas = [model_hash(p) for p in paths]
     unique = list(dict.fromkeys(shas))
     with prepared_models(backend, [paths[shas.index(h)] for h in unique]) as (prepared, errors):
-        blocks, errors = time_interleaved(prepared, rounds, runs, backend.warmup_runs, errors)
+        blocks, errors = time_interleaved(prepared, TimingPlan(rounds, runs, backend.warmup_runs), errors)
     bad = [e for e in errors if e is not None]
     if bad:
         raise RuntimeError(f"final measurement failed: {bad[0]}")

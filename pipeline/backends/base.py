@@ -254,18 +254,29 @@ def compare_interleaved(backend: Backend, model_paths: list[str | Path], rounds:
                 for pm, e in zip(prepared, errors, strict=True)]
 
 
-def time_interleaved(prepared: list[PreparedModel | None], rounds: int, runs_per_round: int, warmup_runs: int = 0,
-                     errors: list[str | None] | None = None, stop_on_error: bool = False,
-                     until: Callable[[list[list[list[float]]]], bool] | None = None,
-                     ) -> tuple[list[list[list[float]]], list[str | None]]:
-    """Time prepared models in alternating blocks: per model, one list of run times per round, and
-    its error (None models, and models with an error already, are skipped).
+@dataclass(frozen=True)
+class TimingPlan:
+    """How ``time_interleaved`` times its models: ``rounds`` rounds of ``runs_per_round`` timed runs per
+    model, after ``warmup_runs`` untimed ones per model. ``stop_on_error`` ends the timing at the first
+    failure (a paired comparison is void once either side fails); ``until`` (given the blocks so far)
+    ends it after any complete round, before ``rounds``."""
 
-    Each model is warmed up once (``warmup_runs``); each round times every model for
-    ``runs_per_round`` runs after ``settle_runs`` untimed ones (the previous model's worker threads
+    rounds: int
+    runs_per_round: int
+    warmup_runs: int = 0
+    stop_on_error: bool = False
+    until: Callable[[list[list[list[float]]]], bool] | None = None
+
+
+def time_interleaved(prepared: list[PreparedModel | None], plan: TimingPlan, errors: list[str | None] | None = None,
+                     ) -> tuple[list[list[list[float]]], list[str | None]]:
+    """Time prepared models in alternating blocks by ``plan``: per model, one list of run times per
+    round, and its error (None models, and models in ``errors`` with an error already, are skipped).
+
+    Each model is warmed up once (``plan.warmup_runs``); each round times every model for
+    ``plan.runs_per_round`` runs after ``settle_runs`` untimed ones (the previous model's worker threads
     slow the first runs after a switch). A model whose runs raise keeps its error and drops out; the others
-    go on, unless ``stop_on_error`` (a paired comparison is void once either side fails).
-    ``until`` (given the blocks so far) ends the timing after any complete round, before ``rounds``.
+    go on, unless ``plan.stop_on_error``.
     """
     n = len(prepared)
     blocks: list[list[list[float]]] = [[] for _ in prepared]
@@ -279,16 +290,16 @@ def time_interleaved(prepared: list[PreparedModel | None], rounds: int, runs_per
         errors[i] = f"{type(exc).__name__}: {exc}"
 
     for i, pm in enumerate(prepared):
-        if warmup_runs and errors[i] is None:
+        if plan.warmup_runs and errors[i] is None:
             try:
-                pm.time_runs(warmup_runs)  # type: ignore[union-attr]
+                pm.time_runs(plan.warmup_runs)  # type: ignore[union-attr]
             except Exception as exc:  # noqa: BLE001 - reported as a failed measurement
                 fail(i, exc)
-                if stop_on_error:
+                if plan.stop_on_error:
                     return blocks, errors
     settle = max([getattr(pm, "settle_runs", 1) for pm in prepared if pm is not None] or [1])
     settle_s = max([getattr(pm, "settle_seconds", 0.0) for pm in prepared if pm is not None] or [0.0])
-    for r in range(rounds):
+    for r in range(plan.rounds):
         # rotate the order every round: each model follows every other one equally often, so
         # no model always pays for its predecessor's lingering worker threads
         for i in [(r + k) % n for k in range(n)]:
@@ -297,12 +308,12 @@ def time_interleaved(prepared: list[PreparedModel | None], rounds: int, runs_per
             pm = prepared[i]
             try:
                 _settle(pm, settle, settle_s)
-                blocks[i].append(pm.time_runs(runs_per_round))  # type: ignore[union-attr]
+                blocks[i].append(pm.time_runs(plan.runs_per_round))  # type: ignore[union-attr]
             except Exception as exc:  # noqa: BLE001 - reported as a failed measurement
                 fail(i, exc)
-                if stop_on_error:
+                if plan.stop_on_error:
                     return blocks, errors
-        if until is not None and until(blocks):
+        if plan.until is not None and plan.until(blocks):
             break
     return blocks, errors
 
@@ -318,7 +329,7 @@ def compare_prepared(backend_name: str, prepared: list[PreparedModel], rounds: i
                      warmup_runs: int = 0) -> list[Timing]:
     """Time already prepared models (``time_interleaved``); one Timing per model over all its runs
     (the caller closes them)."""
-    blocks, errors = time_interleaved(list(prepared), rounds, runs_per_round, warmup_runs)
+    blocks, errors = time_interleaved(list(prepared), TimingPlan(rounds, runs_per_round, warmup_runs))
     return [Timing.from_samples([t for b in bl for t in b], backend_name) if e is None and bl else
             Timing.failed(backend_name, e or "no timed runs")
             for bl, e in zip(blocks, errors, strict=True)]

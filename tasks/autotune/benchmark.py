@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.backends import Backend, PreparedModel
-from pipeline.backends.base import prepared_models, time_interleaved
+from pipeline.backends.base import TimingPlan, prepared_models, time_interleaved
 from pipeline.graph.model import model_hash, write_model_bytes
 from tasks.autotune.scheme import Measurement
 
@@ -145,7 +145,7 @@ class PairedBenchmark:
             until = None if stop_at is None else \
                 (lambda bl: sequential_verdict(round_ratios(*bl), stop_at) is not None)
             runs = self.runs_per_round if stop_at is None else max(2, self.runs_per_round // 2)
-            blocks, errors = time_interleaved([ref, cand], rounds, runs, stop_on_error=True, until=until)
+            blocks, errors = time_interleaved([ref, cand], TimingPlan(rounds, runs, stop_on_error=True, until=until))
             error = next((e for e in errors if e is not None), None)
             if error is not None:
                 return Measurement.failed(error)
@@ -194,7 +194,7 @@ def compare_profiled(backend: Backend, paths: list[Path], rounds: int, runs_per_
     """``time_interleaved`` over models prepared with per-layer profiling (the first is the reference)."""
     with prepared_models(backend, paths, profile=True) as (prepared, errors):
         # a warm-up call always: _round_compute reads the profile's calls as warm-up, then switch + block
-        blocks, errors = time_interleaved(prepared, rounds, runs_per_round, max(1, warmup_runs), errors)
+        blocks, errors = time_interleaved(prepared, TimingPlan(rounds, runs_per_round, max(1, warmup_runs)), errors)
         computes = [_round_compute(pm) if pm is not None and e is None else None
                     for pm, e in zip(prepared, errors, strict=True)]
     totals = [[min(b) for b in bl] for bl in blocks]

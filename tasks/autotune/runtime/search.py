@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import atomic_write_json, read_json
-from pipeline.backends.base import time_interleaved
+from pipeline.backends.base import TimingPlan, time_interleaved
 from pipeline.errors import first_line
 from pipeline.graph.model import model_hash
 from tasks.autotune.benchmark import ratio_interval, round_ratios, sequential_verdict
@@ -235,10 +235,10 @@ class RuntimeSearch:
                 step.why = f"misses the accuracy budget ({verdict.what})"
                 log.info("runtime search: %s: %s", change.name, step.why)
                 return step
-            blocks, errors = time_interleaved(
-                [ref_pm, cand_pm], int(self.cfg.max_rounds), max(2, self.backend.timing_runs // 8),
-                self.backend.warmup_runs, stop_on_error=True,
-                until=lambda b: sequential_verdict(round_ratios(b[0], b[1]), float(self.cfg.keep_below)) is not None)
+            blocks, errors = time_interleaved([ref_pm, cand_pm], TimingPlan(
+                int(self.cfg.max_rounds), max(2, self.backend.timing_runs // 8), self.backend.warmup_runs,
+                stop_on_error=True,
+                until=lambda b: sequential_verdict(round_ratios(b[0], b[1]), float(self.cfg.keep_below)) is not None))
         except Exception as exc:  # noqa: BLE001 - a setting the runtime rejects is a failed step, not a failed run
             step.why = f"failed: {first_line(exc)}"
             log.info("runtime search: %s %s", change.name, step.why)
