@@ -73,6 +73,16 @@ class ShippedSettings:
     defaults: str  # what runs without them, e.g. "ORT's defaults"
 
 
+@dataclass(frozen=True)
+class ModelIO:
+    """What a prepared engine feeds and returns: the model's inputs (at the shapes it binds) and its
+    outputs in ONNX order, with their dtypes where the model declares them."""
+
+    specs: list[InputSpec]
+    output_names: list[str]
+    output_types: dict[str, np.dtype] = field(default_factory=dict)
+
+
 @dataclass
 class BuildResult:
     engine_path: Path | None  # engine file (TensorRT) or optimized graph (ORT), if written

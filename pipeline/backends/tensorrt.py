@@ -31,7 +31,7 @@ import onnx
 from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_output, atomic_write_text
-from pipeline.backends.base import Backend, BuildResult, PreparedModel, ShippedSettings, Timing
+from pipeline.backends.base import Backend, BuildResult, ModelIO, PreparedModel, ShippedSettings, Timing
 from pipeline.backends.tensorrt_builder import (
     PluginLibraries,
     open_timing_cache,
@@ -68,23 +68,22 @@ _TORCH_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT
 class TensorRTPrepared(PreparedModel):
     """A deserialized engine with device buffers bound once; runs on its own CUDA stream."""
 
-    def __init__(self, trt: Any, engine: Any, specs: list[InputSpec], output_names: list[str], device: int,
-                 torch: Any, keep_alive: tuple[Any, ...] = ()):
-        self.trt, self.engine, self.specs, self.torch = trt, engine, specs, torch
+    def __init__(self, trt: Any, engine: Any, io: ModelIO, device: int, torch: Any, keep_alive: tuple[Any, ...] = ()):
+        self.trt, self.engine, self.specs, self.torch = trt, engine, io.specs, torch
         self._keep_alive = keep_alive  # runtime and logger must outlive the engine
         self.device = torch.device("cuda", device)
         self.stream = torch.cuda.Stream(device=self.device)
         self.context = engine.create_execution_context()
         if self.context is None:
             raise StageError("TensorRT could not create an execution context (out of GPU memory?)")
-        io = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
-        self.input_names = [n for n in io if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
-        self.engine_outputs = [n for n in io if n not in self.input_names]
+        tensors = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        self.input_names = [n for n in tensors if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self.engine_outputs = [n for n in tensors if n not in self.input_names]
         # ONNX output order, as ORT returns them, so outputs compare one to one across backends
-        self.output_names = [n for n in output_names if n in self.engine_outputs] or self.engine_outputs
+        self.output_names = [n for n in io.output_names if n in self.engine_outputs] or self.engine_outputs
         self.buffers: dict[str, Any] = {}
-        self._bind({s.name: s.shape for s in specs})
-        self.run_feeds(fixed_feeds(specs))
+        self._bind({s.name: s.shape for s in self.specs})
+        self.run_feeds(fixed_feeds(self.specs))
 
     def _torch_dtype(self, name: str) -> Any:
         dt = self.engine.get_tensor_dtype(name)
@@ -254,15 +253,37 @@ class TensorRTBackend(Backend):
         info: dict[str, Any] = {**self.describe(), "source": str(source), "strongly_typed": strongly_typed}
         logger.note(f"{self.trt.__name__} {getattr(trt, '__version__', '?')} building {source}")
         self._plugins.load(self.trt, list(options.plugin_libraries), logger)
+        builder = self._builder(logger)
+        # the parser owns the weights the network refers to: it lives until the build is done
+        network, _parser = self._network(builder, model_path, strongly_typed, logger)
+        config = self._builder_config(builder, options, strongly_typed, shapes, info, logger)
 
+        self._use_timing_cache(config, options.timing_cache, logger)
+        t0 = time.perf_counter()
+        serialized = builder.build_serialized_network(network, config)
+        info["build_seconds"] = round(time.perf_counter() - t0, 3)
+        if serialized is None:
+            reason = "; ".join(logger.errors[-3:]) or "no reason given"
+            raise StageError(f"{self.name} failed to build an engine from {source.name}: {reason}")
+        self._save_timing_cache(config, options.timing_cache, logger)
+        info["engine_bytes"] = int(serialized.nbytes)
+        info["layers"] = len(parse_builder_layers(logger.layer_table)["layers"]) if logger.layer_table else None
+        return serialized, info
+
+    def _builder(self, logger: Any) -> Any:
+        """A TensorRT builder, or one line saying why none could be made (TensorRT needs a GPU for it)."""
         try:
-            builder = trt.Builder(logger)
+            return self.trt.Builder(logger)
         except Exception as exc:  # noqa: BLE001 - a failed CUDA init surfaces as a nullptr factory error
             reason = "; ".join(logger.errors[-2:]) or str(exc)
             if self.builds_without_gpu:
                 raise StageError(f"{self.name} could not create a builder: {reason}") from None
             raise BackendUnavailable(f"backend={self.name} could not create a builder ({reason}); TensorRT needs a "
                                      f"CUDA GPU to build; backend=tensorrt_rtx builds on the CPU") from None
+
+    def _network(self, builder: Any, model_path: Path, strongly_typed: bool, logger: Any) -> tuple[Any, Any]:
+        """(network, parser) of ``model_path``; ParseError with the parser's errors when it fails."""
+        trt = self.trt
         flags = 0
         if strongly_typed:
             # Q/DQ models: precision comes from the Q/DQ nodes and the ONNX types (TensorRT 10 needs the
@@ -275,7 +296,13 @@ class TensorRTBackend(Backend):
             for e in errors:
                 logger.note(f"parser error: {e}")
             raise ParseError(errors)
+        return network, parser
 
+    def _builder_config(self, builder: Any, options: EngineOptions, strongly_typed: bool,
+                        shapes: dict[str, Any], info: dict[str, Any], logger: Any) -> Any:
+        """The builder config of one build (workspace, verbosity, optimization level, tuned settings,
+        precision, optimization profile); what it chose goes into ``info``."""
+        trt = self.trt
         config = builder.create_builder_config()
         if options.workspace_mb:
             config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.workspace_mb) << 20)
@@ -296,18 +323,7 @@ class TensorRTBackend(Backend):
             config.add_optimization_profile(profile)
             info["profile"] = {n: {"min": s[0], "opt": s[1], "max": s[2]} for n, s in shapes.items()}
             logger.note(f"optimization profile {info['profile']}")
-
-        self._use_timing_cache(config, options.timing_cache, logger)
-        t0 = time.perf_counter()
-        serialized = builder.build_serialized_network(network, config)
-        info["build_seconds"] = round(time.perf_counter() - t0, 3)
-        if serialized is None:
-            reason = "; ".join(logger.errors[-3:]) or "no reason given"
-            raise StageError(f"{self.name} failed to build an engine from {source.name}: {reason}")
-        self._save_timing_cache(config, options.timing_cache, logger)
-        info["engine_bytes"] = int(serialized.nbytes)
-        info["layers"] = len(parse_builder_layers(logger.layer_table)["layers"]) if logger.layer_table else None
-        return serialized, info
+        return config
 
     def _use_timing_cache(self, config: Any, path: Path | None, logger: Any) -> None:
         if not self.supports_timing_cache:
@@ -389,7 +405,7 @@ class TensorRTBackend(Backend):
             shapes = profile_shapes(model, options, model_path.name)
             specs = input_specs(model, {name: s[1] for name, s in shapes.items()})
             outputs = [o.name for o in model.graph.output]
-        return TensorRTPrepared(self.trt, engine, specs, outputs, int(self.cfg.device), torch,
+        return TensorRTPrepared(self.trt, engine, ModelIO(specs, outputs), int(self.cfg.device), torch,
                                 keep_alive=(runtime, logger))
 
     def measure(self, model_path: str | Path, warmup_runs: int | None = None,

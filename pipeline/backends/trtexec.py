@@ -39,7 +39,7 @@ import onnx
 from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_output, atomic_write_text
-from pipeline.backends.base import Backend, BuildResult, PreparedModel, ShippedSettings, Timing
+from pipeline.backends.base import Backend, BuildResult, ModelIO, PreparedModel, ShippedSettings, Timing
 from pipeline.backends.trt_build import TrtBuildSettings
 from pipeline.backends.trt_common import (
     EngineOptions,
@@ -68,7 +68,7 @@ from pipeline.backends.trtexec_parse import (
     timing_from_summary,
 )
 from pipeline.errors import BackendUnavailable, InputError, StageError
-from pipeline.graph.model import InputSpec, has_qdq, input_specs
+from pipeline.graph.model import has_qdq, input_specs
 
 log = logging.getLogger("tune.backend")
 
@@ -94,11 +94,11 @@ class TrtexecPrepared(PreparedModel):
     comparisons with trtexec are slow but still fair: every block is warmed the same way.
     """
 
-    def __init__(self, backend: TrtexecBackend, workdir: Path, engine: TrtexecEngine, specs: list[InputSpec],
-                 output_names: list[str], output_types: dict[str, np.dtype] | None = None, profile: bool = False):
-        self.backend, self.workdir, self.engine, self.specs = backend, workdir, engine, specs
-        self.output_names = output_names
-        self.output_types = output_types or {}
+    def __init__(self, backend: TrtexecBackend, workdir: Path, engine: TrtexecEngine, io: ModelIO,
+                 profile: bool = False):
+        self.backend, self.workdir, self.engine, self.specs = backend, workdir, engine, io.specs
+        self.output_names = io.output_names
+        self.output_types = io.output_types or {}
         self.profile = profile
         self._samples: list[list[dict[str, float]]] = []
 
@@ -383,8 +383,8 @@ class TrtexecBackend(Backend):
             run.save_engine = engine
             self.invoke(run, "build", model_path.stem)
             specs = input_specs(model, {name: s[1] for name, s in run.shapes.items()})
-            return TrtexecPrepared(self, workdir, TrtexecEngine(engine, run.shapes, run.plugins), specs,
-                                   [o.name for o in model.graph.output], output_dtypes(model), profile)
+            io = ModelIO(specs, [o.name for o in model.graph.output], output_dtypes(model))
+            return TrtexecPrepared(self, workdir, TrtexecEngine(engine, run.shapes, run.plugins), io, profile)
         except BaseException:
             shutil.rmtree(workdir, ignore_errors=True)
             raise

@@ -85,65 +85,74 @@ class TrtexecRun:
 
     def argv(self, exe: str) -> list[str]:
         user = {option_name(a) for a in self.extra_args}
-        out: list[str] = [exe]
+        # plugin flags repeat once per library, so a user's own ones add to ours
+        ours = [*self._model_flags(), *self._run_flags(), *self._profiling_flags()]
+        return [exe, *(a for a in ours if option_name(a) not in user
+                       or option_name(a) in ("--staticPlugins", "--setPluginsToSerialize")), *self.extra_args]
 
-        def add(arg: str) -> None:
-            if option_name(arg) not in user or option_name(arg) in ("--staticPlugins", "--setPluginsToSerialize"):
-                out.append(arg)
-
+    def _model_flags(self) -> list[str]:
+        """The engine's source and destination, the build options, shapes and plugins."""
+        out: list[str] = []
         if self.onnx is not None:
-            add(f"--onnx={self.onnx}")
+            out.append(f"--onnx={self.onnx}")
         if self.load_engine is not None:
-            add(f"--loadEngine={self.load_engine}")
+            out.append(f"--loadEngine={self.load_engine}")
         if self.save_engine is not None:
-            add(f"--saveEngine={self.save_engine}")
+            out.append(f"--saveEngine={self.save_engine}")
         if self.onnx is not None:  # build options
             if self.strongly_typed:
-                add("--stronglyTyped")
+                out.append("--stronglyTyped")
             elif self.data_type in ("FP16", "BF16"):
-                add(f"--{self.data_type.lower()}")
+                out.append(f"--{self.data_type.lower()}")
             if self.workspace_mb:
-                add(f"--memPoolSize=workspace:{int(self.workspace_mb)}M")
+                out.append(f"--memPoolSize=workspace:{int(self.workspace_mb)}M")
             if self.shapes:
-                add(f"--minShapes={_shape_spec({n: s[0] for n, s in self.shapes.items()})}")
-                add(f"--optShapes={_shape_spec({n: s[1] for n, s in self.shapes.items()})}")
-                add(f"--maxShapes={_shape_spec({n: s[2] for n, s in self.shapes.items()})}")
+                out.append(f"--minShapes={_shape_spec({n: s[0] for n, s in self.shapes.items()})}")
+                out.append(f"--optShapes={_shape_spec({n: s[1] for n, s in self.shapes.items()})}")
+                out.append(f"--maxShapes={_shape_spec({n: s[2] for n, s in self.shapes.items()})}")
             if self.timing_cache is not None:
-                add(f"--timingCacheFile={self.timing_cache}")
-            for arg in self.build_args:
-                add(arg)
+                out.append(f"--timingCacheFile={self.timing_cache}")
+            out += self.build_args
         elif self.shapes:  # a dynamic engine runs at the profile's opt shapes
-            add(f"--shapes={_shape_spec({n: s[1] for n, s in self.shapes.items()})}")
+            out.append(f"--shapes={_shape_spec({n: s[1] for n, s in self.shapes.items()})}")
         for lib in self.plugins:
-            add(f"--staticPlugins={lib}")
+            out.append(f"--staticPlugins={lib}")
             if self.save_engine is not None:
-                add(f"--setPluginsToSerialize={lib}")
+                out.append(f"--setPluginsToSerialize={lib}")
+        return out
+
+    def _run_flags(self) -> list[str]:
+        """--skipInference, or how long to run, what to report and which inputs and outputs to load and save."""
         if self.skip_inference:
-            add("--skipInference")
-        else:
-            if self.warmup_ms is not None:
-                add(f"--warmUp={int(self.warmup_ms)}")  # milliseconds, not a run count
-            if self.duration_s:
-                add(f"--duration={self.duration_s:g}")
-            elif self.iterations is not None:
-                add(f"--iterations={int(self.iterations)}")
-                add("--duration=0")  # otherwise trtexec also runs for its default 3 s
-            if self.percentiles:
-                add(f"--percentile={self.percentiles}")
-            if self.export_times is not None:
-                add(f"--exportTimes={self.export_times}")
-            if self.load_inputs:
-                add("--loadInputs=" + ",".join(f"{_shape_name(n)}:{p}" for n, p in self.load_inputs.items()))
-            if self.export_output is not None:
-                add(f"--exportOutput={self.export_output}")
+            return ["--skipInference"]
+        out: list[str] = []
+        if self.warmup_ms is not None:
+            out.append(f"--warmUp={int(self.warmup_ms)}")  # milliseconds, not a run count
+        if self.duration_s:
+            out.append(f"--duration={self.duration_s:g}")
+        elif self.iterations is not None:
+            out.append(f"--iterations={int(self.iterations)}")
+            out.append("--duration=0")  # otherwise trtexec also runs for its default 3 s
+        if self.percentiles:
+            out.append(f"--percentile={self.percentiles}")
+        if self.export_times is not None:
+            out.append(f"--exportTimes={self.export_times}")
+        if self.load_inputs:
+            out.append("--loadInputs=" + ",".join(f"{_shape_name(n)}:{p}" for n, p in self.load_inputs.items()))
+        if self.export_output is not None:
+            out.append(f"--exportOutput={self.export_output}")
+        return out
+
+    def _profiling_flags(self) -> list[str]:
+        out: list[str] = []
         if self.export_profile is not None or self.export_layer_info is not None:
-            add("--profilingVerbosity=detailed")
+            out.append("--profilingVerbosity=detailed")
         if self.export_layer_info is not None:
-            add(f"--exportLayerInfo={self.export_layer_info}")
+            out.append(f"--exportLayerInfo={self.export_layer_info}")
         if self.export_profile is not None and not self.skip_inference:
-            add(f"--exportProfile={self.export_profile}")
-            add("--separateProfileRun")  # the per-layer profiler would otherwise slow the timed runs
-        return [*out, *self.extra_args]
+            out.append(f"--exportProfile={self.export_profile}")
+            out.append("--separateProfileRun")  # the per-layer profiler would otherwise slow the timed runs
+        return out
 
 
 @dataclass(frozen=True)
