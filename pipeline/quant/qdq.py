@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -118,7 +119,7 @@ def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
     out = raise_opset(out, target)
     if calibration.bias_corrections:
         _correct_biases(out, {w.node for w in plan.weights}, calibration.bias_corrections)
-    _insert(out, plan, bodies, calibration, default_float_type, all_names(out.graph), sources)
+    _insert(out, replace(plan, bodies=bodies), calibration, default_float_type, all_names(out.graph), sources)
     left = {i.name for i in out.graph.initializer} & set(sources)
     if left:  # a spared weight is still read in float: never ship its placeholder
         raise StageError(f"internal error: weight(s) {sorted(left)} spared from the copy are still read")
@@ -181,9 +182,9 @@ class _Insertion:
                 self.unique(f"{base}_dequantized"))
 
 
-def _insert(model: onnx.ModelProto, plan: QDQPlan, bodies: dict[str, QDQPlan], calibration: Calibration,
-            default_float_type: int, taken: set[str], sources: dict[str, TensorProto] | None = None) -> None:
-    """Insert ``plan`` into ``model``'s graph and ``bodies`` into its Loop/Scan bodies (in place); new
+def _insert(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration, default_float_type: int,
+            taken: set[str], sources: dict[str, TensorProto] | None = None) -> None:
+    """Insert ``plan`` into ``model``'s graph and ``plan.bodies`` into its Loop/Scan bodies (in place); new
     names avoid ``taken`` (every name of the whole model) and are added to it."""
     if plan.aliases:
         calibration = calibration.with_aliases(plan.aliases)
@@ -194,7 +195,7 @@ def _insert(model: onnx.ModelProto, plan: QDQPlan, bodies: dict[str, QDQPlan], c
     graph = model.graph
     graph.initializer.extend(ins.new_inits)
     graph.node.extend(ins.new_nodes)
-    _emit_bodies(model, bodies, calibration, default_float_type, taken)
+    _emit_bodies(model, plan.bodies, calibration, default_float_type, taken)
     # drop float weights no node reads any more (in this graph or, by outer-scope reference, in a body)
     used = graph_reads(graph)
     keep = [i for i in graph.initializer if i.name in used]
@@ -314,7 +315,7 @@ def _emit_bodies(model: onnx.ModelProto, bodies: dict[str, QDQPlan], calibration
     for view in body_views(model):
         inner = bodies.get(view.node.name)
         if inner is not None:
-            _insert(view.model, inner, inner.bodies, calibration, default_float_type, taken)
+            _insert(view.model, inner, calibration, default_float_type, taken)
             put_back(view, view.model)
 
 
