@@ -171,7 +171,7 @@ class QDQAutotunerBase(PlanBuilder, TunerState):
             # the points of all its regions: its first region may be left float (float_nodes) and have
             # none, and export skips the points of float nodes region by region anyway
             cands = sorted({p for r in regions for p in candidate_points(
-                r, self.orders[r.id], self.model, self.index, self.config.placement, allowed,
+                self.orders[r.id], self.model, self.index, self.config.placement, allowed,
                 self.config.default_quant_type)})
             self.pattern_schemes[sig] = PatternSchemes(sig, cands)
         self._model_sha = model_hash(self.model)

@@ -117,9 +117,10 @@ def resolve(point: InsertionPoint, region: Region, order: list[int], model: onnx
     raise ValueError(f"unknown insertion point kind {point.kind}")
 
 
-def candidate_points(region: Region, order: list[int], model: onnx.ModelProto, g: GraphIndex, placement: str,
+def candidate_points(order: list[int], model: onnx.ModelProto, g: GraphIndex, placement: str,
                      allowed_nodes: set[str], quant_type: str) -> list[InsertionPoint]:
-    """The points a search may toggle in this region, shaped for the backend's fusions."""
+    """The points a search may toggle in a region whose nodes, in its pattern's order, are ``order``,
+    shaped for the backend's fusions."""
     nodes = model.graph.node
     points: list[InsertionPoint] = []
     for k, idx in enumerate(order):

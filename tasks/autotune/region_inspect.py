@@ -86,6 +86,30 @@ def _control_flow(model: onnx.ModelProto) -> list[str]:
     return lines
 
 
+def _contents(r: Region, nodes: Sequence[onnx.NodeProto], verbose: bool) -> list[tuple[str, list]]:
+    """A region's nodes and boundary tensors: counted, with its ops; ``verbose``: listed by name."""
+    if verbose:
+        return [(f"Nodes: {len(r.nodes)}", [(f"{nodes[i].op_type}  {nodes[i].name}", []) for i in r.nodes]),
+                (f"Inputs: {len(r.inputs)} tensors", [(t, []) for t in r.inputs]),
+                (f"Outputs: {len(r.outputs)} tensors", [(t, []) for t in r.outputs])]
+    ops = [(f"Ops: {', '.join(nodes[i].op_type for i in r.nodes)}", [])] if r.nodes else []
+    return [*ops, (f"Inputs: {len(r.inputs)} tensors", []), (f"Outputs: {len(r.outputs)} tensors", [])]
+
+
+def _size_histogram(sizes: list[int]) -> list[str]:
+    """LEAF region sizes (min, max, mean) and their histogram; nothing without LEAF regions."""
+    if not sizes:
+        return []
+    lines = [f"LEAF region sizes: min={min(sizes)}, max={max(sizes)}, avg={sum(sizes) / len(sizes):.1f}",
+             "LEAF size histogram (nodes: regions):"]
+    hist = Counter(sizes)
+    peak = max(hist.values())
+    for size in sorted(hist):
+        bar = "#" * max(1, round(30 * hist[size] / peak))
+        lines.append(f"  {size:>4}: {bar} {hist[size]}")
+    return lines
+
+
 def inspect_model(path: str | Path, verbose: bool = False, max_sequence_size: int = 10,
                   include_all_regions: bool = False) -> str:
     """The inspection report for the model at ``path`` (raises PipelineError for unusable files)."""
@@ -114,15 +138,7 @@ def inspect_model(path: str | Path, verbose: bool = False, max_sequence_size: in
         if r.id in top_sigs:
             sig = top_sigs[r.id]
             subs.append((f"Pattern: {sig[:12]} (shared by {uses[sig]} region{'s' * (uses[sig] != 1)})", []))
-        if verbose:
-            subs.append((f"Nodes: {len(r.nodes)}", [(f"{nodes[i].op_type}  {nodes[i].name}", []) for i in r.nodes]))
-            subs.append((f"Inputs: {len(r.inputs)} tensors", [(t, []) for t in r.inputs]))
-            subs.append((f"Outputs: {len(r.outputs)} tensors", [(t, []) for t in r.outputs]))
-        else:
-            if r.nodes:
-                subs.append((f"Ops: {', '.join(nodes[i].op_type for i in r.nodes)}", []))
-            subs.append((f"Inputs: {len(r.inputs)} tensors", []))
-            subs.append((f"Outputs: {len(r.outputs)} tensors", []))
+        subs += _contents(r, nodes, verbose)
         subs += [item(c) for c in r.children if c.id in shown]
         return f"Region {r.id} (Level {r.level}, Type: {r.type.value})", subs
 
@@ -135,14 +151,7 @@ def inspect_model(path: str | Path, verbose: bool = False, max_sequence_size: in
         f"{once}/{total} nodes ({pct:.1f}%)",
         f"Coverage: {once}/{total} nodes in exactly one LEAF region ({pct:.1f}%)",
     ]
-    if sizes:
-        lines.append(f"LEAF region sizes: min={min(sizes)}, max={max(sizes)}, avg={sum(sizes) / len(sizes):.1f}")
-        lines.append("LEAF size histogram (nodes: regions):")
-        hist = Counter(sizes)
-        peak = max(hist.values())
-        for size in sorted(hist):
-            bar = "#" * max(1, round(30 * hist[size] / peak))
-            lines.append(f"  {size:>4}: {bar} {hist[size]}")
+    lines += _size_histogram(sizes)
     source = "tasks.autotune.pattern"
     lines.append(f"Unique patterns: {len(uses)} among {len(root.children)} top-level regions "
                  f"({len(all_sigs)} among all {len(regions)} regions; {source})")

@@ -61,10 +61,22 @@ def benchmark_onnx_model(model: str | Path | bytes, benchmark: PairedBenchmark) 
     return benchmark.measure(model)
 
 
-def _log_measurement(path: Path, region_id: int, idx: int, ps: PatternSchemes, origin: str, scheme_key: str,
-                     m: Measurement, extra: dict | None = None) -> None:
+@dataclass(frozen=True)
+class MeasuredScheme:
+    """Which scheme a measurement log is of: the region it was measured on, its index among the
+    pattern's schemes, the pattern, where the scheme came from and its key."""
+
+    region: int
+    index: int
+    pattern: str
+    origin: str
+    key: str
+
+
+def _log_measurement(path: Path, scheme: MeasuredScheme, m: Measurement, extra: dict | None = None) -> None:
     atomic_write_json(path, {**(extra or {}),
-        "region": region_id, "scheme_index": idx, "pattern": ps.pattern, "origin": origin, "scheme": scheme_key,
+        "region": scheme.region, "scheme_index": scheme.index, "pattern": scheme.pattern, "origin": scheme.origin,
+        "scheme": scheme.key,
         "ok": m.ok, "latency_ms_p10": m.latency_ms, "reference_ms_p10": m.reference_ms, "ratio": m.ratio,
         "error": m.error, "remeasure": m.remeasure, "accuracy": m.accuracy,
     })
@@ -118,7 +130,7 @@ def region_pattern_autotuning_workflow(
         if ps is None:
             continue
         _search_pattern(autotuner, region, benchmark, out, state_path, progress)
-        _remeasure_winners(autotuner, ps, benchmark, logs, region.id, out, state_path)
+        _remeasure_winners(autotuner, ps, benchmark, region.id, out, state_path)
         autotuner.commit_current()
         autotuner.save_state(state_path)
         best = ps.find(ps.best) if ps.best is not None else None
@@ -158,7 +170,7 @@ def _search_pattern(autotuner: QDQAutotuner, region: Region, benchmark: PairedBe
             m = benchmark.measure(data)
         log_path = out / "logs" / f"region_{region.id}_scheme_{idx}.log"
         m.log_path = str(log_path.relative_to(out))
-        _log_measurement(log_path, region.id, idx, ps, rec.origin, rec.scheme.key, m)
+        _log_measurement(log_path, MeasuredScheme(region.id, idx, ps.pattern, rec.origin, rec.scheme.key), m)
         autotuner.submit(m)
         if autotuner.config.verbose:
             log.info("  region %d scheme %d (%s, %d points): %s", region.id, idx, rec.origin, len(rec.scheme),
@@ -167,8 +179,8 @@ def _search_pattern(autotuner: QDQAutotuner, region: Region, benchmark: PairedBe
         progress()
 
 
-def _remeasure_winners(autotuner: QDQAutotuner, ps: PatternSchemes, benchmark: PairedBenchmark, logs: Path,
-                       region_id: int, out: Path, state_path: Path) -> None:
+def _remeasure_winners(autotuner: QDQAutotuner, ps: PatternSchemes, benchmark: PairedBenchmark, region_id: int,
+                       out: Path, state_path: Path) -> None:
     """Settle the pattern's winner in a duel against the incumbent, not against float.
 
     The search ranks schemes against the float baseline, which is cheap but noisy: these machines
@@ -202,9 +214,9 @@ def _remeasure_winners(autotuner: QDQAutotuner, ps: PatternSchemes, benchmark: P
                  else Measurement.failed(rel.error or "duel failed"))
             m.remeasure = True  # failed duels too: they count as the finalist's re-measurement
             idx = ps.records.index(rec)
-            log_path = logs / f"region_{region_id}_scheme_{idx}_remeasure.log"
+            log_path = out / "logs" / f"region_{region_id}_scheme_{idx}_remeasure.log"
             m.log_path = str(log_path.relative_to(out))
-            _log_measurement(log_path, region_id, idx, ps, rec.origin, rec.scheme.key, m,
+            _log_measurement(log_path, MeasuredScheme(region_id, idx, ps.pattern, rec.origin, rec.scheme.key), m,
                              {"versus": "incumbent", "incumbent": incumbent.scheme.key, "relative_ratio": rel.ratio})
             rec.measurements.append(m)
             autotuner.save_state(state_path)
