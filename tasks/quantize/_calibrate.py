@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -345,12 +346,23 @@ def outlier_ratio(channel_max: np.ndarray) -> float:
     return float(channel_max.max() / np.median(pos)) if pos.size else 1.0
 
 
-def collect(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]], algorithm: str, percentile: float,
-            num_bins: int, threads: int, progress: Callable[[Iterable[Batch], str], Iterable[Batch]],
-            max_bytes: float | None = None) -> dict[str, dict]:
+@dataclass(frozen=True)
+class CalibrationMethod:
+    """How ranges are computed from the statistics: the algorithm (quantize.algorithm), the percentile
+    of |x| that percentile (and auto) keep, and the histogram bins (quantize.calibration.num_bins)."""
+
+    algorithm: str
+    percentile: float
+    num_bins: int = 2048
+
+
+def collect(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]], method: CalibrationMethod, threads: int,
+            progress: Callable[[Iterable[Batch], str], Iterable[Batch]], max_bytes: float | None = None
+            ) -> dict[str, dict]:
     """Statistics per candidate tensor: min, max, absmax, threshold, algorithm, samples; with mse and auto
     also ``thresholds`` per storage dtype, and with auto ``chosen`` (the algorithm that won, per dtype).
     ``max_bytes`` bounds the working set (see ActivationRunner)."""
+    algorithm, percentile, num_bins = method.algorithm, method.percentile, method.num_bins
     tensors = candidate_tensors(model)
     runner = ActivationRunner(model, tensors, threads, max_bytes)
 

@@ -30,7 +30,7 @@ from pipeline.quant.placement import (
 from pipeline.values import enum_value
 from tasks.quantize import _prepare
 from tasks.quantize._accuracy import Checker, temp_workdir
-from tasks.quantize._calibrate import collect
+from tasks.quantize._calibrate import CalibrationMethod, collect
 
 log = logging.getLogger("tune.quantize")
 
@@ -116,8 +116,8 @@ class QuantizeSetup:
     def calibrate(self, model: onnx.ModelProto) -> dict[str, dict]:
         """Statistics of every candidate tensor of ``model`` on the calibration batches."""
         q = self.q
-        return collect(model, self.batches, enum_value(q.algorithm), float(q.percentile),
-                       int(q.calibration.num_bins), self.backend.threads, self.progress, self.max_bytes)
+        method = CalibrationMethod(enum_value(q.algorithm), float(q.percentile), int(q.calibration.num_bins))
+        return collect(model, self.batches, method, self.backend.threads, self.progress, self.max_bytes)
 
     def calibration_of(self, stats: dict[str, dict], weight_clip: str) -> Calibration:
         """A Calibration of ``stats`` that shares the weight scales this run has searched: they do not

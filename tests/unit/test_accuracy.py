@@ -21,7 +21,7 @@ from pipeline.quant.calibration import Calibration
 from pipeline.quant.placement import onnxruntime_plan, resolve_rules
 from pipeline.quant.qdq import apply_plan
 from tasks.quantize import _accuracy
-from tasks.quantize._calibrate import collect
+from tasks.quantize._calibrate import CalibrationMethod, collect
 from tests import models
 from tests.helpers import ort_backend, qemu_haswell, run_emulated, saturating_model
 
@@ -248,8 +248,8 @@ def _conv_setup(tmp_path, backend):
     model = models.conv_chain(batch=2)
     specs = input_specs(model)
     feeds = [f for f, _ in synthetic_batches(specs, 16, 0)]
-    stats = collect(model, lambda: iter([Batch(f, None, 2) for f in feeds[:4]]), "minmax", 99.99, 2048, 1,
-                    lambda it, desc: it)
+    stats = collect(model, lambda: iter([Batch(f, None, 2) for f in feeds[:4]]),
+                    CalibrationMethod("minmax", 99.99, 2048), 1, lambda it, desc: it)
     calib = Calibration(stats)
     rules = resolve_rules(model, [{"module_name": "*", "weights": {"dtype": "int8"},
                                    "activations": {"dtype": "int8"}}])
@@ -386,8 +386,8 @@ def _dense_setup(tmp_path):
     model = models.dense_2d_bias()
     specs = input_specs(model)
     feeds = [f for f, _ in synthetic_batches(specs, 8, 0)]
-    stats = collect(model, lambda: iter([Batch(f, None, 2) for f in feeds]), "minmax", 99.9, 2048, 1,
-                    lambda it, desc: it)
+    stats = collect(model, lambda: iter([Batch(f, None, 2) for f in feeds]),
+                    CalibrationMethod("minmax", 99.9, 2048), 1, lambda it, desc: it)
     rules = rr(model, [{"module_name": "*", "weights": {"dtype": "int8"}, "activations": {"dtype": "int8"}}])
     backend = ort_backend()
     float_path = tmp_path / "float.onnx"

@@ -17,7 +17,7 @@ from tasks.autotune.insertion_points import InsertionPoint
 from tasks.autotune.pattern import RegionPattern
 from tasks.autotune.pattern_cache import PatternCache
 from tasks.autotune.scheme import InsertionScheme, Measurement
-from tasks.quantize._calibrate import collect
+from tasks.quantize._calibrate import CalibrationMethod, collect
 from tests import models
 
 INT8 = [{"module_name": "*", "weights": {"dtype": "int8"}, "activations": {"dtype": "int8"}}]
@@ -31,7 +31,7 @@ def _calibration(model):
         for _ in range(3):
             yield Batch({"input": rng.standard_normal(shape).astype(np.float32)}, None, shape[0])
 
-    return Calibration(collect(model, batches, "minmax", 99.9, 2048, 1, lambda it, d: it))
+    return Calibration(collect(model, batches, CalibrationMethod("minmax", 99.9, 2048), 1, lambda it, d: it))
 
 
 def _tuner(model, placement="onnxruntime", **kw) -> QDQAutotuner:

@@ -13,15 +13,15 @@ from pipeline.quant.calibration import Calibration
 from pipeline.quant.placement import onnxruntime_plan, resolve_rules
 from pipeline.quant.qdq import apply_plan
 from tasks.quantize._bias_correction import bias_slots, corrections, mean_shifts
-from tasks.quantize._calibrate import collect
+from tasks.quantize._calibrate import CalibrationMethod, collect
 from tests import models
 
 
 def _setup():
     model = models.conv_chain(batch=4)
     feeds = [f for f, _ in synthetic_batches(input_specs(model), 48, 0)]
-    stats = collect(model, lambda: iter([Batch(f, None, 4) for f in feeds[:8]]), "minmax", 99.99, 2048, 1,
-                    lambda it, desc: it)
+    stats = collect(model, lambda: iter([Batch(f, None, 4) for f in feeds[:8]]),
+                    CalibrationMethod("minmax", 99.99, 2048), 1, lambda it, desc: it)
     rules = resolve_rules(model, [{"module_name": "*", "weights": {"dtype": "int8"},
                                    "activations": {"dtype": "int8"}}])
     return model, feeds, stats, rules
@@ -88,7 +88,8 @@ def test_a_bias_the_exporter_shared_between_nodes_is_left_as_it_is():
     slots, missing, shared = bias_slots(model, ["mm1", "mm2", "mm3"])
     assert [s.node for s in slots] == ["mm3"] and not missing and sorted(s.node for s in shared) == ["mm1", "mm2"]
     feeds = [f for f, _ in synthetic_batches(input_specs(model), 16, 0)]
-    stats = collect(model, lambda: iter([Batch(f, None, 4) for f in feeds]), "minmax", 99.99, 2048, 1, lambda it, d: it)
+    stats = collect(model, lambda: iter([Batch(f, None, 4) for f in feeds]),
+                    CalibrationMethod("minmax", 99.99, 2048), 1, lambda it, d: it)
     rules = resolve_rules(model, [{"module_name": "*", "weights": {"dtype": "int8"}, "activations": {"dtype": "int8"}}])
     plan = onnxruntime_plan(model, rules, "uint8", weight_range="reduced")
     corr, records = corrections(model, lambda c: apply_plan(model, plan, Calibration(stats, bias_corrections=c)),

@@ -18,7 +18,7 @@ from pipeline.quant.calibration import Calibration, load_calibration
 from pipeline.quant.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
 from pipeline.quant.qdq import apply_plan
 from tasks.autotune.autotuner import Config, QDQAutotuner
-from tasks.quantize._calibrate import collect
+from tasks.quantize._calibrate import CalibrationMethod, collect
 from tests import models
 from tests.helpers import body_matmuls
 
@@ -35,7 +35,8 @@ def _feeds(model: onnx.ModelProto, n: int = 4, seed: int = 0) -> list[dict[str, 
 def _stats(model: onnx.ModelProto, algorithm: str = "minmax") -> dict[str, dict]:
     feeds = _feeds(model)
     rows = next(iter(feeds[0].values())).shape[0]
-    return collect(model, lambda: (Batch(f, None, rows) for f in feeds), algorithm, 99.9, 2048, 1, lambda it, d: it)
+    return collect(model, lambda: (Batch(f, None, rows) for f in feeds),
+                   CalibrationMethod(algorithm, 99.9, 2048), 1, lambda it, d: it)
 
 
 def _plan(model: onnx.ModelProto, placement: str):

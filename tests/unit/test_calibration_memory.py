@@ -14,14 +14,14 @@ SCRIPT = r"""
 import json, resource, sys
 import numpy as np, onnx
 from pipeline.data.adapters import Batch
-from tasks.quantize._calibrate import collect
+from tasks.quantize._calibrate import CalibrationMethod, collect
 model = onnx.load(sys.argv[1])
 n = int(sys.argv[2])
 def batches():
     rng = np.random.default_rng(0)
     for _ in range(n):
         yield Batch({"input": rng.standard_normal((8, 3, 64, 64)).astype(np.float32)}, None, 8)
-stats = collect(model, batches, sys.argv[3], 99.9, 2048, 1, lambda it, d: it)
+stats = collect(model, batches, CalibrationMethod(sys.argv[3], 99.9, 2048), 1, lambda it, d: it)
 print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "tensors": len(stats),
                   "samples": next(iter(stats.values()))["samples"]}))
 """
@@ -50,7 +50,7 @@ def test_scales_do_not_depend_on_the_batch_size(algorithm):
     import numpy as np
 
     from pipeline.data.adapters import Batch
-    from tasks.quantize._calibrate import collect
+    from tasks.quantize._calibrate import CalibrationMethod, collect
 
     model = models.with_dynamic_batch(models.conv_chain(channels=16, size=24))
     data = np.random.default_rng(0).standard_normal((64, 3, 24, 24)).astype(np.float32)
@@ -59,7 +59,7 @@ def test_scales_do_not_depend_on_the_batch_size(algorithm):
         def batches():
             for i in range(0, 64, size):
                 yield Batch({"input": data[i:i + size]}, None, size)
-        return collect(model, batches, algorithm, 99.9, 2048, 1, lambda it, d: it)
+        return collect(model, batches, CalibrationMethod(algorithm, 99.9, 2048), 1, lambda it, d: it)
 
     small, large = run(4), run(16)
     assert small.keys() == large.keys() and small
@@ -87,7 +87,7 @@ def test_a_memory_bound_splits_the_pass_and_changes_no_statistic(algorithm):
 
     from pipeline.data.adapters import Batch
     from pipeline.graph.memory import tensor_nbytes, weights_nbytes
-    from tasks.quantize._calibrate import ActivationRunner, candidate_tensors, collect
+    from tasks.quantize._calibrate import ActivationRunner, CalibrationMethod, candidate_tensors, collect
 
     model = models.conv_chain(channels=16, size=24)
     data = np.random.default_rng(0).standard_normal((16, 3, 24, 24)).astype(np.float32)
@@ -101,8 +101,9 @@ def test_a_memory_bound_splits_the_pass_and_changes_no_statistic(algorithm):
     assert all(t in sizes for t in tensors)  # every activation sized from the graph alone
     bound = 2 * weights_nbytes(model) + 2 * max(sizes[t] for t in tensors)
     assert len(ActivationRunner(model, tensors, 1, bound).groups) > 2
-    free = collect(model, batches, algorithm, 99.9, 2048, 1, lambda it, d: it)
-    bounded = collect(model, batches, algorithm, 99.9, 2048, 1, lambda it, d: it, max_bytes=bound)
+    free = collect(model, batches, CalibrationMethod(algorithm, 99.9, 2048), 1, lambda it, d: it)
+    bounded = collect(model, batches,
+                      CalibrationMethod(algorithm, 99.9, 2048), 1, lambda it, d: it, max_bytes=bound)
     assert free == bounded
 
 
@@ -116,12 +117,12 @@ def test_apply_plan_quantizes_weights_from_the_source_without_copying_them(model
     from pipeline.quant import qdq
     from pipeline.quant.calibration import Calibration
     from pipeline.quant.placement import onnxruntime_plan, resolve_rules
-    from tasks.quantize._calibrate import collect
+    from tasks.quantize._calibrate import CalibrationMethod, collect
 
     model = model_fn()
     feeds = [f for f, _ in synthetic_batches(input_specs(model), 4, 0)]
-    stats = collect(model, lambda: iter([Batch(f, None, 1) for f in feeds]), "minmax", 99.99, 2048, 1,
-                    lambda it, d: it)
+    stats = collect(model, lambda: iter([Batch(f, None, 1) for f in feeds]),
+                    CalibrationMethod("minmax", 99.99, 2048), 1, lambda it, d: it)
     rules = resolve_rules(model, [{"module_name": "*", "weights": {"dtype": "int8"}, "activations": {"dtype": "int8"}}])
     plan = onnxruntime_plan(model, rules, "uint8")
     source = model_hash(model)

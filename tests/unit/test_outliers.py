@@ -8,7 +8,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.data.adapters import Batch
-from tasks.quantize._calibrate import collect
+from tasks.quantize._calibrate import CalibrationMethod, collect
 from tasks.quantize._recovery import outlier_units
 
 
@@ -37,8 +37,8 @@ def residual_ffn(outlier: float = 200.0) -> onnx.ModelProto:
 def _stats(model):
     rng = np.random.default_rng(1)
     feeds = [{"x": rng.standard_normal((1, 8, 64)).astype(np.float32)} for _ in range(4)]
-    return collect(model, lambda: iter([Batch(f, None, 1) for f in feeds]), "minmax", 99.99, 2048, 1,
-                   lambda it, desc: it)
+    return collect(model, lambda: iter([Batch(f, None, 1) for f in feeds]),
+                   CalibrationMethod("minmax", 99.99, 2048), 1, lambda it, desc: it)
 
 
 def test_calibration_measures_outlier_channels():

@@ -15,7 +15,7 @@ from pipeline.quant.calibration import Calibration
 from pipeline.quant.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
 from pipeline.quant.qdq import apply_plan, get_quantized_tensors
 from pipeline.quant.qmath import QTYPES
-from tasks.quantize._calibrate import collect
+from tasks.quantize._calibrate import CalibrationMethod, collect
 from tests import models
 
 INT8 = [{"module_name": "*", "weights": {"dtype": "int8"}, "activations": {"dtype": "int8"}}]
@@ -32,7 +32,7 @@ def _batches(model, n=4, seed=0):
 
 
 def _calibrate(model, algorithm="minmax"):
-    stats = collect(model, _batches(model), algorithm, 99.9, 2048, 1, lambda it, desc: it)
+    stats = collect(model, _batches(model), CalibrationMethod(algorithm, 99.9, 2048), 1, lambda it, desc: it)
     return Calibration(stats)
 
 
@@ -193,7 +193,8 @@ def test_entropy_and_percentile_clip_outliers_max_keeps_them():
                 a.ravel()[r.integers(0, a.size)] = 60.0  # one value in 2048 (0.05%) at 60 sigma
             yield Batch({"input": a}, None, 4)
 
-    res = {alg: collect(model, batches, alg, 99.9, 2048, 1, lambda it, d: it)["y"]["threshold"]
+    res = {alg: collect(model, batches,
+                        CalibrationMethod(alg, 99.9, 2048), 1, lambda it, d: it)["y"]["threshold"]
            for alg in ("minmax", "max", "entropy", "percentile")}
     assert res["max"] == pytest.approx(60.0) and res["minmax"] == pytest.approx(60.0)
     assert res["entropy"] < 0.25 * res["max"], res
@@ -210,5 +211,5 @@ def test_calibration_ignores_padding():
         a[2:] = 100.0  # padding rows: must not count
         yield Batch({"input": a}, None, 2)
 
-    s = collect(model, batches, "minmax", 99.9, 2048, 1, lambda it, d: it)["y"]
+    s = collect(model, batches, CalibrationMethod("minmax", 99.9, 2048), 1, lambda it, d: it)["y"]
     assert s["max"] == 1.0 and s["samples"] == 2

@@ -12,7 +12,7 @@ from pipeline.graph.model import input_specs
 from pipeline.quant.calibration import Calibration
 from pipeline.quant.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
 from pipeline.quant.qdq import apply_plan
-from tasks.quantize._calibrate import collect
+from tasks.quantize._calibrate import CalibrationMethod, collect
 from tests import models
 from tests.helpers import compose
 
@@ -48,7 +48,7 @@ def _calibration(model: onnx.ModelProto) -> Calibration:
         for _ in range(3):
             yield Batch({spec.name: rng.standard_normal(spec.shape).astype(np.float32)}, None, spec.shape[0])
 
-    return Calibration(collect(model, batches, "max", 99.9, 2048, 1, lambda it, d: it))
+    return Calibration(collect(model, batches, CalibrationMethod("max", 99.9, 2048), 1, lambda it, d: it))
 
 
 @pytest.mark.parametrize("builder", ["conv_chain", "residual_block", "attention_block"])

@@ -17,7 +17,7 @@ from pipeline.quant.calibration import Calibration, load_calibration
 from pipeline.quant.placement import resolve_rules, tensorrt_plan
 from pipeline.quant.qdq import apply_plan
 from pipeline.quant.qmath import QTYPES, QuantParams, activation_params, quantize_values, weight_params
-from tasks.quantize._calibrate import AUTO_CANDIDATES, collect, range_mse, signed_histogram
+from tasks.quantize._calibrate import AUTO_CANDIDATES, CalibrationMethod, collect, range_mse, signed_histogram
 from tasks.quantize.stage import calibration_document
 from tests import models
 
@@ -70,7 +70,8 @@ def _mse(x: np.ndarray, stats: dict, dtype: str) -> float:
 
 
 def _collect(batches, algorithm: str, percentile: float = 99.99) -> dict:
-    return collect(_identity_model(), batches, algorithm, percentile, 2048, 1, lambda it, d: it)["y"]
+    return collect(_identity_model(), batches,
+                   CalibrationMethod(algorithm, percentile, 2048), 1, lambda it, d: it)["y"]
 
 
 # --------------------------------------------------------------------------- the histogram measure
@@ -246,7 +247,7 @@ def test_calibration_json_carries_the_mse_weight_clip_into_apply_plan(tmp_path):
             yield Batch({spec.name: rng.standard_normal(spec.shape).astype(np.float32)}, None, spec.shape[0])
 
     cfg = _cfg("mse")
-    stats = collect(model, batches, "mse", 99.99, 2048, 1, lambda it, d: it)
+    stats = collect(model, batches, CalibrationMethod("mse", 99.99, 2048), 1, lambda it, d: it)
     doc = calibration_document(stats, model, cfg)
     assert doc["weight_clip"] == "mse"
     want = weight_params(w2, 0, "int8", search="mse").scale
@@ -295,7 +296,7 @@ def test_auto_statistics_carry_every_whole_model_candidate():
     from tasks.quantize._calibrate import PER_TENSOR, with_ranges
 
     batches = _outlier_batches()
-    auto = collect(_identity_model(), batches, "auto", 99.99, 2048, 1, lambda it, d: it)
+    auto = collect(_identity_model(), batches, CalibrationMethod("auto", 99.99, 2048), 1, lambda it, d: it)
     s = auto["y"]
     assert set(s["candidates"]) == {"minmax", "percentile", "entropy", "mse"}
     assert with_ranges(auto, PER_TENSOR)["y"]["thresholds"] == s["thresholds"]
