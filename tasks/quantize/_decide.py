@@ -30,7 +30,7 @@ from tasks.quantize._accuracy import (
     start_range,
 )
 from tasks.quantize._placer import Placer
-from tasks.quantize._recovery import recover_budget
+from tasks.quantize._recovery import MissedBudget, recover_budget
 from tasks.quantize._setup import QuantizeSetup
 
 log = logging.getLogger("tune.quantize")
@@ -61,8 +61,7 @@ def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None
     float_nodes: list[str] = []
     sensitivity = None
     if chosen.verdict is not None and not chosen.verdict.ok and budget.enabled and bool(setup.cfg.accuracy.recovery):
-        float_nodes, final, sensitivity = _recover(setup, placer, unsupported, ops, weight_range, chosen,
-                                                   outliers or {})
+        float_nodes, final, sensitivity = _recover(setup, placer, unsupported, ops, storage, outliers or {})
     bias = None
     if bool(setup.q.bias_correction) and final.verdict is not None:
         bias, corrected = placer.fix_bias(weight_range, unsupported | set(float_nodes), final)
@@ -113,11 +112,12 @@ def _measure(backend: Any, paths: list[Path]) -> list[float | None]:
     return [t.p10_ms if t.ok else None for t in timings]
 
 
-def _recover(setup: QuantizeSetup, placer: Placer, unsupported: set[str], ops: dict[str, str], weight_range: str,
-             chosen: Candidate, outliers: dict[str, str]) -> tuple[list[str], Candidate, dict[str, Any]]:
-    """(float nodes, the candidate to write, sensitivity report) of recovery from ``chosen``'s verdict,
-    which misses the budget."""
+def _recover(setup: QuantizeSetup, placer: Placer, unsupported: set[str], ops: dict[str, str],
+             storage: WeightStorage, outliers: dict[str, str]) -> tuple[list[str], Candidate, dict[str, Any]]:
+    """(float nodes, the candidate to write, sensitivity report) of recovery from the verdict of
+    ``storage``'s chosen candidate, which misses the budget."""
     checker, cfg = setup.checker, setup.cfg
+    weight_range, chosen = storage.weight_range, storage.chosen
     holdout, budget, verdict = checker.holdout, checker.budget, chosen.verdict
 
     def placed(float_nodes: set[str]) -> onnx.ModelProto:
@@ -131,7 +131,7 @@ def _recover(setup: QuantizeSetup, placer: Placer, unsupported: set[str], ops: d
     if verdict.hint:
         log.warning("quantize: %s", verdict.hint)
     float_nodes, recovered, report = recover_budget(
-        placer.model, units, placed, recovery_checker(checker, cfg), verdict, outliers,
+        placer.model, MissedBudget(units, verdict, outliers), placed, recovery_checker(checker, cfg),
         math.floor(float(cfg.accuracy.max_float_fraction) * len(units)), bool(cfg.progress))
     final = chosen
     if recovered is not None:  # judged again by the budget itself (recovery aimed inside it)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import onnx
@@ -152,13 +153,26 @@ def block_recovery(order: list[str], build: Callable[[set[str]], onnx.ModelProto
     return [], None, profile
 
 
-def recover_budget(model: onnx.ModelProto, units: list[str], placed: Callable[[set[str]], onnx.ModelProto],
-                   checker: Checker, verdict: AccuracyVerdict, outliers: dict[str, str], max_float: int,
-                   progress: bool) -> tuple[list[str], Candidate | None, dict[str, Any]]:
+@dataclass(frozen=True)
+class MissedBudget:
+    """The full placement recovery starts from, which misses the budget: its quantized nodes (the units
+    recovery may leave float), its verdict, and the element-wise nodes on tensors with outlier channels
+    (recovery's first candidates, with the reason)."""
+
+    units: list[str]
+    verdict: AccuracyVerdict
+    outliers: dict[str, str]
+
+
+def recover_budget(model: onnx.ModelProto, start: MissedBudget, placed: Callable[[set[str]], onnx.ModelProto],
+                   checker: Checker, max_float: int, progress: bool
+                   ) -> tuple[list[str], Candidate | None, dict[str, Any]]:
     """(nodes to leave float, the candidate that meets the budget or None, what was tried): first the
     element-wise nodes on tensors with outlier channels (cheap float ops; the weighted ops around them
     keep int8), then the fewest most sensitive nodes, then stretches of the graph."""
     from pipeline.progress import progress_bar
+
+    units, verdict, outliers = start.units, start.verdict, start.outliers
 
     ops = {n.name: n.op_type for n in iter_nodes(model.graph, QUANTIZED_BODIES)}
     base = {n: why for n, why in outliers.items() if n in units}
