@@ -199,15 +199,7 @@ def smooth_outliers(model: onnx.ModelProto, act_absmax: Mapping[str, np.ndarray]
         x = samples.get(t) if samples is not None else None
         err_before = err_after = None
         if x is not None and np.size(x):
-            x = np.asarray(x, np.float64).reshape(-1, ax.size)
-            err_before = smoothing_error(x, weights, np.ones_like(ax), act_dtype)
-            alpha, err_after = 0.0, err_before
-            for a in alphas:
-                if a <= 0:
-                    continue
-                e = smoothing_error(x, weights, smoothing_scales(ax, aw, a), act_dtype)
-                if e < err_after:
-                    alpha, err_after = float(a), e
+            alpha, err_before, err_after = _best_alpha(x, weights, ax, aw, alphas, act_dtype)
             if alpha == 0.0 or err_after >= (1.0 - MIN_GAIN) * err_before:
                 log.debug("smoothing: %s left alone (no alpha cuts the output error by > 2%%)", t)
                 continue
@@ -225,18 +217,44 @@ def smooth_outliers(model: onnx.ModelProto, act_absmax: Mapping[str, np.ndarray]
     return ed.finish(), records
 
 
+@dataclass(frozen=True)
+class RowSample:
+    """How many rows of each tensor ``channel_absmax`` keeps (drawn uniformly over all batches), and
+    the seed of the draw."""
+
+    max_rows: int = SAMPLE_ROWS
+    seed: int = 0
+
+
+def _best_alpha(x: np.ndarray, weights: list[np.ndarray], ax: np.ndarray, aw: np.ndarray,
+                alphas: Sequence[float], act_dtype: str) -> tuple[float, float, float]:
+    """(alpha, output error without smoothing, output error with it) on the sampled rows ``x``: the
+    alpha of ``alphas`` with the least ``smoothing_error``, 0.0 when none beats no smoothing."""
+    x = np.asarray(x, np.float64).reshape(-1, ax.size)
+    err_before = smoothing_error(x, weights, np.ones_like(ax), act_dtype)
+    alpha, err_after = 0.0, err_before
+    for a in alphas:
+        if a <= 0:
+            continue
+        e = smoothing_error(x, weights, smoothing_scales(ax, aw, a), act_dtype)
+        if e < err_after:
+            alpha, err_after = float(a), e
+    return alpha, err_before, err_after
+
+
 def channel_absmax(model: onnx.ModelProto, batches_fn: Callable[[], Iterable[Any]], tensors: Sequence[str],
-                   threads: int = 1, max_rows: int = SAMPLE_ROWS, seed: int = 0, max_bytes: float | None = None
+                   threads: int = 1, sample: RowSample = RowSample(), max_bytes: float | None = None
                    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Per-channel (last axis) absmax of ``tensors`` over the float model's run on ``batches_fn()``
-    (``pipeline.data.adapters.Batch`` objects or plain feed dicts), and up to ``max_rows`` rows of each tensor
-    reshaped to [-1, K], drawn uniformly over all batches (smallest random keys kept); ``max_bytes``
-    bounds the working set (``ActivationRunner``)."""
+    (``pipeline.data.adapters.Batch`` objects or plain feed dicts), and up to ``sample.max_rows`` rows of
+    each tensor reshaped to [-1, K], drawn uniformly over all batches (smallest random keys kept);
+    ``max_bytes`` bounds the working set (``ActivationRunner``)."""
     from pipeline.data.adapters import Batch
     from tasks.quantize._calibrate import ActivationRunner
 
     runner = ActivationRunner(model, list(tensors), threads, max_bytes)
-    rng = np.random.default_rng(seed)
+    max_rows = sample.max_rows
+    rng = np.random.default_rng(sample.seed)
     absmax: dict[str, np.ndarray] = {}
     keys: dict[str, np.ndarray] = {}
     rows: dict[str, np.ndarray] = {}
@@ -294,5 +312,6 @@ def float_rel_error(before: onnx.ModelProto, after: onnx.ModelProto, feeds: Sequ
     return max((np.sqrt(num[n] / den[n]) if den[n] > 0 else np.sqrt(num[n]) for n in names), default=0.0)
 
 
-__all__ = ["MIN_GAIN", "MUL_MIN_OUTLIER_RATIO", "SAMPLE_ROWS", "SCALE_LIMITS", "SMOOTHING_MIN_K", "channel_absmax",
-           "float_rel_error", "smooth_outliers", "smoothing_candidates", "smoothing_error", "smoothing_scales"]
+__all__ = ["MIN_GAIN", "MUL_MIN_OUTLIER_RATIO", "SAMPLE_ROWS", "SCALE_LIMITS", "SMOOTHING_MIN_K", "RowSample",
+           "channel_absmax", "float_rel_error", "smooth_outliers", "smoothing_candidates", "smoothing_error",
+           "smoothing_scales"]

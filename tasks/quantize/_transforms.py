@@ -32,6 +32,7 @@ from tasks.quantize._smoothing import (
     SAMPLE_ROWS,
     SCALE_LIMITS,
     SMOOTHING_MIN_K,
+    RowSample,
     channel_absmax,
     float_rel_error,
     smooth_outliers,
@@ -41,5 +42,5 @@ from tasks.quantize._smoothing import (
 )
 
 __all__ = ["HOMOGENEOUS_ACTIVATIONS", "MIN_GAIN", "MUL_MIN_OUTLIER_RATIO", "SAMPLE_ROWS", "SCALE_LIMITS",
-           "SMOOTHING_MIN_K", "channel_absmax", "equalize_cross_layer", "float_rel_error", "smooth_outliers",
-           "smoothing_candidates", "smoothing_error", "smoothing_scales"]
+           "SMOOTHING_MIN_K", "RowSample", "channel_absmax", "equalize_cross_layer", "float_rel_error",
+           "smooth_outliers", "smoothing_candidates", "smoothing_error", "smoothing_scales"]

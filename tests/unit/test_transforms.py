@@ -11,6 +11,7 @@ from onnx import helper, numpy_helper
 
 from pipeline.data.adapters import Batch
 from tasks.quantize._transforms import (
+    RowSample,
     channel_absmax,
     equalize_cross_layer,
     float_rel_error,
@@ -269,7 +270,8 @@ def test_channel_absmax_matches_numpy_and_samples_real_rows():
     feeds = _feeds(model, 5, seed=4)
     x = _run(model, feeds, ["act"])["act"].reshape(-1, 32)
     batches = [Batch(f, None, 2) for f in feeds[:3]] + feeds[3:]  # Batch objects and plain feed dicts
-    absmax, samples = channel_absmax(model, lambda: iter(batches), ["act", "input"], threads=1, max_rows=100)
+    absmax, samples = channel_absmax(model, lambda: iter(batches), ["act", "input"], threads=1,
+                                     sample=RowSample(max_rows=100))
     np.testing.assert_allclose(absmax["act"], np.abs(x).max(axis=0), rtol=1e-6)
     assert samples["act"].shape == (100, 32) and samples["input"].shape == (100, 32)
     rows = {r.tobytes() for r in x.astype(np.float32)}
