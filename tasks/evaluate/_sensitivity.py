@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +39,21 @@ log = logging.getLogger("tune.evaluate")
 RANGE_PLOTS = 4  # activations of the worst nodes drawn in ranges.png
 
 
-def analyse(cfg: Any, float_model: onnx.ModelProto, qmodel: onnx.ModelProto, label: str, batches: list[Any],
-            left_float: list[str], out_dir: Path, max_nodes: int) -> tuple[dict[str, Path], dict[str, Any]]:
-    """Measure, chart and record each quantized node's contribution for ``qmodel`` (``label``: which
-    model it is) on ``batches``; returns the artifacts written and the record (none for a model
-    without Q/DQ)."""
+@dataclass(frozen=True)
+class ShippedModel:
+    """The quantized model whose error is analysed: which one it is (``label``), its graph, and the
+    nodes the quantize stage left float."""
+
+    label: str
+    model: onnx.ModelProto
+    left_float: list[str]
+
+
+def analyse(cfg: Any, float_model: onnx.ModelProto, shipped: ShippedModel, batches: list[Any], out_dir: Path,
+            max_nodes: int) -> tuple[dict[str, Path], dict[str, Any]]:
+    """Measure, chart and record each quantized node's contribution for ``shipped`` on ``batches``;
+    returns the artifacts written and the record (none for a model without Q/DQ)."""
+    qmodel, label, left_float = shipped.model, shipped.label, shipped.left_float
     inputs = quantized_inputs(qmodel)
     ops = {n.name: n.op_type for n in float_model.graph.node}
     every = [n for n in inputs if n in ops]
