@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -14,10 +15,21 @@ from pipeline.data.adapters import digits_arrays
 log = logging.getLogger("tune.export")
 
 
-def train_digits_cnn(model: nn.Module, image_size: int, seed: int, test_fraction: float, epochs: int,
-                     lr: float, batch_size: int, progress: bool = True) -> dict[str, float]:
+@dataclass(frozen=True)
+class TrainingRecipe:
+    """How long and how fast to train: epochs, the one-cycle schedule's peak learning rate, batch size."""
+
+    epochs: int
+    lr: float
+    batch_size: int
+
+
+def train_digits_cnn(model: nn.Module, image_size: int, seed: int, test_fraction: float, recipe: TrainingRecipe,
+                     progress: bool = True) -> dict[str, float]:
     """Train in place with Adam + light shift augmentation; returns train time and test accuracy."""
     from pipeline.progress import progress_bar
+
+    epochs, lr, batch_size = recipe.epochs, recipe.lr, recipe.batch_size
 
     torch.manual_seed(seed)
     x_tr, y_tr = digits_arrays("train", seed, test_fraction, (1, image_size, image_size))

@@ -346,7 +346,7 @@ class ExportStage(Stage):
         import torch
 
         from pipeline.artifacts import atomic_write_json, read_json
-        from tasks.export._train import train_digits_cnn
+        from tasks.export._train import TrainingRecipe, train_digits_cnn
 
         key = fingerprint({"model": section(ctx.cfg, "model"), "seed": int(ctx.cfg.seed),
                            "test_fraction": float(ctx.cfg.data.get("test_fraction", 0.3))})
@@ -357,9 +357,9 @@ class ExportStage(Stage):
                 module.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
                 log.info("reusing trained digits_cnn weights from %s", weights)
                 return {k: v for k, v in meta.items() if k != "key"} | {"weights_cached": True}
+        recipe = TrainingRecipe(int(mcfg.epochs), float(mcfg.learning_rate), int(mcfg.train_batch_size))
         metrics = train_digits_cnn(module, int(mcfg.image_size), int(ctx.cfg.seed),
-                                   float(ctx.cfg.data.get("test_fraction", 0.3)), int(mcfg.epochs),
-                                   float(mcfg.learning_rate), int(mcfg.train_batch_size), bool(ctx.cfg.progress))
+                                   float(ctx.cfg.data.get("test_fraction", 0.3)), recipe, bool(ctx.cfg.progress))
         with atomic_output(weights) as tmp:
             torch.save(module.state_dict(), tmp)
         atomic_write_json(meta_path, {"key": key, **metrics})
