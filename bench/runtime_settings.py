@@ -36,10 +36,10 @@ def main() -> None:
 
     from omegaconf import OmegaConf
 
+    from pipeline.backend_config import OnnxRuntimeBackendConfig
     from pipeline.backends.base import compare_prepared
     from pipeline.backends.onnxruntime import OnnxRuntimeBackend
     from pipeline.backends.ort import SessionSettings
-    from pipeline.config import OnnxRuntimeBackendConfig
 
     backend = OnnxRuntimeBackend(OmegaConf.structured(OnnxRuntimeBackendConfig(warmup_runs=5, timing_runs=args.runs)))
     rows = []

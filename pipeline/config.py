@@ -18,6 +18,12 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from pipeline.artifacts import check_onnx_path, user_path
+from pipeline.backend_config import (
+    OnnxRuntimeBackendConfig,
+    OpenVinoBackendConfig,
+    TensorRTBackendConfig,
+    TrtexecBackendConfig,
+)
 from pipeline.errors import ConfigError, InputError
 from pipeline.registry import stage_schemas, stage_validators
 from pipeline.values import enum_value
@@ -155,74 +161,6 @@ class DataConfig:
     key: Optional[str] = None
     # synthetic: number of samples per split
     num_samples: int = 256
-
-
-# --------------------------------------------------------------------------- backend
-
-
-class BackendName(str, Enum):
-    onnxruntime = "onnxruntime"
-    tensorrt = "tensorrt"
-    tensorrt_rtx = "tensorrt_rtx"
-    trtexec = "trtexec"
-
-
-@dataclass
-class BackendConfig:
-    name: BackendName = MISSING
-    warmup_runs: int = 10
-    timing_runs: int = 50
-
-
-class GraphOptimizationLevel(str, Enum):
-    disable = "disable"
-    basic = "basic"
-    extended = "extended"
-    layout = "layout"
-    all = "all"
-
-
-@dataclass
-class OnnxRuntimeBackendConfig(BackendConfig):
-    name: BackendName = BackendName.onnxruntime
-    providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
-    # 0 = one thread per physical core; the pipeline's own sessions (calibration, checks) use it too
-    intra_op_threads: int = 0
-    graph_optimization_level: GraphOptimizationLevel = GraphOptimizationLevel.all
-    # ORT worker threads spin after each run by default; when models are measured in alternation,
-    # one session's spinning threads slow the next session's runs, so placement's measurement sessions
-    # do not spin unless asked to. A model measured with session settings (the runtime search, the
-    # shipped model, the float baselines it is compared with) runs as deployed: spinning, ORT's default
-    allow_spinning: bool = False
-
-
-@dataclass
-class TensorRTBackendConfig(BackendConfig):
-    name: BackendName = BackendName.tensorrt
-    # builder precision of float (no Q/DQ) models in measurement builds: the precision-matched
-    # baseline every speedup is reported against (Q/DQ models are strongly typed)
-    float_precision: str = "FP16"
-    device: int = 0
-    workspace_size: int = 1024  # MB
-    builder_optimization_level: int = 3
-    timing_cache: Optional[str] = None
-    plugin_libraries: list[str] = field(default_factory=list)
-
-
-@dataclass
-class TrtexecBackendConfig(BackendConfig):
-    name: BackendName = BackendName.trtexec
-    float_precision: str = "FP16"  # as for backend=tensorrt; FP32 for TensorRT 11 (strongly typed only)
-    trtexec_path: str = "trtexec"
-    # measure for a fixed time instead of timing_runs iterations (seconds; 0 = use iterations)
-    duration: float = 0.0
-    warmup_ms: int = 200  # trtexec --warmUp is in milliseconds
-    timing_cache: Optional[str] = None
-    plugin_libraries: list[str] = field(default_factory=list)
-    trtexec_args: list[str] = field(default_factory=list)
-    export_profile: bool = False
-    export_layer_info: bool = False
-    timeout: float = 0.0  # seconds per trtexec run before it is killed; 0 = no limit
 
 
 # --------------------------------------------------------------------------- accuracy
@@ -369,6 +307,7 @@ _SHARED_GROUPS: dict[str, dict[str, type]] = {
         "base_onnxruntime": OnnxRuntimeBackendConfig,
         "base_tensorrt": TensorRTBackendConfig,
         "base_trtexec": TrtexecBackendConfig,
+        "base_openvino": OpenVinoBackendConfig,
     },
 }
 

@@ -18,10 +18,10 @@ import onnx
 from omegaconf import OmegaConf
 from onnx import TensorProto, helper, numpy_helper
 
+from pipeline.backend_config import OnnxRuntimeBackendConfig
 from pipeline.backends import create_backend
 from pipeline.backends.onnxruntime import OnnxRuntimeBackend
 from pipeline.backends.trtexec import TrtexecBackend
-from pipeline.config import OnnxRuntimeBackendConfig
 from pipeline.graph.bodies import body
 from tests import models
 

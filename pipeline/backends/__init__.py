@@ -18,6 +18,7 @@ BACKENDS: dict[str, str] = {
     "tensorrt": "pipeline.backends.tensorrt.TensorRTBackend",
     "tensorrt_rtx": "pipeline.backends.tensorrt.TensorRTRtxBackend",
     "trtexec": "pipeline.backends.trtexec.TrtexecBackend",
+    "openvino": "pipeline.backends.openvino.OpenVinoBackend",
 }
 
 

@@ -19,7 +19,19 @@ Two placements build a ``QDQPlan`` from those assignments:
   Softmax, LayerNormalization and GELU-like tails stay float: quantizing them costs conversions
   without a fast kernel.
 
-Both place Loop/Scan bodies by the same rules, each body seen as a graph of its own
+- ``openvino_plan`` builds what OpenVINO's low-precision transformations turn into int8 kernels
+  (its CPU plugin: oneDNN, AMX or VNNI). Convolution chains follow the ONNX Runtime groups: with the
+  Q after each Conv (past its Relu) and on both inputs and the output of a residual Add, OpenVINO runs
+  Conv, the Add fused into it as a sum, and pooling in u8 end to end. MatMul and Gemm follow
+  TensorRT's rule: only their inputs are quantized, their outputs stay float, so the FullyConnected
+  or MatMul layer runs int8 and hands bf16/f32 to LayerNorm, Softmax and residual adds, which have no
+  int8 kernels there and would only gain requantization. Convolution activations are uint8 with a
+  zero point (asymmetric, as for ORT): OpenVINO's int8 convolutions take u8 sources with zero points,
+  and a post-Relu range keeps all 256 levels. MatMul/Gemm activations are int8 and symmetric: an s8
+  source needs no zero-point compensation in the FullyConnected kernel (README: "Why the code does
+  what it does"). A tensor both read is quantized once, as the first rule placed it.
+
+Every placement places Loop/Scan bodies by the same rules, each body seen as a graph of its own
 (``pipeline.graph.bodies``); the plan of a body is in ``QDQPlan.bodies``.
 """
 
@@ -56,15 +68,17 @@ def placement_kind(cfg: DictConfig) -> str:
     kind = enum_value(cfg.quantize.placement)
     if kind != "auto":
         return kind
-    return "onnxruntime" if enum_value(cfg.backend.name) == "onnxruntime" else "tensorrt"
+    backend = enum_value(cfg.backend.name)
+    return backend if backend in ("onnxruntime", "openvino") else "tensorrt"
 
 
 def activation_type(cfg: DictConfig) -> str:
-    """int8 activations are stored as uint8 (asymmetric) for ORT's CPU kernels, int8 otherwise."""
+    """int8 activations are stored as uint8 (asymmetric) for ORT's and OpenVINO's CPU kernels, int8
+    (symmetric) for TensorRT."""
     t = enum_value(cfg.quantize.activation_type)
     if t != "auto":
         return t
-    return "uint8" if placement_kind(cfg) == "onnxruntime" else "int8"
+    return "uint8" if placement_kind(cfg) in ("onnxruntime", "openvino") else "int8"
 
 
 def weight_q(node: onnx.NodeProto, index: int, shape: tuple[int, ...], dtype: str, per_channel: bool = True,
@@ -205,6 +219,60 @@ def tensorrt_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activati
             plan.node_rules[node.name] = conv_rule.rule
     return _place_bodies(model, plan, lambda view: tensorrt_plan(view, rules, activation_type, per_channel,
                                                                  weight_range))
+
+
+def openvino_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activation_type: str = "uint8",
+                  per_channel: bool = True, weight_range: str = "full") -> QDQPlan:
+    """OpenVINO's placement (see the module docstring): ONNX Runtime's groups for everything but
+    MatMul/Gemm, whose activation inputs alone are quantized (for them only)."""
+    dots = {n: r for n, r in rules.items() if n in _dot_nodes(model)}
+    plan = onnxruntime_plan(model, {n: r for n, r in rules.items() if n not in dots}, activation_type,
+                            per_channel, weight_range)
+    plan.biases = []  # OpenVINO folds a DQ'd float bias itself; ORT's int32 QGemm bias is ORT's need
+    g = GraphIndex(model)
+    by_tensor = {a.tensor: k for k, a in enumerate(plan.activations)}
+    for node in model.graph.node:
+        rule = dots.get(node.name)
+        if rule is None or rule.activations == "native" or not g.is_activation(node.input[0]):
+            continue
+        if too_small(g, node, rule.activations):
+            plan.skipped[node.name] = "too small to gain (K or N < 16)"
+            continue
+        plan.node_rules[node.name] = rule.rule
+        for i in [i for i, t in enumerate(node.input[:2]) if g.is_activation(t)]:
+            _quantize_for(plan, by_tensor, node.input[i], rule.activations, (node.name, i))
+        if rule.weights != "native":
+            plan.weights += [weight_q(node, i, g.weight_shape(node.input[i]), rule.weights, per_channel, weight_range)
+                             for i in weight_inputs(g, node)]
+    return _place_bodies(model, plan, lambda view: openvino_plan(view, rules, activation_type, per_channel,
+                                                                  weight_range))
+
+
+def _dot_nodes(model: onnx.ModelProto) -> set[str]:
+    return {n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm")}
+
+
+def _quantize_for(plan: QDQPlan, by_tensor: dict[str, int], tensor: str, dtype: str, consumer: tuple[str, int]
+                  ) -> None:
+    """Quantize ``tensor`` for ``consumer`` too: a tensor already quantized for some consumers gains
+    this one (one Q/DQ pair per tensor, so every reader sees one scale)."""
+    k = by_tensor.get(tensor)
+    if k is None:
+        by_tensor[tensor] = len(plan.activations)
+        plan.activations.append(ActivationQ(tensor, dtype, (consumer,)))
+        return
+    old = plan.activations[k]
+    if old.consumers is not None and consumer not in old.consumers:
+        plan.activations[k] = ActivationQ(tensor, old.dtype, (*old.consumers, consumer))
+
+
+PLACEMENTS = {"onnxruntime": "onnxruntime_plan", "tensorrt": "tensorrt_plan", "openvino": "openvino_plan"}
+
+
+def placement_builder(kind: str):
+    """The plan builder of a placement kind: ``builder(model, rules, activation_type, per_channel,
+    weight_range)``."""
+    return globals()[PLACEMENTS[kind]]
 
 
 def _place_bodies(model: onnx.ModelProto, plan: QDQPlan, place) -> QDQPlan:

@@ -131,7 +131,7 @@ def candidate_points(order: list[int], model: onnx.ModelProto, g: GraphIndex, pl
         if op in WEIGHTED_OPS and too_small(g, node, "fp8_e4m3fn" if quant_type == "fp8" else "int8"):
             continue
         acts = [s for s, t in enumerate(node.input) if g.is_activation(t)]
-        if placement == "onnxruntime":
+        if placement in ("onnxruntime", "openvino"):
             if op in WEIGHTED_OPS or op in ORT_INPUT_OPS:
                 slots = acts[:1] if op in PASS_THROUGH_OPS else acts
                 points += [InsertionPoint("node_input", k, s) for s in slots]

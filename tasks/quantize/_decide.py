@@ -31,7 +31,7 @@ from tasks.quantize._accuracy import (
 )
 from tasks.quantize._placer import Placer
 from tasks.quantize._recovery import MissedBudget, recover_budget
-from tasks.quantize._setup import QuantizeSetup
+from tasks.quantize._setup import FUSED_CHECKS, QuantizeSetup
 
 log = logging.getLogger("tune.quantize")
 
@@ -92,7 +92,7 @@ def _weight_storage(setup: QuantizeSetup, placer: Placer, unsupported: set[str],
     def placed(wr: str, float_nodes: set[str] = frozenset()) -> onnx.ModelProto:
         return placer.build(wr, set(float_nodes) | unsupported)[1]
 
-    if setup.kind != "onnxruntime":
+    if setup.kind not in FUSED_CHECKS:
         why = ("TensorRT placement: full-range int8 (TensorRT's integer kernels do not saturate)"
                if requested == "auto" else f"quantize.weight_range={requested}")
         cand = checker.check(placed(start), f"weights_{start}")

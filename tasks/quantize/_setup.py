@@ -22,10 +22,9 @@ from pipeline.quant.calibration import Calibration
 from pipeline.quant.placement import (
     NodeDtypes,
     activation_type,
-    onnxruntime_plan,
+    placement_builder,
     placement_kind,
     resolve_rules,
-    tensorrt_plan,
 )
 from pipeline.values import enum_value
 from tasks.quantize import _prepare
@@ -39,12 +38,26 @@ def ort_backend(cfg: DictConfig) -> Any:
     """The ONNX Runtime backend checks run on: the configured one, or ORT's defaults under TensorRT."""
     from omegaconf import OmegaConf
 
+    from pipeline.backend_config import OnnxRuntimeBackendConfig
     from pipeline.backends.onnxruntime import OnnxRuntimeBackend
-    from pipeline.config import OnnxRuntimeBackendConfig
 
     bcfg = cfg.backend if enum_value(cfg.backend.name) == "onnxruntime" else \
         OmegaConf.structured(OnnxRuntimeBackendConfig())
     return OnnxRuntimeBackend(bcfg)
+
+
+# placements whose candidates are judged on the runtime's own fused kernels
+FUSED_CHECKS = ("onnxruntime", "openvino")
+
+
+def _checking_backend(cfg: DictConfig, ort: Any) -> Any:
+    """The backend candidates are judged on: OpenVINO's own outputs for backend=openvino (its int8 kernels
+    and its float precision), else ONNX Runtime."""
+    if enum_value(cfg.backend.name) != "openvino":
+        return ort
+    from pipeline.backends import create_backend
+
+    return create_backend(cfg.backend)
 
 
 @dataclass(frozen=True)
@@ -87,9 +100,10 @@ class QuantizeSetup:
         with backend.prepare(float_path) as pm:
             holdout.set_reference(pm)
         work = temp_workdir(out_dir)
-        # ORT placements are checked with the fused kernels that will run them, TensorRT ones as Q/DQ math
-        checker = Checker(backend, holdout, AccuracyBudget.from_config(cfg), fused=kind == "onnxruntime",
-                          workdir=Path(work.name))
+        # ORT and OpenVINO placements are checked with the fused kernels that will run them (on the
+        # runtime itself), TensorRT ones as Q/DQ math
+        checker = Checker(_checking_backend(cfg, backend), holdout, AccuracyBudget.from_config(cfg),
+                          fused=kind in FUSED_CHECKS, workdir=Path(work.name))
         lowering = None
         if bool(q.lower_rnn):
             model, lowering = _prepare.lower_rnn(model, lambda: provider.batches("calibration", n_batches))
@@ -104,7 +118,7 @@ class QuantizeSetup:
     @property
     def builder(self) -> Callable[..., Any]:
         """The placement of the configured backend's fusions: ``builder(model, rules, act_type, ...)``."""
-        return onnxruntime_plan if self.kind == "onnxruntime" else tensorrt_plan
+        return placement_builder(self.kind)
 
     def batches(self) -> Iterable[Batch]:
         return self.provider.batches("calibration", int(self.q.calibration.batches))

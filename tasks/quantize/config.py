@@ -33,6 +33,7 @@ class Placement(str, Enum):
     auto = "auto"  # follow the configured backend
     tensorrt = "tensorrt"  # TensorRT Q/DQ placement recommendations
     onnxruntime = "onnxruntime"  # node groups ORT's CPU EP fuses into integer kernels
+    openvino = "openvino"  # what OpenVINO's low-precision transformations run as int8 kernels
 
 
 class ActivationType(str, Enum):
