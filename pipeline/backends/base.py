@@ -192,6 +192,11 @@ class Backend:
         profile's opt shapes), if any."""
         return {}
 
+    def float_precision(self) -> str:
+        """The precision a float (no Q/DQ) model runs in here: the baseline every speedup is against
+        (FP32 on ORT's CPU EP, backend.float_precision on TensorRT)."""
+        return str(self.cfg.get("float_precision", "FP32")).upper()
+
     def has_fast_kernels(self, quant_type: str) -> bool:
         """Whether this backend runs ``quant_type`` ("int8"/"fp8") Q/DQ models with real low-precision kernels."""
         return True

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,6 +182,11 @@ def _tensors(compiled: Any, feeds: dict[str, np.ndarray]) -> dict[str, Any]:
     return {k: np.ascontiguousarray(v) for k, v in feeds.items() if k in names}
 
 
+def _type_name(t: Any) -> str:
+    """An OpenVINO element type as its short name ("bf16", "f32")."""
+    return str(getattr(t, "get_type_name", lambda: t)())
+
+
 class OpenVinoBackend(Backend):
     name = "openvino"
     shipped_settings = ShippedSettings(CompileSettings, "autotune/openvino_compile.json", "compile settings",
@@ -229,7 +235,7 @@ class OpenVinoBackend(Backend):
         return OnnxRuntimeBackend(OmegaConf.structured(OnnxRuntimeBackendConfig())).prepare_reference(model_path)
 
     def inference_precision(self, compiled: Any) -> str:
-        return str(compiled.get_property("INFERENCE_PRECISION_HINT")).replace("<Type: '", "").rstrip("'>")
+        return _type_name(compiled.get_property("INFERENCE_PRECISION_HINT"))
 
     def layer_info(self, model_path: str | Path) -> dict[str, Any]:
         """Every executed layer of the compiled model: its name, type, runtime precision, kernel and the
@@ -270,9 +276,14 @@ class OpenVinoBackend(Backend):
         info["layer_precisions"] = dict(sorted(kinds.items()))
         if out_path is not None:
             out = Path(out_path)
-            ov.save_model(core().read_model(str(model_path)), str(out), compress_to_fp16=False)
+            with tempfile.TemporaryDirectory(prefix=".ir-", dir=out.parent) as staging:
+                # written aside, then moved in weights first: a failed write leaves the previous IR whole
+                ov.save_model(core().read_model(str(model_path)), str(Path(staging) / out.name), compress_to_fp16=False)
+                os.replace(Path(staging) / out.with_suffix(".bin").name, out.with_suffix(".bin"))
+                os.replace(Path(staging) / out.name, out)
             blob = out.with_suffix(".blob")
-            atomic_write_bytes(blob, bytes(compiled.export_model()))
+            exported = compiled.export_model()
+            atomic_write_bytes(blob, exported.getvalue() if hasattr(exported, "getvalue") else bytes(exported))
             info["ir"], info["blob"] = out.name, blob.name
         if log_path is not None:
             atomic_write_json(log_path, info)
@@ -285,6 +296,15 @@ class OpenVinoBackend(Backend):
         if self.settings is not None:
             info["compile"] = self.settings.describe()
         return info
+
+    def float_precision(self) -> str:
+        """The inference precision of float layers: the configured or shipped one, else what OpenVINO
+        picks on this CPU (BF16 with AMX or AVX-512 BF16, F32 elsewhere)."""
+        chosen = self.properties().get("INFERENCE_PRECISION_HINT")
+        if chosen is None:
+            chosen = _type_name(core().get_property(str(self.cfg.device), "INFERENCE_PRECISION_HINT"))
+        return {"bf16": "BF16", "bfloat16": "BF16", "f16": "FP16", "f32": "FP32", "float32": "FP32"}.get(
+            str(chosen).lower(), str(chosen).upper())
 
     def has_fast_kernels(self, quant_type: str) -> bool:
         # the CPU plugin has int8 kernels; FP8 Q/DQ is emulated with converts

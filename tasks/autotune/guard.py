@@ -52,8 +52,7 @@ def finalize(setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
     copy_model(choice, setup.out / "optimized_final.onnx")
     speedup = base_t.p10_ms / chosen_t.p10_ms
     backend = setup.backend
-    # the CPU EP runs float models in FP32; TensorRT backends build them at backend.float_precision
-    precision = "FP32" if backend.name == "onnxruntime" else str(backend.cfg.get("float_precision", "FP32")).upper()
+    precision = backend.float_precision()
     line = (f"Baseline: {base_t.p10_ms:.3f} ms / Final: {chosen_t.p10_ms:.3f} ms ({speedup:.2f}x speedup), "
             f"accuracy {chosen_v.what} [{source}; baseline = {precision} float model on {backend.name}]")
     log.info(line)

@@ -301,7 +301,7 @@ class AutotuneStage(Stage):
         (``<model>.<precision>.graph.json`` in the autotune folder, reused when present)."""
 
         from pipeline.backends.trt_common import parse_layer_info
-        from tasks.autotune.subgraph.fusion_grouping import ort_fusion_groups, trt_fusion_groups
+        from tasks.autotune.subgraph.fusion_grouping import layer_fusion_groups, ort_fusion_groups
 
         a = cfg.autotune
         backend, model_path, model, out = setup.backend, setup.baseline_path, setup.model, setup.out
@@ -318,13 +318,18 @@ class AutotuneStage(Stage):
             if not isinstance(info, (dict, list)):
                 raise InputError(f"autotune.graph_json={a.graph_json} is not TensorRT layer information (expected "
                                  f"an object with 'Layers', as trtexec --exportLayerInfo writes)")
-            groups = trt_fusion_groups(model, info)
+            groups = layer_fusion_groups(model, info)
             if not groups:
                 raise InputError(f"autotune.graph_json={a.graph_json} names none of this model's nodes in its layers' "
                                  f"metadata: export it with --profilingVerbosity=detailed from this model")
             return groups, path, f"{path.name} (TensorRT layer information)"
         if backend.name == "onnxruntime":
             return ort_fusion_groups(model), None, "ONNX Runtime's optimized graph"
+        if backend.name == "openvino":
+            info = backend.layer_info(model_path)
+            path = atomic_write_json(out / f"{name}.openvino_layers.json", info, indent=1)
+            return layer_fusion_groups(model, info), path, \
+                f"{path.name} (OpenVINO's runtime graph, {info['inference_precision']} float)"
         precision = str(backend.cfg.get("float_precision", "FP16")).lower()
         path = out / f"{name}.{precision}.graph.json"
         if not path.exists():
@@ -334,7 +339,7 @@ class AutotuneStage(Stage):
                                  f"autotune.graph_json=PATH (trtexec --onnx=MODEL --exportLayerInfo=graph.json "
                                  f"--profilingVerbosity=detailed)")
             atomic_write_json(path, {"Layers": info["layers"], "Bindings": info.get("io_tensors", [])}, indent=1)
-        return trt_fusion_groups(model, parse_layer_info(json.loads(path.read_text()), path.name)), path, \
+        return layer_fusion_groups(model, parse_layer_info(json.loads(path.read_text()), path.name)), path, \
             f"{path.name} ({backend.name} {precision.upper()} build)"
 
     @staticmethod

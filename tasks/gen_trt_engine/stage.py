@@ -37,8 +37,9 @@ def _shapes(node: Any) -> dict[str, list[int]]:
 class GenTrtEngineStage(Stage):
     name = "gen_trt_engine"
     # the runtime settings autotune ships for its model, one file per backend kind
-    optional_inputs = (*MODEL_KEYS, "autotune/ort_session.json", "autotune/trt_build.json")
-    outputs = ()  # which files depends on the backend (engine + build.log, or model.ort.onnx + build.json)
+    optional_inputs = (*MODEL_KEYS, "autotune/ort_session.json", "autotune/trt_build.json",
+                       "autotune/openvino_compile.json")
+    outputs = ()  # which files depends on the backend (engine + build.log, model.ort.onnx or OpenVINO IR + build.json)
     config_keys = ("gen_trt_engine", "backend")
 
     def resolve_inputs(self, ctx: StageContext) -> dict[str, Path]:
@@ -91,6 +92,8 @@ class GenTrtEngineStage(Stage):
         backend = self._tuned(ctx, create_backend(ctx.cfg.backend), source)
         if backend.name == "onnxruntime":
             return self._ort(backend, model_path, source, out_dir)
+        if backend.name == "openvino":
+            return self._openvino(backend, model_path, source, out_dir)
         engine, build_log = out_dir / "model.engine", out_dir / "build.log"
         log.info("building a %s engine from %s (%s)", backend.name, model_path, source)
         result = backend.build(model_path, engine, build_log, options=self.engine_options(ctx.cfg))
@@ -127,6 +130,33 @@ class GenTrtEngineStage(Stage):
         log.info("building with the %s autotune tuned the model with (%s): %s", kind.what, kind.artifact,
                  settings.describe())
         return backend.with_settings(settings)
+
+    @staticmethod
+    def _openvino(backend: Any, model_path: Path, source: str, out_dir: Path) -> StageResult:
+        """What an OpenVINO deployment loads: the model as OpenVINO IR (model.xml + model.bin, read by
+        ``core.read_model``) and compiled for this CPU with the shipped compile settings (model.blob,
+        ``core.import_model``), with build.json naming the precision of every kind of layer."""
+        xml, facts = out_dir / "model.xml", out_dir / "build.json"
+        log.info("building an OpenVINO model from %s (%s)", model_path, source)
+        try:
+            result = backend.build(model_path, xml, facts)
+        except Exception as exc:  # noqa: BLE001 - OpenVINO's own error types for models it cannot compile
+            raise StageError(f"gen_trt_engine: OpenVINO cannot compile {source} ({model_path}): "
+                             f"{first_line(exc)}") from None
+        info = result.info
+        blob = out_dir / info["blob"]
+        int8 = sum(n for k, n in info["layer_precisions"].items() if k.endswith((" i8", " u8")))
+        metrics: dict[str, Any] = {
+            "source": source, "model": str(model_path), "backend": backend.describe(),
+            "engine_bytes": blob.stat().st_size, "build_seconds": float(info["build_seconds"]),
+            "precision": info["inference_precision"], "layer_precisions": info["layer_precisions"],
+        }
+        metrics["headline"] = (f"OpenVINO IR and compiled blob from {source}: {int8} int8 layers, the rest "
+                               f"{info['inference_precision']}, {blob.stat().st_size / 2**20:.2f} MB compiled in "
+                               f"{info['build_seconds']:.1f} s")
+        return StageResult(artifacts={"gen_trt_engine/model.xml": xml, "gen_trt_engine/model.bin": xml.with_suffix(".bin"),
+                                      "gen_trt_engine/model.blob": blob, "gen_trt_engine/build.json": facts},
+                           metrics=metrics)
 
     @staticmethod
     def _ort(backend: Any, model_path: Path, source: str, out_dir: Path) -> StageResult:

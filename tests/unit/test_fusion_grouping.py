@@ -46,10 +46,10 @@ def test_trtexec_graph_json_groups_and_skips_layers_of_no_onnx_node():
     import json
     from pathlib import Path
 
-    from tasks.autotune.subgraph.fusion_grouping import trt_fusion_groups
+    from tasks.autotune.subgraph.fusion_grouping import layer_fusion_groups
 
     doc = json.loads((Path(__file__).parents[1] / "fixtures" / "trtexec" / "graph_fp16_conv_chain.json").read_text())
-    groups = {g.names: g.fused_ops for g in trt_fusion_groups(models.conv_chain(), doc)}
+    groups = {g.names: g.fused_ops for g in layer_fusion_groups(models.conv_chain(), doc)}
     assert groups == {("conv1", "relu1"): ("CaskConvolution",), ("conv2", "relu2"): ("CaskConvolution",),
                       ("gap",): ("CaskPooling",), ("flatten",): ("NoOp",), ("fc",): ("CaskGemmConvolution",)}
 
@@ -59,9 +59,9 @@ def test_trt_layers_sharing_an_onnx_node_are_one_group():
     import json
     from pathlib import Path
 
-    from tasks.autotune.subgraph.fusion_grouping import trt_fusion_groups
+    from tasks.autotune.subgraph.fusion_grouping import layer_fusion_groups
 
     doc = json.loads((Path(__file__).parents[1] / "fixtures" / "trtexec" / "layer_info_10x.json").read_text())
-    g = next(g for g in trt_fusion_groups(models.conv_chain(), doc) if "conv1" in g.names)
+    g = next(g for g in layer_fusion_groups(models.conv_chain(), doc) if "conv1" in g.names)
     assert g.names == ("conv1", "relu1") and g.fused_ops == ("kgen", "CaskConvolution")
     assert g.region.inputs == ["input"] and g.region.outputs == ["r1"]

@@ -8,6 +8,9 @@ nodes; they keep the tensors at a group's edges). Optimized nodes joined by tens
 graph does not have (the Reshape -> Gemm -> Reshape a MatMul + Add fusion makes) form one group.
 The original nodes of a group are those on the paths from its input tensors to its output tensors.
 
+OpenVINO: the compiled model's runtime graph names, for each executed layer, the ONNX nodes fused
+into it (``originalLayersNames``); grouped as TensorRT's layers are.
+
 TensorRT: the layer information JSON (``trtexec --exportLayerInfo=graph.json
 --profilingVerbosity=detailed``, or the engine inspector) names, in each layer's Metadata, the ONNX
 nodes it was built from. Layers that share an ONNX node are one group (TensorRT may split a node
@@ -121,9 +124,10 @@ def _as_groups(model: onnx.ModelProto, groups: list[tuple[list[int], list[str], 
     return out
 
 
-def trt_fusion_groups(model: onnx.ModelProto, layer_info: dict) -> list[FusionGroup]:
-    """Fusion groups of ``model`` from TensorRT layer information (as ``parse_layer_info`` returns it,
-    or the raw --exportLayerInfo JSON)."""
+def layer_fusion_groups(model: onnx.ModelProto, layer_info: dict) -> list[FusionGroup]:
+    """Fusion groups of ``model`` from a runtime's per-layer information: TensorRT's (as
+    ``parse_layer_info`` returns it, or the raw --exportLayerInfo JSON) or OpenVINO's runtime graph
+    (``OpenVinoBackend.layer_info``); each layer names the ONNX nodes it was built from."""
     from pipeline.backends.trt_common import parse_layer_info
 
     if "layers" not in layer_info:
