@@ -276,6 +276,7 @@ class OpenVinoBackend(Backend):
         info["layer_precisions"] = dict(sorted(kinds.items()))
         if out_path is not None:
             out = Path(out_path)
+            out.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(prefix=".ir-", dir=out.parent) as staging:
                 # written aside, then moved in weights first: a failed write leaves the previous IR whole
                 ov.save_model(core().read_model(str(model_path)), str(Path(staging) / out.name), compress_to_fp16=False)
