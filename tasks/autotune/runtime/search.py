@@ -3,7 +3,8 @@ after placement and shipped beside it. One search serves every kind of runtime s
 backend's kind decides what is searched (``SPACES``) and what ships (its ``shipped_settings``):
 
 - onnxruntime: session settings (tasks.autotune.runtime.ort), shipped as autotune/ort_session.json;
-- tensorrt, trtexec: builder settings (tasks.autotune.runtime.trt), shipped as autotune/trt_build.json.
+- tensorrt, trtexec: builder settings (tasks.autotune.runtime.trt), shipped as autotune/trt_build.json;
+- openvino: compile properties (tasks.autotune.runtime.openvino), shipped as autotune/openvino_compile.json.
 
 The search is greedy and sequential: every candidate is the current settings plus one change,
 checked against the accuracy budget, then timed against the current settings on the same model in
@@ -27,6 +28,7 @@ from pipeline.backends.base import TimingPlan, time_interleaved
 from pipeline.errors import first_line
 from pipeline.graph.model import model_hash
 from tasks.autotune.benchmark import ratio_interval, round_ratios, sequential_verdict
+from tasks.autotune.runtime import openvino as runtime_openvino
 from tasks.autotune.runtime import ort as runtime_ort
 from tasks.autotune.runtime import trt as runtime_trt
 from tasks.autotune.state_file import StateDocument, StateFileKind, StateHeader, resume_or_set_aside
@@ -62,6 +64,8 @@ SPACES: dict[str, SearchSpace] = {
     "onnxruntime": SearchSpace(runtime_ort.base_settings, runtime_ort.search_candidates, runtime_ort.apply_change),
     "tensorrt": _TRT,
     "trtexec": _TRT,
+    "openvino": SearchSpace(runtime_openvino.base_settings, runtime_openvino.search_candidates,
+                            runtime_openvino.apply_change),
 }
 
 
@@ -262,8 +266,9 @@ class RuntimeSearch:
 
 def search_runtime(setup: Any, rcfg: Any) -> tuple[dict[str, Path], RuntimeOutcome]:
     """Search the shipped model's runtime settings (the backend's kind: ``SPACES``), write them beside
-    it (ort_session.json, trt_build.json) and compare float and shipped models with the backend's own
-    settings and with the found ones, in one interleaved run; (artifacts, what the search reports)."""
+    it (ort_session.json, trt_build.json, openvino_compile.json) and compare float and shipped models
+    with the backend's own settings and with the found ones, in one interleaved run; (artifacts, what
+    the search reports)."""
     from pipeline.artifacts import fingerprint
 
     backend, out = setup.backend, setup.out

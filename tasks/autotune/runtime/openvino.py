@@ -1,0 +1,101 @@
+"""The OpenVINO half of autotune's runtime search: which compile properties are worth measuring for a
+shipped model on backend=openvino, read from what OpenVINO picks for that model on this machine.
+
+OpenVINO resolves every property the compile leaves open (its inference precision, thread count,
+streams, pinning) from the CPU and the performance hint. The shipped model is compiled once with the
+backend's own properties, and each candidate sets one property to a value other than the one the
+compiled model reports, so no candidate measures what already runs. The CPU plugin's properties
+(threads, pinning, denormals) are only searched on device CPU. The search itself is
+tasks.autotune.runtime.search.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from pipeline.backends.openvino import PROPERTIES, CompileSettings, core
+
+log = logging.getLogger("tune.autotune")
+
+# the properties the candidates change, as the compiled model reports them (see ``picked``)
+SEARCHED = ("INFERENCE_PRECISION_HINT", "INFERENCE_NUM_THREADS", "NUM_STREAMS", "ENABLE_CPU_PINNING",
+            "CPU_DENORMALS_OPTIMIZATION")
+
+
+def property_text(value: Any) -> str:
+    """An OpenVINO property value as openvino_compile.json spells it: a Type as its short name (bf16),
+    a bool as YES/NO, an enum as its member name, anything else as str."""
+    if isinstance(value, bool):
+        return "YES" if value else "NO"
+    if hasattr(value, "to_string"):  # openvino.Type
+        return str(value.to_string())
+    if hasattr(value, "name") and not isinstance(value, str):  # a property enum, e.g. PerformanceMode
+        return str(value.name)
+    return str(value)
+
+
+def candidates(picked: dict[str, str], capabilities: list[str], cores: int, cpu: bool = True
+               ) -> list[tuple[str, dict]]:
+    """(name, change) for every compile property worth measuring, in the order the greedy search tries
+    them: the other inference precision (bf16 only where the device has BF16), 1 thread and ``cores``
+    threads, a single stream, CPU pinning flipped, denormals flushed. ``picked`` is what the compiled
+    model reports for ``SEARCHED``; a value equal to it is not a candidate; ``cpu=False`` leaves out
+    the CPU plugin's own properties."""
+    out: list[tuple[str, dict]] = []
+    precisions = ["f32", *(["bf16"] if "BF16" in capabilities else [])]
+    out += [(f"inference precision {p}", {"INFERENCE_PRECISION_HINT": p}) for p in precisions
+            if p != picked.get("INFERENCE_PRECISION_HINT")]
+    if cpu:
+        out += [(f"{n} inference thread{'s' if n > 1 else ''}", {"INFERENCE_NUM_THREADS": n})
+                for n in sorted({1, cores}) if str(n) != picked.get("INFERENCE_NUM_THREADS")]
+    if picked.get("NUM_STREAMS") != "1":
+        out.append(("single stream (NUM_STREAMS 1)", {"NUM_STREAMS": 1}))
+    if cpu:
+        pinning = "NO" if picked.get("ENABLE_CPU_PINNING", "YES") == "YES" else "YES"
+        out.append((f"CPU pinning {'off' if pinning == 'NO' else 'on'}", {"ENABLE_CPU_PINNING": pinning}))
+        if picked.get("CPU_DENORMALS_OPTIMIZATION") != "YES":
+            out.append(("denormals optimization on", {"CPU_DENORMALS_OPTIMIZATION": "YES"}))
+    return out
+
+
+def base_settings(backend: Any) -> CompileSettings:
+    """The compile properties the backend's own keys give (backend.performance_hint,
+    inference_precision, threads, streams): where the search starts, and what ships when nothing
+    helped, so a deployment compiling with the shipped file alone runs what was measured."""
+    own = backend.with_settings(None).properties()
+    return CompileSettings.from_dict({k: v for k, v in own.items() if k in PROPERTIES})
+
+
+def apply_change(settings: CompileSettings, change: dict) -> CompileSettings:
+    return settings.changed(**change)
+
+
+def picked(compiled: Any) -> dict[str, str]:
+    """The values of ``SEARCHED`` a compiled model runs with (those its device does not report are
+    left out)."""
+    out = {}
+    for name in SEARCHED:
+        try:
+            out[name] = property_text(compiled.get_property(name))
+        except RuntimeError:  # a property another device's plugin does not have
+            continue
+    return out
+
+
+def search_candidates(backend: Any, shipped: Path) -> tuple[list[tuple[str, dict]], dict[str, Any]]:
+    """The candidates for ``shipped`` on this OpenVINO backend, and what the search reports beside its
+    steps: the OpenVINO version and the properties it picked for the model with the backend's own."""
+    import openvino
+
+    from pipeline.backends.onnxruntime import physical_cores
+
+    device = str(backend.cfg.device)
+    compiled = backend.with_settings(base_settings(backend)).compile(shipped)
+    chosen = picked(compiled)
+    capabilities = [str(c) for c in core().get_property(device, "OPTIMIZATION_CAPABILITIES")]
+    log.info("runtime search: OpenVINO compiles %s on %s with %s", shipped.name, device,
+             ", ".join(f"{k}={v}" for k, v in chosen.items()))
+    found = {"openvino_version": openvino.get_version(), "openvino_picked": chosen}
+    return candidates(chosen, capabilities, physical_cores(), cpu=device == "CPU"), found
