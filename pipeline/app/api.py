@@ -273,6 +273,19 @@ def _shape_overrides(data: Any, calibration: Iterable[Any] | None, batch_size: i
 # ---------------------------------------------------------------------------- the result
 
 
+def _shipped(results_dir: str | os.PathLike, settings_key: str) -> tuple[Path, Path | None]:
+    """(the model a run shipped: autotune's, else quantize's, else export's; the runtime settings file
+    ``settings_key`` autotune shipped beside it, None when the shipped model is not autotune's)."""
+    from pipeline.stage import MODEL_KEYS
+
+    manifest = Manifest(Path(results_dir))
+    shipped = next(((k, p) for k in MODEL_KEYS if (p := manifest.artifact(k)) is not None), None)
+    if shipped is None:
+        raise InputError(f"{results_dir}: no finished stage wrote a model (run tune with results_dir={results_dir})")
+    settings_path = manifest.artifact(settings_key) if shipped[0] == "autotune/optimized_final.onnx" else None
+    return shipped[1], settings_path
+
+
 def ort_session(results_dir: str | os.PathLike, providers: Sequence[str] = ("CPUExecutionProvider",)) -> Any:
     """An onnxruntime.InferenceSession of the model a run shipped (autotune's, else quantize's, else
     export's) with the session settings it ships with (autotune/ort_session.json: disabled fusions,
@@ -282,16 +295,28 @@ def ort_session(results_dir: str | os.PathLike, providers: Sequence[str] = ("CPU
         session = ort_session("results/digits_cnn")
     """
     from pipeline.backends.ort import SessionSettings
-    from pipeline.stage import MODEL_KEYS
 
-    manifest = Manifest(Path(results_dir))
-    shipped = next(((k, p) for k in MODEL_KEYS if (p := manifest.artifact(k)) is not None), None)
-    if shipped is None:
-        raise InputError(f"{results_dir}: no finished stage wrote a model (run tune with results_dir={results_dir})")
-    settings_path = manifest.artifact("autotune/ort_session.json")
-    use = shipped[0] == "autotune/optimized_final.onnx" and settings_path is not None
-    settings = SessionSettings.load(settings_path) if use else SessionSettings()
-    return settings.session(shipped[1], providers)
+    model, settings_path = _shipped(results_dir, "autotune/ort_session.json")
+    settings = SessionSettings.load(settings_path) if settings_path is not None else SessionSettings()
+    return settings.session(model, providers)
+
+
+def openvino_model(results_dir: str | os.PathLike, device: str = "CPU") -> Any:
+    """An openvino.CompiledModel of the model a run shipped (autotune's, else quantize's, else
+    export's) compiled for ``device`` with the compile properties it ships with
+    (autotune/openvino_compile.json: inference precision, performance hint, threads, streams,
+    pinning), or with OpenVINO's defaults when there are none: the two lines a deployment needs are
+
+        from pipeline.api import openvino_model
+        compiled = openvino_model("results/digits_cnn")
+
+    then ``compiled(inputs)`` (or ``compiled.create_infer_request()``) runs it.
+    """
+    from pipeline.backends.openvino import CompileSettings
+
+    model, settings_path = _shipped(results_dir, "autotune/openvino_compile.json")
+    settings = CompileSettings.load(settings_path) if settings_path is not None else CompileSettings()
+    return settings.compile(model, device)
 
 
 def _result(results_dir: Path, summary: dict[str, Any]) -> TuneResult:

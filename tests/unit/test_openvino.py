@@ -1,0 +1,89 @@
+"""The OpenVINO compile properties search: its candidates differ from what OpenVINO picks for the model,
+changes accumulate into settings that round-trip through openvino_compile.json, and the public API
+compiles the shipped model with them."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from pipeline.backend_config import OpenVinoBackendConfig
+from pipeline.backends.openvino import CompileSettings, OpenVinoBackend, core
+from pipeline.errors import StateError
+from tasks.autotune.runtime.openvino import apply_change, base_settings, candidates, search_candidates
+from tests import models
+
+
+def _backend(**overrides) -> OpenVinoBackend:
+    return OpenVinoBackend(OmegaConf.structured(OpenVinoBackendConfig(warmup_runs=1, timing_runs=4, **overrides)))
+
+
+def test_candidates_differ_from_what_openvino_picks_for_the_model(tmp_path):
+    backend = _backend()
+    cands, found = search_candidates(backend, models.save(models.conv_chain(), tmp_path, "c"))
+    picked = found["openvino_picked"]
+    assert found["openvino_version"] and set(picked) >= {"INFERENCE_PRECISION_HINT", "INFERENCE_NUM_THREADS"}
+    for name, change in cands:
+        ((key, value),) = change.items()
+        assert str(value) != picked[key], name  # no candidate measures what already runs
+        apply_change(base_settings(backend), change)  # every change is a property OpenVINO takes
+    assert any(n.startswith("CPU pinning") for n, _ in cands)
+
+
+def test_candidates_follow_the_cpu_and_the_picked_values():
+    picked = {"INFERENCE_PRECISION_HINT": "bf16", "INFERENCE_NUM_THREADS": "4", "NUM_STREAMS": "1",
+              "ENABLE_CPU_PINNING": "YES", "CPU_DENORMALS_OPTIMIZATION": "NO"}
+    assert candidates(picked, ["BF16", "FP32", "INT8"], cores=4) == [
+        ("inference precision f32", {"INFERENCE_PRECISION_HINT": "f32"}),
+        ("1 inference thread", {"INFERENCE_NUM_THREADS": 1}),
+        ("CPU pinning off", {"ENABLE_CPU_PINNING": "NO"}),
+        ("denormals optimization on", {"CPU_DENORMALS_OPTIMIZATION": "YES"})]
+    f32 = {**picked, "INFERENCE_PRECISION_HINT": "f32", "NUM_STREAMS": "2", "ENABLE_CPU_PINNING": "NO",
+           "CPU_DENORMALS_OPTIMIZATION": "YES"}
+    names = [n for n, _ in candidates(f32, ["FP32", "INT8"], cores=8)]  # no BF16 on this CPU: f32 only
+    assert names == ["1 inference thread", "8 inference threads", "single stream (NUM_STREAMS 1)", "CPU pinning on"]
+    assert [n for n, _ in candidates(f32, ["BF16"], cores=8, cpu=False)] == ["inference precision bf16",
+                                                                            "single stream (NUM_STREAMS 1)"]
+
+
+def test_changes_accumulate_and_the_settings_file_round_trips(tmp_path):
+    backend = _backend(threads=2)
+    base = base_settings(backend)
+    assert base.to_dict() == {"INFERENCE_NUM_THREADS": "2", "PERFORMANCE_HINT": "LATENCY"}
+    s = apply_change(apply_change(base, {"INFERENCE_PRECISION_HINT": "f32"}), {"INFERENCE_NUM_THREADS": 1})
+    s = apply_change(s, {"ENABLE_CPU_PINNING": "NO"})
+    assert s.to_dict() == {"ENABLE_CPU_PINNING": "NO", "INFERENCE_NUM_THREADS": "1",
+                           "INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY"}
+    path = s.save(tmp_path / "openvino_compile.json")
+    assert CompileSettings.load(path) == s and "INFERENCE_NUM_THREADS=1" in s.describe()
+    compiled = s.compile(models.save(models.conv_chain(), tmp_path, "c"))
+    assert compiled.get_property("INFERENCE_NUM_THREADS") == 1
+
+
+def test_a_settings_file_that_is_not_json_is_a_state_error_naming_it(tmp_path):
+    # unknown properties and bad values: tests/unit/test_openvino_backend.py
+    bad = tmp_path / "openvino_compile.json"
+    bad.write_text("{not json")
+    with pytest.raises(StateError, match="openvino_compile.json"):
+        CompileSettings.load(bad)
+
+
+def test_openvino_model_compiles_the_shipped_model_with_its_shipped_settings(tmp_path):
+    from pipeline.api import openvino_model
+    from pipeline.artifacts import Manifest
+
+    out = tmp_path / "autotune"
+    out.mkdir()
+    model = models.save(models.conv_chain(), out, "optimized_final")
+    settings = CompileSettings.from_dict({"INFERENCE_NUM_THREADS": 1, "INFERENCE_PRECISION_HINT": "f32"})
+    manifest = Manifest(tmp_path)
+    outputs = {"autotune/optimized_final.onnx": manifest.describe_file(model),
+               "autotune/openvino_compile.json": manifest.describe_file(settings.save(out / "openvino_compile.json"))}
+    manifest.update("autotune", status="done", outputs=outputs)
+    compiled = openvino_model(tmp_path)
+    assert compiled.get_property("INFERENCE_NUM_THREADS") == 1
+    assert compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name() == "f32"
+    del outputs["autotune/openvino_compile.json"]  # none shipped: OpenVINO's defaults
+    manifest.update("autotune", outputs=outputs)
+    default = core().get_property("CPU", "INFERENCE_PRECISION_HINT")
+    assert openvino_model(tmp_path).get_property("INFERENCE_PRECISION_HINT") == default
