@@ -134,7 +134,7 @@ def bench_model(name: str, rd: Path, args: argparse.Namespace) -> tuple[list[Row
     from pipeline.backends import compare_interleaved, create_backend
     from pipeline.data.adapters import DataProvider
     from pipeline.graph.model import input_specs, load_model
-    from tests.conftest import compose
+    from tests.helpers import compose
 
     overrides = [f"model={name}", "autotune.preset=quick", *args.extra]
     t0 = time.time()
@@ -329,7 +329,7 @@ def bench_trained(key: str, rd: Path, args: argparse.Namespace) -> tuple[list[TR
     from pipeline.backends import create_backend
     from pipeline.data.adapters import DataProvider
     from pipeline.graph.model import input_specs, load_model
-    from tests.conftest import compose
+    from tests.helpers import compose
 
     rd.mkdir(parents=True, exist_ok=True)
     info = tm.write_feeds(key, rd / "feeds", args.feeds)

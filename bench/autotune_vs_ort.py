@@ -37,7 +37,7 @@ def main() -> None:
     from pipeline.backends import compare_interleaved, create_backend
     from pipeline.data.adapters import DataProvider
     from pipeline.graph.model import input_specs, load_model
-    from tests.conftest import compose
+    from tests.helpers import compose
 
     rd = Path(args.results_dir or tempfile.mkdtemp(prefix=f"bench_at_{args.model}_"))
     overrides = [f"model={args.model}", *args.extra]

@@ -59,7 +59,7 @@ def main() -> None:
     tune(warm, [*common, "model.num_layers=3", f"autotune.pattern_cache={cache}"])
 
     from pipeline.backends import compare_interleaved, create_backend
-    from tests.conftest import compose
+    from tests.helpers import compose
 
     backend = create_backend(compose([*common, "model.num_layers=3"]).backend)
     t_float, t_cold, t_warm = compare_interleaved(

@@ -108,7 +108,7 @@ def main() -> None:
 
     from pipeline.accuracy.cpu import describe
     from pipeline.backends import create_backend
-    from tests.conftest import compose
+    from tests.helpers import compose
 
     root = Path(args.results_root or tempfile.mkdtemp(prefix="bench_sg_"))
     rows = []

@@ -56,7 +56,7 @@ def main() -> None:
     from pipeline.backends.ort import SessionSettings, inference_session
     from pipeline.data.adapters import DataProvider
     from pipeline.graph.model import input_specs, load_model
-    from tests.conftest import compose
+    from tests.helpers import compose
 
     root = Path(args.results_root)
     info = tm.write_feeds(KEY, root / "feeds", args.feeds)

@@ -107,6 +107,11 @@ class PreparedModel:
         """Run ``n`` times on fixed inputs; per-run latency in ms."""
         raise NotImplementedError
 
+    def set_timing_feeds(self, feeds: dict[str, np.ndarray]) -> None:
+        """Time on these inputs instead of the generated ones (real token ids, say, where a generated
+        id would index past an embedding table)."""
+        raise NotImplementedError(f"{type(self).__name__} times on its own inputs only")
+
     def layer_samples(self) -> list[list[dict[str, float]]] | None:
         """Per-layer times (ms) of the timed runs so far, one list per ``time_runs`` call and in it one
         dict per run (or one dict of averages where the runtime reports those); None when the model

@@ -133,7 +133,10 @@ class OvPrepared(PreparedModel):
         self._profile = profile
         self._calls: list[list[dict[str, float]]] = []
         self._layer_types: dict[str, str] = {}
-        self._fixed = _tensors(compiled, fixed_feeds(specs))  # kept alive: the request reads their memory
+        self.set_timing_feeds(fixed_feeds(specs))
+
+    def set_timing_feeds(self, feeds: dict[str, np.ndarray]) -> None:
+        self._fixed = _tensors(self.compiled, feeds)  # kept alive: the request reads their memory
         ov = _module()
         for name, array in self._fixed.items():
             self.request.set_tensor(name, ov.Tensor(array, shared_memory=True))

@@ -324,7 +324,7 @@ def test_backends_without_a_search_say_so():
     rtx = SimpleNamespace(name="tensorrt_rtx", shipped_settings=None)
     artifacts, metrics = tune_runtime(SimpleNamespace(backend=rtx, out=Path(".")), None)
     assert artifacts == {} and not metrics["searched"]
-    assert metrics["why"] == "runtime settings are searched on onnxruntime, tensorrt, trtexec only, not tensorrt_rtx"
+    assert metrics["why"] == "runtime settings are searched on onnxruntime, tensorrt, trtexec, openvino only, not tensorrt_rtx"
 
 
 # --------------------------------------------------------------------------- the stages that use the file
