@@ -130,6 +130,7 @@ class OvPrepared(PreparedModel):
         self.specs = specs
         self.request = compiled.create_infer_request()
         self._outputs = list(compiled.outputs)
+        self.output_names = [o.get_any_name() for o in self._outputs]  # as the ONNX graph names them
         self._profile = profile
         self._calls: list[list[dict[str, float]]] = []
         self._layer_types: dict[str, str] = {}

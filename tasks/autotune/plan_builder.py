@@ -91,4 +91,7 @@ class PlanBuilder:
         d = self._dtypes.get(name) if name else None
         if d is None or d.activations == "native":
             return None
+        if (self.config.placement == "openvino" and p.kind != "node_output" and rp.consumers
+                and self.index.nodes[name].op_type in ("MatMul", "Gemm")):
+            return d.activations  # OpenVINO's placement rule: a MatMul/Gemm input is s8 symmetric
         return act_dtype(d, self.config.activation_type)

@@ -39,6 +39,7 @@ def test_runs_times_and_profiles_a_model_close_to_onnx_runtime(tmp_path):
         times = [pm.time_runs(3), pm.time_runs(2)]
         samples = pm.layer_samples()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert pm.output_names == [o.name for o in model.graph.output]  # what accuracy.outputs names
     assert [len(t) for t in times] == [3, 2] and all(x > 0 for t in times for x in t)
     assert [len(c) for c in samples] == [3, 2] and all(run for c in samples for run in c)
     compute = {k for run in samples[0] for k in run} - pm.overhead_layers
