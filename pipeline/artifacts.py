@@ -14,11 +14,13 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pipeline.errors import InputError, ResultsDirLocked, StateError
+
+T = TypeVar("T")
 
 
 def user_path(value: str | os.PathLike) -> Path:
@@ -71,6 +73,16 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     with atomic_output(path) as tmp:
         tmp.write_bytes(data)
     return Path(path)
+
+
+def read_settings(path: str | os.PathLike, what: str, from_dict: Callable[[Any], T]) -> T:
+    """Runtime settings the pipeline stored as JSON (``what``: "ORT session settings", ...), read through
+    their record's ``from_dict``; a StateError names a file that is not one."""
+    doc = read_json(path, what)
+    try:
+        return from_dict(doc)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise StateError(f"{what} {path} are corrupt ({exc}); re-run the autotune stage") from None
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

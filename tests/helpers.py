@@ -99,12 +99,13 @@ QUICK = ["autotune.preset=quick", "backend.warmup_runs=1", "autotune.warmup_runs
          "quantize.calibration.batches=2", "data.num_samples=16", "progress=false", *PLAIN_QUANTIZE]
 
 
-def qdq_conv_chain() -> onnx.ModelProto:
-    """conv_chain with one int8 Q/DQ pair in front of conv1 (enough for "the model has Q/DQ")."""
+def qdq_conv_chain(zero_type: int = TensorProto.INT8, zero_point: int = 0) -> onnx.ModelProto:
+    """conv_chain with one Q/DQ pair in front of conv1 (enough for "the model has Q/DQ"): int8
+    symmetric, or of ``zero_type`` with ``zero_point`` (uint8 asymmetric: TensorRT parses a rewritten copy)."""
     m = models.conv_chain()
     g = m.graph
     g.initializer.extend([numpy_helper.from_array(np.array(0.05, np.float32), "s"),
-                          helper.make_tensor("z", TensorProto.INT8, [], [0])])
+                          helper.make_tensor("z", zero_type, [], [zero_point])])
     q = helper.make_node("QuantizeLinear", ["input", "s", "z"], ["input_q"], name="conv1/in_q")
     dq = helper.make_node("DequantizeLinear", ["input_q", "s", "z"], ["input_dq"], name="conv1/in_dq")
     g.node[0].input[0] = "input_dq"

@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.artifacts import atomic_write_bytes, atomic_write_json, read_json
+from pipeline.artifacts import atomic_write_bytes, atomic_write_json, read_settings
 from pipeline.backends.base import Backend, BuildResult, PreparedModel, ShippedSettings, specs_of
 from pipeline.data.adapters import fixed_feeds
-from pipeline.errors import BackendUnavailable, StateError
+from pipeline.errors import BackendUnavailable
 from pipeline.values import enum_value
 
 INSTALL = "pip install openvino"
@@ -99,12 +99,7 @@ class CompileSettings:
     @classmethod
     def load(cls, path: str | os.PathLike) -> CompileSettings:
         """The settings of an openvino_compile.json; a StateError names a file that is not one."""
-        doc = read_json(path, "OpenVINO compile settings")
-        try:
-            return cls.from_dict(doc)
-        except (ValueError, TypeError) as exc:
-            raise StateError(f"OpenVINO compile settings {path} are corrupt ({exc}); re-run the autotune stage") \
-                from None
+        return read_settings(path, "OpenVINO compile settings", cls.from_dict)
 
     def save(self, path: str | os.PathLike) -> Path:
         return atomic_write_json(path, self.to_dict())

@@ -17,8 +17,7 @@ from typing import Any
 
 import onnx
 
-from pipeline.artifacts import atomic_write_json, read_json
-from pipeline.errors import StateError
+from pipeline.artifacts import atomic_write_json, read_settings
 from pipeline.graph import weights
 from pipeline.graph.weights import fits_one_proto, save_external
 
@@ -107,11 +106,7 @@ class SessionSettings:
     @classmethod
     def load(cls, path: str | os.PathLike) -> SessionSettings:
         """The settings of an ort_session.json; a StateError names a file that is not one."""
-        doc = read_json(path, "ORT session settings")
-        try:
-            return cls.from_dict(doc)
-        except (ValueError, TypeError, AttributeError) as exc:
-            raise StateError(f"ORT session settings {path} are corrupt ({exc}); re-run the autotune stage") from None
+        return read_settings(path, "ORT session settings", cls.from_dict)
 
     def save(self, path: str | os.PathLike) -> Path:
         return atomic_write_json(path, self.to_dict())

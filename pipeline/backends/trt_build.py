@@ -17,8 +17,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import atomic_write_json, read_json
-from pipeline.errors import StageError, StateError
+from pipeline.artifacts import atomic_write_json, read_settings
+from pipeline.errors import StageError
 
 
 @dataclass(frozen=True)
@@ -86,12 +86,7 @@ class TrtBuildSettings:
     @classmethod
     def load(cls, path: str | os.PathLike) -> TrtBuildSettings:
         """The settings of a trt_build.json; a StateError names a file that is not one."""
-        doc = read_json(path, "TensorRT build settings")
-        try:
-            return cls.from_dict(doc)
-        except (ValueError, TypeError) as exc:
-            raise StateError(f"TensorRT build settings {path} are corrupt ({exc}); re-run the autotune stage") \
-                from None
+        return read_settings(path, "TensorRT build settings", cls.from_dict)
 
     def save(self, path: str | os.PathLike) -> Path:
         return atomic_write_json(path, self.to_dict())

@@ -23,7 +23,7 @@ from pipeline.backends import check_backend, create_backend
 from pipeline.backends.tensorrt import EngineOptions, TensorRTBackend
 from pipeline.errors import BackendUnavailable, StageError
 from tests import models
-from tests.helpers import compose, run_tune
+from tests.helpers import compose, qdq_conv_chain, run_tune
 
 # --------------------------------------------------------------------------- Q/DQ test models
 
@@ -267,24 +267,10 @@ def test_tensorrt_missing_fails_at_startup_through_the_cli(tmp_path):
 # --------------------------------------------------------------------------- review follow-ups
 
 
-def uint8_conv_chain() -> onnx.ModelProto:
-    """conv_chain with a uint8 asymmetric Q/DQ pair on its input: TensorRT parses a rewritten copy."""
-    m = models.conv_chain()
-    g = m.graph
-    g.initializer.extend([numpy_helper.from_array(np.array(0.05, np.float32), "s"),
-                          helper.make_tensor("z", TensorProto.UINT8, [], [128])])
-    q = helper.make_node("QuantizeLinear", ["input", "s", "z"], ["input_q"], name="conv1/in_q")
-    dq = helper.make_node("DequantizeLinear", ["input_q", "s", "z"], ["input_dq"], name="conv1/in_dq")
-    g.node[0].input[0] = "input_dq"
-    g.node.insert(0, dq)
-    g.node.insert(0, q)
-    return m
-
-
 @pytest.mark.rtx
 def test_build_info_and_log_name_the_original_not_the_rewritten_copy(rtx, tmp_path):
     path = tmp_path / "u8.onnx"
-    onnx.save(uint8_conv_chain(), str(path))
+    onnx.save(qdq_conv_chain(TensorProto.UINT8, 128), str(path))
     log_path = tmp_path / "build.log"
     res = rtx.build(path, tmp_path / "u8.engine", log_path)
     assert res.info["source"] == str(path) and res.info["data_type"] == "strongly_typed"
