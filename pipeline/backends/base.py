@@ -202,6 +202,11 @@ class Backend:
         (FP32 on ORT's CPU EP, backend.float_precision on TensorRT)."""
         return str(self.cfg.get("float_precision", "FP32")).upper()
 
+    def fp32_variant(self) -> Backend | None:
+        """This backend running float layers in FP32, where its float precision is lower (the FP32 row
+        reports show beside the runtime's own float); None where it runs FP32 already."""
+        return None
+
     def has_fast_kernels(self, quant_type: str) -> bool:
         """Whether this backend runs ``quant_type`` ("int8"/"fp8") Q/DQ models with real low-precision kernels."""
         return True

@@ -306,6 +306,11 @@ class OpenVinoBackend(Backend):
         return {"bf16": "BF16", "bfloat16": "BF16", "f16": "FP16", "f32": "FP32", "float32": "FP32"}.get(
             str(chosen).lower(), str(chosen).upper())
 
+    def fp32_variant(self) -> OpenVinoBackend | None:
+        if self.float_precision() == "FP32":
+            return None
+        return self.with_settings((self.settings or CompileSettings()).changed(INFERENCE_PRECISION_HINT="f32"))
+
     def has_fast_kernels(self, quant_type: str) -> bool:
         # the CPU plugin has int8 kernels; FP8 Q/DQ is emulated with converts
         return quant_type != "fp8"

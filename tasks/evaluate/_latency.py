@@ -44,7 +44,7 @@ class LatencyRun:
     runs_per_round: int
     warmup_runs: int
     timings: dict[str, Timing]  # the evaluated models, by metrics key
-    extra: dict[str, Timing]  # models timed only to compare with (float_same_session)
+    extra: dict[str, Timing]  # models timed only to compare with (float_same_session, float_fp32)
 
     @property
     def spread(self) -> float | None:
@@ -67,4 +67,8 @@ class LatencyRun:
                                "warmup_runs": self.warmup_runs, "max_p90_over_p10": self.spread}
         if self.warning is not None:
             out["warning"] = self.warning
+        fp32, base = self.extra.get("float_fp32"), self.timings.get("float")
+        if fp32 is not None and fp32.ok and base is not None and base.p10_ms > 0:
+            out["float_fp32_ms"] = ModelLatency.from_timing(fp32).to_dict()
+            out["float_speedup_over_fp32_p10"] = fp32.p10_ms / base.p10_ms
         return out

@@ -80,6 +80,11 @@ def _header(metrics: dict[str, Any]) -> list[str]:
         )
         if lat.get("warning"):
             lines.append(f"**Warning:** {lat['warning']}.")
+        if lat.get("float_fp32_ms"):
+            t = ModelLatency.from_dict(lat["float_fp32_ms"])
+            lines.append(f"The float model run in FP32 on the same runtime: {t.median:.3f} ms median, {t.p10:.3f} ms "
+                         f"p10; the runtime's own float (the baseline) is {lat['float_speedup_over_fp32_p10']:.2f}x "
+                         f"faster (p10).")
     else:
         lines.append("Latency: not measured (evaluate.latency=false).")
     return lines

@@ -93,7 +93,9 @@ class EvaluateStage(Stage):
         evaluated, duplicates = self._evaluated_models(ctx, own_session=settings is not None)
         float_model = load_model(evaluated[0].path, check=False)
         specs = self._specs(evaluated, float_model)
-        plan = EvaluationPlan(evaluated, duplicates, specs, _precision(float_model), settings)
+        stored = _precision(float_model)  # an FP32 model runs in the runtime's own float precision
+        plan = EvaluationPlan(evaluated, duplicates, specs, backend.float_precision() if stored == "FP32" else stored,
+                              settings)
         max_batches = int(ecfg.max_batches) if ecfg.max_batches is not None else None
 
         # every model is prepared once (a full engine build on TensorRT) for scoring and latency alike
@@ -110,6 +112,8 @@ class EvaluateStage(Stage):
             if settings is not None and ecfg.latency and "autotuned" in prepared:
                 # float with the same settings: so a runtime win is not read as a quantization win
                 prepared["float_same_session"] = self._prepare(backend.with_settings(settings), evaluated[0])
+            if ecfg.latency and (fp32 := backend.fp32_variant()) is not None:  # the runtime's float in FP32 too
+                prepared["float_fp32"] = self._prepare(fp32, evaluated[0])
             timings = (self._latency(backend, evaluated, prepared, int(ecfg.latency_repeats))
                        if ecfg.latency else None)
         finally:

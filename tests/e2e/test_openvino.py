@@ -22,11 +22,17 @@ def _stages(rd) -> dict:
 def test_both_modes_tune_on_openvino_and_gen_trt_engine_writes_ir_and_blob(residual_models, tmp_path):
     rd = tmp_path / "region"
     args = ["model=onnx", f"model.onnx_path={residual_models['tiny']}", "data=synthetic", "backend=openvino", *QUICK]
-    run_tune([*args, f"results_dir={rd}", "stages=[export,quantize,autotune,gen_trt_engine]"], cwd=tmp_path, check=True)
+    run_tune([*args, f"results_dir={rd}", "stages=[export,quantize,autotune,gen_trt_engine,evaluate]",
+              "evaluate.plot=false", "evaluate.max_batches=2"], cwd=tmp_path, check=True)
     stages = _stages(rd)
     assert stages["quantize"]["metrics"]["placement"] == "openvino"
     final = stages["autotune"]["metrics"]["final_line"]
     assert "float model on openvino" in final and stages["autotune"]["metrics"]["baseline_precision"] in final
+    evaluate = stages["evaluate"]["metrics"]
+    precision = stages["autotune"]["metrics"]["baseline_precision"]
+    assert evaluate["baseline"].startswith(f"{precision} float model on openvino")
+    # below FP32, the float model is timed in FP32 too and the report says how much the runtime's float gains
+    assert ("float_fp32_ms" in evaluate["latency"]) == (precision != "FP32")
     engine = stages["gen_trt_engine"]["metrics"]
     assert {p.name for p in (rd / "gen_trt_engine").iterdir()} >= {"model.xml", "model.bin", "model.blob", "build.json"}
     assert engine["precision"] and any(k.endswith((" i8", " u8")) for k in engine["layer_precisions"])
