@@ -20,6 +20,7 @@ import functools
 import os
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,7 @@ class OvPrepared(PreparedModel):
         self._profile = profile
         self._calls: list[list[dict[str, float]]] = []
         self._layer_types: dict[str, str] = {}
+        self._run_request: Any = None
         self.set_timing_feeds(fixed_feeds(specs))
 
     def set_timing_feeds(self, feeds: dict[str, np.ndarray]) -> None:
@@ -138,8 +140,9 @@ class OvPrepared(PreparedModel):
             self.request.set_tensor(name, ov.Tensor(array, shared_memory=True))
 
     def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        request = self.compiled.create_infer_request()
-        result = request.infer(_tensors(self.compiled, feeds))
+        if self._run_request is None:  # a request of its own: the timing request keeps its fixed inputs
+            self._run_request = self.compiled.create_infer_request()
+        result = self._run_request.infer(_tensors(self.compiled, feeds))
         return [np.array(result[o], copy=True) for o in self._outputs]
 
     def time_runs(self, n: int) -> list[float]:
@@ -170,7 +173,7 @@ class OvPrepared(PreparedModel):
         return self._calls
 
     def close(self) -> None:
-        self.request = self.compiled = None
+        self.request = self._run_request = self.compiled = None
 
 
 def _tensors(compiled: Any, feeds: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -181,9 +184,32 @@ def _tensors(compiled: Any, feeds: dict[str, np.ndarray]) -> dict[str, Any]:
     return {k: np.ascontiguousarray(v) for k, v in feeds.items() if k in names}
 
 
-def _type_name(t: Any) -> str:
-    """An OpenVINO element type as its short name ("bf16", "f32")."""
-    return str(getattr(t, "get_type_name", lambda: t)())
+def property_text(value: Any) -> str:
+    """An OpenVINO property value as openvino_compile.json spells it: a Type as its short name (bf16),
+    a bool as YES/NO, an enum as its member name, anything else as str."""
+    if isinstance(value, bool):
+        return "YES" if value else "NO"
+    if hasattr(value, "to_string"):  # openvino.Type
+        return str(value.to_string())
+    if hasattr(value, "name") and not isinstance(value, str):  # a property enum, e.g. PerformanceMode
+        return str(value.name)
+    return str(value)
+
+
+def runtime_layers(compiled: Any) -> list[dict[str, Any]]:
+    """Every executed layer of a compiled model (edge layers left out): its name, type, runtime
+    precision, kernel and the ONNX nodes fused into it (``onnx_nodes``)."""
+    layers = []
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        rt = op.get_rt_info()
+        info = {k: rt[k].astype(str) if k in rt else "" for k in
+                ("layerType", "runtimePrecision", "primitiveType", "originalLayersNames")}
+        if info["layerType"] in EDGE_LAYER_TYPES:
+            continue
+        layers.append({"name": op.get_friendly_name(), "LayerType": info["layerType"],
+                       "precision": info["runtimePrecision"], "primitive": info["primitiveType"],
+                       "onnx_nodes": [n for n in info["originalLayersNames"].split(",") if n]})
+    return layers
 
 
 class OpenVinoBackend(Backend):
@@ -233,27 +259,15 @@ class OpenVinoBackend(Backend):
 
         return OnnxRuntimeBackend(OmegaConf.structured(OnnxRuntimeBackendConfig())).prepare_reference(model_path)
 
-    def inference_precision(self, compiled: Any) -> str:
-        return _type_name(compiled.get_property("INFERENCE_PRECISION_HINT"))
+    @staticmethod
+    def inference_precision(compiled: Any) -> str:
+        return property_text(compiled.get_property("INFERENCE_PRECISION_HINT"))
 
     def layer_info(self, model_path: str | Path) -> dict[str, Any]:
-        """Every executed layer of the compiled model: its name, type, runtime precision, kernel and the
-        ONNX nodes fused into it (``onnx_nodes``, as subgraph mode's fusion grouping reads them)."""
+        """The compiled model's runtime layers (``runtime_layers``, the ONNX nodes of each as subgraph
+        mode's fusion grouping reads them) and its inference precision."""
         compiled = self.compile(model_path)
-        layers = []
-        for op in compiled.get_runtime_model().get_ordered_ops():
-            info = op.get_rt_info()
-
-            def get(key: str, rt: Any = info) -> str:
-                return rt[key].astype(str) if key in rt else ""
-
-            kind = get("layerType")
-            if kind in EDGE_LAYER_TYPES:
-                continue
-            layers.append({"name": op.get_friendly_name(), "LayerType": kind, "precision": get("runtimePrecision"),
-                           "primitive": get("primitiveType"),
-                           "onnx_nodes": [n for n in get("originalLayersNames").split(",") if n]})
-        return {"layers": layers, "inference_precision": self.inference_precision(compiled)}
+        return {"layers": runtime_layers(compiled), "inference_precision": self.inference_precision(compiled)}
 
     def build(self, model_path: str | Path, out_path: str | Path | None = None,
               log_path: str | Path | None = None) -> BuildResult:
@@ -266,12 +280,7 @@ class OpenVinoBackend(Backend):
         seconds = time.perf_counter() - t0
         info: dict[str, Any] = {"build_seconds": round(seconds, 3), **self.describe(),
                                 "inference_precision": self.inference_precision(compiled)}
-        kinds: dict[str, int] = {}
-        for op in compiled.get_runtime_model().get_ordered_ops():
-            rt = op.get_rt_info()
-            if "layerType" in rt and rt["layerType"].astype(str) not in EDGE_LAYER_TYPES:
-                key = f"{rt['layerType'].astype(str)} {rt['runtimePrecision'].astype(str)}"
-                kinds[key] = kinds.get(key, 0) + 1
+        kinds = Counter(f"{layer['LayerType']} {layer['precision']}" for layer in runtime_layers(compiled))
         info["layer_precisions"] = dict(sorted(kinds.items()))
         if out_path is not None:
             out = Path(out_path)
@@ -302,7 +311,7 @@ class OpenVinoBackend(Backend):
         picks on this CPU (BF16 with AMX or AVX-512 BF16, F32 elsewhere)."""
         chosen = self.properties().get("INFERENCE_PRECISION_HINT")
         if chosen is None:
-            chosen = _type_name(core().get_property(str(self.cfg.device), "INFERENCE_PRECISION_HINT"))
+            chosen = property_text(core().get_property(str(self.cfg.device), "INFERENCE_PRECISION_HINT"))
         return {"bf16": "BF16", "bfloat16": "BF16", "f16": "FP16", "f32": "FP32", "float32": "FP32"}.get(
             str(chosen).lower(), str(chosen).upper())
 

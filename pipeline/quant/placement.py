@@ -224,32 +224,22 @@ def tensorrt_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activati
 def openvino_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activation_type: str = "uint8",
                   per_channel: bool = True, weight_range: str = "full") -> QDQPlan:
     """OpenVINO's placement (see the module docstring): ONNX Runtime's groups for everything but
-    MatMul/Gemm, whose activation inputs alone are quantized (for them only)."""
-    dots = {n: r for n, r in rules.items() if n in _dot_nodes(model)}
+    MatMul/Gemm, which get TensorRT's rule (their activation inputs alone, int8, for them only)."""
+    dot_nodes = {n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm")}
+    dots = {n: r for n, r in rules.items() if n in dot_nodes}
     plan = onnxruntime_plan(model, {n: r for n, r in rules.items() if n not in dots}, activation_type,
                             per_channel, weight_range)
     plan.biases = []  # OpenVINO folds a DQ'd float bias itself; ORT's int32 QGemm bias is ORT's need
-    g = GraphIndex(model)
+    dot_plan = tensorrt_plan(model, dots, "int8", per_channel, weight_range)
     by_tensor = {a.tensor: k for k, a in enumerate(plan.activations)}
-    for node in model.graph.node:
-        rule = dots.get(node.name)
-        if rule is None or rule.activations == "native" or not g.is_activation(node.input[0]):
-            continue
-        if too_small(g, node, rule.activations):
-            plan.skipped[node.name] = "too small to gain (K or N < 16)"
-            continue
-        plan.node_rules[node.name] = rule.rule
-        for i in [i for i, t in enumerate(node.input[:2]) if g.is_activation(t)]:
-            _quantize_for(plan, by_tensor, node.input[i], rule.activations, (node.name, i))
-        if rule.weights != "native":
-            plan.weights += [weight_q(node, i, g.weight_shape(node.input[i]), rule.weights, per_channel, weight_range)
-                             for i in weight_inputs(g, node)]
+    for a in dot_plan.activations:
+        for consumer in a.consumers or ():
+            _quantize_for(plan, by_tensor, a.tensor, a.dtype, consumer)
+    plan.weights += dot_plan.weights
+    plan.node_rules.update(dot_plan.node_rules)
+    plan.skipped.update(dot_plan.skipped)
     return _place_bodies(model, plan, lambda view: openvino_plan(view, rules, activation_type, per_channel,
                                                                   weight_range))
-
-
-def _dot_nodes(model: onnx.ModelProto) -> set[str]:
-    return {n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm")}
 
 
 def _quantize_for(plan: QDQPlan, by_tensor: dict[str, int], tensor: str, dtype: str, consumer: tuple[str, int]
@@ -266,13 +256,10 @@ def _quantize_for(plan: QDQPlan, by_tensor: dict[str, int], tensor: str, dtype: 
         plan.activations[k] = ActivationQ(tensor, old.dtype, (*old.consumers, consumer))
 
 
-PLACEMENTS = {"onnxruntime": "onnxruntime_plan", "tensorrt": "tensorrt_plan", "openvino": "openvino_plan"}
-
-
 def placement_builder(kind: str):
     """The plan builder of a placement kind: ``builder(model, rules, activation_type, per_channel,
     weight_range)``."""
-    return globals()[PLACEMENTS[kind]]
+    return {"onnxruntime": onnxruntime_plan, "tensorrt": tensorrt_plan, "openvino": openvino_plan}[kind]
 
 
 def _place_bodies(model: onnx.ModelProto, plan: QDQPlan, place) -> QDQPlan:

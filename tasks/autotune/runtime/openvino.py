@@ -15,25 +15,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from pipeline.backends.openvino import PROPERTIES, CompileSettings, core
+from pipeline.backends.openvino import PROPERTIES, CompileSettings, core, property_text
 
 log = logging.getLogger("tune.autotune")
 
 # the properties the candidates change, as the compiled model reports them (see ``picked``)
 SEARCHED = ("INFERENCE_PRECISION_HINT", "INFERENCE_NUM_THREADS", "NUM_STREAMS", "ENABLE_CPU_PINNING",
             "CPU_DENORMALS_OPTIMIZATION")
-
-
-def property_text(value: Any) -> str:
-    """An OpenVINO property value as openvino_compile.json spells it: a Type as its short name (bf16),
-    a bool as YES/NO, an enum as its member name, anything else as str."""
-    if isinstance(value, bool):
-        return "YES" if value else "NO"
-    if hasattr(value, "to_string"):  # openvino.Type
-        return str(value.to_string())
-    if hasattr(value, "name") and not isinstance(value, str):  # a property enum, e.g. PerformanceMode
-        return str(value.name)
-    return str(value)
 
 
 def candidates(picked: dict[str, str], capabilities: list[str], cores: int, cpu: bool = True
@@ -87,8 +75,6 @@ def picked(compiled: Any) -> dict[str, str]:
 def search_candidates(backend: Any, shipped: Path) -> tuple[list[tuple[str, dict]], dict[str, Any]]:
     """The candidates for ``shipped`` on this OpenVINO backend, and what the search reports beside its
     steps: the OpenVINO version and the properties it picked for the model with the backend's own."""
-    import openvino
-
     from pipeline.backends.onnxruntime import physical_cores
 
     device = str(backend.cfg.device)
@@ -97,5 +83,5 @@ def search_candidates(backend: Any, shipped: Path) -> tuple[list[tuple[str, dict
     capabilities = [str(c) for c in core().get_property(device, "OPTIMIZATION_CAPABILITIES")]
     log.info("runtime search: OpenVINO compiles %s on %s with %s", shipped.name, device,
              ", ".join(f"{k}={v}" for k, v in chosen.items()))
-    found = {"openvino_version": openvino.get_version(), "openvino_picked": chosen}
+    found = {"openvino_version": backend.describe()["openvino"], "openvino_picked": chosen}
     return candidates(chosen, capabilities, physical_cores(), cpu=device == "CPU"), found
