@@ -57,6 +57,13 @@ SUBGRAPH_CACHE = StateFileKind(
     context_changes="calibration, backend, quantize rules, accuracy budget or subgraph settings changed",
     context_fix="delete it to tune afresh",
 )
+RUNTIME_STATE = StateFileKind(
+    what="runtime search state",
+    corrupt_fix="delete it to search the runtime settings afresh",
+    mismatch_fix="delete it to search afresh",
+    context_changes="the shipped model, backend or accuracy budget changed",
+    context_fix="delete it to search afresh",
+)
 
 
 @dataclass(frozen=True)

@@ -31,18 +31,11 @@ from tasks.autotune.benchmark import ratio_interval, round_ratios, sequential_ve
 from tasks.autotune.runtime import openvino as runtime_openvino
 from tasks.autotune.runtime import ort as runtime_ort
 from tasks.autotune.runtime import trt as runtime_trt
-from tasks.autotune.state_file import StateDocument, StateFileKind, StateHeader, resume_or_set_aside
+from tasks.autotune.state_file import RUNTIME_STATE, StateDocument, StateHeader, resume_or_set_aside
 
 log = logging.getLogger("tune.autotune")
 
 STATE_VERSION = 1
-RUNTIME_STATE = StateFileKind(
-    what="runtime search state",
-    corrupt_fix="delete it to search the runtime settings afresh",
-    mismatch_fix="delete it to search afresh",
-    context_changes="the shipped model, backend or accuracy budget changed",
-    context_fix="delete it to search afresh",
-)
 
 
 @dataclass(frozen=True)
