@@ -45,7 +45,7 @@ _VERSION = _version()
 
 
 _PACKAGES = ("qdq-tune", "onnx", "onnxruntime", "torch", "numpy", "hydra-core", "onnx-graphsurgeon",
-             "tensorrt", "tensorrt-rtx-cu13-bindings")
+             "openvino", "tensorrt", "tensorrt-rtx-cu13-bindings")
 
 
 def environment() -> dict[str, Any]:

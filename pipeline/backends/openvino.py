@@ -78,6 +78,13 @@ def _check_value(name: str, value: Any) -> str:
     return text
 
 
+def check_device(device: str, key: str) -> None:
+    """A BackendUnavailable naming ``key`` when OpenVINO has no such device here."""
+    devices = core().available_devices
+    if device not in devices:
+        raise BackendUnavailable(f"{key}={device}: OpenVINO sees only {devices} here; set {key} to one of them")
+
+
 @dataclass(frozen=True)
 class CompileSettings:
     """The OpenVINO compile properties a model ships with (autotune/openvino_compile.json): they are
@@ -115,6 +122,7 @@ class CompileSettings:
 
     def compile(self, model: str | os.PathLike, device: str = "CPU") -> Any:
         """``model`` compiled with these properties, as they were measured: what a deployment runs."""
+        check_device(device, "device")
         return core().compile_model(str(model), device, self.to_dict())
 
 
@@ -220,10 +228,7 @@ class OpenVinoBackend(Backend):
     settings: CompileSettings | None = None
 
     def check_available(self) -> None:
-        devices = core().available_devices
-        if str(self.cfg.device) not in devices:
-            raise BackendUnavailable(f"backend.device={self.cfg.device}: OpenVINO sees only {devices} here; "
-                                     f"set backend.device to one of them")
+        check_device(str(self.cfg.device), "backend.device")
 
     def properties(self, profile: bool = False) -> dict[str, Any]:
         """The compile properties: backend.* first, the shipped settings over them."""

@@ -181,6 +181,18 @@ def act_dtype(rule: NodeDtypes, activation_type: str) -> str:
     return "uint8" if rule.activations == "int8" and activation_type == "uint8" else rule.activations
 
 
+# op types whose activation inputs a placement kind stores as its rule says (symmetric), whatever
+# quantize.activation_type: OpenVINO's MatMul/Gemm (see openvino_plan)
+SYMMETRIC_INPUTS = {"openvino": ("MatMul", "Gemm")}
+
+
+def input_dtype(kind: str, consumer: onnx.NodeProto, rule: NodeDtypes, activation_type: str) -> str:
+    """Storage dtype of an activation quantized for ``consumer`` under placement ``kind``."""
+    if consumer.op_type in SYMMETRIC_INPUTS.get(kind, ()):
+        return rule.activations
+    return act_dtype(rule, activation_type)
+
+
 def tensorrt_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activation_type: str = "int8",
                   per_channel: bool = True, weight_range: str = "full") -> QDQPlan:
     g = GraphIndex(model)
@@ -225,7 +237,7 @@ def openvino_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activati
                   per_channel: bool = True, weight_range: str = "full") -> QDQPlan:
     """OpenVINO's placement (see the module docstring): ONNX Runtime's groups for everything but
     MatMul/Gemm, which get TensorRT's rule (their activation inputs alone, int8, for them only)."""
-    dot_nodes = {n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm")}
+    dot_nodes = {n.name for n in model.graph.node if n.op_type in SYMMETRIC_INPUTS["openvino"]}
     dots = {n: r for n, r in rules.items() if n in dot_nodes}
     plan = onnxruntime_plan(model, {n: r for n, r in rules.items() if n not in dots}, activation_type,
                             per_channel, weight_range)

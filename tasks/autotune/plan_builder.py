@@ -8,7 +8,14 @@ from typing import Any
 import onnx
 
 from pipeline.graph.index import GraphIndex, weight_inputs
-from pipeline.quant.placement import NodeDtypes, act_dtype, int32_bias, pass_through_aliases, weight_q
+from pipeline.quant.placement import (
+    NodeDtypes,
+    act_dtype,
+    input_dtype,
+    int32_bias,
+    pass_through_aliases,
+    weight_q,
+)
 from pipeline.quant.plan import ActivationQ, QDQPlan
 from tasks.autotune.insertion_points import InsertionPoint, resolve
 from tasks.autotune.region import Region
@@ -91,7 +98,6 @@ class PlanBuilder:
         d = self._dtypes.get(name) if name else None
         if d is None or d.activations == "native":
             return None
-        if (self.config.placement == "openvino" and p.kind != "node_output" and rp.consumers
-                and self.index.nodes[name].op_type in ("MatMul", "Gemm")):
-            return d.activations  # OpenVINO's placement rule: a MatMul/Gemm input is s8 symmetric
+        if p.kind != "node_output" and rp.consumers:  # stored as its consumer's placement rule says
+            return input_dtype(self.config.placement, self.index.nodes[name], d, self.config.activation_type)
         return act_dtype(d, self.config.activation_type)

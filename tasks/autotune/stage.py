@@ -330,7 +330,7 @@ class AutotuneStage(Stage):
             path = atomic_write_json(out / f"{name}.openvino_layers.json", info, indent=1)
             return layer_fusion_groups(model, info), path, \
                 f"{path.name} (OpenVINO's runtime graph, {info['inference_precision']} float)"
-        precision = str(backend.cfg.get("float_precision", "FP16")).lower()
+        precision = backend.float_precision().lower()
         path = out / f"{name}.{precision}.graph.json"
         if not path.exists():
             info = backend.layer_info(model_path)
