@@ -63,13 +63,18 @@ QUANTIZABLE_OPS = (*WEIGHTED_OPS, *ORT_QLINEAR_OPS, *PASS_THROUGH_OPS, "Softmax"
 WEIGHT_RANGES = ("full", "reduced", "uint8")
 
 
+# placements for CPU runtimes whose fused integer kernels are what deploys (they run here, so candidates
+# are judged on them) and which take uint8 activations with a zero point
+CPU_RUNTIMES = ("onnxruntime", "openvino")
+
+
 def placement_kind(cfg: DictConfig) -> str:
     """`quantize.placement`, with `auto` resolved from the backend."""
     kind = enum_value(cfg.quantize.placement)
     if kind != "auto":
         return kind
     backend = enum_value(cfg.backend.name)
-    return backend if backend in ("onnxruntime", "openvino") else "tensorrt"
+    return backend if backend in CPU_RUNTIMES else "tensorrt"
 
 
 def activation_type(cfg: DictConfig) -> str:
@@ -78,7 +83,7 @@ def activation_type(cfg: DictConfig) -> str:
     t = enum_value(cfg.quantize.activation_type)
     if t != "auto":
         return t
-    return "uint8" if placement_kind(cfg) in ("onnxruntime", "openvino") else "int8"
+    return "uint8" if placement_kind(cfg) in CPU_RUNTIMES else "int8"
 
 
 def weight_q(node: onnx.NodeProto, index: int, shape: tuple[int, ...], dtype: str, per_channel: bool = True,
@@ -242,6 +247,7 @@ def openvino_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activati
     plan = onnxruntime_plan(model, {n: r for n, r in rules.items() if n not in dots}, activation_type,
                             per_channel, weight_range)
     plan.biases = []  # OpenVINO folds a DQ'd float bias itself; ORT's int32 QGemm bias is ORT's need
+    plan.bodies = {}  # ORT's placement of the bodies: each body is placed by these rules below
     dot_plan = tensorrt_plan(model, dots, "int8", per_channel, weight_range)
     by_tensor = {a.tensor: k for k, a in enumerate(plan.activations)}
     for a in dot_plan.activations:

@@ -1,9 +1,10 @@
 """The quantize stage's accuracy checks: candidate models judged on the held-out batches, the nodes the
 runtime cannot run quantized, and which weight storage this CPU computes exactly.
 
-``Checker`` runs candidate models on the held-out calibration batches with the ONNX Runtime backend:
-fused kernels for ORT placements (what will be deployed), plain Q/DQ math for TensorRT placements
-(TensorRT's integer kernels are exact; its numbers cannot be measured on this machine). Which nodes
+``Checker`` runs candidate models on the held-out calibration batches: on the runtime's own fused
+kernels for ONNX Runtime and OpenVINO placements (what will be deployed), as plain Q/DQ math on ONNX
+Runtime for TensorRT placements (TensorRT's integer kernels are exact; its numbers cannot be measured
+on this machine). Which nodes
 stay float to meet the budget is _recovery's; the decisions that use both are _decide's.
 """
 
@@ -62,7 +63,7 @@ class Candidate:
 
 @dataclass
 class Checker:
-    backend: Any  # an OnnxRuntimeBackend
+    backend: Any  # ONNX Runtime, or OpenVINO for its placement
     holdout: Holdout
     budget: AccuracyBudget
     fused: bool  # run with the backend's fused kernels (ORT placement) or as plain Q/DQ math

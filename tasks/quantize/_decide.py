@@ -19,7 +19,7 @@ from pipeline.errors import StageError
 from pipeline.graph.bodies import QUANTIZED_BODIES
 from pipeline.graph.model import iter_nodes
 from pipeline.quant.calibration import QuantizeDecisions
-from pipeline.quant.placement import PASS_THROUGH_OPS
+from pipeline.quant.placement import CPU_RUNTIMES, PASS_THROUGH_OPS
 from pipeline.values import enum_value
 from tasks.quantize._accuracy import (
     Candidate,
@@ -31,7 +31,7 @@ from tasks.quantize._accuracy import (
 )
 from tasks.quantize._placer import Placer
 from tasks.quantize._recovery import MissedBudget, recover_budget
-from tasks.quantize._setup import FUSED_CHECKS, QuantizeSetup
+from tasks.quantize._setup import QuantizeSetup
 
 log = logging.getLogger("tune.quantize")
 
@@ -84,7 +84,8 @@ def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None
 def _weight_storage(setup: QuantizeSetup, placer: Placer, unsupported: set[str], ops: dict[str, str],
                     facts: dict[str, Any]) -> WeightStorage:
     """The weight storage (and kernel-fidelity culprits) with the nodes the runtime cannot run quantized
-    left float: chosen on this CPU for ORT placements, the requested one for TensorRT."""
+    left float: chosen on this CPU for the CPU runtimes' placements (their fused kernels are checked
+    against the Q/DQ math here), the requested one for TensorRT."""
     checker = setup.checker
     requested = enum_value(setup.q.weight_range)
     start = start_range(requested)
@@ -92,7 +93,7 @@ def _weight_storage(setup: QuantizeSetup, placer: Placer, unsupported: set[str],
     def placed(wr: str, float_nodes: set[str] = frozenset()) -> onnx.ModelProto:
         return placer.build(wr, set(float_nodes) | unsupported)[1]
 
-    if setup.kind not in FUSED_CHECKS:
+    if setup.kind not in CPU_RUNTIMES:
         why = ("TensorRT placement: full-range int8 (TensorRT's integer kernels do not saturate)"
                if requested == "auto" else f"quantize.weight_range={requested}")
         cand = checker.check(placed(start), f"weights_{start}")

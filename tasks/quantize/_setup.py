@@ -20,6 +20,7 @@ from pipeline.graph.model import input_specs
 from pipeline.progress import progress_bar
 from pipeline.quant.calibration import Calibration
 from pipeline.quant.placement import (
+    CPU_RUNTIMES,
     NodeDtypes,
     activation_type,
     placement_builder,
@@ -46,10 +47,6 @@ def ort_backend(cfg: DictConfig) -> Any:
     return OnnxRuntimeBackend(bcfg)
 
 
-# placements whose candidates are judged on the runtime's own fused kernels
-FUSED_CHECKS = ("onnxruntime", "openvino")
-
-
 def _checking_backend(cfg: DictConfig, ort: Any) -> Any:
     """The backend candidates are judged on: OpenVINO's own outputs for backend=openvino (its int8 kernels
     and its float precision), else ONNX Runtime."""
@@ -73,9 +70,9 @@ class QuantizeSetup:
     lowering: dict[str, Any] | None
     provider: DataProvider
     total: int  # calibration batches, for the progress bars
-    backend: Any  # an OnnxRuntimeBackend: calibration and every check run on it
+    backend: Any  # an OnnxRuntimeBackend: calibration runs on it (checks: on the checker's backend)
     checker: Checker
-    kind: str  # placement: "onnxruntime" or "tensorrt"
+    kind: str  # placement: "onnxruntime", "openvino" or "tensorrt"
     act_type: str
     work: tempfile.TemporaryDirectory  # the candidates checked on the holdout; removed when decided
     # weight scales searched so far, shared by every Calibration of the run (see Calibration)
@@ -103,7 +100,7 @@ class QuantizeSetup:
         # ORT and OpenVINO placements are checked with the fused kernels that will run them (on the
         # runtime itself), TensorRT ones as Q/DQ math
         checker = Checker(_checking_backend(cfg, backend), holdout, AccuracyBudget.from_config(cfg),
-                          fused=kind in FUSED_CHECKS, workdir=Path(work.name))
+                          fused=kind in CPU_RUNTIMES, workdir=Path(work.name))
         lowering = None
         if bool(q.lower_rnn):
             model, lowering = _prepare.lower_rnn(model, lambda: provider.batches("calibration", n_batches))
