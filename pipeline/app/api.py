@@ -41,8 +41,8 @@ class TuneResult:
 
 def tune(overrides: Sequence[str] | Mapping[str, Any] = (), *, model: Any = None, data: Any = None,
          eval_data: Any = None, metric: Callable[..., float] | None = None,
-         config_path: str | os.PathLike | None = None, config_name: str = "tune") -> TuneResult:
-    """Run the pipeline on the packaged config (or the spec file ``config_name`` in ``config_path``).
+         spec: str | os.PathLike | None = None) -> TuneResult:
+    """Run the pipeline on the packaged config, or on the user's spec file ``spec``.
 
     ``overrides``: what follows `tune` on a command line, as ``["autotune.preset=quick", ...]`` or
     ``{"autotune.preset": "quick", "stages": ["export", "quantize"]}``.
@@ -55,15 +55,19 @@ def tune(overrides: Sequence[str] | Mapping[str, Any] = (), *, model: Any = None
     ``metric``: the accuracy that counts, ``fn(outputs, reference, labels) -> float`` (higher is better;
     see accuracy.custom_metric): sets accuracy.metric=custom, judged with accuracy.max_drop.
     The data is read once here for its fingerprint; the manifest records it and the module's hashes.
+    ``spec``: the path of a spec file, as ``"specs/my_net.yaml"``: what
+    ``tune --config-path specs --config-name my_net`` runs (its folder is searched next to the
+    packaged configs, so its defaults list may name theirs).
 
-    Raises the PipelineError whose message `tune` would print (a bad key: ConfigError).
+    Raises the PipelineError whose message `tune` would print (a bad key: ConfigError; a spec that is
+    not an existing .yaml file: ConfigError naming it).
     """
-    from pipeline.app.cli import checked_config, open_dict_overrides, run_job, user_config_dir
+    from pipeline.app.cli import checked_config, open_dict_overrides, run_job
     from pipeline.app.scope import run_scope  # onnx, numpy: `import pipeline.api` stays light
     from pipeline.config import register_configs
 
     args = _override_list(overrides)
-    config_dir = user_config_dir(config_path, "config_path") if config_path is not None else None
+    config_dir, config_name = _spec_location(spec)
     given = {_key(a) for a in args}
     live: dict[str, Any] = {}
     extra = _model_overrides(model, live, given)
@@ -82,6 +86,24 @@ def tune(overrides: Sequence[str] | Mapping[str, Any] = (), *, model: Any = None
         if training is not None:
             model.train(training)  # export puts the module in eval mode
     return _result(results_dir, summary)
+
+
+def _spec_location(spec: str | os.PathLike | None) -> tuple[str | None, str]:
+    """(the folder searched next to the packaged configs, the config name) of a spec file's path:
+    what `--config-path` and `--config-name` say on the command line; (None, "tune") without one."""
+    from pipeline.app.cli import user_config_dir
+
+    if spec is None:
+        return None, "tune"
+    fix = 'give the path of your .yaml spec file, as tune(spec="specs/my_net.yaml")'
+    path = Path(os.fspath(spec)).expanduser()
+    if str(spec).startswith("pkg://") or path.suffix != ".yaml":
+        raise ConfigError(f"spec {spec}: not a .yaml file; {fix}")
+    if not path.is_file():
+        where = path.resolve()
+        missing = f"no such file ({where})" if where.parent.is_dir() else f"no such folder ({where.parent})"
+        raise ConfigError(f"spec {spec}: {missing}; {fix}")
+    return user_config_dir(path.parent, "spec"), path.stem
 
 
 # ---------------------------------------------------------------------------- overrides

@@ -5,8 +5,9 @@ generated scheme paired against the live float baseline, saves the state after e
 (so a killed run resumes at the next unmeasured scheme), re-measures a pattern's best schemes with
 more rounds before committing the winner (the best of many noisy measurements is biased low), and
 writes one log per measurement and the model after each committed pattern. Its ``SearchSession``
-says where the state is saved, what it must have been made with to be resumed, and where progress
-goes (``tasks.autotune.progress``, the protocol subgraph mode reports through too).
+says where the state is saved, what it must have been made with to be resumed, where progress goes
+(``tasks.autotune.progress``, the protocol subgraph mode reports through too) and what seeds the
+schemes (a pattern cache of an earlier run, a Q/DQ model's placement).
 """
 
 from __future__ import annotations
@@ -39,13 +40,18 @@ REMEASURE_TOP = 3
 
 @dataclass(frozen=True)
 class SearchSession:
-    """How a region search is saved, resumed and reported."""
+    """How a region search is saved, resumed, reported and seeded."""
 
     # saved after every measurement; default <output_dir>/autotuner_state.yaml, the stage's own (one of
     # another model or setting is set aside), while a state file named here is refused instead
     state_file: str | Path | None = None
     context: str | None = None  # fingerprint of calibration, backend, rules...: a state of another is stale
     on_progress: OnProgress | None = None
+    # the best schemes of an earlier run, measured first (warm start): a PatternCache, or the path of its
+    # YAML (an autotuner_state_pattern_cache.yaml), loaded with the config's distance and size limits
+    pattern_cache: PatternCache | str | Path | None = None
+    # a Q/DQ model (e.g. quantize's): its placement is imported as each pattern's baseline scheme
+    qdq_baseline: onnx.ModelProto | None = None
 
 
 def init_benchmark_instance(backend: Backend, reference_model: str | Path, warmup_runs: int = 5,
@@ -88,36 +94,15 @@ def region_pattern_autotuning_workflow(
     benchmark: PairedBenchmark,
     config: Config | None = None,
     calibration: Calibration | None = None,
-    pattern_cache: PatternCache | str | Path | None = None,
-    qdq_baseline: onnx.ModelProto | None = None,
     session: SearchSession | None = None,
 ) -> QDQAutotuner:
-    """Tune every pattern; returns the autotuner with every pattern committed."""
-    config = config or Config()
+    """Tune every pattern; returns the autotuner with every pattern committed. ``session`` says where
+    the state is saved, where progress goes and what seeds the schemes (see SearchSession)."""
     session = session or SearchSession()
     out = Path(output_dir)
-    logs, region_models = out / "logs", out / "region_models"
-    logs.mkdir(parents=True, exist_ok=True)
+    region_models = out / "region_models"
     region_models.mkdir(parents=True, exist_ok=True)
-    if not isinstance(model, onnx.ModelProto):
-        model = load_model(model)
-    if isinstance(pattern_cache, (str, Path)):
-        pattern_cache = PatternCache.load(pattern_cache, config.pattern_cache_minimum_distance,
-                                          config.pattern_cache_max_entries_per_pattern)
-    autotuner = QDQAutotuner(model)
-    autotuner.initialize(config, pattern_cache, calibration)
-    autotuner.context = session.context
-    if qdq_baseline is not None:
-        n = autotuner.import_qdq_baseline(qdq_baseline)
-        log.info("QDQ baseline: seeded %d of %d patterns", n, autotuner.num_patterns)
-    state_path = Path(session.state_file) if session.state_file else out / "autotuner_state.yaml"
-    # the default state file is the stage's own: one of another model or setting is set aside
-    if resume_or_set_aside(lambda: autotuner.load_state(state_path), state_path, REGION_STATE,
-                           own=not session.state_file,
-                           companions=[state_path.with_name(f"{state_path.stem}_pattern_cache.yaml")]):
-        done = sum(ps.done for ps in autotuner.pattern_schemes.values())
-        log.info("resuming from %s: %d/%d patterns done, %d measurements kept", state_path, done,
-                 autotuner.num_patterns, autotuner.num_measurements)
+    autotuner, state_path = _prepared_autotuner(model, out, config or Config(), calibration, session)
 
     def progress() -> None:
         if session.on_progress is not None:
@@ -142,6 +127,34 @@ def region_pattern_autotuning_workflow(
     autotuner.set_profile_region(None, commit=False)
     autotuner.save_state(state_path)
     return autotuner
+
+
+def _prepared_autotuner(model: onnx.ModelProto | str | Path, out: Path, config: Config,
+                        calibration: Calibration | None, session: SearchSession) -> tuple[QDQAutotuner, Path]:
+    """The autotuner of ``model`` seeded from the session's pattern cache and Q/DQ baseline, resumed
+    from the session's state file when there is one to resume; and the path its state is saved to."""
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    if not isinstance(model, onnx.ModelProto):
+        model = load_model(model)
+    pattern_cache = session.pattern_cache
+    if isinstance(pattern_cache, (str, Path)):
+        pattern_cache = PatternCache.load(pattern_cache, config.pattern_cache_minimum_distance,
+                                          config.pattern_cache_max_entries_per_pattern)
+    autotuner = QDQAutotuner(model)
+    autotuner.initialize(config, pattern_cache, calibration)
+    autotuner.context = session.context
+    if session.qdq_baseline is not None:
+        n = autotuner.import_qdq_baseline(session.qdq_baseline)
+        log.info("QDQ baseline: seeded %d of %d patterns", n, autotuner.num_patterns)
+    state_path = Path(session.state_file) if session.state_file else out / "autotuner_state.yaml"
+    # the default state file is the stage's own: one of another model or setting is set aside
+    if resume_or_set_aside(lambda: autotuner.load_state(state_path), state_path, REGION_STATE,
+                           own=not session.state_file,
+                           companions=[state_path.with_name(f"{state_path.stem}_pattern_cache.yaml")]):
+        done = sum(ps.done for ps in autotuner.pattern_schemes.values())
+        log.info("resuming from %s: %d/%d patterns done, %d measurements kept", state_path, done,
+                 autotuner.num_patterns, autotuner.num_measurements)
+    return autotuner, state_path
 
 
 def _progress(autotuner: QDQAutotuner) -> Progress:

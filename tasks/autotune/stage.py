@@ -206,9 +206,9 @@ class AutotuneStage(Stage):
             log.info("warm start: %d patterns from %s", pattern_cache.num_patterns, a.pattern_cache)
         state_file = str(user_path(a.state_file)) if a.state_file else None
         with ProgressBars(bool(ctx.cfg.progress)) as bars:
-            tuner = region_pattern_autotuning_workflow(
-                setup.model, out, bench, config, setup.calibration, pattern_cache, setup.qdq_baseline,
-                SearchSession(state_file, fingerprint(setup.context_items), bars))
+            session = SearchSession(state_file, fingerprint(setup.context_items), bars,
+                                    pattern_cache=pattern_cache, qdq_baseline=setup.qdq_baseline)
+            tuner = region_pattern_autotuning_workflow(setup.model, out, bench, config, setup.calibration, session)
         self._warn_defaulted(setup)
         tuned = out / "optimized_tuned.onnx"
         save_model(tuner.export_model(), tuned)

@@ -89,6 +89,30 @@ def test_bad_key_raises_the_cli_line(tmp_path):
     assert not rd.exists()
 
 
+def test_a_spec_file_runs_and_a_missing_or_non_yaml_spec_is_one_line(tmp_path, monkeypatch):
+    """tune(spec="specs/my_net.yaml") runs what `tune --config-path specs --config-name my_net` runs; a
+    spec that is not an existing .yaml file is a ConfigError naming it and the fix."""
+    from tests import models
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs" / "my_net.yaml").write_text("defaults:\n  - tune\n  - _self_\nstages: [export]\n"
+                                                    "progress: false\n")
+    path = models.save(models.conv_chain(), tmp_path, "m")
+    rd = tmp_path / "r"
+    assert tune([f"results_dir={rd}"], model=path, spec="specs/my_net.yaml").stages == {"export": "done"}
+    assert tune([f"results_dir={rd}"], model=path, spec=tmp_path / "specs" / "my_net.yaml").stages == {
+        "export": "skipped"}
+    for spec, what in (("specs/other.yaml", f"no such file ({tmp_path / 'specs' / 'other.yaml'})"),
+                       ("nowhere/my_net.yaml", f"no such folder ({tmp_path / 'nowhere'})"),
+                       ("specs/my_net", "not a .yaml file"), ("specs/my_net.yml", "not a .yaml file"),
+                       ("specs", "not a .yaml file")):
+        with pytest.raises(ConfigError) as exc:
+            tune(model=path, spec=spec)
+        assert str(exc.value) == f'spec {spec}: {what}; give the path of your .yaml spec file, as ' \
+                                 f'tune(spec="specs/my_net.yaml")', exc.value
+
+
 def test_onnx_models_and_arrays_skip_when_unchanged_and_rerun_when_changed(tmp_path):
     """A ModelProto and an .onnx path (changed in place), with calibration data as one array."""
     from tests import models
