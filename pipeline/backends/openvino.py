@@ -16,6 +16,7 @@ a model ships with: ``CompileSettings``, a flat map of OpenVINO property names t
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import tempfile
@@ -321,9 +322,16 @@ class OpenVinoBackend(Backend):
             str(chosen).lower(), str(chosen).upper())
 
     def fp32_variant(self) -> OpenVinoBackend | None:
+        """This backend with ``backend.inference_precision=f32`` (and its settings, if any, in f32): its
+        own keys say f32, so the settings a search starts from and ships, and ``as_deployed``, stay f32."""
         if self.float_precision() == "FP32":
             return None
-        return self.with_settings((self.settings or CompileSettings()).changed(INFERENCE_PRECISION_HINT="f32"))
+        cfg = copy.deepcopy(self.cfg)
+        cfg.inference_precision = "f32"
+        other = self.with_settings(None if self.settings is None
+                                   else self.settings.changed(INFERENCE_PRECISION_HINT="f32"))
+        other.cfg = cfg
+        return other
 
     def has_fast_kernels(self, quant_type: str) -> bool:
         # the CPU plugin has int8 kernels; FP8 Q/DQ is emulated with converts

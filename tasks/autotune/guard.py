@@ -3,7 +3,8 @@
 The float model, the PTQ model and the tuned model are compared by a fresh interleaved measurement
 (not by the search's best-of-N), or, in subgraph mode, by the paired steps that already measured
 these very models (by content hash) when they decide clearly. The shipped model must beat the
-precision-matched float baseline by ``performance_threshold`` or the float model ships, and if the
+float baseline (``tune_setup.float_baseline``: the runtime's own float precision, FP32 where that misses
+the accuracy budget) by ``performance_threshold`` or the float model ships, and if the
 PTQ model measures faster than the tuned one, the PTQ model ships. Either way the stage says so, and
 the file written is byte for byte the model that was measured.
 """
@@ -53,8 +54,10 @@ def finalize(setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
     speedup = base_t.p10_ms / chosen_t.p10_ms
     backend = setup.backend
     precision = backend.float_precision()
+    chosen_float = setup.float_baseline
+    note = f" ({chosen_float.note})" if chosen_float is not None and chosen_float.note else ""
     line = (f"Baseline: {base_t.p10_ms:.3f} ms / Final: {chosen_t.p10_ms:.3f} ms ({speedup:.2f}x speedup), "
-            f"accuracy {chosen_v.what} [{source}; baseline = {precision} float model on {backend.name}]")
+            f"accuracy {chosen_v.what} [{source}; baseline = {precision} float model on {backend.name}{note}]")
     log.info(line)
     if choice != tuned:
         log.warning("autotune: optimized_final.onnx is %s because %s", choice.name, why)
@@ -69,7 +72,9 @@ def finalize(setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
                      "ptq": ptq_v.to_dict() if ptq_v is not None else None},
         "shipped": shipped, "shipped_reason": why, "guard": guard,
         "baseline_precision": precision, "runtime": backend.describe(), "final_line": line,
-        "headline": f"{speedup:.2f}x vs {precision} float, {chosen_v.what} ({shipped if choice == tuned else why})",
+        "float_baseline": chosen_float.to_dict() if chosen_float is not None else None,
+        "headline": f"{speedup:.2f}x vs {precision} float{note}, {chosen_v.what} "
+                    f"({shipped if choice == tuned else why})",
     }
 
 

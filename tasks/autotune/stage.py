@@ -38,7 +38,7 @@ from tasks.autotune.config import PRESETS
 from tasks.autotune.guard import finalize
 from tasks.autotune.progress import ProgressBars
 from tasks.autotune.runtime.search import search_runtime
-from tasks.autotune.tune_setup import ModeResult, TuneRuns, TuneSetup
+from tasks.autotune.tune_setup import ModeResult, TuneRuns, TuneSetup, float_baseline
 
 log = logging.getLogger("tune.autotune")
 
@@ -135,8 +135,7 @@ class AutotuneStage(Stage):
         # PTQ model sits just inside the margin, and holding candidates to it left autotune no room)
         budget = AccuracyBudget.from_config(cfg).agreement_tightened(float(cfg.accuracy.recovery_margin_db))
         holdout = Holdout.from_config(cfg, input_specs(model))
-        with backend.prepare(baseline_path) as pm:
-            holdout.set_reference(pm)
+        backend, baseline = float_baseline(backend, baseline_path, holdout, budget)
         log.info("autotune: every candidate is held to the accuracy budget (%s) on %d samples of %s",
                  budget.describe(), holdout.samples, holdout.source)
         qdq_baseline = self._qdq_baseline(ctx, inputs)
@@ -150,9 +149,11 @@ class AutotuneStage(Stage):
             "weight_range": config.weight_range, "float_nodes": config.float_nodes,
             "accuracy": section(cfg, "accuracy"),
         }
+        if baseline.verdict is not None:  # the runtime's float was judged: its precision is part of the search
+            context_items["float_precision"] = baseline.precision
         return TuneSetup(out, inputs, model, backend, config, calibration, budget, holdout, baseline_path,
                          qdq_baseline, context_items, TuneRuns(schemes, warmup, timing, 4),
-                         float(cfg.autotune.performance_threshold))
+                         float(cfg.autotune.performance_threshold), baseline)
 
     @staticmethod
     def _tuner_config(cfg: DictConfig, model: Any, inputs: dict[str, Path], quant_type: str, schemes: int) -> Any:

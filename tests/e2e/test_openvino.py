@@ -1,6 +1,7 @@
 """backend=openvino end to end on a tiny residual model: both autotune modes measure on OpenVINO,
 subgraph mode takes its fusion groups from OpenVINO's runtime graph, every speedup names the float
-precision OpenVINO runs, and gen_trt_engine writes what an OpenVINO deployment loads."""
+precision OpenVINO runs (FP32 where OpenVINO's default float misses the accuracy budget), and
+gen_trt_engine writes what an OpenVINO deployment loads."""
 
 from __future__ import annotations
 
@@ -44,3 +45,24 @@ def test_both_modes_tune_on_openvino_and_gen_trt_engine_writes_ir_and_blob(resid
     assert "OpenVINO's runtime graph" in proc.stdout + proc.stderr
     assert list((sub / "autotune").glob("*.openvino_layers.json"))
     assert _stages(sub)["autotune"]["metrics"]["shipped"] in ("tuned", "ptq", "float")
+
+
+def test_autotune_compares_against_fp32_float_where_openvinos_default_misses_the_budget(residual_models, tmp_path):
+    from pipeline.backends.openvino import core, property_text
+
+    if property_text(core().get_property("CPU", "INFERENCE_PRECISION_HINT")) == "f32":
+        pytest.skip("OpenVINO runs float in FP32 on this CPU: there is no lower default precision to judge")
+    rd = tmp_path / "strict"
+    # no float below FP32 comes within 200 dB of FP32; the quantize stage is left out (it would leave
+    # every node float), autotune places Q/DQ with default scales
+    run_tune(["model=onnx", f"model.onnx_path={residual_models['tiny']}", "data=synthetic", "backend=openvino",
+              *QUICK, "accuracy.metric=snr", "accuracy.min_snr_db=200", "autotune.runtime.enabled=false",
+              f"results_dir={rd}", "stages=[export,autotune]"], cwd=tmp_path, check=True)
+    m = _stages(rd)["autotune"]["metrics"]
+    chosen = m["float_baseline"]
+    assert m["baseline_precision"] == chosen["precision"] == "FP32" and chosen["default"] != "FP32"
+    assert not chosen["verdict"]["ok"] and f"{chosen['default']} float misses the budget" in chosen["note"]
+    assert m["headline"].startswith(f"{m['speedup']:.2f}x vs FP32 float ({chosen['note']})")
+    # what ships compiles float layers in FP32, as measured
+    shipped = json.loads((rd / "autotune" / "openvino_compile.json").read_text())
+    assert shipped["INFERENCE_PRECISION_HINT"] == "f32"

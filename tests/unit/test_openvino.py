@@ -1,16 +1,21 @@
 """The OpenVINO compile properties search: its candidates differ from what OpenVINO picks for the model,
 changes accumulate into settings that round-trip through openvino_compile.json, and the public API
-compiles the shipped model with them."""
+compiles the shipped model with them. Autotune's float baseline is OpenVINO's default precision unless
+that misses the accuracy budget against the FP32 float, then the FP32 float."""
 
 from __future__ import annotations
 
 import pytest
 from omegaconf import OmegaConf
 
+from pipeline.accuracy.budget import AccuracyBudget
 from pipeline.backend_config import OpenVinoBackendConfig
 from pipeline.backends.openvino import CompileSettings, OpenVinoBackend, core
+from pipeline.data.adapters import synthetic_batches
 from pipeline.errors import StateError
+from pipeline.graph.model import input_specs
 from tasks.autotune.runtime.openvino import apply_change, base_settings, candidates, search_candidates
+from tasks.autotune.tune_setup import Holdout, float_baseline  # the holdout type autotune judges on
 from tests import models
 
 
@@ -87,3 +92,29 @@ def test_openvino_model_compiles_the_shipped_model_with_its_shipped_settings(tmp
     manifest.update("autotune", outputs=outputs)
     default = core().get_property("CPU", "INFERENCE_PRECISION_HINT")
     assert openvino_model(tmp_path).get_property("INFERENCE_PRECISION_HINT") == default
+
+
+def test_the_float_baseline_is_openvinos_default_unless_it_misses_the_budget_then_fp32(tmp_path):
+    backend = _backend()
+    if backend.fp32_variant() is None:
+        pytest.skip("OpenVINO runs float in FP32 on this CPU: there is no lower default precision to judge")
+    model = models.conv_chain(batch=2)
+    path = models.save(model, tmp_path, "m")
+    feeds = [f for f, _ in synthetic_batches(input_specs(model), 6, 0)]
+    holdout = Holdout(feeds[:3], [None] * 3, [2] * 3)
+    default = backend.float_precision()
+
+    kept, choice = float_baseline(backend, path, holdout, AccuracyBudget(metric="snr", min_snr_db=20))
+    assert kept is backend and (choice.precision, choice.default, choice.note) == (default, default, "")
+    assert choice.verdict["ok"]
+
+    strict = AccuracyBudget(metric="snr", min_snr_db=200)  # no float below FP32 is this close to FP32
+    switched, choice = float_baseline(backend, path, holdout, strict)
+    assert (switched.float_precision(), choice.precision, choice.default) == ("FP32", "FP32", default)
+    assert not choice.verdict["ok"] and choice.note.startswith(f"{default} float misses the budget: ")
+    # f32 is in its own keys: the runtime search starts from it and "as deployed" keeps it
+    assert base_settings(switched).to_dict()["INFERENCE_PRECISION_HINT"] == "f32"
+    assert switched.as_deployed().float_precision() == "FP32"
+    # the reference candidates are judged against is the FP32 float: it meets any budget on it
+    with switched.prepare(path) as pm:
+        assert holdout.score(pm, strict).ok
