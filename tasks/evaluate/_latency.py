@@ -44,7 +44,7 @@ class LatencyRun:
     runs_per_round: int
     warmup_runs: int
     timings: dict[str, Timing]  # the evaluated models, by metrics key
-    extra: dict[str, Timing]  # models timed only to compare with (float_same_session, float_fp32)
+    extra: dict[str, Timing]  # models timed only to compare with (float_same_session)
 
     @property
     def spread(self) -> float | None:
@@ -67,8 +67,23 @@ class LatencyRun:
                                "warmup_runs": self.warmup_runs, "max_p90_over_p10": self.spread}
         if self.warning is not None:
             out["warning"] = self.warning
-        fp32, base = self.extra.get("float_fp32"), self.timings.get("float")
+        fp32, base = self.timings.get("float_fp32"), self.timings.get("float")
         if fp32 is not None and fp32.ok and base is not None and base.p10_ms > 0:
             out["float_fp32_ms"] = ModelLatency.from_timing(fp32).to_dict()
             out["float_speedup_over_fp32_p10"] = fp32.p10_ms / base.p10_ms
         return out
+
+
+def same_session(models: dict[str, dict[str, Any]], latency: LatencyRun, settings: Any, backend: Any) -> None:
+    """The autotuned model's speedup against float run with the same shipped settings, so a runtime
+    win is not read as a quantization win; and which settings those were."""
+    same = latency.extra.get("float_same_session")
+    if same is None or not same.ok or "autotuned" not in models or not models["autotuned"].get("latency_ms"):
+        return
+    at = latency.timings["autotuned"]
+    models["autotuned"]["speedup_same_session"] = same.median_ms / at.median_ms
+    models["autotuned"]["speedup_same_session_p10"] = same.p10_ms / at.p10_ms
+    models["autotuned"]["session"] = settings.describe()
+    kind = backend.shipped_settings
+    models["autotuned"].update(settings_file=kind.artifact, settings_what=kind.what,
+                               settings_defaults=kind.defaults)

@@ -9,7 +9,7 @@ from typing import Any
 from pipeline.artifacts import atomic_output
 from tasks.evaluate._latency import ModelLatency
 
-_COLORS = {"float": "#7f7f7f", "ptq": "#1f77b4", "autotuned": "#ff7f0e"}
+_COLORS = {"float": "#7f7f7f", "float_fp32": "#c7c7c7", "ptq": "#1f77b4", "autotuned": "#ff7f0e"}
 _SOURCES = {
     "digits": "scikit-learn digits, held-out test split",
     "synthetic": "seeded synthetic data",
@@ -80,14 +80,32 @@ def _header(metrics: dict[str, Any]) -> list[str]:
         )
         if lat.get("warning"):
             lines.append(f"**Warning:** {lat['warning']}.")
-        if lat.get("float_fp32_ms"):
-            t = ModelLatency.from_dict(lat["float_fp32_ms"])
-            lines.append(f"The float model run in FP32 on the same runtime: {t.median:.3f} ms median, {t.p10:.3f} ms "
-                         f"p10; the runtime's own float (the baseline) is {lat['float_speedup_over_fp32_p10']:.2f}x "
-                         f"faster (p10).")
     else:
         lines.append("Latency: not measured (evaluate.latency=false).")
-    return lines
+    return lines + _fp32(metrics)
+
+
+def _fp32(metrics: dict[str, Any]) -> list[str]:
+    """The float model run in FP32 on the same runtime (where the baseline runs below FP32): its
+    accuracy next to the baseline's, and how much faster the baseline is."""
+    m, base = metrics["models"].get("float_fp32"), metrics["models"]["float"]
+    if not m:
+        return []
+    if m.get("custom_metric") is not None:
+        name = metrics["custom_metric"]["name"]
+        acc = f"`{name}` {_num(m['custom_metric'], '.4g')} (baseline {_num(base.get('custom_metric'), '.4g')})"
+    elif m.get("top1") is not None:
+        acc = f"top-1 {_pct(m['top1'])} (baseline {_pct(base.get('top1'))})"
+    else:
+        acc = f"agreement {_pct(m.get('agreement'))} with the baseline"
+    acc += f", SNR {_snr(m)} dB against the baseline's outputs"
+    lat = metrics.get("latency") or {}
+    speed = "not timed"
+    if lat.get("float_fp32_ms"):
+        t = ModelLatency.from_dict(lat["float_fp32_ms"])
+        speed = (f"{t.median:.3f} ms median, {t.p10:.3f} ms p10; the runtime's own float (the baseline) is "
+                 f"{lat['float_speedup_over_fp32_p10']:.2f}x faster (p10)")
+    return [f"The float model run in FP32 on the same runtime: {acc}; {speed}."]
 
 
 def _table(metrics: dict[str, Any]) -> list[str]:

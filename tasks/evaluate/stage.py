@@ -3,16 +3,18 @@
 The float model (export/model.onnx) is the reference for agreement, cosine similarity and SNR, and
 the baseline for speedups. Each quantized model present (PTQ from quantize, the autotuned one from
 autotune) is run on the same evaluation batches through the configured backend; a file identical to
-one already listed is not measured twice. Latency comes from one interleaved run over all models,
-so machine drift hits every model alike. Each model is prepared (on TensorRT: its engine built) once
-and serves both the scoring pass and the latency run.
+one already listed is not measured twice. Where the runtime's float precision is below FP32
+(``Backend.fp32_variant``), the float model run in FP32 is scored and timed as one more model.
+Latency comes from one interleaved run over all models, so machine drift hits every model alike.
+Each model is prepared (on TensorRT: its engine built) once and serves both the scoring pass and
+the latency run.
 """
 
 from __future__ import annotations
 
 import logging
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ from pipeline.graph.model import InputSpec, input_specs, load_model
 from pipeline.progress import progress_bar
 from pipeline.stage import Stage, StageContext, StageResult
 from tasks.evaluate._custom import CustomScores
-from tasks.evaluate._latency import LatencyRun, ModelLatency
+from tasks.evaluate._latency import LatencyRun, ModelLatency, same_session
 
 log = logging.getLogger("tune.evaluate")
 
@@ -75,6 +77,9 @@ _MODELS = (
     ("ptq", "PTQ", "quantize/quantized_model.onnx"),
     ("autotuned", "autotuned", "autotune/optimized_final.onnx"),
 )
+# the float model as the runtime runs it and in FP32: references, not quantized models (no budget or
+# kernel-fidelity check)
+_FLOATS = ("float", "float_fp32")
 
 
 class EvaluateStage(Stage):
@@ -90,7 +95,12 @@ class EvaluateStage(Stage):
         out_dir = ctx.stage_dir("evaluate")
         backend = create_backend(ctx.cfg.backend)
         settings = self._session_settings(ctx, backend)
-        evaluated, duplicates = self._evaluated_models(ctx, own_session=settings is not None)
+        # the autotuned model runs with the runtime settings it ships with, the others as deployed
+        # without them (ORT: its default session, whose threads spin, as the tuned one's do)
+        plain = backend.as_deployed() if settings else backend
+        runs_on = {"float_fp32": plain.fp32_variant(),
+                   "autotuned": backend.with_settings(settings) if settings else None}
+        evaluated, duplicates = self._evaluated_models(ctx, settings is not None, runs_on["float_fp32"] is not None)
         float_model = load_model(evaluated[0].path, check=False)
         specs = self._specs(evaluated, float_model)
         stored = _precision(float_model)  # an FP32 model runs in the runtime's own float precision
@@ -100,20 +110,14 @@ class EvaluateStage(Stage):
 
         # every model is prepared once (a full engine build on TensorRT) for scoring and latency alike
         prepared: dict[str, PreparedModel] = {}
-        # the autotuned model runs with the runtime settings it ships with, the others as deployed
-        # without them (ORT: its default session, whose threads spin, as the tuned one's do)
-        plain = backend.as_deployed() if settings else backend
         try:
             for c in evaluated:
-                prepared[c.key] = self._prepare(backend.with_settings(settings) if settings and c.key == "autotuned"
-                                                else plain, c)
+                prepared[c.key] = self._prepare(runs_on.get(c.key) or plain, c)
             scores, batches = self._score(ctx, backend, evaluated, specs, max_batches, prepared)
             fidelity = self._fidelity(ctx, backend, evaluated, specs, prepared)
             if settings is not None and ecfg.latency and "autotuned" in prepared:
                 # float with the same settings: so a runtime win is not read as a quantization win
                 prepared["float_same_session"] = self._prepare(backend.with_settings(settings), evaluated[0])
-            if ecfg.latency and (fp32 := backend.fp32_variant()) is not None:  # the runtime's float in FP32 too
-                prepared["float_fp32"] = self._prepare(fp32, evaluated[0])
             timings = (self._latency(backend, evaluated, prepared, int(ecfg.latency_repeats))
                        if ecfg.latency else None)
         finally:
@@ -168,10 +172,11 @@ class EvaluateStage(Stage):
 
     # ------------------------------------------------------------------ which models
     @staticmethod
-    def _evaluated_models(ctx: StageContext, own_session: bool = False) -> tuple[list[EvaluatedModel],
-                                                                                 list[dict[str, str]]]:
+    def _evaluated_models(ctx: StageContext, own_session: bool = False, fp32: bool = False
+                          ) -> tuple[list[EvaluatedModel], list[dict[str, str]]]:
         """The models to evaluate, each file once; with ``own_session`` (the autotuned model ships
-        session settings of its own) the autotuned model is evaluated even when its bytes repeat."""
+        session settings of its own) the autotuned model is evaluated even when its bytes repeat; with
+        ``fp32`` the float model run in FP32 follows the float model."""
         evaluated: list[EvaluatedModel] = []
         duplicates: list[dict[str, str]] = []
         for key, label, artifact in _MODELS:
@@ -187,6 +192,8 @@ class EvaluateStage(Stage):
                 duplicates.append({"model": key, "file": artifact, "identical_to": same.key})
                 continue
             evaluated.append(EvaluatedModel(key, label, artifact, Path(path), digest))
+            if key == "float" and fp32:
+                evaluated.append(replace(evaluated[0], key="float_fp32", label="float (FP32)"))
         return evaluated, duplicates
 
     @staticmethod
@@ -272,7 +279,7 @@ class EvaluateStage(Stage):
         feeds = [b.feeds for b in batches]
         floats = [[np.asarray(o) for o in prepared["float"].run(f)] for f in feeds]
         out = {}
-        for c in evaluated[1:]:
+        for c in (c for c in evaluated if c.key not in _FLOATS):
             try:
                 out[c.key] = kernel_fidelity(backend, c.path, feeds, prepared=prepared[c.key], float_outputs=floats)
             except Exception as exc:  # noqa: BLE001 - the reference runner may reject what the fused one runs
@@ -307,7 +314,7 @@ class EvaluateStage(Stage):
         float_top1 = metrics["models"]["float"].get("top1")
         flagged = []
         for key, m in metrics["models"].items():
-            if key == "float":
+            if key in _FLOATS:
                 continue
             custom = (metrics["models"]["float"]["custom_metric"], m["custom_metric"]) \
                 if budget.metric == "custom" else None
@@ -384,7 +391,7 @@ class EvaluateStage(Stage):
             "reproduce": _reproduce_commands(ctx),
         }
         if latency is not None:
-            _same_session(models, latency, plan.settings, backend)
+            same_session(models, latency, plan.settings, backend)
             if latency.warning is not None:
                 log.warning("%s", latency.warning)
         self._judge(ctx, metrics, measured)
@@ -408,21 +415,6 @@ def _model_metrics(evaluated: list[EvaluatedModel], measured: Measurements) -> d
             m["speedup_p10"] = base.p10_ms / t.p10_ms if t.p10_ms > 0 else None
         models[c.key] = m
     return models
-
-
-def _same_session(models: dict[str, dict[str, Any]], latency: LatencyRun, settings: Any, backend: Backend) -> None:
-    """The autotuned model's speedup against float run with the same shipped settings, so a runtime
-    win is not read as a quantization win; and which settings those were."""
-    same = latency.extra.get("float_same_session")
-    if same is None or not same.ok or "autotuned" not in models or not models["autotuned"].get("latency_ms"):
-        return
-    at = latency.timings["autotuned"]
-    models["autotuned"]["speedup_same_session"] = same.median_ms / at.median_ms
-    models["autotuned"]["speedup_same_session_p10"] = same.p10_ms / at.p10_ms
-    models["autotuned"]["session"] = settings.describe()
-    kind = backend.shipped_settings
-    models["autotuned"].update(settings_file=kind.artifact, settings_what=kind.what,
-                               settings_defaults=kind.defaults)
 
 
 def headline(metrics: dict[str, Any]) -> str:

@@ -1,7 +1,8 @@
 """backend=openvino end to end on a tiny residual model: both autotune modes measure on OpenVINO,
 subgraph mode takes its fusion groups from OpenVINO's runtime graph, every speedup names the float
-precision OpenVINO runs (FP32 where OpenVINO's default float misses the accuracy budget), and
-gen_trt_engine writes what an OpenVINO deployment loads."""
+precision OpenVINO runs (FP32 where OpenVINO's default float misses the accuracy budget), evaluate
+scores and times the float model in FP32 too, and gen_trt_engine writes what an OpenVINO deployment
+loads."""
 
 from __future__ import annotations
 
@@ -32,8 +33,17 @@ def test_both_modes_tune_on_openvino_and_gen_trt_engine_writes_ir_and_blob(resid
     evaluate = stages["evaluate"]["metrics"]
     precision = stages["autotune"]["metrics"]["baseline_precision"]
     assert evaluate["baseline"].startswith(f"{precision} float model on openvino")
-    # below FP32, the float model is timed in FP32 too and the report says how much the runtime's float gains
+    # below FP32, the float model is scored and timed in FP32 too, and the report says how much the
+    # runtime's float gains and what it costs in accuracy
     assert ("float_fp32_ms" in evaluate["latency"]) == (precision != "FP32")
+    assert ("float_fp32" in evaluate["models"]) == (precision != "FP32")
+    if precision != "FP32":
+        fp32 = evaluate["models"]["float_fp32"]
+        assert fp32["label"] == "float (FP32)" and fp32["snr_db"] > 0 and fp32["speedup_p10"] > 0
+        assert "budget" not in fp32 and "float (FP32)" not in " ".join(evaluate["over_budget"])
+        line = next(ln for ln in (rd / "evaluate" / "report.md").read_text().splitlines()
+                    if ln.startswith("The float model run in FP32 on the same runtime: "))
+        assert "against the baseline's outputs" in line and "faster (p10)" in line
     engine = stages["gen_trt_engine"]["metrics"]
     assert {p.name for p in (rd / "gen_trt_engine").iterdir()} >= {"model.xml", "model.bin", "model.blob", "build.json"}
     assert engine["precision"] and any(k.endswith((" i8", " u8")) for k in engine["layer_precisions"])
