@@ -339,13 +339,20 @@ def _minilm_feeds(count: int) -> list[dict[str, np.ndarray]]:
     texts, i = [], 0
     stride = max(1, len(paragraphs) // max(count, 1))
     order = [p for k in range(stride) for p in paragraphs[k::stride]]
+    rest = []  # the sentences each paragraph has after its first passage, for a second pass
     for para in order:
         n = 1 + i % 3
         if len(para) >= n:
             texts.append(" ".join(para[:n]))
+            rest.append(para[n:])
             i += 1
         if len(texts) == count:
             break
+    for para in rest:  # more passages than paragraphs: the later sentences, one to three at a time
+        while para and len(texts) < count:
+            n = 1 + i % 3
+            texts.append(" ".join(para[:n]))
+            para, i = para[n:], i + 1
     if len(texts) < count:
         raise RuntimeError(f"only {len(texts)} English passages found in installed package metadata, {count} wanted")
     feeds = []

@@ -192,7 +192,16 @@ class AccuracyConfig:
     max_drop: float = 1.0  # points of top-1 (with labels) or of top-1 agreement with the float model
     min_snr_db: float = 20.0  # output SNR vs float, every output (20 dB = 10% relative L2 error)
     min_cosine: float = 0.99
-    holdout_batches: int = 8  # calibration batches after quantize.calibration.batches
+    # the held-out calibration samples every decision is judged on (pipeline/accuracy/holdout.py): at
+    # least holdout_samples, holdout_fraction of the data when that is more, at most
+    # holdout_max_samples; holdout_batches: that many batches instead
+    holdout_samples: int = 32
+    holdout_fraction: float = 0.25
+    holdout_max_samples: int = 256
+    holdout_batches: Optional[int] = None
+    # a model passes only when the budget holds at this one-sided bootstrap bound of its metric over the
+    # held-out samples (0.5: at the metric itself)
+    confidence: float = 0.95
     # the outputs the budget judges (default: every output); the shipped model keeps all of them
     outputs: list[str] = field(default_factory=list)
     # a metric per output where one does not fit all, e.g. {sentence_embedding: cosine, logits: agreement}
@@ -220,8 +229,17 @@ def _accuracy_problems(acc: DictConfig) -> list[str]:
         problems.append(f"accuracy.max_drop={acc.max_drop}: must be >= 0 (points)")
     if not -1.0 <= acc.min_cosine <= 1.0:
         problems.append(f"accuracy.min_cosine={acc.min_cosine}: must be in [-1, 1]")
-    if acc.holdout_batches < 1:
-        problems.append(f"accuracy.holdout_batches={acc.holdout_batches}: must be >= 1")
+    if acc.holdout_batches is not None and acc.holdout_batches < 1:
+        problems.append(f"accuracy.holdout_batches={acc.holdout_batches}: must be >= 1 (or null: sized from "
+                        f"accuracy.holdout_samples)")
+    if acc.holdout_samples < 1 or acc.holdout_max_samples < acc.holdout_samples:
+        problems.append(f"accuracy.holdout_samples={acc.holdout_samples}, holdout_max_samples="
+                        f"{acc.holdout_max_samples}: need 1 <= holdout_samples <= holdout_max_samples")
+    if not 0.0 < acc.holdout_fraction < 1.0:
+        problems.append(f"accuracy.holdout_fraction={acc.holdout_fraction}: must be in (0, 1)")
+    if not 0.5 <= acc.confidence < 1.0:
+        problems.append(f"accuracy.confidence={acc.confidence}: must be in [0.5, 1) (0.95: the budget must hold at "
+                        f"the 95% lower bound)")
     if acc.recovery_margin_db < 0:
         problems.append(f"accuracy.recovery_margin_db={acc.recovery_margin_db}: must be >= 0 (dB)")
     if not 0.0 < acc.max_float_fraction <= 1.0:

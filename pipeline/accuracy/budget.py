@@ -6,12 +6,14 @@ kernel-fidelity check.
   its own (an embedding is never excused by argmax agreement), and for class scores top-1 agreement
   on the decisive samples (a clear float top-1; near-tied random logits flip on any noise) must hold
   too. Explicit metrics (top1, agreement, snr, cosine) apply alone; snr and cosine to every output.
-- ``Holdout`` is a slice of the calibration data the calibrator did not see (the batches after the
-  first ``quantize.calibration.batches``), with the float model's outputs on it; ``score`` runs a
-  prepared model on it and judges the result against the budget.
+  A model passes only when the budget holds at the one-sided ``accuracy.confidence`` bound of the
+  metric over the samples it was judged on (pipeline/accuracy/confidence.py), so a verdict on few
+  samples is stricter than one on many; every verdict names the metric, its spread, the bound and
+  the number of samples.
 - ``CustomMetric`` is the user's own accuracy (accuracy.custom_metric), called over whole slices.
-Kernel fidelity (fused kernels vs plain Q/DQ math) is pipeline/accuracy/fidelity.py; the scores
-every verdict reads are pipeline/accuracy/scores.py.
+The held-out slice the budget is checked on is pipeline/accuracy/holdout.py; kernel fidelity (fused
+kernels vs plain Q/DQ math) is pipeline/accuracy/fidelity.py; the scores every verdict reads are
+pipeline/accuracy/scores.py.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 from omegaconf import DictConfig
 
-from pipeline.accuracy.metrics import FIRST_OUTPUT, ModelScores, db_text, json_safe, valid_rows
+from pipeline.accuracy.metrics import db_text, json_safe
 from pipeline.accuracy.scores import Scores
 from pipeline.data.live import metric_name
 from pipeline.errors import ConfigError, InputError, first_line
@@ -48,6 +50,7 @@ class AccuracyBudget:
     relative: bool = False  # metric=custom: max_drop in percent of the float model's score
     # the share of max_drop that top-1 agreement with the float model may lose (tightened() lowers it)
     agreement_share: float = 1.0
+    confidence: float = 0.95  # one-sided: the budget must hold at this bound of the metric
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> AccuracyBudget:
@@ -55,7 +58,7 @@ class AccuracyBudget:
         return cls(enum_value(a.metric), float(a.max_drop), float(a.min_snr_db), float(a.min_cosine),
                    bool(a.enabled), tuple(a.outputs or ()),
                    tuple((str(k), enum_value(v)) for k, v in (a.per_output or {}).items()),
-                   a.custom_metric or None, bool(a.relative))
+                   a.custom_metric or None, bool(a.relative), confidence=float(a.confidence))
 
     def tightened(self, margin_db: float) -> AccuracyBudget:
         """This budget ``margin_db`` inside its SNR floor, and the same factor on 1 - cosine, on a
@@ -107,98 +110,201 @@ class AccuracyBudget:
                                   f"are {', '.join(names)}")
 
     def judge(self, scores: Scores | Mapping[str, Any], float_top1: float | None,
-              custom: tuple[float, float] | None = None) -> AccuracyVerdict:
+              custom: CustomScore | None = None, where: str = "samples") -> AccuracyVerdict:
         """Verdict for a model's Scores, or their ``to_dict`` form (``float_top1``: the float model's
-        top-1; ``custom``: (float model's, this model's) score of accuracy.custom_metric).
+        top-1; ``custom``: accuracy.custom_metric's scores; ``where``: what the samples are, for the
+        verdict's text, e.g. "held-out samples").
 
         Without labels every judged float output is held to the budget on its own (its SNR, or its
         cosine with ``metric=cosine``, or the metric ``per_output`` names for it) and the worst one
         decides; for class scores, top-1 agreement on the decisive samples is an extra condition,
-        never an excuse for a noisy output.
+        never an excuse for a noisy output. Each condition holds at its confidence bound when the
+        scores carry their per-sample values, else at its value.
         """
         if not isinstance(scores, Scores):
             scores = Scores.from_dict(scores)
+        judge = _Judge(self, scores, where)
         judged = _judged(scores, self.outputs, {o for o, _ in self.per_output})
-        verdict = (self._custom(judged, custom) if self.metric == "custom" else
-                   self._default(judged, float_top1) if judged.any_judged() or not self.per_output else None)
+        verdict = (judge.custom(custom) if self.metric == "custom" else
+                   judge.default(judged, float_top1) if judged.any_judged() or not self.per_output else None)
         for output, metric in self.per_output:
-            own = self._one_output(scores, output, metric)
+            own = judge.one_output(output, metric)
             verdict = own if verdict is None else verdict.combined(own)
         if verdict is not None and not verdict.ok:
             verdict = replace(verdict, passing=_passing(scores, self))
         return verdict if self.enabled or verdict.ok else replace(verdict, ok=True)
 
-    def _custom(self, scores: Scores, custom: tuple[float, float] | None) -> AccuracyVerdict:
+
+@dataclass(frozen=True)
+class CustomScore:
+    """accuracy.custom_metric on the float model and on the judged one (higher is better), and the
+    upper confidence bound of the drop between them (None: the drop itself)."""
+
+    float_score: float
+    score: float
+    drop_bound: float | None = None
+
+    @property
+    def drop(self) -> float:
+        return self.float_score - self.score
+
+
+@dataclass(frozen=True)
+class _Judge:
+    """One judge() call: the budget, the scores and the confidence bounds of their metrics."""
+
+    budget: AccuracyBudget
+    scores: Scores
+    where: str
+
+    @property
+    def _pct(self) -> str:
+        return f"{100 * self.budget.confidence:g}%"
+
+    def _on(self, n: int | None) -> str:
+        return f"{n} {self.where}" if n is not None else self.where
+
+    def _sure(self, bound_text: str, n: int | None, upper: bool = False, spread: str = "") -> str:
+        """"sd S, 95% lower bound B, N held-out samples; " when the scores carry per-sample values
+        (the bound was computed), else nothing (the verdict is on the value)."""
+        ps = self.scores.per_sample
+        if ps is None or not ps.n:
+            return ""
+        sd = f"sd {spread}, " if spread else ""
+        return f"{sd}{self._pct} {'upper' if upper else 'lower'} bound {bound_text}, {self._on(n)}; "
+
+    def custom(self, custom: CustomScore | None) -> AccuracyVerdict:
+        b = self.budget
         if custom is None:
             raise RuntimeError("metric=custom: judge() needs the custom scores (Holdout.judge computes them)")
-        ref, got = custom
-        drop = ref - got
-        allowed = self.max_drop * abs(ref) / 100.0 if self.relative else self.max_drop
-        name = metric_name(self.custom_metric or "custom")
-        limit = f"{self.max_drop:g}% of float" if self.relative else f"{self.max_drop:g}"
-        worst_snr, _, _ = scores.worst("snr_db")
-        return AccuracyVerdict(ok=drop <= allowed, metric="custom",
-                               what=f"{name} {got:.4g} (float {ref:.4g}, drop {drop:.4g}, max {limit})",
-                               snr_db=worst_snr, custom=got, custom_float=ref)
+        ref, got, drop = custom.float_score, custom.score, custom.drop
+        high = drop if custom.drop_bound is None or math.isnan(custom.drop_bound) else max(drop, custom.drop_bound)
+        allowed = b.max_drop * abs(ref) / 100.0 if b.relative else b.max_drop
+        name = metric_name(b.custom_metric or "custom")
+        limit = f"{b.max_drop:g}% of float" if b.relative else f"{b.max_drop:g}"
+        worst_snr, _, _ = self.scores.worst("snr_db")
+        return AccuracyVerdict(ok=high <= allowed, metric="custom",
+                               what=f"{name} {got:.4g} (float {ref:.4g}, drop {drop:.4g}, "
+                                    f"{self._sure(f'{high:.4g}', self.scores.samples, True)}max {limit})",
+                               snr_db=worst_snr, custom=got, custom_float=ref, bound=high,
+                               samples=self.scores.samples, confidence=b.confidence)
 
-    def _one_output(self, scores: Scores, output: str, metric: str) -> AccuracyVerdict:
+    def one_output(self, output: str, metric: str) -> AccuracyVerdict:
         """``output`` judged by ``metric`` alone (accuracy.per_output)."""
-        i = (scores.output_names or []).index(output)
+        scores, b = self.scores, self.budget
+        i = scores.index_of(output)
         if metric == "agreement":
             own = scores.outputs[i]
-            agree, n = own.decisive_agreement, own.decisive_samples
-            if agree is None:
-                agree = own.agreement
-            ok = agree is not None and 100.0 * (1.0 - agree) <= self.max_disagreement
+            decisive = own.decisive_agreement is not None
+            agree = own.decisive_agreement if decisive else own.agreement
+            low = self.agreement_bound(i, agree, decisive)
+            n = own.decisive_samples if decisive else None
+            ok = low is not None and 100.0 * (1.0 - low) <= b.max_disagreement
             on = f" on {n} decisive samples" if n else ""
             what = (f"agreement n/a on output '{output}' (no class scores)" if agree is None else
-                    f"agreement {100 * agree:.1f}%{on} on output '{output}' (min {100 - self.max_disagreement:.3g}%)")
+                    f"agreement {100 * agree:.1f}%{on} on output '{output}' "
+                    f"({self._sure(f'{100 * low:.1f}%', scores.samples)}min {100 - b.max_disagreement:.3g}%)")
             return AccuracyVerdict(ok=ok, metric="agreement", what=what, snr_db=own.snr_db, agreement=agree,
-                                   output=_name(output))
-        return replace(self, metric=metric, outputs=(), per_output=())._default(scores.only(i), None)
+                                   output=_name(output), bound=low, samples=n, confidence=b.confidence)
+        alone = replace(b, metric=metric, outputs=(), per_output=())
+        return replace(self, budget=alone).default(scores.only(i), None)
 
-    def _default(self, scores: Scores, float_top1: float | None) -> AccuracyVerdict:
+    def agreement_bound(self, i: int | None, agree: float | None, decisive: bool) -> float | None:
+        ps = self.scores.per_sample
+        if agree is None or ps is None or i is None or not ps.n:
+            return agree
+        low = ps.agreement_bound(i, self.budget.confidence, decisive)
+        return agree if math.isnan(low) else min(agree, low)
+
+    def worst(self, scores: Scores, attr: str) -> tuple[float | None, float | None, str | int | None, int]:
+        """(value, lower bound, output, outputs judged) of the judged float output with the lowest
+        bound of ``attr`` (snr_db or cosine); bounds are the values without per-sample scores."""
+        ps, conf = scores.per_sample, self.budget.confidence
+        value, label, n = scores.worst(attr)
+        if ps is None or not ps.n or not scores.outputs or n == 0:
+            return value, value, label, n
+        best: tuple[float, float, str | int] | None = None
+        for i, o in enumerate(scores.outputs):
+            v = getattr(o, attr)
+            if not (o.is_float and o.judged) or v is None or (isinstance(v, float) and math.isnan(v)):
+                continue
+            low = ps.snr_bound(i, conf) if attr == "snr_db" else ps.cosine_bound(i, conf)
+            low = v if math.isnan(low) else min(v, low)
+            if best is None or low < best[1]:
+                best = (v, low, o.label(i))
+        return (best[0], best[1], best[2], n) if best else (value, value, label, n)
+
+    def _spread(self, scores: Scores, attr: str, label: str | int | None) -> float | None:
+        ps = scores.per_sample
+        if ps is None or not ps.n or label is None:
+            return None
+        i = scores.index_of(label)
+        return (ps.snr_spread(i) if attr == "snr_db" else ps.cosine_spread(i))[0]
+
+    def default(self, scores: Scores, float_top1: float | None) -> AccuracyVerdict:
+        b = self.budget
         top1 = scores.top1
         drop = None if top1 is None or float_top1 is None else 100.0 * (float_top1 - top1)
         agree = scores.agreement
         # scores that never counted decisive samples (a bare dict) are judged on their plain agreement
-        decisive = scores.decisive_agreement if scores.decisive_samples is not None else agree
-        worst_snr, snr_out, n_out = scores.worst("snr_db")
-        worst_cos, cos_out, _ = scores.worst("cosine")
-        metric = self.metric
+        counted = scores.decisive_samples is not None
+        decisive = scores.decisive_agreement if counted else agree
+        metric = b.metric
         if metric == "auto":
             metric = "top1" if drop is not None else ("snr_and_agreement" if agree is not None else "snr")
         if metric == "top1" and drop is None:
             metric = "agreement" if agree is not None else "snr"
         if metric == "agreement" and agree is None:
             metric = "snr"
-        of = f" of {n_out} outputs" if n_out > 1 else ""
-        snr_ok = worst_snr is not None and (worst_snr == math.inf or worst_snr >= self.min_snr_db)
-        snr_what = f"SNR {db_text(worst_snr)} on {_name(snr_out)} (min {self.min_snr_db:g} dB{', worst' + of if of else ''})"
-        output = snr_out
+        common = {"agreement": agree, "top1": top1, "top1_drop": drop, "samples": scores.samples,
+                  "confidence": b.confidence}
         if metric == "top1":
-            ok, what = drop <= self.max_drop, f"top-1 drop {drop:.2f} points (max {self.max_drop:g})"
-            output = None
-        elif metric == "agreement":
-            ok = 100.0 * (1.0 - agree) <= self.max_disagreement
-            what = f"agreement {100 * agree:.1f}% (min {100 - self.max_disagreement:.3g}%)"
-        elif metric == "snr_and_agreement":
+            ps = scores.per_sample
+            high = drop if ps is None or not ps.drop else max(drop, ps.drop_bound(b.confidence))
+            worst_snr, _, _ = scores.worst("snr_db")
+            return AccuracyVerdict(ok=high <= b.max_drop, metric=metric, snr_db=worst_snr, bound=high, **common,
+                                   what=f"top-1 drop {drop:.2f} points ({self._sure(f'{high:.2f}', scores.samples, True)}"
+                                        f"max {b.max_drop:g})")
+        if metric == "cosine":
+            return self._floor(scores, "cosine", common)
+        snr = self._floor(scores, "snr_db", common)
+        if metric == "agreement":
+            low = self.agreement_bound(scores.first_class, agree, False)
+            return replace(snr, metric=metric, ok=100.0 * (1.0 - low) <= b.max_disagreement, bound=low, output=None,
+                           what=f"agreement {100 * agree:.1f}% ({self._sure(f'{100 * low:.1f}%', scores.samples)}"
+                                f"min {100 - b.max_disagreement:.3g}%)")
+        if metric == "snr_and_agreement":
+            low = self.agreement_bound(scores.first_class, decisive, counted)
+            agree_ok = low is None or 100.0 * (1.0 - low) <= b.max_disagreement
             n_dec = scores.decisive_samples
-            agree_ok = decisive is None or 100.0 * (1.0 - decisive) <= self.max_disagreement
-            ok = snr_ok and agree_ok
             on = f" on {n_dec} decisive samples" if n_dec is not None else ""
-            what = snr_what + ("; agreement n/a (no decisive samples)" if decisive is None else
-                               f"; agreement {100 * decisive:.1f}%{on} (min {100 - self.max_disagreement:.3g}%)")
-        elif metric == "cosine":
-            ok = worst_cos is not None and worst_cos >= self.min_cosine
-            what = (f"cosine {worst_cos if worst_cos is not None else float('nan'):.4f} on {_name(cos_out)} "
-                    f"(min {self.min_cosine:g}{', worst' + of if of else ''})")
-            output = cos_out
-        else:
-            ok, what = snr_ok, snr_what
-        return AccuracyVerdict(ok=bool(ok), metric=metric, what=what, snr_db=worst_snr, cosine=worst_cos,
-                               agreement=agree, top1=top1, top1_drop=drop,
-                               output=_name(output) if output is not None else None)
+            extra = ("; agreement n/a (no decisive samples)" if decisive is None else
+                     f"; agreement {100 * decisive:.1f}%{on} ({self._sure(f'{100 * low:.1f}%', None)}"
+                     f"min {100 - b.max_disagreement:.3g}%)")
+            return replace(snr, metric=metric, ok=snr.ok and agree_ok, what=snr.what + extra)
+        return snr
+
+    def _floor(self, scores: Scores, attr: str, common: dict[str, Any]) -> AccuracyVerdict:
+        """The verdict of the per-output floor of ``attr`` (snr_db or cosine) on the worst output."""
+        b = self.budget
+        value, low, label, n_out = self.worst(scores, attr)
+        spread = self._spread(scores, attr, label)
+        worst_snr = value if attr == "snr_db" else scores.worst("snr_db")[0]
+        of = f", worst of {n_out} outputs" if n_out > 1 else ""
+        n = scores.samples
+        if attr == "snr_db":
+            ok = low is not None and (low == math.inf or low >= b.min_snr_db)
+            sd = f"{spread:.1f} dB" if spread is not None and value is not None and math.isfinite(value) else ""
+            what = (f"SNR {db_text(value)} on {_name(label)} ({self._sure(db_text(low), n, spread=sd)}"
+                    f"min {b.min_snr_db:g} dB{of})")
+            return AccuracyVerdict(ok=bool(ok), metric="snr", what=what, snr_db=worst_snr, bound=low, spread=spread,
+                                   output=_name(label), **common)
+        ok = low is not None and low >= b.min_cosine
+        sd = f"{spread:.4f}" if spread is not None else ""
+        what = (f"cosine {value if value is not None else math.nan:.4f} on {_name(label)} "
+                f"({self._sure(f'{low if low is not None else math.nan:.4f}', n, spread=sd)}min {b.min_cosine:g}{of})")
+        return AccuracyVerdict(ok=bool(ok), metric="cosine", what=what, snr_db=worst_snr, cosine=value, bound=low,
+                               spread=spread, output=_name(label), **common)
 
 
 def _judged(scores: Scores, outputs: tuple[str, ...], elsewhere: set[str]) -> Scores:
@@ -242,6 +348,13 @@ class AccuracyVerdict:
     custom: float | None = None  # metric=custom: this model's score
     custom_float: float | None = None  # ... and the float model's
     passing: tuple[str, ...] = ()  # a failed verdict: the outputs that meet the budget on their own
+    # the one-sided confidence bound the verdict was decided on (lower for cosine, SNR and agreement,
+    # upper for a drop), the samples it rests on, the confidence, and the per-sample standard
+    # deviation of the deciding metric
+    bound: float | None = None
+    samples: int | None = None
+    confidence: float | None = None
+    spread: float | None = None
 
     def combined(self, other: AccuracyVerdict) -> AccuracyVerdict:
         """Both verdicts must hold; the numbers are the worse of the two."""
@@ -249,8 +362,8 @@ class AccuracyVerdict:
         failing = self if not self.ok else other if not other.ok else worse
         low = [x for x in (self.cosine, other.cosine) if x is not None]
         return replace(self, ok=self.ok and other.ok, what=f"{self.what}; {other.what}", snr_db=worse.snr_db,
-                       cosine=min(low) if low else None, output=failing.output,
-                       agreement=self.agreement if self.agreement is not None else other.agreement)
+                       cosine=min(low) if low else None, output=failing.output, bound=failing.bound,
+                       spread=failing.spread, agreement=self.agreement if self.agreement is not None else other.agreement)
 
     @property
     def hint(self) -> str:
@@ -298,135 +411,32 @@ class CustomMetric:
 
     def __call__(self, outputs: list[dict[str, np.ndarray]], reference: list[dict[str, np.ndarray]],
                  labels: list[np.ndarray] | None) -> float:
+        return self.values(outputs, reference, labels)[0]
+
+    def values(self, outputs: list[dict[str, np.ndarray]], reference: list[dict[str, np.ndarray]],
+               labels: list[np.ndarray] | None) -> tuple[float, np.ndarray | None]:
+        """(score, per-sample values or None): a function may return one number, or one value per
+        sample (the score is then their mean, and the bound resamples them)."""
         try:
             value = self.fn(outputs, reference, labels)
         except Exception as exc:  # noqa: BLE001 - the user's code: one line naming it, not our traceback
             raise InputError(f"accuracy.custom_metric={self.path} raised {type(exc).__name__}: {first_line(exc)}; "
                              f"fix the function (it is called as fn(outputs, reference, labels))") from None
+        per_sample = None
+        if isinstance(value, (list, tuple, np.ndarray)) and np.ndim(value) == 1:
+            samples = sum(next(iter(o.values())).shape[0] if o and np.ndim(next(iter(o.values()))) else 1
+                          for o in outputs)
+            if len(value) != samples:
+                raise InputError(f"accuracy.custom_metric={self.path} returned {len(value)} values for {samples} "
+                                 f"samples; return one number, or one value per sample")
+            per_sample = np.asarray(value, dtype=np.float64)
+            value = float(np.mean(per_sample)) if per_sample.size else math.nan
         try:
             value = float(value)
         except (TypeError, ValueError):
             raise InputError(f"accuracy.custom_metric={self.path} returned {type(value).__name__}, not a number; "
-                             f"it must return a float (higher is better)") from None
+                             f"it must return a float, or one value per sample (higher is better)") from None
         if math.isnan(value):
             raise InputError(f"accuracy.custom_metric={self.path} returned NaN; it must return a number "
                              f"(higher is better)")
-        return value
-
-
-def by_name(outputs: list[np.ndarray], names: list[str] | None, valid: int) -> dict[str, np.ndarray]:
-    """One batch's outputs as {name: array} with the padding samples removed (what a custom metric sees)."""
-    batch = next((o.shape[0] for o in outputs if o.ndim), None)
-    keys = names if names and len(names) == len(outputs) else [str(i) for i in range(len(outputs))]
-    return {k: valid_rows(np.asarray(o), valid, batch) for k, o in zip(keys, outputs, strict=True)}
-
-
-def labels_of(labels: list[np.ndarray | None], valid: list[int]) -> list[np.ndarray] | None:
-    """Each batch's labels without padding, or None when a batch has none."""
-    if not labels or any(x is None for x in labels):
-        return None
-    return [np.asarray(x)[:v] for x, v in zip(labels, valid, strict=True)]
-
-
-@dataclass
-class Holdout:
-    """Feeds the calibrator did not see, with labels and the float model's outputs on them."""
-
-    feeds: list[dict[str, np.ndarray]]
-    labels: list[np.ndarray | None]
-    valid: list[int]
-    reference: list[list[np.ndarray]] = field(default_factory=list)
-    float_top1: float | None = None
-    source: str = ""
-    output_names: list[str] | None = None
-    budget: AccuracyBudget | None = None  # checked against the model's outputs by set_reference
-    class_outputs: list[str] | None = None
-    metric: CustomMetric | None = None
-    float_custom: float | None = None  # the float model's score of ``metric``
-
-    @classmethod
-    def from_config(cls, cfg: DictConfig, specs: list) -> Holdout:
-        """The ``accuracy.holdout_batches`` calibration batches after the
-        ``quantize.calibration.batches`` calibrated on; when the data runs out before that, its last
-        batches (then overlapping calibration, and said so). Quantize and autotune use the same slice."""
-        from pipeline.data.adapters import DataProvider
-
-        skip, count = int(cfg.quantize.calibration.batches), int(cfg.accuracy.holdout_batches)
-        provider = DataProvider(cfg, specs)
-        window: list = []
-        seen = 0
-        for b in provider.batches("calibration", skip + count):
-            seen += 1
-            window.append(b)
-            if len(window) > count:
-                window.pop(0)
-        fresh = max(0, seen - skip)
-        source = f"calibration batches {skip}..{seen - 1} (not calibrated on)"
-        if fresh < count:
-            source = (f"the last {len(window)} calibration batches ({min(len(window), count - fresh)} of them also "
-                      f"calibrated on: the calibration data has only {seen} batches)")
-        return cls([b.feeds for b in window], [b.labels for b in window], [b.valid for b in window], source=source,
-                   budget=AccuracyBudget.from_config(cfg), class_outputs=class_outputs(cfg),
-                   metric=CustomMetric.from_config(cfg))
-
-    def set_reference(self, prepared: Any) -> None:
-        """Run the float model (a PreparedModel) once; its outputs are what candidates are compared with."""
-        self.reference = self.outputs(prepared)
-        self.output_names = list(getattr(prepared, "output_names", None) or []) or None
-        check_output_names(self.budget, self.class_outputs, self.output_names)
-        self.float_top1 = self.scores(self.reference).top1
-        if self.metric is not None:
-            self.float_custom = self.metric(self._named(self.reference), self._named(self.reference),
-                                            labels_of(self.labels, self.valid))
-
-    def _named(self, outputs: list[list[np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        return [by_name(o, self.output_names, v) for o, v in zip(outputs, self.valid, strict=True)]
-
-    def scores(self, outputs: list[list[np.ndarray]]) -> Scores:
-        """The scores of a model's outputs on the holdout against the float outputs."""
-        s = ModelScores(top_k=1, output_names=list(self.output_names or []), class_outputs=self.class_outputs)
-        for ref, out, labels, valid in zip(self.reference, outputs, self.labels, self.valid, strict=True):
-            s.update(ref, out, labels, valid)
-        return s.scores()
-
-    def outputs(self, prepared: Any) -> list[list[np.ndarray]]:
-        return [[np.asarray(o) for o in prepared.run(f)] for f in self.feeds]
-
-    def judge(self, outputs: list[list[np.ndarray]], budget: AccuracyBudget) -> AccuracyVerdict:
-        """``budget``'s verdict on a model's outputs on the holdout (``outputs(prepared)``)."""
-        custom = None
-        if self.metric is not None and budget.metric == "custom":
-            custom = (self.float_custom, self.metric(self._named(outputs), self._named(self.reference),
-                                                     labels_of(self.labels, self.valid)))
-        return budget.judge(self.scores(outputs), self.float_top1, custom)
-
-    def score(self, prepared: Any, budget: AccuracyBudget) -> AccuracyVerdict:
-        """Run ``prepared`` on the holdout and judge it against ``budget``."""
-        if not self.reference:
-            raise RuntimeError("Holdout.score before set_reference")
-        return self.judge(self.outputs(prepared), budget)
-
-    @property
-    def samples(self) -> int:
-        return int(sum(self.valid))
-
-
-def class_outputs(cfg: DictConfig) -> list[str] | None:
-    """accuracy.class_outputs, plus the outputs accuracy.per_output judges by agreement (which needs
-    class scores counted on them); None: the shape guess on the first output, and those outputs."""
-    a = cfg.accuracy
-    agreement = [str(o) for o, m in (a.per_output or {}).items() if enum_value(m) == "agreement"]
-    if a.class_outputs is None:
-        return None if not agreement else [FIRST_OUTPUT, *agreement]
-    return list(dict.fromkeys([*a.class_outputs, *agreement]))
-
-
-def check_output_names(budget: AccuracyBudget | None, class_outputs: list[str] | None,
-                       names: list[str] | None) -> None:
-    """A ConfigError naming the model's outputs when an accuracy key names an output it does not have."""
-    if budget is not None:
-        budget.check_outputs(names)
-    unknown = [o for o in class_outputs or [] if names and o not in names and o != FIRST_OUTPUT]
-    if unknown:
-        raise ConfigError(f"accuracy.class_outputs: the model has no output {', '.join(repr(o) for o in unknown)}; "
-                          f"its outputs are {', '.join(names or [])}")
+        return value, per_sample

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.accuracy.confidence import SampleScores
 from pipeline.accuracy.scores import OutputScores, Scores
 
 
@@ -64,15 +65,27 @@ def topk_hits(logits: np.ndarray, labels: np.ndarray, k: int, valid: int | None 
     return int(np.sum(np.any(top == labels.astype(np.int64)[:, None], axis=1)))
 
 
-def prediction_agreement(reference: np.ndarray, test: np.ndarray, valid: int | None = None) -> tuple[int, int]:
-    """(agreeing predictions, compared predictions) of ``test`` vs ``reference`` over valid samples."""
+def _per_sample(counts: np.ndarray, valid: int) -> np.ndarray:
+    """Per-position counts [valid, ...] summed to one value per sample; counts that are not
+    batch-major (one prediction for the whole batch) go to the batch's first sample."""
+    if counts.ndim and counts.shape[0] == valid:
+        return counts.reshape(valid, -1).sum(axis=1).astype(np.float64)
+    out = np.zeros(valid, dtype=np.float64)
+    if valid:
+        out[0] = float(np.sum(counts))
+    return out
+
+
+def agreement_per_sample(reference: np.ndarray, test: np.ndarray, valid: int) -> tuple[np.ndarray, np.ndarray]:
+    """(agreeing, compared) predictions of ``test`` vs ``reference`` per valid sample (zeros where
+    the outputs hold no class scores)."""
     ref_pred, test_pred = predictions(reference), predictions(test)
     if ref_pred is None or test_pred is None:
-        return 0, 0
+        return np.zeros(valid), np.zeros(valid)
     batch = reference.shape[0] if reference.ndim else None
     ref_pred = valid_rows(ref_pred, valid, batch)
     test_pred = valid_rows(test_pred, valid, batch)
-    return int(np.sum(ref_pred == test_pred)), int(ref_pred.size)
+    return _per_sample(ref_pred == test_pred, valid), _per_sample(np.ones(ref_pred.shape, bool), valid)
 
 
 def cosine_similarities(reference: np.ndarray, test: np.ndarray, valid: int | None = None) -> np.ndarray:
@@ -101,12 +114,12 @@ DECISIVE_MARGIN = 0.5
 FIRST_OUTPUT = "*first*"
 
 
-def decisive_agreement(reference: np.ndarray, test: np.ndarray, valid: int | None = None,
-                       margin: float = DECISIVE_MARGIN) -> tuple[int, int]:
-    """(agreeing, compared) predictions over the valid samples (and positions) whose float top-1
-    score leads the runner-up by at least ``margin`` x the RMS of that sample's scores."""
+def decisive_per_sample(reference: np.ndarray, test: np.ndarray, valid: int,
+                        margin: float = DECISIVE_MARGIN) -> tuple[np.ndarray, np.ndarray]:
+    """(agreeing, compared) predictions per valid sample over the positions whose float top-1 score
+    leads the runner-up by at least ``margin`` x the RMS of that sample's scores."""
     if not _class_scores(reference) or reference.shape[-1] < 2 or not _is_float(test):
-        return 0, 0
+        return np.zeros(valid), np.zeros(valid)
     batch = reference.shape[0]
     r = valid_rows(reference, valid, batch).astype(np.float64)
     t = valid_rows(test, valid, batch)
@@ -114,15 +127,20 @@ def decisive_agreement(reference: np.ndarray, test: np.ndarray, valid: int | Non
     rms = np.sqrt(np.mean(r * r, axis=-1))
     decisive = (top2[..., 1] - top2[..., 0]) >= margin * rms
     same = np.argmax(r, axis=-1) == np.argmax(t, axis=-1)
-    return int(np.sum(same & decisive)), int(np.sum(decisive))
+    return _per_sample(same & decisive, valid), _per_sample(decisive, valid)
 
 
-def energies(reference: np.ndarray, test: np.ndarray, valid: int | None = None) -> tuple[float, float]:
-    """(sum of reference^2, sum of (test - reference)^2) over valid samples, in float64."""
+def energies_per_sample(reference: np.ndarray, test: np.ndarray, valid: int) -> tuple[np.ndarray, np.ndarray]:
+    """(sum of reference^2, sum of (test - reference)^2) per valid sample, in float64; an output that
+    is not batch-major has its energies spread evenly over the batch's samples."""
     batch = reference.shape[0] if reference.ndim else None
     r = valid_rows(reference, valid, batch).astype(np.float64)
     t = valid_rows(test, valid, batch).astype(np.float64)
-    return float(np.sum(r * r)), float(np.sum((t - r) ** 2))
+    if r.ndim and r.shape[0] == valid:
+        r2, t2 = r.reshape(valid, -1), t.reshape(valid, -1)
+        return np.sum(r2 * r2, axis=1), np.sum((t2 - r2) ** 2, axis=1)
+    share = 1.0 / max(valid, 1)
+    return np.full(valid, float(np.sum(r * r)) * share), np.full(valid, float(np.sum((t - r) ** 2)) * share)
 
 
 def snr_from_energies(signal: float, noise: float) -> float:
@@ -140,6 +158,13 @@ def db_text(x: float | None) -> str:
     """An SNR for messages: "12.3 dB", "inf dB" (identical outputs) or "n/a"."""
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else (
         "inf dB" if x == math.inf else f"{x:.1f} dB")
+
+
+def energies(reference: np.ndarray, test: np.ndarray, valid: int | None = None) -> tuple[float, float]:
+    """(sum of reference^2, sum of (test - reference)^2) over the valid samples, in float64."""
+    batch = reference.shape[0] if reference.ndim else 1
+    signal, noise = energies_per_sample(reference, test, batch if valid is None else valid)
+    return float(signal.sum()), float(noise.sum())
 
 
 def snr_db(reference: np.ndarray, test: np.ndarray, valid: int | None = None) -> float:
@@ -186,6 +211,8 @@ class ModelScores:
     # per output, for the class outputs: [agreeing, compared, decisive agreeing, decisive compared]
     agreement_counts: list[list[int]] = field(default_factory=list)
     custom: float | None = None  # accuracy.custom_metric's score, set by whoever computed it
+    per_sample: SampleScores = field(default_factory=SampleScores)  # for the verdicts' confidence bounds
+    _batches: int = 0
 
     def classes(self, count: int) -> list[int]:
         """Indices of the outputs treated as class scores, the first one being the labels' output
@@ -202,8 +229,9 @@ class ModelScores:
         self.samples += valid
         classes = self.classes(len(outputs))
         first = outputs[classes[0]] if classes else None
-        if first is not None and labels is not None and _is_float(first) and first.ndim == 2 \
-                and labels.size == first.shape[0]:
+        labelled = first is not None and labels is not None and _is_float(first) and first.ndim == 2 \
+            and labels.size == first.shape[0]
+        if labelled:
             self.labelled += valid
             self.top1_hits += topk_hits(first, labels, 1, valid)
             if self.top_k > 1 and first.shape[1] >= self.top_k:
@@ -216,23 +244,45 @@ class ModelScores:
             self.cosine_sums, self.cosine_counts = [0.0] * k, [0] * k
             self.float_outputs = [_is_float(r) for r in reference]
             self.agreement_counts = [[0, 0, 0, 0] for _ in range(k)]
-        for i in classes:
+        columns = self._columns(reference, outputs, classes, valid)
+        for i in range(len(outputs)):
             counts = self.agreement_counts[i]
-            for j, (a, n) in enumerate((prediction_agreement(reference[i], outputs[i], valid),
-                                        decisive_agreement(reference[i], outputs[i], valid))):
-                counts[2 * j] += a
-                counts[2 * j + 1] += n
+            for j, name in enumerate(("agree", "compared", "decisive_agree", "decisive")):
+                counts[j] += int(columns[name][:, i].sum())
+            self.signal[i] += float(columns["signal"][:, i].sum())
+            self.noise[i] += float(columns["noise"][:, i].sum())
+            if self.float_outputs[i]:
+                self.cosine_sums[i] += float(columns["cosine"][:, i].sum())
+                self.cosine_counts[i] += valid
         if classes:
             self.agree, self.compared, self.decisive_agree, self.decisive_compared = \
                 self.agreement_counts[classes[0]]
+        drop = None
+        if labelled:
+            hit = np.argmax(valid_rows(first, valid), axis=1) == labels.reshape(-1)[:valid]
+            ref_hit = np.argmax(valid_rows(reference[classes[0]], valid), axis=1) == labels.reshape(-1)[:valid]
+            drop = ref_hit.astype(np.float64) - hit
+        self.per_sample.add(columns, drop, self._batches)
+        self._batches += 1
+
+    @staticmethod
+    def _columns(reference: list[np.ndarray], outputs: list[np.ndarray], classes: list[int],
+                 valid: int) -> dict[str, np.ndarray]:
+        """One batch's per-sample values, each [valid, outputs]."""
+        cols: dict[str, list[np.ndarray]] = {n: [] for n in ("signal", "noise", "cosine", "agree", "compared",
+                                                              "decisive_agree", "decisive")}
+        zeros = np.zeros(valid)
         for i, (r, o) in enumerate(zip(reference, outputs, strict=True)):
-            s, e = energies(r, o, valid)
-            self.signal[i] += s
-            self.noise[i] += e
-            if _is_float(r):
-                cos = cosine_similarities(r, o, valid)
-                self.cosine_sums[i] += float(np.sum(cos))
-                self.cosine_counts[i] += int(cos.size)
+            for name, v in zip(("signal", "noise"), energies_per_sample(r, o, valid), strict=True):
+                cols[name].append(v)
+            cos = cosine_similarities(r, o, valid) if _is_float(r) else np.full(valid, np.nan)
+            cols["cosine"].append(cos if cos.size == valid else np.full(valid, float(np.mean(cos))))
+            pairs = (agreement_per_sample(r, o, valid), decisive_per_sample(r, o, valid)) if i in classes \
+                else ((zeros, zeros), (zeros, zeros))
+            for name, v in zip(("agree", "compared", "decisive_agree", "decisive"), (*pairs[0], *pairs[1]),
+                               strict=True):
+                cols[name].append(v)
+        return {n: np.stack(v, axis=1) if v else np.zeros((valid, 0)) for n, v in cols.items()}
 
     def scores(self) -> Scores:
         """What was accumulated, as plain floats; a score that does not apply is None. SNR may be +inf."""
@@ -250,7 +300,8 @@ class ModelScores:
             decisive_samples=self.decisive_compared,
             identical_outputs=bool(self.noise) and all(n == 0.0 for n in self.noise), outputs=outputs,
             class_outputs=tuple(labels[i] for i in self.classes(count)
-                                if self.agreement_counts and self.agreement_counts[i][1]))
+                                if self.agreement_counts and self.agreement_counts[i][1]),
+            per_sample=self.per_sample)
 
     def _output(self, i: int, named: bool) -> OutputScores:
         """Output ``i``'s scores; agreement and decisive agreement on the class outputs only."""

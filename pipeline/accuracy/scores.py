@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from pipeline.accuracy.confidence import SampleScores
 
 # the per-output lists of the to_dict form, one entry per model output
 _PER_OUTPUT = ("output_names", "snr_db_per_output", "cosine_per_output", "float_outputs", "agreement_per_output",
@@ -51,6 +53,21 @@ class Scores:
     identical_outputs: bool = False
     outputs: tuple[OutputScores, ...] = ()
     class_outputs: tuple[str | int, ...] = ()  # the outputs agreement was counted on, the labels' first
+    # the per-sample values these scores sum up; None for scores read back from metrics.json
+    per_sample: SampleScores | None = field(default=None, compare=False, repr=False)
+
+    def index_of(self, label: str | int) -> int:
+        """The position of output ``label`` (its name, or its index when outputs are not named)."""
+        return label if isinstance(label, int) else (self.output_names or []).index(label)
+
+    @property
+    def first_class(self) -> int | None:
+        """The position of the first judged class output (the one top-1 and agreement are counted on)."""
+        for c in self.class_outputs:
+            i = self.index_of(c)
+            if i < len(self.outputs) and self.outputs[i].judged:
+                return i
+        return 0 if not self.outputs else None
 
     @property
     def output_names(self) -> list[str] | None:

@@ -372,15 +372,20 @@ def _restore_axes(batch: Batch, specs: list[InputSpec], axes: Mapping[str, int |
     return Batch(feeds, batch.labels, batch.valid)
 
 
-def _custom_iterable(target: str, args: dict[str, Any], split: str) -> Iterable[Any]:
-    fn = import_object(target, "data._target_")
-    kwargs = dict(args)
+def takes_split(target: str) -> bool:
+    """Whether the data._target_ function takes a ``split`` argument ("calibration" or
+    "evaluation"): without one, evaluation reads the calibration data again."""
     try:
-        if "split" in inspect.signature(fn).parameters:
-            kwargs["split"] = split
+        return "split" in inspect.signature(import_object(target, "data._target_")).parameters
     except (TypeError, ValueError):
-        pass
-    return fn(**kwargs)
+        return False
+
+
+def _custom_iterable(target: str, args: dict[str, Any], split: str) -> Iterable[Any]:
+    kwargs = dict(args)
+    if takes_split(target):
+        kwargs["split"] = split
+    return import_object(target, "data._target_")(**kwargs)
 
 
 # what this process has warned about once already

@@ -18,7 +18,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline.accuracy.budget import AccuracyBudget, Holdout
+from pipeline.accuracy.budget import AccuracyBudget
+from pipeline.accuracy.holdout import Holdout
 from pipeline.artifacts import atomic_write_json, fingerprint, sha256_file, user_path
 from pipeline.backends import create_backend
 from pipeline.errors import InputError, StageError, first_line
@@ -134,7 +135,8 @@ class AutotuneStage(Stage):
         # holdout does not miss the budget on unseen data (the continuous metrics keep the budget: the
         # PTQ model sits just inside the margin, and holding candidates to it left autotune no room)
         budget = AccuracyBudget.from_config(cfg).agreement_tightened(float(cfg.accuracy.recovery_margin_db))
-        holdout = Holdout.from_config(cfg, input_specs(model))
+        # quantize warned already when the holdout is small
+        holdout = Holdout.from_config(cfg, input_specs(model), warn="quantize/calibration.json" not in inputs)
         backend, baseline = float_baseline(backend, baseline_path, holdout, budget)
         log.info("autotune: every candidate is held to the accuracy budget (%s) on %d samples of %s",
                  budget.describe(), holdout.samples, holdout.source)

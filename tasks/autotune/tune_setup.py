@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.accuracy.budget import AccuracyBudget, Holdout
+from pipeline.accuracy.budget import AccuracyBudget
+from pipeline.accuracy.holdout import Holdout
 from pipeline.quant.calibration import Calibration
 from tasks.autotune.paired_step import PairedStep
 

@@ -6,7 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.accuracy.budget import CustomMetric, by_name, labels_of
+from pipeline.accuracy.budget import CustomMetric
+from pipeline.accuracy.holdout import by_name, labels_of
 
 
 class CustomScores:

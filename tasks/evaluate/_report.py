@@ -172,11 +172,17 @@ def _budget(metrics: dict[str, Any]) -> list[str]:
             continue
         verdict = "within budget" if v.get("ok") else "**OVER BUDGET**"
         lines.append(f"- {m['label']}: {verdict}: {v.get('what')}{_fidelity_text(m.get('kernel_fidelity'), v)}.")
+        promise = m.get("promise") or {}
+        if promise.get("holdout"):
+            lines.append(f"  Promised on the held-out calibration samples: {promise['holdout']['what']}; "
+                         f"{'kept' if promise['evaluation_ok'] else '**not kept**'} on the evaluation data.")
         if not v.get("ok") and v.get("passing"):
             lines.append(f"  Output{'s' if len(v['passing']) > 1 else ''} {', '.join(f'`{p}`' for p in v['passing'])} "
                          f"meet the budget on their own: if only they matter, set `accuracy.outputs=[{','.join(v['passing'])}]`.")
     for text in metrics.get("over_budget", []):
         lines.append(f"- **{text}**")
+    if metrics.get("promise_unchecked"):
+        lines.append(f"- The holdout verdicts are not checked on unseen data: {metrics['promise_unchecked']}.")
     return lines
 
 

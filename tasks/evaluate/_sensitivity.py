@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from pipeline.accuracy.budget import AccuracyBudget, CustomMetric, by_name, class_outputs, labels_of
+from pipeline.accuracy.budget import AccuracyBudget, CustomMetric
+from pipeline.accuracy.holdout import by_name, class_outputs, labels_of
 from pipeline.accuracy.metrics import ModelScores, json_safe
 from pipeline.accuracy.sensitivity import (
     clip_range,

@@ -33,6 +33,7 @@ from pipeline.progress import progress_bar
 from pipeline.stage import Stage, StageContext, StageResult
 from tasks.evaluate._custom import CustomScores
 from tasks.evaluate._latency import LatencyRun, ModelLatency, same_session
+from tasks.evaluate._verdicts import judge_models
 
 log = logging.getLogger("tune.evaluate")
 
@@ -216,7 +217,8 @@ class EvaluateStage(Stage):
                max_batches: int | None, prepared: dict[str, PreparedModel]) -> tuple[dict[str, ModelScores], int]:
         """One pass over the evaluation data; every model runs each batch, so nothing is stored.
         ``prepared`` holds every model, prepared by the caller (who also closes them)."""
-        from pipeline.accuracy.budget import AccuracyBudget, check_output_names, class_outputs
+        from pipeline.accuracy.budget import AccuracyBudget
+        from pipeline.accuracy.holdout import check_output_names, class_outputs
 
         provider = DataProvider(ctx.cfg, specs)
         top_k = int(ctx.cfg.evaluate.top_k)
@@ -288,55 +290,6 @@ class EvaluateStage(Stage):
                 log.warning("kernel-fidelity check of the %s model could not run: %s", c.label, first_line(exc))
         return out
 
-    @staticmethod
-    def _judge(ctx: StageContext, metrics: dict[str, Any], measured: Measurements) -> None:
-        """Hold every quantized model to the accuracy budget; say in words which ones miss it and why."""
-        from pipeline.accuracy.budget import AccuracyBudget
-        from pipeline.accuracy.cpu import cpu_facts, describe
-        from pipeline.data.live import metric_name
-        from pipeline.quant.calibration import quantize_decisions
-
-        budget = AccuracyBudget.from_config(ctx.cfg)
-        decisions = quantize_decisions(ctx.artifact("quantize/calibration.json"))
-        facts = cpu_facts()
-        metrics["machine"] = {"cpu": facts, "cpu_line": describe(facts),
-                              "quantized_on": (decisions.cpu or {}).get("brand")}
-        metrics["quantization"] = {
-            "weight_range": decisions.weight_range, "weight_range_reason": decisions.weight_range_reason,
-            "float_nodes": decisions.float_nodes, "budget": decisions.budget, "transforms": decisions.transforms,
-            "bias_correction": decisions.bias_correction, "fidelity_culprits": decisions.fidelity_culprits,
-            "body_nodes": decisions.body_nodes}
-        metrics["budget"] = budget.describe()
-        if budget.metric == "custom":
-            metrics["custom_metric"] = {"name": metric_name(budget.custom_metric), "path": budget.custom_metric,
-                                        "relative": budget.relative,
-                                        "scores": {k: m["custom_metric"] for k, m in metrics["models"].items()}}
-        float_top1 = metrics["models"]["float"].get("top1")
-        flagged = []
-        for key, m in metrics["models"].items():
-            if key in _FLOATS:
-                continue
-            custom = (metrics["models"]["float"]["custom_metric"], m["custom_metric"]) \
-                if budget.metric == "custom" else None
-            v = budget.judge(measured.scores[key].scores(), float_top1, custom)
-            fid = measured.fidelity.get(key)
-            m["budget"] = v.to_dict()
-            m["kernel_fidelity"] = fid.to_dict() if fid is not None else None
-            if v.ok:
-                continue
-            cause = ""
-            if fid is not None and fid.checked and not fid.ok:
-                cause = f"likely cause: {fid.reason} on {describe(facts)}"
-                if facts.get("u8s8_saturates") and decisions.weight_range == "full":
-                    cause += ", whose u8s8 kernels saturate with full-range int8 weights (AVX2 without VNNI)"
-            elif decisions.cpu and decisions.cpu.get("brand") != facts.get("brand"):
-                cause = (f"likely cause: quantized on {decisions.cpu.get('brand')}, evaluated on "
-                         f"{facts.get('brand')}: re-run stages=[quantize,...] on this machine")
-            m["over_budget"] = f"{m['label']} model misses the accuracy budget: {v.what}" + (f"; {cause}" if cause else "")
-            flagged.append(m["over_budget"])
-            log.warning("%s", m["over_budget"])
-        metrics["over_budget"] = flagged
-
     # ------------------------------------------------------------------ latency
     @staticmethod
     def _latency(backend: Backend, evaluated: list[EvaluatedModel], prepared: dict[str, PreparedModel],
@@ -394,7 +347,7 @@ class EvaluateStage(Stage):
             same_session(models, latency, plan.settings, backend)
             if latency.warning is not None:
                 log.warning("%s", latency.warning)
-        self._judge(ctx, metrics, measured)
+        judge_models(ctx, metrics, measured.scores, measured.fidelity, _FLOATS)
         metrics["headline"] = headline(metrics)
         return metrics
 

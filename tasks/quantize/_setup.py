@@ -14,7 +14,8 @@ from typing import Any
 import onnx
 from omegaconf import DictConfig
 
-from pipeline.accuracy.budget import AccuracyBudget, Holdout
+from pipeline.accuracy.budget import AccuracyBudget
+from pipeline.accuracy.holdout import Holdout
 from pipeline.data.adapters import Batch, DataProvider
 from pipeline.graph.model import input_specs
 from pipeline.progress import progress_bar
@@ -69,7 +70,7 @@ class QuantizeSetup:
     rules: dict[str, NodeDtypes]
     lowering: dict[str, Any] | None
     provider: DataProvider
-    total: int  # calibration batches, for the progress bars
+    total: int  # calibration batches: quantize.calibration.batches less any the holdout needs
     backend: Any  # an OnnxRuntimeBackend: calibration runs on it (checks: on the checker's backend)
     checker: Checker
     kind: str  # placement: "onnxruntime", "openvino" or "tensorrt"
@@ -88,12 +89,11 @@ class QuantizeSetup:
         check_weights_fit(model, memory_limit_bytes(q.calibration.max_memory_gb), "quantize.calibration.max_memory_gb")
         specs = input_specs(model)
         provider = DataProvider(cfg, specs)
-        n_batches = int(q.calibration.batches)
-        total = provider.count("calibration", n_batches)
+        holdout = Holdout.from_config(cfg, specs)
+        n_batches = total = holdout.split.calibration_batches  # never the held-out ones
         backend = ort_backend(cfg)
         kind = placement_kind(cfg)
         act_type = activation_type(cfg)
-        holdout = Holdout.from_config(cfg, specs)
         with backend.prepare(float_path) as pm:
             holdout.set_reference(pm)
         work = temp_workdir(out_dir)
@@ -118,7 +118,7 @@ class QuantizeSetup:
         return placement_builder(self.kind)
 
     def batches(self) -> Iterable[Batch]:
-        return self.provider.batches("calibration", int(self.q.calibration.batches))
+        return self.provider.batches("calibration", self.total)
 
     def progress(self, it: Iterable[Batch], desc: str) -> Iterable[Batch]:
         return progress_bar(bool(self.cfg.progress), iterable=it, total=self.total, desc=f"quantize: {desc}",

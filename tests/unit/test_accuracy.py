@@ -10,7 +10,8 @@ import onnx
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from pipeline.accuracy.budget import AccuracyBudget, Holdout
+from pipeline.accuracy.budget import AccuracyBudget
+from pipeline.accuracy.holdout import Holdout
 from pipeline.accuracy.cpu import cpu_facts
 from pipeline.accuracy.fidelity import kernel_fidelity
 from pipeline.backends.onnxruntime import OnnxRuntimeBackend, OrtPrepared
@@ -148,13 +149,19 @@ def test_class_outputs_by_declaration_not_by_shape():
 
 
 def test_custom_metric_budget_is_the_drop_of_the_users_score():
+    from pipeline.accuracy.budget import CustomScore
+
     r = _two_outputs()
     b = AccuracyBudget(metric="custom", max_drop=0.5, custom_metric="my.recall")
-    ok, bad = b.judge(r, None, custom=(0.90, 0.895)), b.judge(r, None, custom=(0.90, 0.30))
+    ok, bad = b.judge(r, None, custom=CustomScore(0.90, 0.895)), b.judge(r, None, custom=CustomScore(0.90, 0.30))
     assert ok.ok and ok.custom == 0.895 and ok.custom_float == 0.90 and "recall 0.895 (float 0.9" in ok.what
     assert not bad.ok
+    # the drop's upper confidence bound decides, not the drop
+    unsure = b.judge(r, None, custom=CustomScore(0.90, 0.895, drop_bound=0.6))
+    assert not unsure.ok and unsure.bound == 0.6
     rel = AccuracyBudget(metric="custom", max_drop=1.0, relative=True, custom_metric="my.recall")
-    assert rel.judge(r, None, custom=(0.90, 0.8955)).ok and not rel.judge(r, None, custom=(0.90, 0.88)).ok
+    assert rel.judge(r, None, custom=CustomScore(0.90, 0.8955)).ok
+    assert not rel.judge(r, None, custom=CustomScore(0.90, 0.88)).ok
 
 
 def test_custom_metric_that_raises_or_returns_nan_is_one_line():

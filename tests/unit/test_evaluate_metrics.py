@@ -12,7 +12,7 @@ from pipeline.accuracy.metrics import (
     ModelScores,
     cosine_similarities,
     json_safe,
-    prediction_agreement,
+    agreement_per_sample,
     snr_db,
     snr_from_energies,
     topk_hits,
@@ -31,18 +31,25 @@ def test_topk_ignores_padding_rows():
         topk_hits(logits, labels, 5)
 
 
+def prediction_agreement(reference, test, valid=None):
+    agree, compared = agreement_per_sample(reference, test, reference.shape[0] if valid is None else valid)
+    return int(agree.sum()), int(compared.sum())
+
+
 def test_agreement_over_valid_samples_and_positions():
     ref = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
     test = np.array([[0.9, 0.1], [0.7, 0.3], [0.0, 1.0]])
     assert prediction_agreement(ref, test) == (1, 3)
     assert prediction_agreement(ref, test, valid=1) == (1, 1)
-    # [N, seq, classes]: one prediction per position
+    # [N, seq, classes]: one prediction per position, counted per sample
     seq = np.zeros((2, 3, 4))
     seq[..., 0] = 1.0
     other = seq.copy()
     other[1, 2] = [0, 0, 1, 0]
     assert prediction_agreement(seq, other) == (5, 6)
     assert prediction_agreement(seq, other, valid=1) == (3, 3)
+    agree, compared = agreement_per_sample(seq, other, 2)
+    assert agree.tolist() == [3, 2] and compared.tolist() == [3, 3]
     # integer outputs are class ids already; a single float per sample has no argmax
     assert prediction_agreement(np.array([1, 2, 3]), np.array([1, 0, 3])) == (2, 3)
     assert prediction_agreement(np.array([0.5, 0.2]), np.array([0.5, 0.1])) == (0, 0)

@@ -1,0 +1,150 @@
+"""Evaluate's verdicts: every quantized model held to the accuracy budget on the evaluation data,
+with the likely cause of a miss (kernel fidelity, another CPU), and the promise checked: each model
+passed the budget on the held-out calibration samples; on evaluation data the pipeline never tuned
+on, its metric is reported next to that holdout verdict, and a model that passed the holdout but
+misses the budget there is flagged in one line. That miss is judged on the metric's value over the
+evaluation data (the user's own truth), not on its confidence bound."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict, CustomScore
+from pipeline.accuracy.cpu import cpu_facts, describe
+from pipeline.accuracy.metrics import ModelScores
+from pipeline.accuracy.scores import Scores
+from pipeline.config import resolved_data_source
+from pipeline.data.adapters import takes_split
+from pipeline.data.live import metric_name
+from pipeline.quant.calibration import QuantizeDecisions, quantize_decisions
+from pipeline.stage import StageContext
+
+log = logging.getLogger("tune.evaluate")
+
+
+def unseen_data(cfg: DictConfig) -> str | None:
+    """None when evaluation reads data the pipeline did not calibrate or hold out on, else why not
+    (for the report)."""
+    d, source = cfg.data, resolved_data_source(cfg)
+    if source == "digits":
+        return None  # the test split (data.test_fraction), never calibrated on
+    if source in ("synthetic", "none"):
+        return "the evaluation data is synthetic"
+    if source == "npz":
+        if d.eval_path and Path(str(d.eval_path)).expanduser().resolve() != Path(str(d.path)).expanduser().resolve():
+            return None
+        return "evaluation reads the calibration data (set data.eval_path to data the pipeline never saw)"
+    args = d.get("args") or {}
+    if "calibration" in args and "evaluation" in args:  # in-memory data given to pipeline.api.tune
+        return None if args["calibration"] != args["evaluation"] else \
+            "evaluation reads the calibration data (pass eval_data= to pipeline.api.tune)"
+    return None if takes_split(str(d._target_)) else \
+        "evaluation reads the calibration data (give data._target_ a split argument that returns other data)"
+
+
+@dataclass(frozen=True)
+class Promise:
+    """What the pipeline promised about one quantized model: its verdict on the held-out samples."""
+
+    key: str  # "ptq" or "autotuned"
+    holdout: AccuracyVerdict | None
+
+    @classmethod
+    def of(cls, key: str, ctx: StageContext) -> Promise:
+        """The holdout verdict quantize (ptq) or autotune (autotuned) recorded for its model."""
+        verdict = None
+        if key == "ptq":
+            verdict = quantize_decisions(ctx.artifact("quantize/calibration.json")).accuracy
+        elif key == "autotuned":
+            entry = ctx.manifest.stages.get("autotune") or {}
+            verdict = ((entry.get("metrics") or {}).get("accuracy") or {}).get("final")
+        if not verdict:
+            return cls(key, None)
+        known = AccuracyVerdict.__dataclass_fields__
+        return cls(key, AccuracyVerdict(**{k: v for k, v in verdict.items() if k in known}))
+
+    def check(self, budget: AccuracyBudget, scores: Scores, float_top1: float | None,
+              custom: CustomScore | None, label: str) -> tuple[dict[str, Any], str | None]:
+        """(the record for metrics.json, the one-line flag when the holdout passed and the evaluation
+        data misses the budget, else None)."""
+        value = budget.judge(replace(scores, per_sample=None), float_top1, custom, where="evaluation samples")
+        record = {"holdout": self.holdout.to_dict() if self.holdout else None, "evaluation_ok": value.ok,
+                  "evaluation_what": value.what, "samples": scores.samples}
+        if self.holdout is None or not self.holdout.ok or value.ok:
+            return record, None
+        return record, (f"{label} model passed the holdout ({self.holdout.what}) but misses the budget on "
+                        f"{scores.samples} evaluation samples it never saw: {value.what}; give the calibration "
+                        f"data more samples like these (accuracy.holdout_samples) or tighten accuracy.confidence")
+
+
+def judge_models(ctx: StageContext, metrics: dict[str, Any], scores: dict[str, ModelScores],
+                 fidelity: dict[str, Any], floats: tuple[str, ...]) -> None:
+    """Hold every quantized model (the keys of metrics["models"] not in ``floats``) to the accuracy
+    budget on the evaluation data; say in words which ones miss it and why, and which broke the
+    holdout's promise."""
+    budget = AccuracyBudget.from_config(ctx.cfg)
+    decisions = quantize_decisions(ctx.artifact("quantize/calibration.json"))
+    facts = _facts(metrics, budget, decisions)
+    models = metrics["models"]
+    float_top1 = models["float"].get("top1")
+    flagged = []
+    unseen = unseen_data(ctx.cfg)
+    metrics["unseen_data"] = unseen is None
+    if unseen is not None:
+        metrics["promise_unchecked"] = unseen
+    for key, m in models.items():
+        if key in floats:
+            continue
+        custom = CustomScore(models["float"]["custom_metric"], m["custom_metric"]) if budget.metric == "custom" \
+            else None
+        s = scores[key].scores()
+        v = budget.judge(s, float_top1, custom, where="evaluation samples")
+        fid = fidelity.get(key)
+        m["budget"] = v.to_dict()
+        m["kernel_fidelity"] = fid.to_dict() if fid is not None else None
+        if unseen is None:
+            m["promise"], broken = Promise.of(key, ctx).check(budget, s, float_top1, custom, m["label"])
+            flagged += [broken] if broken else []
+        if not v.ok:
+            cause = _cause(fid, facts, decisions)
+            m["over_budget"] = f"{m['label']} model misses the accuracy budget: {v.what}" + (f"; {cause}" if cause else "")
+            flagged.append(m["over_budget"])
+    for line in flagged:
+        log.warning("%s", line)
+    metrics["over_budget"] = flagged
+
+
+def _facts(metrics: dict[str, Any], budget: AccuracyBudget, decisions: QuantizeDecisions) -> dict[str, Any]:
+    """The machine, the quantization decisions and the budget into ``metrics``; the CPU's facts."""
+    facts = cpu_facts()
+    metrics["machine"] = {"cpu": facts, "cpu_line": describe(facts),
+                          "quantized_on": (decisions.cpu or {}).get("brand")}
+    metrics["quantization"] = {
+        "weight_range": decisions.weight_range, "weight_range_reason": decisions.weight_range_reason,
+        "float_nodes": decisions.float_nodes, "budget": decisions.budget, "transforms": decisions.transforms,
+        "bias_correction": decisions.bias_correction, "fidelity_culprits": decisions.fidelity_culprits,
+        "body_nodes": decisions.body_nodes}
+    metrics["budget"] = budget.describe()
+    if budget.metric == "custom":
+        metrics["custom_metric"] = {"name": metric_name(budget.custom_metric), "path": budget.custom_metric,
+                                    "relative": budget.relative,
+                                    "scores": {k: m["custom_metric"] for k, m in metrics["models"].items()}}
+    return facts
+
+
+def _cause(fid: Any, facts: dict[str, Any], decisions: QuantizeDecisions) -> str:
+    """The likely cause of a model over budget: its kernels' fidelity here, or another CPU."""
+    if fid is not None and fid.checked and not fid.ok:
+        cause = f"likely cause: {fid.reason} on {describe(facts)}"
+        if facts.get("u8s8_saturates") and decisions.weight_range == "full":
+            cause += ", whose u8s8 kernels saturate with full-range int8 weights (AVX2 without VNNI)"
+        return cause
+    if decisions.cpu and decisions.cpu.get("brand") != facts.get("brand"):
+        return (f"likely cause: quantized on {decisions.cpu.get('brand')}, evaluated on "
+                f"{facts.get('brand')}: re-run stages=[quantize,...] on this machine")
+    return ""
