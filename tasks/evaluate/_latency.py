@@ -67,10 +67,13 @@ class LatencyRun:
                                "warmup_runs": self.warmup_runs, "max_p90_over_p10": self.spread}
         if self.warning is not None:
             out["warning"] = self.warning
-        fp32, base = self.timings.get("float_fp32"), self.timings.get("float")
-        if fp32 is not None and fp32.ok and base is not None and base.p10_ms > 0:
+        # the FP32 float and the runtime's own float, whichever of them is the baseline
+        fp32, own = self.timings.get("float_fp32"), self.timings.get("float")
+        if "float_default" in self.timings:
+            fp32, own = own, self.timings["float_default"]
+        if fp32 is not None and fp32.ok and own is not None and own.p10_ms > 0:
             out["float_fp32_ms"] = ModelLatency.from_timing(fp32).to_dict()
-            out["float_speedup_over_fp32_p10"] = fp32.p10_ms / base.p10_ms
+            out["float_speedup_over_fp32_p10"] = fp32.p10_ms / own.p10_ms
         return out
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from pipeline.artifacts import atomic_output
 from tasks.evaluate._latency import ModelLatency
 
-_COLORS = {"float": "#7f7f7f", "float_fp32": "#c7c7c7", "ptq": "#1f77b4", "autotuned": "#ff7f0e"}
+_COLORS = {"float": "#7f7f7f", "float_fp32": "#c7c7c7", "float_default": "#c7c7c7", "ptq": "#1f77b4", "autotuned": "#ff7f0e"}
 _SOURCES = {
     "digits": "scikit-learn digits, held-out test split",
     "synthetic": "seeded synthetic data",
@@ -67,7 +67,7 @@ def _header(metrics: dict[str, Any]) -> list[str]:
     lines = [
         f"# Evaluation: {metrics.get('model_name', 'model')}",
         "",
-        f"Baseline for every speedup: **{metrics['baseline']}**.",
+        f"Baseline for every speedup: **{metrics['baseline']}**{_baseline_choice(metrics)}.",
         "",
         f"Data: {_SOURCES.get(data['source'], data['source'])}, {data['samples']} samples in {data['batches']} batches of "
         f"{data['batch_size']}" + (" (labelled)." if data["labelled"] else " (no labels: accuracy not scored)."),
@@ -82,13 +82,27 @@ def _header(metrics: dict[str, Any]) -> list[str]:
             lines.append(f"**Warning:** {lat['warning']}.")
     else:
         lines.append("Latency: not measured (evaluate.latency=false).")
-    return lines + _fp32(metrics)
+    return lines + _other_float(metrics)
 
 
-def _fp32(metrics: dict[str, Any]) -> list[str]:
-    """The float model run in FP32 on the same runtime (where the baseline runs below FP32): its
-    accuracy next to the baseline's, and how much faster the baseline is."""
-    m, base = metrics["models"].get("float_fp32"), metrics["models"]["float"]
+def _baseline_choice(metrics: dict[str, Any]) -> str:
+    """Why the baseline is the FP32 float (autotune's choice), or "" where it is the runtime's own."""
+    chosen = metrics.get("float_baseline")
+    if not chosen:
+        return ""
+    verdict = (chosen.get("verdict") or {}).get("what")
+    runs = "the float model and PTQ run" if "ptq" in metrics["models"] else "the float model runs"
+    return (f", as autotune chose it: the runtime's own {chosen['default']} float misses the accuracy budget "
+            f"against it" + (f" ({verdict})" if verdict else "") + f"; {runs} in FP32")
+
+
+def _other_float(metrics: dict[str, Any]) -> list[str]:
+    """The float model in the precision the baseline does not run: FP32 where the baseline is the
+    runtime's own lower precision, the runtime's own where the baseline is FP32 (autotune's choice).
+    Its accuracy next to the baseline's, and how much faster the runtime's own float is."""
+    models = metrics["models"]
+    key = "float_default" if "float_default" in models else "float_fp32"
+    m, base = models.get(key), models["float"]
     if not m:
         return []
     if m.get("custom_metric") is not None:
@@ -101,11 +115,15 @@ def _fp32(metrics: dict[str, Any]) -> list[str]:
     acc += f", SNR {_snr(m)} dB against the baseline's outputs"
     lat = metrics.get("latency") or {}
     speed = "not timed"
-    if lat.get("float_fp32_ms"):
-        t = ModelLatency.from_dict(lat["float_fp32_ms"])
-        speed = (f"{t.median:.3f} ms median, {t.p10:.3f} ms p10; the runtime's own float (the baseline) is "
+    if m.get("latency_ms") and lat.get("float_speedup_over_fp32_p10"):
+        t = ModelLatency.from_dict(m["latency_ms"])
+        which = "it is" if key == "float_default" else "the runtime's own float (the baseline) is"
+        speed = (f"{t.median:.3f} ms median, {t.p10:.3f} ms p10; {which} "
                  f"{lat['float_speedup_over_fp32_p10']:.2f}x faster (p10)")
-    return [f"The float model run in FP32 on the same runtime: {acc}; {speed}."]
+    if key == "float_fp32":
+        return [f"The float model run in FP32 on the same runtime: {acc}; {speed}."]
+    return [f"The float model run in the runtime's own precision ({metrics['float_baseline']['default']}), not "
+            f"the baseline as it misses the accuracy budget: {acc}; {speed}."]
 
 
 def _table(metrics: dict[str, Any]) -> list[str]:
@@ -144,7 +162,7 @@ def _session(metrics: dict[str, Any]) -> list[str]:
     if not m.get("session"):
         return []
     what, file = m.get("settings_what", "session settings"), m.get("settings_file", "autotune/ort_session.json")
-    defaults = m.get("settings_defaults", "ORT's defaults")
+    defaults = m.get("settings_defaults", "ORT's defaults") + (" in FP32" if metrics.get("float_baseline") else "")
     return ["", f"The autotuned model runs with the {what} in `{file}` ({m['session']}): "
                 f"{_num(m.get('speedup'), '.2f')}x ({_num(m.get('speedup_p10'), '.2f')}x) against float with "
                 f"{defaults} (the table), {_num(m.get('speedup_same_session'), '.2f')}x "

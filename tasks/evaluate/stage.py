@@ -4,7 +4,10 @@ The float model (export/model.onnx) is the reference for agreement, cosine simil
 the baseline for speedups. Each quantized model present (PTQ from quantize, the autotuned one from
 autotune) is run on the same evaluation batches through the configured backend; a file identical to
 one already listed is not measured twice. Where the runtime's float precision is below FP32
-(``Backend.fp32_variant``), the float model run in FP32 is scored and timed as one more model.
+(``Backend.fp32_variant``), the float model run in FP32 is scored and timed as one more model; where
+autotune chose the FP32 float as its baseline because the runtime's own float misses the accuracy
+budget (``float_baseline`` in its metrics), evaluate follows it: the float model and PTQ run in FP32,
+and the float model in the runtime's own precision is the one more model.
 Latency comes from one interleaved run over all models, so machine drift hits every model alike.
 Each model is prepared (on TensorRT: its engine built) once and serves both the scoring pass and
 the latency run.
@@ -60,6 +63,7 @@ class EvaluationPlan:
     specs: list[InputSpec]
     precision: str
     settings: Any
+    float_choice: dict[str, Any] | None = None  # autotune's float_baseline where evaluate follows it to FP32
 
 
 @dataclass(frozen=True)
@@ -72,22 +76,39 @@ class Measurements:
     fidelity: dict[str, Any]
     latency: LatencyRun | None
 
+
+@dataclass(frozen=True)
+class Runtimes:
+    """Which backend runs each model: ``by_key`` for the keys it names, ``plain`` for the others; the
+    float model's second row (metrics key, label), if any; and autotune's ``float_baseline`` where
+    evaluate follows it to FP32 (None: the runtime's own float is the baseline)."""
+
+    plain: Backend
+    by_key: dict[str, Backend]
+    extra_float: tuple[str, str] | None = None
+    choice: dict[str, Any] | None = None
+
+    def of(self, key: str) -> Backend:
+        return self.by_key.get(key) or self.plain
+
+
 # (metrics key, report label, artifact key) in the order they are listed and measured
 _MODELS = (
     ("float", "float", "export/model.onnx"),
     ("ptq", "PTQ", "quantize/quantized_model.onnx"),
     ("autotuned", "autotuned", "autotune/optimized_final.onnx"),
 )
-# the float model as the runtime runs it and in FP32: references, not quantized models (no budget or
-# kernel-fidelity check)
-_FLOATS = ("float", "float_fp32")
+# the float model as the baseline runs it and in the other precision (FP32, or the runtime's own when
+# the baseline is FP32): references, not quantized models (no budget or kernel-fidelity check)
+_FLOATS = ("float", "float_fp32", "float_default")
 
 
 class EvaluateStage(Stage):
     name = "evaluate"
     inputs = ("export/model.onnx",)
     optional_inputs = ("quantize/quantized_model.onnx", "autotune/optimized_final.onnx", "quantize/calibration.json",
-                       "quantize/float_model.onnx", "autotune/ort_session.json", "autotune/trt_build.json")
+                       "quantize/float_model.onnx", "autotune/ort_session.json", "autotune/trt_build.json",
+                       "autotune/openvino_compile.json")
     outputs = ("evaluate/metrics.json", "evaluate/report.md")
     config_keys = ("evaluate", "data", "backend", "seed", "accuracy")
 
@@ -96,24 +117,21 @@ class EvaluateStage(Stage):
         out_dir = ctx.stage_dir("evaluate")
         backend = create_backend(ctx.cfg.backend)
         settings = self._session_settings(ctx, backend)
-        # the autotuned model runs with the runtime settings it ships with, the others as deployed
-        # without them (ORT: its default session, whose threads spin, as the tuned one's do)
-        plain = backend.as_deployed() if settings else backend
-        runs_on = {"float_fp32": plain.fp32_variant(),
-                   "autotuned": backend.with_settings(settings) if settings else None}
-        evaluated, duplicates = self._evaluated_models(ctx, settings is not None, runs_on["float_fp32"] is not None)
+        runs_on = model_runtimes(ctx, backend, settings)
+        evaluated, duplicates = self._evaluated_models(ctx, settings is not None, runs_on.extra_float)
         float_model = load_model(evaluated[0].path, check=False)
         specs = self._specs(evaluated, float_model)
-        stored = _precision(float_model)  # an FP32 model runs in the runtime's own float precision
-        plan = EvaluationPlan(evaluated, duplicates, specs, backend.float_precision() if stored == "FP32" else stored,
-                              settings)
+        stored = _precision(float_model)  # an FP32 model runs in the baseline's float precision
+        plan = EvaluationPlan(evaluated, duplicates, specs,
+                              runs_on.plain.float_precision() if stored == "FP32" else stored, settings,
+                              runs_on.choice)
         max_batches = int(ecfg.max_batches) if ecfg.max_batches is not None else None
 
         # every model is prepared once (a full engine build on TensorRT) for scoring and latency alike
         prepared: dict[str, PreparedModel] = {}
         try:
             for c in evaluated:
-                prepared[c.key] = self._prepare(runs_on.get(c.key) or plain, c)
+                prepared[c.key] = self._prepare(runs_on.of(c.key), c)
             scores, batches = self._score(ctx, backend, evaluated, specs, max_batches, prepared)
             fidelity = self._fidelity(ctx, backend, evaluated, specs, prepared)
             if settings is not None and ecfg.latency and "autotuned" in prepared:
@@ -173,11 +191,12 @@ class EvaluateStage(Stage):
 
     # ------------------------------------------------------------------ which models
     @staticmethod
-    def _evaluated_models(ctx: StageContext, own_session: bool = False, fp32: bool = False
+    def _evaluated_models(ctx: StageContext, own_session: bool = False, extra_float: tuple[str, str] | None = None
                           ) -> tuple[list[EvaluatedModel], list[dict[str, str]]]:
         """The models to evaluate, each file once; with ``own_session`` (the autotuned model ships
         session settings of its own) the autotuned model is evaluated even when its bytes repeat; with
-        ``fp32`` the float model run in FP32 follows the float model."""
+        ``extra_float`` (metrics key, label) the float model follows itself once more under that key
+        (run in the other float precision, ``Runtimes``)."""
         evaluated: list[EvaluatedModel] = []
         duplicates: list[dict[str, str]] = []
         for key, label, artifact in _MODELS:
@@ -193,8 +212,8 @@ class EvaluateStage(Stage):
                 duplicates.append({"model": key, "file": artifact, "identical_to": same.key})
                 continue
             evaluated.append(EvaluatedModel(key, label, artifact, Path(path), digest))
-            if key == "float" and fp32:
-                evaluated.append(replace(evaluated[0], key="float_fp32", label="float (FP32)"))
+            if key == "float" and extra_float is not None:
+                evaluated.append(replace(evaluated[0], key=extra_float[0], label=extra_float[1]))
         return evaluated, duplicates
 
     @staticmethod
@@ -343,6 +362,8 @@ class EvaluateStage(Stage):
             "model_name": str(ctx.cfg.model.name),
             "reproduce": _reproduce_commands(ctx),
         }
+        if plan.float_choice is not None:
+            metrics["float_baseline"] = plan.float_choice
         if latency is not None:
             same_session(models, latency, plan.settings, backend)
             if latency.warning is not None:
@@ -350,6 +371,27 @@ class EvaluateStage(Stage):
         judge_models(ctx, metrics, measured.scores, measured.fidelity, _FLOATS)
         metrics["headline"] = headline(metrics)
         return metrics
+
+
+def model_runtimes(ctx: StageContext, backend: Backend, settings: Any) -> Runtimes:
+    """The backend each model runs on. The autotuned model runs with the runtime settings it ships
+    with, the others as deployed without them (ORT: its default session, whose threads spin, as the
+    tuned one's do). The float baseline is the runtime's own float precision, with the float model in
+    FP32 as a second row, unless autotune chose the FP32 float because the runtime's own misses the
+    accuracy budget: then the float model and PTQ run in FP32 (as autotune measured them), and the
+    runtime's own float is the second row."""
+    plain = backend.as_deployed() if settings else backend
+    tuned = {"autotuned": backend.with_settings(settings)} if settings else {}
+    fp32 = plain.fp32_variant()
+    if fp32 is None:
+        return Runtimes(plain, tuned)
+    own = plain.float_precision()
+    entry = ctx.manifest.stages.get("autotune") or {}
+    choice = ((entry.get("metrics") or {}).get("float_baseline") or {}) if entry.get("status") == "done" else {}
+    # followed only where autotune judged the float this backend runs (not one of another precision)
+    if choice.get("precision") != "FP32" or choice.get("default") != own:
+        return Runtimes(plain, {**tuned, "float_fp32": fp32}, ("float_fp32", "float (FP32)"))
+    return Runtimes(fp32, {**tuned, "float_default": plain}, ("float_default", f"float ({own})"), choice)
 
 
 def _model_metrics(evaluated: list[EvaluatedModel], measured: Measurements) -> dict[str, dict[str, Any]]:
@@ -394,7 +436,9 @@ def headline(metrics: dict[str, Any]) -> str:
             if m.get("speedup_p10") is not None:
                 text += f" (p10 {m['speedup_p10']:.2f}x)"
         parts.append(text)
-    return " | ".join(parts)
+    chosen = metrics.get("float_baseline")
+    why = f"; baseline: FP32 float ({chosen['default']} float misses the budget)" if chosen else ""
+    return " | ".join(parts) + why
 
 
 def _precision(model: onnx.ModelProto) -> str:

@@ -1,8 +1,8 @@
 """backend=openvino end to end on a tiny residual model: both autotune modes measure on OpenVINO,
 subgraph mode takes its fusion groups from OpenVINO's runtime graph, every speedup names the float
 precision OpenVINO runs (FP32 where OpenVINO's default float misses the accuracy budget), evaluate
-scores and times the float model in FP32 too, and gen_trt_engine writes what an OpenVINO deployment
-loads."""
+takes autotune's float baseline and scores and times the float model in the other precision too, and
+gen_trt_engine writes what an OpenVINO deployment loads."""
 
 from __future__ import annotations
 
@@ -33,6 +33,10 @@ def test_both_modes_tune_on_openvino_and_gen_trt_engine_writes_ir_and_blob(resid
     evaluate = stages["evaluate"]["metrics"]
     precision = stages["autotune"]["metrics"]["baseline_precision"]
     assert evaluate["baseline"].startswith(f"{precision} float model on openvino")
+    # autotune kept the runtime's own float (it meets the default budget): so does evaluate, unchanged
+    assert not (stages["autotune"]["metrics"]["float_baseline"] or {}).get("note")
+    assert "float_baseline" not in evaluate and "float_default" not in evaluate["models"]
+    assert "baseline:" not in evaluate["headline"]
     # below FP32, the float model is scored and timed in FP32 too, and the report says how much the
     # runtime's float gains and what it costs in accuracy
     assert ("float_fp32_ms" in evaluate["latency"]) == (precision != "FP32")
@@ -67,7 +71,8 @@ def test_autotune_compares_against_fp32_float_where_openvinos_default_misses_the
     # every node float), autotune places Q/DQ with default scales
     run_tune(["model=onnx", f"model.onnx_path={residual_models['tiny']}", "data=synthetic", "backend=openvino",
               *QUICK, "accuracy.metric=snr", "accuracy.min_snr_db=200", "autotune.runtime.enabled=false",
-              f"results_dir={rd}", "stages=[export,autotune]"], cwd=tmp_path, check=True)
+              "evaluate.plot=false", "evaluate.max_batches=2", f"results_dir={rd}",
+              "stages=[export,autotune,evaluate]"], cwd=tmp_path, check=True)
     m = _stages(rd)["autotune"]["metrics"]
     chosen = m["float_baseline"]
     assert m["baseline_precision"] == chosen["precision"] == "FP32" and chosen["default"] != "FP32"
@@ -76,3 +81,18 @@ def test_autotune_compares_against_fp32_float_where_openvinos_default_misses_the
     # what ships compiles float layers in FP32, as measured
     shipped = json.loads((rd / "autotune" / "openvino_compile.json").read_text())
     assert shipped["INFERENCE_PRECISION_HINT"] == "f32"
+
+    # evaluate follows: its baseline is the FP32 float, the shipped model (FP32 float again) is within
+    # the budget against it, and the default-precision float is the extra row, faster and not judged
+    evaluate = _stages(rd)["evaluate"]["metrics"]
+    default = chosen["default"]
+    assert evaluate["baseline"].startswith("FP32 float model on openvino") and evaluate["float_baseline"] == chosen
+    assert evaluate["over_budget"] == [] and evaluate["models"]["autotuned"]["budget"]["ok"]
+    own = evaluate["models"]["float_default"]
+    assert own["label"] == f"float ({default})" and "budget" not in own and own["snr_db"] < 200
+    assert "float_fp32" not in evaluate["models"] and own["speedup_p10"] > 0
+    assert evaluate["latency"]["float_speedup_over_fp32_p10"] == pytest.approx(own["speedup_p10"])
+    assert evaluate["headline"].endswith(f"; baseline: FP32 float ({default} float misses the budget)")
+    report = (rd / "evaluate" / "report.md").read_text()
+    assert f"as autotune chose it: the runtime's own {default} float misses the accuracy budget" in report
+    assert f"The float model run in the runtime's own precision ({default}), not the baseline" in report

@@ -1,7 +1,7 @@
 """The OpenVINO compile properties search: its candidates differ from what OpenVINO picks for the model,
 changes accumulate into settings that round-trip through openvino_compile.json, and the public API
 compiles the shipped model with them. Autotune's float baseline is OpenVINO's default precision unless
-that misses the accuracy budget against the FP32 float, then the FP32 float."""
+that misses the accuracy budget against the FP32 float, then the FP32 float; evaluate follows that choice."""
 
 from __future__ import annotations
 
@@ -118,3 +118,29 @@ def test_the_float_baseline_is_openvinos_default_unless_it_misses_the_budget_the
     # the reference candidates are judged against is the FP32 float: it meets any budget on it
     with switched.prepare(path) as pm:
         assert holdout.score(pm, strict).ok
+
+
+def test_evaluate_follows_autotunes_fp32_baseline_only_where_autotune_judged_this_float():
+    from types import SimpleNamespace
+
+    from tasks.evaluate.stage import model_runtimes
+
+    backend = _backend()
+    if backend.fp32_variant() is None:
+        pytest.skip("OpenVINO runs float in FP32 on this CPU: there is no lower default precision to judge")
+    default = backend.float_precision()
+
+    def runtimes(autotune):
+        return model_runtimes(SimpleNamespace(manifest=SimpleNamespace(stages={"autotune": autotune})), backend, None)
+
+    fp32 = {"precision": "FP32", "default": default, "note": f"{default} float misses the budget: ..."}
+    for kept in ({}, {"status": "done", "metrics": {"float_baseline": {"precision": default, "default": default}}},
+                 {"status": "failed", "metrics": {"float_baseline": fp32}},  # not the models evaluated
+                 {"status": "done", "metrics": {"float_baseline": {**fp32, "default": "F8"}}}):  # another float
+        r = runtimes(kept)
+        assert (r.plain.float_precision(), r.of("float_fp32").float_precision()) == (default, "FP32")
+        assert r.extra_float == ("float_fp32", "float (FP32)") and r.choice is None
+    r = runtimes({"status": "done", "metrics": {"float_baseline": fp32}})
+    assert (r.of("float").float_precision(), r.of("ptq").float_precision()) == ("FP32", "FP32")
+    assert r.of("float_default").float_precision() == default and r.of("autotuned") is r.plain
+    assert r.extra_float == ("float_default", f"float ({default})") and r.choice == fp32
