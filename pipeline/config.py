@@ -197,7 +197,7 @@ class AccuracyConfig:
     # holdout_max_samples; holdout_batches: that many batches instead
     holdout_samples: int = 32
     holdout_fraction: float = 0.25
-    holdout_max_samples: int = 256
+    holdout_max_samples: int = 512
     holdout_batches: Optional[int] = None
     # a model passes only when the budget holds at this one-sided bootstrap bound of its metric over the
     # held-out samples (0.5: at the metric itself)

@@ -69,10 +69,6 @@ class AccuracyBudget:
                        max_drop=self.max_drop * factor if self.metric == "custom" else self.max_drop,
                        agreement_share=self.agreement_share * factor)
 
-    def agreement_tightened(self, margin_db: float) -> AccuracyBudget:
-        """This budget with only the top-1 disagreement allowed tightened as ``tightened`` does."""
-        return replace(self, agreement_share=self.tightened(margin_db).agreement_share)
-
     @property
     def max_disagreement(self) -> float:
         """Points of top-1 agreement with the float model that may be lost."""
@@ -166,10 +162,10 @@ class _Judge:
 
     def _sure(self, bound_text: str, n: int | None, upper: bool = False, spread: str = "") -> str:
         """"sd S, 95% lower bound B, N held-out samples; " when the scores carry per-sample values
-        (the bound was computed), else nothing (the verdict is on the value)."""
+        (the bound was computed), else "N samples; " (the verdict is on the value)."""
         ps = self.scores.per_sample
         if ps is None or not ps.n:
-            return ""
+            return f"{self._on(n)}; " if n is not None else ""
         sd = f"sd {spread}, " if spread else ""
         return f"{sd}{self._pct} {'upper' if upper else 'lower'} bound {bound_text}, {self._on(n)}; "
 

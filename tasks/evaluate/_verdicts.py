@@ -2,8 +2,8 @@
 with the likely cause of a miss (kernel fidelity, another CPU), and the promise checked: each model
 passed the budget on the held-out calibration samples; on evaluation data the pipeline never tuned
 on, its metric is reported next to that holdout verdict, and a model that passed the holdout but
-misses the budget there is flagged in one line. That miss is judged on the metric's value over the
-evaluation data (the user's own truth), not on its confidence bound."""
+misses the budget there is flagged in one line. Verdicts on the evaluation data are on the metric's value
+over it (the user's own data), not on its confidence bound."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from omegaconf import DictConfig
 from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict, CustomScore
 from pipeline.accuracy.cpu import cpu_facts, describe
 from pipeline.accuracy.metrics import ModelScores
-from pipeline.accuracy.scores import Scores
 from pipeline.config import resolved_data_source
 from pipeline.data.adapters import takes_split
 from pipeline.data.live import metric_name
@@ -68,18 +67,16 @@ class Promise:
         known = AccuracyVerdict.__dataclass_fields__
         return cls(key, AccuracyVerdict(**{k: v for k, v in verdict.items() if k in known}))
 
-    def check(self, budget: AccuracyBudget, scores: Scores, float_top1: float | None,
-              custom: CustomScore | None, label: str) -> tuple[dict[str, Any], str | None]:
-        """(the record for metrics.json, the one-line flag when the holdout passed and the evaluation
-        data misses the budget, else None)."""
-        value = budget.judge(replace(scores, per_sample=None), float_top1, custom, where="evaluation samples")
-        record = {"holdout": self.holdout.to_dict() if self.holdout else None, "evaluation_ok": value.ok,
-                  "evaluation_what": value.what, "samples": scores.samples}
-        if self.holdout is None or not self.holdout.ok or value.ok:
+    def check(self, verdict: AccuracyVerdict, samples: int | None, label: str) -> tuple[dict[str, Any], str | None]:
+        """(the record for metrics.json, the one-line flag when the holdout passed and ``verdict``, the
+        model's verdict on the evaluation data, misses the budget; else None)."""
+        record = {"holdout": self.holdout.to_dict() if self.holdout else None, "evaluation_ok": verdict.ok,
+                  "evaluation_what": verdict.what, "samples": samples}
+        if self.holdout is None or not self.holdout.ok or verdict.ok:
             return record, None
         return record, (f"{label} model passed the holdout ({self.holdout.what}) but misses the budget on "
-                        f"{scores.samples} evaluation samples it never saw: {value.what}; give the calibration "
-                        f"data more samples like these (accuracy.holdout_samples) or tighten accuracy.confidence")
+                        f"{samples} evaluation samples it never saw: {verdict.what}; give the calibration data more "
+                        f"samples like these (accuracy.holdout_samples) or raise accuracy.confidence")
 
 
 def judge_models(ctx: StageContext, metrics: dict[str, Any], scores: dict[str, ModelScores],
@@ -102,13 +99,14 @@ def judge_models(ctx: StageContext, metrics: dict[str, Any], scores: dict[str, M
             continue
         custom = CustomScore(models["float"]["custom_metric"], m["custom_metric"]) if budget.metric == "custom" \
             else None
-        s = scores[key].scores()
+        # judged on the value over the evaluation data: it is the user's data, not a sample of it
+        s = replace(scores[key].scores(), per_sample=None)
         v = budget.judge(s, float_top1, custom, where="evaluation samples")
         fid = fidelity.get(key)
         m["budget"] = v.to_dict()
         m["kernel_fidelity"] = fid.to_dict() if fid is not None else None
         if unseen is None:
-            m["promise"], broken = Promise.of(key, ctx).check(budget, s, float_top1, custom, m["label"])
+            m["promise"], broken = Promise.of(key, ctx).check(v, s.samples, m["label"])
             flagged += [broken] if broken else []
         if not v.ok:
             cause = _cause(fid, facts, decisions)

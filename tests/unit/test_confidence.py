@@ -87,7 +87,7 @@ def test_holdout_split_sizes(seen, cal, expect):
 def test_holdout_split_caps_and_explicit_batches():
     cfg = compose(["model.batch_size=32"])
     reach = HoldoutSplit.reach(cfg, 32)
-    assert HoldoutSplit.plan(cfg, reach, 32).holdout_batches == 8  # 256 samples at most
+    assert HoldoutSplit.plan(cfg, reach, 32).holdout_batches == 16  # 512 samples at most
     explicit = compose(["model.batch_size=1", "accuracy.holdout_batches=5", "quantize.calibration.batches=16"])
     split = HoldoutSplit.plan(explicit, 100, 1)
     assert (split.holdout_batches, split.calibration_batches) == (5, 16)
@@ -153,3 +153,27 @@ def test_custom_metric_drop_has_an_upper_bound(fn):
     per_call = fn is _error
     # one call per model, plus (one number per call) 24 resamples of each; the float model's are kept
     assert len(calls) == (1 + 1 + 24 + 24 + 1 + 24 if per_call else 3)
+
+
+def test_evaluate_knows_when_its_data_is_unseen(tmp_path):
+    from tasks.evaluate._verdicts import unseen_data
+
+    assert unseen_data(compose([])) is None  # digits: the test split
+    same = compose(["model=onnx", "model.onnx_path=x.onnx", "data=npz", f"data.path={tmp_path}"])
+    assert "data.eval_path" in unseen_data(same)
+    other = compose(["model=onnx", "model.onnx_path=x.onnx", "data=npz", f"data.path={tmp_path}",
+                     f"data.eval_path={tmp_path / 'eval'}"])
+    assert unseen_data(other) is None
+
+
+def test_a_broken_promise_is_one_line_naming_both_verdicts():
+    from pipeline.accuracy.budget import AccuracyVerdict
+    from tasks.evaluate._verdicts import Promise
+
+    held = AccuracyVerdict(True, "cosine", "cosine 0.9931 (95% lower bound 0.9912, 32 held-out samples; min 0.99)")
+    missed = AccuracyVerdict(False, "cosine", "cosine 0.9890 on output 'e' (64 evaluation samples; min 0.99)")
+    record, flag = Promise("autotuned", held).check(missed, 64, "autotuned")
+    assert not record["evaluation_ok"] and record["holdout"]["what"] == held.what
+    assert flag.count("\n") == 0 and "passed the holdout (cosine 0.9931" in flag and "64 evaluation samples" in flag
+    assert Promise("autotuned", held).check(held, 64, "autotuned")[1] is None
+    assert Promise("ptq", None).check(missed, 64, "PTQ")[1] is None  # nothing was promised
