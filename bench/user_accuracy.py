@@ -8,10 +8,11 @@ accuracy.min_cosine=0.99 autotune.preset=quick`:
 - judged on every output (the default): the budget falls on token_embeddings;
 - `accuracy.outputs=[sentence_embedding]`: judged on what the service reads.
 
-Each seed shuffles the order of the first ``--feeds`` sentences (96) before they become the
-calibration feeds: the pipeline calibrates on the first quantize.calibration.batches (16) and holds
-out what accuracy.holdout_samples / holdout_fraction size (32 here); the next ``--unseen`` sentences
-(64, the same for every seed) are scored here, never seen by the pipeline. Each shipped model, with
+The sentences are shuffled once (a fixed order); the first ``--feeds`` (96) are given to the
+pipeline as calibration feeds, each seed in its own order: it calibrates on the first
+quantize.calibration.batches (16) and holds out what accuracy.holdout_samples / holdout_fraction
+size (32 here). The next ``--unseen`` sentences (64, the same for every seed) are scored here, never
+seen by the pipeline. Each shipped model, with
 the session settings it ships with (autotune/ort_session.json) and with ORT's default session, is
 timed against the float model with ORT's defaults and with the same settings, in one interleaved
 run on a real feed (p10; median in brackets); its sentence cosine with the float model on the
@@ -64,7 +65,10 @@ def main() -> None:
 
     root = Path(args.results_root)
     info = tm.write_feeds(KEY, root / "all_feeds", args.feeds + args.unseen)
+    # one fixed shuffle first, so that the calibration feeds and the unseen ones come from the same mix
+    # of passages (the later feeds are later sentences of the same paragraphs)
     every = sorted(Path(info["folder"]).glob("feed_*.npz"))
+    every = [every[i] for i in np.random.default_rng(2026).permutation(len(every))]
     eval_dir = _copy_feeds(every[args.feeds:], root / "eval_feeds")
     eval_feeds = [dict(np.load(p)) for p in sorted(eval_dir.glob("*.npz"))]
     rows = []
