@@ -22,8 +22,8 @@ from typing import Any
 import onnx
 
 from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict
-from pipeline.accuracy.holdout import Holdout
 from pipeline.accuracy.fidelity import FidelityResult
+from pipeline.accuracy.holdout import Holdout
 from pipeline.errors import StageError, first_line
 from pipeline.graph.bodies import walk_views
 from pipeline.graph.index import GraphIndex

@@ -73,9 +73,11 @@ def _weight_records(model: onnx.ModelProto, calibration: Calibration, done: set[
 
 
 def calibration_document(stats: dict[str, dict], model: onnx.ModelProto, cfg: DictConfig,
-                         calibration: Calibration | None = None) -> dict[str, Any]:
+                         calibration: Calibration | None = None, batches: int | None = None) -> dict[str, Any]:
     """calibration.json: ``stats`` with scale/zero point per dtype, and the weights' scales as
-    ``calibration`` (default: one made from ``stats`` for the configured algorithm) searches them."""
+    ``calibration`` (default: one made from ``stats`` for the configured algorithm) searches them;
+    ``batches``: the batches calibrated on (default quantize.calibration.batches; fewer where the
+    holdout needed some of them)."""
     if calibration is None:
         calibration = Calibration(stats, weight_clip=Calibration.weight_clip_for(enum_value(cfg.quantize.algorithm)))
     weight_clip = calibration.weight_clip
@@ -84,7 +86,7 @@ def calibration_document(stats: dict[str, dict], model: onnx.ModelProto, cfg: Di
         "version": 1,
         "algorithm": enum_value(cfg.quantize.algorithm),
         "percentile": float(cfg.quantize.percentile),
-        "batches": int(cfg.quantize.calibration.batches),
+        "batches": int(cfg.quantize.calibration.batches) if batches is None else batches,
         "tensors": tensors,
         # how weight scales are searched; load_calibration hands it to apply_plan (autotune's models)
         "weight_clip": weight_clip,
@@ -183,7 +185,7 @@ class QuantizeStage(Stage):
         float_path = save_model(model, setup.out_dir / "float_model.onnx")
         seconds = time.time() - t0
         calibration = setup.calibration_of(stats, weight_clip)
-        doc = calibration_document(stats, model, setup.cfg, calibration)
+        doc = calibration_document(stats, model, setup.cfg, calibration, setup.total)
         samples = next(iter(stats.values()))["samples"] if stats else 0
         log.info("calibrated %d tensors on %d samples with %s in %.1f s", len(stats), samples,
                  enum_value(q.algorithm), seconds)
@@ -199,7 +201,7 @@ class QuantizeStage(Stage):
         if cal.ranges is not None and decisions.float_nodes:
             stats, decisions = refine_ranges(setup, placer, cal.auto_stats, cal.ranges, decisions)
             cal.stats = stats if stats is not None else cal.stats
-            cal.doc = calibration_document(cal.stats, cal.model, setup.cfg, placer.calibration)
+            cal.doc = calibration_document(cal.stats, cal.model, setup.cfg, placer.calibration, setup.total)
         return decisions, sensitivity
 
     def _write(self, setup: QuantizeSetup, placer: Placer, cal: Calibrated, decisions: QuantizeDecisions,

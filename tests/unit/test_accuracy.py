@@ -11,9 +11,9 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 from pipeline.accuracy.budget import AccuracyBudget
-from pipeline.accuracy.holdout import Holdout
 from pipeline.accuracy.cpu import cpu_facts
 from pipeline.accuracy.fidelity import kernel_fidelity
+from pipeline.accuracy.holdout import Holdout
 from pipeline.backends.onnxruntime import OnnxRuntimeBackend, OrtPrepared
 from pipeline.data.adapters import Batch, synthetic_batches
 from pipeline.errors import ConfigError

@@ -10,9 +10,9 @@ import pytest
 
 from pipeline.accuracy.metrics import (
     ModelScores,
+    agreement_per_sample,
     cosine_similarities,
     json_safe,
-    agreement_per_sample,
     snr_db,
     snr_from_energies,
     topk_hits,
