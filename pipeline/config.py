@@ -218,8 +218,8 @@ class AccuracyConfig:
     recovery: bool = True
     max_float_fraction: float = 0.5
     # recovery stops this far inside the SNR budget (cosine, top-1 disagreement, custom drop: the same
-    # factor; autotune's choices: on disagreement): a model that only just meets the budget on the few
-    # holdout batches can miss it on unseen data. evaluate's verdicts use the budget itself
+    # factor), so that the nodes it quantizes again leave room for autotune's choices; autotune and
+    # evaluate use the budget itself
     recovery_margin_db: float = 1.0
 
 

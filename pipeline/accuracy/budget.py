@@ -166,8 +166,10 @@ class _Judge:
         ps = self.scores.per_sample
         if ps is None or not ps.n:
             return f"{self._on(n)}; " if n is not None else ""
-        sd = f"sd {spread}, " if spread else ""
-        return f"{sd}{self._pct} {'upper' if upper else 'lower'} bound {bound_text}, {self._on(n)}; "
+        parts = [f"sd {spread}"] if spread else []
+        parts.append(f"{self._pct} {'upper' if upper else 'lower'} bound {bound_text}")
+        parts += [self._on(n)] if n is not None else []
+        return ", ".join(parts) + "; "
 
     def custom(self, custom: CustomScore | None) -> AccuracyVerdict:
         b = self.budget
@@ -385,7 +387,8 @@ class AccuracyVerdict:
 @dataclass(frozen=True)
 class CustomMetric:
     """accuracy.custom_metric: the user's ``fn(outputs, reference, labels) -> float`` (higher is better),
-    called once per model over all held-out (or evaluation) batches, so dataset-level metrics work.
+    called over all held-out (or evaluation) batches, so dataset-level metrics work (and on resampled
+    batches for the bound of its drop, see pipeline/accuracy/holdout.py).
     ``outputs`` and ``reference`` hold one {output name: array} dict per batch (the model's and the
     float model's, padding samples removed); ``labels`` one array per batch, or None without labels."""
 

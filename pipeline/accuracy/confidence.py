@@ -45,7 +45,8 @@ def bound(statistic: Callable[[np.ndarray], np.ndarray], n: int, confidence: flo
     values = values[~np.isnan(values)]
     if values.size == 0:
         return math.nan
-    return float(np.quantile(values, confidence if upper else 1.0 - confidence))
+    # no interpolation: between two +inf resamples (identical outputs) it would be inf - inf
+    return float(np.quantile(values, confidence if upper else 1.0 - confidence, method="inverted_cdf"))
 
 
 def snr_db_of(signal: np.ndarray, noise: np.ndarray) -> np.ndarray:

@@ -70,23 +70,30 @@ class HoldoutSplit:
         return cls(min(cal, seen - held), held, seen)
 
     @staticmethod
+    def most(cfg: DictConfig, batch: int) -> int:
+        """The most batches the holdout may take (accuracy.holdout_batches, else holdout_max_samples)."""
+        a = cfg.accuracy
+        return int(a.holdout_batches) if a.holdout_batches is not None else max(1, int(a.holdout_max_samples) // batch)
+
+    @staticmethod
     def reach(cfg: DictConfig, batch: int) -> int:
-        """The batches read to size the split: calibration's and the most the holdout may take."""
-        a, bs = cfg.accuracy, batch
-        most = int(a.holdout_batches) if a.holdout_batches is not None else max(1, int(a.holdout_max_samples) // bs)
-        return int(cfg.quantize.calibration.batches) + most
+        """The batches read to size the split: enough to know whether a holdout_fraction of the data
+        reaches the most the holdout may take."""
+        most = HoldoutSplit.most(cfg, batch)
+        cal = int(cfg.quantize.calibration.batches)
+        if cfg.accuracy.holdout_batches is not None:
+            return cal + most
+        return max(cal + most, math.ceil(most / float(cfg.accuracy.holdout_fraction)))
 
     @staticmethod
     def wanted(cfg: DictConfig, seen: int, batch: int) -> int:
-        """Held-out batches wanted: at least holdout_samples, a holdout_fraction of the data when that
-        is more, at most holdout_max_samples (data longer than ``reach``: the most)."""
-        a, bs = cfg.accuracy, batch
+        """Held-out batches wanted of ``seen``: at least holdout_samples, a holdout_fraction of the data
+        when that is more, at most holdout_max_samples."""
+        a = cfg.accuracy
         if a.holdout_batches is not None:
             return int(a.holdout_batches)
-        most = max(1, int(a.holdout_max_samples) // bs)
-        if seen >= HoldoutSplit.reach(cfg, bs):
-            return most
-        return min(most, max(math.ceil(int(a.holdout_samples) / bs), math.ceil(float(a.holdout_fraction) * seen)))
+        return min(HoldoutSplit.most(cfg, batch),
+                   max(math.ceil(int(a.holdout_samples) / batch), math.ceil(float(a.holdout_fraction) * seen)))
 
 
 @dataclass
@@ -115,13 +122,13 @@ class Holdout:
         from pipeline.data.adapters import DataProvider
 
         provider = DataProvider(cfg, specs)
-        reach = HoldoutSplit.reach(cfg, provider.batch_size)
-        window: deque = deque(maxlen=reach)
-        seen = 0
-        for b in provider.batches("calibration", reach):
-            seen += 1
+        bs = provider.batch_size
+        window: deque = deque(maxlen=HoldoutSplit.most(cfg, bs))  # the holdout is among the last ones read
+        seen = samples = 0
+        for b in provider.batches("calibration", HoldoutSplit.reach(cfg, bs)):
+            seen, samples = seen + 1, samples + b.valid
             window.append(b)
-        split = HoldoutSplit.plan(cfg, seen, provider.batch_size)
+        split = HoldoutSplit.plan(cfg, seen, bs)
         held = list(window)[-split.holdout_batches:] if split.holdout_batches else []
         first = seen - len(held)
         source = (f"calibration batches {first}..{seen - 1} (not calibrated on; calibration reads batches "
@@ -132,19 +139,22 @@ class Holdout:
                       budget=AccuracyBudget.from_config(cfg), class_outputs=class_outputs(cfg),
                       metric=CustomMetric.from_config(cfg), split=split)
         if warn:
-            holdout.warn_if_small(cfg, sum(b.valid for b in window), provider.batch_size)
+            holdout.warn_if_small(cfg, samples, bs)
         return holdout
 
     def warn_if_small(self, cfg: DictConfig, data_samples: int, batch: int) -> None:
-        """One warning line when fewer samples than accuracy.holdout_samples judge every decision."""
-        need = int(cfg.accuracy.holdout_samples)
-        if self.samples >= need or cfg.accuracy.holdout_batches is not None:
-            return
-        cal = int(cfg.quantize.calibration.batches) * batch
-        log.warning("accuracy: only %d held-out samples judge every accuracy decision, so verdicts are loose: the "
-                    "calibration data has %d samples; give it at least %d (quantize.calibration.batches x "
-                    "the batch size = %d to calibrate, %d more held out)", self.samples, data_samples,
-                    cal + need, cal, need)
+        """One warning line when fewer samples than accuracy.holdout_samples judge every decision, or
+        when the holdout left calibration fewer batches than quantize.calibration.batches."""
+        need, cal = int(cfg.accuracy.holdout_samples), int(cfg.quantize.calibration.batches)
+        cut = self.split is not None and self.split.calibration_batches < cal
+        if self.samples < need and cfg.accuracy.holdout_batches is None:
+            log.warning("accuracy: only %d held-out samples judge every accuracy decision, so verdicts are loose: "
+                        "the calibration data has %d samples; give it at least %d (%d x %d to calibrate, %d more "
+                        "held out)", self.samples, data_samples, cal * batch + need, cal, batch, need)
+        elif cut:
+            log.warning("accuracy: the holdout takes %d of the calibration data's %d batches, so calibration reads "
+                        "%d of quantize.calibration.batches=%d: give the calibration data more samples",
+                        self.split.holdout_batches, self.split.seen, self.split.calibration_batches, cal)
 
     def set_reference(self, prepared: Any) -> None:
         """Run the float model (a PreparedModel) once; its outputs are what candidates are compared with."""
@@ -177,6 +187,9 @@ class Holdout:
         named, ref = self._named(outputs), self._named(self.reference)
         labels = labels_of(self.labels, self.valid)
         got, values = self.metric.values(named, ref, labels)
+        allowed = budget.max_drop * abs(self.float_custom) / 100.0 if budget.relative else budget.max_drop
+        if self.float_custom - got > allowed:  # misses on its value: no bound can save it
+            return CustomScore(self.float_custom, got)
         if values is not None and self.float_values is not None and values.size == self.float_values.size:
             d = self.float_values - values
             high = bound(lambda idx: d[idx].mean(axis=1), d.size, budget.confidence, upper=True)

@@ -212,6 +212,7 @@ class ModelScores:
     agreement_counts: list[list[int]] = field(default_factory=list)
     custom: float | None = None  # accuracy.custom_metric's score, set by whoever computed it
     per_sample: SampleScores = field(default_factory=SampleScores)  # for the verdicts' confidence bounds
+    keep_samples: bool = True  # False: totals only (a verdict on the value, not on a bound)
     _batches: int = 0
 
     def classes(self, count: int) -> list[int]:
@@ -262,7 +263,8 @@ class ModelScores:
             hit = np.argmax(valid_rows(first, valid), axis=1) == labels.reshape(-1)[:valid]
             ref_hit = np.argmax(valid_rows(reference[classes[0]], valid), axis=1) == labels.reshape(-1)[:valid]
             drop = ref_hit.astype(np.float64) - hit
-        self.per_sample.add(columns, drop, self._batches)
+        if self.keep_samples:
+            self.per_sample.add(columns, drop, self._batches)
         self._batches += 1
 
     @staticmethod
@@ -301,7 +303,7 @@ class ModelScores:
             identical_outputs=bool(self.noise) and all(n == 0.0 for n in self.noise), outputs=outputs,
             class_outputs=tuple(labels[i] for i in self.classes(count)
                                 if self.agreement_counts and self.agreement_counts[i][1]),
-            per_sample=self.per_sample)
+            per_sample=self.per_sample if self.keep_samples else None)
 
     def _output(self, i: int, named: bool) -> OutputScores:
         """Output ``i``'s scores; agreement and decisive agreement on the class outputs only."""

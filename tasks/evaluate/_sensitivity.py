@@ -124,7 +124,7 @@ class _Judge:
         """The noise-to-signal ratio of the judged outputs (``nsr``, ``snr_db``) and, with a custom
         metric, its score and drop from the float score."""
         outputs = self._run(model)
-        s = ModelScores(top_k=1, output_names=self.names, class_outputs=self.classes)
+        s = ModelScores(top_k=1, output_names=self.names, class_outputs=self.classes, keep_samples=False)
         for ref, out, b in zip(self.reference, outputs, self.batches, strict=True):
             s.update(ref, out, b.labels, b.valid)
         plain = self.budget if not self._custom else replace(self.budget, metric="snr")

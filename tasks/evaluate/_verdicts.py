@@ -8,7 +8,7 @@ over it (the user's own data), not on its confidence bound."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -99,18 +99,20 @@ def judge_models(ctx: StageContext, metrics: dict[str, Any], scores: dict[str, M
             continue
         custom = CustomScore(models["float"]["custom_metric"], m["custom_metric"]) if budget.metric == "custom" \
             else None
-        # judged on the value over the evaluation data: it is the user's data, not a sample of it
-        s = replace(scores[key].scores(), per_sample=None)
+        # judged on the value over the evaluation data (ModelScores keep no per-sample values here)
+        s = scores[key].scores()
         v = budget.judge(s, float_top1, custom, where="evaluation samples")
         fid = fidelity.get(key)
         m["budget"] = v.to_dict()
         m["kernel_fidelity"] = fid.to_dict() if fid is not None else None
+        broken = None
         if unseen is None:
             m["promise"], broken = Promise.of(key, ctx).check(v, s.samples, m["label"])
-            flagged += [broken] if broken else []
         if not v.ok:
             cause = _cause(fid, facts, decisions)
-            m["over_budget"] = f"{m['label']} model misses the accuracy budget: {v.what}" + (f"; {cause}" if cause else "")
+            # one line per model: a broken promise says it misses the budget, with the holdout it passed
+            miss = broken or f"{m['label']} model misses the accuracy budget: {v.what}"
+            m["over_budget"] = miss + (f"; {cause}" if cause else "")
             flagged.append(m["over_budget"])
     for line in flagged:
         log.warning("%s", line)

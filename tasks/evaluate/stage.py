@@ -244,7 +244,9 @@ class EvaluateStage(Stage):
         names = list(getattr(prepared["float"], "output_names", None) or [])
         classes = class_outputs(ctx.cfg)
         check_output_names(AccuracyBudget.from_config(ctx.cfg), classes, names)
-        scores = {c.key: ModelScores(top_k=top_k, output_names=names, class_outputs=classes) for c in evaluated}
+        # evaluate's verdicts are on the values over its data: no per-sample values kept
+        scores = {c.key: ModelScores(top_k=top_k, output_names=names, class_outputs=classes, keep_samples=False)
+                  for c in evaluated}
         custom = CustomScores.from_config(ctx.cfg, names, [c.key for c in evaluated])
         batches = 0
         bar = progress_bar(bool(ctx.cfg.progress), total=provider.count("evaluation", max_batches),

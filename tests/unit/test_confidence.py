@@ -104,7 +104,7 @@ def test_small_data_warns_once_and_calibration_never_sees_the_holdout(caplog):
     with caplog.at_level(logging.WARNING, logger="tune.accuracy"):
         holdout = Holdout.from_config(cfg, specs)
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(lines) == 1 and "only 2 held-out samples" in lines[0] and "give it at least 48" in lines[0]
+    assert len(lines) == 1 and "only 2 held-out samples" in lines[0] and "give it at least 48 (16 x 1 to calibrate" in lines[0]
     assert holdout.split.calibration_batches == 2 and holdout.samples == 2
     assert "calibration batches 2..3" in holdout.source
 
