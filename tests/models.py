@@ -453,6 +453,8 @@ def smoothing_block(producer: str = "layernorm", batch: int = 2, seq: int = 16, 
       Div) ending in Mul(gamma) -> Add(beta);
     - "matmul": MatMul + bias Add whose weight columns (and bias) carry the outliers;
     - "gelu": MatMul + bias with outlier columns, then x * sigmoid(1.702 x): no constant to fold into;
+    - "erf_gelu": the same with torch's erf GELU, x * (erf(x / sqrt 2) + 1) * 0.5, whose constants
+      runtimes match to fuse it;
     - "gemm": Gemm (transB=1) whose weight rows and bias carry the outliers.
 
     ``consumer`` "gemm" makes "proj" a Gemm with transB=1 (weight stored [out, hidden]). With a Gemm on
@@ -488,12 +490,19 @@ def smoothing_block(producer: str = "layernorm", batch: int = 2, seq: int = 16, 
             helper.make_node("Mul", ["normed", "gamma"], ["scaled"], name="ln/gamma"),
             helper.make_node("Add", ["scaled", "beta"], ["act"], name="ln/beta"),
         ]
-    elif producer in ("matmul", "gelu"):
+    elif producer in ("matmul", "gelu", "erf_gelu"):
         inits += [f32("w0", rng.standard_normal((hidden, hidden)) * 0.2 * boost[None, :]),
                   f32("b0", rng.standard_normal(hidden) * 0.05 * boost)]
         h = "act" if producer == "matmul" else "h"
         nodes = [helper.make_node("MatMul", ["input", "w0"], ["h_mm"], name="fc0"),
                  helper.make_node("Add", ["h_mm", "b0"], [h], name="fc0_bias")]
+        if producer == "erf_gelu":
+            inits += [f32("sqrt2", np.sqrt(2.0)), f32("one", 1.0), f32("half", 0.5)]
+            nodes += [helper.make_node("Div", ["h", "sqrt2"], ["hd"], name="gelu/div"),
+                      helper.make_node("Erf", ["hd"], ["e"], name="gelu/erf"),
+                      helper.make_node("Add", ["e", "one"], ["e1"], name="gelu/add"),
+                      helper.make_node("Mul", ["h", "e1"], ["he"], name="gelu/mul"),
+                      helper.make_node("Mul", ["he", "half"], ["act"], name="gelu/half")]
         if producer == "gelu":
             inits.append(f32("k", 1.702))
             nodes += [helper.make_node("Mul", ["h", "k"], ["hk"], name="gelu/scale"),
@@ -504,7 +513,7 @@ def smoothing_block(producer: str = "layernorm", batch: int = 2, seq: int = 16, 
                   f32("b0", rng.standard_normal(hidden) * 0.05 * boost)]
         nodes = [helper.make_node("Gemm", ["input", "w0", "b0"], ["act"], name="fc0", transB=1)]
     else:
-        raise ValueError(f"producer {producer!r}: choose layernorm, decomposed, matmul, gelu or gemm")
+        raise ValueError(f"producer {producer!r}: choose layernorm, decomposed, matmul, gelu, erf_gelu or gemm")
     if consumer == "gemm":
         nodes.append(helper.make_node("Gemm", ["act", "w", "b"], ["output"], name="proj", transB=1))
     else:

@@ -210,7 +210,7 @@ def absorber(ed: Editor, tensor: str, k: int | None) -> tuple[str, list[ConstEdi
         edits = [ConstEdit(i, j) for j in (1, 2) if j < len(ins) and ins[j]]
         if any(e.index not in consts for e in edits):
             return None
-    elif op == "Mul" and len(ins) == 2 and len(consts) == 1:
+    elif op == "Mul" and len(ins) == 2 and len(consts) == 1 and not _erf_gelu_tail(ed, ins[1 - consts[0]]):
         edits = [ConstEdit(i, consts[0])]
     elif op == "MatMul" and consts == [1] and (k is None or ed.shape(ins[1])[-1:] == (k,)):
         edits = [ConstEdit(i, 1)]
@@ -232,6 +232,22 @@ def absorber(ed: Editor, tensor: str, k: int | None) -> tuple[str, list[ConstEdi
     if any(e.axis == -1 and not _fits_last_axis(ed, ins[e.index], k) for e in edits):
         return None
     return op, edits
+
+
+def _erf_gelu_tail(ed: Editor, tensor: str) -> bool:
+    """Whether a Mul by a constant reading ``tensor`` completes an erf GELU, x * (erf(x / c) + 1) * 0.5:
+    such a Mul absorbs nothing, because runtimes recognize the GELU by its constants (OpenVINO fuses
+    it, with a per-channel Mul and a Q after it, into the MatMul before it; ONNX Runtime into one
+    Gelu kernel) and a rescaled constant leaves five float ops running on their own."""
+    i = ed.producer(tensor)
+    if i is None or ed.node(i).op_type != "Mul":
+        return False
+    for t in ed.node(i).input:
+        j = ed.producer(t)
+        if j is not None and ed.node(j).op_type == "Add":
+            if any((k := ed.producer(u)) is not None and ed.node(k).op_type == "Erf" for u in ed.node(j).input):
+                return True
+    return False
 
 
 def divide_along(values: np.ndarray, s: np.ndarray, axis: int) -> np.ndarray:
