@@ -286,6 +286,11 @@ class Manifest:
     def entry(self, stage: str) -> dict[str, Any] | None:
         return self.stages.get(stage)
 
+    def metrics(self, stage: str) -> dict[str, Any]:
+        """The metrics a finished stage recorded ({} when it has not finished)."""
+        entry = self.stages.get(stage)
+        return (entry.get("metrics") or {}) if entry and entry.get("status") == "done" else {}
+
     def artifact(self, key: str) -> Path | None:
         """Path of a finished stage's output artifact ``"<stage>/<name>"`` if recorded and present."""
         stage, _, _ = key.partition("/")

@@ -376,6 +376,11 @@ class AccuracyVerdict:
     def to_dict(self) -> dict[str, Any]:
         return json_safe(asdict(self))
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> AccuracyVerdict:
+        """A verdict from its ``to_dict`` form; keys a newer or older writer added are left out."""
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
     @property
     def error(self) -> float:
         """Noise-to-signal ratio of the outputs (lower is better), for ranking."""

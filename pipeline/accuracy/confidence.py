@@ -79,20 +79,17 @@ class SampleScores:
     decisive_agree: list[np.ndarray] = field(default_factory=list)
     decisive: list[np.ndarray] = field(default_factory=list)
     drop: list[float] = field(default_factory=list)  # float hit - model hit, samples with labels only
-    batch_of: list[int] = field(default_factory=list)  # the batch each sample came from
 
-    def add(self, columns: dict[str, np.ndarray], drop: np.ndarray | None, batch: int) -> None:
+    def add(self, columns: dict[str, np.ndarray], drop: np.ndarray | None) -> None:
         """Add one batch: ``columns`` maps each per-output attribute to a [valid, k] array."""
-        n = next(iter(columns.values())).shape[0]
         for name, arr in columns.items():
             getattr(self, name).extend(np.asarray(arr, dtype=np.float64))
         if drop is not None:
             self.drop.extend(float(x) for x in drop)
-        self.batch_of.extend([batch] * n)
 
     @property
     def n(self) -> int:
-        return len(self.batch_of)
+        return len(self.signal)
 
     def _col(self, name: str, output: int | None) -> np.ndarray:
         a = np.asarray(getattr(self, name), dtype=np.float64).reshape(self.n, -1)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.accuracy.confidence import SampleScores
+from pipeline.accuracy.confidence import SampleScores, snr_db_of
 from pipeline.accuracy.scores import OutputScores, Scores
 
 
@@ -145,13 +145,7 @@ def energies_per_sample(reference: np.ndarray, test: np.ndarray, valid: int) -> 
 
 def snr_from_energies(signal: float, noise: float) -> float:
     """10 log10(signal / noise) in dB; +inf when there is no noise (identical outputs)."""
-    if math.isnan(signal) or math.isnan(noise):
-        return math.nan
-    if noise == 0.0:
-        return math.inf
-    if signal == 0.0:
-        return -math.inf
-    return 10.0 * math.log10(signal / noise)
+    return float(snr_db_of(np.float64(signal), np.float64(noise)))
 
 
 def db_text(x: float | None) -> str:
@@ -213,7 +207,6 @@ class ModelScores:
     custom: float | None = None  # accuracy.custom_metric's score, set by whoever computed it
     per_sample: SampleScores = field(default_factory=SampleScores)  # for the verdicts' confidence bounds
     keep_samples: bool = True  # False: totals only (a verdict on the value, not on a bound)
-    _batches: int = 0
 
     def classes(self, count: int) -> list[int]:
         """Indices of the outputs treated as class scores, the first one being the labels' output
@@ -264,8 +257,7 @@ class ModelScores:
             ref_hit = np.argmax(valid_rows(reference[classes[0]], valid), axis=1) == labels.reshape(-1)[:valid]
             drop = ref_hit.astype(np.float64) - hit
         if self.keep_samples:
-            self.per_sample.add(columns, drop, self._batches)
-        self._batches += 1
+            self.per_sample.add(columns, drop)
 
     @staticmethod
     def _columns(reference: list[np.ndarray], outputs: list[np.ndarray], classes: list[int],

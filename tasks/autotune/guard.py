@@ -103,7 +103,7 @@ def _from_steps(setup: TuneSetup, paths: list[Path], steps: list[PairedStep]
         if not st.measured or ref not in ratio or cand in ratio or (not st.kept and cand not in shas):
             continue
         if st.accuracy is not None:
-            verdict[cand] = AccuracyVerdict(**st.accuracy)
+            verdict[cand] = AccuracyVerdict.from_dict(st.accuracy)
         if st.ratio is None:
             continue  # over the budget: a verdict, no timing
         float_ms = float_ms or (st.reference_ms / ratio[ref])

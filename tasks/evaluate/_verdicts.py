@@ -60,12 +60,10 @@ class Promise:
         if key == "ptq":
             verdict = quantize_decisions(ctx.artifact("quantize/calibration.json")).accuracy
         elif key == "autotuned":
-            entry = ctx.manifest.stages.get("autotune") or {}
-            verdict = ((entry.get("metrics") or {}).get("accuracy") or {}).get("final")
+            verdict = (ctx.manifest.metrics("autotune").get("accuracy") or {}).get("final")
         if not verdict:
             return cls(key, None)
-        known = AccuracyVerdict.__dataclass_fields__
-        return cls(key, AccuracyVerdict(**{k: v for k, v in verdict.items() if k in known}))
+        return cls(key, AccuracyVerdict.from_dict(verdict))
 
     def check(self, verdict: AccuracyVerdict, samples: int | None, label: str) -> tuple[dict[str, Any], str | None]:
         """(the record for metrics.json, the one-line flag when the holdout passed and ``verdict``, the

@@ -388,8 +388,7 @@ def model_runtimes(ctx: StageContext, backend: Backend, settings: Any) -> Runtim
     if fp32 is None:
         return Runtimes(plain, tuned)
     own = plain.float_precision()
-    entry = ctx.manifest.stages.get("autotune") or {}
-    choice = ((entry.get("metrics") or {}).get("float_baseline") or {}) if entry.get("status") == "done" else {}
+    choice = ctx.manifest.metrics("autotune").get("float_baseline") or {}
     # followed only where autotune judged the float this backend runs (not one of another precision)
     if choice.get("precision") != "FP32" or choice.get("default") != own:
         return Runtimes(plain, {**tuned, "float_fp32": fp32}, ("float_fp32", "float (FP32)"))

@@ -120,9 +120,10 @@ def test_the_float_baseline_is_openvinos_default_unless_it_misses_the_budget_the
         assert holdout.score(pm, strict).ok
 
 
-def test_evaluate_follows_autotunes_fp32_baseline_only_where_autotune_judged_this_float():
+def test_evaluate_follows_autotunes_fp32_baseline_only_where_autotune_judged_this_float(tmp_path):
     from types import SimpleNamespace
 
+    from pipeline.artifacts import Manifest
     from tasks.evaluate.stage import model_runtimes
 
     backend = _backend()
@@ -131,7 +132,9 @@ def test_evaluate_follows_autotunes_fp32_baseline_only_where_autotune_judged_thi
     default = backend.float_precision()
 
     def runtimes(autotune):
-        return model_runtimes(SimpleNamespace(manifest=SimpleNamespace(stages={"autotune": autotune})), backend, None)
+        manifest = Manifest(tmp_path)
+        manifest.stages["autotune"] = autotune
+        return model_runtimes(SimpleNamespace(manifest=manifest), backend, None)
 
     fp32 = {"precision": "FP32", "default": default, "note": f"{default} float misses the budget: ..."}
     for kept in ({}, {"status": "done", "metrics": {"float_baseline": {"precision": default, "default": default}}},
