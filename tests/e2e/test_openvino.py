@@ -9,16 +9,25 @@ from __future__ import annotations
 import json
 import shutil
 
+import onnx
 import pytest
+from omegaconf import OmegaConf
 
+from pipeline.backend_config import OpenVinoBackendConfig
 from tests.helpers import QUICK, run_tune
 
 pytest.importorskip("openvino", reason="backend=openvino needs OpenVINO: pip install openvino")
 pytestmark = pytest.mark.slow
 
+from pipeline.backends.openvino import OpenVinoBackend  # noqa: E402 - needs OpenVINO, checked above
+
 
 def _stages(rd) -> dict:
     return json.loads((rd / "manifest.json").read_text())["stages"]
+
+
+def _int8_layers(layer_precisions: dict[str, int]) -> int:
+    return sum(n for kind, n in layer_precisions.items() if kind.endswith((" i8", " u8")))
 
 
 def test_both_modes_tune_on_openvino_and_gen_trt_engine_writes_ir_and_blob(residual_models, tmp_path):
@@ -50,7 +59,12 @@ def test_both_modes_tune_on_openvino_and_gen_trt_engine_writes_ir_and_blob(resid
         assert "against the baseline's outputs" in line and "faster (p10)" in line
     engine = stages["gen_trt_engine"]["metrics"]
     assert {p.name for p in (rd / "gen_trt_engine").iterdir()} >= {"model.xml", "model.bin", "model.blob", "build.json"}
-    assert engine["precision"] and any(k.endswith((" i8", " u8")) for k in engine["layer_precisions"])
+    # int8 layers exactly where the shipped model has Q/DQ (on a CPU whose float beats int8 on this tiny
+    # model, autotune ships the float one); the quantized model compiles to int8 layers either way
+    shipped_qdq = any(n.op_type == "QuantizeLinear" for n in onnx.load(engine["model"]).graph.node)
+    assert engine["precision"] and bool(_int8_layers(engine["layer_precisions"])) == shipped_qdq
+    assert _int8_layers(OpenVinoBackend(OmegaConf.structured(OpenVinoBackendConfig()))
+                        .build(rd / "quantize" / "quantized_model.onnx").info["layer_precisions"])
 
     sub = tmp_path / "subgraph"
     shutil.copytree(rd, sub)  # export and quantize are reused: only autotune runs again
