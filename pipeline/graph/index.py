@@ -135,3 +135,16 @@ def bias_tensor(g: GraphIndex, node: onnx.NodeProto) -> tuple[str, str, int] | N
         return None
     owner = g.nodes[slot[0]]
     return owner.input[slot[1]], owner.output[0], -1
+
+
+# ops that only reshape: a runtime moves a DequantizeLinear through them to the op that reads the result
+SHAPE_ONLY_OPS = ("Flatten", "Reshape", "Squeeze", "Unsqueeze")
+
+
+def through_shape_ops(g: GraphIndex, tensor: str) -> tuple[str, tuple[str, int] | None]:
+    """The tensor ``tensor`` is a reshape of, back through shape-only ops each read once, and that
+    tensor's reader on the way (None when there is no shape-only op: ``tensor`` itself)."""
+    t, reader = tensor, None
+    while (p := g.producer.get(t)) is not None and p.op_type in SHAPE_ONLY_OPS and len(g.consumers[t]) == 1:
+        t, reader = p.input[0], (p.name, 0)
+    return t, reader

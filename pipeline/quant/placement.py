@@ -29,7 +29,10 @@ Two placements build a ``QDQPlan`` from those assignments:
   zero point (asymmetric, as for ORT): OpenVINO's int8 convolutions take u8 sources with zero points,
   and a post-Relu range keeps all 256 levels. MatMul/Gemm activations are int8 and symmetric: an s8
   source needs no zero-point compensation in the FullyConnected kernel (README: "Why the code does
-  what it does"). A tensor both read is quantized once, as the first rule placed it.
+  what it does"), except where the input is pooled (a classifier head's GlobalAveragePool, through
+  Flatten): there the pooling's input and output get u8 Qs, as NNCF places them, so the pooling runs
+  on u8 and the FullyConnected reads its u8 output without a requantizing layer between them. A tensor both read
+  is quantized once, as the first rule placed it.
 
 Every placement places Loop/Scan bodies by the same rules, each body seen as a graph of its own
 (``pipeline.graph.bodies``); the plan of a body is in ``QDQPlan.bodies``.
@@ -46,7 +49,7 @@ import onnx
 from omegaconf import DictConfig
 
 from pipeline.graph.bodies import QUANTIZED_BODIES, body_views
-from pipeline.graph.index import ACTIVATION_TAILS, GraphIndex, bias_slot, weight_inputs
+from pipeline.graph.index import ACTIVATION_TAILS, GraphIndex, bias_slot, through_shape_ops, weight_inputs
 from pipeline.graph.model import WEIGHTED_OPS, iter_nodes
 from pipeline.quant.plan import ActivationQ, BiasQ, QDQPlan, WeightQ
 from pipeline.values import enum_value
@@ -250,14 +253,33 @@ def openvino_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activati
     plan.bodies = {}  # ORT's placement of the bodies: each body is placed by these rules below
     dot_plan = tensorrt_plan(model, dots, "int8", per_channel, weight_range)
     by_tensor = {a.tensor: k for k, a in enumerate(plan.activations)}
+    g = GraphIndex(model)
     for a in dot_plan.activations:
+        pooled = _pooled_source(g, a.tensor) if a.dtype == "int8" else None
         for consumer in a.consumers or ():
-            _quantize_for(plan, by_tensor, a.tensor, a.dtype, consumer)
+            if pooled is None:
+                _quantize_for(plan, by_tensor, a.tensor, a.dtype, consumer)
+                continue
+            pool, out, reader = pooled
+            _quantize_for(plan, by_tensor, pool.input[0], activation_type, (pool.name, 0))
+            _quantize_for(plan, by_tensor, out, activation_type, reader or consumer)
     plan.weights += dot_plan.weights
     plan.node_rules.update(dot_plan.node_rules)
     plan.skipped.update(dot_plan.skipped)
     return _place_bodies(model, plan, lambda view: openvino_plan(view, rules, activation_type, per_channel,
                                                                   weight_range))
+
+
+# pooling OpenVINO runs on u8 with both sides quantized
+U8_POOLING = ("GlobalAveragePool", "AveragePool", "MaxPool", "GlobalMaxPool")
+def _pooled_source(g: GraphIndex, tensor: str) -> tuple[onnx.NodeProto, str, tuple[str, int] | None] | None:
+    """(pooling node, its output, that output's reader on the way to ``tensor``) where ``tensor`` is a
+    pooling output through shape-only ops (``through_shape_ops``). None otherwise."""
+    t, reader = through_shape_ops(g, tensor)
+    p = g.producer.get(t)
+    if p is None or p.op_type not in U8_POOLING or not g.is_activation(p.input[0]):
+        return None
+    return p, t, reader
 
 
 def _quantize_for(plan: QDQPlan, by_tensor: dict[str, int], tensor: str, dtype: str, consumer: tuple[str, int]

@@ -7,7 +7,8 @@ from typing import Any
 
 import onnx
 
-from pipeline.graph.index import GraphIndex, weight_inputs
+from pipeline.graph.index import GraphIndex, through_shape_ops, weight_inputs
+from pipeline.graph.model import WEIGHTED_OPS
 from pipeline.quant.placement import (
     NodeDtypes,
     act_dtype,
@@ -66,6 +67,8 @@ class PlanBuilder:
         for (tensor, dtype), who in sorted(act.items(), key=lambda kv: kv[0]):
             plan.activations.append(ActivationQ(tensor, dtype, None if who is None else tuple(sorted(who))))
         outputs_q = {t for (t, _), who in act.items() if who is None}
+        if self.config.placement == "openvino":
+            weight_nodes |= self._reshaped_reads(act)
         weights_only -= weight_nodes
         for name in sorted(weight_nodes | weights_only):
             node = g.nodes[name]
@@ -82,6 +85,24 @@ class PlanBuilder:
                     plan.biases.append(b)  # float-output QGemm (see pipeline.quant.placement.int32_bias)
         plan.aliases.update(pass_through_aliases(g, plan))
         return plan
+
+    def _reshaped_reads(self, act: dict[tuple[str, str], set[tuple[str, int]] | None]) -> set[str]:
+        """Weighted nodes that read a quantized tensor through shape-only ops (a classifier head's
+        pooled features through Flatten): OpenVINO moves the DequantizeLinear through the reshape to
+        the node, which runs int8 only with its weights quantized too."""
+        g = self.index
+        readers: dict[str, set[tuple[str, int]] | None] = {}
+        for (tensor, _), who in act.items():
+            seen = readers.get(tensor, set())
+            readers[tensor] = None if who is None or seen is None else seen | who
+        out = set()
+        for name, node in g.nodes.items():
+            if node.op_type not in WEIGHTED_OPS or not weight_inputs(g, node) or not node.input:
+                continue
+            source, reader = through_shape_ops(g, node.input[0])
+            if reader is not None and source in readers and (readers[source] is None or reader in readers[source]):
+                out.add(name)
+        return out
 
     def _dtype_for(self, p: InsertionPoint, rp, region: Region, order: list[int]) -> str | None:
         """Storage dtype at a point: the consumer's rule for an input, the producer's for an output."""

@@ -9,7 +9,7 @@ import pytest
 from pipeline.data.adapters import Batch
 from pipeline.errors import StateError
 from pipeline.quant.calibration import Calibration
-from pipeline.quant.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
+from pipeline.quant.placement import onnxruntime_plan, openvino_plan, resolve_rules, tensorrt_plan
 from pipeline.quant.qdq import apply_plan, get_quantized_tensors
 from pipeline.quant.qmath import activation_params
 from tasks.autotune.autotuner import Config, QDQAutotuner
@@ -36,7 +36,7 @@ def _calibration(model):
 
 def _tuner(model, placement="onnxruntime", **kw) -> QDQAutotuner:
     t = QDQAutotuner(model)
-    cfg = Config(placement=placement, activation_type="uint8" if placement == "onnxruntime" else "int8", **kw)
+    cfg = Config(placement=placement, activation_type="int8" if placement == "tensorrt" else "uint8", **kw)
     t.initialize(cfg, calibration=_calibration(model))
     return t
 
@@ -107,12 +107,15 @@ def test_search_minimises_and_final_export_is_exactly_the_best_placement():
         assert float(inits[q.input[2]]) == float(want.zero_point)
 
 
-@pytest.mark.parametrize("placement", ["onnxruntime", "tensorrt"])
+@pytest.mark.parametrize("placement", ["onnxruntime", "tensorrt", "openvino"])
 def test_qdq_baseline_import_reproduces_the_ptq_placement(placement):
-    model = models.attention_block() if placement == "onnxruntime" else models.residual_block(channels=16)
+    # openvino: the classifier head's Gemm reads the pooled u8 through Flatten, its weights quantized
+    model = {"onnxruntime": models.attention_block, "tensorrt": lambda: models.residual_block(channels=16),
+             "openvino": lambda: models.conv_chain(channels=16, classes=16)}[placement]()
     rules = resolve_rules(model, INT8)
     t = _tuner(model, placement)
-    plan = onnxruntime_plan(model, rules, "uint8") if placement == "onnxruntime" else tensorrt_plan(model, rules)
+    plan = {"onnxruntime": lambda: onnxruntime_plan(model, rules, "uint8"), "tensorrt": lambda: tensorrt_plan(model, rules),
+            "openvino": lambda: openvino_plan(model, rules, "uint8")}[placement]()
     ptq = apply_plan(model, plan, t.calibration)
     t.import_qdq_baseline(ptq)
     asg = {r.id: t.pattern_schemes[t.patterns[r.id].signature].baseline_scheme for r in t.regions
@@ -124,8 +127,13 @@ def test_qdq_baseline_import_reproduces_the_ptq_placement(placement):
         dq = {n.output[0] for n in m.graph.node if n.op_type == "DequantizeLinear" and n.input[0] not in inits}
         return {(n.name, k) for n in m.graph.node for k, x in enumerate(n.input) if x in dq}
 
+    def weights(m):
+        inits = {i.name for i in m.graph.initializer}
+        return {n.input[0] for n in m.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits}
+
     assert get_quantized_tensors(mine) == get_quantized_tensors(ptq)
     assert readers(mine) == readers(ptq)
+    assert weights(mine) == weights(ptq)
 
 
 def test_state_roundtrip_and_errors(tmp_path):

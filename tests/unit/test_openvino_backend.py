@@ -97,6 +97,24 @@ def test_openvino_placement_follows_onnx_runtime_groups_in_conv_chains():
     assert {a.dtype for a in ov_plan.activations if a.tensor in {t for t, _ in conv_acts}} == {"uint8"}
 
 
+def test_openvino_placement_feeds_a_classifier_head_the_pooled_u8_and_its_fc_runs_u8(tmp_path):
+    from pipeline.backends.openvino import runtime_layers
+    from pipeline.quant.calibration import Calibration
+    from pipeline.quant.qdq import apply_plan
+
+    model = models.conv_chain(channels=16, classes=16)  # ... Relu -> GlobalAveragePool -> Flatten -> Gemm
+    plan = openvino_plan(model, resolve_rules(model, INT8), "uint8")
+    by_tensor = {a.tensor: a for a in plan.activations}
+    assert by_tensor["gap"].dtype == "uint8" and by_tensor["r2"].dtype == "uint8" and "flat" not in by_tensor
+    assert "fc" in {w.node for w in plan.weights}
+    layers = runtime_layers(_backend().compile(models.save(apply_plan(model, plan, Calibration(default_scale=0.05)),
+                                                            tmp_path, "q")))
+    fc = [layer for layer in layers if layer["LayerType"].startswith("FullyConnected")]
+    assert [layer["precision"] for layer in fc] == ["u8"]
+    # nothing requantizes between the pooling and the FullyConnected: the only float layer quantizes the input
+    assert [layer["onnx_nodes"] for layer in layers if layer["LayerType"] == "Subgraph"] == [["input_QuantizeLinear"]]
+
+
 def test_compile_settings_reject_unknown_properties_and_bad_values(tmp_path):
     from pipeline.backends.openvino import CompileSettings
     from pipeline.errors import StateError
