@@ -119,48 +119,57 @@ def _groups(model: onnx.ModelProto, tensors: list[str], max_bytes: float | None)
     return groups
 
 
-def kl_threshold(hist: np.ndarray, absmax: float, num_quantized_bins: int = 128) -> float:
+def kl_threshold(hist: np.ndarray, absmax: float, num_quantized_bins: int = 128, eps: float = 1e-4) -> float:
     """TensorRT's entropy calibration on a histogram of |x| over [0, absmax]: the clipping threshold
-    minimising KL(reference || quantized)."""
+    minimising KL(reference || quantized).
+
+    For each candidate length i (every ``nb // 512``-th bin from ``num_quantized_bins``) the reference
+    is the first i bins with the clipped tail added to the last; the quantized distribution merges
+    them into ``num_quantized_bins`` groups and spreads each group's count evenly over its non-empty
+    bins. Both move ``eps`` counts into each of their empty bins, taken evenly from the others (as
+    TensorRT's and ORT's calibrators smooth), so KL stays finite. Smoothing keeps each total, so the
+    bins empty in both contribute one closed-form term and only the non-empty bins are visited; the
+    group sums come from prefix sums (the counts are integers, so they are exact)."""
     nb = hist.size
     if hist.sum() == 0 or absmax <= 0:
         return float(absmax)
-    hist = hist.astype(np.float64)
-    width = absmax / nb
-    step = max(1, nb // 512)
+    h = hist.astype(np.float64)
+    total = h.sum()
+    cs = np.concatenate([[0.0], np.cumsum(h)])
+    filled = h > 0
+    n_filled = np.concatenate([[0], np.cumsum(filled)])
+    positions = np.flatnonzero(filled)
+    edges = np.arange(num_quantized_bins + 1)
     best_i, best_kl = nb, np.inf
-    suffix = np.concatenate([np.cumsum(hist[::-1])[::-1], [0.0]])
-    for i in range(num_quantized_bins, nb + 1, step):
-        ref = hist[:i]
-        p = ref.copy()
-        p[-1] += suffix[i]
-        idx = (np.arange(i) * num_quantized_bins) // i
-        nz = ref > 0
-        qsum = np.bincount(idx, weights=ref, minlength=num_quantized_bins)
-        qcnt = np.bincount(idx, weights=nz.astype(np.float64), minlength=num_quantized_bins)
-        q = np.where(nz, qsum[idx] / np.maximum(qcnt[idx], 1.0), 0.0)
-        p, q = _smooth(p), _smooth(q)
-        if p is None or q is None:
+    for i in range(num_quantized_bins, nb + 1, max(1, nb // 512)):
+        nnz = int(n_filled[i])
+        if nnz == 0:  # nothing below the threshold: no quantized distribution
             continue
-        p /= p.sum()
-        q /= q.sum()
+        starts = -((-edges * i) // num_quantized_bins)  # each group's first bin, then i
+        group_sum = cs[starts[1:]] - cs[starts[:-1]]
+        group_filled = n_filled[starts[1:]] - n_filled[starts[:-1]]
+        tail = total - cs[i]
+        tail_bin = bool(tail > 0 and not filled[i - 1])  # the clipped tail lands in an empty last bin
+        zeros_q = i - nnz
+        zeros_p = zeros_q - tail_bin
+        p_take, q_take = eps * zeros_p / (i - zeros_p), eps * zeros_q / nnz
+        pos = positions[:nnz]
+        ref = h[pos]
+        if not tail_bin:
+            ref = ref.copy()
+            ref[-1] += tail
+        g = (pos * num_quantized_bins) // i
+        p = (ref - p_take) / total
+        q = (group_sum[g] / group_filled[g] - q_take) / cs[i]
         kl = float(np.sum(p * np.log(p / q)))
+        if zeros_p:  # bins empty in both: eps / total against eps / (total below the threshold)
+            kl += zeros_p * (eps / total) * np.log(cs[i] / total)
+        if tail_bin:
+            last = (tail - p_take) / total
+            kl += last * np.log(last / (eps / cs[i]))
         if kl < best_kl:
             best_kl, best_i = kl, i
-    return float(min((best_i + 0.5) * width, absmax))
-
-
-def _smooth(counts: np.ndarray, eps: float = 1e-4) -> np.ndarray | None:
-    """Move ``eps`` counts into every empty bin (taken evenly from the others) so KL stays finite
-    when the quantized distribution misses a bin the reference has (as TensorRT/ORT calibrators do)."""
-    zeros = counts == 0
-    n_nonzero = counts.size - int(zeros.sum())
-    if n_nonzero == 0:
-        return None
-    out = counts.astype(np.float64)
-    out[zeros] += eps
-    out[~zeros] -= eps * zeros.sum() / n_nonzero
-    return out
+    return float(min((best_i + 0.5) * (absmax / nb), absmax))
 
 
 def percentile_threshold(hist: np.ndarray, absmax: float, percentile: float) -> float:

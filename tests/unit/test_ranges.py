@@ -305,3 +305,51 @@ def test_auto_statistics_carry_every_whole_model_candidate():
     assert mse["thresholds"] == pytest.approx(_collect(batches, "mse")["thresholds"])
     assert ent["threshold"] == pytest.approx(_collect(batches, "entropy")["threshold"], rel=1e-6)
     assert "candidates" not in mm and "chosen" not in mm and "chosen" in with_ranges(auto, PER_TENSOR)["y"]
+
+
+def _kl_threshold_loop(hist: np.ndarray, absmax: float, nq: int = 128) -> float:
+    """The entropy search as TensorRT describes it: one candidate at a time, every bin smoothed."""
+    def smooth(c):
+        zeros = c == 0
+        if zeros.all():
+            return None
+        out = c.astype(np.float64)
+        out[zeros] += 1e-4
+        out[~zeros] -= 1e-4 * zeros.sum() / (~zeros).sum()
+        return out
+
+    nb, hist = hist.size, hist.astype(np.float64)
+    best_i, best_kl = nb, np.inf
+    for i in range(nq, nb + 1, max(1, nb // 512)):
+        ref = hist[:i]
+        p = ref.copy()
+        p[-1] += hist[i:].sum()
+        idx = (np.arange(i) * nq) // i
+        nz = ref > 0
+        qsum = np.bincount(idx, weights=ref, minlength=nq)
+        qcnt = np.bincount(idx, weights=nz.astype(np.float64), minlength=nq)
+        p, q = smooth(p), smooth(np.where(nz, qsum[idx] / np.maximum(qcnt[idx], 1.0), 0.0))
+        if p is None or q is None:
+            continue
+        p, q = p / p.sum(), q / q.sum()
+        kl = float(np.sum(p * np.log(p / q)))
+        if kl < best_kl:
+            best_kl, best_i = kl, i
+    return float(min((best_i + 0.5) * (absmax / nb), absmax))
+
+
+@pytest.mark.parametrize("case", ["gaussian", "heavy_tail", "pixels", "spike_with_empty_tail_bin", "few"])
+@pytest.mark.parametrize("bins", [300, 2048])
+def test_the_entropy_search_picks_the_threshold_of_the_smoothed_one_candidate_loop(case, bins):
+    from tasks.quantize._calibrate import kl_threshold
+
+    rng = np.random.default_rng(3)
+    values = {"gaussian": np.abs(rng.standard_normal(100_000)),
+              "heavy_tail": np.concatenate([np.abs(rng.standard_normal(50_000)), rng.uniform(20, 40, 30)]),
+              "pixels": rng.integers(0, 256, 5_000) / 255.0,  # values on a lattice: most bins empty
+              "spike_with_empty_tail_bin": np.concatenate([np.zeros(10_000) + 0.5, np.abs(rng.standard_normal(200))]),
+              "few": np.abs(rng.standard_normal(12))}[case]
+    absmax = float(values.max())
+    hist = np.bincount(np.minimum((values * bins / absmax).astype(np.int64), bins - 1), minlength=bins)
+    assert kl_threshold(hist, absmax) == _kl_threshold_loop(hist, absmax)
+    assert kl_threshold(np.zeros(bins, np.int64), 2.0) == 2.0
