@@ -90,9 +90,10 @@ class TensorStats(Mapping[str, Any]):
         return cls(**{k: d[k] for k in STATS_KEYS if k in d}, scales=scales or None)
 
     def with_scales(self) -> TensorStats:
-        """The record with the scale and zero point of every storage dtype (calibration.json's)."""
+        """The record with the scale and zero point of every storage dtype it has a range for
+        (calibration.json's): all of them, or those of ``thresholds`` where calibration searched per dtype."""
         scales = {}
-        for dt in QTYPES:
+        for dt in QTYPES if self.thresholds is None else [d for d in QTYPES if d in self.thresholds]:
             p = activation_params(self, dt)
             scales[dt] = {"scale": float(p.scale), "zero_point": float(p.zero_point)}
         return replace(self, scales=scales)

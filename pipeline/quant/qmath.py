@@ -71,6 +71,9 @@ def activation_params(stats: dict[str, float], dtype: str) -> QuantParams:
     negative (a ReLU output) gets zero point 0: ORT then folds the ReLU.
     """
     per_dtype = stats.get("thresholds") or {}
+    if per_dtype and dtype not in per_dtype:  # calibration searched other dtypes: never a silent int8 clip
+        raise ValueError(f"no {dtype} range was calibrated (ranges for {', '.join(per_dtype)}): re-run the "
+                         f"quantize stage with {dtype} in quantize.layers or autotune.quant_type")
     t = float(per_dtype.get(dtype, stats["threshold"]))
     if dtype == "uint8" and stats.get("algorithm") == "max":
         lo, hi = (-t if float(stats["min"]) < 0 else 0.0), t

@@ -295,9 +295,10 @@ def signed_histogram(arr: np.ndarray, lo: float, hi: float, num_bins: int) -> tu
     return np.bincount(idx, minlength=num_bins), int(a.size - nz.size)
 
 
-def _error_minimizing(s: dict, signed: np.ndarray, zeros: int, absolute: np.ndarray | None, algorithm: str,
-                      percentile: float) -> None:
-    """Fill ``thresholds`` (and for auto ``chosen``) of one tensor's statistics."""
+def _error_minimizing(s: dict, signed: np.ndarray, zeros: int, absolute: np.ndarray | None,
+                      method: CalibrationMethod) -> None:
+    """Fill ``thresholds`` (and for auto ``chosen``) of one tensor's statistics, one per ``method.dtypes``."""
+    algorithm, percentile = method.algorithm, method.percentile
     lo, hi = s["min"], s["max"]
     thresholds, chosen, candidates = {}, {}, {}
     if algorithm == "auto":  # the dtype-independent candidates, once per tensor (the KL search is costly)
@@ -305,7 +306,7 @@ def _error_minimizing(s: dict, signed: np.ndarray, zeros: int, absolute: np.ndar
         nonzero[0] -= zeros  # the entropy pass leaves exact zeros out (see collect)
         shared = {"minmax": s["absmax"], "percentile": percentile_threshold(absolute, s["absmax"], percentile),
                   "entropy": kl_threshold(nonzero, s["absmax"])}
-    for dt in QTYPES:
+    for dt in method.dtypes:
         best = mse_threshold(signed, lo, hi, dt, zeros)
         if algorithm == "auto":
             cands = {**shared, "mse": best}
@@ -363,6 +364,14 @@ class CalibrationMethod:
     algorithm: str
     percentile: float
     num_bins: int = 2048
+    # the activation storage dtypes the run can quantize to: mse and auto search a range for these
+    # only (fp8 e4m3's lattice takes the full search, most of auto's time); int8 always (``threshold``)
+    dtypes: tuple[str, ...] = tuple(QTYPES)
+
+    def __post_init__(self):
+        unknown = set(self.dtypes) - set(QTYPES)
+        if unknown or "int8" not in self.dtypes:
+            raise ValueError(f"calibration dtypes {sorted(self.dtypes)}: each one of {sorted(QTYPES)}, int8 among them")
 
 
 def collect(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]], method: CalibrationMethod, threads: int,
@@ -382,8 +391,7 @@ def collect(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]], meth
 
     stats, count = _ranges(runner, passing("calibrating (pass 1: ranges)"))
     if algorithm in ("mse", "auto"):
-        _error_minimizing_pass(stats, runner, passing("calibrating (pass 2: histograms)"), algorithm,
-                               percentile, num_bins)
+        _error_minimizing_pass(stats, runner, passing("calibrating (pass 2: histograms)"), method)
     if algorithm in ("entropy", "percentile"):
         hists = {t: np.zeros(num_bins, np.int64) for t in stats}
         for batch in passing("calibrating (pass 2: histograms)"):
@@ -453,9 +461,10 @@ def _absolute_histogram(arr: np.ndarray, absmax: float, num_bins: int, drop_zero
 
 
 def _error_minimizing_pass(stats: dict[str, dict], runner: ActivationRunner, batches: Iterable[Batch],
-                           algorithm: str, percentile: float, num_bins: int) -> None:
+                           method: CalibrationMethod) -> None:
     """mse and auto: the second pass (signed histograms, and for auto those of |x|), then each tensor's
-    ``thresholds`` (``_error_minimizing``)."""
+    ``thresholds`` for ``method.dtypes`` (``_error_minimizing``)."""
+    algorithm, num_bins = method.algorithm, method.num_bins
     signed = {t: np.zeros(num_bins, np.int64) for t in stats}
     zeros = dict.fromkeys(stats, 0)
     absolute = {t: np.zeros(num_bins, np.int64) for t in stats} if algorithm == "auto" else {}
@@ -471,9 +480,9 @@ def _error_minimizing_pass(stats: dict[str, dict], runner: ActivationRunner, bat
             if algorithm == "auto":  # with zeros: percentile counts them, entropy takes them out
                 absolute[t] += _absolute_histogram(arr, s["absmax"], num_bins)
     for t, s in stats.items():
-        _error_minimizing(s, signed[t], zeros[t], absolute.get(t), algorithm, percentile)
+        _error_minimizing(s, signed[t], zeros[t], absolute.get(t), method)
     if algorithm == "auto" and stats:
-        wins = {dt: Counter(s["chosen"][dt] for s in stats.values() if "chosen" in s) for dt in QTYPES}
+        wins = {dt: Counter(s["chosen"][dt] for s in stats.values() if "chosen" in s) for dt in method.dtypes}
         log.info("auto ranges (lowest histogram MSE of %s per tensor, %d tensors): %s",
                  "/".join(AUTO_CANDIDATES), len(stats),
                  "; ".join(f"{dt}: " + ", ".join(f"{k} {c[k]}" for k in AUTO_CANDIDATES if c[k])

@@ -28,6 +28,7 @@ from pipeline.quant.placement import (
     placement_kind,
     resolve_rules,
 )
+from pipeline.quant.qmath import QTYPES
 from pipeline.values import enum_value
 from tasks.quantize import _prepare
 from tasks.quantize._accuracy import Checker, temp_workdir
@@ -127,7 +128,8 @@ class QuantizeSetup:
     def calibrate(self, model: onnx.ModelProto) -> dict[str, dict]:
         """Statistics of every candidate tensor of ``model`` on the calibration batches."""
         q = self.q
-        method = CalibrationMethod(enum_value(q.algorithm), float(q.percentile), int(q.calibration.num_bins))
+        method = CalibrationMethod(enum_value(q.algorithm), float(q.percentile), int(q.calibration.num_bins),
+                                   activation_dtypes(self.cfg))
         return collect(model, self.batches, method, self.backend.threads, self.progress, self.max_bytes)
 
     def calibration_of(self, stats: dict[str, dict], weight_clip: str) -> Calibration:
@@ -144,3 +146,14 @@ class QuantizeSetup:
         from pipeline.graph.memory import memory_limit_bytes
 
         return memory_limit_bytes(self.q.calibration.max_memory_gb)
+
+
+def activation_dtypes(cfg: DictConfig) -> tuple[str, ...]:
+    """The activation storage dtypes a run can quantize to, which calibration searches ranges for:
+    int8 and uint8 always (either convention, and the one ``threshold``), and the fp8 formats that
+    quantize.layers or autotune.quant_type name."""
+    wanted = {"int8", "uint8"}
+    wanted.update(enum_value(rule.activations.dtype) for rule in cfg.quantize.layers)
+    if cfg.autotune.quant_type is not None and enum_value(cfg.autotune.quant_type) == "fp8":
+        wanted.add("fp8_e4m3fn")
+    return tuple(dt for dt in QTYPES if dt in wanted)

@@ -134,7 +134,8 @@ class QuantizeStage(Stage):
     # float_model.onnx: the float graph after the float-exact transforms, the one calibration.json
     # describes and autotune places Q/DQ into
     outputs = ("quantize/quantized_model.onnx", "quantize/calibration.json", "quantize/float_model.onnx")
-    config_keys = ("quantize", "data", "seed", "backend.name", "accuracy")
+    # autotune.quant_type: fp8 tuning needs fp8 ranges, which calibration searches only when asked
+    config_keys = ("quantize", "data", "seed", "backend.name", "accuracy", "autotune.quant_type")
 
     def run(self, ctx: StageContext) -> StageResult:
         cfg, q = ctx.cfg, ctx.cfg.quantize

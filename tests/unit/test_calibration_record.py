@@ -39,10 +39,17 @@ def test_tensor_stats_round_trip_with_the_scales_calibration_json_records():
     assert s.algorithm == "auto" and s.samples == 16 and s.thresholds["uint8"] == 2.5 and s.candidates is None
     assert s.to_dict() == STATS and list(s.to_dict()) == list(STATS)
     written = s.with_scales().to_dict()
-    assert set(written) == set(STATS) | set(QTYPES)
-    for dt in QTYPES:  # the scales are those activation_params gives the statistics
+    # scales for the dtypes calibration searched a range for, only: an fp8 scale from the int8 clip
+    # would be a range nobody searched
+    assert set(written) == set(STATS) | {"int8", "uint8"}
+    for dt in ("int8", "uint8"):  # the scales are those activation_params gives the statistics
         assert written[dt]["scale"] == pytest.approx(float(activation_params(STATS, dt).scale))
+    with pytest.raises(ValueError, match="no fp8_e4m3fn range was calibrated .*re-run the quantize stage"):
+        activation_params(STATS, "fp8_e4m3fn")
     assert TensorStats.from_dict(written, written=True).to_dict() == written
+    # one threshold for every dtype (minmax, max, entropy, percentile): every dtype's scale
+    minmax = {k: v for k, v in STATS.items() if k not in ("thresholds", "chosen")} | {"algorithm": "minmax"}
+    assert set(TensorStats.from_dict(minmax).with_scales().to_dict()) == set(minmax) | set(QTYPES)
     # it reads as the mapping of its keys, as activation_params takes it
     assert dict(s) == STATS and s.get("candidates") is None and "chosen" in s
 

@@ -150,7 +150,8 @@ def test_activation_params_prefers_the_dtype_threshold():
              "algorithm": "mse"}
     assert float(activation_params(stats, "int8").scale) == pytest.approx(2.0 / 127)
     assert float(activation_params(stats, "uint8").scale) == pytest.approx(6.0 / 255)
-    assert float(activation_params(stats, "fp8_e4m3fn").scale) == pytest.approx(8.0 / 448)  # fallback
+    with pytest.raises(ValueError, match="no fp8_e4m3fn range was calibrated"):  # not the int8 clip, silently
+        activation_params(stats, "fp8_e4m3fn")
     old = {k: v for k, v in stats.items() if k != "thresholds"}
     assert float(activation_params(old, "int8").scale) == pytest.approx(8.0 / 127)
 
@@ -353,3 +354,28 @@ def test_the_entropy_search_picks_the_threshold_of_the_smoothed_one_candidate_lo
     hist = np.bincount(np.minimum((values * bins / absmax).astype(np.int64), bins - 1), minlength=bins)
     assert kl_threshold(hist, absmax) == _kl_threshold_loop(hist, absmax)
     assert kl_threshold(np.zeros(bins, np.int64), 2.0) == 2.0
+
+
+def test_calibration_searches_ranges_for_the_dtypes_the_run_can_store_only():
+    from tasks.quantize._setup import activation_dtypes
+    from tests.helpers import compose
+
+    assert activation_dtypes(compose([])) == ("int8", "uint8")
+    assert activation_dtypes(compose(["quantize=fp8"])) == ("int8", "uint8", "fp8_e4m3fn")
+    assert activation_dtypes(compose(["autotune.quant_type=fp8"])) == ("int8", "uint8", "fp8_e4m3fn")
+    # so asking autotune for fp8 later re-runs quantize, which then searches the fp8 ranges
+    from pipeline.app.runner import stage_fingerprint
+    from tasks.quantize.stage import QuantizeStage
+
+    fp = [stage_fingerprint(QuantizeStage(), compose(o), {}) for o in ([], ["autotune.quant_type=fp8"])]
+    assert fp[0] != fp[1]
+    rng = np.random.default_rng(0)
+
+    def batches():
+        yield Batch({"input": rng.standard_normal(SHAPE).astype(np.float32)}, None, SHAPE[0])
+
+    stats = collect(_identity_model(), batches, CalibrationMethod("auto", 99.99, 2048, ("int8", "uint8")), 1,
+                    lambda it, d: it)["y"]
+    assert set(stats["thresholds"]) == set(stats["chosen"]) == {"int8", "uint8"}
+    with pytest.raises(ValueError, match="int8 among them"):
+        CalibrationMethod("auto", 99.99, 2048, ("uint8",))
