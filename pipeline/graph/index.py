@@ -142,9 +142,11 @@ SHAPE_ONLY_OPS = ("Flatten", "Reshape", "Squeeze", "Unsqueeze")
 
 
 def through_shape_ops(g: GraphIndex, tensor: str) -> tuple[str, tuple[str, int] | None]:
-    """The tensor ``tensor`` is a reshape of, back through shape-only ops each read once, and that
-    tensor's reader on the way (None when there is no shape-only op: ``tensor`` itself)."""
+    """The tensor ``tensor`` is a reshape of, back through shape-only ops each read once (a graph
+    output on the way ends the walk: it is read outside), and that tensor's reader on the way (None
+    when there is no shape-only op: ``tensor`` itself)."""
     t, reader = tensor, None
-    while (p := g.producer.get(t)) is not None and p.op_type in SHAPE_ONLY_OPS and len(g.consumers[t]) == 1:
+    while ((p := g.producer.get(t)) is not None and p.op_type in SHAPE_ONLY_OPS and len(g.consumers[t]) == 1
+           and t not in g.graph_outputs):
         t, reader = p.input[0], (p.name, 0)
     return t, reader

@@ -24,6 +24,7 @@ from pipeline.artifacts import read_json
 from pipeline.errors import StageError, StateError
 from pipeline.quant.plan import QDQPlan
 from pipeline.quant.qmath import QTYPES, WEIGHT_SEARCHES, QuantParams, activation_params, weight_params
+from pipeline.values import enum_value
 
 
 class MissingCalibration(StageError):
@@ -234,6 +235,12 @@ class Calibration:
             c.alias(t, src)
         return c
 
+    def missing_dtypes(self, dtypes: Iterable[str]) -> list[str]:
+        """Those of ``dtypes`` some tensor has no range for: statistics searched per dtype
+        (``thresholds``, mse and auto) hold the dtypes their run could store only."""
+        searched = [set(th) for s in self.tensors.values() if (th := s.get("thresholds"))]
+        return [dt for dt in dtypes if any(dt not in have for have in searched)]
+
     def alias(self, tensor: str, source: str) -> None:
         """Give ``tensor`` the statistics of ``source`` (data-movement ops must keep their input's scale)."""
         if source in self.tensors:
@@ -289,3 +296,14 @@ def quantize_decisions(path: str | Path | None) -> QuantizeDecisions:
         return QuantizeDecisions.from_dict(d)
     except ValueError as exc:
         raise StateError(f"calibration file {path}: decisions: {exc}; re-run the quantize stage") from None
+
+
+def activation_dtypes(cfg: Any) -> tuple[str, ...]:
+    """The activation storage dtypes a run can quantize to, which calibration searches ranges for:
+    int8 and uint8 always (either convention, and the one ``threshold``), and the fp8 formats that
+    quantize.layers or autotune.quant_type name."""
+    wanted = {"int8", "uint8"}
+    wanted.update(enum_value(rule.activations.dtype) for rule in cfg.quantize.layers)
+    if cfg.autotune.quant_type is not None and enum_value(cfg.autotune.quant_type) == "fp8":
+        wanted.add("fp8_e4m3fn")
+    return tuple(dt for dt in QTYPES if dt in wanted)

@@ -255,7 +255,7 @@ def openvino_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activati
     by_tensor = {a.tensor: k for k, a in enumerate(plan.activations)}
     g = GraphIndex(model)
     for a in dot_plan.activations:
-        pooled = _pooled_source(g, a.tensor) if a.dtype == "int8" else None
+        pooled = _pooled_source(g, a.tensor, rules) if a.dtype == "int8" else None
         for consumer in a.consumers or ():
             if pooled is None:
                 _quantize_for(plan, by_tensor, a.tensor, a.dtype, consumer)
@@ -272,14 +272,19 @@ def openvino_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activati
 
 # pooling OpenVINO runs on u8 with both sides quantized
 U8_POOLING = ("GlobalAveragePool", "AveragePool", "MaxPool", "GlobalMaxPool")
-def _pooled_source(g: GraphIndex, tensor: str) -> tuple[onnx.NodeProto, str, tuple[str, int] | None] | None:
+
+
+def _pooled_source(g: GraphIndex, tensor: str, rules: dict[str, NodeDtypes]
+                   ) -> tuple[onnx.NodeProto, str, tuple[str, int] | None] | None:
     """(pooling node, its output, that output's reader on the way to ``tensor``) where ``tensor`` is a
-    pooling output through shape-only ops (``through_shape_ops``). None otherwise."""
+    pooling output through shape-only ops (``through_shape_ops``) and the pooling's rule quantizes it.
+    None otherwise (a pooling left float keeps the Q on the dot's own input)."""
     t, reader = through_shape_ops(g, tensor)
     p = g.producer.get(t)
     if p is None or p.op_type not in U8_POOLING or not g.is_activation(p.input[0]):
         return None
-    return p, t, reader
+    rule = rules.get(p.name)
+    return (p, t, reader) if rule is not None and rule.activations != "native" else None
 
 
 def _quantize_for(plan: QDQPlan, by_tensor: dict[str, int], tensor: str, dtype: str, consumer: tuple[str, int]

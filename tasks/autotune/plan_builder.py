@@ -15,6 +15,7 @@ from pipeline.quant.placement import (
     input_dtype,
     int32_bias,
     pass_through_aliases,
+    too_small,
     weight_q,
 )
 from pipeline.quant.plan import ActivationQ, QDQPlan
@@ -97,7 +98,9 @@ class PlanBuilder:
             readers[tensor] = None if who is None or seen is None else seen | who
         out = set()
         for name, node in g.nodes.items():
-            if node.op_type not in WEIGHTED_OPS or not weight_inputs(g, node) or not node.input:
+            d = self._dtypes.get(name)
+            if (node.op_type not in WEIGHTED_OPS or not weight_inputs(g, node) or d is None or d.weights == "native"
+                    or too_small(g, node, d.weights)):
                 continue
             source, reader = through_shape_ops(g, node.input[0])
             if reader is not None and source in readers and (readers[source] is None or reader in readers[source]):

@@ -31,7 +31,7 @@ from pipeline.graph.model import (
     save_model,
     write_model_bytes,
 )
-from pipeline.quant.calibration import Calibration, load_calibration, quantize_decisions
+from pipeline.quant.calibration import Calibration, activation_dtypes, load_calibration, quantize_decisions
 from pipeline.quant.placement import activation_type, placement_kind, resolve_rules
 from pipeline.stage import Stage, StageContext, StageResult
 from pipeline.values import enum_value, section
@@ -125,6 +125,11 @@ class AutotuneStage(Stage):
                         "backend=onnxruntime for int8)", backend.name, quant_type, quant_type)
         schemes, warmup, timing = settings(cfg)
         calibration = self._calibration(inputs, cfg.autotune, load_calibration)
+        missing = calibration.missing_dtypes(activation_dtypes(cfg))
+        if missing:
+            raise StageError(f"autotune: quantize/calibration.json has no {' or '.join(missing)} ranges (quantize "
+                             f"calibrates the dtypes its run can store): run `stages=[quantize,autotune]` so "
+                             f"quantize calibrates them for this autotune.quant_type")
         config = self._tuner_config(cfg, model, inputs, quant_type, schemes)
         baseline_path = out / "baseline.onnx"
         save_model(model, baseline_path)

@@ -19,7 +19,7 @@ from pipeline.accuracy.holdout import Holdout
 from pipeline.data.adapters import Batch, DataProvider
 from pipeline.graph.model import input_specs
 from pipeline.progress import progress_bar
-from pipeline.quant.calibration import Calibration
+from pipeline.quant.calibration import Calibration, activation_dtypes
 from pipeline.quant.placement import (
     CPU_RUNTIMES,
     NodeDtypes,
@@ -28,7 +28,6 @@ from pipeline.quant.placement import (
     placement_kind,
     resolve_rules,
 )
-from pipeline.quant.qmath import QTYPES
 from pipeline.values import enum_value
 from tasks.quantize import _prepare
 from tasks.quantize._accuracy import Checker, temp_workdir
@@ -147,13 +146,3 @@ class QuantizeSetup:
 
         return memory_limit_bytes(self.q.calibration.max_memory_gb)
 
-
-def activation_dtypes(cfg: DictConfig) -> tuple[str, ...]:
-    """The activation storage dtypes a run can quantize to, which calibration searches ranges for:
-    int8 and uint8 always (either convention, and the one ``threshold``), and the fp8 formats that
-    quantize.layers or autotune.quant_type name."""
-    wanted = {"int8", "uint8"}
-    wanted.update(enum_value(rule.activations.dtype) for rule in cfg.quantize.layers)
-    if cfg.autotune.quant_type is not None and enum_value(cfg.autotune.quant_type) == "fp8":
-        wanted.add("fp8_e4m3fn")
-    return tuple(dt for dt in QTYPES if dt in wanted)

@@ -79,3 +79,17 @@ def test_a_model_whose_budget_leaves_every_node_float_ships_the_float_model(tmp_
     assert lines and "min 60 dB" in lines[0], proc.stderr
     metrics = json.loads((rd / "manifest.json").read_text())["stages"]["autotune"]["metrics"]
     assert metrics["shipped"] == "float" and "left every quantizable node float" in metrics["shipped_reason"]
+
+
+@pytest.mark.slow
+def test_autotune_asked_for_fp8_after_an_int8_calibration_is_one_line_naming_the_rerun(tmp_path):
+    models.save(models.conv_chain(seed=0), tmp_path, "m")
+    rd = tmp_path / "r"
+    base = ["model=onnx", f"model.onnx_path={tmp_path / 'm.onnx'}", "data=synthetic", f"results_dir={rd}",
+            *[o for o in QUICK if not o.startswith("quantize.algorithm=")], "quantize.algorithm=mse"]
+    run_tune([*base, "stages=[export,quantize]"], cwd=tmp_path, check=True)
+    # quantize searched int8 and uint8 ranges only: autotune alone cannot tune fp8 on them
+    proc = run_tune([*base, "stages=[autotune]", "autotune.quant_type=fp8"], cwd=tmp_path)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "has no fp8_e4m3fn ranges" in proc.stderr and "stages=[quantize,autotune]" in proc.stderr
+    assert not (rd / "autotune" / "optimized_final.onnx").exists()

@@ -91,3 +91,13 @@ def test_statistics_with_unknown_or_missing_keys_are_refused_naming_the_file(tmp
     msg = str(e.value)
     assert "\n" not in msg and path in msg and "tensors['x']" in msg and problem in msg and e.value.exit_code == 2
     assert load_calibration(_write(tmp_path, {"tensors": {"x": STATS}})).tensors["x"] == TensorStats.from_dict(STATS)
+
+
+def test_a_calibration_names_the_dtypes_it_has_no_range_for():
+    from pipeline.quant.calibration import Calibration
+
+    searched = Calibration({"x": TensorStats.from_dict(STATS)})
+    assert searched.missing_dtypes(["int8", "uint8"]) == []
+    assert searched.missing_dtypes(["int8", "fp8_e4m3fn"]) == ["fp8_e4m3fn"]
+    minmax = {k: v for k, v in STATS.items() if k not in ("thresholds", "chosen")} | {"algorithm": "minmax"}
+    assert Calibration({"x": minmax}).missing_dtypes(["fp8_e4m3fn"]) == []  # one threshold serves every dtype

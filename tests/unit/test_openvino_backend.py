@@ -165,3 +165,16 @@ def test_quantize_judges_candidates_on_openvino(tmp_path):
 
     metrics = json.loads((rd / "manifest.json").read_text())["stages"]["quantize"]["metrics"]
     assert metrics["placement"] == "openvino"
+
+
+def test_the_classifier_head_rule_leaves_a_pooling_left_float_and_a_graph_output_alone():
+    model = models.conv_chain(channels=16, classes=16)
+    skipped = openvino_plan(model, resolve_rules(model, INT8, skip_names=["gap"]), "uint8")
+    # the pooling is left float: the Gemm's input gets its own int8 Q after Flatten, as before the rule
+    assert {(a.tensor, a.dtype) for a in skipped.activations} >= {("flat", "int8")}
+    assert "gap" not in {a.tensor for a in skipped.activations}
+    model.graph.output.append(onnx.helper.make_tensor_value_info("flat", onnx.TensorProto.FLOAT, None))
+    plan = openvino_plan(model, resolve_rules(model, INT8), "uint8")
+    # "flat" is read outside the graph too: no Q/DQ goes between the pooling and that output
+    assert "gap" not in {a.tensor for a in plan.activations}
+    assert [a.consumers for a in plan.activations if a.tensor == "flat"] == [(("fc", 0),)]

@@ -357,7 +357,7 @@ def test_the_entropy_search_picks_the_threshold_of_the_smoothed_one_candidate_lo
 
 
 def test_calibration_searches_ranges_for_the_dtypes_the_run_can_store_only():
-    from tasks.quantize._setup import activation_dtypes
+    from pipeline.quant.calibration import activation_dtypes
     from tests.helpers import compose
 
     assert activation_dtypes(compose([])) == ("int8", "uint8")
