@@ -91,21 +91,32 @@ class PlanBuilder:
         """Weighted nodes that read a quantized tensor through shape-only ops (a classifier head's
         pooled features through Flatten): OpenVINO moves the DequantizeLinear through the reshape to
         the node, which runs int8 only with its weights quantized too."""
-        g = self.index
         readers: dict[str, set[tuple[str, int]] | None] = {}
         for (tensor, _), who in act.items():
             seen = readers.get(tensor, set())
             readers[tensor] = None if who is None or seen is None else seen | who
-        out = set()
+        return {name for name, (source, reader) in self._reshaping_readers().items()
+                if source in readers and (readers[source] is None or reader in readers[source])}
+
+    def _reshaping_readers(self) -> dict[str, tuple[str, tuple[str, int]]]:
+        """Node -> (the tensor its activation reshapes, that tensor's reader) for the weighted nodes
+        whose rule quantizes their weights and that read through shape-only ops; the graph is walked
+        once per rule set, not once per candidate plan."""
+        cached = getattr(self, "_reshaping_cache", None)
+        if cached is not None and cached[0] is self._dtypes:
+            return cached[1]
+        g = self.index
+        found = {}
         for name, node in g.nodes.items():
             d = self._dtypes.get(name)
             if (node.op_type not in WEIGHTED_OPS or not weight_inputs(g, node) or d is None or d.weights == "native"
                     or too_small(g, node, d.weights)):
                 continue
             source, reader = through_shape_ops(g, node.input[0])
-            if reader is not None and source in readers and (readers[source] is None or reader in readers[source]):
-                out.add(name)
-        return out
+            if reader is not None:
+                found[name] = (source, reader)
+        self._reshaping_cache = (self._dtypes, found)
+        return found
 
     def _dtype_for(self, p: InsertionPoint, rp, region: Region, order: list[int]) -> str | None:
         """Storage dtype at a point: the consumer's rule for an input, the producer's for an output."""
