@@ -352,8 +352,8 @@ def channel_extremes(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def outlier_ratio(channel_max: np.ndarray) -> float:
     """Largest channel's absmax over the median of the non-zero ones: how much of a per-tensor scale's
     range a few outlier channels take from the others (BERT's FFN outputs: 40-230)."""
-    pos = channel_max[channel_max > 0]
-    return float(channel_max.max() / np.median(pos)) if pos.size else 1.0
+    pos = channel_max[channel_max > 0].astype(np.float64)  # float32 overflows on finfo.max masks
+    return float(pos.max() / np.median(pos)) if pos.size else 1.0
 
 
 @dataclass(frozen=True)

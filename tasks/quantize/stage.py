@@ -223,7 +223,7 @@ class QuantizeStage(Stage):
         doc["decisions"] = decisions.to_dict()
         atomic_write_json(out_calib, doc)
         save_model(qmodel, out_model, external_data=bool(setup.q.use_external_data_format))
-        self._log_rules(cal.model, plan, setup.rules, setup.act_type)
+        self._log_rules(cal.model, plan, setup.rules, setup.act_type, setup.kind)
         counts = qdq_summary(qmodel)
         headline = self._headline(setup, plan, counts, cal, decisions, sensitivity)
         log.info("wrote %s (%s)", out_model, headline)
@@ -294,15 +294,34 @@ class QuantizeStage(Stage):
         }
 
     @staticmethod
-    def _log_rules(model: onnx.ModelProto, plan, rules: dict[str, NodeDtypes], act_type: str) -> None:
+    def _log_rules(model: onnx.ModelProto, plan, rules: dict[str, NodeDtypes], act_type: str, kind: str) -> None:
+        """One INFO line per rule (its nodes counted by op type and weights) and per reason a node was left
+        float; every node's decision at DEBUG (calibration.json's `node_rules` keeps them all)."""
         ops = {n.name: n.op_type for n in iter_nodes(model.graph, QUANTIZED_BODIES)}
         wd = {w.node: w.dtype for p in plan.walk() for w in p.weights}
-        for name, why in {k: v for p in plan.walk() for k, v in p.skipped.items()}.items():
-            log.info("  %s (%s) left float: %s", name, ops.get(name, "?"), why)
+        skipped = {k: v for p in plan.walk() for k, v in p.skipped.items()}
+        by_reason: dict[str, list[str]] = {}
+        for name, why in skipped.items():
+            by_reason.setdefault(why, []).append(name)
+            log.debug("  %s (%s) left float: %s", name, ops.get(name, "?"), why)
+        for why, names in by_reason.items():
+            log.info("  left float (%s): %s", why, _some(names))
+        groups: dict[tuple[str, str], Counter] = {}
         for name, rule in plan.quantized_nodes().items():
             r = rules.get(name)
             acts = r.activations if r else "?"
             if acts == "int8" and act_type == "uint8":
-                acts = "uint8 (int8 rule, ORT asymmetric activations)"
-            log.info("  %s (%s) <- %s: weights %s, activations %s", name, ops.get(name, "?"), rule,
-                     wd.get(name, "none"), acts)
+                acts = f"uint8 (int8 rule; asymmetric for {kind}'s u8 x s8 kernels)"
+            weights_of = wd.get(name)
+            groups.setdefault((str(rule), acts), Counter())[
+                f"{ops.get(name, '?')} ({'weights ' + weights_of if weights_of else 'no weights'})"] += 1
+            log.debug("  %s (%s) <- %s: weights %s, activations %s", name, ops.get(name, "?"), rule,
+                      weights_of or "none", acts)
+        for (rule, acts), counts in groups.items():
+            log.info("  %s: %s; activations %s", rule, ", ".join(f"{n} {k}" for k, n in counts.most_common()), acts)
+
+
+def _some(names: list[str], shown: int = 4) -> str:
+    """Up to `shown` names, then how many more."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")

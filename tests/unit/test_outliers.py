@@ -3,12 +3,14 @@ leaves their element-wise readers and writers float before ranking any node."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.data.adapters import Batch
-from tasks.quantize._calibrate import CalibrationMethod, collect
+from tasks.quantize._calibrate import CalibrationMethod, collect, outlier_ratio
 from tasks.quantize._recovery import outlier_units
 
 
@@ -45,6 +47,15 @@ def test_calibration_measures_outlier_channels():
     stats = _stats(residual_ffn())
     assert stats["h"]["channel_ratio"] > 32 and stats["r"]["channel_ratio"] > 32
     assert stats["x"]["channel_ratio"] < 10 and stats["n"]["channel_ratio"] < 32
+
+
+def test_outlier_ratio_of_a_mask_at_the_float32_limit_is_finite_and_silent():
+    # BERT's additive attention mask holds finfo(float32).min: the median of two such channels overflowed
+    big = np.finfo(np.float32).max
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert outlier_ratio(np.array([big, big, big, 1.0], np.float32)) == 1.0
+        assert outlier_ratio(np.array([big, 1.0, 1.0], np.float32)) == float(big)
 
 
 def test_outlier_recovery_picks_the_residual_add_not_the_matmuls():
