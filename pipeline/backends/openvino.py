@@ -29,9 +29,10 @@ from typing import Any
 import numpy as np
 
 from pipeline.artifacts import atomic_write_bytes, atomic_write_json, read_settings
-from pipeline.backends.base import Backend, BuildResult, PreparedModel, ShippedSettings, specs_of
+from pipeline.backends.base import Backend, BuildResult, PreparedModel, ShippedSettings
 from pipeline.data.adapters import fixed_feeds
 from pipeline.errors import BackendUnavailable
+from pipeline.graph.model import input_specs, load_model, output_names
 from pipeline.values import enum_value
 
 INSTALL = "pip install openvino"
@@ -130,12 +131,12 @@ class CompileSettings:
 class OvPrepared(PreparedModel):
     """A compiled model and one infer request on fixed inputs."""
 
-    def __init__(self, compiled: Any, specs: list, profile: bool = False):
+    def __init__(self, compiled: Any, specs: list, profile: bool = False, graph_outputs: list[str] | None = None):
         self.compiled = compiled
         self.specs = specs
         self.request = compiled.create_infer_request()
         self._outputs = list(compiled.outputs)
-        self.output_names = [o.get_any_name() for o in self._outputs]  # as the ONNX graph names them
+        self.output_names = [onnx_output_name(o, graph_outputs or ()) for o in self._outputs]
         self._profile = profile
         self._calls: list[list[dict[str, float]]] = []
         self._layer_types: dict[str, str] = {}
@@ -183,6 +184,13 @@ class OvPrepared(PreparedModel):
 
     def close(self) -> None:
         self.request = self._run_request = self.compiled = None
+
+
+def onnx_output_name(port: Any, graph_outputs: list[str] | tuple[str, ...]) -> str:
+    """The name the ONNX graph gives a compiled model's output: OpenVINO folds Identity chains and keeps
+    every name of the tensors it folded on the one port, and ``get_any_name`` may pick an inner one."""
+    names = port.get_names()
+    return next((n for n in graph_outputs if n in names), port.get_any_name())
 
 
 def _tensors(compiled: Any, feeds: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -253,7 +261,8 @@ class OpenVinoBackend(Backend):
         return core().compile_model(str(model_path), str(self.cfg.device), self.properties(profile))
 
     def prepare(self, model_path: str | Path, profile: bool = False) -> OvPrepared:
-        return OvPrepared(self.compile(model_path, profile), specs_of(model_path), profile)
+        model = load_model(model_path, check=False)
+        return OvPrepared(self.compile(model_path, profile), input_specs(model), profile, output_names(model))
 
     def prepare_reference(self, model_path: str | Path) -> PreparedModel:
         """The Q/DQ math the fused int8 kernels must reproduce: ONNX Runtime with no graph

@@ -47,6 +47,25 @@ def test_runs_times_and_profiles_a_model_close_to_onnx_runtime(tmp_path):
     assert b.float_precision() == "FP32" and _backend().float_precision() in ("BF16", "FP32", "FP16")
 
 
+def test_outputs_after_an_identity_chain_keep_the_onnx_graph_names(tmp_path):
+    # OpenVINO folds Identity chains and keeps every folded name on the port (as silero-vad's
+    # inlined If outputs): the graph output's own name is the one accuracy.outputs and reports use
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Identity", ["r"], ["branch_out"]),
+             helper.make_node("Identity", ["branch_out"], ["y"]), helper.make_node("Neg", ["x"], ["z0"]),
+             helper.make_node("Identity", ["z0"], ["z"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4]),
+                               helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with _backend().prepare(models.save(model, tmp_path, "ids")) as pm:
+        assert pm.output_names == ["y", "z"]
+        y, z = pm.run({"x": np.array([[-1, 2, -3, 4]], np.float32)})
+    np.testing.assert_allclose(y, [[0, 2, 0, 4]])
+    np.testing.assert_allclose(z, [[1, -2, 3, -4]])
+
+
 def test_layer_info_names_the_onnx_nodes_of_each_runtime_layer(tmp_path):
     model = models.conv_chain()
     info = _backend().layer_info(models.save(model, tmp_path, "m"))
