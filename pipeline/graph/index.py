@@ -150,3 +150,27 @@ def through_shape_ops(g: GraphIndex, tensor: str) -> tuple[str, tuple[str, int] 
            and t not in g.graph_outputs):
         t, reader = p.input[0], (p.name, 0)
     return t, reader
+
+
+# ops that only move or select data: an int8 copy of their input is only worth making for a reader
+# past them that computes
+MOVE_ONLY_OPS = ("Concat", "Flatten", "Gather", "Identity", "Reshape", "Slice", "Split", "Squeeze", "Transpose",
+                 "Unsqueeze")
+
+
+def reaches_compute(g: GraphIndex, tensor: str) -> bool:
+    """Whether ``tensor``'s readers, followed through ops that only move data, include an op that
+    computes. A tensor that only reaches graph outputs (a recurrent state, a model output) gains
+    nothing from a Q/DQ: it only loses precision where the user reads it."""
+    seen, stack = set(), [tensor]
+    while stack:
+        t = stack.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        for node, _ in g.consumers.get(t, []):
+            if node.op_type not in MOVE_ONLY_OPS:
+                return True
+            stack.extend(o for o in node.output if o)
+    return False
+

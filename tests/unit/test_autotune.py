@@ -250,3 +250,37 @@ def test_candidates_follow_quantize_weight_storage_and_float_nodes(weight_range,
     import onnxruntime as ort
 
     ort.InferenceSession(exported.SerializeToString(), providers=["CPUExecutionProvider"])  # it loads
+
+
+@pytest.mark.parametrize("placement", ["onnxruntime", "openvino"])
+def test_no_candidate_point_on_data_that_only_reaches_graph_outputs(placement):
+    # silero-vad's LSTM state: Unsqueeze -> Concat -> Identity -> graph output. Q/DQ there cannot feed
+    # an int8 kernel, and two such pairs on the Identity chain crashed OpenVINO's compiler
+    from onnx import TensorProto, helper
+
+    from pipeline.graph.index import GraphIndex
+    from tasks.autotune.insertion_points import candidate_points
+
+    rng = np.random.default_rng(0)
+    w = [onnx.numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), n) for n in ("w1", "w2")]
+    axes = onnx.numpy_helper.from_array(np.array([0], np.int64), "axes")
+    shape = onnx.numpy_helper.from_array(np.array([2, 16], np.int64), "shape")
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+             helper.make_node("Relu", ["h"], ["a"], name="relu"),
+             helper.make_node("Unsqueeze", ["a", "axes"], ["u1"], name="unsq1"),
+             helper.make_node("Unsqueeze", ["h", "axes"], ["u2"], name="unsq2"),
+             helper.make_node("Concat", ["u1", "u2"], ["c"], name="concat", axis=0),
+             helper.make_node("Identity", ["c"], ["state"], name="id"),
+             helper.make_node("Reshape", ["a", "shape"], ["r"], name="reshape"),
+             helper.make_node("MatMul", ["r", "w2"], ["y"], name="mm2")]
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, [2, 16])],
+                              [helper.make_tensor_value_info("y", f, [2, 16]),
+                               helper.make_tensor_value_info("state", f, [2, 2, 16])], [*w, axes, shape])
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    g = GraphIndex(model)
+    order = list(range(len(model.graph.node)))
+    points = candidate_points(order, model, g, placement, {n.name for n in model.graph.node}, "int8")
+    on = {model.graph.node[p.index].name for p in points}
+    assert not on & {"unsq1", "unsq2", "concat", "id"}
+    assert {"mm1", "mm2", "reshape"} <= on  # the reshape feeds a MatMul: its int8 copy is read by mm2
