@@ -378,7 +378,15 @@ def _group_listing() -> str:
 
 
 def main() -> None:
+    import faulthandler
+
     from omegaconf import OmegaConf
+
+    if not faulthandler.is_enabled():
+        try:  # a runtime that crashes the process (a segfault in a compiler) shows where
+            faulthandler.enable()
+        except (AttributeError, OSError, ValueError):
+            pass  # a stderr without a file descriptor (tune run inside another program's capture)
 
     if not OmegaConf.has_resolver("tune_groups"):
         OmegaConf.register_new_resolver("tune_groups", _group_listing)

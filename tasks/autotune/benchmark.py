@@ -30,6 +30,7 @@ import numpy as np
 from pipeline.backends import Backend, PreparedModel
 from pipeline.backends.base import TimingPlan, prepared_models, time_interleaved
 from pipeline.graph.model import model_hash, write_model_bytes
+from tasks.autotune.crash_guard import CrashGuard
 from tasks.autotune.scheme import Measurement
 
 log = logging.getLogger("tune.autotune")
@@ -84,8 +85,10 @@ class PairedBenchmark:
     """
 
     def __init__(self, backend: Backend, reference: str | Path, warmup_runs: int = 5, timing_runs: int = 40,
-                 rounds: int = 4, accuracy: Callable[[PreparedModel], Any] | None = None):
+                 rounds: int = 4, accuracy: Callable[[PreparedModel], Any] | None = None,
+                 guard: CrashGuard | None = None):
         self.backend = backend
+        self.guard = guard  # candidates that crashed the process are failed measurements (None: no record)
         self.reference_path = Path(reference)
         self.warmup_runs = warmup_runs
         self.runs_per_round = max(2, timing_runs // max(rounds, 1))
@@ -107,10 +110,12 @@ class PairedBenchmark:
             self._reference = None
 
     def measure(self, model: str | Path | bytes, rounds: int | None = None, use_cache: bool = True,
-                stop_at: float | None = None) -> Measurement:
+                stop_at: float | None = None, what: str = "a candidate", family: str | None = None) -> Measurement:
         """Pair ``model`` with the reference for ``rounds`` rounds; with ``stop_at`` (a keep threshold
         on the ratio) sequentially: rounds of half the runs, at least MIN_ROUNDS and at most ``rounds``
-        (default: twice the benchmark's), ending once the ratio is clearly above or below it."""
+        (default: twice the benchmark's), ending once the ratio is clearly above or below it. ``what``
+        names the model where it crashes the process, ``family`` the candidates like it (its region):
+        see crash_guard.py."""
         key = model_hash(model)
         if use_cache and key in self._cache:
             return dataclasses.replace(self._cache[key])  # callers annotate their copy (log path)
@@ -120,6 +125,10 @@ class PairedBenchmark:
                     tempfile.TemporaryDirectory(prefix="qdq-tune-candidate-"))) / "candidate.onnx", share_weights=True)
             else:
                 path = Path(model)
+            if self.guard is not None:
+                if (crashed := self.guard.why_failed(key, self.backend, path, what, family)) is not None:
+                    return Measurement.failed(crashed)
+                stack.enter_context(self.guard.flight(key, what, family))
             cap = rounds or (2 * self.rounds if stop_at is not None else self.rounds)
             result = self._measure(path, max(cap, MIN_ROUNDS) if stop_at is not None else cap, stop_at)
         self.count += 1

@@ -27,6 +27,7 @@ from pipeline.graph.model import load_model, remove_model, save_model
 from pipeline.quant.calibration import Calibration
 from tasks.autotune.autotuner import Config, QDQAutotuner
 from tasks.autotune.benchmark import PairedBenchmark
+from tasks.autotune.crash_guard import CrashGuard
 from tasks.autotune.pattern_cache import PatternCache
 from tasks.autotune.progress import OnProgress, Progress
 from tasks.autotune.region import Region
@@ -56,10 +57,12 @@ class SearchSession:
 
 def init_benchmark_instance(backend: Backend, reference_model: str | Path, warmup_runs: int = 5,
                             timing_runs: int = 40, rounds: int = 4,
-                            accuracy: Callable[[PreparedModel], Any] | None = None) -> PairedBenchmark:
+                            accuracy: Callable[[PreparedModel], Any] | None = None,
+                            guard: CrashGuard | None = None) -> PairedBenchmark:
     """A benchmark paired against ``reference_model`` (pass it explicitly; there is no global one);
-    ``accuracy`` judges each candidate before it is timed (see PairedBenchmark)."""
-    return PairedBenchmark(backend, reference_model, warmup_runs, timing_runs, rounds, accuracy)
+    ``accuracy`` judges each candidate before it is timed; ``guard`` keeps candidates that crashed the
+    process out of a resumed run (see PairedBenchmark)."""
+    return PairedBenchmark(backend, reference_model, warmup_runs, timing_runs, rounds, accuracy, guard)
 
 
 def benchmark_onnx_model(model: str | Path | bytes, benchmark: PairedBenchmark) -> Measurement:
@@ -180,7 +183,8 @@ def _search_pattern(autotuner: QDQAutotuner, region: Region, benchmark: PairedBe
             log.debug("export of scheme %s failed", rec.scheme.key, exc_info=True)
             m = Measurement.failed(f"export failed: {type(exc).__name__}: {exc}")
         else:
-            m = benchmark.measure(data)
+            m = benchmark.measure(data, what=f"region {region.id} scheme {idx} ({rec.scheme.key})",
+                                  family=f"region {region.id}")
         log_path = out / "logs" / f"region_{region.id}_scheme_{idx}.log"
         m.log_path = str(log_path.relative_to(out))
         _log_measurement(log_path, MeasuredScheme(region.id, idx, ps.pattern, rec.origin, rec.scheme.key), m)
@@ -217,16 +221,17 @@ def _remeasure_winners(autotuner: QDQAutotuner, ps: PatternSchemes, benchmark: P
     inc_path = out / f"incumbent_region_{region_id}.onnx"
     save_model(autotuner.export_model(assignment=autotuner.assignment(candidate=incumbent.scheme)), inc_path)
     duel = PairedBenchmark(benchmark.backend, inc_path, benchmark.warmup_runs,
-                           benchmark.runs_per_round * benchmark.rounds, benchmark.rounds * 2)
+                           benchmark.runs_per_round * benchmark.rounds, benchmark.rounds * 2, guard=benchmark.guard)
     try:
         for rec in todo:
             data = autotuner.export_model(assignment=autotuner.assignment(candidate=rec.scheme),
                                           check=False).SerializeToString()
-            rel = duel.measure(data, use_cache=False)
+            idx = ps.records.index(rec)
+            rel = duel.measure(data, use_cache=False, what=f"region {region_id} scheme {idx} (duel)",
+                               family=f"region {region_id}")
             m = (Measurement(rel.latency_ms, rel.ratio * inc_ratio, rel.reference_ms, remeasure=True) if rel.ok
                  else Measurement.failed(rel.error or "duel failed"))
             m.remeasure = True  # failed duels too: they count as the finalist's re-measurement
-            idx = ps.records.index(rec)
             log_path = out / "logs" / f"region_{region_id}_scheme_{idx}_remeasure.log"
             m.log_path = str(log_path.relative_to(out))
             _log_measurement(log_path, MeasuredScheme(region_id, idx, ps.pattern, rec.origin, rec.scheme.key), m,

@@ -199,7 +199,7 @@ class AutotuneStage(Stage):
         a, out, config = ctx.cfg.autotune, setup.out, setup.config
         runs = setup.runs
         bench = init_benchmark_instance(setup.backend, setup.baseline_path, runs.warmup_runs, runs.timing_runs,
-                                        runs.rounds, setup.accuracy_check)
+                                        runs.rounds, setup.accuracy_check, setup.crash_guard)
         first = bench.measure(setup.baseline_path, use_cache=False)  # fails fast if the backend cannot measure here
         if not first.ok:
             raise StageError(f"autotune: cannot measure the float model on {setup.backend.name}: {first.error}")

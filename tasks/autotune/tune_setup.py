@@ -4,6 +4,7 @@ and ``float_baseline``, which float the guard and every speedup compare against.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 from pipeline.accuracy.budget import AccuracyBudget
 from pipeline.accuracy.holdout import Holdout
 from pipeline.quant.calibration import Calibration
+from tasks.autotune.crash_guard import CrashGuard
 from tasks.autotune.paired_step import PairedStep
 
 log = logging.getLogger("tune.autotune")
@@ -48,6 +50,12 @@ class TuneSetup:
 
     def judge(self, prepared: Any) -> Any:
         return self.holdout.score(prepared, self.budget)
+
+    @functools.cached_property
+    def crash_guard(self) -> CrashGuard:
+        """The run's record of candidates that crashed the process (one per run: the search, its duels
+        and subgraph mode's validation share it)."""
+        return CrashGuard(self.out)
 
     @property
     def accuracy_check(self) -> Any:

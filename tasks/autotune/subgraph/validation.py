@@ -127,6 +127,7 @@ class _FullModel:
         runs = setup.runs
         self.args = (runs.warmup_runs, runs.timing_runs, runs.rounds, setup.accuracy_check)
         self.backend: Backend = setup.backend
+        self.guard = setup.crash_guard
         self.path = path
         self.bench: PairedBenchmark | None = None
         self.reference: str | None = None
@@ -136,7 +137,7 @@ class _FullModel:
         if self.bench is None or self.reference != sha:
             self.close()
             write_model_bytes(reference, self.path, share_weights=True)
-            self.bench = PairedBenchmark(self.backend, self.path, *self.args)
+            self.bench = PairedBenchmark(self.backend, self.path, *self.args, guard=self.guard)
             self.reference = sha
         return self.bench.measure(candidate, use_cache=False, stop_at=1.0 - MIN_STEP_GAIN)
 
