@@ -49,4 +49,46 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-__all__ = ["infer_shapes", "skeleton"]
+def _dims(vi_or_tensor) -> list[int] | None:
+    if isinstance(vi_or_tensor, onnx.TensorProto):
+        return list(vi_or_tensor.dims)
+    dims = [d.dim_value if d.HasField("dim_value") else 0 for d in vi_or_tensor.type.tensor_type.shape.dim]
+    return dims if dims and all(d > 0 for d in dims) else None
+
+
+def node_macs(model: onnx.ModelProto) -> dict[str, int]:
+    """Multiply-accumulates of each Conv, ConvTranspose, MatMul and Gemm of the main graph, from its
+    recorded shapes (value_info, initializer dims); an op whose shapes are unknown is left out. What a
+    node costs to run, to weigh which nodes are worth quantizing."""
+    known = {vi.name: vi for vi in [*model.graph.input, *model.graph.value_info, *model.graph.output]}
+    known.update({t.name: t for t in model.graph.initializer})
+
+    def dims(name: str) -> list[int] | None:
+        return _dims(known[name]) if name in known else None
+
+    macs: dict[str, int] = {}
+    for n in model.graph.node:
+        if n.op_type not in ("Conv", "ConvTranspose", "MatMul", "Gemm") or len(n.input) < 2:
+            continue
+        x, w = dims(n.input[0]), dims(n.input[1])
+        y = dims(n.output[0]) if n.op_type != "ConvTranspose" else None
+        if not x or not w:
+            continue
+        if n.op_type == "Conv" and y:
+            macs[n.name] = _prod(y) * _prod(w[1:])  # each output: C_in / group x kernel
+        elif n.op_type == "ConvTranspose":
+            macs[n.name] = _prod(x) * _prod(w[1:])  # each input: C_out / group x kernel
+        elif n.op_type in ("MatMul", "Gemm") and len(w) >= 2:
+            trans_b = n.op_type == "Gemm" and any(a.name == "transB" and a.i for a in n.attribute)
+            macs[n.name] = _prod(x) * (w[-2] if trans_b else w[-1])  # each input element: N outputs
+    return macs
+
+
+def _prod(dims: list[int]) -> int:
+    out = 1
+    for d in dims:
+        out *= int(d)
+    return out
+
+
+__all__ = ["infer_shapes", "node_macs", "skeleton"]

@@ -10,6 +10,7 @@ from typing import Any
 
 import onnx
 
+from pipeline.graph.shapes import node_macs
 from pipeline.progress import work_bar
 from pipeline.quant.calibration import QuantizeDecisions, stats_table
 from tasks.quantize._accuracy import Candidate, Checker, recovery_checker
@@ -81,9 +82,11 @@ def refine_ranges(setup: QuantizeSetup, placer: Placer, auto_stats: dict[str, di
                   decisions: QuantizeDecisions) -> tuple[dict[str, dict] | None, QuantizeDecisions]:
     """``auto`` after recovery: the range choice again, for the placement that leaves the recovered nodes
     float (the full placement's error, which chose the ranges first, is dominated by those nodes). If
-    another choice is better there, it is taken, each float node it makes unnecessary is quantized
-    again, and bias correction is redone. Updates ``placer.calibration`` and ``ranges``; returns (the
-    statistics now in force, None if the choice stands; the decisions)."""
+    another choice is better there, it is taken. Then each float node is quantized again where the
+    budget (with recovery's margin) still holds, the costliest first (by multiply-accumulates: a 3x3
+    conv at a quarter of the image's resolution before the elementwise Adds that share its slack), and
+    bias correction is redone. Updates ``placer.calibration`` and ``ranges``; returns (the statistics
+    now in force, None if the choice stands; the decisions)."""
     calibration, checker = placer.calibration, setup.checker
     wr, float_nodes = decisions.weight_range, set(decisions.float_nodes)
 
@@ -107,21 +110,30 @@ def refine_ranges(setup: QuantizeSetup, placer: Placer, auto_stats: dict[str, di
     ranges["with_float_nodes"] = errors
     usable = {k: v for k, v in errors.items() if v is not None}
     best = min(usable, key=lambda k: usable[k]) if usable else ranges["chosen"]
+    stats: dict[str, dict] | None = None
     if best == ranges["chosen"]:
-        calibration.tensors, calibration.weight_clip, calibration.bias_corrections = saved
-        return None, decisions
-    log.info("quantize: auto ranges with the %d float nodes: %s (held-out error %s)", len(float_nodes), best,
-             ", ".join(f"{k} {_num(v)}" for k, v in errors.items()))
-    stats = use(best)
-    ranges.update(chosen=best, weight_clip=calibration.weight_clip, rechosen_after_recovery=True)
-    final = check(float_nodes, "ranges_final")
+        calibration.tensors, calibration.weight_clip, _ = saved
+        calibration.bias_corrections = {}  # fit to this float set: refit below if it changes
+    else:
+        log.info("quantize: auto ranges with the %d float nodes: %s (held-out error %s)", len(float_nodes), best,
+                 ", ".join(f"{k} {_num(v)}" for k, v in errors.items()))
+        stats = use(best)
+        ranges.update(chosen=best, weight_clip=calibration.weight_clip, rechosen_after_recovery=True)
+    final = check(float_nodes, "ranges_final") if stats is not None else None
     strict = recovery_checker(checker, setup.cfg)  # recovery's margin holds here too
-    for n in sorted(float_nodes - set(decisions.unsupported_nodes) - set(decisions.fidelity_culprits)):
+    macs = node_macs(placer.model)
+    requantized = False
+    for n in sorted(float_nodes - set(decisions.unsupported_nodes) - set(decisions.fidelity_culprits),
+                    key=lambda n: (-macs.get(n, 0), n)):
         c = check(float_nodes - {n}, "ranges_requantize", strict)
         if c is not None and c.verdict.ok:
             float_nodes.discard(n)
+            requantized = True
             final = check(float_nodes, "ranges_requantized")
             log.info("quantize: %s quantized again: %s", n, c.verdict.what)
+    if stats is None and not requantized:
+        calibration.bias_corrections = saved[2]
+        return None, decisions
     decisions = replace(decisions, float_nodes=sorted(float_nodes))
     if bool(setup.q.bias_correction) and final is not None:
         bias, corrected = placer.fix_bias(wr, float_nodes, final)

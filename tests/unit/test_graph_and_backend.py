@@ -124,3 +124,13 @@ def test_external_data_saves_leave_the_callers_model_as_it_was(tmp_path):
     got = inference_session(tmp_path / "b.onnx").run(["output", "s0"], x)
     want = inference_session(model, extra_outputs=["s0"]).run(["output", "s0"], x)
     assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_node_macs_counts_convs_and_matmuls_from_recorded_shapes():
+    from pipeline.graph.shapes import node_macs
+
+    macs = node_macs(models.conv_chain(batch=2, channels=8, size=16, classes=10))
+    # conv1: 2x8x16x16 outputs x 3x3x3; conv2: x 8x3x3; the head Gemm (transB): 2x8 inputs x 10 outputs
+    assert macs == {"conv1": 2 * 8 * 16 * 16 * 27, "conv2": 2 * 8 * 16 * 16 * 72, "fc": 2 * 8 * 10}
+    bert = node_macs(models.attention_block(batch=2, seq=16, hidden=32))
+    assert bert and all(v > 0 for v in bert.values())
