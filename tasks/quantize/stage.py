@@ -223,7 +223,7 @@ class QuantizeStage(Stage):
         doc["decisions"] = decisions.to_dict()
         atomic_write_json(out_calib, doc)
         save_model(qmodel, out_model, external_data=bool(setup.q.use_external_data_format))
-        self._log_rules(cal.model, plan, setup.rules, setup.act_type, setup.kind)
+        self._log_rules(cal.model, plan, setup.rules, setup.kind)
         counts = qdq_summary(qmodel)
         headline = self._headline(setup, plan, counts, cal, decisions, sensitivity)
         log.info("wrote %s (%s)", out_model, headline)
@@ -294,7 +294,7 @@ class QuantizeStage(Stage):
         }
 
     @staticmethod
-    def _log_rules(model: onnx.ModelProto, plan, rules: dict[str, NodeDtypes], act_type: str, kind: str) -> None:
+    def _log_rules(model: onnx.ModelProto, plan, rules: dict[str, NodeDtypes], kind: str) -> None:
         """One INFO line per rule (its nodes counted by op type and weights) and per reason a node was left
         float; every node's decision at DEBUG (calibration.json's `node_rules` keeps them all)."""
         ops = {n.name: n.op_type for n in iter_nodes(model.graph, QUANTIZED_BODIES)}
@@ -306,12 +306,22 @@ class QuantizeStage(Stage):
             log.debug("  %s (%s) left float: %s", name, ops.get(name, "?"), why)
         for why, names in by_reason.items():
             log.info("  left float (%s): %s", why, _some(names))
+        # the dtypes the plan gives each node's activation inputs (a runtime's placement may store an
+        # int8 rule's activations as asymmetric uint8, or only some ops' as such)
+        read: dict[str, set[str]] = {}
+        nodes = {n.name: n for n in iter_nodes(model.graph, QUANTIZED_BODIES)}
+        for p in plan.walk():
+            for a in p.activations:
+                readers = [c[0] for c in a.consumers] if a.consumers is not None else \
+                    [n for n, node in nodes.items() if a.tensor in node.input]
+                for r in readers:
+                    read.setdefault(r, set()).add(a.dtype)
         groups: dict[tuple[str, str], Counter] = {}
         for name, rule in plan.quantized_nodes().items():
             r = rules.get(name)
-            acts = r.activations if r else "?"
-            if acts == "int8" and act_type == "uint8":
-                acts = f"uint8 (int8 rule; asymmetric for {kind}'s u8 x s8 kernels)"
+            stored = "/".join(sorted(read.get(name, ()))) or (r.activations if r else "?")
+            acts = stored if not (r and r.activations == "int8" and stored == "uint8") else \
+                f"uint8 (int8 rule; asymmetric for {kind}'s u8 x s8 kernels)"
             weights_of = wd.get(name)
             groups.setdefault((str(rule), acts), Counter())[
                 f"{ops.get(name, '?')} ({'weights ' + weights_of if weights_of else 'no weights'})"] += 1
