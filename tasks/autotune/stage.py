@@ -154,8 +154,8 @@ class AutotuneStage(Stage):
             "weight_range": config.weight_range, "float_nodes": config.float_nodes,
             "accuracy": section(cfg, "accuracy"),
         }
-        if baseline.verdict is not None:  # the runtime's float was judged: its precision is part of the search
-            context_items["float_precision"] = baseline.precision
+        if baseline.verdict is not None or baseline.fp32_ratio is not None:  # the float was chosen: its
+            context_items["float_precision"] = baseline.precision  # precision is part of the search
         return TuneSetup(out, inputs, model, backend, config, calibration, budget, holdout, baseline_path,
                          qdq_baseline, context_items, TuneRuns(schemes, warmup, timing, 4),
                          float(cfg.autotune.performance_threshold), baseline)

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pipeline.accuracy.budget import AccuracyBudget
 from pipeline.accuracy.holdout import Holdout
 from pipeline.quant.calibration import Calibration
@@ -71,38 +73,73 @@ class TuneSetup:
 @dataclass(frozen=True)
 class FloatBaseline:
     """The float the guard and every speedup compare against: the runtime's default precision, or
-    FP32 where the default misses the accuracy budget (``note`` says so)."""
+    FP32 where the default misses the accuracy budget or runs slower (``reason`` and ``note`` say
+    which)."""
 
     precision: str  # what the baseline float runs in ("BF16", "FP32", ...)
     default: str  # the runtime's own float precision here
     verdict: dict[str, Any] | None = None  # the default float's verdict against FP32 (None: not judged)
     note: str = ""  # why the baseline is not the default ("" when it is)
+    reason: str = ""  # the note's short form: "misses the budget" or "is slower here"
+    fp32_ratio: float | None = None  # the FP32 float's latency over the default float's (None: not timed)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# the FP32 float is the baseline, the default precision meeting the budget, where its latency is
+# clearly below this fraction of the default float's (the 95% interval of its per-round ratios)
+FP32_FASTER = 0.97
+
+
+def fp32_latency_ratio(backend: Any, fp32: Any, path: Path) -> tuple[float, bool]:
+    """(the FP32 float's latency over the default float's: median of per-round ratios, whether it is
+    clearly below FP32_FASTER), paired rounds ending once that is clear."""
+    from pipeline.backends.base import TimingPlan, time_interleaved
+    from tasks.autotune.benchmark import round_ratios, sequential_verdict
+
+    with backend.prepare(path) as own, fp32.prepare(path) as full:
+        plan = TimingPlan(12, max(2, int(backend.timing_runs) // 8), int(backend.warmup_runs), stop_on_error=True,
+                          until=lambda bl: sequential_verdict(round_ratios(*bl), FP32_FASTER) is not None)
+        blocks, errors = time_interleaved([own, full], plan)
+    ratios = round_ratios(*blocks)
+    if any(errors) or not ratios:
+        return 1.0, False
+    return float(np.median(ratios)), sequential_verdict(ratios, FP32_FASTER) == "below"
 
 
 def float_baseline(backend: Any, path: Path, holdout: Holdout, budget: AccuracyBudget) -> tuple[Any, FloatBaseline]:
     """Set ``holdout``'s reference to the float model at ``path`` in FP32 (``backend.fp32_variant()``
     where the runtime's default float precision is lower) and hold the default-precision float to
     ``budget`` on it, as every candidate is. (the backend to tune, time and guard with, what was
-    decided): ``backend`` where its float meets the budget, else its FP32 variant."""
+    decided): ``backend`` where its float meets the budget and is not clearly slower than the FP32
+    float (tiny models on CPUs without AMX), else its FP32 variant: the fastest float within budget."""
     fp32 = backend.fp32_variant()
     with (fp32 or backend).prepare(path) as pm:
         holdout.set_reference(pm)
     default = backend.float_precision()
-    if fp32 is None or not budget.enabled:
+    if fp32 is None:
         return backend, FloatBaseline(default, default)
-    with backend.prepare(path) as pm:
-        verdict = holdout.score(pm, budget)
-    if verdict.ok:
-        log.info("autotune: the %s float model meets the accuracy budget against the FP32 float (%s): it is the "
-                 "baseline", default, verdict.what)
-        return backend, FloatBaseline(default, default, verdict.to_dict())
-    note = f"{default} float misses the budget: {verdict.what}"
-    log.warning("autotune: the %s float model misses the accuracy budget against the FP32 float (%s): the search, "
-                "the guard and every speedup run float layers in FP32", default, verdict.what)
-    return fp32, FloatBaseline("FP32", default, verdict.to_dict(), note)
+    verdict = None
+    if budget.enabled:
+        with backend.prepare(path) as pm:
+            verdict = holdout.score(pm, budget)
+        if not verdict.ok:
+            note = f"{default} float misses the budget: {verdict.what}"
+            log.warning("autotune: the %s float model misses the accuracy budget against the FP32 float (%s): the "
+                        "search, the guard and every speedup run float layers in FP32", default, verdict.what)
+            return fp32, FloatBaseline("FP32", default, verdict.to_dict(), note, "misses the budget")
+    ratio, faster = fp32_latency_ratio(backend, fp32, path)
+    judged = verdict.to_dict() if verdict is not None else None
+    if faster:
+        note = f"{default} float is slower here: the FP32 float runs at {ratio:.2f}x its latency"
+        log.info("autotune: the FP32 float model runs at %.2fx the latency of the %s float: it is the baseline, and "
+                 "the search, the guard and every speedup run float layers in FP32", ratio, default)
+        return fp32, FloatBaseline("FP32", default, judged, note, "is slower here", ratio)
+    if verdict is not None:
+        log.info("autotune: the %s float model meets the accuracy budget against the FP32 float (%s) and is not "
+                 "slower (FP32 at %.2fx its latency): it is the baseline", default, verdict.what, ratio)
+    return backend, FloatBaseline(default, default, judged, fp32_ratio=ratio)
 
 
 @dataclass

@@ -92,8 +92,13 @@ def _baseline_choice(metrics: dict[str, Any]) -> str:
         return ""
     verdict = (chosen.get("verdict") or {}).get("what")
     runs = "the float model and PTQ run" if "ptq" in metrics["models"] else "the float model runs"
-    return (f", as autotune chose it: the runtime's own {chosen['default']} float misses the accuracy budget "
-            f"against it" + (f" ({verdict})" if verdict else "") + f"; {runs} in FP32")
+    if chosen.get("reason") == "is slower here":
+        why = (f"the runtime's own {chosen['default']} float is slower here (the FP32 float runs at "
+               f"{chosen['fp32_ratio']:.2f}x its latency)")
+    else:
+        why = (f"the runtime's own {chosen['default']} float misses the accuracy budget against it"
+               + (f" ({verdict})" if verdict else ""))
+    return f", as autotune chose it: {why}; {runs} in FP32"
 
 
 def _other_float(metrics: dict[str, Any]) -> list[str]:
@@ -117,13 +122,16 @@ def _other_float(metrics: dict[str, Any]) -> list[str]:
     speed = "not timed"
     if m.get("latency_ms") and lat.get("float_speedup_over_fp32_p10"):
         t = ModelLatency.from_dict(m["latency_ms"])
-        which = "it is" if key == "float_default" else "the runtime's own float (the baseline) is"
-        speed = (f"{t.median:.3f} ms median, {t.p10:.3f} ms p10; {which} "
-                 f"{lat['float_speedup_over_fp32_p10']:.2f}x faster (p10)")
+        x = lat["float_speedup_over_fp32_p10"]
+        speed = f"{t.median:.3f} ms median, {t.p10:.3f} ms p10; " + (
+            f"it runs at {x:.2f}x the FP32 float's speed (p10)" if key == "float_default"
+            else f"the runtime's own float (the baseline) is {x:.2f}x faster (p10)")
     if key == "float_fp32":
         return [f"The float model run in FP32 on the same runtime: {acc}; {speed}."]
-    return [f"The float model run in the runtime's own precision ({metrics['float_baseline']['default']}), not "
-            f"the baseline as it misses the accuracy budget: {acc}; {speed}."]
+    chosen = metrics["float_baseline"]
+    why = "runs slower here" if chosen.get("reason") == "is slower here" else "misses the accuracy budget"
+    return [f"The float model run in the runtime's own precision ({chosen['default']}), not the baseline as it "
+            f"{why}: {acc}; {speed}."]
 
 
 def _table(metrics: dict[str, Any]) -> list[str]:

@@ -438,7 +438,8 @@ def headline(metrics: dict[str, Any]) -> str:
                 text += f" (p10 {m['speedup_p10']:.2f}x)"
         parts.append(text)
     chosen = metrics.get("float_baseline")
-    why = f"; baseline: FP32 float ({chosen['default']} float misses the budget)" if chosen else ""
+    why = f"; baseline: FP32 float ({chosen['default']} float {chosen.get('reason') or 'misses the budget'})" \
+        if chosen else ""
     return " | ".join(parts) + why
 
 

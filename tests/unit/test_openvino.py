@@ -120,6 +120,26 @@ def test_the_float_baseline_is_openvinos_default_unless_it_misses_the_budget_the
         assert holdout.score(pm, strict).ok
 
 
+def test_the_float_baseline_is_fp32_where_the_default_float_is_clearly_slower(tmp_path, monkeypatch):
+    import tasks.autotune.tune_setup as ts
+
+    backend = _backend()
+    if backend.fp32_variant() is None:
+        pytest.skip("OpenVINO runs float in FP32 on this CPU: there is no lower default precision to judge")
+    model = models.conv_chain(batch=2)
+    path = models.save(model, tmp_path, "m")
+    feeds = [f for f, _ in synthetic_batches(input_specs(model), 6, 0)]
+    holdout = Holdout(feeds[:3], [None] * 3, [2] * 3)
+    ratio, clear = ts.fp32_latency_ratio(backend, backend.fp32_variant(), path)  # measured: a real ratio
+    assert 0 < ratio < 10 and (not clear or ratio < ts.FP32_FASTER)  # clearly below: its median too
+    monkeypatch.setattr(ts, "fp32_latency_ratio", lambda *a: (0.8, True))  # a tiny model on a CPU without AMX
+    fastest, choice = float_baseline(backend, path, holdout, AccuracyBudget(metric="snr", min_snr_db=20))
+    default = backend.float_precision()
+    assert fastest.float_precision() == "FP32" and (choice.precision, choice.reason) == ("FP32", "is slower here")
+    assert choice.verdict["ok"] and choice.fp32_ratio == 0.8
+    assert choice.note == f"{default} float is slower here: the FP32 float runs at 0.80x its latency"
+
+
 def test_evaluate_follows_autotunes_fp32_baseline_only_where_autotune_judged_this_float(tmp_path):
     from types import SimpleNamespace
 
