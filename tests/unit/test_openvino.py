@@ -94,15 +94,22 @@ def test_openvino_model_compiles_the_shipped_model_with_its_shipped_settings(tmp
     assert openvino_model(tmp_path).get_property("INFERENCE_PRECISION_HINT") == default
 
 
-def test_the_float_baseline_is_openvinos_default_unless_it_misses_the_budget_then_fp32(tmp_path):
+def _float_choice(tmp_path):
+    """A backend with a float precision below FP32, a tiny model's path and a holdout on it."""
     backend = _backend()
     if backend.fp32_variant() is None:
         pytest.skip("OpenVINO runs float in FP32 on this CPU: there is no lower default precision to judge")
     model = models.conv_chain(batch=2)
-    path = models.save(model, tmp_path, "m")
     feeds = [f for f, _ in synthetic_batches(input_specs(model), 6, 0)]
-    holdout = Holdout(feeds[:3], [None] * 3, [2] * 3)
+    return backend, models.save(model, tmp_path, "m"), Holdout(feeds[:3], [None] * 3, [2] * 3)
+
+
+def test_the_float_baseline_is_openvinos_default_unless_it_misses_the_budget_then_fp32(tmp_path, monkeypatch):
+    import tasks.autotune.tune_setup as ts
+
+    backend, path, holdout = _float_choice(tmp_path)
     default = backend.float_precision()
+    monkeypatch.setattr(ts, "fp32_latency_ratio", lambda *a: (1.0, False))  # the budget alone decides here
 
     kept, choice = float_baseline(backend, path, holdout, AccuracyBudget(metric="snr", min_snr_db=20))
     assert kept is backend and (choice.precision, choice.default, choice.note) == (default, default, "")
@@ -123,13 +130,7 @@ def test_the_float_baseline_is_openvinos_default_unless_it_misses_the_budget_the
 def test_the_float_baseline_is_fp32_where_the_default_float_is_clearly_slower(tmp_path, monkeypatch):
     import tasks.autotune.tune_setup as ts
 
-    backend = _backend()
-    if backend.fp32_variant() is None:
-        pytest.skip("OpenVINO runs float in FP32 on this CPU: there is no lower default precision to judge")
-    model = models.conv_chain(batch=2)
-    path = models.save(model, tmp_path, "m")
-    feeds = [f for f, _ in synthetic_batches(input_specs(model), 6, 0)]
-    holdout = Holdout(feeds[:3], [None] * 3, [2] * 3)
+    backend, path, holdout = _float_choice(tmp_path)
     ratio, clear = ts.fp32_latency_ratio(backend, backend.fp32_variant(), path)  # measured: a real ratio
     assert 0 < ratio < 10 and (not clear or ratio < ts.FP32_FASTER)  # clearly below: its median too
     monkeypatch.setattr(ts, "fp32_latency_ratio", lambda *a: (0.8, True))  # a tiny model on a CPU without AMX
