@@ -14,7 +14,8 @@ import logging
 import math
 import re
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -87,13 +88,40 @@ class Checker:
 
     def check(self, model: onnx.ModelProto, name: str, fidelity: bool = False) -> Candidate:
         """Load and run ``model`` on the holdout; never raises for a model the runtime rejects."""
-        from pipeline.accuracy.fidelity import kernel_fidelity
+        return self._judge(*self._load(model, name), fidelity)
 
+    def check_each(self, models: Iterable[tuple[onnx.ModelProto, str]]) -> Iterator[Candidate]:
+        """``check`` of each (model, name) in turn, each model written and built by the runtime in a
+        worker thread while the one before runs on the holdout: a runtime's build (OpenVINO's compile,
+        ONNX Runtime's session) releases the GIL and is most of a check's time on small models. Names
+        must differ from one model to the next (their files are written side by side)."""
+        it = iter(models)
+        with ThreadPoolExecutor(1, thread_name_prefix="qdq-tune-check") as pool:
+            item = next(it, None)
+            pending = pool.submit(self._load, *item) if item is not None else None
+            try:
+                while pending is not None:
+                    item = next(it, None)  # built here (Python) while the worker builds the runtime's model
+                    loaded = pending.result()
+                    pending = pool.submit(self._load, *item) if item is not None else None
+                    yield self._judge(*loaded)
+            finally:  # a caller that stops early: the model loaded ahead is closed
+                if pending is not None and (ahead := pending.result()[1]) is not None:
+                    ahead.close()
+
+    def _load(self, model: onnx.ModelProto, name: str) -> tuple[Candidate, Any]:
+        """(the candidate, its prepared model or None where the runtime cannot load it)."""
         c = Candidate(name, self.write(model, name))
         try:
-            pm = self.backend.prepare(c.path) if self.fused else self.backend.prepare_reference(c.path)
+            return c, self.backend.prepare(c.path) if self.fused else self.backend.prepare_reference(c.path)
         except Exception as exc:  # noqa: BLE001 - a model the runtime cannot load is a rejected candidate
             c.error = f"{self.backend.name} cannot load it: {first_line(exc)}"
+            return c, None
+
+    def _judge(self, c: Candidate, pm: Any, fidelity: bool = False) -> Candidate:
+        from pipeline.accuracy.fidelity import kernel_fidelity
+
+        if pm is None:
             return c
         try:
             outputs = self.holdout.outputs(pm)

@@ -37,8 +37,12 @@ class Placer:
     def held_out_error(self, name: str) -> float | None:
         """Held-out error of the default placement; None when that model does not load or run (sorted
         out later, node by node)."""
-        c = self.setup.checker.check(apply_plan(self.model, self.place(), self.calibration), name)
+        c = self.setup.checker.check(self.default_model(), name)
         return c.verdict.error if c.scored else None
+
+    def default_model(self) -> onnx.ModelProto:
+        """The model of the default placement with this calibration."""
+        return apply_plan(self.model, self.place(), self.calibration)
 
     def build(self, weight_range: str, float_nodes: set[str] = frozenset()) -> tuple[Any, onnx.ModelProto]:
         """(plan, quantized model) with ``float_nodes`` left float and weights stored as ``weight_range``."""

@@ -50,10 +50,11 @@ def rank_sensitivity(units: list[str], build: Callable[[set[str]], onnx.ModelPro
     node whose quantization costs most)."""
     ranking = []
     it = progress(units) if progress is not None else units
-    for name in it:
+    # each node's model is built and loaded by the runtime while the one before runs (check_each)
+    checked = checker.check_each((build({name}), f"sensitivity_{k % 2}") for k, name in enumerate(units))
+    for name, c in zip(it, checked, strict=True):
         if hasattr(it, "set_postfix_str"):
             it.set_postfix_str(name, refresh=False)  # the node left float now
-        c = checker.check(build({name}), "sensitivity")
         err = c.verdict.error if c.scored else math.inf
         ranking.append({"node": name, "error_without": err,
                         "snr_db_without": c.verdict.snr_db if c.verdict else None, "error": c.error})

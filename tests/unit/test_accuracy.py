@@ -406,6 +406,19 @@ def _dense_setup(tmp_path):
     return model, rules, Calibration(stats), checker
 
 
+def test_checks_loaded_ahead_in_a_worker_give_the_verdicts_of_checks_one_by_one(tmp_path):
+    model, rules, calib, checker = _dense_setup(tmp_path)
+    plans = [set(), {"dense1/MatMul"}, {"dense2/MatMul"}, {"dense1/MatMul", "dense2/MatMul"}]
+    built = [apply_plan(model, onnxruntime_plan(model, {k: v for k, v in rules.items() if k not in skip}, "uint8"),
+                        calib) for skip in plans]
+    one_by_one = [checker.check(q, "one").verdict.error for q in built]
+    ahead = [c.verdict.error for c in checker.check_each((q, f"ahead_{k % 2}") for k, q in enumerate(built))]
+    assert ahead == one_by_one and len(set(one_by_one)) > 1
+    stopped = checker.check_each((q, f"stop_{k % 2}") for k, q in enumerate(built))
+    assert next(stopped).scored
+    stopped.close()  # the model loaded ahead is closed with it
+
+
 def test_tf2onnx_style_2d_biases_run_as_int32_per_axis(tmp_path):
     model, rules, calib, checker = _dense_setup(tmp_path)
     q = apply_plan(model, onnxruntime_plan(model, rules, "uint8"), calib)
@@ -458,6 +471,9 @@ def test_recovery_finds_nodes_that_only_matter_together():
             Checker.calls += 1
             db = snr(model)
             return Candidate(name, Path("m.onnx"), AccuracyVerdict(db >= 20, "snr", f"SNR {db} dB", snr_db=db))
+
+        def check_each(self, items):
+            return (self.check(m, n) for m, n in items)
 
     checker = Checker()
     ranking = rank_sensitivity(nodes, frozenset, checker)
