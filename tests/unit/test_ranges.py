@@ -379,3 +379,17 @@ def test_calibration_searches_ranges_for_the_dtypes_the_run_can_store_only():
     assert set(stats["thresholds"]) == set(stats["chosen"]) == {"int8", "uint8"}
     with pytest.raises(ValueError, match="int8 among them"):
         CalibrationMethod("auto", 99.99, 2048, ("uint8",))
+
+
+def test_signed_histogram_leaves_exact_zeros_out_and_counts_them():
+    from tasks.quantize._calibrate import signed_histogram
+
+    rng = np.random.default_rng(3)
+    x = np.maximum(rng.standard_normal((4, 64)).astype(np.float32), 0)  # a ReLU output: half exact zeros
+    x[0, :3] = -0.0
+    x[1, 0] = -1.5
+    lo, hi = float(x.min()), float(x.max())
+    counts, zeros = signed_histogram(x, lo, hi, 128)
+    nz = x[x != 0]
+    want = np.bincount(np.clip(((nz - lo) * (128 / (hi - lo))).astype(np.int64), 0, 127), minlength=128)
+    assert zeros == x.size - nz.size and (counts == want).all() and counts.sum() == nz.size
