@@ -126,7 +126,7 @@ class PairedBenchmark:
             else:
                 path = Path(model)
             if self.guard is not None:
-                if (crashed := self.guard.why_failed(key, self.backend, path, what, family)) is not None:
+                if (crashed := self.guard.why_failed(key, path, what, family)) is not None:
                     return Measurement.failed(crashed)
                 stack.enter_context(self.guard.flight(key, what, family))
             cap = rounds or (2 * self.rounds if stop_at is not None else self.rounds)

@@ -5,15 +5,19 @@ along an Identity chain). No exception reaches the search, and a resumed run wou
 candidate and die again. So the candidate in flight is named in ``in_flight.json`` before it is built
 and timed, and the name is removed after. A run that finds the file left behind knows the previous
 one ended on that candidate, by a crash or by a kill. When the search comes to it again, it is built
-and run once in a child process first; so is every later candidate of its family (its region: the
-search's next schemes there vary the same points). A candidate whose child dies of a signal is
-recorded in ``crashed_candidates.json`` with one warning, and every measurement of it is a failed
-one, as if the runtime had refused to build it; the others are measured as usual.
+and run once in a child process first. A child that dies of a crash signal (SIGSEGV, SIGBUS, SIGILL,
+SIGFPE, SIGABRT) marks the candidate crashed, and the rest of its family (its region: the search's
+next schemes there vary the same points) is probed the same way. A crashed candidate is recorded in
+``crashed_candidates.json`` with one warning, and every measurement of it is a failed one, as if the
+runtime had refused to build it. A candidate whose probe passed and that is found in flight again
+(it crashes only in the full run) is recorded crashed without another probe. Records belong to the
+runtime they were made with (its name, version and properties): another one starts afresh.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import multiprocessing
@@ -29,22 +33,37 @@ log = logging.getLogger("tune.autotune")
 
 IN_FLIGHT = "in_flight.json"
 CRASHED = "crashed_candidates.json"
+CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT})
+
+
+def runtime_id(backend: Any) -> str:
+    """What a crash record holds for: the runtime's name, version and properties."""
+    return hashlib.sha256(json.dumps(backend.describe(), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 class CrashGuard:
-    """The crashed candidates of the runs in ``folder`` (by model content hash), the families probed
-    before they are measured, and the candidate in flight."""
+    """The crashed candidates of ``backend``'s runs in ``folder`` (by model content hash), the families
+    probed before they are measured, and the candidate in flight."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, backend: Any):
         self.folder = folder
+        self.backend = backend
+        self.runtime = runtime_id(backend)
         record = self._read(folder / CRASHED)
-        self.crashed: dict[str, str] = dict(record.get("crashed") or {})
-        self.fragile: set[str] = set(record.get("fragile") or [])
+        mine = record.get("runtime") == self.runtime
+        self.crashed: dict[str, str] = dict(record.get("crashed") or {}) if mine else {}
+        self.fragile: set[str] = set(record.get("fragile") or []) if mine else set()
+        self.probed: set[str] = set()  # candidates whose probe passed in this run
         # the candidate the last run ended on (model hash -> what it was), probed before it is measured
         left = self._read(folder / IN_FLIGHT)
-        self.suspects: dict[str, str] = {left["model"]: left.get("what") or "a candidate"} if left.get("model") else {}
-        if left.get("family"):
-            self.fragile.add(left["family"])
+        self.suspects: dict[str, str] = {}
+        if left.get("model") and left.get("runtime") == self.runtime:
+            what = left.get("what") or "a candidate"
+            if left.get("probed"):  # it passed its probe and still ended the run
+                self._record(left["model"], f"{backend.name} crashed the process on it twice ({what}; its "
+                             f"build and run in a child process passed)", left.get("family"), what, "a crash")
+            else:
+                self.suspects[left["model"]] = what
 
     @staticmethod
     def _read(path: Path) -> dict[str, Any]:
@@ -55,31 +74,44 @@ class CrashGuard:
             return {}
         return doc if isinstance(doc, dict) else {}
 
-    def why_failed(self, model_key: str, backend: Any, path: Path, what: str, family: str | None) -> str | None:
+    def _record(self, model_key: str, why: str, family: str | None, what: str, how: str) -> None:
+        first = family is None or family not in self.fragile
+        self.crashed[model_key] = why
+        if family is not None:
+            self.fragile.add(family)
+        atomic_write_json(self.folder / CRASHED, {"runtime": self.runtime, "crashed": self.crashed,
+                                                  "fragile": sorted(self.fragile)})
+        (log.warning if first else log.info)(
+            "autotune: %s crashes %s (%s): it counts as a failed measurement%s (%s)", what, self.backend.name, how,
+            f", and the rest of {family} is built in a child process first" if first and family else "",
+            self.folder / CRASHED)
+
+    def why_failed(self, model_key: str, path: Path, what: str, family: str | None) -> str | None:
         """Why ``model_key`` (at ``path``) cannot be measured: it crashed the process; None: measure it.
-        The candidate the last run ended on and the later ones of its family are probed first."""
+        The candidate the last run ended on and the later ones of a family with a crasher are probed
+        first."""
         suspect = self.suspects.pop(model_key, None)
-        if model_key not in self.crashed and (suspect is not None or (family is not None and family in self.fragile)):
-            what = suspect or what
-            code = probe(backend, path)
-            if code < 0:
-                self.crashed[model_key] = f"{backend.name} crashed on it ({_signal_name(-code)}; {what})"
-                first = family is None or family not in self.fragile or suspect is not None
-                if family is not None:
-                    self.fragile.add(family)
-                atomic_write_json(self.folder / CRASHED, {"crashed": self.crashed, "fragile": sorted(self.fragile)})
-                (log.warning if first else log.info)(
-                    "autotune: %s crashes %s (%s): it counts as a failed measurement%s (%s)", what, backend.name,
-                    _signal_name(-code), f", and the rest of {family} is built in a child process first"
-                    if first and family else "", self.folder / CRASHED)
+        if model_key in self.crashed or (suspect is None and (family is None or family not in self.fragile)):
+            return self.crashed.get(model_key)
+        what = suspect or what
+        try:
+            code = probe(self.backend, path)
+        except Exception as exc:  # noqa: BLE001 - a backend a child cannot rebuild: measured unprobed
+            log.debug("autotune: cannot probe %s in a child process: %s", what, exc)
+            return None
+        if (name := crash_signal(code)) is not None:
+            self._record(model_key, f"{self.backend.name} crashed on it ({name}; {what})", family, what, name)
+        elif code == 0:  # another end (a kill, an exception) proves nothing either way
+            self.probed.add(model_key)
         return self.crashed.get(model_key)
 
     @contextlib.contextmanager
     def flight(self, model_key: str, what: str, family: str | None) -> Iterator[None]:
         """The measurement of ``model_key``: named in the folder while it runs."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.folder / IN_FLIGHT, {"model": model_key, "what": what, "family": family,
-                                                    "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+        atomic_write_json(self.folder / IN_FLIGHT, {
+            "model": model_key, "what": what, "family": family, "runtime": self.runtime,
+            "probed": model_key in self.probed, "started": time.strftime("%Y-%m-%d %H:%M:%S")})
         try:
             yield
         finally:
@@ -95,16 +127,20 @@ def _build_and_run(backend: Any, path: str) -> None:
 
 def probe(backend: Any, path: Path) -> int:
     """Build and run ``path`` once with ``backend`` in a fresh process: its exit code (negative: the
-    signal that killed it)."""
+    signal that killed it). Raises where the backend cannot be handed to a child (not picklable)."""
     child = multiprocessing.get_context("spawn").Process(target=_build_and_run, args=(backend, str(path)))
     child.start()
     child.join()
     return child.exitcode if child.exitcode is not None else 0
 
 
-def _signal_name(number: int) -> str:
+def crash_signal(exit_code: int) -> str | None:
+    """The crash signal that ended a child with this exit code (SIGSEGV, ...), None for any other end."""
+    if exit_code >= 0:
+        return None
     try:
-        return signal.Signals(number).name
+        sig = signal.Signals(-exit_code)
     except ValueError:
-        return f"signal {number}"
+        return None
+    return sig.name if sig in CRASH_SIGNALS else None
 

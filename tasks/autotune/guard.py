@@ -4,7 +4,7 @@ The float model, the PTQ model and the tuned model are compared by a fresh inter
 (not by the search's best-of-N), or, in subgraph mode, by the paired steps that already measured
 these very models (by content hash) when they decide clearly. The shipped model must beat the
 float baseline (``tune_setup.float_baseline``: the runtime's own float precision, FP32 where that misses
-the accuracy budget) by ``performance_threshold`` or the float model ships, and if the
+the accuracy budget or runs slower) by ``performance_threshold`` or the float model ships, and if the
 PTQ model measures faster than the tuned one, the PTQ model ships. Either way the stage says so, and
 the file written is byte for byte the model that was measured.
 """

@@ -140,7 +140,7 @@ class AutotuneStage(Stage):
         budget = AccuracyBudget.from_config(cfg)
         # quantize warned already when the holdout is small
         holdout = Holdout.from_config(cfg, input_specs(model), warn="quantize/calibration.json" not in inputs)
-        backend, baseline = float_baseline(backend, baseline_path, holdout, budget)
+        backend, baseline = float_baseline(backend, baseline_path, holdout, budget, out / "float_baseline.json")
         log.info("autotune: every candidate is held to the accuracy budget (%s) on %d samples of %s",
                  budget.describe(), holdout.samples, holdout.source)
         qdq_baseline = self._qdq_baseline(ctx, inputs)

@@ -5,6 +5,7 @@ and ``float_baseline``, which float the guard and every speedup compare against.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -14,6 +15,8 @@ import numpy as np
 
 from pipeline.accuracy.budget import AccuracyBudget
 from pipeline.accuracy.holdout import Holdout
+from pipeline.artifacts import atomic_write_json, fingerprint
+from pipeline.graph.model import model_hash
 from pipeline.quant.calibration import Calibration
 from tasks.autotune.crash_guard import CrashGuard
 from tasks.autotune.paired_step import PairedStep
@@ -57,7 +60,7 @@ class TuneSetup:
     def crash_guard(self) -> CrashGuard:
         """The run's record of candidates that crashed the process (one per run: the search, its duels
         and subgraph mode's validation share it)."""
-        return CrashGuard(self.out)
+        return CrashGuard(self.out, self.backend)
 
     @property
     def accuracy_check(self) -> Any:
@@ -92,9 +95,10 @@ class FloatBaseline:
 FP32_FASTER = 0.97
 
 
-def fp32_latency_ratio(backend: Any, fp32: Any, path: Path) -> tuple[float, bool]:
-    """(the FP32 float's latency over the default float's: median of per-round ratios, whether it is
-    clearly below FP32_FASTER), paired rounds ending once that is clear."""
+def fp32_latency_ratio(backend: Any, fp32: Any, path: Path) -> tuple[float | None, bool]:
+    """(the FP32 float's latency over the default float's: median of per-round ratios, None where
+    either failed to run; whether it is clearly below FP32_FASTER), paired rounds ending once that is
+    clear."""
     from pipeline.backends.base import TimingPlan, time_interleaved
     from tasks.autotune.benchmark import round_ratios, sequential_verdict
 
@@ -104,22 +108,51 @@ def fp32_latency_ratio(backend: Any, fp32: Any, path: Path) -> tuple[float, bool
         blocks, errors = time_interleaved([own, full], plan)
     ratios = round_ratios(*blocks)
     if any(errors) or not ratios:
-        return 1.0, False
+        return None, False
     return float(np.median(ratios)), sequential_verdict(ratios, FP32_FASTER) == "below"
 
 
-def float_baseline(backend: Any, path: Path, holdout: Holdout, budget: AccuracyBudget) -> tuple[Any, FloatBaseline]:
+def float_baseline(backend: Any, path: Path, holdout: Holdout, budget: AccuracyBudget,
+                   record: Path | None = None) -> tuple[Any, FloatBaseline]:
     """Set ``holdout``'s reference to the float model at ``path`` in FP32 (``backend.fp32_variant()``
     where the runtime's default float precision is lower) and hold the default-precision float to
     ``budget`` on it, as every candidate is. (the backend to tune, time and guard with, what was
     decided): ``backend`` where its float meets the budget and is not clearly slower than the FP32
-    float (tiny models on CPUs without AMX), else its FP32 variant: the fastest float within budget."""
+    float (tiny models on CPUs without AMX), else its FP32 variant: the fastest float within budget.
+    The choice is kept in ``record`` for this model, runtime and budget: a resumed run takes it as it
+    was (a timing near the threshold would otherwise set the search's state aside)."""
     fp32 = backend.fp32_variant()
     with (fp32 or backend).prepare(path) as pm:
         holdout.set_reference(pm)
     default = backend.float_precision()
     if fp32 is None:
         return backend, FloatBaseline(default, default)
+    key = fingerprint({"model": model_hash(path), "runtime": backend.describe(), "budget": budget.describe(),
+                       "holdout": [holdout.source, holdout.samples]})
+    kept = _kept_choice(record, key)
+    if kept is not None:
+        choice = kept
+        log.info("autotune: the %s float is the baseline, as chosen before for this model (%s)", choice.precision,
+                 record)
+        return (fp32 if choice.precision == "FP32" else backend), choice
+    chosen_backend, choice = _choose_float(backend, fp32, path, holdout, budget, default)
+    if record is not None:
+        atomic_write_json(record, {"key": key, "baseline": choice.to_dict()})
+    return chosen_backend, choice
+
+
+def _kept_choice(record: Path | None, key: str) -> FloatBaseline | None:
+    """The choice ``record`` holds for ``key``; None where there is none (or it cannot be read: the
+    choice is made again)."""
+    try:
+        doc = json.loads(record.read_text()) if record is not None else None
+        return FloatBaseline(**doc["baseline"]) if doc.get("key") == key else None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def _choose_float(backend: Any, fp32: Any, path: Path, holdout: Holdout, budget: AccuracyBudget, default: str
+                  ) -> tuple[Any, FloatBaseline]:
     verdict = None
     if budget.enabled:
         with backend.prepare(path) as pm:
@@ -131,14 +164,15 @@ def float_baseline(backend: Any, path: Path, holdout: Holdout, budget: AccuracyB
             return fp32, FloatBaseline("FP32", default, verdict.to_dict(), note, "misses the budget")
     ratio, faster = fp32_latency_ratio(backend, fp32, path)
     judged = verdict.to_dict() if verdict is not None else None
-    if faster:
+    if faster and ratio is not None:
         note = f"{default} float is slower here: the FP32 float runs at {ratio:.2f}x its latency"
         log.info("autotune: the FP32 float model runs at %.2fx the latency of the %s float: it is the baseline, and "
                  "the search, the guard and every speedup run float layers in FP32", ratio, default)
         return fp32, FloatBaseline("FP32", default, judged, note, "is slower here", ratio)
-    if verdict is not None:
-        log.info("autotune: the %s float model meets the accuracy budget against the FP32 float (%s) and is not "
-                 "slower (FP32 at %.2fx its latency): it is the baseline", default, verdict.what, ratio)
+    slower = f"FP32 at {ratio:.2f}x its latency" if ratio is not None else "FP32 not timed"
+    log.info("autotune: the %s float model %s and is not slower (%s): it is the baseline", default,
+             f"meets the accuracy budget against the FP32 float ({verdict.what})" if verdict is not None
+             else "is not judged (accuracy budget off)", slower)
     return backend, FloatBaseline(default, default, judged, fp32_ratio=ratio)
 
 

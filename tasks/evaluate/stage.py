@@ -5,9 +5,9 @@ the baseline for speedups. Each quantized model present (PTQ from quantize, the 
 autotune) is run on the same evaluation batches through the configured backend; a file identical to
 one already listed is not measured twice. Where the runtime's float precision is below FP32
 (``Backend.fp32_variant``), the float model run in FP32 is scored and timed as one more model; where
-autotune chose the FP32 float as its baseline because the runtime's own float misses the accuracy
-budget (``float_baseline`` in its metrics), evaluate follows it: the float model and PTQ run in FP32,
-and the float model in the runtime's own precision is the one more model.
+autotune chose the FP32 float as its baseline, because the runtime's own float misses the accuracy
+budget or runs slower (``float_baseline`` in its metrics), evaluate follows it: the float model and
+PTQ run in FP32, and the float model in the runtime's own precision is the one more model.
 Latency comes from one interleaved run over all models, so machine drift hits every model alike.
 Each model is prepared (on TensorRT: its engine built) once and serves both the scoring pass and
 the latency run.
@@ -380,8 +380,8 @@ def model_runtimes(ctx: StageContext, backend: Backend, settings: Any) -> Runtim
     with, the others as deployed without them (ORT: its default session, whose threads spin, as the
     tuned one's do). The float baseline is the runtime's own float precision, with the float model in
     FP32 as a second row, unless autotune chose the FP32 float because the runtime's own misses the
-    accuracy budget: then the float model and PTQ run in FP32 (as autotune measured them), and the
-    runtime's own float is the second row."""
+    accuracy budget or runs slower: then the float model and PTQ run in FP32 (as autotune measured
+    them), and the runtime's own float is the second row."""
     plain = backend.as_deployed() if settings else backend
     tuned = {"autotuned": backend.with_settings(settings)} if settings else {}
     fp32 = plain.fp32_variant()

@@ -4,6 +4,7 @@ failed measurements from then on."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -18,40 +19,48 @@ from tests import models
 
 
 class CrashingOrt(OnnxRuntimeBackend):
-    """ONNX Runtime, except that building a model whose file name says "crash" kills the process."""
+    """ONNX Runtime, except that building a model whose file name says "crash" kills the process (with
+    SIGSEGV, or SIGTERM where it says "term")."""
 
     def prepare(self, model_path, *args, **kwargs):
-        if "crash" in os.path.basename(str(model_path)):
-            os.kill(os.getpid(), signal.SIGSEGV)
+        name = os.path.basename(str(model_path))
+        if "crash" in name:
+            os.kill(os.getpid(), signal.SIGTERM if "term" in name else signal.SIGSEGV)
         return super().prepare(model_path, *args, **kwargs)
 
 
-def _backend() -> CrashingOrt:
-    return CrashingOrt(OmegaConf.structured(OnnxRuntimeBackendConfig()))
+def _backend(**cfg) -> CrashingOrt:
+    return CrashingOrt(OmegaConf.structured(OnnxRuntimeBackendConfig(**cfg)))
+
+
+def _died_on(folder, backend, key, what, family, **marker):
+    """The marker a run leaves when the process ends while measuring ``key`` (what ``flight`` wrote)."""
+    with CrashGuard(folder, backend).flight(key, what, family):
+        doc = json.loads((folder / IN_FLIGHT).read_text())
+    (folder / IN_FLIGHT).write_text(json.dumps({**doc, **marker}))  # the process ended inside it
 
 
 def test_the_candidate_a_run_died_on_is_probed_recorded_and_skipped(tmp_path):
     ok = models.save(models.single_matmul(), tmp_path, "ok")
     crash = models.save(models.single_matmul(seed=1), tmp_path, "crash")
-    folder = tmp_path / "autotune"
-    died = CrashGuard(folder)
-    in_flight = died.flight("k-crash", "region 3 scheme 2", "region 3")
-    in_flight.__enter__()  # the process ends inside it: never left
+    folder, backend = tmp_path / "autotune", _backend()
+    _died_on(folder, backend, "k-crash", "region 3 scheme 2", "region 3")
     assert (folder / IN_FLIGHT).exists()
 
-    resumed = CrashGuard(folder)
-    backend = _backend()
-    # another region's candidates are not probed (this one would crash the test if it were built)
-    assert resumed.why_failed("k-other", backend, crash, "region 5 scheme 0", "region 5") is None
-    why = resumed.why_failed("k-crash", backend, crash, "region 3 scheme 2", "region 3")
+    resumed = CrashGuard(folder, backend)
+    # no crash yet in region 5, nor in region 3 before the suspect: not probed (this one would crash)
+    assert resumed.why_failed("k-other", crash, "region 5 scheme 0", "region 5") is None
+    why = resumed.why_failed("k-crash", crash, "region 3 scheme 2", "region 3")
     assert why is not None and "SIGSEGV" in why and "region 3 scheme 2" in why
     # the rest of region 3 is probed: a candidate that builds is measured as usual
-    assert resumed.why_failed("k-ok", backend, ok, "region 3 scheme 4", "region 3") is None
-    assert resumed.why_failed("k-crash-2", backend, crash, "region 3 scheme 5", "region 3") is not None
+    assert resumed.why_failed("k-ok", ok, "region 3 scheme 4", "region 3") is None
+    assert resumed.why_failed("k-crash-2", crash, "region 3 scheme 5", "region 3") is not None
 
-    later = CrashGuard(folder)  # the record outlives the run: no probe, no crash
-    assert later.why_failed("k-crash", None, crash, "region 3 scheme 2", "region 3") == why
+    later = CrashGuard(folder, backend)  # the record outlives the run: no probe, no crash
+    assert later.why_failed("k-crash", crash, "region 3 scheme 2", "region 3") == why
     assert set(later.crashed) == {"k-crash", "k-crash-2"} and (folder / CRASHED).exists()
+    # another runtime (here: other threads) starts afresh
+    assert CrashGuard(folder, _backend(intra_op_threads=1)).crashed == {}
 
     bench = PairedBenchmark(backend, ok, warmup_runs=1, timing_runs=4, rounds=2, guard=later)
     later.crashed[model_hash(crash)] = why
@@ -61,8 +70,30 @@ def test_the_candidate_a_run_died_on_is_probed_recorded_and_skipped(tmp_path):
     bench.close()
 
 
-def test_an_unreadable_record_counts_as_none(tmp_path):
+def test_a_kill_is_not_a_crash_and_a_crash_only_in_the_full_run_is_caught_the_second_time(tmp_path):
+    term = models.save(models.single_matmul(seed=2), tmp_path, "crash_term")
+    ok = models.save(models.single_matmul(), tmp_path, "ok")
+    folder, backend = tmp_path / "autotune", _backend()
+    _died_on(folder, backend, "k-term", "region 1 scheme 0", "region 1")
+    guard = CrashGuard(folder, backend)
+    assert guard.why_failed("k-term", term, "region 1 scheme 0", "region 1") is None  # SIGTERM: no verdict
+    assert guard.crashed == {} and "region 1" not in guard.fragile
+
+    # a suspect whose probe passes is measured, and flagged so: ending the run again records it
+    _died_on(folder, backend, "k-ok", "region 2 scheme 1", "region 2")
+    guard = CrashGuard(folder, backend)
+    assert guard.why_failed("k-ok", ok, "region 2 scheme 1", "region 2") is None and "k-ok" in guard.probed
+    _died_on(folder, backend, "k-ok", "region 2 scheme 1", "region 2", probed=True)
+    again = CrashGuard(folder, backend)
+    assert "twice" in again.why_failed("k-ok", ok, "region 2 scheme 1", "region 2")
+
+
+def test_an_unreadable_record_counts_as_none_and_an_unpicklable_backend_is_measured_unprobed(tmp_path):
     (tmp_path / CRASHED).write_text("{not json")
     (tmp_path / IN_FLIGHT).write_text("")
-    guard = CrashGuard(tmp_path)
+    backend = _backend()
+    guard = CrashGuard(tmp_path, backend)
     assert guard.crashed == {} and guard.suspects == {} and guard.fragile == set()
+    guard.suspects["k"] = "region 0 scheme 0"
+    backend.unpicklable = lambda: None  # as TensorRT's module and timing cache
+    assert guard.why_failed("k", tmp_path / "crash.onnx", "region 0 scheme 0", "region 0") is None

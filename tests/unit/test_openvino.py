@@ -168,3 +168,27 @@ def test_evaluate_follows_autotunes_fp32_baseline_only_where_autotune_judged_thi
     assert (r.of("float").float_precision(), r.of("ptq").float_precision()) == ("FP32", "FP32")
     assert r.of("float_default").float_precision() == default and r.of("autotuned") is r.plain
     assert r.extra_float == ("float_default", f"float ({default})") and r.choice == fp32
+
+
+def test_the_float_baseline_choice_is_kept_for_a_resumed_run(tmp_path, monkeypatch):
+    import tasks.autotune.tune_setup as ts
+
+    backend, path, holdout = _float_choice(tmp_path)
+    record = tmp_path / "float_baseline.json"
+    budget = AccuracyBudget(metric="snr", min_snr_db=20)
+    monkeypatch.setattr(ts, "fp32_latency_ratio", lambda *a: (0.8, True))
+    first, choice = float_baseline(backend, path, holdout, budget, record)
+    assert first.float_precision() == "FP32" and record.exists()
+
+    def not_again(*a):
+        raise AssertionError("timed again: a resumed run must keep the choice (near the threshold it could flip)")
+
+    monkeypatch.setattr(ts, "fp32_latency_ratio", not_again)
+    again, kept = float_baseline(backend, path, holdout, budget, record)
+    assert again.float_precision() == "FP32" and kept == choice
+    # another budget is another question: chosen afresh
+    monkeypatch.setattr(ts, "fp32_latency_ratio", lambda *a: (1.0, False))
+    other, fresh = float_baseline(backend, path, holdout, AccuracyBudget(metric="snr", min_snr_db=10), record)
+    assert other is backend and fresh.precision == backend.float_precision()
+    record.write_text("{broken")  # unreadable: chosen afresh, not an error
+    assert float_baseline(backend, path, holdout, budget, record)[1].precision == backend.float_precision()
