@@ -53,13 +53,14 @@ def _dims(vi_or_tensor) -> list[int] | None:
     if isinstance(vi_or_tensor, onnx.TensorProto):
         return list(vi_or_tensor.dims)
     dims = [d.dim_value if d.HasField("dim_value") else 0 for d in vi_or_tensor.type.tensor_type.shape.dim]
-    return dims if dims and all(d > 0 for d in dims) else None
+    # a symbolic dim (a dynamic batch) counts as 1: the same factor in every node, the order stays
+    return [d if d > 0 else 1 for d in dims] if dims else None
 
 
 def node_macs(model: onnx.ModelProto) -> dict[str, int]:
     """Multiply-accumulates of each Conv, ConvTranspose, MatMul and Gemm of the main graph, from its
-    recorded shapes (value_info, initializer dims); an op whose shapes are unknown is left out. What a
-    node costs to run, to weigh which nodes are worth quantizing."""
+    recorded shapes (value_info, initializer dims; a symbolic dim counts as 1); an op whose shapes are
+    unknown is left out. What a node costs to run, to weigh which nodes are worth quantizing."""
     known = {vi.name: vi for vi in [*model.graph.input, *model.graph.value_info, *model.graph.output]}
     known.update({t.name: t for t in model.graph.initializer})
 

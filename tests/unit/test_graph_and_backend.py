@@ -134,3 +134,11 @@ def test_node_macs_counts_convs_and_matmuls_from_recorded_shapes():
     assert macs == {"conv1": 2 * 8 * 16 * 16 * 27, "conv2": 2 * 8 * 16 * 16 * 72, "fc": 2 * 8 * 10}
     bert = node_macs(models.attention_block(batch=2, seq=16, hidden=32))
     assert bert and all(v > 0 for v in bert.values())
+
+
+def test_node_macs_counts_a_dynamic_batch_as_one():
+    from pipeline.graph.shapes import node_macs
+
+    fixed = node_macs(models.conv_chain(batch=1))
+    dynamic = onnx.shape_inference.infer_shapes(models.with_dynamic_batch(models.conv_chain(batch=1)))
+    assert node_macs(dynamic) == fixed  # as export records shapes with a kept dynamic batch
