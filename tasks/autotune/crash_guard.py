@@ -118,9 +118,13 @@ class CrashGuard:
             (self.folder / IN_FLIGHT).unlink(missing_ok=True)
 
 
-def _build_and_run(backend: Any, path: str) -> None:
+def _build_and_run(backend: Any, path: str, scratch: str) -> None:
+    import os
+    import tempfile
+
     from pipeline.data.adapters import fixed_feeds
 
+    os.environ["TMPDIR"] = tempfile.tempdir = scratch  # what a crash leaves behind, the parent removes
     with backend.prepare(path) as prepared:
         prepared.run(fixed_feeds(prepared.specs))
 
@@ -128,9 +132,13 @@ def _build_and_run(backend: Any, path: str) -> None:
 def probe(backend: Any, path: Path) -> int:
     """Build and run ``path`` once with ``backend`` in a fresh process: its exit code (negative: the
     signal that killed it). Raises where the backend cannot be handed to a child (not picklable)."""
-    child = multiprocessing.get_context("spawn").Process(target=_build_and_run, args=(backend, str(path)))
-    child.start()
-    child.join()
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="qdq-tune-probe-") as scratch:
+        child = multiprocessing.get_context("spawn").Process(target=_build_and_run,
+                                                             args=(backend, str(path), scratch))
+        child.start()
+        child.join()
     return child.exitcode if child.exitcode is not None else 0
 
 
