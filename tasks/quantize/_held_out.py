@@ -13,7 +13,7 @@ import onnx
 from pipeline.graph.shapes import node_macs
 from pipeline.progress import work_bar
 from pipeline.quant.calibration import QuantizeDecisions, stats_table
-from tasks.quantize._accuracy import Candidate, Checker, recovery_checker
+from tasks.quantize._accuracy import Candidate, recovery_checker
 from tasks.quantize._calibrate import AUTO_CANDIDATES, PER_TENSOR, with_ranges
 from tasks.quantize._placer import Placer
 from tasks.quantize._setup import QuantizeSetup
@@ -77,6 +77,26 @@ def choose_ranges(setup: QuantizeSetup, model: onnx.ModelProto, stats: dict[str,
     return st, clip, {"chosen": best, "weight_clip": clip, "held_out_error": errors}
 
 
+def _requantize_costliest_first(setup: QuantizeSetup, placer: Placer, decisions: QuantizeDecisions,
+                                float_nodes: set[str], final: Candidate | None) -> tuple[bool, Candidate | None]:
+    """Quantize each of ``float_nodes`` again (removing it from the set) where the budget with
+    recovery's margin still holds, the costliest first by multiply-accumulates. (whether any was, the
+    check of the placement now in force or ``final`` where none was)."""
+    strict = recovery_checker(setup.checker, setup.cfg)  # recovery's margin holds here too
+    wr, macs = decisions.weight_range, node_macs(placer.model)
+    requantized = False
+    for n in sorted(float_nodes - set(decisions.unsupported_nodes) - set(decisions.fidelity_culprits),
+                    key=lambda n: (-macs.get(n, 0), n)):
+        c = strict.check(placer.build(wr, float_nodes - {n})[1], "ranges_requantize")
+        if c.scored and c.verdict.ok:
+            float_nodes.discard(n)
+            requantized = True
+            now = setup.checker.check(placer.build(wr, float_nodes)[1], "ranges_requantized")
+            final = now if now.scored else None
+            log.info("quantize: %s quantized again: %s", n, c.verdict.what)
+    return requantized, final
+
+
 def refine_ranges(setup: QuantizeSetup, placer: Placer, auto_stats: dict[str, dict], ranges: dict[str, Any],
                   decisions: QuantizeDecisions) -> tuple[dict[str, dict] | None, QuantizeDecisions]:
     """``auto`` after recovery: the range choice again, for the placement that leaves the recovered nodes
@@ -96,8 +116,8 @@ def refine_ranges(setup: QuantizeSetup, placer: Placer, auto_stats: dict[str, di
         calibration.bias_corrections = {}
         return stats
 
-    def check(nodes: set[str], name: str, by: Checker = checker) -> Candidate | None:
-        c = by.check(placer.build(wr, nodes)[1], name)
+    def check(nodes: set[str], name: str) -> Candidate | None:
+        c = checker.check(placer.build(wr, nodes)[1], name)
         return c if c.scored else None
 
     saved = (calibration.tensors, calibration.weight_clip, calibration.bias_corrections)
@@ -124,17 +144,7 @@ def refine_ranges(setup: QuantizeSetup, placer: Placer, auto_stats: dict[str, di
         stats = use(best)
         ranges.update(chosen=best, weight_clip=calibration.weight_clip, rechosen_after_recovery=True)
     final = check(float_nodes, "ranges_final") if stats is not None else None
-    strict = recovery_checker(checker, setup.cfg)  # recovery's margin holds here too
-    macs = node_macs(placer.model)
-    requantized = False
-    for n in sorted(float_nodes - set(decisions.unsupported_nodes) - set(decisions.fidelity_culprits),
-                    key=lambda n: (-macs.get(n, 0), n)):
-        c = check(float_nodes - {n}, "ranges_requantize", strict)
-        if c is not None and c.verdict.ok:
-            float_nodes.discard(n)
-            requantized = True
-            final = check(float_nodes, "ranges_requantized")
-            log.info("quantize: %s quantized again: %s", n, c.verdict.what)
+    requantized, final = _requantize_costliest_first(setup, placer, decisions, float_nodes, final)
     if stats is None and not requantized:
         calibration.bias_corrections = saved[2]
         return None, decisions
