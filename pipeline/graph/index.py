@@ -173,4 +173,3 @@ def reaches_compute(g: GraphIndex, tensor: str) -> bool:
                 return True
             stack.extend(o for o in node.output if o)
     return False
-

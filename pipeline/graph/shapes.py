@@ -7,6 +7,8 @@ small ones (what inference reads: Reshape shapes, axes, ...).
 
 from __future__ import annotations
 
+import math
+
 import onnx
 
 from pipeline.graph import weights
@@ -76,20 +78,13 @@ def node_macs(model: onnx.ModelProto) -> dict[str, int]:
         if not x or not w:
             continue
         if n.op_type == "Conv" and y:
-            macs[n.name] = _prod(y) * _prod(w[1:])  # each output: C_in / group x kernel
+            macs[n.name] = math.prod(y) * math.prod(w[1:])  # each output: C_in / group x kernel
         elif n.op_type == "ConvTranspose":
-            macs[n.name] = _prod(x) * _prod(w[1:])  # each input: C_out / group x kernel
+            macs[n.name] = math.prod(x) * math.prod(w[1:])  # each input: C_out / group x kernel
         elif n.op_type in ("MatMul", "Gemm") and len(w) >= 2:
             trans_b = n.op_type == "Gemm" and any(a.name == "transB" and a.i for a in n.attribute)
-            macs[n.name] = _prod(x) * (w[-2] if trans_b else w[-1])  # each input element: N outputs
+            macs[n.name] = math.prod(x) * (w[-2] if trans_b else w[-1])  # each input element: N outputs
     return macs
-
-
-def _prod(dims: list[int]) -> int:
-    out = 1
-    for d in dims:
-        out *= int(d)
-    return out
 
 
 __all__ = ["infer_shapes", "node_macs", "skeleton"]

@@ -21,7 +21,9 @@ import hashlib
 import json
 import logging
 import multiprocessing
+import os
 import signal
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,9 +121,6 @@ class CrashGuard:
 
 
 def _build_and_run(backend: Any, path: str, scratch: str) -> None:
-    import os
-    import tempfile
-
     from pipeline.data.adapters import fixed_feeds
 
     os.environ["TMPDIR"] = tempfile.tempdir = scratch  # what a crash leaves behind, the parent removes
@@ -132,8 +131,6 @@ def _build_and_run(backend: Any, path: str, scratch: str) -> None:
 def probe(backend: Any, path: Path) -> int:
     """Build and run ``path`` once with ``backend`` in a fresh process: its exit code (negative: the
     signal that killed it). Raises where the backend cannot be handed to a child (not picklable)."""
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="qdq-tune-probe-") as scratch:
         child = multiprocessing.get_context("spawn").Process(target=_build_and_run,
                                                              args=(backend, str(path), scratch))

@@ -91,9 +91,10 @@ def _requantize_costliest_first(setup: QuantizeSetup, placer: Placer, decisions:
         if c.scored and c.verdict.ok:
             float_nodes.discard(n)
             requantized = True
-            now = setup.checker.check(placer.build(wr, float_nodes)[1], "ranges_requantized")
-            final = now if now.scored else None
             log.info("quantize: %s quantized again: %s", n, c.verdict.what)
+    if requantized:  # the placement now in force, judged by the budget itself (once, at the end)
+        now = setup.checker.check(placer.build(wr, float_nodes)[1], "ranges_requantized")
+        final = now if now.scored else None
     return requantized, final
 
 

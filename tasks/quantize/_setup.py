@@ -145,4 +145,3 @@ class QuantizeSetup:
         from pipeline.graph.memory import memory_limit_bytes
 
         return memory_limit_bytes(self.q.calibration.max_memory_gb)
-

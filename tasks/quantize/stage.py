@@ -297,7 +297,8 @@ class QuantizeStage(Stage):
     def _log_rules(model: onnx.ModelProto, plan, rules: dict[str, NodeDtypes], kind: str) -> None:
         """One INFO line per rule (its nodes counted by op type and weights) and per reason a node was left
         float; every node's decision at DEBUG (calibration.json's `node_rules` keeps them all)."""
-        ops = {n.name: n.op_type for n in iter_nodes(model.graph, QUANTIZED_BODIES)}
+        nodes = list(iter_nodes(model.graph, QUANTIZED_BODIES))
+        ops = {n.name: n.op_type for n in nodes}
         wd = {w.node: w.dtype for p in plan.walk() for w in p.weights}
         skipped = {k: v for p in plan.walk() for k, v in p.skipped.items()}
         by_reason: dict[str, list[str]] = {}
@@ -308,12 +309,14 @@ class QuantizeStage(Stage):
             log.info("  left float (%s): %s", why, _some(names))
         # the dtypes the plan gives each node's activation inputs (a runtime's placement may store an
         # int8 rule's activations as asymmetric uint8, or only some ops' as such)
+        readers_of: dict[str, list[str]] = {}
+        for n in nodes:
+            for t in n.input:
+                readers_of.setdefault(t, []).append(n.name)
         read: dict[str, set[str]] = {}
-        nodes = {n.name: n for n in iter_nodes(model.graph, QUANTIZED_BODIES)}
         for p in plan.walk():
             for a in p.activations:
-                readers = [c[0] for c in a.consumers] if a.consumers is not None else \
-                    [n for n, node in nodes.items() if a.tensor in node.input]
+                readers = [c[0] for c in a.consumers] if a.consumers is not None else readers_of.get(a.tensor, [])
                 for r in readers:
                     read.setdefault(r, set()).add(a.dtype)
         groups: dict[tuple[str, str], Counter] = {}
