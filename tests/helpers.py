@@ -236,3 +236,15 @@ def body_matmuls(model: onnx.ModelProto) -> dict[str, list[str]]:
 
     visit(model.graph, False)
     return out
+
+
+def assert_final_line(stderr: str, metrics: dict) -> None:
+    """autotune's final line and headline: a speedup for a quantized model, none when float ships (on
+    a CPU where no int8 placement beats float, e.g. AVX2 without VNNI, the float model may ship)."""
+    assert "Baseline: " in stderr
+    if metrics["shipped"] == "float":
+        assert "Final: the float model itself (no speedup)" in stderr
+        assert metrics["headline"].startswith("ships float") and metrics["speedup"] == 1.0
+        assert "tuned" not in metrics["headline"].split(":", 1)[0]
+    else:
+        assert "x speedup)" in stderr and not metrics["headline"].startswith("ships float")

@@ -1,67 +1,118 @@
 """What this CPU's integer kernels can do: vendor, model and the instruction-set flags that decide
-whether ONNX Runtime's u8 x s8 kernels are exact.
+whether ONNX Runtime's and oneDNN's u8 x s8 kernels are exact.
 
-On x86 without VNNI (AVX2, or AVX-512 before Cascade Lake), MLAS multiplies uint8 activations by
-int8 weights with VPMADDUBSW, which adds each pair of products in int16 with saturation: 2 x 255 x
+On x86 without VNNI (AVX2, or AVX-512 before Cascade Lake), MLAS and oneDNN multiply uint8 activations
+by int8 weights with VPMADDUBSW, which adds each pair of products in int16 with saturation: 2 x 255 x
 127 = 64770 does not fit, so layers with full-range activations and weights near +-127 silently
 compute wrong sums. VNNI (VPDPBUSD) accumulates in int32 and is exact. The flags are read with
 CPUID (archspec), i.e. what this process's instructions really see, which is what MLAS dispatches on.
+
+``QDQ_TUNE_CPU_FLAGS`` pins the flags the tool decides from (for tests, and to prepare a model for a
+CPU kind other than this one): a comma- or space-separated list of the flags below, or ``none``. The
+kernels still run on the real CPU, so every fidelity check still measures what this machine computes.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import platform
+from dataclasses import asdict, dataclass
 from typing import Any
+
+from pipeline.errors import InputError
 
 # x86 flags (archspec's names, as in /proc/cpuinfo) that matter for int8 kernels
 X86_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8")
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 # aarch64: SDOT/UDOT and the int8 matrix multiply extension accumulate in int32 (exact)
 ARM_FLAGS = ("asimddp", "i8mm", "sve")
+PIN_ENV = "QDQ_TUNE_CPU_FLAGS"
+
+
+@dataclass(frozen=True)
+class CpuFacts:
+    """The CPU the tool decides for. ``u8s8_saturates`` is True on x86 without VNNI, False where
+    dot-product instructions accumulate in int32, and None when unknown (archspec missing or an
+    unfamiliar architecture). ``source`` says where the flags come from (cpuid, os, the pin)."""
+
+    arch: str
+    vendor: str | None = None
+    brand: str | None = None
+    flags: tuple[str, ...] = ()
+    u8s8_saturates: bool | None = None
+    source: str | None = None
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.source and self.source.startswith("pinned"))
+
+    def describe(self) -> str:
+        """One line, e.g. 'AMD EPYC (x86_64; avx2 avx512f avx512_vnni)'."""
+        flags = " ".join(self.flags) or "no int8 dot-product flags"
+        pin = f"; {self.source}" if self.pinned else ""
+        return f"{self.brand or self.vendor or 'unknown CPU'} ({self.arch}; {flags}{pin})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "flags": list(self.flags)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CpuFacts:
+        return cls(str(d.get("arch") or ""), d.get("vendor"), d.get("brand"), tuple(d.get("flags") or ()),
+                   d.get("u8s8_saturates"), d.get("source"))
+
+
+def cpu_facts() -> CpuFacts:
+    """This CPU's facts, or the pinned ones where ``QDQ_TUNE_CPU_FLAGS`` is set."""
+    return _facts(os.environ.get(PIN_ENV, "").strip())
+
+
+@functools.lru_cache(maxsize=8)
+def _facts(pin: str) -> CpuFacts:
+    real = _detected()
+    if not pin:
+        return real
+    known = X86_FLAGS if real.arch in ("x86_64", "amd64", "i386", "i686") else ARM_FLAGS
+    flags = tuple(f for f in pin.replace(",", " ").split() if f != "none")
+    bad = [f for f in flags if f not in known]
+    if bad:
+        raise InputError(f"{PIN_ENV}={pin!r}: unknown CPU flag(s) {', '.join(bad)}; allowed: "
+                         f"{', '.join(known)} (or none); unset it to use this CPU's own flags")
+    saturates = not any(f in flags for f in VNNI_FLAGS) if known is X86_FLAGS else False
+    return CpuFacts(real.arch, real.vendor, real.brand, tuple(f for f in known if f in flags), saturates,
+                    f"pinned by {PIN_ENV}")
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_facts() -> dict[str, Any]:
-    """Vendor, brand, architecture, int8-relevant flags, and whether u8 x s8 kernels may saturate.
-
-    ``u8s8_saturates`` is True on x86 without VNNI, False where dot-product instructions accumulate
-    in int32, and None when unknown (archspec missing or an unfamiliar architecture).
-    """
+def _detected() -> CpuFacts:
     arch = platform.machine().lower()
-    facts: dict[str, Any] = {"arch": arch, "vendor": None, "brand": None, "flags": [], "u8s8_saturates": None,
-                             "source": None}
     try:
         import archspec.cpu.detect as detect
     except ImportError:
-        facts["source"] = "unknown (archspec not installed)"
-        return facts
+        return CpuFacts(arch, source="unknown (archspec not installed)")
     try:
         if arch in ("x86_64", "amd64"):
             info = detect.cpuid_info()  # CPUID itself: what this process (or an emulator) really offers
-            facts["source"] = "cpuid"
+            source = "cpuid"
         else:
             info = detect.detected_info()
-            facts["source"] = "os"
+            source = "os"
         features = set(info.features)
-        facts["vendor"] = info.vendor or None
+        vendor = info.vendor or None
     except Exception:  # noqa: BLE001 - facts are informational; the fidelity check still measures
-        return {**facts, "source": "unknown (CPU detection failed)"}
+        return CpuFacts(arch, source="unknown (CPU detection failed)")
     try:
-        facts["brand"] = detect.brand_string()
+        brand = detect.brand_string()
     except Exception:  # noqa: BLE001
-        facts["brand"] = None
+        brand = None
     if arch in ("x86_64", "amd64", "i386", "i686"):
-        facts["flags"] = [f for f in X86_FLAGS if f in features]
-        facts["u8s8_saturates"] = not any(f in features for f in VNNI_FLAGS)
-    elif arch in ("aarch64", "arm64"):
-        facts["flags"] = [f for f in ARM_FLAGS if f in features]
-        facts["u8s8_saturates"] = False
-    return facts
+        return CpuFacts(arch, vendor, brand, tuple(f for f in X86_FLAGS if f in features),
+                        not any(f in features for f in VNNI_FLAGS), source)
+    if arch in ("aarch64", "arm64"):
+        return CpuFacts(arch, vendor, brand, tuple(f for f in ARM_FLAGS if f in features), False, source)
+    return CpuFacts(arch, vendor, brand, (), None, source)
 
 
-def describe(facts: dict[str, Any] | None = None) -> str:
+def describe(facts: CpuFacts | None = None) -> str:
     """One line, e.g. 'AMD EPYC (x86_64; avx2 avx512f avx512_vnni)'."""
-    f = facts or cpu_facts()
-    flags = " ".join(f.get("flags") or []) or "no int8 dot-product flags"
-    return f"{f.get('brand') or f.get('vendor') or 'unknown CPU'} ({f.get('arch')}; {flags})"
+    return (facts or cpu_facts()).describe()

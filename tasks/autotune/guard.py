@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import StageError, first_line
-from pipeline.graph.model import copy_model, model_hash
+from pipeline.graph.model import copy_model, has_qdq, model_hash
 from pipeline.quant.calibration import quantize_decisions
 from tasks.autotune.paired_step import PairedStep
 from tasks.autotune.tune_setup import ModeResult, TuneSetup
@@ -40,6 +40,8 @@ def finalize(setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
         source = f"p10 of {timings[1].n} interleaved runs"
         guard["why"] = ("measured float, tuned" + (" and PTQ models" if len(paths) > 2 else " models")
                         + f" in one interleaved run ({guard['why'] or 'no paired steps to reuse'})")
+    backend = setup.backend
+    precision = backend.float_precision()
     choice, why = _choose(setup, paths, timings, verdicts)
     if quantize_decisions(setup.inputs.get("quantize/calibration.json")).all_float:
         # nothing was quantized: a "tuned" or "PTQ" model is the float graph again, and timing noise
@@ -52,20 +54,29 @@ def finalize(setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
     chosen_v = verdicts[paths.index(choice)]
     copy_model(choice, setup.out / "optimized_final.onnx")
     speedup = base_t.p10_ms / chosen_t.p10_ms
-    backend = setup.backend
-    precision = backend.float_precision()
     chosen_float = setup.float_baseline
     note = f" ({chosen_float.note})" if chosen_float is not None and chosen_float.note else ""
-    line = (f"Baseline: {base_t.p10_ms:.3f} ms / Final: {chosen_t.p10_ms:.3f} ms ({speedup:.2f}x speedup), "
-            f"accuracy {chosen_v.what} [{source}; baseline = {precision} float model on {backend.name}{note}]")
-    log.info(line)
-    if choice != tuned:
-        log.warning("autotune: optimized_final.onnx is %s because %s", choice.name, why)
+    where = f"[{source}; baseline = {precision} float model on {backend.name}{note}]"
     shipped = {baseline: "float", tuned: "tuned", ptq: "ptq"}.get(choice, "tuned")
+    if shipped == "float":
+        line = f"Baseline: {base_t.p10_ms:.3f} ms / Final: the float model itself (no speedup) {where}"
+        headline = f"ships float ({precision} on {backend.name}): {why}{_measured_note(timings, paths, tuned, ptq)}"
+    else:
+        line = (f"Baseline: {base_t.p10_ms:.3f} ms / Final: {chosen_t.p10_ms:.3f} ms ({speedup:.2f}x speedup), "
+                f"accuracy {chosen_v.what} {where}")
+        headline = (f"{speedup:.2f}x vs {precision} float{note}, {chosen_v.what} "
+                    f"({shipped if choice == tuned else why})")
+    log.info(line)
+    if shipped == "float":
+        log.warning("autotune: ships the float model (optimized_final.onnx is %s): %s", choice.name, why)
+    elif choice != tuned:
+        log.warning("autotune: optimized_final.onnx is %s because %s", choice.name, why)
+    tuned_is_float = _float_copy(tuned)
     return {
         "baseline_ms": base_t.p10_ms, "final_ms": chosen_t.p10_ms, "speedup": speedup,
         "baseline_median_ms": base_t.median_ms, "final_median_ms": chosen_t.median_ms,
-        "tuned_ms": tuned_t.p10_ms, "tuned_speedup": base_t.p10_ms / tuned_t.p10_ms,
+        "tuned_ms": tuned_t.p10_ms, "tuned_speedup": None if tuned_is_float else base_t.p10_ms / tuned_t.p10_ms,
+        "tuned_is_float": tuned_is_float,
         "ptq_ms": ptq_t.p10_ms if ptq_t else None,
         "ptq_speedup": (base_t.p10_ms / ptq_t.p10_ms) if ptq_t else None,
         "accuracy": {"final": chosen_v.to_dict(), "tuned": verdicts[1].to_dict(),
@@ -73,9 +84,27 @@ def finalize(setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
         "shipped": shipped, "shipped_reason": why, "guard": guard,
         "baseline_precision": precision, "runtime": backend.describe(), "final_line": line,
         "float_baseline": chosen_float.to_dict() if chosen_float is not None else None,
-        "headline": f"{speedup:.2f}x vs {precision} float{note}, {chosen_v.what} "
-                    f"({shipped if choice == tuned else why})",
+        "headline": headline,
     }
+
+
+def _float_copy(path: Path) -> bool:
+    """The model has no Q/DQ node anywhere (bodies included): the float graph again."""
+    import onnx
+
+    return not has_qdq(onnx.load(str(path), load_external_data=False))
+
+
+def _measured_note(timings: list[Any], paths: list[Path], tuned: Path, ptq: Path | None) -> str:
+    """'; tuned 0.96x, PTQ 0.90x' of the quantized models that were measured (speedups vs float), or ''."""
+    parts = []
+    for label, p in (("tuned", tuned), ("PTQ", ptq)):
+        if p is None or p not in paths or _float_copy(p):
+            continue
+        t = timings[paths.index(p)]
+        if t.ok and t.p10_ms > 0:
+            parts.append(f"{label} {timings[0].p10_ms / t.p10_ms:.2f}x")
+    return f" (measured: {', '.join(parts)})" if parts else ""
 
 
 def _from_steps(setup: TuneSetup, paths: list[Path], steps: list[PairedStep]
@@ -177,7 +206,15 @@ def _choose(setup: TuneSetup, paths: list[Path], timings: list[Any], verdicts: l
     ptq_v = verdicts[2] if ptq is not None else None
     ok = {tuned: tuned_v.ok or not budget.enabled, ptq: ptq_v is not None and (ptq_v.ok or not budget.enabled)}
     choice, why = tuned, "tuned placement"
-    if not ok[tuned]:
+    if _float_copy(tuned):
+        # every pattern measured fastest without Q/DQ: the "tuned" model is the float graph, and its
+        # timing against the float model is noise, not a speedup; only the PTQ model can still ship
+        no_int8 = (f"no int8 placement beat the {setup.backend.float_precision()} float on {setup.backend.name} "
+                   f"on this CPU (every pattern measured fastest without Q/DQ)")
+        if ptq_t is None or not ok[ptq] or _float_copy(ptq):
+            return baseline, no_int8
+        choice, why = ptq, f"the quantize stage's model ships: {no_int8}"
+    elif not ok[tuned]:
         choice, why = ptq, f"the tuned placement misses the accuracy budget ({tuned_v.what})"
     elif ptq_t is not None and ok[ptq] and ptq_t.p10_ms < tuned_t.p10_ms * 0.98:
         choice, why = ptq, "the quantize stage's model measured faster than the tuned placement"
@@ -185,9 +222,9 @@ def _choose(setup: TuneSetup, paths: list[Path], timings: list[Any], verdicts: l
         hint = tuned_v.hint or (ptq_v.hint if ptq_v is not None else "")
         return baseline, (f"no quantized model meets the accuracy budget ({budget.describe()}; tuned: "
                           f"{tuned_v.what}" + (f"; PTQ: {ptq_v.what}" if ptq_v is not None else "")
-                          + "): shipping the float model" + (f" ({hint})" if hint else ""))
+                          + ")" + (f" ({hint})" if hint else ""))
     speedup = timings[0].p10_ms / timings[paths.index(choice)].p10_ms
     if speedup < threshold:
-        return baseline, (f"no Q/DQ model beat the float baseline by the performance threshold "
-                          f"{threshold:.2f}x (best {speedup:.3f}x): shipping the float model")
+        return baseline, (f"no Q/DQ model beat the {setup.backend.float_precision()} float on "
+                          f"{setup.backend.name} by the performance threshold {threshold:.2f}x (best {speedup:.3f}x)")
     return choice, why

@@ -31,7 +31,7 @@ from tasks.autotune.crash_guard import CrashGuard
 from tasks.autotune.pattern_cache import PatternCache
 from tasks.autotune.progress import OnProgress, Progress
 from tasks.autotune.region import Region
-from tasks.autotune.scheme import Measurement, PatternSchemes
+from tasks.autotune.scheme import Measurement, PatternSchemes, SchemeRecord
 from tasks.autotune.state_file import REGION_STATE, resume_or_set_aside
 
 log = logging.getLogger("tune.autotune")
@@ -123,13 +123,21 @@ def region_pattern_autotuning_workflow(
         autotuner.save_state(state_path)
         best = ps.find(ps.best) if ps.best is not None else None
         save_model(autotuner.export_model(), region_models / f"region_{region.id}_level_{region.level}.onnx")
-        log.info("pattern %s (%d regions, %d nodes): best of %d schemes %s", ps.pattern[:10],
+        log.info("pattern %s (%d regions, %d nodes): fastest of %d schemes: %s", ps.pattern[:10],
                  len(autotuner.pattern_regions[ps.pattern]), autotuner.patterns[region.id].num_nodes,
-                 len(ps.records), f"{best.ratio:.3f}x of float ({best.origin})" if best else "none measurable")
+                 len(ps.records), _winner(best, len(ps.candidates)))
         progress()
     autotuner.set_profile_region(None, commit=False)
     autotuner.save_state(state_path)
     return autotuner
+
+
+def _winner(best: SchemeRecord | None, candidates: int) -> str:
+    """The pattern's winning scheme and the whole model's speed with it, as the headline prints it."""
+    if best is None:
+        return "none measurable"
+    return (f"{best.describe(candidates)}, the model at {1.0 / best.ratio:.2f}x speedup vs float "
+            f"(latency ratio {best.ratio:.3f}, lower is faster)")
 
 
 def _prepared_autotuner(model: onnx.ModelProto | str | Path, out: Path, config: Config,
@@ -190,8 +198,8 @@ def _search_pattern(autotuner: QDQAutotuner, region: Region, benchmark: PairedBe
         _log_measurement(log_path, MeasuredScheme(region.id, idx, ps.pattern, rec.origin, rec.scheme.key), m)
         autotuner.submit(m)
         if autotuner.config.verbose:
-            log.info("  region %d scheme %d (%s, %d points): %s", region.id, idx, rec.origin, len(rec.scheme),
-                     f"{m.ratio:.3f}x of float" if m.ok else f"failed: {m.error}")
+            log.info("  region %d scheme %d (%s): %s", region.id, idx, rec.describe(len(ps.candidates)),
+                     f"latency ratio {m.ratio:.3f} vs float (lower is faster)" if m.ok else f"failed: {m.error}")
         autotuner.save_state(state_path)
         progress()
 

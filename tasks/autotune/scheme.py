@@ -101,11 +101,24 @@ class Measurement:
         return cls(math.nan, math.nan, math.nan, False, error, log_path)
 
 
+# where a scheme came from, in words a user reads in the log
+ORIGINS = {"seed:baseline": "the quantize stage's placement", "seed:none": "no Q/DQ",
+           "seed:all": "every insertion point", "seed:cache": "from the pattern cache",
+           "toggle": "one point toggled from the best", "mutation": "a mutation of the best"}
+
+
 @dataclass
 class SchemeRecord:
     scheme: InsertionScheme
     origin: str  # seed:baseline / seed:none / seed:all / seed:cache / toggle / mutation
     measurements: list[Measurement] = field(default_factory=list)
+
+    def describe(self, candidates: int) -> str:
+        """What the scheme quantizes, in words: 'no Q/DQ (float)' or '3 of 8 insertion points (a
+        mutation of the best)'."""
+        if not self.scheme.points:
+            return "no Q/DQ (float)"
+        return f"{len(self.scheme)} of {candidates} insertion points ({ORIGINS.get(self.origin, self.origin)})"
 
     @property
     def ok(self) -> bool:

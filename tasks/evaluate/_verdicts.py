@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict, CustomScore
-from pipeline.accuracy.cpu import cpu_facts, describe
+from pipeline.accuracy.cpu import CpuFacts, cpu_facts, describe
 from pipeline.accuracy.metrics import ModelScores
 from pipeline.config import resolved_data_source
 from pipeline.data.adapters import takes_split
@@ -117,10 +117,10 @@ def judge_models(ctx: StageContext, metrics: dict[str, Any], scores: dict[str, M
     metrics["over_budget"] = flagged
 
 
-def _facts(metrics: dict[str, Any], budget: AccuracyBudget, decisions: QuantizeDecisions) -> dict[str, Any]:
+def _facts(metrics: dict[str, Any], budget: AccuracyBudget, decisions: QuantizeDecisions) -> CpuFacts:
     """The machine, the quantization decisions and the budget into ``metrics``; the CPU's facts."""
     facts = cpu_facts()
-    metrics["machine"] = {"cpu": facts, "cpu_line": describe(facts),
+    metrics["machine"] = {"cpu": facts.to_dict(), "cpu_line": describe(facts),
                           "quantized_on": (decisions.cpu or {}).get("brand")}
     metrics["quantization"] = {
         "weight_range": decisions.weight_range, "weight_range_reason": decisions.weight_range_reason,
@@ -135,14 +135,15 @@ def _facts(metrics: dict[str, Any], budget: AccuracyBudget, decisions: QuantizeD
     return facts
 
 
-def _cause(fid: Any, facts: dict[str, Any], decisions: QuantizeDecisions) -> str:
+def _cause(fid: Any, facts: CpuFacts, decisions: QuantizeDecisions) -> str:
     """The likely cause of a model over budget: its kernels' fidelity here, or another CPU."""
     if fid is not None and fid.checked and not fid.ok:
         cause = f"likely cause: {fid.reason} on {describe(facts)}"
-        if facts.get("u8s8_saturates") and decisions.weight_range == "full":
+        if facts.u8s8_saturates and decisions.weight_range == "full":
             cause += ", whose u8s8 kernels saturate with full-range int8 weights (AVX2 without VNNI)"
         return cause
-    if decisions.cpu and decisions.cpu.get("brand") != facts.get("brand"):
-        return (f"likely cause: quantized on {decisions.cpu.get('brand')}, evaluated on "
-                f"{facts.get('brand')}: re-run stages=[quantize,...] on this machine")
+    quantized_on = CpuFacts.from_dict(decisions.cpu) if decisions.cpu else None
+    if quantized_on is not None and (quantized_on.brand, quantized_on.flags) != (facts.brand, facts.flags):
+        return (f"likely cause: quantized on {quantized_on.describe()}, evaluated on "
+                f"{facts.describe()}: re-run stages=[quantize,...] on this machine")
     return ""

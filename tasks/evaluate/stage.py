@@ -31,7 +31,7 @@ from pipeline.backends.base import Backend, PreparedModel, compare_prepared
 from pipeline.config import STAGE_ORDER, resolved_data_source
 from pipeline.data.adapters import DataProvider
 from pipeline.errors import PipelineError, StageError, first_line
-from pipeline.graph.model import InputSpec, input_specs, load_model
+from pipeline.graph.model import InputSpec, has_qdq, input_specs, load_model
 from pipeline.progress import progress_bar
 from pipeline.stage import Stage, StageContext, StageResult
 from tasks.evaluate._custom import CustomScores
@@ -363,6 +363,7 @@ class EvaluateStage(Stage):
             "latency": None if latency is None else latency.to_dict(),
             "model_name": str(ctx.cfg.model.name),
             "reproduce": _reproduce_commands(ctx),
+            "shipped": _shipped(plan),
         }
         if plan.float_choice is not None:
             metrics["float_baseline"] = plan.float_choice
@@ -413,6 +414,21 @@ def _model_metrics(evaluated: list[EvaluatedModel], measured: Measurements) -> d
     return models
 
 
+def _shipped(plan: EvaluationPlan) -> str | None:
+    """The key of the model that ships (the newest of float, PTQ, autotuned), resolved to the model it
+    is byte-identical to, and to "float" where it holds no Q/DQ node; None when only the float model
+    was evaluated (there is no choice to name)."""
+    present = {c.key: c for c in plan.models}
+    same = {d["model"]: d["identical_to"] for d in plan.duplicates}
+    newest = next(k for k, _, _ in reversed(_MODELS) if k in present or k in same)
+    if newest == "float":
+        return None
+    key = same.get(newest, newest)
+    if key != "float" and not has_qdq(onnx.load(str(present[key].path), load_external_data=False)):
+        return "float"
+    return key
+
+
 def headline(metrics: dict[str, Any]) -> str:
     """One line for the end-of-run table, e.g. 'float 97.0% 1.2 ms | ptq 96.8% 2.10x (p10 2.20x) | ...'.
 
@@ -440,7 +456,8 @@ def headline(metrics: dict[str, Any]) -> str:
     chosen = metrics.get("float_baseline")
     why = f"; baseline: FP32 float ({chosen['default']} float {chosen.get('reason') or 'misses the budget'})" \
         if chosen else ""
-    return " | ".join(parts) + why
+    ships = f"ships {metrics['shipped']}: " if metrics.get("shipped") else ""
+    return ships + " | ".join(parts) + why
 
 
 def _precision(model: onnx.ModelProto) -> str:

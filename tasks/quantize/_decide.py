@@ -15,6 +15,7 @@ from typing import Any
 
 import onnx
 
+from pipeline.accuracy.cpu import CpuFacts, cpu_facts, describe
 from pipeline.errors import StageError
 from pipeline.graph.bodies import QUANTIZED_BODIES
 from pipeline.graph.model import iter_nodes
@@ -41,8 +42,6 @@ def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None
     """(decisions, sensitivity report or None): weight storage, kernel-fidelity culprits, float nodes and
     bias correction of ``placer``'s model, decided on ``setup.checker``'s held-out batches. ``outliers``
     are the element-wise nodes on tensors with outlier channels, recovery's first candidates."""
-    from pipeline.accuracy.cpu import cpu_facts, describe
-
     checker, budget, holdout = setup.checker, setup.checker.budget, setup.checker.holdout
     facts = cpu_facts()
     ops = {n.name: n.op_type for n in iter_nodes(placer.model.graph, QUANTIZED_BODIES)}
@@ -68,7 +67,7 @@ def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None
         if corrected is not None:
             final = corrected
     decisions = QuantizeDecisions(
-        weight_range=weight_range, weight_range_reason=why, cpu=facts,
+        weight_range=weight_range, weight_range_reason=why, cpu=facts.to_dict(),
         unsupported_nodes=sorted(unsupported - set(storage.culprits)),
         fidelity_culprits=storage.culprits,
         bias_correction=bias,
@@ -82,7 +81,7 @@ def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None
 
 
 def _weight_storage(setup: QuantizeSetup, placer: Placer, unsupported: set[str], ops: dict[str, str],
-                    facts: dict[str, Any]) -> WeightStorage:
+                    facts: CpuFacts) -> WeightStorage:
     """The weight storage (and kernel-fidelity culprits) with the nodes the runtime cannot run quantized
     left float: chosen on this CPU for the CPU runtimes' placements (their fused kernels are checked
     against the Q/DQ math here), the requested one for TensorRT."""
@@ -100,7 +99,7 @@ def _weight_storage(setup: QuantizeSetup, placer: Placer, unsupported: set[str],
         return WeightStorage(start, why, cand, [cand])
     units = [n for n in placer.build(start, unsupported)[0].quantized_nodes()
              if ops.get(n) not in (None, *PASS_THROUGH_OPS)]
-    return choose_weight_range(placed, checker, requested, facts["u8s8_saturates"],
+    return choose_weight_range(placed, checker, requested, facts.u8s8_saturates,
                                lambda paths: _measure(checker.backend, paths), units)
 
 

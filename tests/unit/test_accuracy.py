@@ -191,7 +191,7 @@ from pipeline.accuracy.fidelity import kernel_fidelity
 from pipeline.accuracy.cpu import cpu_facts
 path = {path!r}
 r = kernel_fidelity(ort_backend(), path, [{{"x": np.ones((1, 16, 8, 8), np.float32)}}])
-print(json.dumps({{"ok": r.ok, "snr": r.snr_db, "saturates": cpu_facts()["u8s8_saturates"]}}))
+print(json.dumps({{"ok": r.ok, "snr": r.snr_db, "saturates": cpu_facts().u8s8_saturates}}))
 """
 
 
@@ -200,11 +200,33 @@ def test_fidelity_check_on_a_graph_that_saturates_u8s8_without_vnni(tmp_path):
     onnx.save(saturating_model(), str(path))
     r = kernel_fidelity(ort_backend(), path, [{"x": np.ones((1, 16, 8, 8), np.float32)}])
     assert r.checked
-    if cpu_facts()["u8s8_saturates"]:
+    if cpu_facts().u8s8_saturates:
         assert not r.ok and "disagree" in r.reason
     else:  # VNNI: the fused kernels are exact
         assert r.ok and r.snr_db == math.inf or r.snr_db > 60
 
+
+
+def test_pinned_cpu_flags_decide_as_that_cpu_kind(monkeypatch):
+    """QDQ_TUNE_CPU_FLAGS pins the facts the tool decides from; unset, the CPU's own (CPUID) come back."""
+    from pipeline.accuracy.cpu import PIN_ENV, CpuFacts
+    from pipeline.errors import InputError
+
+    real = cpu_facts()
+    if real.arch not in ("x86_64", "amd64"):
+        pytest.skip("the pinned flags are x86's")
+    monkeypatch.setenv(PIN_ENV, "avx2")
+    avx2 = cpu_facts()
+    assert avx2.u8s8_saturates is True and avx2.flags == ("avx2",) and avx2.pinned
+    assert "pinned by QDQ_TUNE_CPU_FLAGS" in avx2.describe() and avx2.brand == real.brand
+    monkeypatch.setenv(PIN_ENV, "avx2,avx512f avx512bw avx512_vnni")
+    assert cpu_facts().u8s8_saturates is False
+    assert CpuFacts.from_dict(cpu_facts().to_dict()) == cpu_facts()
+    monkeypatch.setenv(PIN_ENV, "avx2,sse9")
+    with pytest.raises(InputError, match=r"QDQ_TUNE_CPU_FLAGS='avx2,sse9': unknown CPU flag\(s\) sse9; allowed: avx2"):
+        cpu_facts()
+    monkeypatch.delenv(PIN_ENV)
+    assert cpu_facts() == real and not real.pinned and real.source == "cpuid"
 
 
 @pytest.mark.slow
@@ -226,10 +248,19 @@ def test_fidelity_check_fires_on_an_emulated_avx2_cpu(tmp_path):
 
 
 # ------------------------------------------------------------------ fallback chosen when kernels disagree
-class PerturbingBackend(OnnxRuntimeBackend):
-    """ORT, except that the fused run of a model ``wrong(model)`` picks comes out wrong (the plain Q/DQ
-    reference runner stays correct); by default models with full-range int8 weights, as saturating
-    kernels would."""
+class ExactKernelsBackend(OnnxRuntimeBackend):
+    """ORT whose "fused" run is the plain Q/DQ math: the exact integer kernels of a CPU with VNNI, on
+    any CPU (on AVX2 without VNNI the real u8 x s8 kernels saturate). For tests of decision logic;
+    the real kernels are tested per CPU kind beside them."""
+
+    def prepare(self, model_path):
+        return self.prepare_reference(model_path)
+
+
+class PerturbingBackend(ExactKernelsBackend):
+    """Exact kernels, except that the fused run of a model ``wrong(model)`` picks comes out wrong (the
+    plain Q/DQ reference runner stays correct); by default models with full-range int8 weights, as
+    saturating kernels would."""
 
     def __init__(self, cfg, wrong=None):
         super().__init__(cfg)
@@ -302,11 +333,32 @@ def test_known_saturating_cpu_never_gets_full_range_weights(tmp_path):
     storage = _accuracy.choose_weight_range(build, checker, "auto", True, lambda p: [2.0, 1.0])
     choice, why = storage.weight_range, storage.reason
     assert choice == "uint8" and "saturate (AVX2 without VNNI)" in why
-    choice = _accuracy.choose_weight_range(build, checker, "auto", False, lambda p: [1.0] * len(p)).weight_range
+    # a CPU whose u8 x s8 kernels are exact gets full range: this CPU's real kernels where they are
+    # exact (VNNI, AMX), else the Q/DQ math that stands in for them
+    exact = backend if cpu_facts().u8s8_saturates is False else ExactKernelsBackend(backend.cfg)
+    exact_checker = _accuracy.Checker(exact, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
+    choice = _accuracy.choose_weight_range(build, exact_checker, "auto", False, lambda p: [1.0] * len(p)).weight_range
     assert choice == "full"
     storage = _accuracy.choose_weight_range(build, checker, "reduced", False, lambda p: [1.0] * len(p))
     choice, why = storage.weight_range, storage.reason
     assert choice == "reduced" and why == "quantize.weight_range=reduced"
+
+
+def test_this_cpus_real_kernels_get_the_weight_storage_its_kind_needs(tmp_path):
+    """The decision on this CPU's own kernels and facts: full range with VNNI or AMX, an exact
+    variant (7-bit or uint8 weights) on AVX2 without VNNI, and the chosen model runs exactly."""
+    backend = ort_backend()
+    build, holdout = _conv_setup(tmp_path, backend)
+    checker = _accuracy.Checker(backend, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
+    facts = cpu_facts()
+    units = [n.name for n in models.conv_chain(batch=2).graph.node if n.op_type in ("Conv", "Gemm", "MatMul")]
+    storage = _accuracy.choose_weight_range(build, checker, "auto", facts.u8s8_saturates,
+                                            lambda p: [1.0] * len(p), units)
+    assert storage.chosen.usable and storage.chosen.fidelity is not None and storage.chosen.fidelity.ok
+    if facts.u8s8_saturates:
+        assert storage.weight_range in ("reduced", "uint8") and "saturate" in storage.reason
+    else:
+        assert storage.weight_range == "full" and not storage.culprits
 
 
 def one_bad_kernel(m: onnx.ModelProto) -> bool:
