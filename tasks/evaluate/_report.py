@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import shlex
 from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import atomic_output
+from pipeline.config import STAGE_ORDER
+from pipeline.stage import StageContext
 from tasks.evaluate._latency import ModelLatency
 
 _COLORS = {"float": "#7f7f7f", "float_fp32": "#c7c7c7", "float_default": "#c7c7c7", "ptq": "#1f77b4", "autotuned": "#ff7f0e"}
@@ -410,3 +413,39 @@ def _accuracy_steps(q: dict[str, Any]) -> list[str]:
                      + ", ".join(f"`{n}`" for n in q["fidelity_culprits"]) + ".")
     return lines
 
+
+def backend_text(info: dict[str, Any]) -> str:
+    """The runtime in a few words, e.g. 'onnxruntime (version 1.32.0; CPUExecutionProvider; 2 threads)'."""
+    name = info.get("backend", "?")
+    details = [f"{k} {v}" for k, v in info.items() if k not in ("backend", "providers", "threads")
+               and isinstance(v, (str, int, float))]
+    if info.get("providers"):
+        details.append(", ".join(info["providers"]))
+    if info.get("threads"):
+        details.append(f"{info['threads']} threads")
+    return f"{name} ({'; '.join(details)})" if details else str(name)
+
+
+def reproduce_commands(ctx: StageContext) -> dict[str, str]:
+    """`tune` command lines that rebuild this results_dir and that re-run only the evaluation."""
+
+    done = {s for s, e in ctx.manifest.stages.items() if e.get("status") == "done"}
+    stages = [s for s in STAGE_ORDER if s in done or s == "evaluate"]
+    overrides: list[str] = []
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            overrides = [o for o in HydraConfig.get().overrides.task
+                         if o.split("=", 1)[0].lstrip("+~") not in ("results_dir", "stages")]
+    except Exception:  # noqa: BLE001 - outside a Hydra app (library use) there are no overrides to repeat
+        overrides = []
+    rd = str(ctx.results_dir.resolve())
+
+    def cmd(stage_list: list[str]) -> str:
+        args = [*overrides, f"stages=[{','.join(stage_list)}]", f"results_dir={rd}"]
+        return " ".join(["tune", *(shlex.quote(a) for a in args)])
+
+    from pipeline.data.live import in_memory_groups
+
+    return {"full": cmd(stages), "evaluate_only": cmd(["evaluate"]), "in_memory": in_memory_groups(ctx.cfg)}

@@ -16,7 +16,6 @@ the latency run.
 from __future__ import annotations
 
 import logging
-import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from pipeline.accuracy.metrics import ModelScores, json_safe
 from pipeline.artifacts import atomic_write_json, atomic_write_text, sha256_file
 from pipeline.backends import create_backend
 from pipeline.backends.base import Backend, PreparedModel, compare_prepared
-from pipeline.config import STAGE_ORDER, resolved_data_source
+from pipeline.config import resolved_data_source
 from pipeline.data.adapters import DataProvider
 from pipeline.errors import PipelineError, StageError, first_line
 from pipeline.graph.model import InputSpec, has_qdq, input_specs, load_model
@@ -36,6 +35,7 @@ from pipeline.progress import progress_bar
 from pipeline.stage import Stage, StageContext, StageResult
 from tasks.evaluate._custom import CustomScores
 from tasks.evaluate._latency import LatencyRun, ModelLatency, same_session
+from tasks.evaluate._report import backend_text, reproduce_commands
 from tasks.evaluate._verdicts import judge_models
 
 log = logging.getLogger("tune.evaluate")
@@ -347,7 +347,7 @@ class EvaluateStage(Stage):
         models = _model_metrics(plan.models, measured)
         first = models["float"]
         metrics: dict[str, Any] = {
-            "baseline": f"{plan.precision} float model on {_backend_text(info)}",
+            "baseline": f"{plan.precision} float model on {backend_text(info)}",
             "backend": info,
             "data": {
                 "source": resolved_data_source(ctx.cfg),
@@ -362,7 +362,7 @@ class EvaluateStage(Stage):
             "duplicates": plan.duplicates,
             "latency": None if latency is None else latency.to_dict(),
             "model_name": str(ctx.cfg.model.name),
-            "reproduce": _reproduce_commands(ctx),
+            "reproduce": reproduce_commands(ctx),
             "shipped": _shipped(plan),
         }
         if plan.float_choice is not None:
@@ -470,39 +470,3 @@ def _precision(model: onnx.ModelProto) -> str:
     names = {TensorProto.FLOAT: "FP32", TensorProto.FLOAT16: "FP16", TensorProto.BFLOAT16: "BF16"}
     floats = {t: n for t, n in counts.items() if t in names}
     return names[max(floats, key=floats.__getitem__)] if floats else "FP32"
-
-
-def _backend_text(info: dict[str, Any]) -> str:
-    name = info.get("backend", "?")
-    details = [f"{k} {v}" for k, v in info.items() if k not in ("backend", "providers", "threads")
-               and isinstance(v, (str, int, float))]
-    if info.get("providers"):
-        details.append(", ".join(info["providers"]))
-    if info.get("threads"):
-        details.append(f"{info['threads']} threads")
-    return f"{name} ({'; '.join(details)})" if details else str(name)
-
-
-def _reproduce_commands(ctx: StageContext) -> dict[str, str]:
-    """`tune` command lines that rebuild this results_dir and that re-run only the evaluation."""
-
-    done = {s for s, e in ctx.manifest.stages.items() if e.get("status") == "done"}
-    stages = [s for s in STAGE_ORDER if s in done or s == "evaluate"]
-    overrides: list[str] = []
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        if HydraConfig.initialized():
-            overrides = [o for o in HydraConfig.get().overrides.task
-                         if o.split("=", 1)[0].lstrip("+~") not in ("results_dir", "stages")]
-    except Exception:  # noqa: BLE001 - outside a Hydra app (library use) there are no overrides to repeat
-        overrides = []
-    rd = str(ctx.results_dir.resolve())
-
-    def cmd(stage_list: list[str]) -> str:
-        args = [*overrides, f"stages=[{','.join(stage_list)}]", f"results_dir={rd}"]
-        return " ".join(["tune", *(shlex.quote(a) for a in args)])
-
-    from pipeline.data.live import in_memory_groups
-
-    return {"full": cmd(stages), "evaluate_only": cmd(["evaluate"]), "in_memory": in_memory_groups(ctx.cfg)}

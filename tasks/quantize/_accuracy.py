@@ -322,11 +322,15 @@ def _exact_storage(build: Callable[..., onnx.ModelProto], checker: Checker, full
     return WeightStorage(choice, f"{desc}: {why} ({rule}; p10 {timing}; {snr})", best, [full, *variants])
 
 
-def start_range(requested: Any) -> str:
-    """The weight storage candidates are first built with: ``quantize.weight_range``, auto starting
-    from full range."""
+def start_range(requested: Any, saturates: bool = False) -> str:
+    """The weight storage candidates are first built with (the transforms' and ranges' held-out errors
+    are measured on it): ``quantize.weight_range``; auto starts from full range, or from uint8 where
+    the fused kernels that will run the model saturate with full-range int8 weights (``saturates``),
+    since errors measured through saturated sums would choose ranges and transforms for the fault."""
     r = enum_value(requested)
-    return "full" if r == "auto" else r
+    if r != "auto":
+        return r
+    return "uint8" if saturates else "full"
 
 
 def recovery_checker(checker: Checker, cfg: Any) -> Checker:

@@ -28,7 +28,6 @@ from tasks.quantize._accuracy import (
     choose_weight_range,
     recovery_checker,
     runnable,
-    start_range,
 )
 from tasks.quantize._placer import Placer
 from tasks.quantize._recovery import MissedBudget, recover_budget
@@ -45,7 +44,7 @@ def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None
     checker, budget, holdout = setup.checker, setup.checker.budget, setup.checker.holdout
     facts = cpu_facts()
     ops = {n.name: n.op_type for n in iter_nodes(placer.model.graph, QUANTIZED_BODIES)}
-    start = start_range(enum_value(setup.q.weight_range))
+    start = setup.start_weights
     unsupported = runnable(lambda s: placer.build(start, s)[1], checker, set(ops))
     storage = _weight_storage(setup, placer, unsupported, ops, facts)
     weight_range, why, chosen = storage.weight_range, storage.reason, storage.chosen
@@ -86,8 +85,7 @@ def _weight_storage(setup: QuantizeSetup, placer: Placer, unsupported: set[str],
     left float: chosen on this CPU for the CPU runtimes' placements (their fused kernels are checked
     against the Q/DQ math here), the requested one for TensorRT."""
     checker = setup.checker
-    requested = enum_value(setup.q.weight_range)
-    start = start_range(requested)
+    requested, start = enum_value(setup.q.weight_range), setup.start_weights
 
     def placed(wr: str, float_nodes: set[str] = frozenset()) -> onnx.ModelProto:
         return placer.build(wr, set(float_nodes) | unsupported)[1]

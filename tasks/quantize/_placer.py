@@ -13,7 +13,7 @@ from pipeline.graph.model import control_flow
 from pipeline.quant.calibration import Calibration
 from pipeline.quant.qdq import apply_plan
 from tasks.quantize import _prepare
-from tasks.quantize._accuracy import Candidate, start_range
+from tasks.quantize._accuracy import Candidate
 from tasks.quantize._setup import QuantizeSetup
 
 log = logging.getLogger("tune.quantize")
@@ -32,7 +32,7 @@ class Placer:
         """The default placement: every rule, the weight storage ``quantize.weight_range`` starts from."""
         s = self.setup
         return s.builder(self.model, s.rules, s.act_type, per_channel=bool(s.q.per_channel),
-                         weight_range=start_range(s.q.weight_range))
+                         weight_range=s.start_weights)
 
     def held_out_error(self, name: str) -> float | None:
         """Held-out error of the default placement; None when that model does not load or run (sorted

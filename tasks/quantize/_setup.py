@@ -15,6 +15,7 @@ import onnx
 from omegaconf import DictConfig
 
 from pipeline.accuracy.budget import AccuracyBudget
+from pipeline.accuracy.cpu import cpu_facts
 from pipeline.accuracy.holdout import Holdout
 from pipeline.data.adapters import Batch, DataProvider
 from pipeline.graph.model import input_specs
@@ -30,7 +31,7 @@ from pipeline.quant.placement import (
 )
 from pipeline.values import enum_value
 from tasks.quantize import _prepare
-from tasks.quantize._accuracy import Checker, temp_workdir
+from tasks.quantize._accuracy import Checker, start_range, temp_workdir
 from tasks.quantize._calibrate import CalibrationMethod, collect
 
 log = logging.getLogger("tune.quantize")
@@ -76,6 +77,7 @@ class QuantizeSetup:
     kind: str  # placement: "onnxruntime", "openvino" or "tensorrt"
     act_type: str
     work: tempfile.TemporaryDirectory  # the candidates checked on the holdout; removed when decided
+    start_weights: str  # the weight storage the default placement and the held-out choices use (start_range)
     # weight scales searched so far, shared by every Calibration of the run (see Calibration)
     weight_cache: dict = field(default_factory=dict)
 
@@ -106,7 +108,9 @@ class QuantizeSetup:
             model, lowering = _prepare.lower_rnn(model, lambda: provider.batches("calibration", n_batches))
             if lowering["applied"]:
                 rules = resolve_rules(model, q.layers, q.skip_names, q.op_types_to_quantize)
-        return cls(cfg, out_dir, model, rules, lowering, provider, total, backend, checker, kind, act_type, work)
+        saturates = kind in CPU_RUNTIMES and bool(cpu_facts().u8s8_saturates)
+        return cls(cfg, out_dir, model, rules, lowering, provider, total, backend, checker, kind, act_type, work,
+                   start_range(q.weight_range, saturates))
 
     @property
     def q(self) -> DictConfig:
