@@ -130,7 +130,7 @@ def _recover(setup: QuantizeSetup, placer: Placer, unsupported: set[str], ops: d
         log.warning("quantize: %s", verdict.hint)
     float_nodes, recovered, report = recover_budget(
         placer.model, MissedBudget(units, verdict, outliers), placed, recovery_checker(checker, cfg),
-        math.floor(float(cfg.accuracy.max_float_fraction) * len(units)), bool(cfg.progress))
+        math.floor(float(cfg.accuracy.max_float_fraction) * len(units)), bool(cfg.progress), checker)
     final = chosen
     if recovered is not None:  # judged again by the budget itself (recovery aimed inside it)
         final = checker.check(placed(set(float_nodes)), "recovered")

@@ -44,10 +44,25 @@ def outlier_units(model: onnx.ModelProto, stats: dict[str, dict], units: list[st
     return out
 
 
+@dataclass
+class Closest:
+    """The float set, of those recovery checked, whose model came closest to the budget (lowest held-out
+    error): where no set meets the budget with recovery's margin, the one that may still meet the
+    budget itself."""
+
+    float_nodes: frozenset[str] = frozenset()
+    candidate: Candidate | None = None
+
+    def note(self, float_nodes: set[str], c: Candidate) -> None:
+        if c.scored and (self.candidate is None or c.verdict.error < self.candidate.verdict.error):
+            self.float_nodes, self.candidate = frozenset(float_nodes), c
+
+
 def rank_sensitivity(units: list[str], build: Callable[[set[str]], onnx.ModelProto], checker: Checker,
-                     progress: Callable | None = None) -> list[dict[str, Any]]:
+                     progress: Callable | None = None, closest: Closest | None = None) -> list[dict[str, Any]]:
     """Leave one node float at a time; rank by the output error that remains (lowest first: the
     node whose quantization costs most)."""
+    closest = closest if closest is not None else Closest()
     ranking = []
     it = progress(units) if progress is not None else units
     # each node's model is built and loaded by the runtime while the one before runs (check_each)
@@ -55,6 +70,7 @@ def rank_sensitivity(units: list[str], build: Callable[[set[str]], onnx.ModelPro
     for name, c in zip(it, checked, strict=True):
         if hasattr(it, "set_postfix_str"):
             it.set_postfix_str(name, refresh=False)  # the node left float now
+        closest.note({name}, c)
         err = c.verdict.error if c.scored else math.inf
         ranking.append({"node": name, "error_without": err,
                         "snr_db_without": c.verdict.snr_db if c.verdict else None, "error": c.error})
@@ -63,7 +79,7 @@ def rank_sensitivity(units: list[str], build: Callable[[set[str]], onnx.ModelPro
 
 
 def recover(ranking: list[dict[str, Any]], build: Callable[[set[str]], onnx.ModelProto], checker: Checker,
-            max_nodes: int) -> tuple[list[str], Candidate | None]:
+            max_nodes: int, closest: Closest | None = None) -> tuple[list[str], Candidate | None]:
     """Fewest most sensitive nodes to leave float so the model meets the budget (binary search over
     the ranking's prefixes: the error falls as more nodes stay float). Returns ([], None) if even
     ``max_nodes`` float nodes miss it."""
@@ -73,6 +89,8 @@ def recover(ranking: list[dict[str, Any]], build: Callable[[set[str]], onnx.Mode
     while lo <= hi:
         k = (lo + hi) // 2
         c = checker.check(build(set(order[:k])), f"recovery_{k}")
+        if closest is not None:
+            closest.note(set(order[:k]), c)
         if c.scored and c.verdict.ok:
             best = (order[:k], c)
             hi = k - 1
@@ -85,7 +103,8 @@ GREEDY_CANDIDATES, GREEDY_STEPS = 8, 4
 
 
 def greedy_recovery(ranking: list[dict[str, Any]], build: Callable[[set[str]], onnx.ModelProto], checker: Checker,
-                    max_nodes: int) -> tuple[list[str], Candidate | None, list[dict[str, Any]]]:
+                    max_nodes: int, closest: Closest | None = None
+                    ) -> tuple[list[str], Candidate | None, list[dict[str, Any]]]:
     """Nodes whose errors interact: a node that barely matters alone can matter a lot once another is
     float (a VAD's first encoder conv, after its STFT conv). Grow the float set one node at a time, each
     step adding whichever of the GREEDY_CANDIDATES most sensitive nodes lowers the error most with the
@@ -100,6 +119,8 @@ def greedy_recovery(ranking: list[dict[str, Any]], build: Callable[[set[str]], o
             if n in chosen:
                 continue
             c = checker.check(build({*chosen, n}), "greedy")
+            if closest is not None:
+                closest.note({*chosen, n}, c)
             err = c.verdict.error if c.scored else math.inf
             if best is None or err < best[0]:
                 best = (err, n, c)
@@ -132,7 +153,8 @@ BLOCK_FRACTIONS = (0.1, 0.25, 0.4, 0.5)
 
 
 def block_recovery(order: list[str], build: Callable[[set[str]], onnx.ModelProto], checker: Checker,
-                   max_nodes: int) -> tuple[list[str], Candidate | None, list[dict[str, Any]]]:
+                   max_nodes: int, closest: Closest | None = None
+                   ) -> tuple[list[str], Candidate | None, list[dict[str, Any]]]:
     """Where node-by-node ranking finds no few culprits, the error is made along a stretch of the
     graph: leave float the first or the last 10%, 25%, ... of the quantized nodes (graph order) and
     keep the smallest stretch that meets the budget. Returns (float nodes, candidate, profile); the
@@ -145,6 +167,8 @@ def block_recovery(order: list[str], build: Callable[[set[str]], onnx.ModelProto
             break
         for where, stretch in (("first", order[:k]), ("last", order[n - k:])):
             c = checker.check(build(set(stretch)), f"block_{where}_{k}")
+            if closest is not None:
+                closest.note(set(stretch), c)
             v = c.verdict
             profile.append({"float": f"{where} {k} of {n}", "nodes": k, "error": c.error,
                             "accuracy": v.what if v else None, "snr_db": v.snr_db if v else None,
@@ -166,11 +190,13 @@ class MissedBudget:
 
 
 def recover_budget(model: onnx.ModelProto, start: MissedBudget, placed: Callable[[set[str]], onnx.ModelProto],
-                   checker: Checker, max_float: int, progress: bool
+                   checker: Checker, max_float: int, progress: bool, fallback: Checker | None = None
                    ) -> tuple[list[str], Candidate | None, dict[str, Any]]:
     """(nodes to leave float, the candidate that meets the budget or None, what was tried): first the
     element-wise nodes on tensors with outlier channels (cheap float ops; the weighted ops around them
-    keep int8), then the fewest most sensitive nodes, then stretches of the graph."""
+    keep int8), then the fewest most sensitive nodes, then stretches of the graph. Where no float set
+    meets ``checker``'s budget (recovery's, with its margin), the closest set tried is judged by
+    ``fallback`` (the budget itself) and kept if it meets that."""
     from pipeline.progress import progress_bar
 
     units, verdict, outliers = start.units, start.verdict, start.outliers
@@ -191,6 +217,7 @@ def recover_budget(model: onnx.ModelProto, start: MissedBudget, placed: Callable
             base = {}
     float_nodes: list[str] = sorted(base) if recovered is not None else []
     limit = max(1, max_float - len(base))
+    closest = Closest()
     if recovered is None:
         rest = [n for n in units if n not in base]
 
@@ -200,15 +227,22 @@ def recover_budget(model: onnx.ModelProto, start: MissedBudget, placed: Callable
         def bar(it):
             return progress_bar(progress, iterable=it, total=len(rest), desc="quantize: sensitivity", unit="node")
 
-        ranking = rank_sensitivity(rest, with_base, checker, bar)
-        float_nodes, recovered = recover(ranking, with_base, checker, limit)
+        ranking = rank_sensitivity(rest, with_base, checker, bar, closest)
+        float_nodes, recovered = recover(ranking, with_base, checker, limit, closest)
         if recovered is None:  # culprits that only matter together
-            float_nodes, recovered, greedy = greedy_recovery(ranking, with_base, checker, limit)
+            float_nodes, recovered, greedy = greedy_recovery(ranking, with_base, checker, limit, closest)
         if recovered is None:  # no few culprits: the error is made along a stretch of the graph
             in_order = [n for n in ops if n in set(rest)]
-            float_nodes, recovered, blocks = block_recovery(in_order, with_base, checker, limit)
+            float_nodes, recovered, blocks = block_recovery(in_order, with_base, checker, limit, closest)
             for b in blocks:
                 log.info("quantize:   with the %s quantized nodes float: %s", b["float"], b["accuracy"] or b["error"])
+        if recovered is None and fallback is not None and closest.candidate is not None \
+                and closest.candidate.verdict.error < verdict.error:
+            c = fallback.check(with_base(set(closest.float_nodes)), "closest")
+            if c.scored and c.verdict.ok:
+                log.warning("quantize: no float set meets the budget with recovery's margin; the closest "
+                            "(%d nodes) meets the budget itself: %s", len(closest.float_nodes), c.verdict.what)
+                float_nodes, recovered = sorted(closest.float_nodes), c
         float_nodes = sorted(base) + float_nodes if recovered is not None else []
         for r in ranking:
             r["op_type"] = ops.get(r["node"])
