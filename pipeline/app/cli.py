@@ -220,16 +220,17 @@ def checked_config(overrides: list[str], config_dir: str | None = None, config_n
     return cfg
 
 
-def _precheck(argv: list[str]) -> None:
-    """Compose and validate the config the command line asks for; exit 2 with one line if it is bad."""
+def _precheck(argv: list[str]) -> Any:
+    """Compose and validate the config the command line asks for; exit 2 with one line if it is bad.
+    Returns the parsed command line when it asks for one plain run, else None (Hydra handles it)."""
     from hydra._internal.utils import get_args_parser
 
     try:
         args = get_args_parser().parse_args(argv)
     except SystemExit:
-        return  # let Hydra print its own usage error
+        return None  # let Hydra print its own usage error
     if args.help or args.hydra_help or args.info or args.shell_completion:
-        return
+        return None
     _check_plugins(args.overrides)
     if args.multirun and args.cfg:
         _fail("-m and --cfg cannot be combined: print one job's config with --cfg job and single values",
@@ -244,6 +245,21 @@ def _precheck(argv: list[str]) -> None:
 
         print(OmegaConf.to_yaml(cfg, resolve=args.resolve), end="")
         sys.exit(0)
+    plain = not (args.multirun or args.cfg or args.run or args.experimental_rerun
+                 or any(o.startswith(("hydra.mode", "hydra/", "+hydra/")) for o in args.overrides))
+    return args if plain else None
+
+
+def _run_checked(args: Any) -> None:
+    """One plain run of a command line ``_precheck`` composed and validated: Hydra's run without the
+    compose that hydra.main makes first only to learn the run mode (the mode is RUN)."""
+    from hydra._internal.hydra import Hydra
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    app = Hydra.create_main_hydra2(task_name=Path(__file__).stem, config_search_path=_search_path(args.config_dir))
+    app.run(config_name=args.config_name or "tune", task_function=_job,
+            overrides=[*args.overrides, "hydra.mode=RUN"])
 
 
 def run_job(overrides: list[str], config_dir: str | None = None, config_name: str = "tune"
@@ -297,8 +313,7 @@ def run_job(overrides: list[str], config_dir: str | None = None, config_name: st
     return outcome["results_dir"], outcome["summary"]
 
 
-@hydra.main(config_path="pkg://conf", config_name="tune", version_base="1.3")
-def _hydra_app(cfg: DictConfig) -> tuple[float, float] | None:
+def _job(cfg: DictConfig) -> tuple[float, float] | None:
     """One run; in a multirun, returns (speedup, accuracy drop) of the shipped model for sweepers."""
     from hydra.core.hydra_config import HydraConfig
 
@@ -331,6 +346,9 @@ def _hydra_app(cfg: DictConfig) -> tuple[float, float] | None:
         _job_status(results_dir, cfg, "done")
         return job_objectives(summary)
     return None
+
+
+_hydra_app = hydra.main(config_path="pkg://conf", config_name="tune", version_base="1.3")(_job)
 
 
 def _job_status(results_dir: Path, cfg: DictConfig, status: str, reason: str | None = None) -> None:
@@ -392,10 +410,13 @@ def main() -> None:
         OmegaConf.register_new_resolver("tune_groups", _group_listing)
     register_configs()
     argv = open_dict_overrides(_rewrite_config_path(sys.argv[1:]))
-    _precheck(argv)
+    args = _precheck(argv)
     sys.argv = [sys.argv[0], *argv]
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
-    _hydra_app()
+    if args is not None:
+        _run_checked(args)
+    else:
+        _hydra_app()
 
 
 if __name__ == "__main__":

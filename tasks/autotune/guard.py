@@ -60,7 +60,8 @@ def finalize(setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
     shipped = {baseline: "float", tuned: "tuned", ptq: "ptq"}.get(choice, "tuned")
     if shipped == "float":
         line = f"Baseline: {base_t.p10_ms:.3f} ms / Final: the float model itself (no speedup) {where}"
-        headline = f"ships float ({precision} on {backend.name}): {why}{_measured_note(timings, paths, tuned, ptq)}"
+        headline = (f"ships float: the {precision} float model on {backend.name}{note}; {why}"
+                    f"{_measured_note(timings, paths, tuned, ptq)}")
     else:
         line = (f"Baseline: {base_t.p10_ms:.3f} ms / Final: {chosen_t.p10_ms:.3f} ms ({speedup:.2f}x speedup), "
                 f"accuracy {chosen_v.what} {where}")

@@ -95,7 +95,10 @@ def test_autotune_compares_against_fp32_float_where_openvinos_default_misses_the
     chosen = m["float_baseline"]
     assert m["baseline_precision"] == chosen["precision"] == "FP32" and chosen["default"] != "FP32"
     assert not chosen["verdict"]["ok"] and f"{chosen['default']} float misses the budget" in chosen["note"]
-    assert m["headline"].startswith(f"{m['speedup']:.2f}x vs FP32 float ({chosen['note']})")
+    if m["shipped"] == "float":  # no quantized model meets a 200 dB budget either: no speedup is claimed
+        assert m["headline"].startswith(f"ships float: the FP32 float model on openvino ({chosen['note']}); ")
+    else:
+        assert m["headline"].startswith(f"{m['speedup']:.2f}x vs FP32 float ({chosen['note']})")
     # what ships compiles float layers in FP32, as measured
     shipped = json.loads((rd / "autotune" / "openvino_compile.json").read_text())
     assert shipped["INFERENCE_PRECISION_HINT"] == "f32"
