@@ -51,9 +51,9 @@ class ShippedModel:
 
 
 def analyse(cfg: Any, float_model: onnx.ModelProto, shipped: ShippedModel, batches: list[Any], out_dir: Path,
-            max_nodes: int) -> tuple[dict[str, Path], dict[str, Any]]:
-    """Measure, chart and record each quantized node's contribution for ``shipped`` on ``batches``;
-    returns the artifacts written and the record (none for a model without Q/DQ)."""
+            max_nodes: int, plot: bool = True) -> tuple[dict[str, Path], dict[str, Any]]:
+    """Measure, record and (``plot``) chart each quantized node's contribution for ``shipped`` on
+    ``batches``; returns the artifacts written and the record (none for a model without Q/DQ)."""
     qmodel, label, left_float = shipped.model, shipped.label, shipped.left_float
     inputs = quantized_inputs(qmodel)
     ops = {n.name: n.op_type for n in float_model.graph.node}
@@ -90,6 +90,8 @@ def analyse(cfg: Any, float_model: onnx.ModelProto, shipped: ShippedModel, batch
            "batches": len(batches), "whole_model": whole, "left_float": left_float, "nodes": rows,
            "quantized_nodes": len(every)}
     artifacts = {"evaluate/sensitivity.json": atomic_write_json(out_dir / "sensitivity.json", json_safe(doc))}
+    if not plot:
+        return artifacts, doc
     title = (f"{label} model: each quantized node quantized alone, {unit}\n(the whole model: {whole['label']}; "
              f"red: the three largest contributions)")
     artifacts["evaluate/sensitivity.png"] = plot_node_sensitivity(rows, out_dir / "sensitivity.png", title, unit,

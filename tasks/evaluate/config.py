@@ -25,7 +25,7 @@ class EvaluateConfig:
     latency: bool = True  # measure latency and speedup vs the float model
     # interleaved rounds over all models; each round times every model backend.timing_runs // rounds times
     latency_repeats: int = 5
-    plot: bool = True  # write evaluate/summary.png (latency and accuracy per model)
+    plot: bool = True  # write the charts: summary.png (latency and accuracy per model), sensitivity.png, ranges.png
     sensitivity: SensitivityConfig = field(default_factory=SensitivityConfig)
 
 

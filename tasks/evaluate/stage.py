@@ -180,7 +180,7 @@ class EvaluateStage(Stage):
         left_float = list((metrics.get("quantization") or {}).get("float_nodes") or [])
         artifacts, doc = _sensitivity.analyse(ctx.cfg, load_model(graph, check=False),
                                               _sensitivity.ShippedModel(shipped.label, qmodel, left_float), batches,
-                                              out_dir, int(s.max_nodes))
+                                              out_dir, int(s.max_nodes), bool(ctx.cfg.evaluate.plot))
         if artifacts:
             metrics["sensitivity"] = {"model": shipped.label, "whole_model": doc["whole_model"]["label"],
                                       "top": [{k: r.get(k) for k in ("node", "op_type", "label")} for r in doc["nodes"][:5]],
