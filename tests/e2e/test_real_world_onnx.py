@@ -32,9 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # name -> (requirement, path in the wheel, overrides)
 MODELS = {
     "paddle2onnx_cls": ("rapidocr-onnxruntime==1.4.4", "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx",
-                        ["model.input_shapes={x: [1,3,48,192]}"]),
+                        ["model.input_shapes={x: [1,3,48,96]}"]),  # its width is dynamic: half the usual line
     "torch17_rivagan": ("invisible-watermark==0.2.0", "imwatermark/rivagan_encoder.onnx",
-                        ["model.input_shapes={frame: [1,3,1,64,64], data: [1,32]}"]),
+                        ["model.input_shapes={frame: [1,3,1,32,32], data: [1,32]}"]),  # fully convolutional
     "tf2onnx_bert": ("g2p-id-py==0.4.2", "g2p_id/models/bert/bert_mlm.onnx", ["model.input_shapes={input_1: [1,32]}"]),
     "lstm_state_vad": ("faster-whisper==1.2.1", "faster_whisper/assets/silero_vad_v6.onnx",
                        ["model.input_shapes={input: [4,576]}"]),
