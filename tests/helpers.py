@@ -174,6 +174,14 @@ def ort_backend() -> OnnxRuntimeBackend:
     return OnnxRuntimeBackend(OmegaConf.structured(OnnxRuntimeBackendConfig(warmup_runs=1, timing_runs=4)))
 
 
+def openvino_backend():
+    """OpenVINO's CPU plugin with short timing, as ort_backend."""
+    from pipeline.backend_config import OpenVinoBackendConfig
+    from pipeline.backends.openvino import OpenVinoBackend
+
+    return OpenVinoBackend(OmegaConf.structured(OpenVinoBackendConfig(warmup_runs=1, timing_runs=4)))
+
+
 def saturating_model() -> onnx.ModelProto:
     """u8 activations at 255 times s8 weights at 127: VPMADDUBSW's int16 pair sums (AVX2 without VNNI)
     saturate at 32767 < 2 x 255 x 127, VNNI's int32 sums do not."""

@@ -24,7 +24,7 @@ from pipeline.quant.qdq import apply_plan
 from tasks.quantize import _accuracy
 from tasks.quantize._calibrate import CalibrationMethod, collect
 from tests import models
-from tests.helpers import ort_backend, qemu_haswell, run_emulated, saturating_model
+from tests.helpers import openvino_backend, ort_backend, qemu_haswell, run_emulated, saturating_model
 
 
 # ------------------------------------------------------------------ budget verdicts
@@ -186,12 +186,15 @@ _SATURATION_SCRIPT = """
 import sys, json
 sys.path.insert(0, {root!r})
 import numpy as np
-from tests.helpers import ort_backend, saturating_model
+from tests.helpers import openvino_backend, ort_backend, saturating_model
 from pipeline.accuracy.fidelity import kernel_fidelity
 from pipeline.accuracy.cpu import cpu_facts
 path = {path!r}
-r = kernel_fidelity(ort_backend(), path, [{{"x": np.ones((1, 16, 8, 8), np.float32)}}])
-print(json.dumps({{"ok": r.ok, "snr": r.snr_db, "saturates": cpu_facts().u8s8_saturates}}))
+feeds = [{{"x": np.ones((1, 16, 8, 8), np.float32)}}]
+r = kernel_fidelity(ort_backend(), path, feeds)
+ov = kernel_fidelity(openvino_backend(), path, feeds)
+print(json.dumps({{"ok": r.ok, "snr": r.snr_db, "ov_ok": ov.ok, "ov_snr": ov.snr_db,
+                  "saturates": cpu_facts().u8s8_saturates}}))
 """
 
 
@@ -204,6 +207,18 @@ def test_fidelity_check_on_a_graph_that_saturates_u8s8_without_vnni(tmp_path):
         assert not r.ok and "disagree" in r.reason
     else:  # VNNI: the fused kernels are exact
         assert r.ok and r.snr_db == math.inf or r.snr_db > 60
+
+
+def test_openvino_fidelity_check_on_a_graph_that_saturates_u8s8_without_vnni(tmp_path):
+    """oneDNN's u8 x s8 kernels (OpenVINO's CPU plugin) saturate without VNNI as MLAS's do."""
+    path = tmp_path / "saturate.onnx"
+    onnx.save(saturating_model(), str(path))
+    r = kernel_fidelity(openvino_backend(), path, [{"x": np.ones((1, 16, 8, 8), np.float32)}])
+    assert r.checked
+    if cpu_facts().u8s8_saturates:
+        assert not r.ok and "disagree" in r.reason
+    else:  # VNNI or AMX: exact
+        assert r.ok and (r.snr_db == math.inf or r.snr_db > 60)
 
 
 
@@ -245,6 +260,7 @@ def test_fidelity_check_fires_on_an_emulated_avx2_cpu(tmp_path):
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["saturates"] is True  # archspec reads CPUID: the emulated CPU, not the host
     assert got["ok"] is False and got["snr"] < 20
+    assert got["ov_ok"] is False and got["ov_snr"] < 20  # OpenVINO's oneDNN kernels saturate there too
 
 
 # ------------------------------------------------------------------ fallback chosen when kernels disagree
