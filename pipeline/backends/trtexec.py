@@ -91,8 +91,12 @@ class TrtexecPrepared(PreparedModel):
     """An engine built once by trtexec; every time_runs / run call is one trtexec --loadEngine run.
 
     Each call pays trtexec's start-up and its own --warmUp (backend.warmup_ms), so interleaved
-    comparisons with trtexec are slow but still fair: every block is warmed the same way.
+    comparisons with trtexec are slow but still fair: every block is warmed the same way. No settle
+    run after a switch (``settle_runs = 0``): each call is a fresh process that inherits nothing from
+    the model timed before it, and its own warm-up is what a settle run would be.
     """
+
+    settle_runs = 0
 
     def __init__(self, backend: TrtexecBackend, workdir: Path, engine: TrtexecEngine, io: ModelIO,
                  profile: bool = False):
