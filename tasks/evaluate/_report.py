@@ -72,6 +72,7 @@ def _header(metrics: dict[str, Any]) -> list[str]:
         "",
         f"Baseline for every speedup: **{metrics['baseline']}**{_baseline_choice(metrics)}.",
         "",
+        *_ships(metrics),
         f"Data: {_SOURCES.get(data['source'], data['source'])}, {data['samples']} samples in {data['batches']} batches of "
         f"{data['batch_size']}" + (" (labelled)." if data["labelled"] else " (no labels: accuracy not scored)."),
     ]
@@ -86,6 +87,16 @@ def _header(metrics: dict[str, Any]) -> list[str]:
     else:
         lines.append("Latency: not measured (evaluate.latency=false).")
     return lines + _other_float(metrics)
+
+
+_SHIPPED = {"float": "the float model (no quantized model was faster within the budget)",
+            "ptq": "the PTQ model (quantize/quantized_model.onnx)", "autotuned": "the autotuned model"}
+
+
+def _ships(metrics: dict[str, Any]) -> list[str]:
+    """What ships, where a quantized model was evaluated beside the float one."""
+    shipped = metrics.get("shipped")
+    return [f"Ships: **{_SHIPPED.get(shipped, shipped)}**.", ""] if shipped else []
 
 
 def _baseline_choice(metrics: dict[str, Any]) -> str:
