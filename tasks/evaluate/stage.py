@@ -416,14 +416,16 @@ def _model_metrics(evaluated: list[EvaluatedModel], measured: Measurements) -> d
 
 def _shipped(plan: EvaluationPlan) -> str | None:
     """The key of the model that ships (the newest of float, PTQ, autotuned), resolved to the model it
-    is byte-identical to, and to "float" where it holds no Q/DQ node; None when only the float model
-    was evaluated (there is no choice to name)."""
+    is byte-identical to (as autotune names it), and to "float" where it holds no Q/DQ node; None when
+    only the float model was evaluated (there is no choice to name)."""
     present = {c.key: c for c in plan.models}
     same = {d["model"]: d["identical_to"] for d in plan.duplicates}
     newest = next(k for k, _, _ in reversed(_MODELS) if k in present or k in same)
     if newest == "float":
         return None
     key = same.get(newest, newest)
+    if key == "autotuned" and "ptq" in present and present["ptq"].sha256 == present[key].sha256:
+        key = "ptq"  # autotune shipped the PTQ model (evaluated again under the runtime settings it ships with)
     if key != "float" and not has_qdq(onnx.load(str(present[key].path), load_external_data=False)):
         return "float"
     return key

@@ -197,3 +197,29 @@ def test_compare_interleaved_closes_what_it_prepared_on_interrupt(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         compare_interleaved(Backend(), ["good", "stop"], rounds=2)
     assert len(made) == 2 and all(m.closed for m in made)
+
+
+def test_the_shipped_model_is_named_as_autotune_names_it(tmp_path):
+    """evaluate names what ships as autotune does: a byte copy of the float or PTQ model is that model,
+    a quantized-looking file without Q/DQ is the float model, and a float-only run names none."""
+    import onnx
+
+    from tasks.evaluate.stage import EvaluatedModel, EvaluationPlan, _shipped
+    from tests import models
+    from tests.helpers import qdq_conv_chain
+
+    flt = models.save(models.conv_chain(), tmp_path, "float")
+    q = tmp_path / "ptq.onnx"
+    onnx.save(qdq_conv_chain(), str(q))
+
+    def plan(entries, duplicates=()):
+        evaluated = [EvaluatedModel(k, k, f"{k}.onnx", p, sha) for k, p, sha in entries]
+        return EvaluationPlan(evaluated, list(duplicates), [], "FP32", None)
+
+    assert _shipped(plan([("float", flt, "a")])) is None
+    assert _shipped(plan([("float", flt, "a"), ("ptq", q, "b")])) == "ptq"
+    assert _shipped(plan([("float", flt, "a"), ("ptq", q, "b"), ("autotuned", q, "b")])) == "ptq"
+    assert _shipped(plan([("float", flt, "a"), ("ptq", q, "b"), ("autotuned", q, "c")])) == "autotuned"
+    assert _shipped(plan([("float", flt, "a"), ("ptq", q, "b")],
+                         [{"model": "autotuned", "file": "x", "identical_to": "float"}])) == "float"
+    assert _shipped(plan([("float", flt, "a"), ("autotuned", flt, "c")])) == "float"  # no Q/DQ in it
