@@ -206,7 +206,7 @@ def _choose(setup: TuneSetup, paths: list[Path], timings: list[Any], verdicts: l
     ptq_t = timings[2] if ptq is not None and timings[2].ok else None
     ptq_v = verdicts[2] if ptq is not None else None
     ok = {tuned: tuned_v.ok or not budget.enabled, ptq: ptq_v is not None and (ptq_v.ok or not budget.enabled)}
-    choice, why = tuned, "tuned placement"
+    choice, why, no_int8 = tuned, "tuned placement", None
     if _float_copy(tuned):
         # every pattern measured fastest without Q/DQ: the "tuned" model is the float graph, and its
         # timing against the float model is noise, not a speedup; only the PTQ model can still ship
@@ -225,6 +225,8 @@ def _choose(setup: TuneSetup, paths: list[Path], timings: list[Any], verdicts: l
                           f"{tuned_v.what}" + (f"; PTQ: {ptq_v.what}" if ptq_v is not None else "")
                           + ")" + (f" ({hint})" if hint else ""))
     speedup = timings[0].p10_ms / timings[paths.index(choice)].p10_ms
+    if speedup < threshold and no_int8 is not None:
+        return baseline, f"{no_int8}; the PTQ model ran {speedup:.3f}x, below the {threshold:.2f}x threshold"
     if speedup < threshold:
         return baseline, (f"no Q/DQ model beat the {setup.backend.float_precision()} float on "
                           f"{setup.backend.name} by the performance threshold {threshold:.2f}x (best {speedup:.3f}x)")

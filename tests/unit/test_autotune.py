@@ -284,3 +284,31 @@ def test_no_candidate_point_on_data_that_only_reaches_graph_outputs(placement):
     on = {model.graph.node[p.index].name for p in points}
     assert not on & {"unsq1", "unsq2", "concat", "id"}
     assert {"mm1", "mm2", "reshape"} <= on  # the reshape feeds a MatMul: its int8 copy is read by mm2
+
+
+def test_a_tuned_model_without_qdq_is_the_float_model_and_claims_no_speedup(tmp_path):
+    """AVX2 without VNNI, the default digits model: every pattern measured fastest without Q/DQ, so the
+    "tuned" model is the float graph (timed 1.04x against itself: noise) and the PTQ model is slower:
+    the float model ships, named as such. A PTQ model that beats float still ships over such a copy."""
+    from types import SimpleNamespace
+
+    from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict
+    from pipeline.backends import Timing
+    from tasks.autotune.guard import _choose
+    from tests.helpers import qdq_conv_chain
+
+    flt, copy, ptq = (tmp_path / f"{n}.onnx" for n in ("float", "tuned", "ptq"))
+    for p in (flt, copy):
+        onnx.save(models.conv_chain(), str(p))
+    onnx.save(qdq_conv_chain(), str(ptq))
+    backend = SimpleNamespace(name="onnxruntime", float_precision=lambda: "FP32")
+    setup = SimpleNamespace(budget=AccuracyBudget(), performance_threshold=1.02, backend=backend)
+    ok = AccuracyVerdict(True, "snr", "SNR 40 dB")
+
+    def ms(*p10):
+        return [Timing(median_ms=t, p10_ms=t, n=8) for t in p10]
+
+    choice, why = _choose(setup, [flt, copy, ptq], ms(5.0, 4.8, 5.55), [ok, ok, ok])
+    assert choice == flt and why.startswith("no int8 placement beat the FP32 float on onnxruntime")
+    choice, why = _choose(setup, [flt, copy, ptq], ms(5.0, 4.8, 4.0), [ok, ok, ok])
+    assert choice == ptq and "no int8 placement beat" in why
