@@ -42,7 +42,7 @@ def finalize(setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
                         + f" in one interleaved run ({guard['why'] or 'no paired steps to reuse'})")
     backend = setup.backend
     precision = backend.float_precision()
-    choice, why = _choose(setup, paths, timings, verdicts)
+    choice, why = choose_shipped(setup, paths, timings, verdicts)
     if quantize_decisions(setup.inputs.get("quantize/calibration.json")).all_float:
         # nothing was quantized: a "tuned" or "PTQ" model is the float graph again, and timing noise
         # must not pick one of those copies over the float model itself
@@ -196,7 +196,7 @@ def _measure_final(setup: TuneSetup, paths: list[Path]) -> tuple[list[Any], list
     return timings, verdicts
 
 
-def _choose(setup: TuneSetup, paths: list[Path], timings: list[Any], verdicts: list[Any]) -> tuple[Path, str]:
+def choose_shipped(setup: TuneSetup, paths: list[Path], timings: list[Any], verdicts: list[Any]) -> tuple[Path, str]:
     """(model to ship, why): tuned unless it misses the budget or the PTQ model is faster; float
     when no quantized model meets the budget or beats float by the performance threshold."""
     budget, threshold = setup.budget, setup.performance_threshold

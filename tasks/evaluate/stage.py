@@ -363,7 +363,7 @@ class EvaluateStage(Stage):
             "latency": None if latency is None else latency.to_dict(),
             "model_name": str(ctx.cfg.model.name),
             "reproduce": reproduce_commands(ctx),
-            "shipped": _shipped(plan),
+            "shipped": shipped_model(plan),
         }
         if plan.float_choice is not None:
             metrics["float_baseline"] = plan.float_choice
@@ -414,7 +414,7 @@ def _model_metrics(evaluated: list[EvaluatedModel], measured: Measurements) -> d
     return models
 
 
-def _shipped(plan: EvaluationPlan) -> str | None:
+def shipped_model(plan: EvaluationPlan) -> str | None:
     """The key of the model that ships (the newest of float, PTQ, autotuned), resolved to the model it
     is byte-identical to (as autotune names it), and to "float" where it holds no Q/DQ node; None when
     only the float model was evaluated (there is no choice to name)."""

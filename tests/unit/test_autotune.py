@@ -294,7 +294,7 @@ def test_a_tuned_model_without_qdq_is_the_float_model_and_claims_no_speedup(tmp_
 
     from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict
     from pipeline.backends import Timing
-    from tasks.autotune.guard import _choose
+    from tasks.autotune.guard import choose_shipped
     from tests.helpers import qdq_conv_chain
 
     flt, copy, ptq = (tmp_path / f"{n}.onnx" for n in ("float", "tuned", "ptq"))
@@ -308,7 +308,7 @@ def test_a_tuned_model_without_qdq_is_the_float_model_and_claims_no_speedup(tmp_
     def ms(*p10):
         return [Timing(median_ms=t, p10_ms=t, n=8) for t in p10]
 
-    choice, why = _choose(setup, [flt, copy, ptq], ms(5.0, 4.8, 5.55), [ok, ok, ok])
+    choice, why = choose_shipped(setup, [flt, copy, ptq], ms(5.0, 4.8, 5.55), [ok, ok, ok])
     assert choice == flt and why.startswith("no int8 placement beat the FP32 float on onnxruntime")
-    choice, why = _choose(setup, [flt, copy, ptq], ms(5.0, 4.8, 4.0), [ok, ok, ok])
+    choice, why = choose_shipped(setup, [flt, copy, ptq], ms(5.0, 4.8, 4.0), [ok, ok, ok])
     assert choice == ptq and "no int8 placement beat" in why

@@ -204,7 +204,7 @@ def test_the_shipped_model_is_named_as_autotune_names_it(tmp_path):
     a quantized-looking file without Q/DQ is the float model, and a float-only run names none."""
     import onnx
 
-    from tasks.evaluate.stage import EvaluatedModel, EvaluationPlan, _shipped
+    from tasks.evaluate.stage import EvaluatedModel, EvaluationPlan, shipped_model
     from tests import models
     from tests.helpers import qdq_conv_chain
 
@@ -216,10 +216,10 @@ def test_the_shipped_model_is_named_as_autotune_names_it(tmp_path):
         evaluated = [EvaluatedModel(k, k, f"{k}.onnx", p, sha) for k, p, sha in entries]
         return EvaluationPlan(evaluated, list(duplicates), [], "FP32", None)
 
-    assert _shipped(plan([("float", flt, "a")])) is None
-    assert _shipped(plan([("float", flt, "a"), ("ptq", q, "b")])) == "ptq"
-    assert _shipped(plan([("float", flt, "a"), ("ptq", q, "b"), ("autotuned", q, "b")])) == "ptq"
-    assert _shipped(plan([("float", flt, "a"), ("ptq", q, "b"), ("autotuned", q, "c")])) == "autotuned"
-    assert _shipped(plan([("float", flt, "a"), ("ptq", q, "b")],
+    assert shipped_model(plan([("float", flt, "a")])) is None
+    assert shipped_model(plan([("float", flt, "a"), ("ptq", q, "b")])) == "ptq"
+    assert shipped_model(plan([("float", flt, "a"), ("ptq", q, "b"), ("autotuned", q, "b")])) == "ptq"
+    assert shipped_model(plan([("float", flt, "a"), ("ptq", q, "b"), ("autotuned", q, "c")])) == "autotuned"
+    assert shipped_model(plan([("float", flt, "a"), ("ptq", q, "b")],
                          [{"model": "autotuned", "file": "x", "identical_to": "float"}])) == "float"
-    assert _shipped(plan([("float", flt, "a"), ("autotuned", flt, "c")])) == "float"  # no Q/DQ in it
+    assert shipped_model(plan([("float", flt, "a"), ("autotuned", flt, "c")])) == "float"  # no Q/DQ in it
