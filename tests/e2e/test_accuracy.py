@@ -61,7 +61,7 @@ def test_default_pipeline_keeps_top1_within_a_point_on_avx2_without_vnni(digits_
     # native test above runs it): auto's histograms took 8 of quantize's 18 emulated minutes on a Xeon host.
     small = [*PLAIN_QUANTIZE, "quantize.calibration.batches=4", "autotune.accuracy.holdout_batches=4", "backend.warmup_runs=1",
              "backend.intra_op_threads=1", "backend.timing_runs=4", "evaluate.max_batches=6",
-             "evaluate.latency=false", "evaluate.plot=false", "progress=false"]
+             "evaluate.latency=false", "evaluate.plot=false", "evaluate.sensitivity.enabled=false", "progress=false"]
 
     def emulated(stages: str) -> subprocess.CompletedProcess:
         proc = run_emulated(prefix, ["-m", "pipeline.app.cli", f"results_dir={rd}", f"stages=[{stages}]", *small],
