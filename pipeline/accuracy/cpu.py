@@ -42,10 +42,7 @@ class CpuFacts:
     flags: tuple[str, ...] = ()
     u8s8_saturates: bool | None = None
     source: str | None = None
-
-    @property
-    def pinned(self) -> bool:
-        return bool(self.source and self.source.startswith("pinned"))
+    pinned: bool = False  # the flags come from QDQ_TUNE_CPU_FLAGS, not from this CPU
 
     def describe(self) -> str:
         """One line, e.g. 'AMD EPYC (x86_64; avx2 avx512f avx512_vnni)'."""
@@ -59,7 +56,7 @@ class CpuFacts:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CpuFacts:
         return cls(str(d.get("arch") or ""), d.get("vendor"), d.get("brand"), tuple(d.get("flags") or ()),
-                   d.get("u8s8_saturates"), d.get("source"))
+                   d.get("u8s8_saturates"), d.get("source"), bool(d.get("pinned", False)))
 
 
 def cpu_facts() -> CpuFacts:
@@ -80,7 +77,7 @@ def _facts(pin: str) -> CpuFacts:
                          f"{', '.join(known)} (or none); unset it to use this CPU's own flags")
     saturates = not any(f in flags for f in VNNI_FLAGS) if known is X86_FLAGS else False
     return CpuFacts(real.arch, real.vendor, real.brand, tuple(f for f in known if f in flags), saturates,
-                    f"pinned by {PIN_ENV}")
+                    f"pinned by {PIN_ENV}", pinned=True)
 
 
 @functools.lru_cache(maxsize=1)

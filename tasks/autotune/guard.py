@@ -42,7 +42,8 @@ def finalize(setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
                         + f" in one interleaved run ({guard['why'] or 'no paired steps to reuse'})")
     backend = setup.backend
     precision = backend.float_precision()
-    choice, why = choose_shipped(setup, paths, timings, verdicts)
+    float_copies = frozenset(p for p in paths[1:] if _float_copy(p))
+    choice, why = choose_shipped(setup, paths, timings, verdicts, float_copies)
     if quantize_decisions(setup.inputs.get("quantize/calibration.json")).all_float:
         # nothing was quantized: a "tuned" or "PTQ" model is the float graph again, and timing noise
         # must not pick one of those copies over the float model itself
@@ -61,7 +62,7 @@ def finalize(setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
     if shipped == "float":
         line = f"Baseline: {base_t.p10_ms:.3f} ms / Final: the float model itself (no speedup) {where}"
         headline = (f"ships float: the {precision} float model on {backend.name}{note}; {why}"
-                    f"{_measured_note(timings, paths, tuned, ptq)}")
+                    f"{_measured_note(timings, paths, tuned, ptq, float_copies)}")
     else:
         line = (f"Baseline: {base_t.p10_ms:.3f} ms / Final: {chosen_t.p10_ms:.3f} ms ({speedup:.2f}x speedup), "
                 f"accuracy {chosen_v.what} {where}")
@@ -72,7 +73,7 @@ def finalize(setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
         log.warning("autotune: ships the float model (optimized_final.onnx is %s): %s", choice.name, why)
     elif choice != tuned:
         log.warning("autotune: optimized_final.onnx is %s because %s", choice.name, why)
-    tuned_is_float = _float_copy(tuned)
+    tuned_is_float = tuned in float_copies
     return {
         "baseline_ms": base_t.p10_ms, "final_ms": chosen_t.p10_ms, "speedup": speedup,
         "baseline_median_ms": base_t.median_ms, "final_median_ms": chosen_t.median_ms,
@@ -96,11 +97,12 @@ def _float_copy(path: Path) -> bool:
     return not has_qdq(onnx.load(str(path), load_external_data=False))
 
 
-def _measured_note(timings: list[Any], paths: list[Path], tuned: Path, ptq: Path | None) -> str:
+def _measured_note(timings: list[Any], paths: list[Path], tuned: Path, ptq: Path | None,
+                   float_copies: frozenset[Path]) -> str:
     """'; tuned 0.96x, PTQ 0.90x' of the quantized models that were measured (speedups vs float), or ''."""
     parts = []
     for label, p in (("tuned", tuned), ("PTQ", ptq)):
-        if p is None or p not in paths or _float_copy(p):
+        if p is None or p not in paths or p in float_copies:
             continue
         t = timings[paths.index(p)]
         if t.ok and t.p10_ms > 0:
@@ -196,9 +198,13 @@ def _measure_final(setup: TuneSetup, paths: list[Path]) -> tuple[list[Any], list
     return timings, verdicts
 
 
-def choose_shipped(setup: TuneSetup, paths: list[Path], timings: list[Any], verdicts: list[Any]) -> tuple[Path, str]:
+def choose_shipped(setup: TuneSetup, paths: list[Path], timings: list[Any], verdicts: list[Any],
+                   float_copies: frozenset[Path] | None = None) -> tuple[Path, str]:
     """(model to ship, why): tuned unless it misses the budget or the PTQ model is faster; float
-    when no quantized model meets the budget or beats float by the performance threshold."""
+    when no quantized model meets the budget or beats float by the performance threshold.
+    ``float_copies``: which of ``paths`` have no Q/DQ node (read from the files when not given)."""
+    if float_copies is None:
+        float_copies = frozenset(p for p in paths[1:] if _float_copy(p))
     budget, threshold = setup.budget, setup.performance_threshold
     baseline, tuned = paths[0], paths[1]
     ptq = paths[2] if len(paths) > 2 else None
@@ -207,12 +213,12 @@ def choose_shipped(setup: TuneSetup, paths: list[Path], timings: list[Any], verd
     ptq_v = verdicts[2] if ptq is not None else None
     ok = {tuned: tuned_v.ok or not budget.enabled, ptq: ptq_v is not None and (ptq_v.ok or not budget.enabled)}
     choice, why, no_int8 = tuned, "tuned placement", None
-    if _float_copy(tuned):
+    if tuned in float_copies:
         # every pattern measured fastest without Q/DQ: the "tuned" model is the float graph, and its
         # timing against the float model is noise, not a speedup; only the PTQ model can still ship
         no_int8 = (f"no int8 placement beat the {setup.backend.float_precision()} float on {setup.backend.name} "
                    f"on this CPU (every pattern measured fastest without Q/DQ)")
-        if ptq_t is None or not ok[ptq] or _float_copy(ptq):
+        if ptq_t is None or not ok[ptq] or ptq in float_copies:
             return baseline, no_int8
         choice, why = ptq, f"the quantize stage's model ships: {no_int8}"
     elif not ok[tuned]:
