@@ -5,9 +5,94 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
 
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig
+
+from pipeline.values import enum_value
+
+# --------------------------------------------------------------------------- TensorRT build options
+
+
+class DataType(str, Enum):
+    """Builder precision of float layers (Q/DQ models are strongly typed: their precision is the model's)."""
+
+    FP32 = "FP32"
+    FP16 = "FP16"
+    BF16 = "BF16"
+
+
+@dataclass
+class EngineBuildConfig:
+    """What one engine build asks for: the `gen_trt_engine.tensorrt` schema (TAO-style keys, YAML keys equal
+    field names, validated by tasks/gen_trt_engine/config.py) and what the tensorrt, tensorrt_rtx and
+    trtexec builders take. Measurement builds fill it from the backend section (``from_backend_cfg``)."""
+
+    data_type: DataType = DataType.FP32  # builder precision for float layers (Q/DQ models are strongly typed)
+    # MB; None: the runtime's default (measurement builds on a backend without backend.workspace_size;
+    # gen_trt_engine asks for a size)
+    workspace_size: Optional[int] = 1024
+    # batch shortcut for inputs whose first dim is the only dynamic one; explicit shapes below win
+    min_batch_size: int = 1
+    opt_batch_size: int = 1
+    max_batch_size: int = 1
+    # input name -> shape, per optimization profile point; an input named here gets exactly these shapes
+    min_shapes: dict[str, list[int]] = field(default_factory=dict)
+    opt_shapes: dict[str, list[int]] = field(default_factory=dict)
+    max_shapes: dict[str, list[int]] = field(default_factory=dict)
+    # persistent timing cache file shared across builds (relative to where tune started until a stage or
+    # backend resolves it with user_path)
+    timing_cache: Optional[str] = None
+    # plugin libraries (.so/.dll) loaded before parsing, in addition to backend.plugin_libraries
+    plugin_libraries: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # OmegaConf's enum members, a backend's float_precision ("bf16") and any case become one member
+        self.data_type = DataType(enum_value(self.data_type).upper())
+
+    @property
+    def timing_cache_path(self) -> Path | None:
+        """``timing_cache`` as the path the builders open (None: no persistent cache)."""
+        return Path(self.timing_cache) if self.timing_cache else None
+
+    @classmethod
+    def from_backend_cfg(cls, cfg: DictConfig) -> EngineBuildConfig:
+        """Build options for measurement builds, from the backend section alone (tensorrt*, trtexec)."""
+        from pipeline.artifacts import user_path
+
+        tc = cfg.get("timing_cache")
+        ws = cfg.get("workspace_size")
+        return cls(data_type=cfg.get("float_precision") or "FP32",
+                   workspace_size=int(ws) if ws is not None else None,
+                   timing_cache=str(user_path(tc)) if tc else None,
+                   plugin_libraries=list(cfg.get("plugin_libraries") or []))
+
+
+def shape_problems(min_shapes: Any, opt_shapes: Any, max_shapes: Any,
+                   key: str = "gen_trt_engine.tensorrt") -> list[str]:
+    """min/opt/max shapes name the same inputs, with equal ranks, dims >= 1 and min <= opt <= max per dim.
+
+    The one check of explicit profile shapes: config validation and every build call it.
+    """
+    keys = ("min_shapes", "opt_shapes", "max_shapes")
+    tables = [min_shapes or {}, opt_shapes or {}, max_shapes or {}]
+    problems = []
+    for name in sorted({str(n) for t in tables for n in t}):
+        missing = [k for k, t in zip(keys, tables, strict=True) if name not in t]
+        if missing:
+            problems.append(f"{key}: input '{name}' needs all of min_shapes, opt_shapes and max_shapes "
+                            f"(missing from {', '.join(missing)})")
+            continue
+        lo, opt, hi = trio = [[int(v) for v in t[name]] for t in tables]
+        bad = [f"{key}.{k}.{name}={s}" for k, s in zip(keys, trio, strict=True) if any(d < 1 for d in s)]
+        if bad:
+            problems.append(f"{', '.join(bad)}: every dim must be >= 1 (a concrete size, not -1 or 0)")
+        elif not len(lo) == len(opt) == len(hi):
+            problems.append(f"{key}: shapes of '{name}' differ in rank: {lo}, {opt}, {hi}")
+        elif not all(a <= b <= c for a, b, c in zip(lo, opt, hi, strict=True)):
+            problems.append(f"{key}: shapes of '{name}' need min <= opt <= max in every dim, got {lo}, {opt}, {hi}")
+    return problems
 
 
 class BackendName(str, Enum):
@@ -16,6 +101,7 @@ class BackendName(str, Enum):
     tensorrt_rtx = "tensorrt_rtx"
     trtexec = "trtexec"
     openvino = "openvino"
+    custom = "custom"  # a runtime of your own: backend._target_ names its Backend class
 
 
 @dataclass
@@ -101,3 +187,14 @@ class OpenVinoBackendConfig(BackendConfig):
     threads: int = 0  # INFERENCE_NUM_THREADS; 0: OpenVINO's choice for the hint
     streams: int = 0  # NUM_STREAMS; 0: OpenVINO's choice for the hint
     cache_dir: Optional[str] = None  # CACHE_DIR: compiled models kept here, so a second compile is fast
+
+
+@dataclass
+class CustomBackendConfig(BackendConfig):
+    """A runtime defined outside qdq-tune (`backend=custom`): ``_target_`` is the dotted path of its
+    ``pipeline.backends.base.Backend`` subclass, built with this section as its config; ``options`` are
+    its own settings, read by it as ``cfg.options``."""
+
+    name: BackendName = BackendName.custom
+    _target_: str = MISSING
+    options: dict[str, Any] = field(default_factory=dict)

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.accuracy.metrics import db_text, energies, snr_from_energies
+from pipeline.backends.base import Backend
 
 # fused-vs-reference output SNR at or above this passes outright (see kernel_fidelity for the rest):
 # exact kernels stay above it on the built-in models, saturating AVX2 kernels fall below it
@@ -53,7 +54,7 @@ class FidelityThresholds:
     max_noise_ratio: float = FIDELITY_MAX_NOISE_RATIO
 
 
-def kernel_fidelity(backend: Any, model_path: str | Path, feeds: list[dict[str, np.ndarray]],
+def kernel_fidelity(backend: Backend, model_path: str | Path, feeds: list[dict[str, np.ndarray]],
                     prepared: Any = None, float_outputs: list[list[np.ndarray]] | None = None,
                     thresholds: FidelityThresholds = FidelityThresholds()) -> FidelityResult:
     """Whether ``backend``'s fused kernels compute what ``model_path``'s Q/DQ graph says on ``feeds``.

@@ -334,7 +334,7 @@ def openvino_model(results_dir: str | os.PathLike, device: str = "CPU") -> Any:
 
     then ``compiled(inputs)`` (or ``compiled.create_infer_request()``) runs it.
     """
-    from pipeline.backends.openvino import CompileSettings
+    from pipeline.backends.openvino_settings import CompileSettings
 
     model, settings_path = _shipped(results_dir, "autotune/openvino_compile.json")
     settings = CompileSettings.load(settings_path) if settings_path is not None else CompileSettings()

@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 
 from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing, compare_interleaved
 from pipeline.errors import ConfigError
+from pipeline.quant.placement import PLACEMENTS, PlacementKind
 from pipeline.registry import import_object
 from pipeline.values import enum_value
 
@@ -22,14 +23,64 @@ BACKENDS: dict[str, str] = {
 }
 
 
+def runtime_class(cfg: DictConfig) -> type[Backend]:
+    """The Backend class the `backend` config names (imported, not instantiated: its class attributes say
+    what the runtime is, e.g. its ``placement``, without loading the runtime's own libraries)."""
+    name = enum_value(cfg.name)
+    if name == "custom":
+        target = cfg.get("_target_")
+        cls = import_object(target, "backend._target_")
+        if not (isinstance(cls, type) and issubclass(cls, Backend)):
+            raise ConfigError(f"backend._target_={target}: not a runtime (a subclass of "
+                              f"pipeline.backends.base.Backend); see the README's 'Adding a runtime'")
+        return cls
+    if name not in BACKENDS:
+        raise ConfigError(f"backend.name={name}: choose one of {', '.join(BACKENDS)} (or custom)")
+    return import_object(BACKENDS[name], "backend.name")
+
+
 def create_backend(cfg: DictConfig) -> Backend:
     """Instantiate the configured backend and check that it can run here (BackendUnavailable if not)."""
-    name = enum_value(cfg.name)
-    if name not in BACKENDS:
-        raise ConfigError(f"backend.name={name}: choose one of {', '.join(BACKENDS)}")
-    backend = import_object(BACKENDS[name], "backend.name")(cfg)
+    backend = runtime_class(cfg)(cfg)
     backend.check_available()
     return backend
+
+
+def compute_backend(cfg: DictConfig) -> Backend:
+    """ONNX Runtime on the CPU as the pipeline computes with it (calibration, float references, Q/DQ
+    math): the configured one where `backend` is ONNX Runtime, else ORT's defaults."""
+    from omegaconf import OmegaConf
+
+    from pipeline.backend_config import OnnxRuntimeBackendConfig
+    from pipeline.backends.onnxruntime import OnnxRuntimeBackend
+
+    own = runtime_class(cfg.backend) is OnnxRuntimeBackend
+    return OnnxRuntimeBackend(cfg.backend if own else OmegaConf.structured(OnnxRuntimeBackendConfig()))
+
+
+def judging_backend(cfg: DictConfig, compute: Backend) -> Backend:
+    """The backend quantize judges candidates on: the configured runtime itself where its placement's fused
+    kernels run here (its int8 kernels and its float precision decide accuracy), else ``compute``
+    (TensorRT placements are judged as Q/DQ math)."""
+    cls = runtime_class(cfg.backend)
+    if isinstance(compute, cls) or not PLACEMENTS[cls.placement].cpu_kernels:
+        return compute
+    return create_backend(cfg.backend)
+
+
+def placement_kind(cfg: DictConfig) -> PlacementKind:
+    """`quantize.placement`, with `auto` resolved from the backend (the placement its runtime declares)."""
+    name = enum_value(cfg.quantize.placement)
+    return PLACEMENTS[runtime_class(cfg.backend).placement if name == "auto" else name]
+
+
+def activation_type(cfg: DictConfig) -> str:
+    """`quantize.activation_type`, with `auto` resolved from the placement: uint8 (asymmetric) for the
+    fused kernels of CPU runtimes, int8 (symmetric) elsewhere."""
+    t = enum_value(cfg.quantize.activation_type)
+    if t != "auto":
+        return t
+    return "uint8" if placement_kind(cfg).cpu_kernels else "int8"
 
 
 def check_backend(cfg: DictConfig) -> None:
@@ -40,4 +91,4 @@ def check_backend(cfg: DictConfig) -> None:
 
 
 __all__ = ["BACKENDS", "Backend", "BuildResult", "PreparedModel", "Timing", "check_backend", "compare_interleaved",
-           "create_backend"]
+           "activation_type", "compute_backend", "create_backend", "judging_backend", "placement_kind", "runtime_class"]

@@ -74,6 +74,41 @@ class ShippedSettings:
 
 
 @dataclass(frozen=True)
+class SearchSpace:
+    """A runtime's settings search (autotune.runtime): where it starts, what it tries, how a change
+    applies. The settings are of the backend's ``shipped_settings.type``."""
+
+    # backend -> the settings the search starts from, and that ship when nothing helped
+    base: Callable[[Backend], Any]
+    # (backend, shipped model) -> ([(name, change)] in the order they are tried, what the metrics add)
+    candidates: Callable[[Backend, Path], tuple[list[tuple[str, dict]], dict[str, Any]]]
+    # (settings, change) -> the settings with that change
+    apply: Callable[[Any, dict], Any]
+
+
+@dataclass(frozen=True)
+class FusionSource:
+    """What a runtime fuses in a model, for autotune's subgraph mode: the layer information it reports
+    (``layers``: each layer with the ONNX nodes fused into it, as ``trt_common.parse_layer_info``
+    normalizes it) or the optimized graph it runs (``optimized``), where it came from, and the file
+    it was written to beside the results (if any)."""
+
+    description: str
+    layers: dict[str, Any] | None = None
+    optimized: Any = None  # an onnx.ModelProto
+    path: Path | None = None
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What a deployment of this runtime loads (``Backend.deploy``, written by gen_trt_engine): its files
+    (name in the stage's folder -> path) and metrics, with a one-line ``headline``."""
+
+    artifacts: dict[str, Path]
+    metrics: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class ModelIO:
     """What a prepared engine feeds and returns: the model's inputs (at the shapes it binds) and its
     outputs in ONNX order, with their dtypes where the model declares them."""
@@ -137,6 +172,8 @@ class Backend:
     """Base class: subclasses implement ``check_available``, ``prepare`` and ``build``."""
 
     name = "base"
+    # whose fusions the Q/DQ placement follows here (a name in pipeline.quant.placement.PLACEMENTS)
+    placement = "tensorrt"
     # the kind of settings autotune tunes for this runtime and ships (None: none are searched)
     shipped_settings: ShippedSettings | None = None
     # the settings applied to every model this backend prepares or builds (None: its config alone)
@@ -166,6 +203,10 @@ class Backend:
     def check_available(self) -> None:
         raise NotImplementedError
 
+    def search_space(self) -> SearchSpace | None:
+        """The runtime settings autotune searches for the shipped model (None: none are searched)."""
+        return None
+
     def prepare(self, model_path: str | Path, profile: bool = False) -> PreparedModel:
         """Load a model to run and time; ``profile=True`` asks for per-layer timing (layer_samples)."""
         raise NotImplementedError
@@ -173,6 +214,12 @@ class Backend:
     def build(self, model_path: str | Path, out_path: str | Path | None = None,
               log_path: str | Path | None = None) -> BuildResult:
         raise NotImplementedError
+
+    def deploy(self, model_path: Path, out_dir: Path, source: str, cfg: DictConfig) -> Deployment:
+        """Write into ``out_dir`` what a deployment of ``model_path`` loads on this runtime (an engine, an IR
+        and its compiled blob, an optimized graph), with this backend's settings; ``source`` names the
+        model in messages, ``cfg`` is the run's config (gen_trt_engine.* holds build options)."""
+        raise NotImplementedError(f"{self.name} writes no deployable artifact")
 
     def prepare_reference(self, model_path: str | Path) -> PreparedModel | None:
         """The model run as plain Q/DQ math (no fused low-precision kernels), for the kernel-fidelity
@@ -186,6 +233,28 @@ class Backend:
     def layer_info(self, model_path: str | Path) -> dict[str, Any] | None:
         """Per-layer engine information (fused ONNX nodes per layer) where the runtime exposes it."""
         return None
+
+    def fusion_source(self, model_path: Path, out_dir: Path, stem: str) -> FusionSource:
+        """What this runtime fuses in ``model_path`` (subgraph mode's fusion groups): by default the
+        layer information of one float build, kept as ``<stem>.<precision>.graph.json`` in ``out_dir``
+        and reused when present."""
+        import json
+
+        from pipeline.errors import StageError
+
+        precision = self.float_precision().lower()
+        path = out_dir / f"{stem}.{precision}.graph.json"
+        if not path.exists():
+            info = self.layer_info(model_path)
+            if not info or not info.get("layers"):
+                raise StageError(f"autotune: {self.name} gave no layer information for {Path(model_path).name}; "
+                                 f"pass autotune.graph_json=PATH (trtexec --onnx=MODEL --exportLayerInfo=graph.json "
+                                 f"--profilingVerbosity=detailed)")
+            from pipeline.artifacts import atomic_write_json
+
+            atomic_write_json(path, {"Layers": info["layers"], "Bindings": info.get("io_tensors", [])}, indent=1)
+        return FusionSource(f"{path.name} ({self.name} {precision.upper()} build)",
+                            layers=read_layer_info(json.loads(path.read_text()), path.name), path=path)
 
     def for_subgraphs(self) -> Backend:
         """The backend to measure extracted subgraphs with (static shapes, other input names): this
@@ -358,6 +427,14 @@ def compare_prepared(backend_name: str, prepared: list[PreparedModel], rounds: i
     return [Timing.from_samples([t for b in bl for t in b], backend_name) if e is None and bl else
             Timing.failed(backend_name, e or "no timed runs")
             for bl, e in zip(blocks, errors, strict=True)]
+
+
+def read_layer_info(doc: Any, where: str) -> dict[str, Any]:
+    """Layer information in TensorRT's formats (trtexec --exportLayerInfo, the engine inspector),
+    normalized to ``{"layers": [...]}`` (``trt_common.parse_layer_info``)."""
+    from pipeline.backends.trt_common import parse_layer_info
+
+    return parse_layer_info(doc, where)
 
 
 def specs_of(model_path: str | Path) -> list[InputSpec]:

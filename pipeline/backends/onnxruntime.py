@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import functools
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -19,9 +20,19 @@ from typing import Any
 
 import numpy as np
 import onnx
+from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_write_json, external_data_files
-from pipeline.backends.base import Backend, BuildResult, PreparedModel, ShippedSettings, specs_of
+from pipeline.backends.base import (
+    Backend,
+    BuildResult,
+    Deployment,
+    FusionSource,
+    PreparedModel,
+    SearchSpace,
+    ShippedSettings,
+    specs_of,
+)
 from pipeline.backends.ort import (
     SessionSettings,
     disable_qdq_fusion_if_fp8,
@@ -29,7 +40,7 @@ from pipeline.backends.ort import (
     ort_session_options,
 )
 from pipeline.data.adapters import fixed_feeds
-from pipeline.errors import BackendUnavailable
+from pipeline.errors import BackendUnavailable, StageError, first_line
 from pipeline.graph.model import staged_model
 from pipeline.values import enum_value
 
@@ -62,6 +73,8 @@ def physical_cores() -> int:
     except OSError:
         pass
     return max(1, len(cores) or len(allowed))
+
+log = logging.getLogger("tune.backend")
 
 
 class OrtPrepared(PreparedModel):
@@ -179,10 +192,16 @@ SPIN_SETTLE_SECONDS = 0.05  # ... taking at least this long
 
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
+    placement = "onnxruntime"
     shipped_settings = ShippedSettings(SessionSettings, "autotune/ort_session.json", "session settings",
                                        "ORT's defaults")
     # the session settings a tuned model ships with (autotune/ort_session.json); None: backend.* alone
     settings: SessionSettings | None = None
+
+    def search_space(self) -> SearchSpace:
+        from pipeline.backends import ort_search
+
+        return SearchSpace(ort_search.base_settings, ort_search.search_candidates, ort_search.apply_change)
 
     def check_available(self) -> None:
         try:
@@ -261,6 +280,33 @@ class OnnxRuntimeBackend(Backend):
         so.enable_cpu_mem_arena = False
         return OrtPrepared(inference_session(model_path, so, providers=self.cfg.providers), specs_of(model_path))
 
+    def deploy(self, model_path: Path, out_dir: Path, source: str, cfg: DictConfig) -> Deployment:
+        """ONNX Runtime has no engine to build: the graph it runs after its fusions (model.ort.onnx) and the
+        build facts (build.json)."""
+        out, facts = out_dir / "model.ort.onnx", out_dir / "build.json"
+        log.info("onnxruntime has no engine to build: writing the graph it runs (after its fusions) to %s", out)
+        try:
+            result = self.build(model_path, out, facts)
+        except Exception as exc:  # noqa: BLE001 - ORT's own error types for models it cannot load or run
+            raise StageError(f"gen_trt_engine: onnxruntime cannot load and run {source} ({model_path}): "
+                             f"{first_line(exc)}") from None
+        ops = result.info.get("optimized_op_counts", {})
+        seconds = float(result.info.get("build_seconds", 0.0))
+        fused = {k: v for k, v in ops.items() if k.startswith(("QLinear", "QGemm", "MatMulInteger", "ConvInteger"))}
+        metrics: dict[str, Any] = {
+            "source": source, "model": str(model_path), "backend": self.describe(),
+            "engine_bytes": out.stat().st_size, "build_seconds": seconds, "optimized_op_counts": ops,
+        }
+        shown = ", ".join(f"{k} x{v}" for k, v in fused.items()) or "no integer kernels"
+        metrics["headline"] = (f"onnxruntime optimized graph from {source}: {sum(ops.values())} nodes ({shown}), "
+                               f"{out.stat().st_size / 2**20:.2f} MB in {seconds:.1f} s")
+        return Deployment({"model.ort.onnx": out, "build.json": facts}, metrics)
+
+    def fusion_source(self, model_path: Path, out_dir: Path, stem: str) -> FusionSource:
+        """The graph ORT's CPU EP runs after every fusion (level extended: no NCHWc layout rewrite that would
+        rename tensors)."""
+        return FusionSource("ONNX Runtime's optimized graph", optimized=optimized_graph(model_path, "extended"))
+
     def build(self, model_path: str | Path, out_path: str | Path | None = None,
               log_path: str | Path | None = None) -> BuildResult:
         """Create a session; with ``out_path``, save the graph ORT actually runs (after its fusions)."""
@@ -297,3 +343,12 @@ class OnnxRuntimeBackend(Backend):
     def has_fast_kernels(self, quant_type: str) -> bool:
         # the CPU EP has integer kernels for int8/uint8 but none for fp8: FP8 Q/DQ only adds casts
         return quant_type != "fp8"
+
+
+def optimized_graph(model: onnx.ModelProto | str | Path, level: str = "extended") -> onnx.ModelProto:
+    """The graph ONNX Runtime's CPU EP runs after its optimizations at ``level``."""
+    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    with tempfile.TemporaryDirectory() as d:
+        optimized = os.path.join(d, "optimized.onnx")
+        inference_session(data, ort_session_options(level, optimized_path=optimized))
+        return onnx.load(optimized)

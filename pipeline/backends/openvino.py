@@ -17,115 +17,42 @@ a model ships with: ``CompileSettings``, a flat map of OpenVINO property names t
 from __future__ import annotations
 
 import copy
-import functools
 import os
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from omegaconf import DictConfig
 
-from pipeline.artifacts import atomic_write_bytes, atomic_write_json, read_settings
-from pipeline.backends.base import Backend, BuildResult, PreparedModel, ShippedSettings
+from pipeline.artifacts import atomic_write_bytes, atomic_write_json
+from pipeline.backends.base import (
+    Backend,
+    BuildResult,
+    Deployment,
+    FusionSource,
+    PreparedModel,
+    SearchSpace,
+    ShippedSettings,
+)
+from pipeline.backends.openvino_settings import (
+    PRECISIONS,
+    CompileSettings,
+    check_device,
+    core,
+    openvino_module,
+    property_text,
+)
 from pipeline.data.adapters import fixed_feeds
-from pipeline.errors import BackendUnavailable
+from pipeline.errors import StageError, first_line
 from pipeline.graph.model import input_specs, load_model, output_names
 from pipeline.values import enum_value
 
-INSTALL = "pip install openvino"
-# config value -> INFERENCE_PRECISION_HINT (default: what OpenVINO picks on this CPU)
-PRECISIONS = {"default": None, "bf16": "bf16", "f16": "f16", "f32": "f32"}
-HINTS = ("LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT")
-# the compile properties a shipped openvino_compile.json may hold, with the values each accepts
-# (None: a non-negative integer)
-PROPERTIES: dict[str, tuple[str, ...] | None] = {
-    "INFERENCE_PRECISION_HINT": ("bf16", "f16", "f32"),
-    "PERFORMANCE_HINT": HINTS,
-    "EXECUTION_MODE_HINT": ("PERFORMANCE", "ACCURACY"),
-    "INFERENCE_NUM_THREADS": None,
-    "NUM_STREAMS": None,
-    "ENABLE_CPU_PINNING": ("YES", "NO"),
-    "ENABLE_HYPER_THREADING": ("YES", "NO"),
-    "CPU_DENORMALS_OPTIMIZATION": ("YES", "NO"),
-}
 # runtime layers that only move or convert data at the model's edges: left out of a subgraph's compute
 EDGE_LAYER_TYPES = frozenset({"Parameter", "Input", "Result", "Output", "Const", "Reorder", "Convert"})
 
-
-def _module() -> Any:
-    try:
-        import openvino
-    except ImportError:
-        raise BackendUnavailable(f"backend=openvino needs OpenVINO, which is not installed; {INSTALL}") from None
-    return openvino
-
-
-@functools.lru_cache(maxsize=1)
-def core() -> Any:
-    """One OpenVINO Core per process (it holds the loaded plugins)."""
-    return _module().Core()
-
-
-def _check_value(name: str, value: Any) -> str:
-    allowed = PROPERTIES[name]
-    text = str(value).upper() if allowed is None or allowed[0].isupper() else str(value).lower()
-    if allowed is None:
-        if not text.isdigit():
-            raise ValueError(f"{name}={value!r}: expected a non-negative integer")
-    elif text not in allowed:
-        raise ValueError(f"{name}={value!r}: choose one of {', '.join(allowed)}")
-    return text
-
-
-def check_device(device: str, key: str) -> None:
-    """A BackendUnavailable naming ``key`` when OpenVINO has no such device here."""
-    devices = core().available_devices
-    if device not in devices:
-        raise BackendUnavailable(f"{key}={device}: OpenVINO sees only {devices} here; set {key} to one of them")
-
-
-@dataclass(frozen=True)
-class CompileSettings:
-    """The OpenVINO compile properties a model ships with (autotune/openvino_compile.json): they are
-    not stored in the model, and its speed and accuracy depend on them. Empty: OpenVINO's defaults."""
-
-    properties: tuple[tuple[str, str], ...] = ()
-
-    def to_dict(self) -> dict[str, str]:
-        return dict(self.properties)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CompileSettings:
-        if not isinstance(d, dict):
-            raise ValueError("expected a JSON object of OpenVINO property names to values")
-        unknown = sorted(set(d) - set(PROPERTIES))
-        if unknown:
-            raise ValueError(f"unknown OpenVINO properties {unknown}; known: {', '.join(PROPERTIES)}")
-        return cls(tuple(sorted((k, _check_value(k, v)) for k, v in d.items())))
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> CompileSettings:
-        """The settings of an openvino_compile.json; a StateError names a file that is not one."""
-        return read_settings(path, "OpenVINO compile settings", cls.from_dict)
-
-    def save(self, path: str | os.PathLike) -> Path:
-        return atomic_write_json(path, self.to_dict())
-
-    def changed(self, **properties: Any) -> CompileSettings:
-        """These settings with ``properties`` set (a value of None removes one)."""
-        merged = {**self.to_dict(), **properties}
-        return CompileSettings.from_dict({k: v for k, v in merged.items() if v is not None})
-
-    def describe(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.properties) or "OpenVINO's defaults"
-
-    def compile(self, model: str | os.PathLike, device: str = "CPU") -> Any:
-        """``model`` compiled with these properties, as they were measured: what a deployment runs."""
-        check_device(device, "device")
-        return core().compile_model(str(model), device, self.to_dict())
 
 
 class OvPrepared(PreparedModel):
@@ -145,7 +72,7 @@ class OvPrepared(PreparedModel):
 
     def set_timing_feeds(self, feeds: dict[str, np.ndarray]) -> None:
         self._fixed = _tensors(self.compiled, feeds)  # kept alive: the request reads their memory
-        ov = _module()
+        ov = openvino_module()
         for name, array in self._fixed.items():
             self.request.set_tensor(name, ov.Tensor(array, shared_memory=True))
 
@@ -201,18 +128,6 @@ def _tensors(compiled: Any, feeds: dict[str, np.ndarray]) -> dict[str, Any]:
     return {k: np.ascontiguousarray(v) for k, v in feeds.items() if k in names}
 
 
-def property_text(value: Any) -> str:
-    """An OpenVINO property value as openvino_compile.json spells it: a Type as its short name (bf16),
-    a bool as YES/NO, an enum as its member name, anything else as str."""
-    if isinstance(value, bool):
-        return "YES" if value else "NO"
-    if hasattr(value, "to_string"):  # openvino.Type
-        return str(value.to_string())
-    if hasattr(value, "name") and not isinstance(value, str):  # a property enum, e.g. PerformanceMode
-        return str(value.name)
-    return str(value)
-
-
 def runtime_layers(compiled: Any) -> list[dict[str, Any]]:
     """Every executed layer of a compiled model (edge layers left out): its name, type, runtime
     precision, kernel and the ONNX nodes fused into it (``onnx_nodes``)."""
@@ -231,10 +146,16 @@ def runtime_layers(compiled: Any) -> list[dict[str, Any]]:
 
 class OpenVinoBackend(Backend):
     name = "openvino"
+    placement = "openvino"
     shipped_settings = ShippedSettings(CompileSettings, "autotune/openvino_compile.json", "compile settings",
                                        "OpenVINO's defaults")
     # the compile settings a tuned model ships with; None: backend.* alone
     settings: CompileSettings | None = None
+
+    def search_space(self) -> SearchSpace:
+        from pipeline.backends import openvino_search
+
+        return SearchSpace(openvino_search.base_settings, openvino_search.search_candidates, openvino_search.apply_change)
 
     def check_available(self) -> None:
         check_device(str(self.cfg.device), "backend.device")
@@ -284,12 +205,42 @@ class OpenVinoBackend(Backend):
         compiled = self.compile(model_path)
         return {"layers": runtime_layers(compiled), "inference_precision": self.inference_precision(compiled)}
 
+    def deploy(self, model_path: Path, out_dir: Path, source: str, cfg: DictConfig) -> Deployment:
+        """What an OpenVINO deployment loads: the model as OpenVINO IR (model.xml + model.bin, read by
+        ``core.read_model``) and compiled for this CPU with this backend's compile settings (model.blob,
+        ``core.import_model``), with build.json naming the precision of every kind of layer."""
+        xml, facts = out_dir / "model.xml", out_dir / "build.json"
+        try:
+            info = self.build(model_path, xml, facts).info
+        except Exception as exc:  # noqa: BLE001 - OpenVINO's own error types for models it cannot compile
+            raise StageError(f"gen_trt_engine: OpenVINO cannot compile {source} ({model_path}): "
+                             f"{first_line(exc)}") from None
+        blob = out_dir / info["blob"]
+        int8 = sum(n for k, n in info["layer_precisions"].items() if k.endswith((" i8", " u8")))
+        metrics: dict[str, Any] = {
+            "source": source, "model": str(model_path), "backend": self.describe(),
+            "engine_bytes": blob.stat().st_size, "build_seconds": float(info["build_seconds"]),
+            "precision": info["inference_precision"], "layer_precisions": info["layer_precisions"],
+        }
+        metrics["headline"] = (f"OpenVINO IR and compiled blob from {source}: {int8} int8 layers, the rest "
+                               f"{info['inference_precision']}, {blob.stat().st_size / 2**20:.2f} MB compiled in "
+                               f"{info['build_seconds']:.1f} s")
+        return Deployment({"model.xml": xml, "model.bin": xml.with_suffix(".bin"), "model.blob": blob,
+                           "build.json": facts}, metrics)
+
+    def fusion_source(self, model_path: Path, out_dir: Path, stem: str) -> FusionSource:
+        """The compiled model's runtime graph (written to ``<stem>.openvino_layers.json``)."""
+        info = self.layer_info(model_path)
+        path = atomic_write_json(out_dir / f"{stem}.openvino_layers.json", info, indent=1)
+        return FusionSource(f"{path.name} (OpenVINO's runtime graph, {info['inference_precision']} float)",
+                            layers=info, path=path)
+
     def build(self, model_path: str | Path, out_path: str | Path | None = None,
               log_path: str | Path | None = None) -> BuildResult:
         """Compile ``model_path``; with ``out_path`` (an .xml), write the OpenVINO IR (.xml + .bin) of the
         model and, beside it, the compiled blob (``.blob``, what ``export_model`` writes, which
         ``core.import_model`` loads without compiling again on this machine)."""
-        ov = _module()
+        ov = openvino_module()
         t0 = time.perf_counter()
         compiled = self.compile(model_path)
         seconds = time.perf_counter() - t0
@@ -314,7 +265,7 @@ class OpenVinoBackend(Backend):
         return BuildResult(Path(out_path) if out_path else None, Path(log_path) if log_path else None, info)
 
     def describe(self) -> dict[str, Any]:
-        ov = _module()
+        ov = openvino_module()
         info = {"backend": self.name, "openvino": ov.get_version(), "device": str(self.cfg.device),
                 "properties": {k: str(v) for k, v in self.properties().items()}}
         if self.settings is not None:

@@ -11,13 +11,13 @@ import contextlib
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import onnx
 
-from pipeline.artifacts import atomic_write_json, read_settings
+from pipeline.backends.settings import RuntimeSettings, check_integer, string_map
 from pipeline.graph import weights
 from pipeline.graph.weights import fits_one_proto, save_external
 
@@ -79,37 +79,28 @@ def ort_session_options(optimization: str = "all", *, threads: int | None = None
 
 
 @dataclass(frozen=True)
-class SessionSettings:
+class SessionSettings(RuntimeSettings):
     """The ONNX Runtime session settings a model ships with (autotune/ort_session.json): they are not
     stored in the .onnx file, and speed depends on them (a fusion that is slower than what it
     replaces, the thread count). Defaults are ORT's own."""
 
+    what = "ORT session settings"
+
     disabled_optimizers: tuple[str, ...] = ()  # ORT graph transformer names, e.g. "SkipLayerNormFusion"
-    config_entries: tuple[tuple[str, str], ...] = ()  # session config entries, e.g. gelu approximation
+    config_entries: tuple[tuple[str, str], ...] = string_map()  # session config entries, e.g. gelu approximation
     graph_optimization_level: str = "all"  # all | extended | basic | disable
     intra_op_num_threads: int = 0  # 0: ORT's choice (one per physical core)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"disabled_optimizers": list(self.disabled_optimizers), "config_entries": dict(self.config_entries),
-                "graph_optimization_level": self.graph_optimization_level,
-                "intra_op_num_threads": self.intra_op_num_threads}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SessionSettings:
-        level = str(d.get("graph_optimization_level", "all"))
-        if level not in _LEVELS:
-            raise ValueError(f"graph_optimization_level={level!r}, expected one of {', '.join(_LEVELS)}")
-        return cls(tuple(str(x) for x in d.get("disabled_optimizers") or ()),
-                   tuple(sorted((str(k), str(v)) for k, v in (d.get("config_entries") or {}).items())),
-                   level, int(d.get("intra_op_num_threads", 0)))
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> SessionSettings:
-        """The settings of an ort_session.json; a StateError names a file that is not one."""
-        return read_settings(path, "ORT session settings", cls.from_dict)
-
-    def save(self, path: str | os.PathLike) -> Path:
-        return atomic_write_json(path, self.to_dict())
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        names = self.disabled_optimizers
+        if isinstance(names, str) or not isinstance(names, (list, tuple)):
+            raise ValueError(f"disabled_optimizers={names!r}, expected a list of ORT graph transformer names")
+        self._set("disabled_optimizers", tuple(str(x) for x in names))
+        if not isinstance(self.graph_optimization_level, str) or self.graph_optimization_level not in _LEVELS:
+            raise ValueError(f"graph_optimization_level={self.graph_optimization_level!r}, expected one of "
+                             f"{', '.join(_LEVELS)}")
+        check_integer("intra_op_num_threads", self.intra_op_num_threads, 0)
 
     def session(self, model: str | os.PathLike, providers: Iterable[str] = ("CPUExecutionProvider",)) -> Any:
         """An InferenceSession of ``model`` with these settings, as they were measured (one inter-op
@@ -118,9 +109,6 @@ class SessionSettings:
         so.inter_op_num_threads = 1
         disable_qdq_fusion_if_fp8(so, model)
         return inference_session(model, so, providers=providers, disabled_optimizers=self.disabled_optimizers)
-
-    def changed(self, **fields: Any) -> SessionSettings:
-        return replace(self, **fields)
 
     def apply(self, so: Any) -> Any:
         """Set these settings on a SessionOptions (disabled_optimizers go to ``inference_session``)."""

@@ -31,7 +31,16 @@ import onnx
 from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_output, atomic_write_text
-from pipeline.backends.base import Backend, BuildResult, ModelIO, PreparedModel, ShippedSettings, Timing
+from pipeline.backends.base import (
+    Backend,
+    BuildResult,
+    Deployment,
+    ModelIO,
+    PreparedModel,
+    SearchSpace,
+    ShippedSettings,
+    Timing,
+)
 from pipeline.backends.tensorrt_builder import (
     PluginLibraries,
     open_timing_cache,
@@ -41,12 +50,10 @@ from pipeline.backends.tensorrt_builder import (
 from pipeline.backends.tensorrt_log import ParseError, capture_logger, parser_errors
 from pipeline.backends.trt_build import TrtBuildSettings
 from pipeline.backends.trt_common import (
-    EngineOptions,
+    EngineBuildConfig,
     parse_builder_layers,
     parse_layer_info,
-    plugin_paths,
     profile_shapes,
-    shape_problems,
     tensorrt_qdq_view,
 )
 from pipeline.data.adapters import fixed_feeds
@@ -184,6 +191,12 @@ class TensorRTBackend(Backend):
         self._builds = itertools.count(1)
 
     # ------------------------------------------------------------------ availability
+    def search_space(self) -> SearchSpace | None:
+        from pipeline.backends import trt_search
+
+        return None if self.shipped_settings is None else \
+            SearchSpace(trt_search.base_settings, trt_search.search_candidates, trt_search.apply_change)
+
     def check_available(self) -> None:
         self._module()
 
@@ -233,12 +246,12 @@ class TensorRTBackend(Backend):
         return torch
 
     # ------------------------------------------------------------------ options
-    def default_options(self) -> EngineOptions:
+    def default_options(self) -> EngineBuildConfig:
         """Build options for measurement builds, from the backend section alone."""
-        return EngineOptions.from_backend_cfg(self.cfg)
+        return EngineBuildConfig.from_backend_cfg(self.cfg)
 
     # ------------------------------------------------------------------ build
-    def _build_serialized(self, model_path: Path, options: EngineOptions, logger: Any,
+    def _build_serialized(self, model_path: Path, options: EngineBuildConfig, logger: Any,
                           source: Path | None = None) -> tuple[Any, dict[str, Any]]:
         """Parse ``model_path`` and build; returns the serialized engine (IHostMemory) and facts about the build.
 
@@ -258,14 +271,14 @@ class TensorRTBackend(Backend):
         network, _parser = self._network(builder, model_path, strongly_typed, logger)
         config = self._builder_config(builder, options, strongly_typed, shapes, info, logger)
 
-        self._use_timing_cache(config, options.timing_cache, logger)
+        self._use_timing_cache(config, options.timing_cache_path, logger)
         t0 = time.perf_counter()
         serialized = builder.build_serialized_network(network, config)
         info["build_seconds"] = round(time.perf_counter() - t0, 3)
         if serialized is None:
             reason = "; ".join(logger.errors[-3:]) or "no reason given"
             raise StageError(f"{self.name} failed to build an engine from {source.name}: {reason}")
-        self._save_timing_cache(config, options.timing_cache, logger)
+        self._save_timing_cache(config, options.timing_cache_path, logger)
         info["engine_bytes"] = int(serialized.nbytes)
         info["layers"] = len(parse_builder_layers(logger.layer_table)["layers"]) if logger.layer_table else None
         return serialized, info
@@ -298,14 +311,14 @@ class TensorRTBackend(Backend):
             raise ParseError(errors)
         return network, parser
 
-    def _builder_config(self, builder: Any, options: EngineOptions, strongly_typed: bool,
+    def _builder_config(self, builder: Any, options: EngineBuildConfig, strongly_typed: bool,
                         shapes: dict[str, Any], info: dict[str, Any], logger: Any) -> Any:
         """The builder config of one build (workspace, verbosity, optimization level, tuned settings,
         precision, optimization profile); what it chose goes into ``info``."""
         trt = self.trt
         config = builder.create_builder_config()
-        if options.workspace_mb:
-            config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.workspace_mb) << 20)
+        if options.workspace_size:
+            config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.workspace_size) << 20)
         # DETAILED keeps layer names, tactics and the fused ONNX nodes in the engine (engine inspector)
         config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
         level = self.cfg.get("builder_optimization_level")
@@ -314,7 +327,7 @@ class TensorRTBackend(Backend):
         if self.settings is not None:  # the tuned settings, over the backend's own
             self.settings.apply(trt, config)
             logger.note(f"build settings: {self.settings.describe()}")
-        info["data_type"] = set_precision(trt, config, options.data_type, strongly_typed, logger)
+        info["data_type"] = set_precision(trt, config, options.data_type.value, strongly_typed, logger)
 
         if shapes:
             profile = builder.create_optimization_profile()
@@ -340,7 +353,7 @@ class TensorRTBackend(Backend):
         if cache is not None:
             self._timing_cache = cache
 
-    def _engine_bytes(self, model_path: Path, options: EngineOptions, log_path: Path | None) -> tuple[Any, dict, Any]:
+    def _engine_bytes(self, model_path: Path, options: EngineBuildConfig, log_path: Path | None) -> tuple[Any, dict, Any]:
         """Build (or read, for an engine file) and always write the log, also when the build fails."""
         logger = capture_logger(self.trt)
         if model_path.suffix.lower() in ENGINE_SUFFIXES:
@@ -372,8 +385,13 @@ class TensorRTBackend(Backend):
         atomic_write_text(log_path, logger.text())
         return Path(log_path)
 
+    def deploy(self, model_path: Path, out_dir: Path, source: str, cfg: DictConfig) -> Deployment:
+        from pipeline.backends.trt_deploy import deploy_engine
+
+        return deploy_engine(self, model_path, out_dir, source, cfg)
+
     def build(self, model_path: str | Path, out_path: str | Path | None = None,
-              log_path: str | Path | None = None, options: EngineOptions | None = None) -> BuildResult:
+              log_path: str | Path | None = None, options: EngineBuildConfig | None = None) -> BuildResult:
         """Build an engine from ONNX; with ``out_path`` write it (atomically), with ``log_path`` the builder log."""
         model_path = Path(model_path)
         options = options or self.default_options()
@@ -479,9 +497,3 @@ def _engine_specs(trt: Any, engine: Any) -> list[InputSpec]:
             shape = tuple(engine.get_tensor_profile_shape(name, 0)[1])
         specs.append(InputSpec(name, shape, np.dtype(trt.nptype(engine.get_tensor_dtype(name)))))
     return specs
-
-
-# EngineOptions, plugin_paths, shape_problems and parse_layer_info stay importable from here for the
-# tests and tasks/autotune/stage.py, which import them by this module's name
-__all__ = ["EngineOptions", "TensorRTBackend", "TensorRTPrepared", "TensorRTRtxBackend", "parse_layer_info",
-           "plugin_paths", "shape_problems"]

@@ -12,12 +12,10 @@ Nothing here imports TensorRT: ``apply`` is handed the module the backend import
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, fields, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from pipeline.artifacts import atomic_write_json, read_settings
+from pipeline.backends.settings import RuntimeSettings, check_integer
 from pipeline.errors import StageError
 
 
@@ -54,45 +52,19 @@ KNOB = {k.field: k for k in KNOBS}
 
 
 @dataclass(frozen=True)
-class TrtBuildSettings:
+class TrtBuildSettings(RuntimeSettings):
     """The builder settings a model ships with (autotune/trt_build.json); None: left as configured."""
+
+    what = "TensorRT build settings"
 
     builder_optimization_level: int | None = None
     tiling_optimization_level: int | None = None
     max_aux_streams: int | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrtBuildSettings:
-        if not isinstance(d, dict):
-            raise ValueError(f"expected an object of {', '.join(KNOB)}, got {type(d).__name__}")
-        unknown = sorted(set(d) - set(KNOB))
-        if unknown:
-            raise ValueError(f"unknown key {unknown[0]!r}, expected {', '.join(KNOB)}")
-        values: dict[str, int | None] = {}
-        for name, v in d.items():
-            k = KNOB[name]
-            if v is None:
-                values[name] = None
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < k.low or (k.high is not None and v > k.high):
-                allowed = f"{k.low}..{k.high}" if k.high is not None else f">= {k.low}"
-                raise ValueError(f"{name}={v!r}, expected null or an integer {allowed}")
-            values[name] = v
-        return cls(**values)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> TrtBuildSettings:
-        """The settings of a trt_build.json; a StateError names a file that is not one."""
-        return read_settings(path, "TensorRT build settings", cls.from_dict)
-
-    def save(self, path: str | os.PathLike) -> Path:
-        return atomic_write_json(path, self.to_dict())
-
-    def changed(self, **values: Any) -> TrtBuildSettings:
-        return replace(self, **values)
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for k in KNOBS:
+            check_integer(k.field, getattr(self, k.field), k.low, k.high, nullable=True)
 
     def knobs(self) -> list[tuple[BuildKnob, int]]:
         """The knobs these settings change, with their values, in ``KNOBS`` order."""

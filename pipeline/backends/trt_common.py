@@ -1,7 +1,8 @@
 """What every TensorRT backend shares: ``tensorrt``, ``tensorrt_rtx`` and ``trtexec``.
 
-- ``EngineOptions``: what one engine build asks for (gen_trt_engine fills it from its config,
-  measurement builds from the backend section);
+- ``EngineBuildConfig``: what one engine build asks for, declared once: it is the
+  `gen_trt_engine.tensorrt` schema (its YAML keys are the field names) and what every builder takes
+  (measurement builds fill it from the backend section);
 - ``plugin_paths``: plugin libraries checked and made absolute;
 - ``shape_problems`` and ``profile_shapes``: the check of explicit min/opt/max shapes and the
   optimization profile a model needs (explicit shapes or the batch shortcut);
@@ -21,55 +22,20 @@ import os
 import re
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
-from omegaconf import DictConfig
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.artifacts import user_path
+from pipeline.backend_config import DataType, EngineBuildConfig, shape_problems
+
+# --------------------------------------------------------------------------- build options
 from pipeline.errors import InputError, StageError
 from pipeline.graph import weights
 from pipeline.graph.model import graph_inputs, graph_reads, subgraphs, value_dims
-from pipeline.values import enum_value
-
-# --------------------------------------------------------------------------- build options
-
-
-@dataclass
-class EngineOptions:
-    """What one engine build asks for; gen_trt_engine fills it from `gen_trt_engine.tensorrt`."""
-
-    data_type: str = "FP32"  # builder precision for float models; Q/DQ models are strongly typed
-    workspace_mb: int | None = None  # None: the runtime's default
-    # batch shortcut for inputs whose first dim is the only dynamic one
-    min_batch: int = 1
-    opt_batch: int = 1
-    max_batch: int = 1
-    # input name -> shape; an input named here gets exactly these shapes in the profile
-    min_shapes: dict[str, list[int]] = field(default_factory=dict)
-    opt_shapes: dict[str, list[int]] = field(default_factory=dict)
-    max_shapes: dict[str, list[int]] = field(default_factory=dict)
-    timing_cache: Path | None = None
-    plugin_libraries: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        # enum members (OmegaConf) and any case ("fp16") become one upper-case name, once
-        self.data_type = enum_value(self.data_type).upper()
-
-    @classmethod
-    def from_backend_cfg(cls, cfg: DictConfig) -> EngineOptions:
-        """Build options for measurement builds, from the backend section alone (tensorrt*, trtexec)."""
-        tc = cfg.get("timing_cache")
-        ws = cfg.get("workspace_size")
-        return cls(data_type=cfg.get("float_precision") or "FP32",
-                   workspace_mb=int(ws) if ws is not None else None,
-                   timing_cache=user_path(tc) if tc else None,
-                   plugin_libraries=list(cfg.get("plugin_libraries") or []))
-
 
 PLUGIN_KEYS = "backend.plugin_libraries / gen_trt_engine.tensorrt.plugin_libraries"
 
@@ -86,33 +52,7 @@ def plugin_paths(libraries: list[str] | Any, key: str = PLUGIN_KEYS) -> list[str
     return list(dict.fromkeys(out))
 
 
-def shape_problems(min_shapes: Any, opt_shapes: Any, max_shapes: Any,
-                   key: str = "gen_trt_engine.tensorrt") -> list[str]:
-    """min/opt/max shapes name the same inputs, with equal ranks, dims >= 1 and min <= opt <= max per dim.
-
-    The one check of explicit profile shapes: config validation and every build call it.
-    """
-    keys = ("min_shapes", "opt_shapes", "max_shapes")
-    tables = [min_shapes or {}, opt_shapes or {}, max_shapes or {}]
-    problems = []
-    for name in sorted({str(n) for t in tables for n in t}):
-        missing = [k for k, t in zip(keys, tables, strict=True) if name not in t]
-        if missing:
-            problems.append(f"{key}: input '{name}' needs all of min_shapes, opt_shapes and max_shapes "
-                            f"(missing from {', '.join(missing)})")
-            continue
-        lo, opt, hi = trio = [[int(v) for v in t[name]] for t in tables]
-        bad = [f"{key}.{k}.{name}={s}" for k, s in zip(keys, trio, strict=True) if any(d < 1 for d in s)]
-        if bad:
-            problems.append(f"{', '.join(bad)}: every dim must be >= 1 (a concrete size, not -1 or 0)")
-        elif not len(lo) == len(opt) == len(hi):
-            problems.append(f"{key}: shapes of '{name}' differ in rank: {lo}, {opt}, {hi}")
-        elif not all(a <= b <= c for a, b, c in zip(lo, opt, hi, strict=True)):
-            problems.append(f"{key}: shapes of '{name}' need min <= opt <= max in every dim, got {lo}, {opt}, {hi}")
-    return problems
-
-
-def profile_shapes(model: onnx.ModelProto, options: EngineOptions,
+def profile_shapes(model: onnx.ModelProto, options: EngineBuildConfig,
                    source: str = "model") -> dict[str, tuple[list[int], list[int], list[int]]]:
     """Min/opt/max shape per input that needs an optimization profile (empty for static models).
 
@@ -144,7 +84,8 @@ def profile_shapes(model: onnx.ModelProto, options: EngineOptions,
             continue
         if d[0] == -1 and -1 not in d[1:]:
             rest = d[1:]
-            out[name] = ([options.min_batch, *rest], [options.opt_batch, *rest], [options.max_batch, *rest])
+            out[name] = ([options.min_batch_size, *rest], [options.opt_batch_size, *rest],
+                         [options.max_batch_size, *rest])
             continue
         shown = "x".join("N" if v == -1 else str(v) for v in d)
         raise StageError(
@@ -330,6 +271,6 @@ def tensorrt_qdq_view(model_path: Path, note: Callable[[str], None] | None = Non
         Path(tmp).unlink(missing_ok=True)
 
 
-__all__ = ["PLUGIN_KEYS", "EngineOptions", "fold_int32_biases", "has_asymmetric_uint8", "onnx_nodes_of",
-           "parse_builder_layers", "parse_layer_info", "plugin_paths", "profile_shapes", "shape_problems",
+__all__ = ["PLUGIN_KEYS", "DataType", "EngineBuildConfig", "fold_int32_biases",
+           "has_asymmetric_uint8", "onnx_nodes_of", "parse_builder_layers", "parse_layer_info", "plugin_paths", "profile_shapes", "shape_problems",
            "tensorrt_qdq_view", "to_symmetric_int8"]

@@ -39,10 +39,19 @@ import onnx
 from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_output, atomic_write_text
-from pipeline.backends.base import Backend, BuildResult, ModelIO, PreparedModel, ShippedSettings, Timing
+from pipeline.backends.base import (
+    Backend,
+    BuildResult,
+    Deployment,
+    ModelIO,
+    PreparedModel,
+    SearchSpace,
+    ShippedSettings,
+    Timing,
+)
 from pipeline.backends.trt_build import TrtBuildSettings
 from pipeline.backends.trt_common import (
-    EngineOptions,
+    EngineBuildConfig,
     parse_layer_info,
     plugin_paths,
     profile_shapes,
@@ -182,6 +191,11 @@ class TrtexecBackend(Backend):
         return int(self.cfg.warmup_ms)
 
     # ------------------------------------------------------------------ availability
+    def search_space(self) -> SearchSpace:
+        from pipeline.backends import trt_search
+
+        return SearchSpace(trt_search.base_settings, trt_search.search_candidates, trt_search.apply_change)
+
     def check_available(self) -> None:
         exe = str(self.cfg.trtexec_path)
         found = shutil.which(exe)
@@ -290,22 +304,27 @@ class TrtexecBackend(Backend):
         return text, code, log_path
 
     # ------------------------------------------------------------------ build options
-    def default_options(self) -> EngineOptions:
+    def default_options(self) -> EngineBuildConfig:
         """Build options for measurement builds, from the backend section alone."""
-        return EngineOptions.from_backend_cfg(self.cfg)
+        return EngineBuildConfig.from_backend_cfg(self.cfg)
 
-    def _build_run(self, model_path: Path, options: EngineOptions) -> tuple[TrtexecRun, onnx.ModelProto]:
+    def _build_run(self, model_path: Path, options: EngineBuildConfig) -> tuple[TrtexecRun, onnx.ModelProto]:
         model = onnx.load(str(model_path), load_external_data=False)
         plugins = plugin_paths(options.plugin_libraries)
-        run = TrtexecRun(onnx=model_path, strongly_typed=has_qdq(model), data_type=options.data_type,
-                         workspace_mb=options.workspace_mb, shapes=profile_shapes(model, options, model_path.name),
-                         timing_cache=options.timing_cache, plugins=plugins, extra_args=self.run_args(),
+        run = TrtexecRun(onnx=model_path, strongly_typed=has_qdq(model), data_type=options.data_type.value,
+                         workspace_size=options.workspace_size, shapes=profile_shapes(model, options, model_path.name),
+                         timing_cache=options.timing_cache_path, plugins=plugins, extra_args=self.run_args(),
                          build_args=self.settings.trtexec_flags() if self.settings is not None else [])
         return run, model
 
     # ------------------------------------------------------------------ protocol
+    def deploy(self, model_path: Path, out_dir: Path, source: str, cfg: DictConfig) -> Deployment:
+        from pipeline.backends.trt_deploy import deploy_engine
+
+        return deploy_engine(self, model_path, out_dir, source, cfg)
+
     def build(self, model_path: str | Path, out_path: str | Path | None = None,
-              log_path: str | Path | None = None, options: EngineOptions | None = None) -> BuildResult:
+              log_path: str | Path | None = None, options: EngineBuildConfig | None = None) -> BuildResult:
         """Build with trtexec --skipInference; the engine is written atomically to ``out_path``."""
         model_path = Path(model_path)
         options = options or self.default_options()

@@ -65,8 +65,8 @@ class TrtexecRun:
     load_engine: Path | None = None
     save_engine: Path | None = None
     strongly_typed: bool = False
-    data_type: str = "FP32"  # --fp16/--bf16 for float models only (upper case, as EngineOptions holds it)
-    workspace_mb: int | None = None
+    data_type: str = "FP32"  # --fp16/--bf16 for float models only (EngineBuildConfig.data_type's value)
+    workspace_size: int | None = None  # MB, as EngineBuildConfig.workspace_size
     shapes: dict[str, tuple[list[int], list[int], list[int]]] = field(default_factory=dict)
     timing_cache: Path | None = None
     plugins: list[str] = field(default_factory=list)
@@ -104,8 +104,8 @@ class TrtexecRun:
                 out.append("--stronglyTyped")
             elif self.data_type in ("FP16", "BF16"):
                 out.append(f"--{self.data_type.lower()}")
-            if self.workspace_mb:
-                out.append(f"--memPoolSize=workspace:{int(self.workspace_mb)}M")
+            if self.workspace_size:
+                out.append(f"--memPoolSize=workspace:{int(self.workspace_size)}M")
             if self.shapes:
                 out.append(f"--minShapes={_shape_spec({n: s[0] for n, s in self.shapes.items()})}")
                 out.append(f"--optShapes={_shape_spec({n: s[1] for n, s in self.shapes.items()})}")

@@ -41,12 +41,11 @@ Every placement places Loop/Scan bodies by the same rules, each body seen as a g
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from omegaconf import DictConfig
 
 from pipeline.graph.bodies import QUANTIZED_BODIES, body_views
 from pipeline.graph.index import ACTIVATION_TAILS, GraphIndex, bias_slot, through_shape_ops, weight_inputs
@@ -64,29 +63,6 @@ QUANTIZABLE_OPS = (*WEIGHTED_OPS, *ORT_QLINEAR_OPS, *PASS_THROUGH_OPS, "Softmax"
 
 
 WEIGHT_RANGES = ("full", "reduced", "uint8")
-
-
-# placements for CPU runtimes whose fused integer kernels are what deploys (they run here, so candidates
-# are judged on them) and which take uint8 activations with a zero point
-CPU_RUNTIMES = ("onnxruntime", "openvino")
-
-
-def placement_kind(cfg: DictConfig) -> str:
-    """`quantize.placement`, with `auto` resolved from the backend."""
-    kind = enum_value(cfg.quantize.placement)
-    if kind != "auto":
-        return kind
-    backend = enum_value(cfg.backend.name)
-    return backend if backend in CPU_RUNTIMES else "tensorrt"
-
-
-def activation_type(cfg: DictConfig) -> str:
-    """int8 activations are stored as uint8 (asymmetric) for ORT's and OpenVINO's CPU kernels, int8
-    (symmetric) for TensorRT."""
-    t = enum_value(cfg.quantize.activation_type)
-    if t != "auto":
-        return t
-    return "uint8" if placement_kind(cfg) in CPU_RUNTIMES else "int8"
 
 
 def weight_q(node: onnx.NodeProto, index: int, shape: tuple[int, ...], dtype: str, per_channel: bool = True,
@@ -189,14 +165,13 @@ def act_dtype(rule: NodeDtypes, activation_type: str) -> str:
     return "uint8" if rule.activations == "int8" and activation_type == "uint8" else rule.activations
 
 
-# op types whose activation inputs a placement kind stores as its rule says (symmetric), whatever
-# quantize.activation_type: OpenVINO's MatMul/Gemm (see openvino_plan)
-SYMMETRIC_INPUTS = {"openvino": ("MatMul", "Gemm")}
+# OpenVINO's MatMul/Gemm read symmetric int8 activations (see openvino_plan)
+OPENVINO_SYMMETRIC_OPS = ("MatMul", "Gemm")
 
 
-def input_dtype(kind: str, consumer: onnx.NodeProto, rule: NodeDtypes, activation_type: str) -> str:
+def input_dtype(kind: PlacementKind, consumer: onnx.NodeProto, rule: NodeDtypes, activation_type: str) -> str:
     """Storage dtype of an activation quantized for ``consumer`` under placement ``kind``."""
-    if consumer.op_type in SYMMETRIC_INPUTS.get(kind, ()):
+    if consumer.op_type in kind.symmetric_inputs:
         return rule.activations
     return act_dtype(rule, activation_type)
 
@@ -245,7 +220,7 @@ def openvino_plan(model: onnx.ModelProto, rules: dict[str, NodeDtypes], activati
                   per_channel: bool = True, weight_range: str = "full") -> QDQPlan:
     """OpenVINO's placement (see the module docstring): ONNX Runtime's groups for everything but
     MatMul/Gemm, which get TensorRT's rule (their activation inputs alone, int8, for them only)."""
-    dot_nodes = {n.name for n in model.graph.node if n.op_type in SYMMETRIC_INPUTS["openvino"]}
+    dot_nodes = {n.name for n in model.graph.node if n.op_type in OPENVINO_SYMMETRIC_OPS}
     dots = {n: r for n, r in rules.items() if n in dot_nodes}
     plan = onnxruntime_plan(model, {n: r for n, r in rules.items() if n not in dots}, activation_type,
                             per_channel, weight_range)
@@ -299,12 +274,6 @@ def _quantize_for(plan: QDQPlan, by_tensor: dict[str, int], tensor: str, dtype: 
     old = plan.activations[k]
     if old.consumers is not None and consumer not in old.consumers:
         plan.activations[k] = ActivationQ(tensor, old.dtype, (*old.consumers, consumer))
-
-
-def placement_builder(kind: str):
-    """The plan builder of a placement kind: ``builder(model, rules, activation_type, per_channel,
-    weight_range)``."""
-    return {"onnxruntime": onnxruntime_plan, "tensorrt": tensorrt_plan, "openvino": openvino_plan}[kind]
 
 
 def _place_bodies(model: onnx.ModelProto, plan: QDQPlan, place) -> QDQPlan:
@@ -494,3 +463,36 @@ def pass_through_aliases(g: GraphIndex, plan: QDQPlan) -> dict[str, str]:
     return {n.output[0]: n.input[0] for n in g.model.graph.node
             if n.op_type in PASS_THROUGH_OPS and n.output and n.input
             and n.output[0] in quantized and n.input[0] in quantized}
+
+
+@dataclass(frozen=True)
+class PlacementKind:
+    """A placement (`quantize.placement`): whose fusions it follows, and what that implies for the stages
+    that place, search and judge Q/DQ. A runtime declares its kind (``Backend.placement``)."""
+
+    name: str
+    # builder(model, rules, activation_type, per_channel, weight_range) -> QDQPlan
+    builder: Callable[..., QDQPlan]
+    # fused integer kernels on a CPU runtime are what deploys: candidates are judged on the runtime itself,
+    # activations are uint8 with a zero point, and u8 x s8 saturation without VNNI matters
+    cpu_kernels: bool = False
+    # autotune's insertion points follow QLinear node groups (inputs of weighted and QLinear ops, outputs
+    # of the ops with a Q after them); else only weighted ops' inputs and residual adds
+    qlinear_groups: bool = False
+    # int8 MatMul/Gemm get an int32 bias where their output stays float (ORT's float-output QGemm)
+    int32_bias: bool = False
+    # weighted nodes reading a quantized tensor through shape-only ops get their weights quantized too
+    # (OpenVINO moves the DequantizeLinear through the reshape)
+    reshaped_reads: bool = False
+    # op types whose activation inputs are stored as the rule says (symmetric), whatever activation_type
+    symmetric_inputs: tuple[str, ...] = ()
+
+
+DEFAULT_PLACEMENT = "tensorrt"  # the placement of a runtime that declares none (Q/DQ as TensorRT recommends)
+PLACEMENTS: dict[str, PlacementKind] = {
+    "tensorrt": PlacementKind("tensorrt", tensorrt_plan),
+    "onnxruntime": PlacementKind("onnxruntime", onnxruntime_plan, cpu_kernels=True, qlinear_groups=True,
+                                 int32_bias=True),
+    "openvino": PlacementKind("openvino", openvino_plan, cpu_kernels=True, qlinear_groups=True, reshaped_reads=True,
+                              symmetric_inputs=OPENVINO_SYMMETRIC_OPS),
+}

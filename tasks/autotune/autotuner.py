@@ -38,7 +38,7 @@ import onnx
 from pipeline.graph.index import GraphIndex
 from pipeline.graph.model import model_hash, save_model
 from pipeline.quant.calibration import Calibration
-from pipeline.quant.placement import NodeDtypes
+from pipeline.quant.placement import DEFAULT_PLACEMENT, NodeDtypes
 from pipeline.quant.qdq import apply_plan, get_quantized_tensors, raise_opset
 from tasks.autotune.autotuner_state import TunerState
 from tasks.autotune.config import AutotuneConfig
@@ -79,7 +79,7 @@ class Config:
     verbose: bool = _SCHEMA.verbose
     # qdq-tune additions
     schemes_per_region: int = 30
-    placement: str = "tensorrt"  # whose fusions shape the search space: tensorrt | onnxruntime
+    placement: str = DEFAULT_PLACEMENT  # whose fusions shape the search space: a name in PLACEMENTS
     activation_type: str = "int8"  # storage of int8 activations: int8 (symmetric) | uint8 (ORT CPU)
     weight_range: str = "full"  # storage of int8 weights: full | reduced (7-bit) | uint8 (the quantize stage's choice)
     seed: int = 0

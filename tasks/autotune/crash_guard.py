@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import atomic_write_json
+from pipeline.backends.base import Backend
 
 log = logging.getLogger("tune.autotune")
 
@@ -38,7 +39,7 @@ CRASHED = "crashed_candidates.json"
 CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT})
 
 
-def runtime_id(backend: Any) -> str:
+def runtime_id(backend: Backend) -> str:
     """What a crash record holds for: the runtime's name, version and properties."""
     return hashlib.sha256(json.dumps(backend.describe(), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -47,7 +48,7 @@ class CrashGuard:
     """The crashed candidates of ``backend``'s runs in ``folder`` (by model content hash), the families
     probed before they are measured, and the candidate in flight."""
 
-    def __init__(self, folder: Path, backend: Any):
+    def __init__(self, folder: Path, backend: Backend):
         self.folder = folder
         self.backend = backend
         self.runtime = runtime_id(backend)
@@ -120,7 +121,7 @@ class CrashGuard:
             (self.folder / IN_FLIGHT).unlink(missing_ok=True)
 
 
-def _build_and_run(backend: Any, path: str, scratch: str) -> None:
+def _build_and_run(backend: Backend, path: str, scratch: str) -> None:
     from pipeline.data.adapters import fixed_feeds
 
     os.environ["TMPDIR"] = tempfile.tempdir = scratch  # what a crash leaves behind, the parent removes
@@ -128,7 +129,7 @@ def _build_and_run(backend: Any, path: str, scratch: str) -> None:
         prepared.run(fixed_feeds(prepared.specs))
 
 
-def probe(backend: Any, path: Path) -> int:
+def probe(backend: Backend, path: Path) -> int:
     """Build and run ``path`` once with ``backend`` in a fresh process: its exit code (negative: the
     signal that killed it). Raises where the backend cannot be handed to a child (not picklable)."""
     with tempfile.TemporaryDirectory(prefix="qdq-tune-probe-") as scratch:

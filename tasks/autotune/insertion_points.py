@@ -26,7 +26,7 @@ import onnx
 
 from pipeline.graph.index import MOVE_ONLY_OPS, GraphIndex, reaches_compute, weight_inputs
 from pipeline.graph.model import WEIGHTED_OPS
-from pipeline.quant.placement import PASS_THROUGH_OPS, too_small
+from pipeline.quant.placement import PASS_THROUGH_OPS, PLACEMENTS, too_small
 from tasks.autotune.region import Region
 
 KINDS = ("node_input", "node_output", "child_input", "region_output", "activation_input", "weight")
@@ -133,7 +133,7 @@ def candidate_points(order: list[int], model: onnx.ModelProto, g: GraphIndex, pl
         acts = [s for s, t in enumerate(node.input) if g.is_activation(t)]
         if op in MOVE_ONLY_OPS and not any(reaches_compute(g, t) for t in node.output if t):
             continue  # data on its way to graph outputs only: a Q/DQ there only costs precision
-        if placement in ("onnxruntime", "openvino"):
+        if PLACEMENTS[placement].qlinear_groups:
             if op in WEIGHTED_OPS or op in ORT_INPUT_OPS:
                 slots = acts[:1] if op in PASS_THROUGH_OPS else acts
                 points += [InsertionPoint("node_input", k, s) for s in slots]

@@ -10,6 +10,7 @@ import onnx
 from pipeline.graph.index import GraphIndex, through_shape_ops, weight_inputs
 from pipeline.graph.model import WEIGHTED_OPS
 from pipeline.quant.placement import (
+    PLACEMENTS,
     NodeDtypes,
     act_dtype,
     input_dtype,
@@ -68,7 +69,8 @@ class PlanBuilder:
         for (tensor, dtype), who in sorted(act.items(), key=lambda kv: kv[0]):
             plan.activations.append(ActivationQ(tensor, dtype, None if who is None else tuple(sorted(who))))
         outputs_q = {t for (t, _), who in act.items() if who is None}
-        if self.config.placement == "openvino":
+        kind = PLACEMENTS[self.config.placement]
+        if kind.reshaped_reads:
             weight_nodes |= self._reshaped_reads(act)
         weights_only -= weight_nodes
         for name in sorted(weight_nodes | weights_only):
@@ -79,7 +81,7 @@ class PlanBuilder:
             for i in weight_inputs(g, node):
                 plan.weights.append(weight_q(node, i, g.weight_shape(node.input[i]), d.weights,
                                              weight_range=self.config.weight_range))
-            if (self.config.placement == "onnxruntime" and d.weights == "int8" and node.op_type in ("MatMul", "Gemm")
+            if (kind.int32_bias and d.weights == "int8" and node.op_type in ("MatMul", "Gemm")
                     and name not in weights_only and g.tail(node) not in outputs_q):
                 b = int32_bias(g, node, act_dtype(d, self.config.activation_type))
                 if b is not None:
@@ -134,5 +136,5 @@ class PlanBuilder:
         if d is None or d.activations == "native":
             return None
         if p.kind != "node_output" and rp.consumers:  # stored as its consumer's placement rule says
-            return input_dtype(self.config.placement, self.index.nodes[name], d, self.config.activation_type)
+            return input_dtype(PLACEMENTS[self.config.placement], self.index.nodes[name], d, self.config.activation_type)
         return act_dtype(d, self.config.activation_type)

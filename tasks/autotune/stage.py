@@ -20,8 +20,8 @@ from omegaconf import DictConfig
 
 from pipeline.accuracy.budget import AccuracyBudget
 from pipeline.accuracy.holdout import Holdout
-from pipeline.artifacts import atomic_write_json, fingerprint, sha256_file, user_path
-from pipeline.backends import create_backend
+from pipeline.artifacts import fingerprint, sha256_file, user_path
+from pipeline.backends import Backend, activation_type, create_backend, placement_kind
 from pipeline.errors import InputError, StageError, first_line
 from pipeline.graph.model import (
     input_specs,
@@ -32,7 +32,7 @@ from pipeline.graph.model import (
     write_model_bytes,
 )
 from pipeline.quant.calibration import Calibration, activation_dtypes, load_calibration, quantize_decisions
-from pipeline.quant.placement import activation_type, placement_kind, resolve_rules
+from pipeline.quant.placement import resolve_rules
 from pipeline.stage import Stage, StageContext, StageResult
 from pipeline.values import enum_value, section
 from tasks.autotune.config import PRESETS
@@ -181,7 +181,7 @@ class AutotuneStage(Stage):
         return Config(
             **{k: a[k] for k in SHARED_FIELDS},
             default_quant_type=quant_type, default_dq_dtype=enum_value(a.default_dq_dtype),
-            schemes_per_region=schemes, placement=placement_kind(cfg),
+            schemes_per_region=schemes, placement=placement_kind(cfg).name,
             activation_type=activation_type(cfg) if quant_type == "int8" else "int8",
             seed=int(cfg.seed), node_filter_list=_node_filters(list(a.node_filter_list)), node_dtypes=node_dtypes,
             weight_range=decisions.weight_range, float_nodes=list(decisions.float_nodes),
@@ -284,7 +284,7 @@ class AutotuneStage(Stage):
                         setup.config.default_q_scale)
 
     @staticmethod
-    def _check_raw(backend, path: Path, judge) -> dict[str, Any]:
+    def _check_raw(backend: Backend, path: Path, judge) -> dict[str, Any]:
         """optimized_raw.onnx (every local winner, unvalidated) is run once and judged on the held-out
         batches, so its report line says whether it loads, runs and meets the budget."""
         try:
@@ -302,12 +302,10 @@ class AutotuneStage(Stage):
     def _fusion_groups(cfg: DictConfig, setup: TuneSetup):
         """Phase 1: (groups, graph JSON used or written, description of the source).
 
-        autotune.graph_json names a TensorRT layer-information file; without it, ONNX Runtime groups
-        come from its own optimized graph, TensorRT groups from one float build of the model
-        (``<model>.<precision>.graph.json`` in the autotune folder, reused when present)."""
-
-        from pipeline.backends.trt_common import parse_layer_info
-        from tasks.autotune.subgraph.fusion_grouping import layer_fusion_groups, ort_fusion_groups
+        autotune.graph_json names a TensorRT layer-information file; without it, the groups are what the
+        backend reports it fuses (``Backend.fusion_source``: ONNX Runtime's optimized graph, OpenVINO's
+        runtime graph, the layers of one TensorRT float build)."""
+        from tasks.autotune.subgraph.fusion_grouping import layer_fusion_groups, map_fusions
 
         a = cfg.autotune
         backend, model_path, model, out = setup.backend, setup.baseline_path, setup.model, setup.out
@@ -329,24 +327,10 @@ class AutotuneStage(Stage):
                 raise InputError(f"autotune.graph_json={a.graph_json} names none of this model's nodes in its layers' "
                                  f"metadata: export it with --profilingVerbosity=detailed from this model")
             return groups, path, f"{path.name} (TensorRT layer information)"
-        if backend.name == "onnxruntime":
-            return ort_fusion_groups(model), None, "ONNX Runtime's optimized graph"
-        if backend.name == "openvino":
-            info = backend.layer_info(model_path)
-            path = atomic_write_json(out / f"{name}.openvino_layers.json", info, indent=1)
-            return layer_fusion_groups(model, info), path, \
-                f"{path.name} (OpenVINO's runtime graph, {info['inference_precision']} float)"
-        precision = backend.float_precision().lower()
-        path = out / f"{name}.{precision}.graph.json"
-        if not path.exists():
-            info = backend.layer_info(model_path)
-            if not info or not info.get("layers"):
-                raise StageError(f"autotune: {backend.name} gave no layer information for {model_path.name}; pass "
-                                 f"autotune.graph_json=PATH (trtexec --onnx=MODEL --exportLayerInfo=graph.json "
-                                 f"--profilingVerbosity=detailed)")
-            atomic_write_json(path, {"Layers": info["layers"], "Bindings": info.get("io_tensors", [])}, indent=1)
-        return layer_fusion_groups(model, parse_layer_info(json.loads(path.read_text()), path.name)), path, \
-            f"{path.name} ({backend.name} {precision.upper()} build)"
+        source = backend.fusion_source(model_path, out, name)
+        groups = layer_fusion_groups(model, source.layers) if source.layers is not None else \
+            map_fusions(model, source.optimized)
+        return groups, source.path, source.description
 
     @staticmethod
     def _calibration(inputs: dict[str, Path], a: DictConfig, load_calibration) -> Calibration:

@@ -16,6 +16,7 @@ import numpy as np
 from pipeline.accuracy.budget import AccuracyBudget
 from pipeline.accuracy.holdout import Holdout
 from pipeline.artifacts import atomic_write_json, fingerprint
+from pipeline.backends.base import Backend
 from pipeline.graph.model import model_hash
 from pipeline.quant.calibration import Calibration
 from tasks.autotune.crash_guard import CrashGuard
@@ -41,7 +42,7 @@ class TuneSetup:
     out: Path
     inputs: dict[str, Path]
     model: Any  # the float graph Q/DQ go into (quantize/float_model.onnx, else export's)
-    backend: Any
+    backend: Backend
     config: Any  # tasks.autotune.autotuner.Config
     calibration: Calibration
     budget: AccuracyBudget
@@ -95,7 +96,7 @@ class FloatBaseline:
 FP32_FASTER = 0.97
 
 
-def fp32_latency_ratio(backend: Any, fp32: Any, path: Path) -> tuple[float | None, bool]:
+def fp32_latency_ratio(backend: Backend, fp32: Backend, path: Path) -> tuple[float | None, bool]:
     """(the FP32 float's latency over the default float's: median of per-round ratios, None where
     either failed to run; whether it is clearly below FP32_FASTER), paired rounds ending once that is
     clear."""
@@ -112,7 +113,7 @@ def fp32_latency_ratio(backend: Any, fp32: Any, path: Path) -> tuple[float | Non
     return float(np.median(ratios)), sequential_verdict(ratios, FP32_FASTER) == "below"
 
 
-def float_baseline(backend: Any, path: Path, holdout: Holdout, budget: AccuracyBudget,
+def float_baseline(backend: Backend, path: Path, holdout: Holdout, budget: AccuracyBudget,
                    record: Path | None = None) -> tuple[Any, FloatBaseline]:
     """Set ``holdout``'s reference to the float model at ``path`` in FP32 (``backend.fp32_variant()``
     where the runtime's default float precision is lower) and hold the default-precision float to
@@ -151,7 +152,7 @@ def _kept_choice(record: Path | None, key: str) -> FloatBaseline | None:
         return None
 
 
-def _choose_float(backend: Any, fp32: Any, path: Path, holdout: Holdout, budget: AccuracyBudget, default: str
+def _choose_float(backend: Backend, fp32: Backend, path: Path, holdout: Holdout, budget: AccuracyBudget, default: str
                   ) -> tuple[Any, FloatBaseline]:
     verdict = None
     if budget.enabled:

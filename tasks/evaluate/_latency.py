@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.backends.base import Timing
+from pipeline.backends.base import Backend, Timing
 
 # p90/p10 above this means the machine was busy while timing: the medians are not to be trusted
 _NOISY_SPREAD = 1.5
@@ -77,7 +77,7 @@ class LatencyRun:
         return out
 
 
-def same_session(models: dict[str, dict[str, Any]], latency: LatencyRun, settings: Any, backend: Any) -> None:
+def same_session(models: dict[str, dict[str, Any]], latency: LatencyRun, settings: Any, backend: Backend) -> None:
     """The autotuned model's speedup against float run with the same shipped settings, so a runtime
     win is not read as a quantization win; and which settings those were."""
     same = latency.extra.get("float_same_session")

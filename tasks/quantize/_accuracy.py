@@ -25,6 +25,7 @@ import onnx
 from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict
 from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.accuracy.holdout import Holdout
+from pipeline.backends.base import Backend
 from pipeline.errors import StageError, first_line
 from pipeline.graph.bodies import walk_views
 from pipeline.graph.index import GraphIndex
@@ -65,7 +66,7 @@ class Candidate:
 
 @dataclass
 class Checker:
-    backend: Any  # ONNX Runtime, or OpenVINO for its placement
+    backend: Backend  # ONNX Runtime, or OpenVINO for its placement
     holdout: Holdout
     budget: AccuracyBudget
     fused: bool  # run with the backend's fused kernels (ORT placement) or as plain Q/DQ math

@@ -16,11 +16,12 @@ from typing import Any
 import onnx
 
 from pipeline.accuracy.cpu import CpuFacts, cpu_facts, describe
+from pipeline.backends.base import Backend
 from pipeline.errors import StageError
 from pipeline.graph.bodies import QUANTIZED_BODIES
 from pipeline.graph.model import iter_nodes
 from pipeline.quant.calibration import QuantizeDecisions
-from pipeline.quant.placement import CPU_RUNTIMES, PASS_THROUGH_OPS
+from pipeline.quant.placement import PASS_THROUGH_OPS
 from pipeline.values import enum_value
 from tasks.quantize._accuracy import (
     Candidate,
@@ -90,7 +91,7 @@ def _weight_storage(setup: QuantizeSetup, placer: Placer, unsupported: set[str],
     def placed(wr: str, float_nodes: set[str] = frozenset()) -> onnx.ModelProto:
         return placer.build(wr, set(float_nodes) | unsupported)[1]
 
-    if setup.kind not in CPU_RUNTIMES:
+    if not setup.kind.cpu_kernels:
         why = ("TensorRT placement: full-range int8 (TensorRT's integer kernels do not saturate)"
                if requested == "auto" else f"quantize.weight_range={requested}")
         cand = checker.check(placed(start), f"weights_{start}")
@@ -101,7 +102,7 @@ def _weight_storage(setup: QuantizeSetup, placer: Placer, unsupported: set[str],
                                lambda paths: _measure(checker.backend, paths), units)
 
 
-def _measure(backend: Any, paths: list[Path]) -> list[float | None]:
+def _measure(backend: Backend, paths: list[Path]) -> list[float | None]:
     """p10 latency of each model in ``paths`` (None where it failed), measured interleaved."""
     from pipeline.backends.base import compare_interleaved
 

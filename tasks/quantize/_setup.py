@@ -17,46 +17,18 @@ from omegaconf import DictConfig
 from pipeline.accuracy.budget import AccuracyBudget
 from pipeline.accuracy.cpu import cpu_facts
 from pipeline.accuracy.holdout import Holdout
+from pipeline.backends import Backend, activation_type, compute_backend, judging_backend, placement_kind
 from pipeline.data.adapters import Batch, DataProvider
 from pipeline.graph.model import input_specs
 from pipeline.progress import progress_bar
 from pipeline.quant.calibration import Calibration, activation_dtypes
-from pipeline.quant.placement import (
-    CPU_RUNTIMES,
-    NodeDtypes,
-    activation_type,
-    placement_builder,
-    placement_kind,
-    resolve_rules,
-)
+from pipeline.quant.placement import NodeDtypes, PlacementKind, resolve_rules
 from pipeline.values import enum_value
 from tasks.quantize import _prepare
 from tasks.quantize._accuracy import Checker, start_range, temp_workdir
 from tasks.quantize._calibrate import CalibrationMethod, collect
 
 log = logging.getLogger("tune.quantize")
-
-
-def ort_backend(cfg: DictConfig) -> Any:
-    """The ONNX Runtime backend checks run on: the configured one, or ORT's defaults under TensorRT."""
-    from omegaconf import OmegaConf
-
-    from pipeline.backend_config import OnnxRuntimeBackendConfig
-    from pipeline.backends.onnxruntime import OnnxRuntimeBackend
-
-    bcfg = cfg.backend if enum_value(cfg.backend.name) == "onnxruntime" else \
-        OmegaConf.structured(OnnxRuntimeBackendConfig())
-    return OnnxRuntimeBackend(bcfg)
-
-
-def _checking_backend(cfg: DictConfig, ort: Any) -> Any:
-    """The backend candidates are judged on: OpenVINO's own outputs for backend=openvino (its int8 kernels
-    and its float precision), else ONNX Runtime."""
-    if enum_value(cfg.backend.name) != "openvino":
-        return ort
-    from pipeline.backends import create_backend
-
-    return create_backend(cfg.backend)
 
 
 @dataclass(frozen=True)
@@ -72,9 +44,9 @@ class QuantizeSetup:
     lowering: dict[str, Any] | None
     provider: DataProvider
     total: int  # calibration batches: quantize.calibration.batches less any the holdout needs
-    backend: Any  # an OnnxRuntimeBackend: calibration runs on it (checks: on the checker's backend)
+    backend: Backend  # the compute backend (ONNX Runtime): calibration runs on it (checks: on the checker's)
     checker: Checker
-    kind: str  # placement: "onnxruntime", "openvino" or "tensorrt"
+    kind: PlacementKind
     act_type: str
     work: tempfile.TemporaryDirectory  # the candidates checked on the holdout; removed when decided
     start_weights: str  # the weight storage the default placement and the held-out choices use (start_range)
@@ -93,22 +65,21 @@ class QuantizeSetup:
         provider = DataProvider(cfg, specs)
         holdout = Holdout.from_config(cfg, specs)
         n_batches = total = holdout.split.calibration_batches  # never the held-out ones
-        backend = ort_backend(cfg)
+        backend = compute_backend(cfg)
         kind = placement_kind(cfg)
         act_type = activation_type(cfg)
         with backend.prepare(float_path) as pm:
             holdout.set_reference(pm)
         work = temp_workdir(out_dir)
-        # ORT and OpenVINO placements are checked with the fused kernels that will run them (on the
-        # runtime itself), TensorRT ones as Q/DQ math
-        checker = Checker(_checking_backend(cfg, backend), holdout, AccuracyBudget.from_config(cfg),
-                          fused=kind in CPU_RUNTIMES, workdir=Path(work.name))
+        # placements of fused CPU kernels are checked with the kernels that will run them, others as Q/DQ math
+        checker = Checker(judging_backend(cfg, backend), holdout, AccuracyBudget.from_config(cfg),
+                          fused=kind.cpu_kernels, workdir=Path(work.name))
         lowering = None
         if bool(q.lower_rnn):
             model, lowering = _prepare.lower_rnn(model, lambda: provider.batches("calibration", n_batches))
             if lowering["applied"]:
                 rules = resolve_rules(model, q.layers, q.skip_names, q.op_types_to_quantize)
-        saturates = kind in CPU_RUNTIMES and bool(cpu_facts().u8s8_saturates)
+        saturates = kind.cpu_kernels and bool(cpu_facts().u8s8_saturates)
         return cls(cfg, out_dir, model, rules, lowering, provider, total, backend, checker, kind, act_type, work,
                    start_range(q.weight_range, saturates))
 
@@ -119,7 +90,7 @@ class QuantizeSetup:
     @property
     def builder(self) -> Callable[..., Any]:
         """The placement of the configured backend's fusions: ``builder(model, rules, act_type, ...)``."""
-        return placement_builder(self.kind)
+        return self.kind.builder
 
     def batches(self) -> Iterable[Batch]:
         return self.provider.batches("calibration", self.total)

@@ -223,7 +223,7 @@ class QuantizeStage(Stage):
         doc["decisions"] = decisions.to_dict()
         atomic_write_json(out_calib, doc)
         save_model(qmodel, out_model, external_data=bool(setup.q.use_external_data_format))
-        self._log_rules(cal.model, plan, setup.rules, setup.kind)
+        self._log_rules(cal.model, plan, setup.rules, setup.kind.name)
         counts = qdq_summary(qmodel)
         headline = self._headline(setup, plan, counts, cal, decisions, sensitivity)
         log.info("wrote %s (%s)", out_model, headline)
@@ -245,7 +245,7 @@ class QuantizeStage(Stage):
         quantized = plan.quantized_nodes()
         algorithm = enum_value(setup.q.algorithm) + (f" ({cal.ranges['chosen']} ranges)" if cal.ranges else "")
         if quantized:
-            return (f"{algorithm} calibration, {setup.kind} placement: {len(quantized)} nodes quantized "
+            return (f"{algorithm} calibration, {setup.kind.name} placement: {len(quantized)} nodes quantized "
                     f"({', '.join(f'{k} x{v}' for k, v in sorted(dtypes.items()))}), "
                     f"{counts['QuantizeLinear']} Q / {counts['DequantizeLinear']} DQ")
         # recovery's last resort: the rules matched, the budget left every node float
@@ -287,7 +287,7 @@ class QuantizeStage(Stage):
                            for t in cal.transforms],
             "bias_correction": {k: v for k, v in (decisions.bias_correction or {}).items() if k != "records"},
             "fidelity_culprits": decisions.fidelity_culprits, "ranges": cal.ranges,
-            "placement": setup.kind, "activation_type": setup.act_type, "calibrated_tensors": len(cal.stats),
+            "placement": setup.kind.name, "activation_type": setup.act_type, "calibrated_tensors": len(cal.stats),
             "calibration_samples": cal.samples, "calibration_seconds": round(cal.seconds, 2),
             "quantized_nodes": len(quantized), "body_nodes": len(quantized) - len(plan.node_rules),
             "node_rules": quantized, **counts, "headline": headline,

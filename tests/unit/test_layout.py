@@ -166,3 +166,72 @@ def test_readme_module_map_lists_every_module_and_nothing_else():
     listed = _readme_map()
     assert sorted(tree - listed) == [], "modules the README's map leaves out"
     assert sorted(listed - tree) == [], "the README's map names modules that do not exist"
+
+
+# pipeline.backends modules any stage may use: the protocol, the settings base, and ONNX Runtime as the
+# pipeline's own compute engine (calibration and reference sessions), which every stage runs on whatever
+# the deployment runtime is
+SHARED_BACKEND_MODULES = {"pipeline.backends", "pipeline.backends.base", "pipeline.backends.settings",
+                          "pipeline.backends.ort"}
+# string constants in tasks/ equal to a runtime name, each allowed for its reason
+RUNTIME_NAME_ALLOWED = {
+    # the `quantize.placement` choices users type: a placement follows one runtime's fusions by name
+    ("tasks/quantize/config.py", "tensorrt"), ("tasks/quantize/config.py", "onnxruntime"),
+    ("tasks/quantize/config.py", "openvino"),
+}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def test_tasks_never_name_a_runtime():
+    """Stages reach a runtime only through the Backend protocol: no stage imports a runtime's own module
+    or compares, keys or branches on a runtime's name (a new runtime is a plugin, not an edit of tasks/)."""
+    from pipeline.backends import BACKENDS
+
+    names = set(BACKENDS)
+    wrong = []
+    for m, targets in EDGES.items():
+        if m.startswith("tasks"):
+            wrong += [f"{m} imports {t}" for t, _ in targets
+                      if t.startswith("pipeline.backends") and t not in SHARED_BACKEND_MODULES]
+    for p in sorted((ROOT / "tasks").rglob("*.py")):
+        rel = str(p.relative_to(ROOT))
+        tree = ast.parse(p.read_text())
+        skip = _docstrings(tree)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+                    and id(node) not in skip and (rel, node.value) not in RUNTIME_NAME_ALLOWED):
+                wrong.append(f"{rel}:{node.lineno} names the runtime {node.value!r}")
+    assert wrong == []
+
+
+def test_every_backend_parameter_is_typed_with_the_protocol():
+    """A parameter or field that holds a backend is annotated with ``Backend`` (or a subclass), never Any
+    or nothing (a ``str`` one holds a runtime's name)."""
+    allowed = {"pipeline/config.py"}  # TuneConfig.backend: the `backend` config group, not a Backend
+    wrong = []
+    for top in ("pipeline", "tasks"):
+        for p in sorted((ROOT / top).rglob("*.py")):
+            rel = str(p.relative_to(ROOT))
+            for node in ast.walk(ast.parse(p.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+                    held = [(a.arg, a.annotation) for a in args if a.arg == "backend"]
+                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                        and node.target.id == "backend":
+                    held = [("backend", node.annotation)]
+                else:
+                    continue
+                for name, ann in held:
+                    text = ast.unparse(ann) if ann is not None else ""
+                    if rel not in allowed and (not text or "Any" in text):
+                        wrong.append(f"{rel}:{node.lineno} {name}: {text or 'no annotation'}")
+    assert wrong == []

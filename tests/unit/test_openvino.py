@@ -10,11 +10,12 @@ from omegaconf import OmegaConf
 
 from pipeline.accuracy.budget import AccuracyBudget
 from pipeline.backend_config import OpenVinoBackendConfig
-from pipeline.backends.openvino import CompileSettings, OpenVinoBackend, core
+from pipeline.backends.openvino import OpenVinoBackend
+from pipeline.backends.openvino_search import apply_change, base_settings, candidates, search_candidates
+from pipeline.backends.openvino_settings import CompileSettings, core
 from pipeline.data.adapters import synthetic_batches
 from pipeline.errors import StateError
 from pipeline.graph.model import input_specs
-from tasks.autotune.runtime.openvino import apply_change, base_settings, candidates, search_candidates
 from tasks.autotune.tune_setup import Holdout, float_baseline  # the holdout type autotune judges on
 from tests import models
 

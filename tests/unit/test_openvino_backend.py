@@ -135,13 +135,13 @@ def test_openvino_placement_feeds_a_classifier_head_the_pooled_u8_and_its_fc_run
 
 
 def test_compile_settings_reject_unknown_properties_and_bad_values(tmp_path):
-    from pipeline.backends.openvino import CompileSettings
+    from pipeline.backends.openvino_settings import CompileSettings
     from pipeline.errors import StateError
 
     s = CompileSettings.from_dict({"INFERENCE_PRECISION_HINT": "F32", "NUM_STREAMS": 1})
     assert s.to_dict() == {"INFERENCE_PRECISION_HINT": "f32", "NUM_STREAMS": "1"}
     assert s.changed(NUM_STREAMS=None).to_dict() == {"INFERENCE_PRECISION_HINT": "f32"}
-    with pytest.raises(ValueError, match="unknown OpenVINO properties"):
+    with pytest.raises(ValueError, match="unknown OpenVINO property 'TURBO'"):
         CompileSettings.from_dict({"TURBO": "YES"})
     with pytest.raises(ValueError, match="choose one of"):
         CompileSettings.from_dict({"PERFORMANCE_HINT": "FAST"})

@@ -9,8 +9,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from pipeline.backends.ort import SessionSettings, inference_session, ort_session_options
+from pipeline.backends.ort_search import FUSIONS, apply_change, candidates, float_matmuls
 from pipeline.errors import StateError
-from tasks.autotune.runtime.ort import FUSIONS, apply_change, candidates, float_matmuls
 from tests import models
 from tests.helpers import record_runtime_search
 

@@ -20,7 +20,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.backends import check_backend, create_backend
-from pipeline.backends.tensorrt import EngineOptions, TensorRTBackend
+from pipeline.backends.tensorrt import TensorRTBackend
+from pipeline.backends.trt_common import EngineBuildConfig
 from pipeline.errors import BackendUnavailable, StageError
 from tests import models
 from tests.helpers import compose, qdq_conv_chain, run_tune
@@ -171,10 +172,10 @@ def test_unsupported_op_names_the_node(rtx, tmp_path):
 @pytest.mark.rtx
 def test_dynamic_batch_gets_a_profile(rtx, tmp_path):
     path = models.save(models.with_dynamic_batch(models.conv_chain()), tmp_path, "dyn")
-    res = rtx.build(path, tmp_path / "dyn.engine", None, EngineOptions(min_batch=1, opt_batch=4, max_batch=8))
+    res = rtx.build(path, tmp_path / "dyn.engine", None, EngineBuildConfig(min_batch_size=1, opt_batch_size=4, max_batch_size=8))
     assert res.info["profile"] == {"input": {"min": [1, 3, 16, 16], "opt": [4, 3, 16, 16], "max": [8, 3, 16, 16]}}
     with pytest.raises(StageError, match="needs all of min_shapes, opt_shapes and max_shapes"):
-        rtx.build(path, None, None, EngineOptions(opt_shapes={"input": [2, 3, 16, 16]}))
+        rtx.build(path, None, None, EngineBuildConfig(opt_shapes={"input": [2, 3, 16, 16]}))
 
 
 @pytest.mark.rtx
@@ -182,7 +183,7 @@ def test_fp16_request_and_timing_cache_are_skipped_with_a_note(rtx, tmp_path):
     path = models.save(models.conv_chain(), tmp_path, "fp32")
     cache = tmp_path / "timing.cache"
     log_path = tmp_path / "build.log"
-    res = rtx.build(path, tmp_path / "m.engine", log_path, EngineOptions(data_type="FP16", timing_cache=cache))
+    res = rtx.build(path, tmp_path / "m.engine", log_path, EngineBuildConfig(data_type="FP16", timing_cache=str(cache)))
     text = log_path.read_text()
     # TensorRT-RTX has no FP16 builder flag and deprecates the timing cache: both noted, neither fails
     assert "timing cache" in text and not cache.exists()
@@ -209,7 +210,7 @@ def test_fast_kernels_follow_the_support_matrix(rtx):
 
 
 def test_stage_maps_gen_trt_engine_settings(tmp_path):
-    from tasks.gen_trt_engine.stage import GenTrtEngineStage
+    from pipeline.backends.trt_deploy import engine_options
 
     cfg = compose(["backend=tensorrt_rtx", "gen_trt_engine.tensorrt.data_type=FP16",
                    "gen_trt_engine.tensorrt.workspace_size=512", "gen_trt_engine.tensorrt.min_batch_size=1",
@@ -217,11 +218,21 @@ def test_stage_maps_gen_trt_engine_settings(tmp_path):
                    "++gen_trt_engine.tensorrt.min_shapes.ids=[1,8]", "++gen_trt_engine.tensorrt.opt_shapes.ids=[2,8]",
                    "++gen_trt_engine.tensorrt.max_shapes.ids=[4,8]",
                    f"gen_trt_engine.tensorrt.timing_cache={tmp_path / 'tc.cache'}"])
-    opts = GenTrtEngineStage.engine_options(cfg)
-    assert (opts.data_type, opts.workspace_mb) == ("FP16", 512)
-    assert (opts.min_batch, opts.opt_batch, opts.max_batch) == (1, 4, 8)
+    opts = engine_options(cfg)
+    assert (opts.data_type, opts.workspace_size) == ("FP16", 512)
+    assert (opts.min_batch_size, opts.opt_batch_size, opts.max_batch_size) == (1, 4, 8)
     assert opts.min_shapes == {"ids": [1, 8]} and opts.max_shapes == {"ids": [4, 8]}
-    assert opts.timing_cache == tmp_path / "tc.cache"
+    assert opts.timing_cache_path == tmp_path / "tc.cache"
+
+
+def test_the_gen_trt_engine_schema_is_the_build_options_the_builders_take():
+    from omegaconf import OmegaConf
+
+    cfg = compose(["gen_trt_engine.tensorrt.data_type=BF16", "gen_trt_engine.tensorrt.workspace_size=256",
+                   "gen_trt_engine.tensorrt.max_batch_size=4"])
+    options = OmegaConf.to_object(cfg.gen_trt_engine.tensorrt)
+    assert isinstance(options, EngineBuildConfig)
+    assert (options.data_type, options.workspace_size, options.max_batch_size) == ("BF16", 256, 4)
 
 
 def test_inconsistent_shapes_fail_validation():
@@ -282,19 +293,20 @@ def test_build_info_and_log_name_the_original_not_the_rewritten_copy(rtx, tmp_pa
 
 
 def test_engine_options_normalise_data_type_and_read_the_backend_section():
-    from pipeline.backends.tensorrt import EngineOptions
-    from tasks.gen_trt_engine.config import DataType
+    from pipeline.backends.trt_common import DataType
 
-    assert EngineOptions(data_type="fp16").data_type == "FP16"
-    assert EngineOptions(data_type=DataType.BF16).data_type == "BF16"
+    assert EngineBuildConfig(data_type="fp16").data_type == "FP16"
+    assert EngineBuildConfig(data_type=DataType.BF16).data_type == "BF16"
+    with pytest.raises(ValueError, match="'FP8' is not a valid DataType"):
+        EngineBuildConfig(data_type="fp8")
     cfg = compose(["backend=tensorrt_rtx", "backend.float_precision=bf16", "backend.workspace_size=64"])
-    opts = EngineOptions.from_backend_cfg(cfg.backend)
-    assert opts.data_type == "BF16" and opts.workspace_mb == 64 and opts.timing_cache is None
+    opts = EngineBuildConfig.from_backend_cfg(cfg.backend)
+    assert opts.data_type == "BF16" and opts.workspace_size == 64 and opts.timing_cache is None
     assert TensorRTBackend(cfg.backend).default_options() == opts
 
 
 def test_plugin_paths_are_absolute_checked_and_name_the_key(tmp_path, monkeypatch):
-    from pipeline.backends.tensorrt import plugin_paths
+    from pipeline.backends.trt_common import plugin_paths
     from pipeline.errors import InputError
 
     monkeypatch.chdir(tmp_path)
@@ -305,7 +317,7 @@ def test_plugin_paths_are_absolute_checked_and_name_the_key(tmp_path, monkeypatc
 
 
 def test_shape_problems_reject_dims_below_one_naming_the_key():
-    from pipeline.backends.tensorrt import shape_problems
+    from pipeline.backend_config import shape_problems
 
     (msg,) = shape_problems({"x": [0, 3]}, {"x": [1, 3]}, {"x": [2, 3]})
     assert "gen_trt_engine.tensorrt.min_shapes.x=[0, 3]" in msg and ">= 1" in msg

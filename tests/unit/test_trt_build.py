@@ -17,12 +17,12 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeline.backend_config import TensorRTBackendConfig
+from pipeline.backends import trt_search as runtime_trt
 from pipeline.backends.base import PreparedModel
 from pipeline.backends.tensorrt import TensorRTBackend
 from pipeline.backends.trt_build import TrtBuildSettings
 from pipeline.errors import StageError, StateError
 from tasks.autotune.config import RuntimeSearchConfig
-from tasks.autotune.runtime import trt as runtime_trt
 from tests import models
 from tests.helpers import calls_of, fake_trtexec, qdq_conv_chain, record_runtime_search, trtexec_backend
 
@@ -321,10 +321,10 @@ def test_an_interrupted_tensorrt_search_resumes_at_the_next_candidate(tmp_path, 
 def test_backends_without_a_search_say_so():
     from tasks.autotune.runtime.search import tune_runtime
 
-    rtx = SimpleNamespace(name="tensorrt_rtx", shipped_settings=None)
+    rtx = SimpleNamespace(name="tensorrt_rtx", shipped_settings=None, search_space=lambda: None)
     artifacts, metrics = tune_runtime(SimpleNamespace(backend=rtx, out=Path(".")), None)
     assert artifacts == {} and not metrics["searched"]
-    assert metrics["why"] == "runtime settings are searched on onnxruntime, tensorrt, trtexec, openvino only, not tensorrt_rtx"
+    assert metrics["why"] == "tensorrt_rtx has no runtime settings autotune searches"
 
 
 # --------------------------------------------------------------------------- the stages that use the file

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-from pipeline.backends.tensorrt import EngineOptions
+from pipeline.backends.trt_common import EngineBuildConfig
 from pipeline.backends.trtexec import (
     TrtexecBackend,
     TrtexecRun,
@@ -38,7 +38,7 @@ FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "trtexec"
 
 
 def test_build_command_line():
-    run = TrtexecRun(onnx=Path("m.onnx"), save_engine=Path("m.engine"), strongly_typed=True, workspace_mb=512,
+    run = TrtexecRun(onnx=Path("m.onnx"), save_engine=Path("m.engine"), strongly_typed=True, workspace_size=512,
                      shapes={"input": ([1, 3, 16, 16], [4, 3, 16, 16], [8, 3, 16, 16]),
                              "ids:0": ([1, 8], [1, 8], [2, 8])},
                      timing_cache=Path("tc.cache"), plugins=["/p/libmy.so"], skip_inference=True,
@@ -95,11 +95,11 @@ def test_strongly_typed_only_with_qdq_and_precision_flags(tmp_path):
     float_model = models.save(models.conv_chain(), tmp_path, "float")
     qdq_model = tmp_path / "qdq.onnx"
     onnx.save(qdq_conv_chain(), str(qdq_model))
-    run, _ = b._build_run(float_model, EngineOptions())
+    run, _ = b._build_run(float_model, EngineBuildConfig())
     assert "--stronglyTyped" not in run.argv("trtexec")
-    run, _ = b._build_run(float_model, EngineOptions(data_type="FP16"))
+    run, _ = b._build_run(float_model, EngineBuildConfig(data_type="FP16"))
     assert "--fp16" in run.argv("trtexec") and "--stronglyTyped" not in run.argv("trtexec")
-    run, _ = b._build_run(qdq_model, EngineOptions(data_type="FP16"))
+    run, _ = b._build_run(qdq_model, EngineBuildConfig(data_type="FP16"))
     argv = run.argv("trtexec")
     assert "--stronglyTyped" in argv and "--fp16" not in argv  # precision comes from the Q/DQ nodes
 
@@ -108,19 +108,19 @@ def test_shapes_from_batch_shortcut_and_explicit(tmp_path):
     exe, _ = fake_trtexec(tmp_path)
     b = trtexec_backend(exe)
     dyn = models.save(models.with_dynamic_batch(models.conv_chain()), tmp_path, "dyn")
-    run, _ = b._build_run(dyn, EngineOptions(min_batch=1, opt_batch=4, max_batch=16))
+    run, _ = b._build_run(dyn, EngineBuildConfig(min_batch_size=1, opt_batch_size=4, max_batch_size=16))
     argv = run.argv("trtexec")
     assert "--minShapes=input:1x3x16x16" in argv and "--optShapes=input:4x3x16x16" in argv
     assert "--maxShapes=input:16x3x16x16" in argv
-    opts = EngineOptions(min_shapes={"input": [2, 3, 16, 16]}, opt_shapes={"input": [2, 3, 16, 16]},
-                         max_shapes={"input": [3, 3, 16, 16]})
+    opts = EngineBuildConfig(min_shapes={"input": [2, 3, 16, 16]}, opt_shapes={"input": [2, 3, 16, 16]},
+                             max_shapes={"input": [3, 3, 16, 16]})
     run, _ = b._build_run(dyn, opts)
     assert "--maxShapes=input:3x3x16x16" in run.argv("trtexec")
     static = models.save(models.conv_chain(), tmp_path, "static")
-    run, _ = b._build_run(static, EngineOptions(min_batch=1, opt_batch=4, max_batch=16))
+    run, _ = b._build_run(static, EngineBuildConfig(min_batch_size=1, opt_batch_size=4, max_batch_size=16))
     assert not any("Shapes" in a for a in run.argv("trtexec"))  # static inputs need no profile
     with pytest.raises(StageError, match="inputs \\['input'\\]"):
-        b._build_run(dyn, EngineOptions(opt_shapes={"images": [1, 3, 16, 16]}))
+        b._build_run(dyn, EngineBuildConfig(opt_shapes={"images": [1, 3, 16, 16]}))
 
 
 def test_plugins_are_checked_and_passed(tmp_path):
@@ -132,7 +132,7 @@ def test_plugins_are_checked_and_passed(tmp_path):
     run, _ = b._build_run(model, b.default_options())
     assert run.plugins == [str(lib)]
     with pytest.raises(InputError, match="libmissing.so does not exist"):
-        b._build_run(model, EngineOptions(plugin_libraries=[str(tmp_path / "libmissing.so")]))
+        b._build_run(model, EngineBuildConfig(plugin_libraries=[str(tmp_path / "libmissing.so")]))
 
 
 # --------------------------------------------------------------------------- parsing
@@ -182,7 +182,7 @@ def test_parse_profile_tolerates_unescaped_names_and_nan():
 
 
 def test_parse_layer_info_fixture():
-    from pipeline.backends.tensorrt import parse_layer_info
+    from pipeline.backends.trt_common import parse_layer_info
 
     info = parse_layer_info(json.loads((FIXTURES / "layer_info_10x.json").read_text()), "trtexec")
     assert info["io_tensors"] == ["input", "logits"]
@@ -225,7 +225,7 @@ def test_build_writes_engine_and_log(tmp_path):
     b = trtexec_backend(exe, "backend.export_layer_info=true")
     model = models.save(models.conv_chain(), tmp_path, "m")
     out, log_path = tmp_path / "out" / "model.engine", tmp_path / "out" / "build.log"
-    res = b.build(model, out, log_path, EngineOptions(workspace_mb=256))
+    res = b.build(model, out, log_path, EngineBuildConfig(workspace_size=256))
     assert out.read_bytes() == b"fake serialized engine"
     assert res.info["engine_bytes"] == out.stat().st_size and res.info["layers"] == 3
     text = log_path.read_text()
@@ -330,9 +330,9 @@ def test_build_info_reports_data_type(tmp_path):
     float_model = models.save(models.conv_chain(), tmp_path, "float")
     qdq_model = tmp_path / "qdq.onnx"
     onnx.save(qdq_conv_chain(), str(qdq_model))
-    assert b.build(float_model, None, None, EngineOptions(data_type="fp16")).info["data_type"] == "FP16"
-    assert b.build(float_model, None, None, EngineOptions()).info["data_type"] == "FP32"
-    assert b.build(qdq_model, None, None, EngineOptions(data_type="FP16")).info["data_type"] == "strongly_typed"
+    assert b.build(float_model, None, None, EngineBuildConfig(data_type="fp16")).info["data_type"] == "FP16"
+    assert b.build(float_model, None, None, EngineBuildConfig()).info["data_type"] == "FP32"
+    assert b.build(qdq_model, None, None, EngineBuildConfig(data_type="FP16")).info["data_type"] == "strongly_typed"
 
 
 def test_prepared_runs_never_read_a_stale_times_or_outputs_file(tmp_path):

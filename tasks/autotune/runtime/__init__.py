@@ -1,3 +1,3 @@
-"""Runtime settings tuned after the placement: one greedy search (``search``) over candidates from the
-backend's own space: ONNX Runtime session settings (``ort``), TensorRT builder settings (``trt``) or
-OpenVINO compile properties (``openvino``)."""
+"""Runtime settings tuned after the placement: one greedy search (``search``) over the candidates of the
+backend's own search space (``Backend.search_space``: e.g. ONNX Runtime session settings, TensorRT builder
+settings, OpenVINO compile properties)."""

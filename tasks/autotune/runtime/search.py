@@ -1,10 +1,7 @@
 """The runtime half of int8 speed: the runtime settings the shipped model runs fastest with, searched
 after placement and shipped beside it. One search serves every kind of runtime settings; the
-backend's kind decides what is searched (``SPACES``) and what ships (its ``shipped_settings``):
-
-- onnxruntime: session settings (tasks.autotune.runtime.ort), shipped as autotune/ort_session.json;
-- tensorrt, trtexec: builder settings (tasks.autotune.runtime.trt), shipped as autotune/trt_build.json;
-- openvino: compile properties (tasks.autotune.runtime.openvino), shipped as autotune/openvino_compile.json.
+backend decides what is searched (its ``search_space()``) and what ships (its ``shipped_settings``,
+e.g. ONNX Runtime's session settings in autotune/ort_session.json).
 
 The search is greedy and sequential: every candidate is the current settings plus one change,
 checked against the accuracy budget, then timed against the current settings on the same model in
@@ -18,48 +15,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import atomic_write_json, read_json
-from pipeline.backends.base import TimingPlan, time_interleaved
+from pipeline.backends.base import Backend, TimingPlan, time_interleaved
 from pipeline.errors import first_line
 from pipeline.graph.model import model_hash
 from tasks.autotune.benchmark import ratio_interval, round_ratios, sequential_verdict
-from tasks.autotune.runtime import openvino as runtime_openvino
-from tasks.autotune.runtime import ort as runtime_ort
-from tasks.autotune.runtime import trt as runtime_trt
 from tasks.autotune.state_file import RUNTIME_STATE, StateDocument, StateHeader, resume_or_set_aside
 
 log = logging.getLogger("tune.autotune")
 
 STATE_VERSION = 1
-
-
-@dataclass(frozen=True)
-class SearchSpace:
-    """What the search needs from one kind of runtime settings (their type is the backend's
-    ``shipped_settings.type``)."""
-
-    # backend -> the settings the search starts from, and that ship when nothing helped
-    base: Callable[[Any], Any]
-    # (backend, shipped model) -> ([(name, change)] in the order they are tried, what the metrics add)
-    candidates: Callable[[Any, Path], tuple[list[tuple[str, dict]], dict[str, Any]]]
-    # (settings, change) -> the settings with that change
-    apply: Callable[[Any, dict], Any]
-
-
-_TRT = SearchSpace(runtime_trt.base_settings, runtime_trt.search_candidates, runtime_trt.apply_change)
-# backend name -> what is searched on it (tensorrt_rtx: nothing yet)
-SPACES: dict[str, SearchSpace] = {
-    "onnxruntime": SearchSpace(runtime_ort.base_settings, runtime_ort.search_candidates, runtime_ort.apply_change),
-    "tensorrt": _TRT,
-    "trtexec": _TRT,
-    "openvino": SearchSpace(runtime_openvino.base_settings, runtime_openvino.search_candidates,
-                            runtime_openvino.apply_change),
-}
 
 
 @dataclass(frozen=True)
@@ -162,9 +131,9 @@ class RuntimeSearch:
     docstring); what it searches comes from ``SPACES[backend.name]``. Its state file is a
     ``StateDocument`` kept as on disk (``steps`` holds RuntimeStep.to_dict() each)."""
 
-    def __init__(self, backend: Any, model: Path, judge: Any, cfg: Any, state_path: Path, context: str):
+    def __init__(self, backend: Backend, model: Path, judge: Any, cfg: Any, state_path: Path, context: str):
         self.backend, self.model, self.judge, self.cfg = backend, model, judge, cfg
-        self.space = SPACES[backend.name]
+        self.space = backend.search_space()
         self.settings_type = backend.shipped_settings.type
         self.state_path = state_path
         header = StateHeader.of(STATE_VERSION, model_hash(model), context, kind=backend.shipped_settings.artifact)
@@ -258,18 +227,17 @@ class RuntimeSearch:
 
 
 def search_runtime(setup: Any, rcfg: Any) -> tuple[dict[str, Path], RuntimeOutcome]:
-    """Search the shipped model's runtime settings (the backend's kind: ``SPACES``), write them beside
-    it (ort_session.json, trt_build.json, openvino_compile.json) and compare float and shipped models
+    """Search the shipped model's runtime settings (the backend's ``search_space()``), write them beside
+    it (the backend's ``shipped_settings`` artifact) and compare float and shipped models
     with the backend's own settings and with the found ones, in one interleaved run; (artifacts, what
     the search reports)."""
     from pipeline.artifacts import fingerprint
 
     backend, out = setup.backend, setup.out
-    kind = backend.shipped_settings
-    if backend.name not in SPACES or kind is None:
-        return {}, RuntimeOutcome(False, f"runtime settings are searched on {', '.join(SPACES)} only, "
-                                         f"not {backend.name}")
-    space, shipped = SPACES[backend.name], out / "optimized_final.onnx"
+    kind, space = backend.shipped_settings, backend.search_space()
+    if space is None or kind is None:
+        return {}, RuntimeOutcome(False, f"{backend.name} has no runtime settings autotune searches")
+    shipped = out / "optimized_final.onnx"
     path, key = out / Path(kind.artifact).name, kind.artifact
     base = space.base(backend)
     if not bool(rcfg.enabled):
@@ -309,7 +277,7 @@ def tune_runtime(setup: Any, rcfg: Any) -> tuple[dict[str, Path], dict[str, Any]
     return artifacts, outcome.to_dict()
 
 
-def _final_comparison(backend: Any, float_path: Path, shipped: Path, settings: Any
+def _final_comparison(backend: Backend, float_path: Path, shipped: Path, settings: Any
                       ) -> tuple[dict[str, float] | None, str | None]:
     """(p10 latencies, None) of float and shipped models, with the backend's own settings and with
     ``settings``, from one interleaved run (a runtime win is not reported as a quantization win), or

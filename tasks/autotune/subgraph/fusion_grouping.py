@@ -23,10 +23,7 @@ points, schemes) applies to it unchanged: structurally identical groups share a 
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import onnx
 
@@ -42,17 +39,6 @@ class FusionGroup:
     names: tuple[str, ...]
     fused_ops: tuple[str, ...]
     signature: str
-
-
-def ort_optimized_graph(model: onnx.ModelProto | str | Path, level: str = "extended") -> onnx.ModelProto:
-    """The graph ONNX Runtime's CPU EP runs after its optimizations at ``level``."""
-    from pipeline.backends.ort import inference_session, ort_session_options
-
-    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    with tempfile.TemporaryDirectory() as d:
-        optimized = os.path.join(d, "optimized.onnx")
-        inference_session(data, ort_session_options(level, optimized_path=optimized))
-        return onnx.load(optimized)
 
 
 def map_fusions(original: onnx.ModelProto, optimized: onnx.ModelProto) -> list[FusionGroup]:
@@ -128,10 +114,10 @@ def layer_fusion_groups(model: onnx.ModelProto, layer_info: dict) -> list[Fusion
     """Fusion groups of ``model`` from a runtime's per-layer information: TensorRT's (as
     ``parse_layer_info`` returns it, or the raw --exportLayerInfo JSON) or OpenVINO's runtime graph
     (``OpenVinoBackend.layer_info``); each layer names the ONNX nodes it was built from."""
-    from pipeline.backends.trt_common import parse_layer_info
+    from pipeline.backends.base import read_layer_info
 
     if "layers" not in layer_info:
-        layer_info = parse_layer_info(layer_info, "graph json")
+        layer_info = read_layer_info(layer_info, "graph json")
     from pipeline.graph.index import GraphIndex
 
     index = GraphIndex(model)
@@ -148,8 +134,3 @@ def layer_fusion_groups(model: onnx.ModelProto, layer_info: dict) -> list[Fusion
         ins, outs = index.boundaries(nodes)
         groups.append((nodes, ins, outs, tuple(str(layers[k][0].get("LayerType", "?")) for k in ks)))
     return _as_groups(model, groups, index)
-
-
-def ort_fusion_groups(model: onnx.ModelProto, level: str = "extended") -> list[FusionGroup]:
-    """The fusion groups ONNX Runtime's CPU EP forms for ``model`` (see the module docstring)."""
-    return map_fusions(model, ort_optimized_graph(model, level))

@@ -15,7 +15,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from pipeline.backends.openvino import PROPERTIES, CompileSettings, core, property_text
+from pipeline.backends.base import Backend
+from pipeline.backends.openvino_settings import PROPERTIES, CompileSettings, core, property_text
 
 log = logging.getLogger("tune.autotune")
 
@@ -48,7 +49,7 @@ def candidates(picked: dict[str, str], capabilities: list[str], cores: int, cpu:
     return out
 
 
-def base_settings(backend: Any) -> CompileSettings:
+def base_settings(backend: Backend) -> CompileSettings:
     """The compile properties the backend's own keys give (backend.performance_hint,
     inference_precision, threads, streams): where the search starts, and what ships when nothing
     helped, so a deployment compiling with the shipped file alone runs what was measured."""
@@ -72,7 +73,7 @@ def picked(compiled: Any) -> dict[str, str]:
     return out
 
 
-def search_candidates(backend: Any, shipped: Path) -> tuple[list[tuple[str, dict]], dict[str, Any]]:
+def search_candidates(backend: Backend, shipped: Path) -> tuple[list[tuple[str, dict]], dict[str, Any]]:
     """The candidates for ``shipped`` on this OpenVINO backend, and what the search reports beside its
     steps: the OpenVINO version and the properties it picked for the model with the backend's own."""
     from pipeline.backends.onnxruntime import physical_cores

@@ -18,6 +18,7 @@ from typing import Any
 
 import onnx
 
+from pipeline.backends.base import Backend
 from pipeline.backends.ort import SessionSettings
 
 log = logging.getLogger("tune.autotune")
@@ -61,7 +62,7 @@ def candidates(optimized: onnx.ModelProto, original: onnx.ModelProto, cores: int
     return out
 
 
-def base_settings(backend: Any) -> SessionSettings:
+def base_settings(backend: Backend) -> SessionSettings:
     """The settings the backend's own keys give (backend.graph_optimization_level, intra_op_threads):
     where the search starts, and what ships when nothing helped."""
     from pipeline.values import enum_value
@@ -92,7 +93,7 @@ def float_matmuls(qmodel: onnx.ModelProto, optimized: onnx.ModelProto) -> list[s
     return sorted(n.name for n in optimized.graph.node if n.op_type in ("MatMul", "Gemm") and n.name in quantized)
 
 
-def search_candidates(backend: Any, shipped: Path) -> tuple[list[tuple[str, dict]], dict[str, Any]]:
+def search_candidates(backend: Backend, shipped: Path) -> tuple[list[tuple[str, dict]], dict[str, Any]]:
     """The candidates for ``shipped`` on this ORT backend, and what the search reports beside its steps:
     the quantized MatMuls ORT still runs in float (named in a warning too)."""
     from pipeline.graph.model import load_model

@@ -25,6 +25,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from pipeline.backends.base import Backend
 from pipeline.backends.trt_build import KNOB, TrtBuildSettings
 
 log = logging.getLogger("tune.autotune")
@@ -36,7 +37,7 @@ _DEFAULT_BUILDER_LEVEL = 3  # trtexec --help: "(default is 3)"
 _TILING_LEVELS = (1, 2)
 
 
-def tensorrt_version(backend: Any) -> tuple[int, int] | None:
+def tensorrt_version(backend: Backend) -> tuple[int, int] | None:
     """(major, minor) of the TensorRT the backend runs: trtexec's banner, or the Python module's
     ``__version__``; None while unknown."""
     text = backend.version if backend.name == "trtexec" else getattr(backend.trt, "__version__", None)
@@ -44,14 +45,14 @@ def tensorrt_version(backend: Any) -> tuple[int, int] | None:
     return (int(m[1]), int(m[2])) if m else None
 
 
-def _fixed_by_user(backend: Any) -> set[str]:
+def _fixed_by_user(backend: Backend) -> set[str]:
     """trtexec flags the user set in backend.trtexec_args (they win over ours on the command line)."""
     if backend.name != "trtexec":
         return set()
     return {str(a).split("=", 1)[0] for a in backend.cfg.trtexec_args}
 
 
-def candidates(backend: Any) -> list[tuple[str, dict]]:
+def candidates(backend: Backend) -> list[tuple[str, dict]]:
     """(name, change) for every builder setting worth measuring on this backend, in the order the
     greedy search tries them."""
     fixed, version = _fixed_by_user(backend), tensorrt_version(backend)
@@ -86,7 +87,7 @@ def candidates(backend: Any) -> list[tuple[str, dict]]:
     return out
 
 
-def base_settings(backend: Any) -> TrtBuildSettings:
+def base_settings(backend: Backend) -> TrtBuildSettings:
     """Where the search starts and what ships when nothing helped: nothing changed, the backend's own
     configuration (backend.builder_optimization_level, backend.trtexec_args) as it is."""
     return TrtBuildSettings()
@@ -96,7 +97,7 @@ def apply_change(settings: TrtBuildSettings, change: dict) -> TrtBuildSettings:
     return settings.changed(**change)
 
 
-def search_candidates(backend: Any, shipped: Path) -> tuple[list[tuple[str, dict]], dict[str, Any]]:
+def search_candidates(backend: Backend, shipped: Path) -> tuple[list[tuple[str, dict]], dict[str, Any]]:
     """The candidates on this backend (they do not depend on the model), and the TensorRT version
     they were chosen for."""
     version = tensorrt_version(backend)

@@ -1,0 +1,93 @@
+"""A runtime is a plugin: one defined only in this file (ONNX's own reference evaluator, plain numpy)
+goes through every stage by `backend=custom backend._target_=...`, with nothing in tasks/ knowing it."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from pipeline.backends.base import Backend, BuildResult, Deployment, FusionSource, PreparedModel
+from pipeline.data.adapters import fixed_feeds
+from pipeline.graph.model import input_specs, load_model
+from tests.helpers import QUICK, run_tune
+
+TARGET = "tests.e2e.test_runtime_plugin.ReferenceRuntime"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class ReferencePrepared(PreparedModel):
+    def __init__(self, model: onnx.ModelProto):
+        from onnx.reference import ReferenceEvaluator
+        from onnx.version_converter import convert_version
+
+        self.specs = input_specs(model)
+        # the evaluator implements QuantizeLinear/DequantizeLinear from opset 19 on
+        self.evaluator = ReferenceEvaluator(convert_version(model, 21))
+        self._feeds = fixed_feeds(self.specs)
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return list(self.evaluator.run(None, feeds))
+
+    def set_timing_feeds(self, feeds: dict[str, np.ndarray]) -> None:
+        self._feeds = {k: feeds[k] for k in self._feeds}
+
+    def time_runs(self, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.evaluator.run(None, self._feeds)
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+
+class ReferenceRuntime(Backend):
+    """ONNX's reference evaluator as a runtime: Q/DQ run as plain math (TensorRT's placement, judged as
+    Q/DQ math), every node its own fusion group, and a deployable artifact of its own."""
+
+    name = "onnx_reference"
+    placement = "tensorrt"
+
+    def check_available(self) -> None:
+        from onnx.reference import ReferenceEvaluator  # noqa: F401 - part of onnx: always here
+
+    def prepare(self, model_path, profile: bool = False) -> PreparedModel:
+        return ReferencePrepared(load_model(model_path, check=False))
+
+    def build(self, model_path, out_path=None, log_path=None) -> BuildResult:
+        return BuildResult(None, None, {"nodes": len(load_model(model_path, check=False).graph.node)})
+
+    def fusion_source(self, model_path: Path, out_dir: Path, stem: str) -> FusionSource:
+        return FusionSource("the reference evaluator runs every node alone", optimized=load_model(model_path))
+
+    def deploy(self, model_path: Path, out_dir: Path, source: str, cfg) -> Deployment:
+        model = load_model(model_path)
+        out, facts = out_dir / "model.reference.onnx", out_dir / "build.json"
+        onnx.save(model, str(out))
+        facts.write_text(json.dumps({"nodes": len(model.graph.node), "source": source}))
+        return Deployment({"model.reference.onnx": out, "build.json": facts},
+                          {"source": source, "headline": f"{self.name}: {out.name} from {source}"})
+
+
+def test_a_runtime_defined_in_a_test_file_goes_through_every_stage(residual_models, tmp_path):
+    rd = tmp_path / "r"
+    args = ["model=onnx", f"model.onnx_path={residual_models['tiny']}", "data=synthetic", "backend=custom",
+            f"backend._target_={TARGET}", "backend.timing_runs=4", *QUICK, "autotune.schemes_per_region=2",
+            "evaluate.plot=false", f"results_dir={rd}"]
+    env = {"PYTHONPATH": str(ROOT)}  # the runtime lives in this file
+    run_tune(args, cwd=tmp_path, check=True, env=env)
+    stages = json.loads((rd / "manifest.json").read_text())["stages"]
+    assert set(stages) == {"export", "quantize", "autotune", "gen_trt_engine", "evaluate"}
+    assert stages["quantize"]["metrics"]["placement"] == "tensorrt"
+    assert stages["autotune"]["metrics"]["runtime"]["searched"] is False  # it has no settings to search
+    assert "onnx_reference" in stages["autotune"]["metrics"]["final_line"]
+    assert (rd / "gen_trt_engine" / "model.reference.onnx").exists()
+    assert stages["gen_trt_engine"]["metrics"]["headline"].startswith("onnx_reference: model.reference.onnx")
+    assert stages["evaluate"]["metrics"]["headline"]
+    # a target that is no Backend is one line and exit 2
+    bad = run_tune([*args[:4], "backend._target_=tests.helpers.QUICK", *args[5:]], cwd=tmp_path, env=env)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
+        "tune: error: invalid config: backend._target_=tests.helpers.QUICK: not a runtime")
