@@ -284,7 +284,8 @@ class OnnxRuntimeBackend(Backend):
         """ONNX Runtime has no engine to build: the graph it runs after its fusions (model.ort.onnx) and the
         build facts (build.json)."""
         out, facts = out_dir / "model.ort.onnx", out_dir / "build.json"
-        log.info("onnxruntime has no engine to build: writing the graph it runs (after its fusions) to %s", out)
+        log.info("backend=onnxruntime has no TensorRT engine to build: writing the graph ONNX Runtime runs "
+                 "(after its fusions) to %s", out)
         try:
             result = self.build(model_path, out, facts)
         except Exception as exc:  # noqa: BLE001 - ORT's own error types for models it cannot load or run

@@ -134,8 +134,8 @@ def region_pattern_autotuning_workflow(
 
 def _winner(best: SchemeRecord | None, candidates: int) -> str:
     """The pattern's winning scheme and the whole model's speed with it, as the headline prints it."""
-    if best is None:
-        return "none measurable"
+    if best is None or not math.isfinite(best.ratio):
+        return "none measurable (every scheme failed to build or run: see autotune/logs/)"
     return (f"{best.describe(candidates)}, the model at {1.0 / best.ratio:.2f}x speedup vs float "
             f"(latency ratio {best.ratio:.3f}, lower is faster)")
 

@@ -37,6 +37,8 @@ def test_every_option_composes(group, option, tmp_path):
         overrides.append("data.path=x.npz")
     if option == "custom" and group == "data":
         overrides.append("data._target_=builtins.list")
+    if option == "custom" and group == "backend":
+        overrides.append("backend._target_=pipeline.backends.onnxruntime.OnnxRuntimeBackend")
     cfg = compose(overrides)
     validate(cfg)
     # what the option's file sets is what the composed config holds
