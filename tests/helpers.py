@@ -269,3 +269,11 @@ def assert_final_line(stderr: str, metrics: dict) -> None:
         assert "tuned" not in metrics["headline"].split(":", 1)[0]
     else:
         assert "x speedup)" in stderr and not metrics["headline"].startswith("ships float")
+
+
+def ort_fusion_groups(model: onnx.ModelProto) -> list:
+    """The fusion groups ONNX Runtime's CPU EP forms for ``model`` (what its backend reports to subgraph mode)."""
+    from pipeline.backends.onnxruntime import optimized_graph
+    from tasks.autotune.subgraph.fusion_grouping import map_fusions
+
+    return map_fusions(model, optimized_graph(model))

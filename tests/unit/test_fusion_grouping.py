@@ -3,14 +3,8 @@ original nodes by boundary tensors."""
 
 from __future__ import annotations
 
-from pipeline.backends.onnxruntime import optimized_graph
-from tasks.autotune.subgraph.fusion_grouping import map_fusions
 from tests import models
-
-
-def ort_fusion_groups(model):
-    """The fusion groups ONNX Runtime's CPU EP forms (what its backend reports to subgraph mode)."""
-    return map_fusions(model, optimized_graph(model))
+from tests.helpers import ort_fusion_groups
 
 
 def _groups(model) -> dict[tuple[str, ...], tuple[str, ...]]:

@@ -22,16 +22,10 @@ from tasks.autotune.autotuner import Config, QDQAutotunerBase
 from tasks.autotune.benchmark import compare_profiled
 from tasks.autotune.region import Region, RegionType
 from tasks.autotune.subgraph.extractor import extract_subgraph, reuse_key, tensor_infos
-from tasks.autotune.subgraph.fusion_grouping import map_fusions
 from tasks.autotune.subgraph.profiling import heuristic_schemes, ranked_schemes
 from tasks.autotune.subgraph.records import SubgraphCache
 from tests import models
-from tests.helpers import compose
-
-
-def ort_fusion_groups(model):
-    """The fusion groups ONNX Runtime's CPU EP forms (what its backend reports to subgraph mode)."""
-    return map_fusions(model, ort_optimized_graph(model))
+from tests.helpers import compose, ort_fusion_groups
 
 
 def _tuner(model: onnx.ModelProto) -> QDQAutotunerBase:

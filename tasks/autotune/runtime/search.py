@@ -128,7 +128,7 @@ class RuntimeOutcome:
 
 class RuntimeSearch:
     """The greedy search over one backend's runtime settings for one shipped model (see module
-    docstring); what it searches comes from ``SPACES[backend.name]``. Its state file is a
+    docstring); what it searches comes from the backend's ``search_space()``. Its state file is a
     ``StateDocument`` kept as on disk (``steps`` holds RuntimeStep.to_dict() each)."""
 
     def __init__(self, backend: Backend, model: Path, judge: Any, cfg: Any, state_path: Path, context: str):
