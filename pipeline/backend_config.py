@@ -102,6 +102,7 @@ class BackendName(str, Enum):
     trtexec = "trtexec"
     openvino = "openvino"
     custom = "custom"  # a runtime of your own: backend._target_ names its Backend class
+    auto = "auto"  # every runtime in backend.runtimes tuned, the fastest accurate one shipped
 
 
 @dataclass
@@ -198,3 +199,21 @@ class CustomBackendConfig(BackendConfig):
     name: BackendName = BackendName.custom
     _target_: str = MISSING
     options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AutoBackendConfig(BackendConfig):
+    """`backend=auto`: quantize and autotune run once per runtime in ``runtimes`` that can run here (one
+    that cannot is reported in one line and left out), each in results_dir/runtimes/<name>/ with its
+    own section below (e.g. ``backend.openvino.inference_precision=f32``); then every runtime's shipped
+    model and float are timed side by side in one interleaved run (``warmup_runs``, ``timing_runs``), and
+    the fastest that met the accuracy budget ships: gen_trt_engine and evaluate run on it."""
+
+    name: BackendName = BackendName.auto
+    runtimes: list[str] = field(default_factory=lambda: ["onnxruntime", "openvino"])
+    onnxruntime: OnnxRuntimeBackendConfig = field(default_factory=OnnxRuntimeBackendConfig)
+    openvino: OpenVinoBackendConfig = field(default_factory=OpenVinoBackendConfig)
+    tensorrt: TensorRTBackendConfig = field(default_factory=TensorRTBackendConfig)
+    tensorrt_rtx: TensorRTBackendConfig = field(
+        default_factory=lambda: TensorRTBackendConfig(name=BackendName.tensorrt_rtx))
+    trtexec: TrtexecBackendConfig = field(default_factory=TrtexecBackendConfig)

@@ -19,6 +19,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from pipeline.artifacts import check_onnx_path, user_path
 from pipeline.backend_config import (
+    AutoBackendConfig,
     CustomBackendConfig,
     OnnxRuntimeBackendConfig,
     OpenVinoBackendConfig,
@@ -328,6 +329,7 @@ _SHARED_GROUPS: dict[str, dict[str, type]] = {
         "base_trtexec": TrtexecBackendConfig,
         "base_openvino": OpenVinoBackendConfig,
         "base_custom_backend": CustomBackendConfig,
+        "base_auto_backend": AutoBackendConfig,
     },
 }
 

@@ -92,13 +92,17 @@ def stage_fingerprint(stage: Stage, cfg: DictConfig, inputs: dict[str, Path]) ->
 def run_pipeline(cfg: DictConfig, results_dir: Path) -> dict[str, Any]:
     """Run ``cfg.stages`` in ``results_dir``; returns {stage: {"status", "metrics", ...}}."""
     validate(cfg)
-    from pipeline.backends import check_backend
+    from pipeline.backends import check_backend, is_auto
 
     check_backend(cfg)  # a missing runtime fails here, before the lock and any stage
     stages = [load_stage(n) for n in ordered_stages(cfg)]  # fail on unbuilt stages before doing any work
     # the bars and ORT sessions deep inside (weights, saves, calibration) follow the config too, for
     # this run only
     with run_scope(threads=int(cfg.backend.get("intra_op_threads", 0) or 0), progress=bool(cfg.progress)):
+        if is_auto(cfg.backend):
+            from pipeline.app.auto import run_auto
+
+            return run_auto(cfg, Path(results_dir), _run_stages)
         return _run_stages(cfg, stages, Path(results_dir))
 
 

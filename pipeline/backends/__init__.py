@@ -27,6 +27,8 @@ def runtime_class(cfg: DictConfig) -> type[Backend]:
     """The Backend class the `backend` config names (imported, not instantiated: its class attributes say
     what the runtime is, e.g. its ``placement``, without loading the runtime's own libraries)."""
     name = enum_value(cfg.name)
+    if name == "auto":
+        raise ConfigError("backend=auto is several runtimes: a stage runs on one of backend.runtimes at a time")
     if name == "custom":
         target = cfg.get("_target_")
         cls = import_object(target, "backend._target_")
@@ -83,12 +85,31 @@ def activation_type(cfg: DictConfig) -> str:
     return "uint8" if placement_kind(cfg).cpu_kernels else "int8"
 
 
+def auto_runtimes(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
+    """`backend=auto`: (name, its backend section) of every runtime in ``backend.runtimes``, in order; a
+    ConfigError naming the key for an unknown or repeated one."""
+    names = [enum_value(n) for n in cfg.runtimes]
+    bad = [n for n in names if n not in BACKENDS or not isinstance(cfg.get(n), DictConfig)]
+    if bad or not names or len(set(names)) != len(names):
+        raise ConfigError(f"backend.runtimes={names}: give each runtime once, from {', '.join(BACKENDS)}")
+    return [(n, cfg[n]) for n in names]
+
+
+def is_auto(cfg: DictConfig) -> bool:
+    """The `backend` section is backend=auto (several runtimes, one chosen by measurement)."""
+    return enum_value(cfg.name) == "auto"
+
+
 def check_backend(cfg: DictConfig) -> None:
     """Start-up check of the whole config's backend: raises BackendUnavailable (one line naming the fix)
     when the chosen runtime is missing, before any stage runs. Measuring may still need a GPU later;
-    that is reported when a stage measures."""
+    that is reported when a stage measures. backend=auto checks its list here; a runtime in it that
+    cannot run is left out, in one line, when auto runs."""
+    if is_auto(cfg.backend):
+        auto_runtimes(cfg.backend)
+        return
     create_backend(cfg.backend)
 
 
 __all__ = ["BACKENDS", "Backend", "BuildResult", "PreparedModel", "Timing", "check_backend", "compare_interleaved",
-           "activation_type", "compute_backend", "create_backend", "judging_backend", "placement_kind", "runtime_class"]
+           "activation_type", "auto_runtimes", "compute_backend", "is_auto", "create_backend", "judging_backend", "placement_kind", "runtime_class"]

@@ -1,0 +1,293 @@
+"""`backend=auto`: the fastest accurate deployment on this machine, chosen by measurement.
+
+Export runs once. Each runtime in ``backend.runtimes`` that can run here gets its own results_dir,
+results_dir/runtimes/<name>/, whose manifest points at the shared export, and quantize and autotune run
+there with that runtime's section as the backend (each resumable and skipped when up to date, as any run).
+A runtime that cannot run here, or whose run fails, is reported in one line and left out. Then every
+runtime's shipped model (with the settings it ships with) and its own float are timed side by side with
+the reference float (ONNX Runtime FP32 where it is in the list) in one interleaved run, and the fastest
+shipped model ships: every one of them already met the accuracy budget in its own autotune (or is the
+float model itself). The choice is kept in autotune/runtime_choice.json with a fingerprint of what it
+compared, so a re-run with nothing changed does not time again; the top-level manifest's quantize and
+autotune entries point at the winner's files, and gen_trt_engine and evaluate run on the winner.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, open_dict
+
+from pipeline.app.scope import run_scope
+from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
+from pipeline.backends import Backend, auto_runtimes, create_backend
+from pipeline.backends.base import compare_prepared
+from pipeline.config import ordered_stages
+from pipeline.errors import BackendUnavailable, PipelineError, StateError, first_line
+from pipeline.registry import load_stage
+from pipeline.stage import Stage
+from pipeline.values import section
+
+log = logging.getLogger("tune.auto")
+
+CHOICE = "autotune/runtime_choice.json"
+PER_RUNTIME = ("quantize", "autotune")  # the stages each runtime runs in its own results_dir
+
+
+@dataclass(frozen=True)
+class RuntimeRow:
+    """One runtime in the final comparison: what it ships and how fast it and its own float ran."""
+
+    runtime: str
+    shipped: str  # "tuned", "ptq" or "float": what its own autotune shipped
+    float_precision: str  # the precision its float runs in (its baseline)
+    accuracy: str  # its autotune's verdict on the shipped model
+    p10_ms: float | None = None  # the shipped model with its shipped settings
+    float_p10_ms: float | None = None  # its own float model, as deployed
+    error: str | None = None  # why it was not timed
+
+    def speedup(self, reference_ms: float) -> float | None:
+        return reference_ms / self.p10_ms if self.p10_ms else None
+
+
+@dataclass
+class RuntimeChoice:
+    """What backend=auto compared and chose (autotune/runtime_choice.json)."""
+
+    key: str  # fingerprint of the models, settings and runtime sections compared
+    reference: str  # e.g. "onnxruntime FP32 float"
+    reference_p10_ms: float
+    winner: str
+    rows: list[RuntimeRow]
+    left_out: dict[str, str] = field(default_factory=dict)  # runtime -> why it did not take part
+    headline: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RuntimeChoice:
+        try:
+            return cls(**{**d, "rows": [RuntimeRow(**r) for r in d["rows"]]})
+        except (TypeError, KeyError) as exc:
+            raise StateError(f"{CHOICE} has an unknown layout ({first_line(exc)}); delete it to compare again") \
+                from None
+
+
+@dataclass(frozen=True)
+class RuntimeRun:
+    """One runtime's own run: its name, the config with its section as `backend`, its results_dir."""
+
+    name: str
+    cfg: DictConfig
+    results_dir: Path
+
+
+def run_auto(cfg: DictConfig, results_dir: Path,
+             run_stages: Callable[[DictConfig, list[Stage], Path], dict[str, Any]]) -> dict[str, Any]:
+    """Run ``cfg.stages`` with backend=auto in ``results_dir`` (``run_stages(cfg, stages, dir)`` runs stages
+    in one results_dir, as the runner does); the summary of the top-level run."""
+    wanted = ordered_stages(cfg)
+    summary: dict[str, Any] = {}
+    if "export" in wanted:
+        summary.update(run_stages(cfg, [load_stage("export")], results_dir))
+    per_runtime = [s for s in PER_RUNTIME if s in wanted]
+    rest = [s for s in wanted if s not in ("export", *PER_RUNTIME)]
+    if not per_runtime and not rest:
+        return summary
+    runs, left_out = _runnable(cfg, results_dir)
+    outcomes: dict[str, dict[str, Any]] = {}
+    for run in list(runs):
+        if not per_runtime:
+            break
+        _share_export(results_dir, run.results_dir)
+        log.info("auto: %s in %s", run.name, run.results_dir)
+        try:
+            with run_scope(threads=int(run.cfg.backend.get("intra_op_threads", 0) or 0), progress=bool(cfg.progress)):
+                outcomes[run.name] = run_stages(run.cfg, [load_stage(s) for s in per_runtime], run.results_dir)
+        except PipelineError as exc:
+            log.warning("auto: %s left out: %s", run.name, first_line(exc))
+            left_out[run.name] = first_line(exc)
+            runs.remove(run)
+    if not runs:
+        raise BackendUnavailable("backend=auto: no runtime in backend.runtimes could run here: "
+                                 + "; ".join(f"{k}: {v}" for k, v in left_out.items()))
+    choice = _choose(cfg, results_dir, runs, left_out)
+    winner = next(r for r in runs if r.name == choice.winner)
+    _publish(results_dir, winner, choice)
+    for stage in per_runtime:
+        status = outcomes.get(winner.name, {}).get(stage, {}).get("status", "skipped")
+        summary[stage] = {"status": status, "metrics": Manifest(results_dir).metrics(stage)}
+    if rest:
+        summary.update(run_stages(winner.cfg, [load_stage(s) for s in rest], results_dir))
+    return summary
+
+
+def _runnable(cfg: DictConfig, results_dir: Path) -> tuple[list[RuntimeRun], dict[str, str]]:
+    """The runtimes of backend.runtimes that can run here, and why each other one cannot."""
+    runs, left_out = [], {}
+    for name, bcfg in auto_runtimes(cfg.backend):
+        try:
+            create_backend(bcfg)
+        except BackendUnavailable as exc:
+            log.warning("auto: %s left out: %s", name, first_line(exc))
+            left_out[name] = first_line(exc)
+            continue
+        sub = results_dir / "runtimes" / name
+        rcfg = cfg.copy()
+        with open_dict(rcfg):
+            rcfg.backend = bcfg
+            rcfg.results_dir = str(sub)
+        runs.append(RuntimeRun(name, rcfg, sub))
+    return runs, left_out
+
+
+def _reroot(entry: dict[str, Any], src: Path, dst: Path) -> dict[str, Any]:
+    """A manifest entry of results_dir ``src`` as results_dir ``dst`` records it (same files)."""
+    outputs = {k: {**rec, "path": os.path.relpath(src / rec["path"], dst)} for k, rec in entry.get("outputs", {}).items()}
+    return {**entry, "outputs": outputs}
+
+
+def _share_export(top: Path, sub: Path) -> None:
+    """Point ``sub``'s manifest at the top-level export (its files are not copied)."""
+    entry = Manifest(top).entry("export")
+    if not entry or entry.get("status") != "done":
+        return
+    sub.mkdir(parents=True, exist_ok=True)
+    manifest = Manifest(sub)
+    manifest.stages["export"] = _reroot(entry, top, sub)
+    manifest.save()
+
+
+def _shipped(run: RuntimeRun) -> tuple[Backend, Path, dict[str, Any]]:
+    """The runtime's backend with the settings its autotune ships, its shipped model, its autotune metrics."""
+    manifest = Manifest(run.results_dir)
+    model = manifest.artifact("autotune/optimized_final.onnx")
+    if model is None:
+        raise StateError(f"backend=auto: {run.name} has no tuned model in {run.results_dir}: include autotune "
+                         f"in stages")
+    backend = create_backend(run.cfg.backend)
+    kind = backend.shipped_settings
+    settings_path = manifest.artifact(kind.artifact) if kind is not None else None
+    if settings_path is not None:
+        backend = backend.with_settings(kind.type.load(settings_path))
+    return backend, model, manifest.metrics("autotune")
+
+
+def _reference(runs: list[RuntimeRun]) -> Backend:
+    """The float every runtime is compared with: ONNX Runtime's FP32 where it takes part, else the first
+    runtime in FP32."""
+    first = next((r for r in runs if r.name == "onnxruntime"), runs[0])
+    backend = create_backend(first.cfg.backend).as_deployed()
+    return backend.fp32_variant() or backend
+
+
+def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[str, str]) -> RuntimeChoice:
+    """The kept choice when nothing it compared changed, else one interleaved run of every runtime's shipped
+    model and float against the reference float."""
+    float_path = Manifest(top).artifact("export/model.onnx")
+    if float_path is None:
+        raise StateError(f"backend=auto: no export/model.onnx in {top}: run stage 'export' first")
+    shipped = {r.name: _shipped(r) for r in runs}
+    compared = {}
+    for r in runs:
+        backend, model, _ = shipped[r.name]
+        compared[r.name] = [sha256_file(model), backend.settings.to_dict() if backend.settings is not None else None,
+                            section(r.cfg, "backend")]
+    key = fingerprint({"float": sha256_file(float_path), "runtimes": compared,
+                       "timing": [int(cfg.backend.warmup_runs), int(cfg.backend.timing_runs)]})
+    path = top / CHOICE
+    if path.exists():
+        kept = RuntimeChoice.from_dict(read_json(path, CHOICE))
+        if kept.key == key:
+            log.info("auto: %s (kept: nothing it compared changed)", kept.headline)
+            return kept
+    reference = _reference(runs)
+    models: list[tuple[Backend, Path]] = [(reference, float_path)]
+    for name in shipped:
+        backend, model, _ = shipped[name]
+        models += [(backend.as_deployed(), float_path), (backend, model)]
+    prepared, errors = [], []
+    try:
+        for backend, model in models:
+            try:
+                prepared.append(backend.prepare(model))
+                errors.append(None)
+            except Exception as exc:  # noqa: BLE001 - a runtime that cannot load its model is left out
+                prepared.append(None)
+                errors.append(first_line(exc))
+        live = [pm for pm in prepared if pm is not None]
+        warm, runs_total = int(cfg.backend.warmup_runs), int(cfg.backend.timing_runs)
+        timed = iter(compare_prepared("auto", live, rounds=8, runs_per_round=max(2, runs_total // 8),
+                                      warmup_runs=warm))
+        timings = [next(timed) if pm is not None else None for pm in prepared]
+    finally:
+        for pm in prepared:
+            if pm is not None:
+                pm.close()
+    return _decide(key, path, reference, timings, errors, shipped, left_out)
+
+
+def _decide(key: str, path: Path, reference: Backend, timings: list[Any], errors: list[str | None],
+            shipped: dict[str, tuple[Backend, Path, dict[str, Any]]], left_out: dict[str, str]) -> RuntimeChoice:
+    ref_t = timings[0]
+    if ref_t is None or not ref_t.ok:
+        raise PipelineError(f"backend=auto: the reference float did not run on {reference.name}: "
+                            f"{errors[0] or (ref_t.error if ref_t else '')}")
+    rows = []
+    for i, (name, (backend, _, metrics)) in enumerate(shipped.items()):
+        float_t, ship_t = timings[1 + 2 * i], timings[2 + 2 * i]
+        error = next((e for e in (errors[1 + 2 * i], errors[2 + 2 * i]) if e), None) or next(
+            (t.error for t in (float_t, ship_t) if t is not None and not t.ok), None)
+        final = (metrics.get("accuracy") or {}).get("final") or {}
+        rows.append(RuntimeRow(name, str(metrics.get("shipped", "float")), backend.float_precision(),
+                               str(final.get("what", "")),
+                               ship_t.p10_ms if ship_t is not None and ship_t.ok else None,
+                               float_t.p10_ms if float_t is not None and float_t.ok else None, error))
+        if error:
+            log.warning("auto: %s left out of the choice: %s", name, error)
+    ranked = sorted((r for r in rows if r.p10_ms is not None), key=lambda r: r.p10_ms)
+    if not ranked:
+        raise PipelineError("backend=auto: no runtime's shipped model ran in the final comparison: "
+                            + "; ".join(f"{r.runtime}: {r.error}" for r in rows))
+    reference_name = f"{reference.name} {reference.float_precision()} float"
+    choice = RuntimeChoice(key, reference_name, ref_t.p10_ms, ranked[0].runtime, rows, dict(left_out))
+    choice.headline = _headline(choice, ranked)
+    atomic_write_json(path, choice.to_dict(), indent=1)
+    log.info("auto: %s", choice.headline)
+    return choice
+
+
+def _headline(choice: RuntimeChoice, ranked: list[RuntimeRow]) -> str:
+    """e.g. 'ships openvino (tuned): 2.10x the onnxruntime FP32 float (p10); next onnxruntime (tuned) 1.26x'."""
+    ref = choice.reference_p10_ms
+    best = ranked[0]
+    text = f"ships {best.runtime} ({best.shipped}): {best.speedup(ref):.2f}x the {choice.reference}"
+    others = [f"{r.runtime} ({r.shipped}) {r.speedup(ref):.2f}x" for r in ranked[1:]]
+    others += [f"{r.runtime} not timed ({r.error})" for r in choice.rows if r.p10_ms is None]
+    others += [f"{k} left out ({v})" for k, v in choice.left_out.items()]
+    if len(ranked) > 1:
+        text += f", {ranked[1].p10_ms / best.p10_ms:.2f}x the next"
+    return text + (f"; {'; '.join(others)}" if others else "")
+
+
+def _publish(top: Path, winner: RuntimeRun, choice: RuntimeChoice) -> None:
+    """The top-level manifest's quantize and autotune entries: the winner's, pointing at its files, the
+    autotune one with the choice beside it."""
+    sub = Manifest(winner.results_dir)
+    manifest = Manifest(top)
+    for stage in PER_RUNTIME:
+        entry = sub.entry(stage)
+        if entry is not None:
+            manifest.stages[stage] = _reroot(entry, winner.results_dir, top)
+    auto = manifest.stages.get("autotune")
+    if auto is not None:
+        auto["outputs"][CHOICE] = manifest.describe_file(top / CHOICE)
+        auto["metrics"] = {**auto.get("metrics", {}), "headline": choice.headline, "runtime_choice": choice.to_dict(),
+                           "runtime_headline": auto.get("metrics", {}).get("headline")}
+    manifest.save()

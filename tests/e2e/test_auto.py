@@ -1,0 +1,72 @@
+"""backend=auto: each runtime quantized and tuned in its own results_dir, every shipped model timed side by
+side, the fastest accurate one shipped and built; a runtime that cannot run is left out in one line."""
+
+from __future__ import annotations
+
+import json
+
+from tests.helpers import QUICK, run_tune
+
+# each runtime's own measurements kept short, as QUICK keeps the single-runtime ones
+SHORT = [f"backend.{r}.{k}={v}" for r in ("onnxruntime", "openvino") for k, v in (("warmup_runs", 1),
+                                                                                    ("timing_runs", 8))]
+
+
+def test_auto_tunes_every_runtime_and_ships_the_fastest(residual_models, tmp_path):
+    rd = tmp_path / "r"
+    args = ["model=onnx", f"model.onnx_path={residual_models['tiny']}", "data=synthetic", "backend=auto",
+            *QUICK, *SHORT, "autotune.schemes_per_region=2", "evaluate.plot=false", f"results_dir={rd}"]
+    proc = run_tune(args, cwd=tmp_path, check=True)
+    choice = json.loads((rd / "autotune" / "runtime_choice.json").read_text())
+    rows = {r["runtime"]: r for r in choice["rows"]}
+    assert set(rows) == {"onnxruntime", "openvino"} and all(r["p10_ms"] for r in rows.values())
+    assert choice["reference"] == "onnxruntime FP32 float"
+    fastest = min(rows.values(), key=lambda r: r["p10_ms"])["runtime"]
+    assert choice["winner"] == fastest
+    stages = json.loads((rd / "manifest.json").read_text())["stages"]
+    assert stages["autotune"]["metrics"]["headline"].startswith(f"ships {fastest} (")
+    assert stages["autotune"]["metrics"]["headline"] == choice["headline"]
+    # each runtime tuned in its own results_dir, on the shared export
+    for name in rows:
+        sub = json.loads((rd / "runtimes" / name / "manifest.json").read_text())["stages"]
+        assert sub["autotune"]["status"] == "done"
+        assert sub["autotune"]["metrics"]["runtime"]["file"]  # its own runtime settings were searched
+    assert not (rd / "runtimes" / "onnxruntime" / "export").exists()
+    # the top level points at the winner's files; gen_trt_engine builds the winner's artifact
+    assert stages["autotune"]["outputs"]["autotune/optimized_final.onnx"]["path"] == \
+        f"runtimes/{fastest}/autotune/optimized_final.onnx"
+    artifact = {"openvino": "model.xml", "onnxruntime": "model.ort.onnx"}[fastest]
+    assert (rd / "gen_trt_engine" / artifact).exists()
+    assert stages["evaluate"]["status"] == "done"
+    assert f"auto: {choice['headline']}" in proc.stderr
+    # nothing changed: every stage skipped and the choice kept, not timed again
+    again = run_tune(args, cwd=tmp_path, check=True)
+    assert "(kept: nothing it compared changed)" in again.stderr
+    assert "running" not in again.stderr
+
+
+def test_auto_leaves_out_a_runtime_that_cannot_run_here_in_one_line(residual_models, tmp_path):
+    import pytest
+
+    from pipeline.backends import create_backend
+    from pipeline.errors import BackendUnavailable
+    from tests.helpers import compose
+
+    try:
+        create_backend(compose(["backend=tensorrt"]).backend)
+        pytest.skip("TensorRT runs here: no runtime to leave out")
+    except BackendUnavailable:
+        pass
+    rd = tmp_path / "r"
+    args = ["model=onnx", f"model.onnx_path={residual_models['tiny']}", "data=synthetic", "backend=auto",
+            "backend.runtimes=[tensorrt,onnxruntime]", *QUICK, *SHORT, "autotune.schemes_per_region=2",
+            "stages=[export,quantize,autotune]", f"results_dir={rd}"]
+    proc = run_tune(args, cwd=tmp_path, check=True)
+    left = [ln for ln in proc.stderr.splitlines() if ln.startswith("WARNING: auto: tensorrt left out: ")]
+    assert len(left) == 1, proc.stderr
+    choice = json.loads((rd / "autotune" / "runtime_choice.json").read_text())
+    assert choice["winner"] == "onnxruntime" and list(choice["left_out"]) == ["tensorrt"]
+    assert "tensorrt left out" in choice["headline"]
+    bad = run_tune([*args[:4], "backend.runtimes=[onnxruntime,nope]", *args[5:]], cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
+        "tune: error: invalid config: backend.runtimes=['onnxruntime', 'nope']: give each runtime once")
