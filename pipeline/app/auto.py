@@ -257,13 +257,13 @@ def _decide(key: str, path: Path, reference: Backend, timings: list[Any], errors
                             + "; ".join(f"{r.runtime}: {r.error}" for r in rows))
     reference_name = f"{reference.name} {reference.float_precision()} float"
     choice = RuntimeChoice(key, reference_name, ref_t.p10_ms, ranked[0].runtime, rows, dict(left_out))
-    choice.headline = _headline(choice, ranked)
+    choice.headline = headline(choice, ranked)
     atomic_write_json(path, choice.to_dict(), indent=1)
     log.info("auto: %s", choice.headline)
     return choice
 
 
-def _headline(choice: RuntimeChoice, ranked: list[RuntimeRow]) -> str:
+def headline(choice: RuntimeChoice, ranked: list[RuntimeRow]) -> str:
     """e.g. 'ships openvino (tuned): 2.10x the onnxruntime FP32 float (p10); next onnxruntime (tuned) 1.26x'."""
     ref = choice.reference_p10_ms
     best = ranked[0]

@@ -80,8 +80,13 @@ _DICT_FIELDS = ("input_shapes", "min_shapes", "opt_shapes", "max_shapes", "args"
 
 
 def open_dict_overrides(argv: list[str]) -> list[str]:
+    """The command line as Hydra composes it: overrides of dict-valued fields get ``++`` (they may add
+    keys), and ``backend=[a,b]`` means backend=auto over those runtimes."""
     out = []
     for a in argv:
+        if a.startswith("backend=[") and a.endswith("]"):
+            out += ["backend=auto", f"backend.runtimes={a.split('=', 1)[1]}"]
+            continue
         key = a.split("=", 1)[0]
         if "=" in a and not a.startswith(("-", "+", "~")) and any(
                 key.endswith("." + f) or "." + f + "." in key for f in _DICT_FIELDS):

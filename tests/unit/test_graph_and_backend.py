@@ -35,7 +35,7 @@ def test_load_model_errors(tmp_path):
 
 
 def test_ort_backend_measures_and_caches(tiny_models, tmp_path):
-    cfg = compose(["backend.timing_runs=5", "backend.warmup_runs=1"])
+    cfg = compose(["backend=onnxruntime", "backend.timing_runs=5", "backend.warmup_runs=1"])
     backend = create_backend(cfg.backend)
     t = backend.measure(tiny_models["conv_chain"])
     assert t.ok and t.n == 5 and t.p10_ms <= t.median_ms <= t.p90_ms
@@ -51,7 +51,7 @@ def test_ort_backend_measures_and_caches(tiny_models, tmp_path):
 
 
 def test_failed_measurement_is_not_infinite(tmp_path):
-    cfg = compose([])
+    cfg = compose(["backend=onnxruntime"])
     backend = create_backend(cfg.backend)
     bad = tmp_path / "bad.onnx"
     m = models.conv_chain()
@@ -62,7 +62,7 @@ def test_failed_measurement_is_not_infinite(tmp_path):
 
 
 def test_interleaved_compare(tiny_models):
-    backend = create_backend(compose(["backend.timing_runs=6", "backend.warmup_runs=1"]).backend)
+    backend = create_backend(compose(["backend=onnxruntime", "backend.timing_runs=6", "backend.warmup_runs=1"]).backend)
     a, b = compare_interleaved(backend, [tiny_models["conv_chain"], tiny_models["attention_block"]], rounds=3)
     assert a.ok and b.ok and a.n == 6 and b.n == 6
     assert physical_cores() >= 1
@@ -71,7 +71,7 @@ def test_interleaved_compare(tiny_models):
 def test_unavailable_provider_is_clear():
     from pipeline.errors import BackendUnavailable
 
-    cfg = compose(["backend.providers=[CUDAExecutionProvider]"])
+    cfg = compose(["backend=onnxruntime", "backend.providers=[CUDAExecutionProvider]"])
     with pytest.raises(BackendUnavailable, match="CUDAExecutionProvider"):
         create_backend(cfg.backend)
 

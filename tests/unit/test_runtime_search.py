@@ -130,7 +130,7 @@ def test_models_with_settings_run_as_deployed_and_placement_measurements_do_not_
     from pipeline.backends import create_backend
     from tests.helpers import compose
 
-    backend = create_backend(compose([]).backend)
+    backend = create_backend(compose(["backend=onnxruntime"]).backend)
     key = "session.intra_op.allow_spinning"
     assert backend.session_options().get_session_config_entry(key) == "0"
     for b in (backend.as_deployed(), backend.with_settings(SessionSettings(disabled_optimizers=("GeluFusion",)))):

@@ -161,7 +161,7 @@ def test_edge_overhead_is_the_input_q_and_output_dq_and_layout_ops():
 def test_compare_profiled_gives_compute_and_total_ratios(tmp_path):
     a = models.save(models.conv_chain(channels=16), tmp_path, "a")
     b = models.save(models.conv_chain(channels=32), tmp_path, "b")
-    backend = create_backend(compose(["backend.intra_op_threads=1"]).backend)
+    backend = create_backend(compose(["backend=onnxruntime", "backend.intra_op_threads=1"]).backend)
     ta, tb, tm = compare_profiled(backend, [a, b, tmp_path / "missing.onnx"], rounds=3, runs_per_round=3,
                                   warmup_runs=1)
     assert not tm.ok and tm.error
@@ -174,7 +174,7 @@ def test_compare_profiled_reports_a_model_the_runtime_rejects(tmp_path):
     a = models.save(models.conv_chain(), tmp_path, "a")
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not onnx")
-    backend = create_backend(compose([]).backend)
+    backend = create_backend(compose(["backend=onnxruntime"]).backend)
     ta, tb = compare_profiled(backend, [a, bad], rounds=2, runs_per_round=2, warmup_runs=1)
     assert ta.ok and not tb.ok and tb.error
 

@@ -1,0 +1,40 @@
+"""backend=auto's pieces that need no run: the list shorthand, the choice record and its headline."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.app.auto import RuntimeChoice, RuntimeRow, headline
+from pipeline.app.cli import open_dict_overrides
+from pipeline.errors import StateError
+from tests.helpers import compose
+
+
+def test_a_list_of_runtimes_is_auto_over_them():
+    argv = open_dict_overrides(["backend=[openvino,onnxruntime]", "seed=1"])
+    assert argv == ["backend=auto", "backend.runtimes=[openvino,onnxruntime]", "seed=1"]
+    cfg = compose(argv)
+    assert list(cfg.backend.runtimes) == ["openvino", "onnxruntime"]
+    assert cfg.backend.openvino.device == "CPU"  # each runtime keeps its own section
+
+
+def _choice() -> RuntimeChoice:
+    rows = [RuntimeRow("onnxruntime", "ptq", "FP32", "SNR 40 dB", p10_ms=1.5, float_p10_ms=2.0),
+            RuntimeRow("openvino", "tuned", "BF16", "SNR 38 dB", p10_ms=1.0, float_p10_ms=1.2),
+            RuntimeRow("tensorrt_rtx", "float", "FP16", "", error="no GPU")]
+    return RuntimeChoice("k", "onnxruntime FP32 float", 2.0, "openvino", rows, {"trtexec": "not on PATH"})
+
+
+def test_the_headline_names_the_winner_its_margin_and_every_other_runtime():
+    choice = _choice()
+    ranked = sorted((r for r in choice.rows if r.p10_ms is not None), key=lambda r: r.p10_ms)
+    assert headline(choice, ranked) == (
+        "ships openvino (tuned): 2.00x the onnxruntime FP32 float, 1.50x the next; onnxruntime (ptq) 1.33x; "
+        "tensorrt_rtx not timed (no GPU); trtexec left out (not on PATH)")
+
+
+def test_the_choice_round_trips_and_a_foreign_file_is_one_line(tmp_path):
+    choice = _choice()
+    assert RuntimeChoice.from_dict(choice.to_dict()) == choice
+    with pytest.raises(StateError, match="runtime_choice.json has an unknown layout"):
+        RuntimeChoice.from_dict({"key": "k"})
