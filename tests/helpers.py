@@ -63,8 +63,22 @@ def tune_command() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "pipeline.app.cli"]
 
 
+# The default, backend=auto, quantizes and tunes for every runtime here: a test runs ONNX Runtime unless it
+# names a backend (a later backend= wins), so each test pays for one runtime; the tests of auto name it.
+PINNED_BACKEND = "backend=onnxruntime"
+
+
+def pin_backend(args: list[str]) -> list[str]:
+    """``args`` with PINNED_BACKEND as the first override (before the first ``key=value``: every override
+    after it, a backend= too, wins over it)."""
+    i = next((k for k, a in enumerate(args) if "=" in a and not a.startswith("-")), len(args))
+    return [*args[:i], PINNED_BACKEND, *args[i:]]
+
+
 def run_tune(args: list[str], cwd: Path, timeout: float = 900, check: bool = False,
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`tune ARGS` in ``cwd`` (on ONNX Runtime unless ARGS name a backend: see PINNED_BACKEND)."""
+    args = pin_backend(args)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if EMULATED_CPU:  # emulation is ~50x slower, and qemu-user's multi-threaded guests are unreliable
         proc = run_emulated(tune_command()[:-2], ["-m", "pipeline.app.cli", *args], cwd=cwd, timeout=timeout * 50,

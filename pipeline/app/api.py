@@ -37,6 +37,17 @@ class TuneResult:
     accuracy: str | None  # the shipped model's accuracy verdict, in words
     accuracy_ok: bool | None  # whether it meets the accuracy budget
     metrics: Mapping[str, Mapping[str, Any]] = field(repr=False)  # each stage's metrics, as in manifest.json
+    runtime: str | None = None  # the runtime the shipped model was tuned for (backend=auto: the winner)
+
+    def load(self, device: str = "CPU") -> Any:
+        """The shipped model ready to run in its runtime's own API, with the settings it ships with: an
+        onnxruntime.InferenceSession (``ort_session``) or an openvino.CompiledModel (``openvino_model``)."""
+        if self.runtime == "openvino":
+            return openvino_model(self.results_dir, device)
+        if self.runtime in (None, "onnxruntime"):
+            return ort_session(self.results_dir)
+        raise InputError(f"{self.runtime}: load gen_trt_engine's artifact in {self.results_dir} with its own API "
+                         f"(TuneResult.load covers onnxruntime and openvino)")
 
 
 def tune(overrides: Sequence[str] | Mapping[str, Any] = (), *, model: Any = None, data: Any = None,
@@ -356,7 +367,18 @@ def _result(results_dir: Path, summary: dict[str, Any]) -> TuneResult:
         accuracy_ok=verdict.get("ok"),
         metrics=MappingProxyType({name: MappingProxyType(info.get("metrics") or {})
                                   for name, info in summary.items()}),
+        runtime=_shipped_runtime(manifest),
     )
+
+
+def _shipped_runtime(manifest: Manifest) -> str | None:
+    """The runtime autotune tuned the shipped model for: backend=auto's winner, else the run's backend."""
+    entry = manifest.entry("autotune") or {}
+    choice = (entry.get("metrics") or {}).get("runtime_choice")
+    if choice:
+        return str(choice["winner"])
+    name = ((entry.get("config") or {}).get("backend") or {}).get("name")
+    return str(name) if name else None
 
 
 def _metrics(manifest: Manifest, stage: str) -> dict[str, Any]:

@@ -102,6 +102,7 @@ def run_auto(cfg: DictConfig, results_dir: Path,
         return summary
     runs, left_out = _runnable(cfg, results_dir)
     outcomes: dict[str, dict[str, Any]] = {}
+    failures: list[PipelineError] = []
     for run in list(runs):
         if not per_runtime:
             break
@@ -114,18 +115,35 @@ def run_auto(cfg: DictConfig, results_dir: Path,
             log.warning("auto: %s left out: %s", run.name, first_line(exc))
             left_out[run.name] = first_line(exc)
             runs.remove(run)
+            failures.append(exc)
+    if not runs and failures:
+        raise failures[0]  # every runtime failed: the first one's error (a bad input fails them all alike)
     if not runs:
         raise BackendUnavailable("backend=auto: no runtime in backend.runtimes could run here: "
                                  + "; ".join(f"{k}: {v}" for k, v in left_out.items()))
-    choice = _choose(cfg, results_dir, runs, left_out)
-    winner = next(r for r in runs if r.name == choice.winner)
-    _publish(results_dir, winner, choice)
+    if "autotune" in wanted:
+        choice = _choose(cfg, results_dir, runs, left_out)
+        winner = next(r for r in runs if r.name == choice.winner)
+        _publish(results_dir, winner, choice)
+    else:
+        winner = _earlier_winner(results_dir, runs)
     for stage in per_runtime:
         status = outcomes.get(winner.name, {}).get(stage, {}).get("status", "skipped")
-        summary[stage] = {"status": status, "metrics": Manifest(results_dir).metrics(stage)}
+        summary[stage] = {"status": status, "metrics": Manifest(winner.results_dir).metrics(stage)}
     if rest:
         summary.update(run_stages(winner.cfg, [load_stage(s) for s in rest], results_dir))
     return summary
+
+
+def _earlier_winner(top: Path, runs: list[RuntimeRun]) -> RuntimeRun:
+    """Without autotune in this run: the runtime an earlier run chose, else the first that runs here."""
+    path = top / CHOICE
+    name = RuntimeChoice.from_dict(read_json(path, CHOICE)).winner if path.exists() else None
+    chosen = next((r for r in runs if r.name == name), None)
+    if chosen is None:
+        chosen = runs[0]
+        log.info("auto: no runtime chosen yet (autotune chooses one): the later stages run on %s", chosen.name)
+    return chosen
 
 
 def _runnable(cfg: DictConfig, results_dir: Path) -> tuple[list[RuntimeRun], dict[str, str]]:

@@ -14,10 +14,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from pipeline.api import tune
 from pipeline.data.adapters import data_fingerprint
 from pipeline.errors import ConfigError
-from tests.helpers import run_tune
+from tests.helpers import PINNED_BACKEND, run_tune
 
 STAGES = ["export", "quantize", "autotune", "evaluate"]
-FAST = ["quantize.calibration.batches=2", "accuracy.holdout_batches=2", "backend.warmup_runs=1",
+# one runtime (the default, backend=auto, tunes every runtime here: tests/e2e/test_auto.py)
+FAST = [PINNED_BACKEND, "quantize.calibration.batches=2", "accuracy.holdout_batches=2", "backend.warmup_runs=1",
         "backend.timing_runs=6", "autotune.warmup_runs=1", "autotune.timing_runs=8", "evaluate.latency_repeats=2",
         "progress=false"]
 
@@ -139,7 +140,8 @@ def test_input_shapes_from_whole_arrays_take_model_batch_size(tmp_path):
     before = _run_wide()
     for extra, batch in ((["backend.intra_op_threads=1"], 1), (["model.batch_size=4", "backend.intra_op_threads=2"], 4)):
         rd = tmp_path / f"b{batch}"
-        tune(["stages=[export]", f"results_dir={rd}", "progress=false", *extra], model=TinyNet(), data=(x, y))
+        tune([PINNED_BACKEND, "stages=[export]", f"results_dir={rd}", "progress=false", *extra], model=TinyNet(),
+             data=(x, y))
         config = json.loads((rd / "manifest.json").read_text())["stages"]["export"]["config"]
         assert config["model"]["input_shapes"] == {"input": [batch, 1, 8, 8]}
         assert _run_wide() == before

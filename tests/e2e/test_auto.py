@@ -43,6 +43,17 @@ def test_auto_tunes_every_runtime_and_ships_the_fastest(residual_models, tmp_pat
     again = run_tune(args, cwd=tmp_path, check=True)
     assert "(kept: nothing it compared changed)" in again.stderr
     assert "running" not in again.stderr
+    # the Python API names the winner and loads what it ships, ready to run in that runtime's own API
+    from pipeline.api import tune
+    from pipeline.data.adapters import fixed_feeds
+    from pipeline.graph.model import input_specs, load_model
+
+    result = tune(args)
+    assert result.runtime == fastest and set(result.stages.values()) == {"skipped"}
+    feeds = fixed_feeds(input_specs(load_model(residual_models["tiny"])))
+    deployed = result.load()
+    outputs = deployed(feeds) if fastest == "openvino" else deployed.run(None, feeds)
+    assert len(outputs) == 1
 
 
 def test_auto_leaves_out_a_runtime_that_cannot_run_here_in_one_line(residual_models, tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from pipeline.quant.qdq import get_quantized_tensors
-from tests.helpers import QUICK, assert_final_line, run_tune, tune_command
+from tests.helpers import QUICK, assert_final_line, pin_backend, run_tune, tune_command
 
 
 def _measurements(state: Path) -> int:
@@ -77,7 +77,7 @@ def test_kill_and_resume_measures_nothing_twice(tiny, tmp_path):
 
     rd = tmp_path / "killed"
     state = rd / "autotune" / "autotuner_state.yaml"
-    proc = subprocess.Popen([*tune_command(), *_args(tiny, rd, extra)], cwd=tmp_path, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([*tune_command(), *pin_backend(_args(tiny, rd, extra))], cwd=tmp_path, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 300
     while time.time() < deadline:

@@ -15,11 +15,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.artifacts import Manifest
 from tests import models
-from tests.helpers import compose, run_tune
+from tests.helpers import PINNED_BACKEND, compose, run_tune
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # small timing budget: these tests check plumbing, not speed
-FAST = ["evaluate.max_batches=8", "evaluate.latency_repeats=2", "backend.timing_runs=6", "backend.warmup_runs=1"]
+FAST = [PINNED_BACKEND, "evaluate.max_batches=8", "evaluate.latency_repeats=2", "backend.timing_runs=6", "backend.warmup_runs=1"]
 
 
 def _onnx_args(src: Path, results_dir: Path) -> list[str]:

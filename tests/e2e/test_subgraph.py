@@ -15,7 +15,7 @@ import onnx
 import pytest
 
 from tests import models
-from tests.helpers import QUICK, assert_final_line, run_tune, tune_command
+from tests.helpers import QUICK, assert_final_line, pin_backend, run_tune, tune_command
 
 SUBGRAPH = ["autotune.mode=subgraph", *QUICK]
 
@@ -133,7 +133,7 @@ def test_kill_in_phase2_and_in_phase3_then_resume(tmp_path):
     model = models.save(models.residual_block(blocks=3, channels=48, size=32), tmp_path, "wide")
     rd = tmp_path / "killed"
     extra = ["autotune.accuracy.enabled=false"]
-    args = [*tune_command(), *_args(model, rd, extra)]
+    args = [*tune_command(), *pin_backend(_args(model, rd, extra))]
 
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -178,7 +178,7 @@ def test_kill_during_a_bisection_then_resume(tmp_path):
     full = tmp_path / "full"
     shutil.copytree(rd, full)
     strict = ["stages=[autotune]", "accuracy.metric=snr", "accuracy.min_snr_db=200"]
-    args = [*tune_command(), *_args(model, rd, strict)[1:]]
+    args = [*tune_command(), *pin_backend(_args(model, rd, strict)[1:])]
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     _wait(proc, rd, lambda d: any(s["parent"] is not None and s["parent"] > 0 for s in d["phase3"]["steps"]))

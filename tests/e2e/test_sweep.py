@@ -4,6 +4,7 @@ sweeper over speed and accuracy, and jobs on a local Ray instance."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,7 @@ def test_summary_lists_every_job_and_a_failed_one_with_its_reason(tiny, tmp_path
     md = (sweep / "summary.md").read_text()
     assert sum(ln.startswith("| ") and "| `autotune.schemes_per_region=" in ln for ln in md.splitlines()) == 3
     assert "★" in md
-    assert "tune autotune.schemes_per_region=4" in md and "onnxruntime" in md  # reproduce line + versions
+    assert re.search(r"tune .*autotune\.schemes_per_region=4", md) and "onnxruntime" in md  # reproduce line + versions
     assert "summary:" in proc.stdout
 
     # one job fails (a value the schema refuses): the others still run and the summary has its reason
