@@ -367,11 +367,11 @@ def _result(results_dir: Path, summary: dict[str, Any]) -> TuneResult:
         accuracy_ok=verdict.get("ok"),
         metrics=MappingProxyType({name: MappingProxyType(info.get("metrics") or {})
                                   for name, info in summary.items()}),
-        runtime=_shipped_runtime(manifest),
+        runtime=shipped_runtime(manifest),
     )
 
 
-def _shipped_runtime(manifest: Manifest) -> str | None:
+def shipped_runtime(manifest: Manifest) -> str | None:
     """The runtime autotune tuned the shipped model for: backend=auto's winner, else the run's backend."""
     entry = manifest.entry("autotune") or {}
     choice = (entry.get("metrics") or {}).get("runtime_choice")

@@ -127,9 +127,11 @@ def run_auto(cfg: DictConfig, results_dir: Path,
         _publish(results_dir, winner, choice)
     else:
         winner = _earlier_winner(results_dir, runs)
+    # what auto published at the top level (its own headline), else the winner's own run
+    shown = Manifest(results_dir if "autotune" in wanted else winner.results_dir)
     for stage in per_runtime:
         status = outcomes.get(winner.name, {}).get(stage, {}).get("status", "skipped")
-        summary[stage] = {"status": status, "metrics": Manifest(winner.results_dir).metrics(stage)}
+        summary[stage] = {"status": status, "metrics": shown.metrics(stage)}
     if rest:
         summary.update(run_stages(winner.cfg, [load_stage(s) for s in rest], results_dir))
     return summary

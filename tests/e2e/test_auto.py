@@ -39,6 +39,9 @@ def test_auto_tunes_every_runtime_and_ships_the_fastest(residual_models, tmp_pat
     assert (rd / "gen_trt_engine" / artifact).exists()
     assert stages["evaluate"]["status"] == "done"
     assert f"auto: {choice['headline']}" in proc.stderr
+    # the summary table's autotune row is auto's headline, not the winner's own run's
+    assert any(ln.split()[:2] == ["autotune", "done"] and ln.endswith(choice["headline"])
+               for ln in proc.stdout.splitlines()), proc.stdout
     # nothing changed: every stage skipped and the choice kept, not timed again
     again = run_tune(args, cwd=tmp_path, check=True)
     assert "(kept: nothing it compared changed)" in again.stderr

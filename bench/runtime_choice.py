@@ -1,0 +1,128 @@
+"""Which runtime ships, by measurement: `tune backend=auto` against each single-runtime run and the peers, per
+model, in one interleaved run (p10 over rounds of timed runs, every model timed on the same real feed), with
+each model's output error on feeds no one calibrated or checked on next to its speed.
+
+Rows: ONNX Runtime fp32 (the reference), OpenVINO's own float (its default precision), our ONNX Runtime
+run's shipped model (with its session settings), our OpenVINO run's (with its compile settings), auto's
+pick (the winner's model and settings), ONNX Runtime's `quantize_static` u8 on ONNX Runtime, and NNCF's
+`quantize` and `quantize_with_accuracy_control` on OpenVINO (bench/openvino_vs_nncf.py builds them the
+same way). Every model comes from the same float ONNX and calibration feeds. Also printed: the tuning time
+of auto against the sum of the two single-runtime runs, and by how much auto's pick trails (or leads) the
+fastest single-runtime shipped model.
+
+    pip install -e ".[bench]"      # nncf, tokenizers
+    python bench/runtime_choice.py --model digits --model resnet18 --model bert4 --model minilm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from accuracy_vs_ort import run_tune  # noqa: E402
+from openvino_vs_nncf import CALIB, HOLDOUT, MODELS, backends, errors, feeds_for, nncf_models, ort_u8  # noqa: E402
+
+RUNS = ("onnxruntime", "openvino", "auto")
+
+
+def tuned(key: str, root: Path, overrides: list[str]) -> dict[str, tuple[Path, float]]:
+    """Each of our runs (backend=onnxruntime, openvino, auto) on the same model: its results_dir and seconds."""
+    out = {}
+    for name in RUNS:
+        rd = root / name
+        err, seconds = run_tune(rd, "[export,quantize,autotune]",
+                                [*overrides, f"backend={name}", f"quantize.calibration.batches={CALIB}",
+                                 f"accuracy.holdout_batches={HOLDOUT}", "autotune.preset=quick"])
+        if err:
+            raise SystemExit(f"{key}: tune backend={name} failed: {err}")
+        out[name] = (rd, seconds)
+    return out
+
+
+def shipped(rd: Path):
+    """(backend with the settings it ships, shipped model, runtime name) of one of our runs."""
+    from pipeline.app.api import shipped_runtime
+    from pipeline.artifacts import Manifest
+    from pipeline.backends import create_backend
+    from tests.helpers import compose
+
+    manifest = Manifest(rd)
+    runtime = shipped_runtime(manifest)
+    backend = create_backend(compose([f"backend={runtime}"]).backend)
+    kind = backend.shipped_settings
+    path = manifest.artifact(kind.artifact) if kind is not None else None
+    if path is not None:
+        backend = backend.with_settings(kind.type.load(path))
+    return backend, manifest.artifact("autotune/optimized_final.onnx"), runtime
+
+
+def bench(key: str, root: Path, rounds: int, runs: int) -> list[dict]:
+    from pipeline.backends.base import compare_prepared
+
+    overrides, calib_hold, scored = feeds_for(key, root)
+    ours = tuned(key, root, overrides)
+    float_path = ours["auto"][0] / "export" / "model.onnx"
+    b = backends()
+    picks = {name: shipped(rd) for name, (rd, _) in ours.items()}
+    peers = nncf_models(float_path, calib_hold[:CALIB], calib_hold[CALIB:], MODELS[key][1], root)
+    rows = [("ORT fp32", b["ort"], float_path), ("OpenVINO float (default precision)", b["ov"], float_path),
+            ("ours, backend=onnxruntime", picks["onnxruntime"][0], picks["onnxruntime"][1]),
+            ("ours, backend=openvino", picks["openvino"][0], picks["openvino"][1]),
+            (f"ours, backend=auto (picked {picks['auto'][2]})", picks["auto"][0], picks["auto"][1]),
+            ("ORT quantize_static u8 (on ORT)", b["ort"], ort_u8(float_path, calib_hold[:CALIB], root)),
+            *[(f"{name} (on OpenVINO)", b["ov"], p) for name, p in peers.items()]]
+    live = [(n, be, p) for n, be, p in rows if isinstance(p, Path)]
+    with ExitStack() as stack:
+        prepared = [stack.enter_context(be.prepare(p)) for _, be, p in live]
+        for pm in prepared:
+            pm.set_timing_feeds(scored[0])
+        names = list(prepared[0].output_names)
+        errs = [errors(pm, prepared[0], scored, names, MODELS[key][2]) for pm in prepared]
+        timings = compare_prepared("mixed", prepared, rounds, runs, 10)
+    ref = timings[0].p10_ms
+    out = [{"model": key, "row": n, "p10_ms": t.p10_ms, "vs_ort_fp32": ref / t.p10_ms, "error": e}
+           for (n, _, _), t, e in zip(live, timings, errs, strict=True)]
+    out += [{"model": key, "row": n, "error": p} for n, _, p in rows if not isinstance(p, Path)]
+    single = min(timings[2].p10_ms, timings[3].p10_ms)
+    out.append({"model": key, "row": "auto vs the fastest single-runtime shipped model",
+                "auto_over_best": timings[4].p10_ms / single, "picked": picks["auto"][2],
+                "tuning_seconds": {n: round(s, 1) for n, (_, s) in ours.items()}})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", action="append", choices=sorted(MODELS))
+    ap.add_argument("--results-root", default="/tmp/qdq_runtime_choice")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--runs", type=int, default=10)
+    args = ap.parse_args()
+    rows = []
+    for key in args.model or list(MODELS):
+        got = bench(key, Path(args.results_root) / key, args.rounds, args.runs)
+        for r in got:
+            print(json.dumps(r), flush=True)
+        rows += got
+    print("\n| model | row | p10 ms | vs ORT fp32 | error on unseen feeds |")
+    print("|---|---|---:|---:|---|")
+    for r in rows:
+        if "p10_ms" in r:
+            print(f"| {r['model']} | {r['row']} | {r['p10_ms']:.3f} | {r['vs_ort_fp32']:.2f}x | {r['error']} |")
+        elif "auto_over_best" in r:
+            t = r["tuning_seconds"]
+            print(f"| {r['model']} | auto picked {r['picked']}: {r['auto_over_best']:.3f}x the latency of the "
+                  f"fastest single-runtime shipped model; tuned in {t['auto']} s vs {t['onnxruntime']} + "
+                  f"{t['openvino']} s | | | |")
+        else:
+            print(f"| {r['model']} | {r['row']} | | | {r['error']} |")
+
+
+if __name__ == "__main__":
+    main()
