@@ -195,19 +195,26 @@ def bench(key: str, root: Path, rounds: int, runs: int) -> list[dict]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_models(bench_fn, description: str, default_root: str) -> list[dict]:
+    """Parse --model/--results-root/--rounds/--runs, run ``bench_fn(key, root, rounds, runs)`` per model
+    and print each row as JSON as it comes; every row."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", action="append", choices=sorted(MODELS))
-    ap.add_argument("--results-root", default="/tmp/qdq_openvino_vs_nncf")
+    ap.add_argument("--results-root", default=default_root)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--runs", type=int, default=10)
     args = ap.parse_args()
     rows = []
     for key in args.model or list(MODELS):
-        got = bench(key, Path(args.results_root) / key, args.rounds, args.runs)
+        got = bench_fn(key, Path(args.results_root) / key, args.rounds, args.runs)
         for r in got:
             print(json.dumps(r), flush=True)
         rows += got
+    return rows
+
+
+def main() -> None:
+    rows = run_models(bench, __doc__, "/tmp/qdq_openvino_vs_nncf")
     print("\n| model | row | p10 ms | vs ORT fp32 | vs OpenVINO float | error on unseen feeds |")
     print("|---|---|---:|---:|---:|---|")
     for r in rows:

@@ -16,8 +16,6 @@ fastest single-runtime shipped model.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -27,7 +25,17 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from accuracy_vs_ort import run_tune  # noqa: E402
-from openvino_vs_nncf import CALIB, HOLDOUT, MODELS, backends, errors, feeds_for, nncf_models, ort_u8  # noqa: E402
+from openvino_vs_nncf import (  # noqa: E402
+    CALIB,
+    HOLDOUT,
+    MODELS,
+    backends,
+    errors,
+    feeds_for,
+    nncf_models,
+    ort_u8,
+    run_models,
+)
 
 RUNS = ("onnxruntime", "openvino", "auto")
 
@@ -98,18 +106,7 @@ def bench(key: str, root: Path, rounds: int, runs: int) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", action="append", choices=sorted(MODELS))
-    ap.add_argument("--results-root", default="/tmp/qdq_runtime_choice")
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--runs", type=int, default=10)
-    args = ap.parse_args()
-    rows = []
-    for key in args.model or list(MODELS):
-        got = bench(key, Path(args.results_root) / key, args.rounds, args.runs)
-        for r in got:
-            print(json.dumps(r), flush=True)
-        rows += got
+    rows = run_models(bench, __doc__, "/tmp/qdq_runtime_choice")
     print("\n| model | row | p10 ms | vs ORT fp32 | error on unseen feeds |")
     print("|---|---|---:|---:|---|")
     for r in rows:
