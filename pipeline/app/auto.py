@@ -126,7 +126,9 @@ def run_auto(cfg: DictConfig, results_dir: Path,
         winner = next(r for r in runs if r.name == choice.winner)
         _publish(results_dir, winner, choice)
     else:
-        winner = _earlier_winner(results_dir, runs)
+        winner = _earlier_winner(results_dir, runs, bool(rest))
+        if rest and not (results_dir / CHOICE).exists():
+            _publish(results_dir, winner, None)  # e.g. evaluate compares this runtime's PTQ model with float
     # what auto published at the top level (its own headline), else the winner's own run
     shown = Manifest(results_dir if "autotune" in wanted else winner.results_dir)
     for stage in per_runtime:
@@ -137,14 +139,17 @@ def run_auto(cfg: DictConfig, results_dir: Path,
     return summary
 
 
-def _earlier_winner(top: Path, runs: list[RuntimeRun]) -> RuntimeRun:
-    """Without autotune in this run: the runtime an earlier run chose, else the first that runs here."""
+def _earlier_winner(top: Path, runs: list[RuntimeRun], later_stages: bool) -> RuntimeRun:
+    """Without autotune in this run: the runtime an earlier run chose, else the first that runs here (said in
+    one line where ``later_stages`` run on it)."""
     path = top / CHOICE
     name = RuntimeChoice.from_dict(read_json(path, CHOICE)).winner if path.exists() else None
     chosen = next((r for r in runs if r.name == name), None)
     if chosen is None:
         chosen = runs[0]
-        log.info("auto: no runtime chosen yet (autotune chooses one): the later stages run on %s", chosen.name)
+        if later_stages:
+            log.info("auto: no runtime chosen yet (autotune chooses one): the later stages run on %s",
+                     chosen.name)
     return chosen
 
 
@@ -296,9 +301,9 @@ def headline(choice: RuntimeChoice, ranked: list[RuntimeRow]) -> str:
     return text + (f"; {'; '.join(others)}" if others else "")
 
 
-def _publish(top: Path, winner: RuntimeRun, choice: RuntimeChoice) -> None:
+def _publish(top: Path, winner: RuntimeRun, choice: RuntimeChoice | None) -> None:
     """The top-level manifest's quantize and autotune entries: the winner's, pointing at its files, the
-    autotune one with the choice beside it."""
+    autotune one with the choice beside it (``choice`` None: no choice made yet)."""
     sub = Manifest(winner.results_dir)
     manifest = Manifest(top)
     for stage in PER_RUNTIME:
@@ -306,7 +311,7 @@ def _publish(top: Path, winner: RuntimeRun, choice: RuntimeChoice) -> None:
         if entry is not None:
             manifest.stages[stage] = _reroot(entry, winner.results_dir, top)
     auto = manifest.stages.get("autotune")
-    if auto is not None:
+    if auto is not None and choice is not None:
         auto["outputs"][CHOICE] = manifest.describe_file(top / CHOICE)
         auto["metrics"] = {**auto.get("metrics", {}), "headline": choice.headline, "runtime_choice": choice.to_dict(),
                            "runtime_headline": auto.get("metrics", {}).get("headline")}

@@ -84,3 +84,15 @@ def test_auto_leaves_out_a_runtime_that_cannot_run_here_in_one_line(residual_mod
     bad = run_tune([*args[:4], "backend.runtimes=[onnxruntime,nope]", *args[5:]], cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
         "tune: error: invalid config: backend.runtimes=['onnxruntime', 'nope']: give each runtime once")
+
+
+def test_auto_without_autotune_quantizes_every_runtime_and_evaluates_the_first(residual_models, tmp_path):
+    rd = tmp_path / "r"
+    args = ["model=onnx", f"model.onnx_path={residual_models['tiny']}", "data=synthetic", "backend=auto",
+            *QUICK, *SHORT, "stages=[export,quantize,evaluate]", "evaluate.plot=false", f"results_dir={rd}"]
+    proc = run_tune(args, cwd=tmp_path, check=True)
+    for name in ("onnxruntime", "openvino"):
+        assert (rd / "runtimes" / name / "quantize" / "quantized_model.onnx").exists()
+    assert "auto: no runtime chosen yet (autotune chooses one): the later stages run on onnxruntime" in proc.stderr
+    stages = json.loads((rd / "manifest.json").read_text())["stages"]
+    assert "ptq" in stages["evaluate"]["metrics"]["models"]  # the first runtime's PTQ model, beside float
