@@ -26,7 +26,7 @@ from omegaconf import DictConfig, open_dict
 from pipeline.app.scope import run_scope
 from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
 from pipeline.backends import Backend, auto_runtimes, create_backend
-from pipeline.backends.base import compare_prepared
+from pipeline.backends.base import Timing, compare_pairs
 from pipeline.config import ordered_stages
 from pipeline.errors import BackendUnavailable, PipelineError, StateError, first_line
 from pipeline.registry import load_stage
@@ -234,46 +234,27 @@ def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[s
             return kept
     reference = _reference(runs)
     models: list[tuple[Backend, Path]] = [(reference, float_path)]
-    for name in shipped:
-        backend, model, _ = shipped[name]
+    for backend, model, _ in shipped.values():
         models += [(backend.as_deployed(), float_path), (backend, model)]
-    prepared, errors = [], []
-    try:
-        for backend, model in models:
-            try:
-                prepared.append(backend.prepare(model))
-                errors.append(None)
-            except Exception as exc:  # noqa: BLE001 - a runtime that cannot load its model is left out
-                prepared.append(None)
-                errors.append(first_line(exc))
-        live = [pm for pm in prepared if pm is not None]
-        warm, runs_total = int(cfg.backend.warmup_runs), int(cfg.backend.timing_runs)
-        timed = iter(compare_prepared("auto", live, rounds=8, runs_per_round=max(2, runs_total // 8),
-                                      warmup_runs=warm))
-        timings = [next(timed) if pm is not None else None for pm in prepared]
-    finally:
-        for pm in prepared:
-            if pm is not None:
-                pm.close()
-    return _decide(key, path, reference, timings, errors, shipped, left_out)
+    timings = compare_pairs(models, rounds=8, runs_per_round=max(2, int(cfg.backend.timing_runs) // 8),
+                            warmup_runs=int(cfg.backend.warmup_runs), name="auto")
+    return _decide(key, path, reference, timings, shipped, left_out)
 
 
-def _decide(key: str, path: Path, reference: Backend, timings: list[Any], errors: list[str | None],
+def _decide(key: str, path: Path, reference: Backend, timings: list[Timing],
             shipped: dict[str, tuple[Backend, Path, dict[str, Any]]], left_out: dict[str, str]) -> RuntimeChoice:
+    """The choice from ``timings``: the reference float's, then each runtime's float and shipped model."""
     ref_t = timings[0]
-    if ref_t is None or not ref_t.ok:
-        raise PipelineError(f"backend=auto: the reference float did not run on {reference.name}: "
-                            f"{errors[0] or (ref_t.error if ref_t else '')}")
+    if not ref_t.ok:
+        raise PipelineError(f"backend=auto: the reference float did not run on {reference.name}: {ref_t.error}")
     rows = []
     for i, (name, (backend, _, metrics)) in enumerate(shipped.items()):
         float_t, ship_t = timings[1 + 2 * i], timings[2 + 2 * i]
-        error = next((e for e in (errors[1 + 2 * i], errors[2 + 2 * i]) if e), None) or next(
-            (t.error for t in (float_t, ship_t) if t is not None and not t.ok), None)
+        error = next((t.error for t in (float_t, ship_t) if not t.ok), None)
         final = (metrics.get("accuracy") or {}).get("final") or {}
         rows.append(RuntimeRow(name, str(metrics.get("shipped", "float")), backend.float_precision(),
-                               str(final.get("what", "")),
-                               ship_t.p10_ms if ship_t is not None and ship_t.ok else None,
-                               float_t.p10_ms if float_t is not None and float_t.ok else None, error))
+                               str(final.get("what", "")), ship_t.p10_ms if ship_t.ok else None,
+                               float_t.p10_ms if float_t.ok else None, error))
         if error:
             log.warning("auto: %s left out of the choice: %s", name, error)
     ranked = sorted((r for r in rows if r.p10_ms is not None), key=lambda r: r.p10_ms)

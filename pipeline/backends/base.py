@@ -315,10 +315,18 @@ def prepared_models(backend: Backend, model_paths: list[str | Path], profile: bo
                     ) -> Iterator[tuple[list[PreparedModel | None], list[str | None]]]:
     """Prepare every model (``profile``: with per-layer timing); one that cannot be prepared is None
     with its error. All are closed on the way out, also on Ctrl-C."""
+    with prepared_pairs([(backend, p) for p in model_paths], profile) as out:
+        yield out
+
+
+@contextlib.contextmanager
+def prepared_pairs(models: list[tuple[Backend, str | Path]], profile: bool = False
+                   ) -> Iterator[tuple[list[PreparedModel | None], list[str | None]]]:
+    """``prepared_models`` of (backend, model) pairs: each model on its own backend (runtimes side by side)."""
     prepared: list[PreparedModel | None] = []
     errors: list[str | None] = []
     try:
-        for p in model_paths:
+        for backend, p in models:
             try:
                 prepared.append(backend.prepare(p, profile=profile) if profile else backend.prepare(p))
                 errors.append(None)
@@ -342,9 +350,17 @@ def compare_interleaved(backend: Backend, model_paths: list[str | Path], rounds:
     """
     runs = runs_per_round or max(1, backend.timing_runs // max(rounds, 1))
     warm = backend.warmup_runs if warmup_runs is None else warmup_runs
-    with prepared_models(backend, model_paths) as (prepared, errors):
-        timed = iter(compare_prepared(backend.name, [pm for pm in prepared if pm is not None], rounds, runs, warm))
-        return [next(timed) if pm is not None else Timing.failed(backend.name, e or "not prepared")
+    return compare_pairs([(backend, p) for p in model_paths], rounds, runs, warm, backend.name)
+
+
+def compare_pairs(models: list[tuple[Backend, str | Path]], rounds: int, runs_per_round: int, warmup_runs: int,
+                  name: str) -> list[Timing]:
+    """``compare_interleaved`` of (backend, model) pairs, each model on its own backend; ``name`` labels
+    the Timings."""
+    with prepared_pairs(models) as (prepared, errors):
+        timed = iter(compare_prepared(name, [pm for pm in prepared if pm is not None], rounds, runs_per_round,
+                                      warmup_runs))
+        return [next(timed) if pm is not None else Timing.failed(name, e or "not prepared")
                 for pm, e in zip(prepared, errors, strict=True)]
 
 

@@ -201,7 +201,7 @@ class OnnxRuntimeBackend(Backend):
     def search_space(self) -> SearchSpace:
         from pipeline.backends import ort_search
 
-        return SearchSpace(ort_search.base_settings, ort_search.search_candidates, ort_search.apply_change)
+        return ort_search.SPACE
 
     def check_available(self) -> None:
         try:

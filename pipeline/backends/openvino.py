@@ -155,7 +155,7 @@ class OpenVinoBackend(Backend):
     def search_space(self) -> SearchSpace:
         from pipeline.backends import openvino_search
 
-        return SearchSpace(openvino_search.base_settings, openvino_search.search_candidates, openvino_search.apply_change)
+        return openvino_search.SPACE
 
     def check_available(self) -> None:
         check_device(str(self.cfg.device), "backend.device")

@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from pipeline.backends.base import Backend
+from pipeline.backends.base import Backend, SearchSpace
 from pipeline.backends.openvino_settings import PROPERTIES, CompileSettings, core, property_text
 
 log = logging.getLogger("tune.autotune")
@@ -86,3 +86,7 @@ def search_candidates(backend: Backend, shipped: Path) -> tuple[list[tuple[str, 
              ", ".join(f"{k}={v}" for k, v in chosen.items()))
     found = {"openvino_version": backend.describe()["openvino"], "openvino_picked": chosen}
     return candidates(chosen, capabilities, physical_cores(), cpu=device == "CPU"), found
+
+
+# what autotune's runtime search runs on this runtime (its Backend.search_space())
+SPACE = SearchSpace(base_settings, search_candidates, apply_change)

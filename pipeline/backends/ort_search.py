@@ -18,7 +18,7 @@ from typing import Any
 
 import onnx
 
-from pipeline.backends.base import Backend
+from pipeline.backends.base import Backend, SearchSpace
 from pipeline.backends.ort import SessionSettings
 
 log = logging.getLogger("tune.autotune")
@@ -107,3 +107,7 @@ def search_candidates(backend: Backend, shipped: Path) -> tuple[list[tuple[str, 
         log.info("runtime search: ONNX Runtime runs %d quantized MatMul/Gemm node(s) as float (its integer kernel "
                  "did not take them: their Q/DQ only adds rounding): %s", len(slow), ", ".join(slow[:8]))
     return candidates(optimized, original, backend.threads), {"float_matmuls": slow}
+
+
+# what autotune's runtime search runs on this runtime (its Backend.search_space())
+SPACE = SearchSpace(base_settings, search_candidates, apply_change)

@@ -194,8 +194,7 @@ class TensorRTBackend(Backend):
     def search_space(self) -> SearchSpace | None:
         from pipeline.backends import trt_search
 
-        return None if self.shipped_settings is None else \
-            SearchSpace(trt_search.base_settings, trt_search.search_candidates, trt_search.apply_change)
+        return None if self.shipped_settings is None else trt_search.SPACE
 
     def check_available(self) -> None:
         self._module()

@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pipeline.backends.base import Backend
+from pipeline.backends.base import Backend, SearchSpace
 from pipeline.backends.trt_build import KNOB, TrtBuildSettings
 
 log = logging.getLogger("tune.autotune")
@@ -102,3 +102,7 @@ def search_candidates(backend: Backend, shipped: Path) -> tuple[list[tuple[str, 
     they were chosen for."""
     version = tensorrt_version(backend)
     return candidates(backend), {"tensorrt_version": ".".join(map(str, version)) if version else None}
+
+
+# what autotune's runtime search runs on this runtime (its Backend.search_space())
+SPACE = SearchSpace(base_settings, search_candidates, apply_change)

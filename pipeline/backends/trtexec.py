@@ -194,7 +194,7 @@ class TrtexecBackend(Backend):
     def search_space(self) -> SearchSpace:
         from pipeline.backends import trt_search
 
-        return SearchSpace(trt_search.base_settings, trt_search.search_candidates, trt_search.apply_change)
+        return trt_search.SPACE
 
     def check_available(self) -> None:
         exe = str(self.cfg.trtexec_path)
