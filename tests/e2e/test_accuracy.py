@@ -12,7 +12,7 @@ import onnx
 import pytest
 
 from tests import models
-from tests.helpers import PLAIN_QUANTIZE, qemu_haswell, run_emulated, run_tune
+from tests.helpers import PLAIN_QUANTIZE, pin_backend, qemu_haswell, run_emulated, run_tune
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +64,7 @@ def test_default_pipeline_keeps_top1_within_a_point_on_avx2_without_vnni(digits_
              "evaluate.latency=false", "evaluate.plot=false", "evaluate.sensitivity.enabled=false", "progress=false"]
 
     def emulated(stages: str) -> subprocess.CompletedProcess:
-        proc = run_emulated(prefix, ["-m", "pipeline.app.cli", f"results_dir={rd}", f"stages=[{stages}]", *small],
+        proc = run_emulated(prefix, ["-m", "pipeline.app.cli", *pin_backend([f"results_dir={rd}", f"stages=[{stages}]", *small])],
                             cwd=tmp_path, timeout=1500)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc
