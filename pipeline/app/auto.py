@@ -29,6 +29,7 @@ from pipeline.backends import Backend, auto_runtimes, create_backend
 from pipeline.backends.base import Timing, compare_pairs
 from pipeline.config import ordered_stages
 from pipeline.errors import BackendUnavailable, PipelineError, StateError, first_line
+from pipeline.quant.shared_stats import sharing
 from pipeline.registry import load_stage
 from pipeline.stage import Stage
 from pipeline.values import section
@@ -103,19 +104,21 @@ def run_auto(cfg: DictConfig, results_dir: Path,
     runs, left_out = _runnable(cfg, results_dir)
     outcomes: dict[str, dict[str, Any]] = {}
     failures: list[PipelineError] = []
-    for run in list(runs):
-        if not per_runtime:
-            break
-        _share_export(results_dir, run.results_dir)
-        log.info("auto: %s in %s", run.name, run.results_dir)
-        try:
-            with run_scope(threads=int(run.cfg.backend.get("intra_op_threads", 0) or 0), progress=bool(cfg.progress)):
-                outcomes[run.name] = run_stages(run.cfg, [load_stage(s) for s in per_runtime], run.results_dir)
-        except PipelineError as exc:
-            log.warning("auto: %s left out: %s", run.name, first_line(exc))
-            left_out[run.name] = first_line(exc)
-            runs.remove(run)
-            failures.append(exc)
+    with sharing():  # calibration statistics are collected once, by the first runtime that quantizes
+        for run in list(runs):
+            if not per_runtime:
+                break
+            _share_export(results_dir, run.results_dir)
+            log.info("auto: %s in %s", run.name, run.results_dir)
+            try:
+                with run_scope(threads=int(run.cfg.backend.get("intra_op_threads", 0) or 0),
+                               progress=bool(cfg.progress)):
+                    outcomes[run.name] = run_stages(run.cfg, [load_stage(s) for s in per_runtime], run.results_dir)
+            except PipelineError as exc:
+                log.warning("auto: %s left out: %s", run.name, first_line(exc))
+                left_out[run.name] = first_line(exc)
+                runs.remove(run)
+                failures.append(exc)
     if not runs and failures:
         raise failures[0]  # every runtime failed: the first one's error (a bad input fails them all alike)
     if not runs:

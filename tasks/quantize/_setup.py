@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import tempfile
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +19,12 @@ from pipeline.accuracy.cpu import cpu_facts
 from pipeline.accuracy.holdout import Holdout
 from pipeline.backends import Backend, activation_type, compute_backend, judging_backend, placement_kind
 from pipeline.data.adapters import Batch, DataProvider
-from pipeline.graph.model import input_specs
+from pipeline.graph.model import input_specs, model_hash
 from pipeline.progress import progress_bar
 from pipeline.quant.calibration import Calibration, activation_dtypes
 from pipeline.quant.placement import NodeDtypes, PlacementKind, resolve_rules
-from pipeline.values import enum_value
+from pipeline.quant.shared_stats import collect_once
+from pipeline.values import enum_value, section
 from tasks.quantize import _prepare
 from tasks.quantize._accuracy import Checker, start_range, temp_workdir
 from tasks.quantize._calibrate import CalibrationMethod, collect
@@ -104,7 +105,11 @@ class QuantizeSetup:
         q = self.q
         method = CalibrationMethod(enum_value(q.algorithm), float(q.percentile), int(q.calibration.num_bins),
                                    activation_dtypes(self.cfg))
-        return collect(model, self.batches, method, self.backend.threads, self.progress, self.max_bytes)
+        # what the statistics depend on (backend=auto's runtimes share them: pipeline.quant.shared_stats)
+        key = {"model": model_hash(model), "method": asdict(method), "batches": self.total, "seed": int(self.cfg.seed),
+               "data": section(self.cfg, "data"), "fixed_inputs": section(self.cfg, "model.fixed_inputs")}
+        return collect_once(key, lambda: collect(model, self.batches, method, self.backend.threads, self.progress,
+                                                 self.max_bytes))
 
     def calibration_of(self, stats: dict[str, dict], weight_clip: str) -> Calibration:
         """A Calibration of ``stats`` that shares the weight scales this run has searched: they do not

@@ -32,6 +32,8 @@ def test_auto_tunes_every_runtime_and_ships_the_fastest(residual_models, tmp_pat
         assert sub["autotune"]["status"] == "done"
         assert sub["autotune"]["metrics"]["runtime"]["file"]  # its own runtime settings were searched
     assert not (rd / "runtimes" / "onnxruntime" / "export").exists()
+    # calibrated once: the second runtime's quantize reuses the first one's statistics
+    assert proc.stderr.count("calibration statistics of") == 1 and "reused" in proc.stderr
     # the top level points at the winner's files; gen_trt_engine builds the winner's artifact
     assert stages["autotune"]["outputs"]["autotune/optimized_final.onnx"]["path"] == \
         f"runtimes/{fastest}/autotune/optimized_final.onnx"

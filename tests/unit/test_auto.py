@@ -38,3 +38,24 @@ def test_the_choice_round_trips_and_a_foreign_file_is_one_line(tmp_path):
     assert RuntimeChoice.from_dict(choice.to_dict()) == choice
     with pytest.raises(StateError, match="runtime_choice.json has an unknown layout"):
         RuntimeChoice.from_dict({"key": "k"})
+
+
+def test_statistics_are_collected_once_per_sharing_scope_and_each_caller_gets_a_copy():
+    from pipeline.quant.shared_stats import collect_once, sharing
+
+    calls = []
+
+    def collect():
+        calls.append(1)
+        return {"t": {"min": 0.0, "max": 1.0}}
+
+    assert collect_once({"k": 1}, collect) is not collect_once({"k": 1}, collect)
+    assert len(calls) == 2  # outside a scope: always collected
+    with sharing():
+        a = collect_once({"k": 1}, collect)
+        a["t"]["threshold"] = 0.5  # quantize completes its statistics in place
+        b = collect_once({"k": 1}, collect)
+        collect_once({"k": 2}, collect)
+    assert len(calls) == 4 and "threshold" not in b["t"]
+    collect_once({"k": 1}, collect)
+    assert len(calls) == 5  # the scope ended with its statistics
