@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,53 +32,13 @@ from pipeline.config import ordered_stages
 from pipeline.errors import BackendUnavailable, PipelineError, StateError, first_line
 from pipeline.quant.shared_stats import sharing
 from pipeline.registry import load_stage
+from pipeline.runtime_choice import CHOICE, RuntimeChoice, RuntimeEvaluation, RuntimeRow, headline
 from pipeline.stage import Stage
 from pipeline.values import section
 
 log = logging.getLogger("tune.auto")
 
-CHOICE = "autotune/runtime_choice.json"
 PER_RUNTIME = ("quantize", "autotune")  # the stages each runtime runs in its own results_dir
-
-
-@dataclass(frozen=True)
-class RuntimeRow:
-    """One runtime in the final comparison: what it ships and how fast it and its own float ran."""
-
-    runtime: str
-    shipped: str  # "tuned", "ptq" or "float": what its own autotune shipped
-    float_precision: str  # the precision its float runs in (its baseline)
-    accuracy: str  # its autotune's verdict on the shipped model
-    p10_ms: float | None = None  # the shipped model with its shipped settings
-    float_p10_ms: float | None = None  # its own float model, as deployed
-    error: str | None = None  # why it was not timed
-
-    def speedup(self, reference_ms: float) -> float | None:
-        return reference_ms / self.p10_ms if self.p10_ms else None
-
-
-@dataclass
-class RuntimeChoice:
-    """What backend=auto compared and chose (autotune/runtime_choice.json)."""
-
-    key: str  # fingerprint of the models, settings and runtime sections compared
-    reference: str  # e.g. "onnxruntime FP32 float"
-    reference_p10_ms: float
-    winner: str
-    rows: list[RuntimeRow]
-    left_out: dict[str, str] = field(default_factory=dict)  # runtime -> why it did not take part
-    headline: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RuntimeChoice:
-        try:
-            return cls(**{**d, "rows": [RuntimeRow(**r) for r in d["rows"]]})
-        except (TypeError, KeyError) as exc:
-            raise StateError(f"{CHOICE} has an unknown layout ({first_line(exc)}); delete it to compare again") \
-                from None
 
 
 @dataclass(frozen=True)
@@ -111,8 +72,7 @@ def run_auto(cfg: DictConfig, results_dir: Path,
             _share_export(results_dir, run.results_dir)
             log.info("auto: %s in %s", run.name, run.results_dir)
             try:
-                with run_scope(threads=int(run.cfg.backend.get("intra_op_threads", 0) or 0),
-                               progress=bool(cfg.progress)):
+                with _scope(cfg, run):
                     outcomes[run.name] = run_stages(run.cfg, [load_stage(s) for s in per_runtime], run.results_dir)
             except PipelineError as exc:
                 log.warning("auto: %s left out: %s", run.name, first_line(exc))
@@ -127,6 +87,8 @@ def run_auto(cfg: DictConfig, results_dir: Path,
     if "autotune" in wanted:
         choice = _choose(cfg, results_dir, runs, left_out)
         winner = next(r for r in runs if r.name == choice.winner)
+        if "evaluate" in rest:
+            choice = _evaluate_others(cfg, results_dir, runs, choice, run_stages)
         _publish(results_dir, winner, choice)
     else:
         winner = _earlier_winner(results_dir, runs, bool(rest))
@@ -140,6 +102,37 @@ def run_auto(cfg: DictConfig, results_dir: Path,
     if rest:
         summary.update(run_stages(winner.cfg, [load_stage(s) for s in rest], results_dir))
     return summary
+
+
+def _scope(cfg: DictConfig, run: RuntimeRun) -> AbstractContextManager[None]:
+    """The run-wide settings of one runtime's own run."""
+    return run_scope(threads=int(run.cfg.backend.get("intra_op_threads", 0) or 0), progress=bool(cfg.progress))
+
+
+def _evaluate_others(cfg: DictConfig, top: Path, runs: list[RuntimeRun], choice: RuntimeChoice,
+                     run_stages: Callable[[DictConfig, list[Stage], Path], dict[str, Any]]) -> RuntimeChoice:
+    """Evaluate each runtime that does not ship in its own results_dir (skipped when up to date, as any
+    stage), its summary kept on its row of the choice for the top-level report; a failed one is one line."""
+    rows = []
+    for row in choice.rows:
+        run = next((r for r in runs if r.name == row.runtime), None)
+        if run is None or row.runtime == choice.winner:
+            rows.append(row)
+            continue
+        log.info("auto: evaluate %s in %s", run.name, run.results_dir)
+        try:
+            with _scope(cfg, run):
+                run_stages(run.cfg, [load_stage("evaluate")], run.results_dir)
+            report = os.path.relpath(run.results_dir / "evaluate" / "report.md", top)
+            evaluation = RuntimeEvaluation.from_metrics(Manifest(run.results_dir).metrics("evaluate"), report)
+            rows.append(replace(row, evaluation=evaluation, evaluation_error=None))
+        except PipelineError as exc:
+            log.warning("auto: evaluate on %s failed: %s", run.name, first_line(exc))
+            rows.append(replace(row, evaluation=None, evaluation_error=first_line(exc)))
+    evaluated = replace(choice, rows=rows)
+    if evaluated != choice:
+        atomic_write_json(top / CHOICE, evaluated.to_dict(), indent=1)
+    return evaluated
 
 
 def _earlier_winner(top: Path, runs: list[RuntimeRun], later_stages: bool) -> RuntimeRun:
@@ -270,19 +263,6 @@ def _decide(key: str, path: Path, reference: Backend, timings: list[Timing],
     atomic_write_json(path, choice.to_dict(), indent=1)
     log.info("auto: %s", choice.headline)
     return choice
-
-
-def headline(choice: RuntimeChoice, ranked: list[RuntimeRow]) -> str:
-    """e.g. 'ships openvino (tuned): 2.10x the onnxruntime FP32 float (p10); next onnxruntime (tuned) 1.26x'."""
-    ref = choice.reference_p10_ms
-    best = ranked[0]
-    text = f"ships {best.runtime} ({best.shipped}): {best.speedup(ref):.2f}x the {choice.reference}"
-    others = [f"{r.runtime} ({r.shipped}) {r.speedup(ref):.2f}x" for r in ranked[1:]]
-    others += [f"{r.runtime} not timed ({r.error})" for r in choice.rows if r.p10_ms is None]
-    others += [f"{k} left out ({v})" for k, v in choice.left_out.items()]
-    if len(ranked) > 1:
-        text += f", {ranked[1].p10_ms / best.p10_ms:.2f}x the next"
-    return text + (f"; {'; '.join(others)}" if others else "")
 
 
 def _publish(top: Path, winner: RuntimeRun, choice: RuntimeChoice | None) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 from pipeline.artifacts import atomic_output
 from pipeline.config import STAGE_ORDER
 from pipeline.stage import StageContext
+from tasks.evaluate import _runtimes
 from tasks.evaluate._latency import ModelLatency
 
 _COLORS = {"float": "#7f7f7f", "float_fp32": "#c7c7c7", "float_default": "#c7c7c7", "ptq": "#1f77b4", "autotuned": "#ff7f0e"}
@@ -58,7 +59,7 @@ def _fidelity_text(fid: dict[str, Any] | None, verdict: dict[str, Any]) -> str:
 
 def markdown(metrics: dict[str, Any]) -> str:
     """report.md: what was compared and how, the table, the budget, the machine, how to reproduce."""
-    sections = (_header(metrics), _table(metrics), _session(metrics), _budget(metrics), _sensitivity(metrics),
+    sections = (_header(metrics), _table(metrics), _runtimes.section(metrics), _session(metrics), _budget(metrics), _sensitivity(metrics),
                 _machine(metrics), _duplicates(metrics), _definitions(), _reproduce(metrics))
     return "\n".join(line for section in sections for line in section)
 

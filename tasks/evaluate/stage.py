@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 
 from pipeline.accuracy.metrics import ModelScores, json_safe
-from pipeline.artifacts import atomic_write_json, atomic_write_text, sha256_file
+from pipeline.artifacts import atomic_write_json, atomic_write_text, read_json, sha256_file
 from pipeline.backends import create_backend
 from pipeline.backends.base import Backend, PreparedModel, compare_prepared
 from pipeline.config import resolved_data_source
@@ -32,10 +32,12 @@ from pipeline.data.adapters import DataProvider
 from pipeline.errors import PipelineError, StageError, first_line
 from pipeline.graph.model import InputSpec, has_qdq, input_specs, load_model
 from pipeline.progress import progress_bar
+from pipeline.runtime_choice import CHOICE, RuntimeChoice
 from pipeline.stage import Stage, StageContext, StageResult
 from tasks.evaluate._custom import CustomScores
 from tasks.evaluate._latency import LatencyRun, ModelLatency, same_session
 from tasks.evaluate._report import backend_text, reproduce_commands
+from tasks.evaluate._runtimes import runtimes_metrics
 from tasks.evaluate._verdicts import judge_models
 
 log = logging.getLogger("tune.evaluate")
@@ -108,7 +110,7 @@ class EvaluateStage(Stage):
     inputs = ("export/model.onnx",)
     optional_inputs = ("quantize/quantized_model.onnx", "autotune/optimized_final.onnx", "quantize/calibration.json",
                        "quantize/float_model.onnx", "autotune/ort_session.json", "autotune/trt_build.json",
-                       "autotune/openvino_compile.json")
+                       "autotune/openvino_compile.json", CHOICE)
     outputs = ("evaluate/metrics.json", "evaluate/report.md")
     config_keys = ("evaluate", "data", "backend", "seed", "accuracy")
 
@@ -373,6 +375,10 @@ class EvaluateStage(Stage):
                 log.warning("%s", latency.warning)
         judge_models(ctx, metrics, measured.scores, measured.fidelity, _FLOATS)
         metrics["headline"] = headline(metrics)
+        choice = ctx.artifact(CHOICE)  # the run chose its runtime: every runtime beside this one
+        if choice is not None:
+            metrics["runtimes"] = runtimes_metrics(RuntimeChoice.from_dict(read_json(choice, CHOICE)), metrics)
+            metrics["headline"] = f"on {metrics['runtimes']['winner']}: {metrics['headline']}"
         return metrics
 
 

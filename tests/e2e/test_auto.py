@@ -40,6 +40,16 @@ def test_auto_tunes_every_runtime_and_ships_the_fastest(residual_models, tmp_pat
     artifact = {"openvino": "model.xml", "onnxruntime": "model.ort.onnx"}[fastest]
     assert (rd / "gen_trt_engine" / artifact).exists()
     assert stages["evaluate"]["status"] == "done"
+    # evaluate shows every runtime: the shipped one's own evaluation, the other's made in its results_dir
+    metrics = json.loads((rd / "evaluate" / "metrics.json").read_text())
+    evaluated = {r["runtime"]: r["evaluation"] for r in metrics["runtimes"]["rows"]}
+    assert set(evaluated) == set(rows) and all(e["models"][0]["key"] == "float" for e in evaluated.values())
+    other = next(n for n in rows if n != fastest)
+    assert evaluated[other]["report"] == f"runtimes/{other}/evaluate/report.md"
+    assert (rd / evaluated[other]["report"]).exists() and evaluated[fastest]["report"] == "evaluate/report.md"
+    report = (rd / "evaluate" / "report.md").read_text()
+    assert "## Every runtime" in report and f"| **{fastest}** |" in report and f"| {other} |" in report
+    assert stages["evaluate"]["metrics"]["headline"].startswith(f"on {fastest}: ships ")
     assert f"auto: {choice['headline']}" in proc.stderr
     # the summary table's autotune row is auto's headline, not the winner's own run's
     assert any(ln.split()[:2] == ["autotune", "done"] and ln.endswith(choice["headline"])

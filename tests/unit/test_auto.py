@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.app.auto import RuntimeChoice, RuntimeRow, headline
 from pipeline.app.cli import open_dict_overrides
 from pipeline.errors import StateError
+from pipeline.runtime_choice import RuntimeChoice, RuntimeRow, headline
 from tests.helpers import compose
 
 

@@ -1,0 +1,123 @@
+"""What ``backend=auto`` compared and chose: autotune/runtime_choice.json, as typed records.
+
+``pipeline.app.auto`` writes it; evaluate reads it (an optional input) to show every runtime beside the
+one that ships. Each row is one runtime: what its own autotune shipped, its p10 latency and its own
+float's in auto's final interleaved run, and (where evaluate ran in that runtime's results_dir) the
+accuracy and speed of its models on the evaluation data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pipeline.errors import StateError, first_line
+
+CHOICE = "autotune/runtime_choice.json"
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """One model of a runtime's evaluation: its accuracy in words, its speedup over that runtime's
+    float baseline (ratio of p10s), and whether it misses the accuracy budget."""
+
+    key: str  # evaluate's metrics key: float, float_fp32, float_default, ptq, autotuned
+    label: str
+    accuracy: str | None  # e.g. "top-1 97.0%", "agreement 99.1%"; None where nothing was scored
+    speedup_p10: float | None = None
+    over_budget: bool = False
+
+
+@dataclass(frozen=True)
+class RuntimeEvaluation:
+    """A runtime's evaluate run, as the top-level report shows it (``report``: its report.md, relative
+    to the top-level results_dir)."""
+
+    baseline: str
+    shipped: str | None
+    models: list[ModelSummary]
+    report: str
+
+    @classmethod
+    def from_metrics(cls, metrics: dict[str, Any], report: str) -> RuntimeEvaluation:
+        """The summary of evaluate's metrics.json."""
+        models = []
+        for key, m in metrics["models"].items():
+            if m.get("custom_metric") is not None:
+                acc = f"{metrics['custom_metric']['name']} {m['custom_metric']:.4g}"
+            elif m.get("top1") is not None:
+                acc = f"top-1 {100 * m['top1']:.1f}%"
+            elif key != "float" and m.get("agreement") is not None:
+                acc = f"agreement {100 * m['agreement']:.1f}%"
+            else:
+                acc = None
+            models.append(ModelSummary(key, str(m.get("label", key)), acc, m.get("speedup_p10"),
+                                       bool(m.get("over_budget"))))
+        return cls(str(metrics["baseline"]), metrics.get("shipped"), models, report)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RuntimeEvaluation:
+        return cls(**{**d, "models": [ModelSummary(**m) for m in d["models"]]})
+
+
+@dataclass(frozen=True)
+class RuntimeRow:
+    """One runtime in the final comparison: what it ships and how fast it and its own float ran."""
+
+    runtime: str
+    shipped: str  # "tuned", "ptq" or "float": what its own autotune shipped
+    float_precision: str  # the precision its float runs in (its baseline)
+    accuracy: str  # its autotune's verdict on the shipped model
+    p10_ms: float | None = None  # the shipped model with its shipped settings
+    float_p10_ms: float | None = None  # its own float model, as deployed
+    error: str | None = None  # why it was not timed
+    evaluation: RuntimeEvaluation | None = None  # its evaluate run (runtimes that did not ship)
+    evaluation_error: str | None = None  # why its evaluate run failed
+
+    def speedup(self, reference_ms: float) -> float | None:
+        return reference_ms / self.p10_ms if self.p10_ms else None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RuntimeRow:
+        ev = d.get("evaluation")
+        return cls(**{**d, "evaluation": RuntimeEvaluation.from_dict(ev) if ev is not None else None})
+
+
+@dataclass
+class RuntimeChoice:
+    """What backend=auto compared and chose (autotune/runtime_choice.json)."""
+
+    key: str  # fingerprint of the models, settings and runtime sections compared
+    reference: str  # e.g. "onnxruntime FP32 float"
+    reference_p10_ms: float
+    winner: str
+    rows: list[RuntimeRow]
+    left_out: dict[str, str] = field(default_factory=dict)  # runtime -> why it did not take part
+    headline: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RuntimeChoice:
+        try:
+            return cls(**{**d, "rows": [RuntimeRow.from_dict(r) for r in d["rows"]]})
+        except (TypeError, KeyError) as exc:
+            raise StateError(f"{CHOICE} has an unknown layout ({first_line(exc)}); delete it to compare again") \
+                from None
+
+    def row(self, runtime: str) -> RuntimeRow:
+        return next(r for r in self.rows if r.runtime == runtime)
+
+
+def headline(choice: RuntimeChoice, ranked: list[RuntimeRow]) -> str:
+    """e.g. 'ships openvino (tuned): 2.10x the onnxruntime FP32 float (p10); next onnxruntime (tuned) 1.26x'."""
+    ref = choice.reference_p10_ms
+    best = ranked[0]
+    text = f"ships {best.runtime} ({best.shipped}): {best.speedup(ref):.2f}x the {choice.reference}"
+    others = [f"{r.runtime} ({r.shipped}) {r.speedup(ref):.2f}x" for r in ranked[1:]]
+    others += [f"{r.runtime} not timed ({r.error})" for r in choice.rows if r.p10_ms is None]
+    others += [f"{k} left out ({v})" for k, v in choice.left_out.items()]
+    if len(ranked) > 1:
+        text += f", {ranked[1].p10_ms / best.p10_ms:.2f}x the next"
+    return text + (f"; {'; '.join(others)}" if others else "")
