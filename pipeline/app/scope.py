@@ -2,9 +2,9 @@
 
 A few settings reach code deep below the stages, which takes no config: whether progress bars show
 (`progress`), how many threads the pipeline's own ONNX Runtime sessions use
-(`backend.intra_op_threads`), the folder of hard links a loaded model's weights are read from, and the
-objects a ``pipeline.api.tune()`` call was given in memory. ``run_scope`` sets them for one run and puts
-back what was there before, also when the run raises, so two runs in one process (two tune() calls,
+(`backend.intra_op_threads`), the folder of hard links a loaded model's weights are read from, the
+warnings about the data already given, and the objects a ``pipeline.api.tune()`` call was given in
+memory. ``run_scope`` sets them for one run and puts back what was there before, also when the run raises, so two runs in one process (two tune() calls,
 a notebook's cells) never see each other's. Each setting stays owned by its module; this composes their
 own context managers.
 """
@@ -17,6 +17,7 @@ from typing import Any
 
 from pipeline import progress as bars
 from pipeline.backends import ort
+from pipeline.data import adapters
 from pipeline.data import live as live_objects
 from pipeline.graph import weights
 
@@ -43,4 +44,5 @@ def run_scope(*, threads: int | None = None, progress: bool | None = None,
         if live:
             stack.enter_context(live_objects.held(live))
         stack.enter_context(weights.own_folder())
+        stack.enter_context(adapters.warnings_once())
         yield

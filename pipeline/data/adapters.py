@@ -10,11 +10,13 @@ last one is padded, with ``Batch.valid`` telling how many samples are real.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
 import logging
 from collections.abc import Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -388,8 +390,29 @@ def _custom_iterable(target: str, args: dict[str, Any], split: str) -> Iterable[
     return import_object(target, "data._target_")(**kwargs)
 
 
-# what this process has warned about once already
-_WARNED: set[str] = set()
+# what this run has warned about already (a run's scope: ``warnings_once``; outside any, the process)
+_WARNED: ContextVar[set[str] | None] = ContextVar("data_warnings", default=None)
+_PROCESS_WARNED: set[str] = set()
+
+
+@contextlib.contextmanager
+def warnings_once() -> Iterator[None]:
+    """The scope of one run: each warning about its data is logged once in it. A scope inside another
+    (backend=auto's runtimes inside the tune call) shares the outer one's."""
+    token = _WARNED.set(set()) if _WARNED.get() is None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _WARNED.reset(token)
+
+
+def _warn_once(key: str, message: str) -> None:
+    seen = _WARNED.get()
+    seen = _PROCESS_WARNED if seen is None else seen
+    if key not in seen:
+        seen.add(key)
+        log.warning("%s", message)
 
 
 class DataProvider:
@@ -441,10 +464,9 @@ class DataProvider:
 
     def batches(self, split: str, max_batches: int | None = None) -> Iterator[Batch]:
         """``split`` is "calibration" (train data) or "evaluation" (held-out data)."""
-        if split == "calibration" and self.source == "none" and not _WARNED:
-            _WARNED.add("synthetic")  # every pass over the data reads it again: one warning per run is enough
-            log.warning("no calibration data configured: calibrating on SYNTHETIC random data; accuracy "
-                        "will suffer. Configure data=digits|npz|custom for real data.")
+        if split == "calibration" and self.source == "none":  # every pass reads it again: warned once
+            _warn_once("synthetic", "no calibration data configured: calibrating on SYNTHETIC random data; "
+                       "accuracy will suffer. Configure data=digits|npz|custom for real data.")
         bs = self.batch_size
         if self.source in ("synthetic", "none"):  # whole batches already: no re-cutting along axis 0
             n = int(self.cfg.num_samples)

@@ -134,8 +134,9 @@ def test_onnx_models_and_arrays_skip_when_unchanged_and_rerun_when_changed(tmp_p
     assert again.stages == {"export": "done"} and again.model == tmp_path / "p" / "export" / "model.onnx"
 
 
-def test_input_shapes_from_whole_arrays_take_model_batch_size(tmp_path):
-    """Two calls in one process with their own settings: each leaves the run-wide ones as it found them."""
+def test_input_shapes_from_whole_arrays_take_model_batch_size_and_each_call_restores_run_wide_settings(tmp_path):
+    """Whole arrays as data: the input shapes take model.batch_size. Two calls in one process with their own
+    settings: each leaves the run-wide ones as it found them."""
     x, y = np.zeros((20, 1, 8, 8), np.float32), np.zeros(20, np.int64)
     before = _run_wide()
     for extra, batch in ((["backend.intra_op_threads=1"], 1), (["model.batch_size=4", "backend.intra_op_threads=2"], 4)):

@@ -50,3 +50,21 @@ def test_a_run_keeps_the_callers_weights_folder_and_an_outer_calls_objects():
             assert live.in_memory_data("k", "k") == "outer"
     finally:
         weights.release()
+
+
+def test_the_synthetic_data_warning_is_given_once_per_run_not_once_per_process(caplog):
+    from omegaconf import OmegaConf
+
+    from pipeline.data.adapters import DataProvider
+    from pipeline.graph.model import InputSpec
+
+    cfg = OmegaConf.create({"data": {"source": "none", "num_samples": 4}, "seed": 0})
+    provider = DataProvider(cfg, [InputSpec("x", [2, 3], "float32")])
+    warned = []
+    for _ in range(2):  # two tune() calls in one process
+        caplog.clear()
+        with run_scope(progress=False), run_scope(threads=1):  # auto's inner scopes share the outer one's
+            for _ in range(3):
+                list(provider.batches("calibration", 1))
+        warned.append(sum("SYNTHETIC" in r.message for r in caplog.records))
+    assert warned == [1, 1]
