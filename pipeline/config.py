@@ -111,7 +111,7 @@ class OnnxModelConfig(ModelConfig):
     # shapes calibration, timing and subgraph extraction use, recorded in the model's metadata
     keep_dynamic_shapes: bool = False
     # input name -> the value deployment always feeds (a sample rate, a mode flag): export binds it and
-    # replaces the If nodes it and the static shapes decide by their taken branch (pipeline/specialize.py);
+    # replaces the If nodes it and the static shapes decide by their taken branch (pipeline/transforms/specialize.py);
     # feeds that carry another value for it are refused
     fixed_inputs: dict[str, Any] = field(default_factory=dict)
 

@@ -1,6 +1,6 @@
 """What the quantize stage does to make int8 itself accurate, before and after placement.
 
-First, LSTMs are unrolled into MatMuls where that is exact (``quantize.lower_rnn``; pipeline/rnn.py).
+First, LSTMs are unrolled into MatMuls where that is exact (``quantize.lower_rnn``; pipeline/transforms/rnn.py).
 Before calibration, float-exact transforms of the float graph (``quantize.equalization``,
 ``quantize.smoothing``; see _transforms): each one is run on calibration feeds against the graph it
 was applied to and kept only if the outputs move by at most FLOAT_EXACT (relative L2), so the model
