@@ -25,6 +25,7 @@ import hydra
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline.app import hydra_internals
 from pipeline.config import register_configs
 from pipeline.errors import ConfigError, PipelineError
 
@@ -143,26 +144,13 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(lines[:2]) if lines else type(exc).__name__
 
 
-def _search_path(config_dir: str | None):
-    """The packaged conf/ plus an optional user folder searched first, as `tune --config-dir` has it."""
-    from hydra._internal.utils import create_automatic_config_search_path
-    from hydra.core.config_search_path import SearchPathQuery
-
-    search_path = create_automatic_config_search_path(None, None, "pkg://conf")
-    if config_dir:
-        search_path.prepend("command-line", f"file://{os.path.abspath(config_dir)}",
-                            anchor=SearchPathQuery(provider="schema"))
-    return search_path
-
-
 def compose(config_dir: str | None, config_name: str, overrides: list[str]) -> DictConfig:
     """Compose exactly as the app will: packaged conf/ plus an optional user folder searched first."""
-    from hydra._internal.hydra import Hydra
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
     GlobalHydra.instance().clear()
-    app = Hydra.create_main_hydra2(task_name="tune", config_search_path=_search_path(config_dir))
+    app = hydra_internals.main_hydra("tune", config_dir)
     cfg = app.compose_config(config_name=config_name, overrides=overrides, run_mode=RunMode.RUN,
                              with_log_configuration=False)
     from omegaconf import open_dict
@@ -228,10 +216,8 @@ def checked_config(overrides: list[str], config_dir: str | None = None, config_n
 def _precheck(argv: list[str]) -> Any:
     """Compose and validate the config the command line asks for; exit 2 with one line if it is bad.
     Returns the parsed command line when it asks for one plain run, else None (Hydra handles it)."""
-    from hydra._internal.utils import get_args_parser
-
     try:
-        args = get_args_parser().parse_args(argv)
+        args = hydra_internals.args_parser().parse_args(argv)
     except SystemExit:
         return None  # let Hydra print its own usage error
     if args.help or args.hydra_help or args.info or args.shell_completion:
@@ -258,11 +244,10 @@ def _precheck(argv: list[str]) -> Any:
 def _run_checked(args: Any) -> None:
     """One plain run of a command line ``_precheck`` composed and validated: Hydra's run without the
     compose that hydra.main makes first only to learn the run mode (the mode is RUN)."""
-    from hydra._internal.hydra import Hydra
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
-    app = Hydra.create_main_hydra2(task_name=Path(__file__).stem, config_search_path=_search_path(args.config_dir))
+    app = hydra_internals.main_hydra(Path(__file__).stem, args.config_dir)
     app.run(config_name=args.config_name or "tune", task_function=_job,
             overrides=[*args.overrides, "hydra.mode=RUN"])
 
@@ -273,7 +258,6 @@ def run_job(overrides: list[str], config_dir: str | None = None, config_name: st
     end-of-run table; returns (results_dir, the runner's summary). A failure raises instead of
     exiting, and the process gets back the root logger's handlers (Hydra's job logging replaces them)
     and an unset HydraConfig (relative paths resolve from the current folder again)."""
-    from hydra._internal.hydra import Hydra
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
 
@@ -296,7 +280,7 @@ def run_job(overrides: list[str], config_dir: str | None = None, config_name: st
     GlobalHydra.instance().clear()
     try:
         # hydra.main names the job after this file and adds hydra.mode: .hydra/ reads as the CLI's would
-        app = Hydra.create_main_hydra2(task_name=Path(__file__).stem, config_search_path=_search_path(config_dir))
+        app = hydra_internals.main_hydra(Path(__file__).stem, config_dir)
         app.run(config_name=config_name, task_function=job, overrides=[*overrides, "hydra.mode=RUN"])
     except KeyboardInterrupt:
         if "results_dir" in outcome:
