@@ -84,7 +84,7 @@ def timed_stage(results: Path, stage: str, extra: list[str]) -> dict:
 def output_error(results: Path, feeds: int = 8) -> dict:
     """The shipped model, loaded by ONNX Runtime from its path, vs export's float model: relative L2
     error of the output over ``feeds`` synthetic inputs."""
-    from pipeline.backends.ort import inference_session
+    from pipeline.backends.onnxruntime.session import inference_session
 
     shipped = results / "autotune" / "optimized_final.onnx"
     rng = np.random.default_rng(1)

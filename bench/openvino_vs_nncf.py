@@ -155,7 +155,7 @@ def backends() -> dict[str, object]:
 
 def bench(key: str, root: Path, rounds: int, runs: int) -> list[dict]:
     from pipeline.backends.base import compare_prepared
-    from pipeline.backends.openvino_settings import CompileSettings
+    from pipeline.backends.openvino.settings import CompileSettings
 
     overrides, calib_hold, scored = feeds_for(key, root)
     rd = root / "ours"

@@ -39,7 +39,7 @@ def main() -> None:
     from pipeline.backend_config import OnnxRuntimeBackendConfig
     from pipeline.backends.base import compare_prepared
     from pipeline.backends.onnxruntime import OnnxRuntimeBackend
-    from pipeline.backends.ort import SessionSettings
+    from pipeline.backends.onnxruntime.session import SessionSettings
 
     backend = OnnxRuntimeBackend(OmegaConf.structured(OnnxRuntimeBackendConfig(warmup_runs=5, timing_runs=args.runs)))
     rows = []

@@ -58,7 +58,7 @@ def main() -> None:
     from pipeline.accuracy.metrics import cosine_similarities
     from pipeline.app.cli import open_dict_overrides
     from pipeline.backends import create_backend
-    from pipeline.backends.ort import SessionSettings, inference_session
+    from pipeline.backends.onnxruntime.session import SessionSettings, inference_session
     from pipeline.data.adapters import DataProvider
     from pipeline.graph.model import input_specs, load_model
     from tests.helpers import compose

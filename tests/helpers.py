@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 from pipeline.backend_config import OnnxRuntimeBackendConfig
 from pipeline.backends import create_backend
 from pipeline.backends.onnxruntime import OnnxRuntimeBackend
-from pipeline.backends.trtexec import TrtexecBackend
+from pipeline.backends.tensorrt.trtexec import TrtexecBackend
 from pipeline.graph.bodies import body
 from tests import models
 
@@ -287,7 +287,7 @@ def assert_final_line(stderr: str, metrics: dict) -> None:
 
 def ort_fusion_groups(model: onnx.ModelProto) -> list:
     """The fusion groups ONNX Runtime's CPU EP forms for ``model`` (what its backend reports to subgraph mode)."""
-    from pipeline.backends.onnxruntime import optimized_graph
+    from pipeline.backends.onnxruntime.backend import optimized_graph
     from tasks.autotune.subgraph.fusion_grouping import map_fusions
 
     return map_fusions(model, optimized_graph(model))

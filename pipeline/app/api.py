@@ -327,7 +327,7 @@ def ort_session(results_dir: str | os.PathLike, providers: Sequence[str] = ("CPU
         from pipeline.api import ort_session
         session = ort_session("results/digits_cnn")
     """
-    from pipeline.backends.ort import SessionSettings
+    from pipeline.backends.onnxruntime.session import SessionSettings
 
     model, settings_path = _shipped(results_dir, "autotune/ort_session.json")
     settings = SessionSettings.load(settings_path) if settings_path is not None else SessionSettings()
@@ -345,7 +345,7 @@ def openvino_model(results_dir: str | os.PathLike, device: str = "CPU") -> Any:
 
     then ``compiled(inputs)`` (or ``compiled.create_infer_request()``) runs it.
     """
-    from pipeline.backends.openvino_settings import CompileSettings
+    from pipeline.backends.openvino.settings import CompileSettings
 
     model, settings_path = _shipped(results_dir, "autotune/openvino_compile.json")
     settings = CompileSettings.load(settings_path) if settings_path is not None else CompileSettings()

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from pipeline import progress as bars
-from pipeline.backends import ort
+from pipeline.backends.onnxruntime import session as ort
 from pipeline.data import adapters
 from pipeline.data import live as live_objects
 from pipeline.graph import weights

@@ -1,7 +1,7 @@
-"""Runtimes behind one protocol (``base.Backend``: prepare, run, time, build), chosen by `backend=`:
-ONNX Runtime (``onnxruntime``, with its sessions and session settings in ``ort``), TensorRT and
-TensorRT-RTX (``tensorrt``, builder settings in ``trt_build``), trtexec. Imports the framework,
-``graph`` and ``data``."""
+"""Runtimes behind one protocol (``base.Backend``: prepare, run, time, build), chosen by `backend=`, each
+in its own sub-package: ONNX Runtime (``onnxruntime``, with its sessions and session settings in
+``onnxruntime.session``), OpenVINO (``openvino``), TensorRT, TensorRT-RTX and trtexec (``tensorrt``,
+builder settings in ``tensorrt.settings``). Imports the framework, ``graph`` and ``data``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ BACKENDS: dict[str, str] = {
     "onnxruntime": "pipeline.backends.onnxruntime.OnnxRuntimeBackend",
     "tensorrt": "pipeline.backends.tensorrt.TensorRTBackend",
     "tensorrt_rtx": "pipeline.backends.tensorrt.TensorRTRtxBackend",
-    "trtexec": "pipeline.backends.trtexec.TrtexecBackend",
+    "trtexec": "pipeline.backends.tensorrt.TrtexecBackend",
     "openvino": "pipeline.backends.openvino.OpenVinoBackend",
 }
 

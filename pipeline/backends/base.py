@@ -89,7 +89,7 @@ class SearchSpace:
 @dataclass(frozen=True)
 class FusionSource:
     """What a runtime fuses in a model, for autotune's subgraph mode: the layer information it reports
-    (``layers``: each layer with the ONNX nodes fused into it, as ``trt_common.parse_layer_info``
+    (``layers``: each layer with the ONNX nodes fused into it, as ``tensorrt.common.parse_layer_info``
     normalizes it) or the optimized graph it runs (``optimized``), where it came from, and the file
     it was written to beside the results (if any)."""
 
@@ -447,8 +447,8 @@ def compare_prepared(backend_name: str, prepared: list[PreparedModel], rounds: i
 
 def read_layer_info(doc: Any, where: str) -> dict[str, Any]:
     """Layer information in TensorRT's formats (trtexec --exportLayerInfo, the engine inspector),
-    normalized to ``{"layers": [...]}`` (``trt_common.parse_layer_info``)."""
-    from pipeline.backends.trt_common import parse_layer_info
+    normalized to ``{"layers": [...]}`` (``tensorrt.common.parse_layer_info``)."""
+    from pipeline.backends.tensorrt.common import parse_layer_info
 
     return parse_layer_info(doc, where)
 

@@ -5,7 +5,7 @@ consumers), weights (per output channel) and, where a runtime needs them, int32 
 Gemm (or MatMul + bias Add) with DQ inputs and no Q on its output into a float-output QGemm only
 when the bias also comes from an int32 DequantizeLinear; with a Q on the output it quantizes a
 float bias itself. TensorRT rejects int32 DQ, so its backends fold them back to float biases
-(``pipeline.backends.trt_common``). ``apply_plan`` writes QuantizeLinear /
+(``pipeline.backends.tensorrt.common``). ``apply_plan`` writes QuantizeLinear /
 DequantizeLinear nodes into a copy of a float model with scales from a ``Calibration``
 (``pipeline.quant.calibration``; the math is ``pipeline.quant.qmath``'s), one emitter each for activations,
 weights, int32 biases and Loop/Scan bodies over one ``GraphIndex`` of the graph:

@@ -31,7 +31,7 @@ from pipeline.accuracy.sensitivity import (
     quantized_inputs,
 )
 from pipeline.artifacts import atomic_write_json
-from pipeline.backends.ort import inference_session, ort_session_options
+from pipeline.backends.onnxruntime.session import inference_session, ort_session_options
 from pipeline.errors import first_line
 from pipeline.progress import work_bar
 

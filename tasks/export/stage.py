@@ -17,7 +17,7 @@ import onnx
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.artifacts import atomic_output, fingerprint, user_path
-from pipeline.backends.ort import inference_session
+from pipeline.backends.onnxruntime.session import inference_session
 from pipeline.errors import ConfigError, InputError, StageError, first_line
 from pipeline.graph import weights
 from pipeline.graph.model import (

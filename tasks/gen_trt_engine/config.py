@@ -13,7 +13,7 @@ from pipeline.backend_config import EngineBuildConfig, shape_problems
 @dataclass
 class GenTrtEngineConfig:
     onnx_file: Optional[str] = None  # default: newest model in results_dir
-    # the build options, declared once beside the builders that take them (pipeline.backends.trt_common)
+    # the build options, declared once beside the builders that take them (pipeline.backends.tensorrt.common)
     tensorrt: EngineBuildConfig = field(default_factory=EngineBuildConfig)
 
 

@@ -61,7 +61,7 @@ def bias_slots(model: onnx.ModelProto, nodes: Iterable[str]) -> tuple[list[BiasS
 
 
 def _session(model: onnx.ModelProto, outputs: list[str], threads: int):
-    from pipeline.backends.ort import inference_session, ort_session_options
+    from pipeline.backends.onnxruntime.session import inference_session, ort_session_options
 
     # plain Q/DQ math and no fusions: every node's output stays observable
     return inference_session(model, ort_session_options("disable", threads=threads), extra_outputs=outputs)

@@ -66,7 +66,7 @@ class ActivationRunner:
     only one group's values are alive at a time."""
 
     def __init__(self, model: onnx.ModelProto, tensors: list[str], threads: int, max_bytes: float | None = None):
-        from pipeline.backends.ort import inference_session, ort_session_options
+        from pipeline.backends.onnxruntime.session import inference_session, ort_session_options
 
         self.groups = _groups(model, tensors, max_bytes)
         model, self.stacked = thread_out(model, tensors)

@@ -290,7 +290,7 @@ def float_rel_error(before: onnx.ModelProto, after: onnx.ModelProto, feeds: Sequ
     """max over outputs of ||y_after - y_before|| / ||y_before|| (norms over all ``feeds``), both run
     on ORT CPU with graph optimizations off so fusions cannot differ between the two graphs (one
     session at a time: a large model is not held by ORT twice)."""
-    from pipeline.backends.ort import inference_session, ort_session_options
+    from pipeline.backends.onnxruntime.session import inference_session, ort_session_options
 
     names = [o.name for o in before.graph.output]
     missing = sorted(set(names) - {o.name for o in after.graph.output})

@@ -151,7 +151,7 @@ def test_input_shapes_from_whole_arrays_take_model_batch_size_and_each_call_rest
 def _run_wide() -> tuple:
     """Bars, ORT threads, held objects and weights folder: what pipeline.app.scope sets for one run."""
     from pipeline import progress
-    from pipeline.backends.ort import configured_threads
+    from pipeline.backends.onnxruntime.session import configured_threads
     from pipeline.data.live import held_keys
     from pipeline.graph.weights import current_root
 

@@ -10,7 +10,7 @@ import json
 import onnx
 import pytest
 
-from pipeline.backends.ort import inference_session
+from pipeline.backends.onnxruntime.session import inference_session
 from tests import models
 from tests.helpers import body_matmuls, run_tune
 

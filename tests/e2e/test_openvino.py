@@ -80,7 +80,7 @@ def test_both_modes_tune_on_openvino_and_gen_trt_engine_writes_ir_and_blob(resid
 
 
 def test_autotune_compares_against_fp32_float_where_openvinos_default_misses_the_budget(residual_models, tmp_path):
-    from pipeline.backends.openvino_settings import core, property_text
+    from pipeline.backends.openvino.settings import core, property_text
 
     if property_text(core().get_property("CPU", "INFERENCE_PRECISION_HINT")) == "f32":
         pytest.skip("OpenVINO runs float in FP32 on this CPU: there is no lower default precision to judge")

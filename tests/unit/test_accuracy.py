@@ -14,7 +14,7 @@ from pipeline.accuracy.budget import AccuracyBudget
 from pipeline.accuracy.cpu import cpu_facts
 from pipeline.accuracy.fidelity import kernel_fidelity
 from pipeline.accuracy.holdout import Holdout
-from pipeline.backends.onnxruntime import OnnxRuntimeBackend, OrtPrepared
+from pipeline.backends.onnxruntime.backend import OnnxRuntimeBackend, OrtPrepared
 from pipeline.data.adapters import Batch, synthetic_batches
 from pipeline.errors import ConfigError
 from pipeline.graph.model import input_specs

@@ -12,7 +12,7 @@ import pytest
 from onnx import helper
 
 from pipeline.accuracy.cpu import cpu_facts
-from pipeline.backends.ort import inference_session
+from pipeline.backends.onnxruntime.session import inference_session
 from pipeline.data.adapters import Batch
 from pipeline.graph.bodies import body, thread_out, unique_names
 from pipeline.graph.model import input_specs, iter_nodes

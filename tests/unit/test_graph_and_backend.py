@@ -5,7 +5,7 @@ import onnx
 import pytest
 
 from pipeline.backends import compare_interleaved, create_backend
-from pipeline.backends.onnxruntime import physical_cores
+from pipeline.backends.onnxruntime.backend import physical_cores
 from pipeline.errors import InputError
 from pipeline.graph.model import dynamic_inputs, fix_input_shapes, input_specs, load_model
 from tests import models
@@ -109,7 +109,7 @@ def test_external_data_saves_leave_the_callers_model_as_it_was(tmp_path):
     of the caller's proto one tensor at a time and leave it byte-identical."""
     import numpy as np
 
-    from pipeline.backends.ort import inference_session
+    from pipeline.backends.onnxruntime.session import inference_session
     from pipeline.graph.model import model_hash, save_model
     from pipeline.graph.weights import save_external
     from tests import models

@@ -168,11 +168,11 @@ def test_readme_module_map_lists_every_module_and_nothing_else():
     assert sorted(listed - tree) == [], "the README's map names modules that do not exist"
 
 
-# pipeline.backends modules any stage may use: the protocol, the settings base, and ONNX Runtime as the
-# pipeline's own compute engine (calibration and reference sessions), which every stage runs on whatever
-# the deployment runtime is
+# pipeline.backends modules any stage may use: the protocol, the settings base, and ONNX Runtime's sessions
+# as the pipeline's own compute engine (calibration and reference sessions), which every stage runs on
+# whatever the deployment runtime is (not the ONNX Runtime backend: pipeline.backends.onnxruntime)
 SHARED_BACKEND_MODULES = {"pipeline.backends", "pipeline.backends.base", "pipeline.backends.settings",
-                          "pipeline.backends.ort"}
+                          "pipeline.backends.onnxruntime.session"}
 # string constants in tasks/ equal to a runtime name, each allowed for its reason
 RUNTIME_NAME_ALLOWED = {
     # the `quantize.placement` choices users type: a placement follows one runtime's fusions by name
@@ -210,6 +210,19 @@ def test_tasks_never_name_a_runtime():
             if (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
                     and id(node) not in skip and (rel, node.value) not in RUNTIME_NAME_ALLOWED):
                 wrong.append(f"{rel}:{node.lineno} names the runtime {node.value!r}")
+    assert wrong == []
+
+
+def test_each_runtime_is_a_sub_package_of_backends():
+    """pipeline/backends/ holds the protocol and what every runtime shares; each built-in runtime is a
+    plugin in its own sub-package, whose ``__init__`` exports the Backend class BACKENDS names."""
+    from pipeline.backends import BACKENDS
+
+    top = sorted(p.name for p in (ROOT / "pipeline" / "backends").glob("*.py"))
+    assert top == ["__init__.py", "base.py", "settings.py"]
+    wrong = [f"{name}: {path}" for name, path in BACKENDS.items()
+             if not ((pkg := path.rpartition(".")[0]).count(".") == 2 and pkg.startswith("pipeline.backends.")
+                     and pkg in MODULES and MODULES[pkg].name == "__init__.py")]
     assert wrong == []
 
 

@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 from pipeline.accuracy.budget import AccuracyBudget
 from pipeline.backend_config import OpenVinoBackendConfig
 from pipeline.backends.openvino import OpenVinoBackend
-from pipeline.backends.openvino_search import apply_change, base_settings, candidates, search_candidates
-from pipeline.backends.openvino_settings import CompileSettings, core
+from pipeline.backends.openvino.search import apply_change, base_settings, candidates, search_candidates
+from pipeline.backends.openvino.settings import CompileSettings, core
 from pipeline.data.adapters import synthetic_batches
 from pipeline.errors import StateError
 from pipeline.graph.model import input_specs

@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeline.backend_config import OpenVinoBackendConfig
-from pipeline.backends.ort import inference_session
+from pipeline.backends.onnxruntime.session import inference_session
 from pipeline.data.adapters import fixed_feeds
 from pipeline.graph.model import input_specs
 from pipeline.quant.placement import onnxruntime_plan, openvino_plan, resolve_rules
@@ -117,7 +117,7 @@ def test_openvino_placement_follows_onnx_runtime_groups_in_conv_chains():
 
 
 def test_openvino_placement_feeds_a_classifier_head_the_pooled_u8_and_its_fc_runs_u8(tmp_path):
-    from pipeline.backends.openvino import runtime_layers
+    from pipeline.backends.openvino.backend import runtime_layers
     from pipeline.quant.calibration import Calibration
     from pipeline.quant.qdq import apply_plan
 
@@ -135,7 +135,7 @@ def test_openvino_placement_feeds_a_classifier_head_the_pooled_u8_and_its_fc_run
 
 
 def test_compile_settings_reject_unknown_properties_and_bad_values(tmp_path):
-    from pipeline.backends.openvino_settings import CompileSettings
+    from pipeline.backends.openvino.settings import CompileSettings
     from pipeline.errors import StateError
 
     s = CompileSettings.from_dict({"INFERENCE_PRECISION_HINT": "F32", "NUM_STREAMS": 1})

@@ -46,7 +46,7 @@ def _ort_ops(model: onnx.ModelProto, tmp_path) -> Counter:
 
 
 def _run(model, feeds):
-    from pipeline.backends.ort import disable_qdq_fusion_if_fp8
+    from pipeline.backends.onnxruntime.session import disable_qdq_fusion_if_fp8
 
     so = ort.SessionOptions()
     disable_qdq_fusion_if_fp8(so, model)

@@ -8,8 +8,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from pipeline.backends.ort import SessionSettings, inference_session, ort_session_options
-from pipeline.backends.ort_search import FUSIONS, apply_change, candidates, float_matmuls
+from pipeline.backends.onnxruntime.search import FUSIONS, apply_change, candidates, float_matmuls
+from pipeline.backends.onnxruntime.session import SessionSettings, inference_session, ort_session_options
 from pipeline.errors import StateError
 from tests import models
 from tests.helpers import record_runtime_search

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.backends.openvino_settings import CompileSettings
-from pipeline.backends.ort import SessionSettings
+from pipeline.backends.onnxruntime.session import SessionSettings
+from pipeline.backends.openvino.settings import CompileSettings
 from pipeline.backends.settings import RuntimeSettings
-from pipeline.backends.trt_build import TrtBuildSettings
+from pipeline.backends.tensorrt.settings import TrtBuildSettings
 from pipeline.errors import StateError
 
 # the bytes each record wrote before the records shared a base: results dirs written then still load

@@ -7,7 +7,7 @@ import pytest
 
 from pipeline import progress
 from pipeline.app.scope import run_scope
-from pipeline.backends import ort
+from pipeline.backends.onnxruntime import session as ort
 from pipeline.data import live
 from pipeline.graph import weights
 

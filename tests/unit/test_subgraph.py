@@ -11,9 +11,9 @@ import onnxruntime as ort
 import pytest
 
 from pipeline.backends import create_backend
-from pipeline.backends.onnxruntime import edge_nodes, parse_ort_profile
-from pipeline.backends.onnxruntime import optimized_graph as ort_optimized_graph
-from pipeline.backends.trtexec import TrtexecBackend, parse_shape_spec
+from pipeline.backends.onnxruntime.backend import edge_nodes, parse_ort_profile
+from pipeline.backends.onnxruntime.backend import optimized_graph as ort_optimized_graph
+from pipeline.backends.tensorrt.trtexec import TrtexecBackend, parse_shape_spec
 from pipeline.data.adapters import fixed_feeds
 from pipeline.errors import InputError, StateError
 from pipeline.graph.model import input_specs

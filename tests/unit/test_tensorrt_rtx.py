@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.backends import check_backend, create_backend
 from pipeline.backends.tensorrt import TensorRTBackend
-from pipeline.backends.trt_common import EngineBuildConfig
+from pipeline.backends.tensorrt.common import EngineBuildConfig
 from pipeline.errors import BackendUnavailable, StageError
 from tests import models
 from tests.helpers import compose, qdq_conv_chain, run_tune
@@ -210,7 +210,7 @@ def test_fast_kernels_follow_the_support_matrix(rtx):
 
 
 def test_stage_maps_gen_trt_engine_settings(tmp_path):
-    from pipeline.backends.trt_deploy import engine_options
+    from pipeline.backends.tensorrt.deploy import engine_options
 
     cfg = compose(["backend=tensorrt_rtx", "gen_trt_engine.tensorrt.data_type=FP16",
                    "gen_trt_engine.tensorrt.workspace_size=512", "gen_trt_engine.tensorrt.min_batch_size=1",
@@ -293,7 +293,7 @@ def test_build_info_and_log_name_the_original_not_the_rewritten_copy(rtx, tmp_pa
 
 
 def test_engine_options_normalise_data_type_and_read_the_backend_section():
-    from pipeline.backends.trt_common import DataType
+    from pipeline.backends.tensorrt.common import DataType
 
     assert EngineBuildConfig(data_type="fp16").data_type == "FP16"
     assert EngineBuildConfig(data_type=DataType.BF16).data_type == "BF16"
@@ -306,7 +306,7 @@ def test_engine_options_normalise_data_type_and_read_the_backend_section():
 
 
 def test_plugin_paths_are_absolute_checked_and_name_the_key(tmp_path, monkeypatch):
-    from pipeline.backends.trt_common import plugin_paths
+    from pipeline.backends.tensorrt.common import plugin_paths
     from pipeline.errors import InputError
 
     monkeypatch.chdir(tmp_path)
@@ -327,7 +327,7 @@ def test_shape_problems_reject_dims_below_one_naming_the_key():
 
 
 def test_rejected_input_shape_is_one_line_naming_input_and_profile():
-    from pipeline.backends.tensorrt import TensorRTPrepared
+    from pipeline.backends.tensorrt.backend import TensorRTPrepared
 
     class Context:
         def set_input_shape(self, name, shape):

@@ -17,10 +17,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeline.backend_config import TensorRTBackendConfig
-from pipeline.backends import trt_search as runtime_trt
 from pipeline.backends.base import PreparedModel
 from pipeline.backends.tensorrt import TensorRTBackend
-from pipeline.backends.trt_build import TrtBuildSettings
+from pipeline.backends.tensorrt import search as runtime_trt
+from pipeline.backends.tensorrt.settings import TrtBuildSettings
 from pipeline.errors import StageError, StateError
 from tasks.autotune.config import RuntimeSearchConfig
 from tests import models

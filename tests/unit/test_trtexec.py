@@ -13,8 +13,8 @@ import numpy as np
 import onnx
 import pytest
 
-from pipeline.backends.trt_common import EngineBuildConfig
-from pipeline.backends.trtexec import (
+from pipeline.backends.tensorrt.common import EngineBuildConfig
+from pipeline.backends.tensorrt.trtexec import (
     TrtexecBackend,
     TrtexecRun,
     parse_profile,
@@ -182,7 +182,7 @@ def test_parse_profile_tolerates_unescaped_names_and_nan():
 
 
 def test_parse_layer_info_fixture():
-    from pipeline.backends.trt_common import parse_layer_info
+    from pipeline.backends.tensorrt.common import parse_layer_info
 
     info = parse_layer_info(json.loads((FIXTURES / "layer_info_10x.json").read_text()), "trtexec")
     assert info["io_tensors"] == ["input", "logits"]
@@ -314,7 +314,7 @@ def test_prepare_time_runs_and_run(tmp_path):
 
 
 def test_parse_outputs_keeps_each_outputs_element_type():
-    from pipeline.backends.trtexec import parse_outputs
+    from pipeline.backends.tensorrt.trtexec import parse_outputs
 
     text = json.dumps([{"name": "ids", "dimensions": "2", "values": [3, 7]},
                        {"name": "logits", "dimensions": "2x2", "values": [0.5, 1.5, 2.5, 3.5]}])

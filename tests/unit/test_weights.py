@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import pytest
 
-from pipeline.backends.ort import inference_session
+from pipeline.backends.onnxruntime.session import inference_session
 from pipeline.errors import InputError
 from pipeline.graph import weights
 from pipeline.graph.model import load_model, model_hash, save_model

@@ -34,7 +34,7 @@ class TensorInfo:
 def tensor_infos(model: onnx.ModelProto, tensors: list[str], shapes: dict[str, list[int]] | None = None
                  ) -> dict[str, TensorInfo]:
     """Shape and element type of each tensor in one ORT run of ``model`` on seeded inputs."""
-    from pipeline.backends.ort import inference_session, ort_session_options
+    from pipeline.backends.onnxruntime.session import inference_session, ort_session_options
     from pipeline.data.adapters import fixed_feeds
 
     specs = input_specs(model, shapes)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import atomic_output, set_aside
-from pipeline.backends.trt_common import plugin_paths
+from pipeline.backends.tensorrt.common import plugin_paths
 from pipeline.errors import StageError
 
 log = logging.getLogger("tune.backend")

@@ -1,7 +1,7 @@
 """OpenVINO's compile settings and the shared Core: the properties a shipped model compiles with
 (``CompileSettings``, autotune/openvino_compile.json), the values each accepts, and how OpenVINO spells them
-back (``property_text``). The backend (``pipeline.backends.openvino``) and its settings search
-(``pipeline.backends.openvino_search``) both read them."""
+back (``property_text``). The backend (``pipeline.backends.openvino.backend``) and its settings search
+(``pipeline.backends.openvino.search``) both read them."""
 
 from __future__ import annotations
 

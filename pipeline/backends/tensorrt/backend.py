@@ -11,9 +11,9 @@ machine), while anything that runs an engine asks for a CUDA GPU first and says 
 Device buffers, streams and events come from torch's CUDA runtime (a CUDA build of torch).
 
 The build's set-up beyond the network (precision flag, timing cache, plugin libraries) is in
-``pipeline.backends.tensorrt_builder``, the captured TensorRT log and parser errors in
-``pipeline.backends.tensorrt_log``. What the trtexec backend shares with these (build options,
-profile shapes, plugin paths, layer-info parsers) lives in ``pipeline.backends.trt_common``.
+``pipeline.backends.tensorrt.builder``, the captured TensorRT log and parser errors in
+``pipeline.backends.tensorrt.build_log``. What the trtexec backend shares with these (build options,
+profile shapes, plugin paths, layer-info parsers) lives in ``pipeline.backends.tensorrt.common``.
 """
 
 from __future__ import annotations
@@ -41,21 +41,21 @@ from pipeline.backends.base import (
     ShippedSettings,
     Timing,
 )
-from pipeline.backends.tensorrt_builder import (
+from pipeline.backends.tensorrt.build_log import ParseError, capture_logger, parser_errors
+from pipeline.backends.tensorrt.builder import (
     PluginLibraries,
     open_timing_cache,
     save_timing_cache,
     set_precision,
 )
-from pipeline.backends.tensorrt_log import ParseError, capture_logger, parser_errors
-from pipeline.backends.trt_build import TrtBuildSettings
-from pipeline.backends.trt_common import (
+from pipeline.backends.tensorrt.common import (
     EngineBuildConfig,
     parse_builder_layers,
     parse_layer_info,
     profile_shapes,
     tensorrt_qdq_view,
 )
+from pipeline.backends.tensorrt.settings import TrtBuildSettings
 from pipeline.data.adapters import fixed_feeds
 from pipeline.errors import BackendUnavailable, StageError
 from pipeline.graph.model import InputSpec, has_qdq, input_specs
@@ -192,9 +192,9 @@ class TensorRTBackend(Backend):
 
     # ------------------------------------------------------------------ availability
     def search_space(self) -> SearchSpace | None:
-        from pipeline.backends import trt_search
+        from pipeline.backends.tensorrt import search
 
-        return None if self.shipped_settings is None else trt_search.SPACE
+        return None if self.shipped_settings is None else search.SPACE
 
     def check_available(self) -> None:
         self._module()
@@ -385,7 +385,7 @@ class TensorRTBackend(Backend):
         return Path(log_path)
 
     def deploy(self, model_path: Path, out_dir: Path, source: str, cfg: DictConfig) -> Deployment:
-        from pipeline.backends.trt_deploy import deploy_engine
+        from pipeline.backends.tensorrt.deploy import deploy_engine
 
         return deploy_engine(self, model_path, out_dir, source, cfg)
 

@@ -11,8 +11,9 @@ comes from trtexec's own measurement:
 
 GPU compute time is used because the Python backends time ``execute_async_v3`` alone, and Q/DQ
 placement changes the kernels, not the copies. The command line is made in
-``pipeline.backends.trtexec_command``, trtexec's output is read in ``pipeline.backends.trtexec_parse``;
-build options and shapes live in ``pipeline.backends.trt_common``.
+``pipeline.backends.tensorrt.trtexec_command``, trtexec's output is read in
+``pipeline.backends.tensorrt.trtexec_parse``; build options and shapes live in
+``pipeline.backends.tensorrt.common``.
 
 Warm-up is ``backend.warmup_ms`` (trtexec's --warmUp is in MILLISECONDS); ``backend.warmup_runs`` does
 not apply here. Profiling flags (--exportProfile, --exportLayerInfo, --profilingVerbosity,
@@ -49,15 +50,15 @@ from pipeline.backends.base import (
     ShippedSettings,
     Timing,
 )
-from pipeline.backends.trt_build import TrtBuildSettings
-from pipeline.backends.trt_common import (
+from pipeline.backends.tensorrt.common import (
     EngineBuildConfig,
     parse_layer_info,
     plugin_paths,
     profile_shapes,
     tensorrt_qdq_view,
 )
-from pipeline.backends.trtexec_command import (
+from pipeline.backends.tensorrt.settings import TrtBuildSettings
+from pipeline.backends.tensorrt.trtexec_command import (
     PROFILING_FLAGS,
     SHAPE_FLAGS,
     TrtexecEngine,
@@ -66,7 +67,7 @@ from pipeline.backends.trtexec_command import (
     parse_shape_spec,
     strip_profiling,
 )
-from pipeline.backends.trtexec_parse import (
+from pipeline.backends.tensorrt.trtexec_parse import (
     error_lines,
     loads_lenient,
     output_dtypes,
@@ -192,9 +193,9 @@ class TrtexecBackend(Backend):
 
     # ------------------------------------------------------------------ availability
     def search_space(self) -> SearchSpace:
-        from pipeline.backends import trt_search
+        from pipeline.backends.tensorrt import search
 
-        return trt_search.SPACE
+        return search.SPACE
 
     def check_available(self) -> None:
         exe = str(self.cfg.trtexec_path)
@@ -319,7 +320,7 @@ class TrtexecBackend(Backend):
 
     # ------------------------------------------------------------------ protocol
     def deploy(self, model_path: Path, out_dir: Path, source: str, cfg: DictConfig) -> Deployment:
-        from pipeline.backends.trt_deploy import deploy_engine
+        from pipeline.backends.tensorrt.deploy import deploy_engine
 
         return deploy_engine(self, model_path, out_dir, source, cfg)
 

@@ -33,7 +33,7 @@ from pipeline.backends.base import (
     ShippedSettings,
     specs_of,
 )
-from pipeline.backends.ort import (
+from pipeline.backends.onnxruntime.session import (
     SessionSettings,
     disable_qdq_fusion_if_fp8,
     inference_session,
@@ -199,9 +199,9 @@ class OnnxRuntimeBackend(Backend):
     settings: SessionSettings | None = None
 
     def search_space(self) -> SearchSpace:
-        from pipeline.backends import ort_search
+        from pipeline.backends.onnxruntime import search
 
-        return ort_search.SPACE
+        return search.SPACE
 
     def check_available(self) -> None:
         try:

@@ -2,7 +2,7 @@
 shipped Q/DQ model on backend=tensorrt or backend=trtexec, and why each is on the list.
 
 Every candidate is one documented IBuilderConfig setting with its trtexec flag
-(pipeline.backends.trt_build.KNOBS, which names the sources). A setting the user already fixed in
+(pipeline.backends.tensorrt.settings.KNOBS, which names the sources). A setting the user already fixed in
 backend.trtexec_args is not searched (their flag wins on the command line), and one the TensorRT
 version lacks is not proposed. The search itself is tasks.autotune.runtime.search.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.backends.base import Backend, SearchSpace
-from pipeline.backends.trt_build import KNOB, TrtBuildSettings
+from pipeline.backends.tensorrt.settings import KNOB, TrtBuildSettings
 
 log = logging.getLogger("tune.autotune")
 

@@ -1,6 +1,7 @@
 """The TensorRT builder settings a tuned model ships with (autotune/trt_build.json), for the tensorrt
-and trtexec backends: ``TrtBuildSettings``. Like ONNX Runtime's session settings (pipeline.backends.ort) they
-are not stored in the model, and the engine's speed depends on them.
+and trtexec backends: ``TrtBuildSettings``. Like ONNX Runtime's session settings
+(pipeline.backends.onnxruntime.session) they are not stored in the model, and the engine's speed depends
+on them.
 
 Each setting is one documented knob with two spellings (``KNOBS``): the trtexec flag the trtexec
 backend adds to its build command (``trtexec_flags``) and the ``IBuilderConfig`` attribute the tensorrt

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.artifacts import user_path
 from pipeline.backend_config import EngineBuildConfig
 from pipeline.backends.base import Backend, Deployment
-from pipeline.backends.trt_common import plugin_paths
+from pipeline.backends.tensorrt.common import plugin_paths
 
 log = logging.getLogger("tune.gen_trt_engine")
 

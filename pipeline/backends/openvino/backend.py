@@ -37,7 +37,7 @@ from pipeline.backends.base import (
     SearchSpace,
     ShippedSettings,
 )
-from pipeline.backends.openvino_settings import (
+from pipeline.backends.openvino.settings import (
     PRECISIONS,
     CompileSettings,
     check_device,
@@ -153,9 +153,9 @@ class OpenVinoBackend(Backend):
     settings: CompileSettings | None = None
 
     def search_space(self) -> SearchSpace:
-        from pipeline.backends import openvino_search
+        from pipeline.backends.openvino import search
 
-        return openvino_search.SPACE
+        return search.SPACE
 
     def check_available(self) -> None:
         check_device(str(self.cfg.device), "backend.device")

@@ -2,7 +2,7 @@
 saved engine and what every run of it repeats), trtexec's NAME:DxD shape syntax, and the flag groups
 the backend drops (profiling flags an old trtexec rejects, the full model's shapes for subgraphs).
 
-What trtexec prints and writes back is read by ``pipeline.backends.trtexec_parse``.
+What trtexec prints and writes back is read by ``pipeline.backends.tensorrt.trtexec_parse``.
 """
 
 from __future__ import annotations

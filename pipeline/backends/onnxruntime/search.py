@@ -19,7 +19,7 @@ from typing import Any
 import onnx
 
 from pipeline.backends.base import Backend, SearchSpace
-from pipeline.backends.ort import SessionSettings
+from pipeline.backends.onnxruntime.session import SessionSettings
 
 log = logging.getLogger("tune.autotune")
 

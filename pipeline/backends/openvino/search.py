@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.backends.base import Backend, SearchSpace
-from pipeline.backends.openvino_settings import PROPERTIES, CompileSettings, core, property_text
+from pipeline.backends.openvino.settings import PROPERTIES, CompileSettings, core, property_text
 
 log = logging.getLogger("tune.autotune")
 
@@ -76,7 +76,7 @@ def picked(compiled: Any) -> dict[str, str]:
 def search_candidates(backend: Backend, shipped: Path) -> tuple[list[tuple[str, dict]], dict[str, Any]]:
     """The candidates for ``shipped`` on this OpenVINO backend, and what the search reports beside its
     steps: the OpenVINO version and the properties it picked for the model with the backend's own."""
-    from pipeline.backends.onnxruntime import physical_cores
+    from pipeline.backends.onnxruntime.backend import physical_cores
 
     device = str(backend.cfg.device)
     compiled = backend.with_settings(base_settings(backend)).compile(shipped)

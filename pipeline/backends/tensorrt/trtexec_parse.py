@@ -2,7 +2,7 @@
 --exportOutput JSON, and the error lines of a failed run's log.
 
 trtexec writes its JSON with C++ streams, so ``loads_lenient`` accepts the bare nan/inf it prints
-(also for --exportLayerInfo, which ``trt_common.parse_layer_info`` then normalizes).
+(also for --exportLayerInfo, which ``common.parse_layer_info`` then normalizes).
 """
 
 from __future__ import annotations
