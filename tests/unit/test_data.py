@@ -140,3 +140,23 @@ def test_npz_of_the_wrong_shape_names_the_input(tmp_path):
     cfg = compose(["model=onnx", "model.onnx_path=x.onnx", "data=npz", f"data.path={tmp_path / 'd.npz'}"])
     with pytest.raises(InputError, match=r"input 'input' has samples of shape \(3, 8, 8\).*wants \(3, 16, 16\)"):
         list(DataProvider(cfg, specs).batches("calibration"))
+
+
+def test_digits_split_is_kept_in_the_cache_folder_and_a_broken_copy_is_made_again(tmp_path, monkeypatch):
+    from sklearn.model_selection import train_test_split
+
+    from pipeline.data import adapters
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    made = adapters._digits_split(7, 0.25)
+    kept = next((tmp_path / "qdq-tune").glob("digits-7-0.25-sklearn*.npz"))
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x_tr, x_te, y_tr, y_te = train_test_split((d.images / 16.0).astype(np.float32), d.target.astype(np.int64),
+                                              test_size=0.25, random_state=7, stratify=d.target)
+    for parts in (made, adapters._digits_split(7, 0.25)):  # made here, then read from the kept copy
+        assert np.array_equal(parts["x_train"], x_tr) and np.array_equal(parts["y_test"], y_te)
+        assert np.array_equal(parts["x_test"], x_te) and np.array_equal(parts["y_train"], y_tr)
+    kept.write_bytes(b"not an npz")
+    assert np.array_equal(adapters._digits_split(7, 0.25)["x_test"], x_te)
