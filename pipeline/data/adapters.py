@@ -215,23 +215,25 @@ def digits_arrays(split: str, seed: int, test_fraction: float, image_shape: tupl
         raise InputError(f"data=digits needs an image input (C, H, W); the model's input sample shape is "
                          f"{tuple(image_shape)}. Use data=synthetic, data=npz or data=custom")
     c, h, w = image_shape
-    parts = _digits_split(seed, test_fraction)
+    parts = _digits_split(seed, test_fraction, (h, w))
     x, y = (parts["x_train"], parts["y_train"]) if split == "train" else (parts["x_test"], parts["y_test"])
-    x = _resize_images(x, h, w)[:, None]
+    x = x[:, None]
     if c != 1:
         x = np.repeat(x, c, axis=1)
     return np.ascontiguousarray(x), y
 
 
-def _digits_split(seed: int, test_fraction: float) -> dict[str, np.ndarray]:
-    """The stratified split of the digits (8x8 images in [0, 1], labels), as scikit-learn makes it. Kept
-    in the user's cache folder per seed, fraction and scikit-learn version: importing scikit-learn takes
-    seconds, which every stage that reads the digits would pay again in its own process."""
+def _digits_split(seed: int, test_fraction: float, size: tuple[int, int]) -> dict[str, np.ndarray]:
+    """The stratified split of the digits (images in [0, 1] resized to ``size``, labels), as scikit-learn
+    makes it. Kept in the user's cache folder per seed, fraction, size and scikit-learn version:
+    importing scikit-learn and scipy takes seconds, which every stage that reads the digits would pay
+    again in its own process."""
     import importlib.metadata
     import os
 
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qdq-tune"
-    path = root / f"digits-{seed}-{test_fraction!r}-sklearn{importlib.metadata.version('scikit-learn')}.npz"
+    path = root / (f"digits-{seed}-{test_fraction!r}-{size[0]}x{size[1]}-"
+                   f"sklearn{importlib.metadata.version('scikit-learn')}.npz")
     keys = ("x_train", "y_train", "x_test", "y_test")
     try:
         with np.load(path) as kept:
@@ -246,7 +248,7 @@ def _digits_split(seed: int, test_fraction: float) -> dict[str, np.ndarray]:
     y = d.target.astype(np.int64)
     parts = dict(zip(keys[::2] + keys[1::2], train_test_split(x, y, test_size=test_fraction, random_state=seed,
                                                                stratify=y), strict=True))
-    parts = {k: parts[k] for k in keys}
+    parts = {k: _resize_images(parts[k], *size) if k.startswith("x") else parts[k] for k in keys}
     try:
         root.mkdir(parents=True, exist_ok=True)
         with atomic_output(path, suffix=".npz") as tmp:
