@@ -229,23 +229,43 @@ def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[s
             log.info("auto: %s (kept: nothing it compared changed)", kept.headline)
             return kept
     reference = _reference(runs)
-    models: list[tuple[Backend, Path]] = [(reference, float_path)]
-    for backend, model, _ in shipped.values():
-        models += [(backend.as_deployed(), float_path), (backend, model)]
-    timings = compare_pairs(models, rounds=8, runs_per_round=max(2, int(cfg.backend.timing_runs) // 8),
+    compare = _Comparison()
+    ref_slot = compare.slot(reference, float_path)
+    slots = [(compare.slot(b.as_deployed(), float_path), compare.slot(b, model)) for b, model, _ in shipped.values()]
+    timings = compare_pairs(compare.pairs, rounds=8, runs_per_round=max(2, int(cfg.backend.timing_runs) // 8),
                             warmup_runs=int(cfg.backend.warmup_runs), name="auto")
-    return _decide(key, path, reference, timings, shipped, left_out)
+    return _decide(key, path, reference, timings[ref_slot], [(timings[f], timings[s]) for f, s in slots], shipped,
+                   left_out)
 
 
-def _decide(key: str, path: Path, reference: Backend, timings: list[Timing],
+class _Comparison:
+    """The deployments of the final comparison, each once: the reference float is often a runtime's own
+    float (ONNX Runtime's), and a runtime that ships float ships its float deployment; timed twice, one
+    deployment would read as two speeds (and be held in memory twice)."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[Backend, Path]] = []
+        self._index: dict[str, int] = {}
+        self._digests: dict[Path, str] = {}
+
+    def slot(self, backend: Backend, model: Path) -> int:
+        """The index of (``backend``, ``model``) in ``pairs``, added unless the same deployment is there."""
+        digest = self._digests.setdefault(model, sha256_file(model))
+        key = fingerprint([backend.describe(), backend.settings.to_dict() if backend.settings is not None else None,
+                           digest])
+        if key not in self._index:
+            self._index[key] = len(self.pairs)
+            self.pairs.append((backend, model))
+        return self._index[key]
+
+
+def _decide(key: str, path: Path, reference: Backend, ref_t: Timing, timings: list[tuple[Timing, Timing]],
             shipped: dict[str, tuple[Backend, Path, dict[str, Any]]], left_out: dict[str, str]) -> RuntimeChoice:
-    """The choice from ``timings``: the reference float's, then each runtime's float and shipped model."""
-    ref_t = timings[0]
+    """The choice from the reference float's timing and each runtime's (float, shipped model) timings."""
     if not ref_t.ok:
         raise PipelineError(f"backend=auto: the reference float did not run on {reference.name}: {ref_t.error}")
     rows = []
-    for i, (name, (backend, _, metrics)) in enumerate(shipped.items()):
-        float_t, ship_t = timings[1 + 2 * i], timings[2 + 2 * i]
+    for (name, (backend, _, metrics)), (float_t, ship_t) in zip(shipped.items(), timings, strict=True):
         error = next((t.error for t in (float_t, ship_t) if not t.ok), None)
         final = (metrics.get("accuracy") or {}).get("final") or {}
         rows.append(RuntimeRow(name, str(metrics.get("shipped", "float")), backend.float_precision(),

@@ -59,3 +59,22 @@ def test_statistics_are_collected_once_per_sharing_scope_and_each_caller_gets_a_
     assert len(calls) == 4 and "threshold" not in b["t"]
     collect_once({"k": 1}, collect)
     assert len(calls) == 5  # the scope ended with its statistics
+
+
+def test_the_final_comparison_times_each_deployment_once(tmp_path):
+    """ONNX Runtime's own float is the reference float: one slot, so one speed (and one session in memory)."""
+    from pipeline.app.auto import _Comparison, _reference
+    from pipeline.backends import create_backend
+    from tests import models
+
+    path = models.save(models.conv_chain(), tmp_path, "m")
+    cfg = compose(["backend=onnxruntime"])
+    ort_backend = create_backend(cfg.backend)
+    run = type("Run", (), {"name": "onnxruntime", "cfg": cfg})()
+    compare = _Comparison()
+    ref = compare.slot(_reference([run]), path)
+    assert compare.slot(ort_backend.as_deployed(), path) == ref
+    fp32 = create_backend(compose(["backend=openvino", "backend.inference_precision=f32"]).backend)
+    assert compare.slot(fp32, path) != ref and len(compare.pairs) == 2
+    other = models.save(models.conv_chain(seed=3), tmp_path, "other")
+    assert compare.slot(ort_backend.as_deployed(), other) == 2
