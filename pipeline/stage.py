@@ -62,9 +62,13 @@ class Stage:
     outputs: tuple[str, ...] = ()
     config_keys: tuple[str, ...] = ()
 
+    def optional_input_keys(self, ctx: StageContext) -> tuple[str, ...]:
+        """``optional_inputs``, and any the run's config adds (e.g. the configured runtime's settings file)."""
+        return self.optional_inputs
+
     def resolve_inputs(self, ctx: StageContext) -> dict[str, Path]:
         found = {k: ctx.require(k) for k in self.inputs}
-        for k in self.optional_inputs:
+        for k in self.optional_input_keys(ctx):
             p = ctx.artifact(k)
             if p is not None:
                 found[k] = p

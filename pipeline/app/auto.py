@@ -200,7 +200,7 @@ def _shipped(run: RuntimeRun) -> tuple[Backend, Path, dict[str, Any]]:
     return backend, model, manifest.metrics("autotune")
 
 
-def _reference(runs: list[RuntimeRun]) -> Backend:
+def reference_float(runs: list[RuntimeRun]) -> Backend:
     """The float every runtime is compared with: ONNX Runtime's FP32 where it takes part, else the first
     runtime in FP32."""
     first = next((r for r in runs if r.name == "onnxruntime"), runs[0])
@@ -228,8 +228,8 @@ def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[s
         if kept.key == key:
             log.info("auto: %s (kept: nothing it compared changed)", kept.headline)
             return kept
-    reference = _reference(runs)
-    compare = _Comparison()
+    reference = reference_float(runs)
+    compare = Comparison()
     ref_slot = compare.slot(reference, float_path)
     slots = [(compare.slot(b.as_deployed(), float_path), compare.slot(b, model)) for b, model, _ in shipped.values()]
     timings = compare_pairs(compare.pairs, rounds=8, runs_per_round=max(2, int(cfg.backend.timing_runs) // 8),
@@ -238,7 +238,7 @@ def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[s
                    left_out)
 
 
-class _Comparison:
+class Comparison:
     """The deployments of the final comparison, each once: the reference float is often a runtime's own
     float (ONNX Runtime's), and a runtime that ships float ships its float deployment; timed twice, one
     deployment would read as two speeds (and be held in memory twice)."""

@@ -23,6 +23,13 @@ BACKENDS: dict[str, str] = {
 }
 
 
+def settings_artifacts(cfg: DictConfig) -> tuple[str, ...]:
+    """The artifact autotune ships the configured runtime's settings in (its ``shipped_settings``), as a
+    stage's optional input: () where the runtime ships none."""
+    kind = runtime_class(cfg).shipped_settings
+    return (kind.artifact,) if kind is not None else ()
+
+
 def runtime_class(cfg: DictConfig) -> type[Backend]:
     """The Backend class the `backend` config names (imported, not instantiated: its class attributes say
     what the runtime is, e.g. its ``placement``, without loading the runtime's own libraries)."""

@@ -25,7 +25,7 @@ import onnx
 
 from pipeline.accuracy.metrics import ModelScores, json_safe
 from pipeline.artifacts import atomic_write_json, atomic_write_text, read_json, sha256_file
-from pipeline.backends import create_backend
+from pipeline.backends import create_backend, settings_artifacts
 from pipeline.backends.base import Backend, PreparedModel, compare_prepared
 from pipeline.config import resolved_data_source
 from pipeline.data.adapters import DataProvider
@@ -109,10 +109,13 @@ class EvaluateStage(Stage):
     name = "evaluate"
     inputs = ("export/model.onnx",)
     optional_inputs = ("quantize/quantized_model.onnx", "autotune/optimized_final.onnx", "quantize/calibration.json",
-                       "quantize/float_model.onnx", "autotune/ort_session.json", "autotune/trt_build.json",
-                       "autotune/openvino_compile.json", CHOICE)
+                       "quantize/float_model.onnx", CHOICE)
     outputs = ("evaluate/metrics.json", "evaluate/report.md")
     config_keys = ("evaluate", "data", "backend", "seed", "accuracy")
+
+    def optional_input_keys(self, ctx: StageContext) -> tuple[str, ...]:
+        # the runtime settings the autotuned model ships with (the configured runtime's file)
+        return (*self.optional_inputs, *settings_artifacts(ctx.cfg.backend))
 
     def run(self, ctx: StageContext) -> StageResult:
         ecfg = ctx.cfg.evaluate
@@ -332,8 +335,8 @@ class EvaluateStage(Stage):
 
     @staticmethod
     def _session_settings(ctx: StageContext, backend: Backend) -> Any:
-        """The runtime settings autotune shipped for this backend's kind (autotune/ort_session.json on
-        onnxruntime, autotune/trt_build.json on tensorrt and trtexec) when they change anything, else None."""
+        """The runtime settings autotune shipped for this backend (its ``shipped_settings`` file) when they
+        change anything, else None."""
         kind = backend.shipped_settings
         path = ctx.artifact(kind.artifact) if kind is not None else None
         if path is None:

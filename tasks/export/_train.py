@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipeline.data.adapters import digits_arrays
+from pipeline.data.digits import digits_arrays
 
 log = logging.getLogger("tune.export")
 

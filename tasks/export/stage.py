@@ -334,7 +334,7 @@ class ExportStage(Stage):
     def _digits_example(ctx: StageContext, mcfg: DictConfig):
         import torch
 
-        from pipeline.data.adapters import digits_arrays
+        from pipeline.data.digits import digits_arrays
 
         size = int(mcfg.image_size)
         x, _ = digits_arrays("test", int(ctx.cfg.seed), float(ctx.cfg.data.get("test_fraction", 0.3)), (1, size, size))

@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pipeline.artifacts import check_onnx_path, user_path
-from pipeline.backends import create_backend
+from pipeline.backends import create_backend, settings_artifacts
 from pipeline.backends.base import Backend
 from pipeline.errors import StageError
 from pipeline.graph.model import load_model
@@ -29,11 +29,13 @@ ONNX_FILE_KEY = "gen_trt_engine.onnx_file"
 
 class GenTrtEngineStage(Stage):
     name = "gen_trt_engine"
-    # the runtime settings autotune ships for its model, one file per backend kind
-    optional_inputs = (*MODEL_KEYS, "autotune/ort_session.json", "autotune/trt_build.json",
-                       "autotune/openvino_compile.json")
+    optional_inputs = MODEL_KEYS
     outputs = ()  # which files depends on the backend (engine + build.log, model.ort.onnx or OpenVINO IR + build.json)
     config_keys = ("gen_trt_engine", "backend")
+
+    def optional_input_keys(self, ctx: StageContext) -> tuple[str, ...]:
+        # the runtime settings autotune ships for its model (the configured runtime's file)
+        return (*self.optional_inputs, *settings_artifacts(ctx.cfg.backend))
 
     def resolve_inputs(self, ctx: StageContext) -> dict[str, Path]:
         # an explicit onnx_file is the only input: its content (not results_dir's models) decides re-runs

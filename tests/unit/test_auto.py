@@ -63,7 +63,7 @@ def test_statistics_are_collected_once_per_sharing_scope_and_each_caller_gets_a_
 
 def test_the_final_comparison_times_each_deployment_once(tmp_path):
     """ONNX Runtime's own float is the reference float: one slot, so one speed (and one session in memory)."""
-    from pipeline.app.auto import _Comparison, _reference
+    from pipeline.app.auto import Comparison, reference_float
     from pipeline.backends import create_backend
     from tests import models
 
@@ -71,8 +71,8 @@ def test_the_final_comparison_times_each_deployment_once(tmp_path):
     cfg = compose(["backend=onnxruntime"])
     ort_backend = create_backend(cfg.backend)
     run = type("Run", (), {"name": "onnxruntime", "cfg": cfg})()
-    compare = _Comparison()
-    ref = compare.slot(_reference([run]), path)
+    compare = Comparison()
+    ref = compare.slot(reference_float([run]), path)
     assert compare.slot(ort_backend.as_deployed(), path) == ref
     fp32 = create_backend(compose(["backend=openvino", "backend.inference_precision=f32"]).backend)
     assert compare.slot(fp32, path) != ref and len(compare.pairs) == 2

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.data.adapters import DataProvider, digits_arrays, rebatch, to_feeds
+from pipeline.data.adapters import DataProvider, rebatch, to_feeds
+from pipeline.data.digits import digits_arrays, digits_split
 from pipeline.errors import InputError
 from pipeline.graph.model import InputSpec, input_specs
 from tests import models
@@ -145,18 +146,16 @@ def test_npz_of_the_wrong_shape_names_the_input(tmp_path):
 def test_digits_split_is_kept_in_the_cache_folder_and_a_broken_copy_is_made_again(tmp_path, monkeypatch):
     from sklearn.model_selection import train_test_split
 
-    from pipeline.data import adapters
-
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    made = adapters._digits_split(7, 0.25, (8, 8))
+    made = digits_split(7, 0.25, (8, 8))
     kept = next((tmp_path / "qdq-tune").glob("digits-7-0.25-8x8-sklearn*.npz"))
     from sklearn.datasets import load_digits
 
     d = load_digits()
     x_tr, x_te, y_tr, y_te = train_test_split((d.images / 16.0).astype(np.float32), d.target.astype(np.int64),
                                               test_size=0.25, random_state=7, stratify=d.target)
-    for parts in (made, adapters._digits_split(7, 0.25, (8, 8))):  # made here, then read from the kept copy
+    for parts in (made, digits_split(7, 0.25, (8, 8))):  # made here, then read from the kept copy
         assert np.array_equal(parts["x_train"], x_tr) and np.array_equal(parts["y_test"], y_te)
         assert np.array_equal(parts["x_test"], x_te) and np.array_equal(parts["y_train"], y_tr)
     kept.write_bytes(b"not an npz")
-    assert np.array_equal(adapters._digits_split(7, 0.25, (8, 8))["x_test"], x_te)
+    assert np.array_equal(digits_split(7, 0.25, (8, 8))["x_test"], x_te)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.backends.base import Backend, ShippedSettings
 from pipeline.backends.onnxruntime.session import SessionSettings
 from pipeline.backends.openvino.settings import CompileSettings
 from pipeline.backends.settings import RuntimeSettings
@@ -73,3 +74,29 @@ def test_records_of_different_runtimes_are_never_equal_and_the_base_is_abstract(
     assert SessionSettings() != TrtBuildSettings() and CompileSettings() != SessionSettings()
     with pytest.raises(TypeError):
         RuntimeSettings()
+
+
+class _OwnSettings(RuntimeSettings):
+    pass
+
+
+class SettingsRuntime(Backend):
+    """A runtime of a user's own with a settings file of its own (importable by name for backend._target_)."""
+
+    name = "own"
+    shipped_settings = ShippedSettings(_OwnSettings, "autotune/own_settings.json", "own settings", "defaults")
+
+
+def test_a_custom_runtimes_settings_file_is_an_input_of_the_stages_that_deploy_and_evaluate_it():
+    """A shipped settings file decides what gen_trt_engine builds and evaluate measures: when it changes, both
+    re-run. Each stage asks the configured runtime for its file, so a custom runtime's counts too."""
+    from pipeline.registry import load_stage
+    from tests.helpers import compose
+
+    cfg = compose(["backend=custom", f"backend._target_={__name__}.SettingsRuntime"])
+    ctx = type("Ctx", (), {"cfg": cfg})()
+    for stage in ("gen_trt_engine", "evaluate"):
+        assert "autotune/own_settings.json" in load_stage(stage).optional_input_keys(ctx), stage
+    ort = type("Ctx", (), {"cfg": compose(["backend=onnxruntime"])})()
+    assert "autotune/ort_session.json" in load_stage("evaluate").optional_input_keys(ort)
+    assert "autotune/own_settings.json" not in load_stage("evaluate").optional_input_keys(ort)
