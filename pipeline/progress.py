@@ -4,32 +4,29 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 from tqdm import tqdm
 
-_enabled = True  # the run's `progress` key (configure), for bars deep inside library code
-
-
-def configure(enabled: bool) -> None:
-    global _enabled
-    _enabled = enabled
+# the run's `progress` key, for bars deep inside library code (True outside a run); per run: a ContextVar
+_ENABLED: ContextVar[bool] = ContextVar("progress_bars", default=True)
 
 
 def is_enabled() -> bool:
     """Whether bars that are not told otherwise show (the run's `progress` key; True outside a run)."""
-    return _enabled
+    return _ENABLED.get()
 
 
 @contextlib.contextmanager
 def configured(enabled: bool) -> Iterator[None]:
-    """``configure(enabled)`` for the block; the previous value is back after it, also when it raises."""
-    previous = _enabled
-    configure(enabled)
+    """Bars on or off for the block (its thread and the threads it hands its context to); the previous
+    value is back after it, also when it raises."""
+    token = _ENABLED.set(bool(enabled))
     try:
         yield
     finally:
-        configure(previous)
+        _ENABLED.reset(token)
 
 
 def progress_bar(enabled: bool | None = None, **kwargs: Any) -> tqdm:
@@ -37,7 +34,7 @@ def progress_bar(enabled: bool | None = None, **kwargs: Any) -> tqdm:
     # disable=None lets tqdm hide the bar when stderr is not a terminal (CI logs, pipes)
     kwargs.setdefault("leave", False)
     kwargs.setdefault("dynamic_ncols", True)
-    on = _enabled if enabled is None else enabled
+    on = _ENABLED.get() if enabled is None else enabled
     return tqdm(disable=None if on else True, **kwargs)
 
 

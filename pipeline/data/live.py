@@ -14,31 +14,31 @@ import copy
 import itertools
 import re
 from collections.abc import Iterable, Iterator, Mapping
+from contextvars import ContextVar
+from types import MappingProxyType
 from typing import Any
 
 from pipeline.errors import InputError
 
-# objects passed to a running tune() call, by the key their config args name
-_LIVE: dict[str, Any] = {}
+# objects passed to a running tune() call, by the key their config args name; per run: a ContextVar
+# holding an immutable mapping (a block adds to a copy)
+_LIVE: ContextVar[Mapping[str, Any]] = ContextVar("live_objects", default=MappingProxyType({}))
 
 
 @contextlib.contextmanager
 def held(objects: Mapping[str, Any]) -> Iterator[None]:
     """Hold ``objects`` (key -> object) for the ``_target_``s below while the block runs; after it, also
     when it raises, each key holds what it held before (an enclosing call's object) or nothing."""
-    previous = {key: _LIVE[key] for key in objects if key in _LIVE}
-    _LIVE.update(objects)
+    token = _LIVE.set(MappingProxyType({**_LIVE.get(), **objects}))
     try:
         yield
     finally:
-        for key in objects:
-            _LIVE.pop(key, None)
-        _LIVE.update(previous)
+        _LIVE.reset(token)
 
 
 def held_keys() -> frozenset[str]:
     """The keys of the objects held now (none outside a tune() call)."""
-    return frozenset(_LIVE)
+    return frozenset(_LIVE.get())
 
 
 def in_memory_model(class_name: str, parameters: str, code: str) -> Any:
@@ -82,18 +82,19 @@ def metric_name(path: str) -> str:
 def __getattr__(name: str) -> Any:
     """`accuracy.custom_metric=pipeline.data.live.<name>__<hash>`: the metric function passed to tune()."""
     if _METRIC.match(name):
-        key = f"metric:{name}"
-        if key not in _LIVE:
+        key, live = f"metric:{name}", _LIVE.get()
+        if key not in live:
             raise InputError(f"accuracy.custom_metric=pipeline.data.live.{name}: the metric function was passed to "
                              f"pipeline.api.tune() in another Python process; pass it to tune() again, or set "
                              f"accuracy.custom_metric=pkg.module.function to run from a spec")
-        return _LIVE[key]
+        return live[key]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _live(key: str, what: str, group: str) -> Any:
-    if key not in _LIVE:
+    live = _LIVE.get()
+    if key not in live:
         raise InputError(f"{group}._target_=pipeline.data.live.in_memory_{group}: {what} was passed to "
                          f"pipeline.api.tune() in another Python process; pass it to tune() again, or "
                          f"configure {group}=... to run from a spec")
-    return _LIVE[key]
+    return live[key]

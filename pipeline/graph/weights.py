@@ -27,6 +27,8 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -40,36 +42,49 @@ LAZY_MIN_BYTES = 64 * 1024  # external tensors at least this large stay on disk;
 FOLDER_ENTRY = "session.model_external_initializers_file_folder_path"  # ORT session config entry
 _CHUNK = 16 * 2**20
 
-_root: Path | None = None
-_links: dict[tuple[int, int], str] = {}  # (st_dev, st_ino) of a data file -> its link's name
-_digests: dict[tuple[str, int, int], str] = {}
-_unlinkable: set[tuple[int, int]] = set()  # data files a hard link failed for (warned once)
+@dataclass
+class _Folder:
+    """A weights folder and what it holds: made on first use (``weights_root``)."""
+
+    root: Path | None = None
+    links: dict[tuple[int, int], str] = field(default_factory=dict)  # (st_dev, st_ino) of a data file -> link name
+    digests: dict[tuple[str, int, int], str] = field(default_factory=dict)
+    unlinkable: set[tuple[int, int]] = field(default_factory=set)  # data files a hard link failed for (warned once)
+
+
+# the folder in use: each run's own (``own_folder``, per run: a ContextVar), else the process's
+_FOLDER: ContextVar[_Folder | None] = ContextVar("weights_folder", default=None)
+_PROCESS_FOLDER = _Folder()
+
+
+def _folder() -> _Folder:
+    return _FOLDER.get() or _PROCESS_FOLDER
 
 
 def weights_root() -> Path:
-    """This process's folder of hard links to the data files of loaded models (made on first use)."""
-    global _root
-    if _root is None:
-        _root = Path(tempfile.mkdtemp(prefix="qdq-tune-weights-"))
-        atexit.register(shutil.rmtree, _root, True)
-    return _root
+    """The folder of hard links to the data files of loaded models in use (made on first use)."""
+    folder = _folder()
+    if folder.root is None:
+        folder.root = Path(tempfile.mkdtemp(prefix="qdq-tune-weights-"))
+        atexit.register(shutil.rmtree, folder.root, True)
+    return folder.root
 
 
 def release() -> None:
     """Remove the weights folder: the protos that refer to it must not be used any more. The data files
     it linked get their single link back (onnx's own loader and checker refuse files with several)."""
-    global _root
-    if _root is not None:
-        shutil.rmtree(_root, ignore_errors=True)
-    _root = None
-    _links.clear()
-    _digests.clear()
-    _unlinkable.clear()
+    folder = _folder()
+    if folder.root is not None:
+        shutil.rmtree(folder.root, ignore_errors=True)
+    folder.root = None
+    folder.links.clear()
+    folder.digests.clear()
+    folder.unlinkable.clear()
 
 
 def current_root() -> Path | None:
     """The weights folder in use, or None where none is made (``weights_root`` makes one)."""
-    return _root
+    return _folder().root
 
 
 @contextlib.contextmanager
@@ -77,14 +92,12 @@ def own_folder() -> Iterator[None]:
     """A weights folder of the block's own: made on first use, released at the end (also when the block
     raises), and the folder and links in use before it back after it, so one run's per-stage
     ``release`` never removes the folder a caller's loaded models read."""
-    global _root, _links, _digests, _unlinkable
-    previous = _root, _links, _digests, _unlinkable
-    _root, _links, _digests, _unlinkable = None, {}, {}, set()
+    token = _FOLDER.set(_Folder())
     try:
         yield
     finally:
         release()
-        _root, _links, _digests, _unlinkable = previous
+        _FOLDER.reset(token)
 
 
 def _info(t: onnx.TensorProto) -> dict[str, str]:
@@ -93,8 +106,9 @@ def _info(t: onnx.TensorProto) -> dict[str, str]:
 
 def is_lazy(t: onnx.TensorProto) -> bool:
     """Whether ``t``'s values are in this process's weights folder rather than in the proto."""
-    return (t.data_location == onnx.TensorProto.EXTERNAL and _root is not None
-            and _info(t).get("location", "") in _links.values())
+    folder = _folder()
+    return (t.data_location == onnx.TensorProto.EXTERNAL and folder.root is not None
+            and _info(t).get("location", "") in folder.links.values())
 
 
 def has_lazy(model: onnx.ModelProto) -> bool:
@@ -121,9 +135,10 @@ def _link(source: Path) -> str | None:
     hard link cannot be made."""
     st = source.stat()
     key = (st.st_dev, st.st_ino)
-    if key in _unlinkable:
+    folder = _folder()
+    if key in folder.unlinkable:
         return None
-    if key not in _links:
+    if key not in folder.links:
         # named after the file's path, size and time: the same file gets the same name in every run (so
         # serialized candidates hash the same on resume), a rewritten one another
         ident = f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()
@@ -131,12 +146,12 @@ def _link(source: Path) -> str | None:
         try:
             os.link(source, weights_root() / name)
         except OSError as exc:
-            _unlinkable.add(key)
+            folder.unlinkable.add(key)
             log.warning("%s cannot be hard-linked into %s (%s): its weights are read into memory. Set TMPDIR to a "
                         "folder on the same file system to keep them on disk", source, weights_root(), exc.strerror)
             return None
-        _links[key] = name
-    return _links[key]
+        folder.links[key] = name
+    return folder.links[key]
 
 
 def attach(model: onnx.ModelProto, base_dir: str | os.PathLike) -> onnx.ModelProto:
@@ -259,7 +274,8 @@ def digest(t: onnx.TensorProto) -> str:
     """A content hash of a lazy tensor's bytes (computed once per tensor and process)."""
     path, offset, length = _span(t)
     key = (path.name, offset, length)
-    if key not in _digests:
+    digests = _folder().digests
+    if key not in digests:
         h = hashlib.sha256()
         with open(path, "rb") as src:
             src.seek(offset)
@@ -268,16 +284,17 @@ def digest(t: onnx.TensorProto) -> str:
                 block = src.read(min(_CHUNK, left))
                 h.update(block)
                 left -= len(block)
-        _digests[key] = h.hexdigest()
-    return _digests[key]
+        digests[key] = h.hexdigest()
+    return digests[key]
 
 
 def referenced(model: onnx.ModelProto | bytes) -> list[str]:
     """The weights folder's files that ``model`` (a proto or its serialization) reads."""
-    if _root is None:
+    folder = _folder()
+    if folder.root is None:
         return []
     if isinstance(model, bytes):
-        return [n for n in _links.values() if n.encode() in model]
+        return [n for n in folder.links.values() if n.encode() in model]
     return sorted({_info(t)["location"] for t in model.graph.initializer if is_lazy(t)})
 
 
@@ -298,7 +315,7 @@ def share_into(model: onnx.ModelProto | bytes, folder: str | os.PathLike) -> boo
 
 def session_entries(model: onnx.ModelProto | bytes) -> dict[str, str]:
     """The ORT session config entries a proto (or its serialization) needs to find its lazy tensors."""
-    return {FOLDER_ENTRY: str(_root)} if referenced(model) else {}
+    return {FOLDER_ENTRY: str(current_root())} if referenced(model) else {}
 
 
 def stored_bytes(model: onnx.ModelProto) -> int:

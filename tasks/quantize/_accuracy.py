@@ -10,6 +10,7 @@ stay float to meet the budget is _recovery's; the decisions that use both are _d
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import math
 import re
@@ -99,12 +100,14 @@ class Checker:
         it = iter(models)
         with ThreadPoolExecutor(1, thread_name_prefix="qdq-tune-check") as pool:
             item = next(it, None)
-            pending = pool.submit(self._load, *item) if item is not None else None
+            # the worker runs in this run's context (its threads, progress, weights folder: ContextVars)
+            pending = pool.submit(contextvars.copy_context().run, self._load, *item) if item is not None else None
             try:
                 while pending is not None:
                     item = next(it, None)  # built here (Python) while the worker builds the runtime's model
                     loaded = pending.result()
-                    pending = pool.submit(self._load, *item) if item is not None else None
+                    pending = pool.submit(contextvars.copy_context().run, self._load, *item) \
+                        if item is not None else None
                     yield self._judge(*loaded)
             finally:  # a caller that stops early: the model loaded ahead is closed
                 if pending is not None and (ahead := pending.result()[1]) is not None:

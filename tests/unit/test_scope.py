@@ -68,3 +68,34 @@ def test_the_synthetic_data_warning_is_given_once_per_run_not_once_per_process(c
                 list(provider.batches("calibration", 1))
         warned.append(sum("SYNTHETIC" in r.message for r in caplog.records))
     assert warned == [1, 1]
+
+
+def test_two_runs_in_two_threads_at_once_each_see_their_own_settings():
+    """The run-wide settings are ContextVars: two runs whose scopes overlap in time, in two threads, each
+    read their own threads, bars, objects and weights folder, and the worker threads they hand their
+    context to (quantize's model loader) read them too."""
+    import contextvars
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    both_inside = threading.Barrier(2, timeout=30)
+    seen: dict[int, tuple] = {}
+
+    def run(threads: int, bars: bool) -> None:
+        with run_scope(live={f"data:{threads}": [threads]}), run_scope(threads=threads, progress=bars):
+            weights.weights_root()
+            both_inside.wait()  # the other run's scope is open now too
+            with ThreadPoolExecutor(1) as pool:
+                in_worker = pool.submit(contextvars.copy_context().run, _settings).result()
+            seen[threads] = (_settings(), in_worker)
+            both_inside.wait()
+
+    workers = [threading.Thread(target=run, args=args) for args in ((1, False), (3, True))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    for threads, bars in ((1, False), (3, True)):
+        own, in_worker = seen[threads]
+        assert own[:3] == (threads, bars, {f"data:{threads}"}) and own == in_worker
+    assert seen[1][0][3] != seen[3][0][3]  # a weights folder each

@@ -11,6 +11,7 @@ import contextlib
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,38 +32,33 @@ _LEVELS = {
 
 
 SPINNING = "session.intra_op.allow_spinning"  # session config entry: worker threads spin between runs
-_threads = 0  # intra-op threads of the pipeline's own sessions: the run's backend.intra_op_threads
-
-
-def configure_threads(threads: int) -> None:
-    """Give the pipeline's own sessions (calibration, transforms, checks) the run's thread count too:
-    `backend.intra_op_threads=1` means one thread for all of ONNX Runtime's work (shared machines,
-    and qemu-user, whose multi-threaded guests crash)."""
-    global _threads
-    _threads = int(threads)
+# intra-op threads of the pipeline's own sessions: the run's backend.intra_op_threads (0, ORT's choice,
+# outside a run); per run: a ContextVar
+_THREADS: ContextVar[int] = ContextVar("pipeline_ort_threads", default=0)
 
 
 def configured_threads() -> int:
     """The intra-op thread count of the pipeline's own sessions (0, ORT's choice, outside a run)."""
-    return _threads
+    return _THREADS.get()
 
 
 @contextlib.contextmanager
 def threads_configured(threads: int) -> Iterator[None]:
-    """``configure_threads(threads)`` for the block; the previous count is back after it, also when it
+    """Give the pipeline's own sessions (calibration, transforms, checks) the run's thread count for the
+    block: `backend.intra_op_threads=1` means one thread for all of ONNX Runtime's work (shared machines,
+    and qemu-user, whose multi-threaded guests crash). The previous count is back after it, also when it
     raises."""
-    previous = _threads
-    configure_threads(threads)
+    token = _THREADS.set(int(threads))
     try:
         yield
     finally:
-        configure_threads(previous)
+        _THREADS.reset(token)
 
 
 def ort_session_options(optimization: str = "all", *, threads: int | None = None,
                         optimized_path: str | os.PathLike | None = None, spinning: bool | None = None) -> Any:
     """ONNX Runtime SessionOptions: graph optimization ``optimization`` (disable, basic, extended,
-    layout, all), ``threads`` intra-op threads (0: ORT's choice; None: the run's, configure_threads),
+    layout, all), ``threads`` intra-op threads (0: ORT's choice; None: the run's, threads_configured),
     errors-only logging, ORT's optimized graph saved to ``optimized_path`` if given, and worker threads
     that spin between runs or not as ``spinning`` says (None: ORT's default, they spin)."""
     import onnxruntime as ort
@@ -71,7 +67,7 @@ def ort_session_options(optimization: str = "all", *, threads: int | None = None
     if spinning is not None:
         so.add_session_config_entry(SPINNING, "1" if spinning else "0")
     so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, _LEVELS[optimization])
-    so.intra_op_num_threads = _threads if threads is None else threads
+    so.intra_op_num_threads = _THREADS.get() if threads is None else threads
     so.log_severity_level = 3
     if optimized_path:
         so.optimized_model_filepath = str(optimized_path)
