@@ -1,12 +1,13 @@
-"""One run's process-wide settings, set for the run and restored after it.
+"""One run's run-wide settings, set for the run and restored after it.
 
 A few settings reach code deep below the stages, which takes no config: whether progress bars show
 (`progress`), how many threads the pipeline's own ONNX Runtime sessions use
 (`backend.intra_op_threads`), the folder of hard links a loaded model's weights are read from, the
 warnings about the data already given, and the objects a ``pipeline.api.tune()`` call was given in
-memory. ``run_scope`` sets them for one run and puts back what was there before, also when the run raises, so two runs in one process (two tune() calls,
-a notebook's cells) never see each other's. Each setting stays owned by its module; this composes their
-own context managers.
+memory. Each is a ContextVar owned by its module; ``run_scope`` composes their context managers: it
+sets them for one run and puts back what was there before, also when the run raises, so two runs in
+one process (two tune() calls, a notebook's cells, two threads) never see each other's. A worker
+thread sees its run's settings where it is handed the run's context (``contextvars.copy_context``).
 """
 
 from __future__ import annotations
