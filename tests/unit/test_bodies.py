@@ -19,7 +19,7 @@ from pipeline.graph.model import input_specs, iter_nodes
 from pipeline.quant.calibration import Calibration, load_calibration
 from pipeline.quant.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
 from pipeline.quant.qdq import apply_plan
-from tasks.autotune.autotuner import Config, QDQAutotuner
+from tasks.autotune.region.autotuner import Config, QDQAutotuner
 from tasks.quantize._calibrate import CalibrationMethod, collect
 from tests import models
 from tests.helpers import body_matmuls

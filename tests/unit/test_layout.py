@@ -140,6 +140,17 @@ def test_pipeline_top_level_is_small_and_every_package_says_what_it_owns():
         assert doc and len(doc) > 60, f"{init.relative_to(ROOT)} needs a docstring saying what it owns"
 
 
+def test_autotune_top_level_holds_the_stage_and_what_both_modes_share():
+    """tasks/autotune/'s top level holds the stage, its config and what both modes share (at most 10
+    modules, ``__init__.py`` included); each mode's own modules live in its sub-package (region/,
+    subgraph/, runtime/). Subgraph mode builds on region mode's regions and autotuner, never the reverse."""
+    top = sorted(p.name for p in (ROOT / "tasks" / "autotune").glob("*.py"))
+    assert len(top) <= 10, top
+    wrong = [f"{m} imports {t}" for m, ts in EDGES.items() if m.startswith("tasks.autotune.region")
+             for t, _ in ts if t.startswith("tasks.autotune.subgraph")]
+    assert wrong == []
+
+
 def test_no_file_over_500_lines():
     long = [str(p.relative_to(ROOT)) for m, p in MODULES.items() if len(p.read_text().splitlines()) > 500]
     assert long == []
