@@ -6,6 +6,7 @@ import numpy as np
 import onnx
 import pytest
 
+from pipeline.calibrate.collect import CalibrationMethod, collect
 from pipeline.data.adapters import Batch
 from pipeline.errors import StateError
 from pipeline.quant.calibration import Calibration
@@ -17,7 +18,6 @@ from tasks.autotune.region.insertion_points import InsertionPoint
 from tasks.autotune.region.pattern import RegionPattern
 from tasks.autotune.region.pattern_cache import PatternCache
 from tasks.autotune.region.scheme import InsertionScheme, Measurement
-from tasks.quantize._calibrate import CalibrationMethod, collect
 from tests import models
 
 INT8 = [{"module_name": "*", "weights": {"dtype": "int8"}, "activations": {"dtype": "int8"}}]
