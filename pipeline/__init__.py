@@ -7,5 +7,5 @@ values as plain Python); ``api`` is the public Python entry point. They import n
 re-exports ``app``). Below them, one sub-package per concern, each importing only the framework and
 the sub-packages listed before it:
 
-``graph`` < ``transforms`` < ``quant`` < ``data`` < ``backends`` < ``accuracy`` < ``app``.
+``graph`` < ``transforms`` < ``quant`` < ``data`` < ``backends`` < ``calibrate`` < ``accuracy`` < ``app``.
 """

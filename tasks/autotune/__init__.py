@@ -4,7 +4,7 @@ The public API keeps the reference tool's names; they are imported on first use 
 stage's config schema (and `tune --help`) stays instant::
 
     from tasks.autotune import QDQAutotuner, Config, PatternCache, get_quantized_tensors
-    from tasks.autotune.region_workflow import region_pattern_autotuning_workflow
+    from tasks.autotune.region.workflow import region_pattern_autotuning_workflow
 """
 
 from __future__ import annotations
@@ -13,20 +13,20 @@ import importlib
 from typing import Any
 
 _API = {
-    "Config": "tasks.autotune.autotuner",
-    "QDQAutotuner": "tasks.autotune.autotuner",
-    "QDQAutotunerBase": "tasks.autotune.autotuner",
-    "PatternCache": "tasks.autotune.pattern_cache",
-    "Region": "tasks.autotune.region",
-    "RegionType": "tasks.autotune.region",
-    "RegionPattern": "tasks.autotune.pattern",
-    "InsertionPoint": "tasks.autotune.insertion_points",
-    "InsertionScheme": "tasks.autotune.scheme",
-    "CombinedRegionSearch": "tasks.autotune.region_search",
+    "Config": "tasks.autotune.region.autotuner",
+    "QDQAutotuner": "tasks.autotune.region.autotuner",
+    "QDQAutotunerBase": "tasks.autotune.region.autotuner",
+    "PatternCache": "tasks.autotune.region.pattern_cache",
+    "Region": "tasks.autotune.region.region",
+    "RegionType": "tasks.autotune.region.region",
+    "RegionPattern": "tasks.autotune.region.pattern",
+    "InsertionPoint": "tasks.autotune.region.insertion_points",
+    "InsertionScheme": "tasks.autotune.region.scheme",
+    "CombinedRegionSearch": "tasks.autotune.region.search",
     "get_quantized_tensors": "pipeline.quant.qdq",
-    "region_pattern_autotuning_workflow": "tasks.autotune.region_workflow",
-    "init_benchmark_instance": "tasks.autotune.region_workflow",
-    "benchmark_onnx_model": "tasks.autotune.region_workflow",
+    "region_pattern_autotuning_workflow": "tasks.autotune.region.workflow",
+    "init_benchmark_instance": "tasks.autotune.region.workflow",
+    "benchmark_onnx_model": "tasks.autotune.region.workflow",
 }
 
 __all__ = sorted(_API)

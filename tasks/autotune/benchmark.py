@@ -31,7 +31,7 @@ from pipeline.backends import Backend, PreparedModel
 from pipeline.backends.base import TimingPlan, prepared_models, time_interleaved
 from pipeline.graph.model import model_hash, write_model_bytes
 from tasks.autotune.crash_guard import CrashGuard
-from tasks.autotune.scheme import Measurement
+from tasks.autotune.region.scheme import Measurement
 
 log = logging.getLogger("tune.autotune")
 

@@ -163,7 +163,7 @@ class AutotuneStage(Stage):
     @staticmethod
     def _tuner_config(cfg: DictConfig, model: Any, inputs: dict[str, Path], quant_type: str, schemes: int) -> Any:
         """The autotuner's Config: the autotune keys plus what the quantize stage decided."""
-        from tasks.autotune.autotuner import SHARED_FIELDS, Config
+        from tasks.autotune.region.autotuner import SHARED_FIELDS, Config
 
         a = cfg.autotune
         decisions = quantize_decisions(inputs.get("quantize/calibration.json"))
@@ -188,9 +188,9 @@ class AutotuneStage(Stage):
         )
 
     def _region(self, ctx: StageContext, setup: TuneSetup) -> ModeResult:
-        """Region mode (tasks/autotune/region_workflow.py): pattern search on the full model, every
+        """Region mode (tasks/autotune/region/workflow.py): pattern search on the full model, every
         candidate measured against a live float baseline."""
-        from tasks.autotune.region_workflow import (
+        from tasks.autotune.region.workflow import (
             SearchSession,
             init_benchmark_instance,
             region_pattern_autotuning_workflow,
@@ -205,7 +205,7 @@ class AutotuneStage(Stage):
             raise StageError(f"autotune: cannot measure the float model on {setup.backend.name}: {first.error}")
         pattern_cache = None
         if a.pattern_cache:
-            from tasks.autotune.pattern_cache import PatternCache
+            from tasks.autotune.region.pattern_cache import PatternCache
 
             pattern_cache = PatternCache.load(user_path(a.pattern_cache), config.pattern_cache_minimum_distance,
                                               config.pattern_cache_max_entries_per_pattern)

@@ -43,7 +43,7 @@ class TuneSetup:
     inputs: dict[str, Path]
     model: Any  # the float graph Q/DQ go into (quantize/float_model.onnx, else export's)
     backend: Backend
-    config: Any  # tasks.autotune.autotuner.Config
+    config: Any  # tasks.autotune.region.autotuner.Config
     calibration: Calibration
     budget: AccuracyBudget
     holdout: Holdout

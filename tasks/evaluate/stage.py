@@ -36,9 +36,9 @@ from pipeline.runtime_choice import CHOICE, RuntimeChoice
 from pipeline.stage import Stage, StageContext, StageResult
 from tasks.evaluate._custom import CustomScores
 from tasks.evaluate._latency import LatencyRun, ModelLatency, same_session
-from tasks.evaluate._report import backend_text, reproduce_commands
 from tasks.evaluate._runtimes import runtimes_metrics
-from tasks.evaluate._verdicts import judge_models
+from tasks.evaluate.report import backend_text, reproduce_commands
+from tasks.evaluate.verdicts import judge_models
 
 log = logging.getLogger("tune.evaluate")
 
@@ -150,15 +150,15 @@ class EvaluateStage(Stage):
 
         measured = Measurements(scores, batches, fidelity, timings)
         metrics = self._metrics(ctx, backend, plan, measured)
-        from tasks.evaluate import _report
+        from tasks.evaluate import report
 
         artifacts = self._sensitivity(ctx, evaluated, specs, out_dir, metrics) if ecfg.sensitivity.enabled else {}
         safe = json_safe(metrics)
         metrics_path = atomic_write_json(out_dir / "metrics.json", safe)
-        report_path = atomic_write_text(out_dir / "report.md", _report.markdown(metrics))
+        report_path = atomic_write_text(out_dir / "report.md", report.markdown(metrics))
         artifacts.update({"evaluate/metrics.json": metrics_path, "evaluate/report.md": report_path})
         if ecfg.plot:
-            artifacts["evaluate/summary.png"] = _report.plot(metrics, out_dir / "summary.png")
+            artifacts["evaluate/summary.png"] = report.plot(metrics, out_dir / "summary.png")
         log.info("%s", metrics["headline"])
         notes = [timings.warning] if timings is not None and timings.warning is not None else []
         return StageResult(artifacts=artifacts, metrics=safe, notes=notes)

@@ -23,16 +23,16 @@ from pipeline.graph.model import iter_nodes
 from pipeline.quant.calibration import QuantizeDecisions
 from pipeline.quant.placement import PASS_THROUGH_OPS
 from pipeline.values import enum_value
-from tasks.quantize._accuracy import (
+from tasks.quantize._placer import Placer
+from tasks.quantize._setup import QuantizeSetup
+from tasks.quantize.accuracy import (
     Candidate,
     WeightStorage,
     choose_weight_range,
     recovery_checker,
     runnable,
 )
-from tasks.quantize._placer import Placer
-from tasks.quantize._recovery import MissedBudget, recover_budget
-from tasks.quantize._setup import QuantizeSetup
+from tasks.quantize.recovery import MissedBudget, recover_budget
 
 log = logging.getLogger("tune.quantize")
 

@@ -10,13 +10,13 @@ from typing import Any
 
 import onnx
 
+from pipeline.calibrate.collect import AUTO_CANDIDATES, PER_TENSOR, with_ranges
 from pipeline.graph.shapes import node_macs
 from pipeline.progress import work_bar
 from pipeline.quant.calibration import QuantizeDecisions, stats_table
-from tasks.quantize._accuracy import Candidate, recovery_checker
-from tasks.quantize._calibrate import AUTO_CANDIDATES, PER_TENSOR, with_ranges
 from tasks.quantize._placer import Placer
 from tasks.quantize._setup import QuantizeSetup
+from tasks.quantize.accuracy import Candidate, recovery_checker
 
 log = logging.getLogger("tune.quantize")
 

@@ -13,8 +13,8 @@ from pipeline.graph.model import control_flow
 from pipeline.quant.calibration import Calibration
 from pipeline.quant.qdq import apply_plan
 from tasks.quantize import _prepare
-from tasks.quantize._accuracy import Candidate
 from tasks.quantize._setup import QuantizeSetup
+from tasks.quantize.accuracy import Candidate
 
 log = logging.getLogger("tune.quantize")
 

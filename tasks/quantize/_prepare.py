@@ -2,10 +2,10 @@
 
 First, LSTMs are unrolled into MatMuls where that is exact (``quantize.lower_rnn``; pipeline/transforms/rnn.py).
 Before calibration, float-exact transforms of the float graph (``quantize.equalization``,
-``quantize.smoothing``; see _transforms): each one is run on calibration feeds against the graph it
+``quantize.smoothing``; see transforms): each one is run on calibration feeds against the graph it
 was applied to and kept only if the outputs move by at most FLOAT_EXACT (relative L2), so the model
 autotune and evaluate compare against is the model the user gave. After placement, bias correction
-(``quantize.bias_correction``; see _bias_correction), kept only when it lowers the held-out error.
+(``quantize.bias_correction``; see bias_correction), kept only when it lowers the held-out error.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ BIAS_BATCHES = 8  # calibration batches the mean output shifts are measured on
 def transform_float(model: onnx.ModelProto, q: Any, batches: Callable[[], Iterable[Batch]], threads: int,
                     act_type: str) -> tuple[onnx.ModelProto, list[dict[str, Any]]]:
     """(the float model after the configured transforms, one record per transform)."""
-    from tasks.quantize import _transforms as tf
+    from tasks.quantize import transforms as tf
 
     feeds = [b.feeds for b in islice(batches(), CHECK_BATCHES)]
     records: list[dict[str, Any]] = []
@@ -48,7 +48,7 @@ def transform_float(model: onnx.ModelProto, q: Any, batches: Callable[[], Iterab
         return new
 
     if bool(q.fold_scales):
-        from tasks.quantize._scale_folding import fold_matmul_scales
+        from tasks.quantize.scale_folding import fold_matmul_scales
 
         new, changes = fold_matmul_scales(model)
         model = keep("fold_scales", new, changes, model)
@@ -87,7 +87,7 @@ def lower_rnn(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]]
     is not weighed against the PTQ error: it makes more of the model quantizable, which recovery and
     autotune then weigh node by node."""
     from pipeline.transforms.rnn import lower_lstm
-    from tasks.quantize import _transforms as tf
+    from tasks.quantize import transforms as tf
 
     new, changes = lower_lstm(model)
     record: dict[str, Any] = {"transform": "rnn_lowering", "applied": False, "changes": changes}
@@ -112,7 +112,7 @@ def correct_bias(model: onnx.ModelProto, build: Callable[[dict[str, list[float]]
                  quantized: Iterable[str], batches: Callable[[], Iterable[Batch]], threads: int
                  ) -> tuple[dict[str, list[float]], list[dict]]:
     """Mean output shift per quantized node with a bias, measured on calibration batches."""
-    from tasks.quantize._bias_correction import corrections
+    from tasks.quantize.bias_correction import corrections
 
     feeds = [b.feeds for b in islice(batches(), BIAS_BATCHES)]
     return corrections(model, build, feeds, quantized, threads)

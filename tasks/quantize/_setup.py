@@ -18,6 +18,7 @@ from pipeline.accuracy.budget import AccuracyBudget
 from pipeline.accuracy.cpu import cpu_facts
 from pipeline.accuracy.holdout import Holdout
 from pipeline.backends import Backend, activation_type, compute_backend, judging_backend, placement_kind
+from pipeline.calibrate.collect import CalibrationMethod, collect
 from pipeline.data.adapters import Batch, DataProvider
 from pipeline.graph.model import input_specs, model_hash
 from pipeline.progress import progress_bar
@@ -26,8 +27,7 @@ from pipeline.quant.placement import NodeDtypes, PlacementKind, resolve_rules
 from pipeline.quant.shared_stats import collect_once
 from pipeline.values import enum_value, section
 from tasks.quantize import _prepare
-from tasks.quantize._accuracy import Checker, start_range, temp_workdir
-from tasks.quantize._calibrate import CalibrationMethod, collect
+from tasks.quantize.accuracy import Checker, start_range, temp_workdir
 
 log = logging.getLogger("tune.quantize")
 

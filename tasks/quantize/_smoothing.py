@@ -22,8 +22,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from pipeline.calibrate.collect import outlier_ratio
 from pipeline.quant.qmath import activation_params, quantize_values, weight_params
-from tasks.quantize._calibrate import outlier_ratio
 from tasks.quantize._graph_edit import ConstEdit, Editor, Use, absorber, attr, divide_along
 
 log = logging.getLogger("tune.quantize")
@@ -249,8 +249,8 @@ def channel_absmax(model: onnx.ModelProto, batches_fn: Callable[[], Iterable[Any
     (``pipeline.data.adapters.Batch`` objects or plain feed dicts), and up to ``sample.max_rows`` rows of
     each tensor reshaped to [-1, K], drawn uniformly over all batches (smallest random keys kept);
     ``max_bytes`` bounds the working set (``ActivationRunner``)."""
+    from pipeline.calibrate.collect import ActivationRunner
     from pipeline.data.adapters import Batch
-    from tasks.quantize._calibrate import ActivationRunner
 
     runner = ActivationRunner(model, list(tensors), threads, max_bytes)
     max_rows = sample.max_rows

@@ -5,7 +5,7 @@ activation, per-channel scales for every weight) and quantize/quantized_model.on
 Q/DQ placed for the configured backend's fusions, with per-node dtypes from `quantize.layers`).
 
 A run (``QuantizeStage.run``) is setup (``_setup.QuantizeSetup``) -> the float-exact transforms and
-calibration (``_calibrate.collect``; what is kept is chosen in ``_held_out``) -> the decisions on the
+calibration (``pipeline.calibrate.collect``; what is kept is chosen in ``_held_out``) -> the decisions on the
 held-out batches (``_decide``) -> writing; ``_placer.Placer`` builds every candidate model on the way.
 """
 
@@ -38,8 +38,8 @@ from tasks.quantize import _prepare
 from tasks.quantize._decide import decide
 from tasks.quantize._held_out import choose_ranges, keep_transforms, refine_ranges
 from tasks.quantize._placer import Placer
-from tasks.quantize._recovery import outlier_units
 from tasks.quantize._setup import QuantizeSetup
+from tasks.quantize.recovery import outlier_units
 
 log = logging.getLogger("tune.quantize")
 

@@ -52,7 +52,7 @@ def test_outputs_final_line_and_exact_placement(tiny, tmp_path):
     # the shipped file is exactly the measured winner: rebuild the committed placement from the state
     from pipeline.graph.model import load_model
     from pipeline.quant.calibration import load_calibration, quantize_decisions
-    from tasks.autotune.autotuner import Config, QDQAutotuner
+    from tasks.autotune.region.autotuner import Config, QDQAutotuner
 
     tuner = QDQAutotuner(load_model(rd / "quantize" / "float_model.onnx"))  # the graph autotune places Q/DQ in
     # the weight storage and float nodes quantize chose on this CPU, as autotune follows them

@@ -45,7 +45,7 @@ def test_rnn_inside_a_loop_or_scan_body_is_quantized_tuned_and_evaluated_within_
     assert not metrics["over_budget"], metrics["over_budget"]
     report = (rd / "evaluate" / "report.md").read_text()
     assert "Inside Loop/Scan bodies: 2 nodes quantized" in report
-    from tasks.autotune.region_inspect import inspect_model
+    from tasks.autotune.region.inspect import inspect_model
 
     inspected = inspect_model(rd / "quantize" / "quantized_model.onnx")
     assert f"{node.split('/')[1]} {node}: " in inspected and "2 of 2 weighted ops quantized" in inspected, inspected

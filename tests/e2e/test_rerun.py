@@ -55,7 +55,7 @@ def test_a_changed_model_re_tunes_and_sets_the_old_state_aside(tmp_path, mode):
 
 
 def test_a_state_file_the_user_named_for_another_model_is_refused(tmp_path):
-    from tasks.autotune.autotuner_state import STATE_VERSION
+    from tasks.autotune.region.autotuner_state import STATE_VERSION
 
     model = models.save(models.conv_chain(), tmp_path, "m")
     named = tmp_path / "mine.yaml"

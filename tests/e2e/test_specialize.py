@@ -57,7 +57,7 @@ def test_specialized_model_equals_the_original_with_the_fixed_value(tmp_path):
     for f in sorted(feeds.glob("*.npz")):
         d = dict(np.load(f))
         np.testing.assert_array_equal(ours.run(None, {"x": d["x"]})[0], theirs.run(None, d)[0])
-    from tasks.autotune.region_inspect import inspect_model
+    from tasks.autotune.region.inspect import inspect_model
 
     assert "Specialized on fixed inputs {'sr': 16000}" in inspect_model(rd / "export" / "model.onnx")
     assert "If if_rate: 9 body nodes, 3 weighted; float: If bodies stay float" in inspect_model(path)

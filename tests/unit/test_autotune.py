@@ -6,18 +6,18 @@ import numpy as np
 import onnx
 import pytest
 
+from pipeline.calibrate.collect import CalibrationMethod, collect
 from pipeline.data.adapters import Batch
 from pipeline.errors import StateError
 from pipeline.quant.calibration import Calibration
 from pipeline.quant.placement import onnxruntime_plan, openvino_plan, resolve_rules, tensorrt_plan
 from pipeline.quant.qdq import apply_plan, get_quantized_tensors
 from pipeline.quant.qmath import activation_params
-from tasks.autotune.autotuner import Config, QDQAutotuner
-from tasks.autotune.insertion_points import InsertionPoint
-from tasks.autotune.pattern import RegionPattern
-from tasks.autotune.pattern_cache import PatternCache
-from tasks.autotune.scheme import InsertionScheme, Measurement
-from tasks.quantize._calibrate import CalibrationMethod, collect
+from tasks.autotune.region.autotuner import Config, QDQAutotuner
+from tasks.autotune.region.insertion_points import InsertionPoint
+from tasks.autotune.region.pattern import RegionPattern
+from tasks.autotune.region.pattern_cache import PatternCache
+from tasks.autotune.region.scheme import InsertionScheme, Measurement
 from tests import models
 
 INT8 = [{"module_name": "*", "weights": {"dtype": "int8"}, "activations": {"dtype": "int8"}}]
@@ -259,7 +259,7 @@ def test_no_candidate_point_on_data_that_only_reaches_graph_outputs(placement):
     from onnx import TensorProto, helper
 
     from pipeline.graph.index import GraphIndex
-    from tasks.autotune.insertion_points import candidate_points
+    from tasks.autotune.region.insertion_points import candidate_points
 
     rng = np.random.default_rng(0)
     w = [onnx.numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), n) for n in ("w1", "w2")]

@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 from onnx import numpy_helper
 
+from pipeline.calibrate.collect import CalibrationMethod, collect
 from pipeline.data.adapters import Batch, synthetic_batches
 from pipeline.graph.model import input_specs
 from pipeline.quant.calibration import Calibration
 from pipeline.quant.placement import onnxruntime_plan, resolve_rules
 from pipeline.quant.qdq import apply_plan
-from tasks.quantize._bias_correction import bias_slots, corrections, mean_shifts
-from tasks.quantize._calibrate import CalibrationMethod, collect
+from tasks.quantize.bias_correction import bias_slots, corrections, mean_shifts
 from tests import models
 
 

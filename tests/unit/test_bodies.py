@@ -13,14 +13,14 @@ from onnx import helper
 
 from pipeline.accuracy.cpu import cpu_facts
 from pipeline.backends.onnxruntime.session import inference_session
+from pipeline.calibrate.collect import CalibrationMethod, collect
 from pipeline.data.adapters import Batch
 from pipeline.graph.bodies import body, thread_out, unique_names
 from pipeline.graph.model import input_specs, iter_nodes
 from pipeline.quant.calibration import Calibration, load_calibration
 from pipeline.quant.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
 from pipeline.quant.qdq import apply_plan
-from tasks.autotune.autotuner import Config, QDQAutotuner
-from tasks.quantize._calibrate import CalibrationMethod, collect
+from tasks.autotune.region.autotuner import Config, QDQAutotuner
 from tests import models
 from tests.helpers import body_matmuls
 

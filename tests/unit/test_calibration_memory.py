@@ -14,7 +14,7 @@ SCRIPT = r"""
 import json, resource, sys
 import numpy as np, onnx
 from pipeline.data.adapters import Batch
-from tasks.quantize._calibrate import CalibrationMethod, collect
+from pipeline.calibrate.collect import CalibrationMethod, collect
 model = onnx.load(sys.argv[1])
 n = int(sys.argv[2])
 def batches():
@@ -49,8 +49,8 @@ def test_scales_do_not_depend_on_the_batch_size(algorithm):
     2% (ranges come from a first pass, histograms are fixed-range: the grouping changes nothing)."""
     import numpy as np
 
+    from pipeline.calibrate.collect import CalibrationMethod, collect
     from pipeline.data.adapters import Batch
-    from tasks.quantize._calibrate import CalibrationMethod, collect
 
     model = models.with_dynamic_batch(models.conv_chain(channels=16, size=24))
     data = np.random.default_rng(0).standard_normal((64, 3, 24, 24)).astype(np.float32)
@@ -85,9 +85,9 @@ def test_a_memory_bound_splits_the_pass_and_changes_no_statistic(algorithm):
     several times per batch, and every statistic is what one pass over all tensors gives."""
     import numpy as np
 
+    from pipeline.calibrate.collect import ActivationRunner, CalibrationMethod, candidate_tensors, collect
     from pipeline.data.adapters import Batch
     from pipeline.graph.memory import tensor_nbytes, weights_nbytes
-    from tasks.quantize._calibrate import ActivationRunner, CalibrationMethod, candidate_tensors, collect
 
     model = models.conv_chain(channels=16, size=24)
     data = np.random.default_rng(0).standard_normal((16, 3, 24, 24)).astype(np.float32)
@@ -112,12 +112,12 @@ def test_apply_plan_quantizes_weights_from_the_source_without_copying_them(model
     """apply_plan copies the model without the float weights it stores quantized (they are read from
     the source model): the result is byte-identical to quantizing a full copy, and the source is
     untouched."""
+    from pipeline.calibrate.collect import CalibrationMethod, collect
     from pipeline.data.adapters import Batch, synthetic_batches
     from pipeline.graph.model import input_specs, model_hash
     from pipeline.quant import qdq
     from pipeline.quant.calibration import Calibration
     from pipeline.quant.placement import onnxruntime_plan, resolve_rules
-    from tasks.quantize._calibrate import CalibrationMethod, collect
 
     model = model_fn()
     feeds = [f for f, _ in synthetic_batches(input_specs(model), 4, 0)]

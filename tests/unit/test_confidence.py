@@ -156,7 +156,7 @@ def test_custom_metric_drop_has_an_upper_bound(fn):
 
 
 def test_evaluate_knows_when_its_data_is_unseen(tmp_path):
-    from tasks.evaluate._verdicts import unseen_data
+    from tasks.evaluate.verdicts import unseen_data
 
     assert unseen_data(compose([])) is None  # digits: the test split
     same = compose(["model=onnx", "model.onnx_path=x.onnx", "data=npz", f"data.path={tmp_path}"])
@@ -168,7 +168,7 @@ def test_evaluate_knows_when_its_data_is_unseen(tmp_path):
 
 def test_a_broken_promise_is_one_line_naming_both_verdicts():
     from pipeline.accuracy.budget import AccuracyVerdict
-    from tasks.evaluate._verdicts import Promise
+    from tasks.evaluate.verdicts import Promise
 
     held = AccuracyVerdict(True, "cosine", "cosine 0.9931 (95% lower bound 0.9912, 32 held-out samples; min 0.99)")
     missed = AccuracyVerdict(False, "cosine", "cosine 0.9890 on output 'e' (64 evaluation samples; min 0.99)")

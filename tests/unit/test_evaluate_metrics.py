@@ -117,7 +117,7 @@ def test_model_scores_without_labels_or_enough_classes():
 
 
 def test_headline_and_report_text():
-    from tasks.evaluate._report import markdown
+    from tasks.evaluate.report import markdown
     from tasks.evaluate.stage import headline
 
     lat = {"median": 2.0, "p10": 1.9, "p90": 2.2, "min": 1.8, "samples": 50}

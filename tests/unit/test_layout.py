@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 # pipeline's sub-packages, lowest first: each may import the framework and those before it
-LAYERS = ["graph", "transforms", "quant", "data", "backends", "accuracy", "app"]
+LAYERS = ["graph", "transforms", "quant", "data", "backends", "calibrate", "accuracy", "app"]
 
 
 def _modules() -> dict[str, Path]:
@@ -128,7 +128,38 @@ def test_no_private_name_crosses_a_module():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(("pipeline", "tasks")):
                 wrong += [f"{p.name} imports {node.module}.{a.name}" for a in node.names
                           if a.name.startswith("_") and not a.name.startswith("__")
-                          and f"{node.module}.{a.name}" not in MODULES]  # a stage's private module is tested
+                          and f"{node.module}.{a.name}" not in MODULES]  # modules: the test below
+    assert wrong == []
+
+
+def _private_stage_module(dotted: str) -> str | None:
+    """The stage-private module (``tasks.<stage>...._x``) that ``dotted`` names or lies in, if any."""
+    parts = dotted.split(".")
+    for i in range(3, len(parts) + 1):
+        name = ".".join(parts[:i])
+        leaf = parts[i - 1]
+        if name in MODULES and leaf.startswith("_") and not leaf.startswith("__"):
+            return name
+    return None
+
+
+def test_tests_import_no_private_module_of_a_stage():
+    """A stage's ``_x.py`` is its own: tests reach a stage through its public modules (or pipeline/), by
+    import, importlib or a monkeypatch target given as a string."""
+    wrong = []
+    for p in sorted((ROOT / "tests").rglob("*.py")):
+        rel = p.relative_to(ROOT)
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import):
+                named = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                named = [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                named = re.findall(r"\btasks(?:\.\w+)+", node.value)
+            else:
+                continue
+            wrong += [f"{rel}:{node.lineno} names {m}" for n in named
+                      if n.startswith("tasks.") and (m := _private_stage_module(n))]
     assert wrong == []
 
 
@@ -138,6 +169,17 @@ def test_pipeline_top_level_is_small_and_every_package_says_what_it_owns():
     for init in [*(ROOT / "pipeline").rglob("__init__.py"), *(ROOT / "tasks").rglob("__init__.py")]:
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and len(doc) > 60, f"{init.relative_to(ROOT)} needs a docstring saying what it owns"
+
+
+def test_autotune_top_level_holds_the_stage_and_what_both_modes_share():
+    """tasks/autotune/'s top level holds the stage, its config and what both modes share (at most 10
+    modules, ``__init__.py`` included); each mode's own modules live in its sub-package (region/,
+    subgraph/, runtime/). Subgraph mode builds on region mode's regions and autotuner, never the reverse."""
+    top = sorted(p.name for p in (ROOT / "tasks" / "autotune").glob("*.py"))
+    assert len(top) <= 10, top
+    wrong = [f"{m} imports {t}" for m, ts in EDGES.items() if m.startswith("tasks.autotune.region")
+             for t, _ in ts if t.startswith("tasks.autotune.subgraph")]
+    assert wrong == []
 
 
 def test_no_file_over_500_lines():

@@ -9,9 +9,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from pipeline.calibrate.collect import CalibrationMethod, collect, outlier_ratio
 from pipeline.data.adapters import Batch
-from tasks.quantize._calibrate import CalibrationMethod, collect, outlier_ratio
-from tasks.quantize._recovery import outlier_units
+from tasks.quantize.recovery import outlier_units
 
 
 def residual_ffn(outlier: float = 200.0) -> onnx.ModelProto:
@@ -74,8 +74,8 @@ def test_block_recovery_finds_the_stretch_of_the_graph_that_makes_the_error():
     from pathlib import Path
 
     from pipeline.accuracy.budget import AccuracyVerdict
-    from tasks.quantize._accuracy import Candidate
-    from tasks.quantize._recovery import block_recovery
+    from tasks.quantize.accuracy import Candidate
+    from tasks.quantize.recovery import block_recovery
 
     order = [f"n{i}" for i in range(40)]
     early = set(order[:10])

@@ -10,12 +10,12 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from pipeline.calibrate.collect import CalibrationMethod, collect
 from pipeline.data.adapters import Batch
 from pipeline.quant.calibration import Calibration
 from pipeline.quant.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
 from pipeline.quant.qdq import apply_plan, get_quantized_tensors
 from pipeline.quant.qmath import QTYPES
-from tasks.quantize._calibrate import CalibrationMethod, collect
 from tests import models
 
 INT8 = [{"module_name": "*", "weights": {"dtype": "int8"}, "activations": {"dtype": "int8"}}]

@@ -7,12 +7,12 @@ import numpy as np
 import onnx
 import pytest
 
+from pipeline.calibrate.collect import CalibrationMethod, collect
 from pipeline.data.adapters import Batch
 from pipeline.graph.model import input_specs
 from pipeline.quant.calibration import Calibration
 from pipeline.quant.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
 from pipeline.quant.qdq import apply_plan
-from tasks.quantize._calibrate import CalibrationMethod, collect
 from tests import models
 from tests.helpers import compose
 

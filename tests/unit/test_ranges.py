@@ -12,12 +12,18 @@ import pytest
 from omegaconf import OmegaConf
 from onnx import TensorProto, helper, numpy_helper
 
+from pipeline.calibrate.collect import (
+    AUTO_CANDIDATES,
+    CalibrationMethod,
+    collect,
+    range_mse,
+    signed_histogram,
+)
 from pipeline.data.adapters import Batch
 from pipeline.quant.calibration import Calibration, load_calibration
 from pipeline.quant.placement import resolve_rules, tensorrt_plan
 from pipeline.quant.qdq import apply_plan
 from pipeline.quant.qmath import QTYPES, QuantParams, activation_params, quantize_values, weight_params
-from tasks.quantize._calibrate import AUTO_CANDIDATES, CalibrationMethod, collect, range_mse, signed_histogram
 from tasks.quantize.stage import calibration_document
 from tests import models
 
@@ -294,7 +300,7 @@ def test_existing_algorithms_record_max_weight_clip():
 def test_auto_statistics_carry_every_whole_model_candidate():
     """One auto calibration yields what each single algorithm would: with_ranges(stats, method) gives
     the minmax / entropy / mse thresholds those algorithms calibrate on their own."""
-    from tasks.quantize._calibrate import PER_TENSOR, with_ranges
+    from pipeline.calibrate.collect import PER_TENSOR, with_ranges
 
     batches = _outlier_batches()
     auto = collect(_identity_model(), batches, CalibrationMethod("auto", 99.99, 2048), 1, lambda it, d: it)
@@ -342,7 +348,7 @@ def _kl_threshold_loop(hist: np.ndarray, absmax: float, nq: int = 128) -> float:
 @pytest.mark.parametrize("case", ["gaussian", "heavy_tail", "pixels", "spike_with_empty_tail_bin", "few"])
 @pytest.mark.parametrize("bins", [300, 2048])
 def test_the_entropy_search_picks_the_threshold_of_the_smoothed_one_candidate_loop(case, bins):
-    from tasks.quantize._calibrate import kl_threshold
+    from pipeline.calibrate.collect import kl_threshold
 
     rng = np.random.default_rng(3)
     values = {"gaussian": np.abs(rng.standard_normal(100_000)),
@@ -382,7 +388,7 @@ def test_calibration_searches_ranges_for_the_dtypes_the_run_can_store_only():
 
 
 def test_signed_histogram_leaves_exact_zeros_out_and_counts_them():
-    from tasks.quantize._calibrate import signed_histogram
+    from pipeline.calibrate.collect import signed_histogram
 
     rng = np.random.default_rng(3)
     x = np.maximum(rng.standard_normal((4, 64)).astype(np.float32), 0)  # a ReLU output: half exact zeros

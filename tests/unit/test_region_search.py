@@ -13,10 +13,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.graph.index import GraphIndex
-from tasks.autotune import region_inspect
-from tasks.autotune.pattern import RegionPattern
-from tasks.autotune.region import Region, RegionType
-from tasks.autotune.region_search import CombinedRegionSearch, discover_regions
+from tasks.autotune.region import inspect as region_inspect
+from tasks.autotune.region.pattern import RegionPattern
+from tasks.autotune.region.region import Region, RegionType
+from tasks.autotune.region.search import CombinedRegionSearch, discover_regions
 from tests import models
 from tests.helpers import run_tune
 

@@ -18,9 +18,9 @@ from pipeline.data.adapters import fixed_feeds
 from pipeline.errors import InputError, StateError
 from pipeline.graph.model import input_specs
 from pipeline.quant.calibration import Calibration
-from tasks.autotune.autotuner import Config, QDQAutotunerBase
 from tasks.autotune.benchmark import compare_profiled
-from tasks.autotune.region import Region, RegionType
+from tasks.autotune.region.autotuner import Config, QDQAutotunerBase
+from tasks.autotune.region.region import Region, RegionType
 from tasks.autotune.subgraph.extractor import extract_subgraph, reuse_key, tensor_infos
 from tasks.autotune.subgraph.profiling import heuristic_schemes, ranked_schemes
 from tasks.autotune.subgraph.records import SubgraphCache
@@ -277,7 +277,7 @@ def test_paired_measurement_with_a_threshold_stops_early_when_clear(tmp_path):
 def _fake_step(bad: set[str], over: set[tuple[str, str]] = frozenset(), calls: list | None = None):
     """A full-model step: faster unless it holds a bad group (then slower), over the budget if it
     holds an (key, scheme) pair in ``over``."""
-    from tasks.autotune.scheme import Measurement
+    from tasks.autotune.region.scheme import Measurement
 
     def measure(before: dict, after: dict) -> Measurement:
         changes = {k: v for k, v in after.items() if before.get(k) != v}

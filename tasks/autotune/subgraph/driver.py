@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.graph.model import load_model, model_hash, recorded_shapes, save_model
-from tasks.autotune.autotuner import QDQAutotunerBase
 from tasks.autotune.paired_step import PairedStep
 from tasks.autotune.progress import OnProgress
-from tasks.autotune.scheme import InsertionScheme
+from tasks.autotune.region.autotuner import QDQAutotunerBase
+from tasks.autotune.region.scheme import InsertionScheme
 from tasks.autotune.state_file import SUBGRAPH_CACHE, resume_or_set_aside
 from tasks.autotune.subgraph.fusion_grouping import FusionGroup
 from tasks.autotune.subgraph.profiling import GroupSet, profile_groups

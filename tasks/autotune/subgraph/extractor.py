@@ -22,7 +22,7 @@ from pipeline.errors import StageError, first_line
 from pipeline.graph import weights
 from pipeline.graph.index import GraphIndex
 from pipeline.graph.model import graph_inputs, input_specs
-from tasks.autotune.region import Region, RegionType
+from tasks.autotune.region.region import Region, RegionType
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import onnx
 
-from tasks.autotune.pattern import RegionPattern
-from tasks.autotune.region import Region, RegionType
+from tasks.autotune.region.pattern import RegionPattern
+from tasks.autotune.region.region import Region, RegionType
 
 
 @dataclass(frozen=True)

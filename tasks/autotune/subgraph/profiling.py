@@ -15,12 +15,12 @@ from pipeline.errors import first_line
 from pipeline.graph.index import weight_inputs
 from pipeline.graph.model import WEIGHTED_OPS, save_model
 from pipeline.quant.placement import too_small
-from tasks.autotune.autotuner import QDQAutotunerBase
 from tasks.autotune.benchmark import ProfiledTiming, compare_profiled
-from tasks.autotune.insertion_points import InsertionPoint
 from tasks.autotune.progress import OnProgress, Progress
-from tasks.autotune.region import Region, RegionType
-from tasks.autotune.scheme import InsertionScheme, rank_by_ratio
+from tasks.autotune.region.autotuner import QDQAutotunerBase
+from tasks.autotune.region.insertion_points import InsertionPoint
+from tasks.autotune.region.region import Region, RegionType
+from tasks.autotune.region.scheme import InsertionScheme, rank_by_ratio
 from tasks.autotune.subgraph.extractor import extract_subgraph, reuse_key, tensor_infos
 from tasks.autotune.subgraph.fusion_grouping import FusionGroup
 from tasks.autotune.subgraph.records import MIN_LOCAL_GAIN, PTQ, SCHEMES, GroupResult, SubgraphCache

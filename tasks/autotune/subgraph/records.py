@@ -17,7 +17,7 @@ from typing import Any
 from pipeline.artifacts import atomic_write_json
 from pipeline.errors import first_line
 from tasks.autotune.paired_step import PairedStep
-from tasks.autotune.scheme import InsertionScheme
+from tasks.autotune.region.scheme import InsertionScheme
 from tasks.autotune.state_file import SUBGRAPH_CACHE, StateDocument, StateHeader
 
 CACHE_VERSION = 2

@@ -19,11 +19,11 @@ from pipeline.artifacts import atomic_write_json
 from pipeline.backends import Backend
 from pipeline.errors import StateError
 from pipeline.graph.model import model_bytes, model_hash, write_model_bytes
-from tasks.autotune.autotuner import QDQAutotunerBase
 from tasks.autotune.benchmark import PairedBenchmark, ratio_interval
 from tasks.autotune.paired_step import PairedStep
 from tasks.autotune.progress import OnProgress, Progress
-from tasks.autotune.scheme import InsertionScheme, Measurement
+from tasks.autotune.region.autotuner import QDQAutotunerBase
+from tasks.autotune.region.scheme import InsertionScheme, Measurement
 from tasks.autotune.subgraph.profiling import GroupSet
 from tasks.autotune.subgraph.records import (
     BISECT,

@@ -25,13 +25,13 @@ from pipeline.artifacts import atomic_write_json
 from pipeline.backends import Backend, PreparedModel
 from pipeline.graph.model import load_model, remove_model, save_model
 from pipeline.quant.calibration import Calibration
-from tasks.autotune.autotuner import Config, QDQAutotuner
 from tasks.autotune.benchmark import PairedBenchmark
 from tasks.autotune.crash_guard import CrashGuard
-from tasks.autotune.pattern_cache import PatternCache
 from tasks.autotune.progress import OnProgress, Progress
-from tasks.autotune.region import Region
-from tasks.autotune.scheme import Measurement, PatternSchemes, SchemeRecord
+from tasks.autotune.region.autotuner import Config, QDQAutotuner
+from tasks.autotune.region.pattern_cache import PatternCache
+from tasks.autotune.region.region import Region
+from tasks.autotune.region.scheme import Measurement, PatternSchemes, SchemeRecord
 from tasks.autotune.state_file import REGION_STATE, resume_or_set_aside
 
 log = logging.getLogger("tune.autotune")

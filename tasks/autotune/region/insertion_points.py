@@ -27,7 +27,7 @@ import onnx
 from pipeline.graph.index import MOVE_ONLY_OPS, GraphIndex, reaches_compute, weight_inputs
 from pipeline.graph.model import WEIGHTED_OPS
 from pipeline.quant.placement import PASS_THROUGH_OPS, PLACEMENTS, too_small
-from tasks.autotune.region import Region
+from tasks.autotune.region.region import Region
 
 KINDS = ("node_input", "node_output", "child_input", "region_output", "activation_input", "weight")
 _SHORT = {"node_input": "ni", "node_output": "no", "child_input": "ci", "region_output": "ro",

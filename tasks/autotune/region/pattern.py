@@ -16,7 +16,7 @@ import onnx
 
 from pipeline.graph.index import GraphIndex
 from pipeline.graph.model import topological_order
-from tasks.autotune.region import Region
+from tasks.autotune.region.region import Region
 
 
 def _attr_signature(node: onnx.NodeProto) -> str:

@@ -1,6 +1,6 @@
 """Show how region discovery partitions a model, before spending hours profiling it.
 
-    python -m tasks.autotune.region_inspect --model model.onnx [--verbose] [--max-sequence-size N]
+    python -m tasks.autotune.region.inspect --model model.onnx [--verbose] [--max-sequence-size N]
                                             [--include-all-regions]
 
 Prints a summary (regions by type, node coverage by LEAF regions, LEAF size histogram, unique
@@ -9,7 +9,7 @@ regions) and the region tree. By default regions without a quantizable op are le
 (they are still counted); ``--include-all-regions`` lists them too. ``--verbose`` adds every node's
 op type and name and the boundary tensor names.
 
-Patterns come from ``tasks.autotune.pattern.RegionPattern``, so the count is the one the autotuner
+Patterns come from ``tasks.autotune.region.pattern.RegionPattern``, so the count is the one the autotuner
 will see.
 """
 
@@ -27,9 +27,9 @@ from pipeline.errors import PipelineError
 from pipeline.graph.index import GraphIndex
 from pipeline.graph.model import load_model
 from pipeline.quant.placement import QUANTIZABLE_OPS
-from tasks.autotune.pattern import RegionPattern
-from tasks.autotune.region import Region, RegionType
-from tasks.autotune.region_search import CombinedRegionSearch
+from tasks.autotune.region.pattern import RegionPattern
+from tasks.autotune.region.region import Region, RegionType
+from tasks.autotune.region.search import CombinedRegionSearch
 
 PROG = "region_inspect"
 
@@ -152,7 +152,7 @@ def inspect_model(path: str | Path, verbose: bool = False, max_sequence_size: in
         f"Coverage: {once}/{total} nodes in exactly one LEAF region ({pct:.1f}%)",
     ]
     lines += _size_histogram(sizes)
-    source = "tasks.autotune.pattern"
+    source = "tasks.autotune.region.pattern"
     lines.append(f"Unique patterns: {len(uses)} among {len(root.children)} top-level regions "
                  f"({len(all_sigs)} among all {len(regions)} regions; {source})")
     hidden = len(regions) - len(shown)

@@ -14,7 +14,7 @@ import yaml
 
 from pipeline.artifacts import atomic_write_text
 from pipeline.errors import StateError, first_line
-from tasks.autotune.scheme import InsertionScheme
+from tasks.autotune.region.scheme import InsertionScheme
 
 
 @dataclass

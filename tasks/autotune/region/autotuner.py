@@ -40,14 +40,20 @@ from pipeline.graph.model import model_hash, save_model
 from pipeline.quant.calibration import Calibration
 from pipeline.quant.placement import DEFAULT_PLACEMENT, NodeDtypes
 from pipeline.quant.qdq import apply_plan, get_quantized_tensors, raise_opset
-from tasks.autotune.autotuner_state import TunerState
 from tasks.autotune.config import AutotuneConfig
-from tasks.autotune.insertion_points import InsertionPoint, candidate_points, point_groups, resolve
-from tasks.autotune.pattern import RegionPattern
-from tasks.autotune.pattern_cache import PatternCache
-from tasks.autotune.plan_builder import PlanBuilder
-from tasks.autotune.region import Region
-from tasks.autotune.scheme import InsertionScheme, Measurement, PatternSchemes, SchemeRecord, rank_by_ratio
+from tasks.autotune.region.autotuner_state import TunerState
+from tasks.autotune.region.insertion_points import InsertionPoint, candidate_points, point_groups, resolve
+from tasks.autotune.region.pattern import RegionPattern
+from tasks.autotune.region.pattern_cache import PatternCache
+from tasks.autotune.region.plan_builder import PlanBuilder
+from tasks.autotune.region.region import Region
+from tasks.autotune.region.scheme import (
+    InsertionScheme,
+    Measurement,
+    PatternSchemes,
+    SchemeRecord,
+    rank_by_ratio,
+)
 
 log = logging.getLogger("tune.autotune")
 
@@ -426,7 +432,7 @@ class QDQAutotuner(QDQAutotunerBase):
     """Autotuner with automatic region discovery (CombinedRegionSearch)."""
 
     def discover_regions(self) -> list[Region]:
-        from tasks.autotune.region_search import discover_regions
+        from tasks.autotune.region.search import discover_regions
 
         return discover_regions(self.model, self.config.maximum_sequence_region_size,
                                 self.config.minimum_topdown_search_size)

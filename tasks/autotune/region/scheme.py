@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from tasks.autotune.insertion_points import InsertionPoint
+from tasks.autotune.region.insertion_points import InsertionPoint
 
 T = TypeVar("T")
 

@@ -10,8 +10,8 @@ import yaml
 
 from pipeline.artifacts import atomic_write_text
 from pipeline.errors import first_line
-from tasks.autotune.pattern_cache import PatternCache
-from tasks.autotune.scheme import PatternSchemes
+from tasks.autotune.region.pattern_cache import PatternCache
+from tasks.autotune.region.scheme import PatternSchemes
 from tasks.autotune.state_file import REGION_STATE, StateDocument, StateHeader
 
 STATE_VERSION = 1

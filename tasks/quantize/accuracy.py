@@ -5,7 +5,7 @@ runtime cannot run quantized, and which weight storage this CPU computes exactly
 kernels for ONNX Runtime and OpenVINO placements (what will be deployed), as plain Q/DQ math on ONNX
 Runtime for TensorRT placements (TensorRT's integer kernels are exact; its numbers cannot be measured
 on this machine). Which nodes
-stay float to meet the budget is _recovery's; the decisions that use both are _decide's.
+stay float to meet the budget is recovery's; the decisions that use both are _decide's.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ import onnx
 from pipeline.errors import InputError
 from pipeline.graph.index import GraphIndex
 from pipeline.graph.model import WEIGHTED_OPS, topological_order
-from tasks.autotune.region import Region, RegionType
+from tasks.autotune.region.region import Region, RegionType
 
 _EXIT = -1  # virtual exit node of the post-dominator analysis
 

@@ -20,9 +20,9 @@ from pipeline.quant.placement import (
     weight_q,
 )
 from pipeline.quant.plan import ActivationQ, QDQPlan
-from tasks.autotune.insertion_points import InsertionPoint, resolve
-from tasks.autotune.region import Region
-from tasks.autotune.scheme import InsertionScheme
+from tasks.autotune.region.insertion_points import InsertionPoint, resolve
+from tasks.autotune.region.region import Region
+from tasks.autotune.region.scheme import InsertionScheme
 
 
 class PlanBuilder:

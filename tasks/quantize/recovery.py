@@ -3,7 +3,7 @@
 First the element-wise nodes on tensors with outlier channels, then the fewest most sensitive nodes
 (each left float alone, ranked by the output error that remains), then a float set grown greedily
 from the most sensitive ones (nodes whose errors interact), then stretches of the graph. Every
-candidate is judged by a ``Checker`` (_accuracy), usually one whose budget keeps a margin.
+candidate is judged by a ``Checker`` (accuracy), usually one whose budget keeps a margin.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import onnx
 from pipeline.accuracy.budget import AccuracyVerdict
 from pipeline.graph.bodies import QUANTIZED_BODIES
 from pipeline.graph.model import WEIGHTED_OPS, iter_nodes
-from tasks.quantize._accuracy import Candidate, Checker
+from tasks.quantize.accuracy import Candidate, Checker
 
 log = logging.getLogger("tune.quantize")
 
