@@ -105,11 +105,11 @@ class AccuracyBudget:
                 raise ConfigError(f"{key}: the model has no output {', '.join(repr(o) for o in unknown)}; its outputs "
                                   f"are {', '.join(names)}")
 
-    def judge(self, scores: Scores | Mapping[str, Any], float_top1: float | None,
+    def judge(self, scores: Scores, float_top1: float | None,
               custom: CustomScore | None = None, where: str = "samples") -> AccuracyVerdict:
-        """Verdict for a model's Scores, or their ``to_dict`` form (``float_top1``: the float model's
-        top-1; ``custom``: accuracy.custom_metric's scores; ``where``: what the samples are, for the
-        verdict's text, e.g. "held-out samples").
+        """Verdict for a model's Scores (``float_top1``: the float model's top-1; ``custom``:
+        accuracy.custom_metric's scores; ``where``: what the samples are, for the verdict's text, e.g.
+        "held-out samples").
 
         Without labels every judged float output is held to the budget on its own (its SNR, or its
         cosine with ``metric=cosine``, or the metric ``per_output`` names for it) and the worst one
@@ -117,8 +117,6 @@ class AccuracyBudget:
         never an excuse for a noisy output. Each condition holds at its confidence bound when the
         scores carry their per-sample values, else at its value.
         """
-        if not isinstance(scores, Scores):
-            scores = Scores.from_dict(scores)
         judge = _Judge(self, scores, where)
         judged = _judged(scores, self.outputs, {o for o, _ in self.per_output})
         verdict = (judge.custom(custom) if self.metric == "custom" else

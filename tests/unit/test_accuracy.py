@@ -14,6 +14,7 @@ from pipeline.accuracy.budget import AccuracyBudget
 from pipeline.accuracy.cpu import cpu_facts
 from pipeline.accuracy.fidelity import kernel_fidelity
 from pipeline.accuracy.holdout import Holdout
+from pipeline.accuracy.scores import Scores
 from pipeline.backends.onnxruntime.backend import OnnxRuntimeBackend, OrtPrepared
 from pipeline.calibrate.collect import CalibrationMethod, collect
 from pipeline.data.adapters import Batch, synthetic_batches
@@ -30,23 +31,23 @@ from tests.helpers import openvino_backend, ort_backend, qemu_haswell, run_emula
 # ------------------------------------------------------------------ budget verdicts
 def test_budget_uses_top1_with_labels_and_snr_plus_agreement_without():
     b = AccuracyBudget()
-    assert b.judge({"top1": 0.965, "agreement": 0.9, "snr_db": 5.0}, 0.97).ok  # 0.5 points: labels decide
-    v = b.judge({"top1": 0.95, "agreement": 1.0, "snr_db": 40.0}, 0.97)
+    assert b.judge(Scores.from_dict({"top1": 0.965, "agreement": 0.9, "snr_db": 5.0}), 0.97).ok  # 0.5 points: labels decide
+    v = b.judge(Scores.from_dict({"top1": 0.95, "agreement": 1.0, "snr_db": 40.0}), 0.97)
     assert not v.ok and v.metric == "top1" and "2.00 points" in v.what
     # class scores without labels: SNR AND agreement (on the decisive samples), never one for the other
-    assert b.judge({"top1": None, "agreement": 0.995, "snr_db": 30.0}, None).ok
-    assert not b.judge({"top1": None, "agreement": 0.95, "snr_db": 30.0}, None).ok
-    assert not b.judge({"top1": None, "agreement": 1.0, "snr_db": 12.0}, None).ok
+    assert b.judge(Scores.from_dict({"top1": None, "agreement": 0.995, "snr_db": 30.0}), None).ok
+    assert not b.judge(Scores.from_dict({"top1": None, "agreement": 0.95, "snr_db": 30.0}), None).ok
+    assert not b.judge(Scores.from_dict({"top1": None, "agreement": 1.0, "snr_db": 12.0}), None).ok
     # near-tied scores (no decisive sample) leave SNR to decide
     tied = {"agreement": 0.6, "decisive_agreement": None, "decisive_samples": 0, "snr_db": 30.0}
-    v = b.judge(tied, None)
+    v = b.judge(Scores.from_dict(tied), None)
     assert v.ok and v.metric == "snr_and_agreement" and "no decisive samples" in v.what
     # no class scores: SNR alone
-    assert b.judge({"agreement": None, "snr_db": 25.0}, None).ok
-    assert not b.judge({"agreement": None, "snr_db": 15.0}, None).ok
+    assert b.judge(Scores.from_dict({"agreement": None, "snr_db": 25.0}), None).ok
+    assert not b.judge(Scores.from_dict({"agreement": None, "snr_db": 15.0}), None).ok
     cos = AccuracyBudget(metric="cosine", min_cosine=0.99)
-    assert cos.judge({"cosine": 0.995}, None).ok and not cos.judge({"cosine": 0.98}, None).ok
-    assert AccuracyBudget(enabled=False).judge({"agreement": None, "snr_db": 1.0}, None).ok
+    assert cos.judge(Scores.from_dict({"cosine": 0.995}), None).ok and not cos.judge(Scores.from_dict({"cosine": 0.98}), None).ok
+    assert AccuracyBudget(enabled=False).judge(Scores.from_dict({"agreement": None, "snr_db": 1.0}), None).ok
 
 
 def test_embedding_under_budget_is_rejected_even_with_full_argmax_agreement():
@@ -65,15 +66,15 @@ def test_embedding_under_budget_is_rejected_even_with_full_argmax_agreement():
     r = s.result()
     r["output_names"] = ["embedding"]
     assert r["agreement"] == 1.0 and r["decisive_agreement"] == 1.0
-    v = AccuracyBudget().judge(r, None)
+    v = AccuracyBudget().judge(Scores.from_dict(r), None)
     assert not v.ok and v.output == "output 'embedding'" and "SNR 14.4 dB on output 'embedding'" in v.what
     # two outputs: a clean first output does not hide a noisy second one
     s2 = ModelScores(top_k=1)
     s2.update([ref, ref], [ref.copy(), out], None, 16)
     r2 = s2.result()
-    v2 = AccuracyBudget().judge(r2, None)
+    v2 = AccuracyBudget().judge(Scores.from_dict(r2), None)
     assert r2["snr_db"] > 14.4 and not v2.ok and "on output 1" in v2.what and "worst of 2 outputs" in v2.what
-    vc = AccuracyBudget(metric="cosine", min_cosine=0.99).judge(r2, None)
+    vc = AccuracyBudget(metric="cosine", min_cosine=0.99).judge(Scores.from_dict(r2), None)
     assert not vc.ok and vc.cosine < 0.99 and "output 1" in vc.what
 
 
@@ -87,7 +88,7 @@ def test_a_probability_map_is_judged_by_snr_not_by_an_argmax_over_columns():
     s.update([ref], [ref + 0.01 * rng.standard_normal(ref.shape).astype(np.float32)], None, 1)
     r = s.result()
     assert r["agreement"] is None and r["decisive_samples"] == 0
-    v = AccuracyBudget().judge(r, None)
+    v = AccuracyBudget().judge(Scores.from_dict(r), None)
     assert v.ok and v.metric == "snr"
 
 
@@ -108,10 +109,10 @@ def _two_outputs(snr_noise: float = 0.19) -> dict:
 def test_accuracy_outputs_judges_only_the_outputs_that_matter_and_a_failure_names_the_passing_ones():
     r = _two_outputs()
     assert r["class_outputs"] == [] and r["agreement"] is None  # declared: no class scores
-    v = AccuracyBudget().judge(r, None)
+    v = AccuracyBudget().judge(Scores.from_dict(r), None)
     assert not v.ok and v.output == "output 'tokens'" and v.passing == ("pooled",)
     assert "accuracy.outputs=[pooled]" in v.hint
-    only = AccuracyBudget(outputs=("pooled",)).judge(r, None)
+    only = AccuracyBudget(outputs=("pooled",)).judge(Scores.from_dict(r), None)
     assert only.ok and "output 'pooled'" in only.what and "tokens" not in only.what
     assert "judged on 'pooled'" in AccuracyBudget(outputs=("pooled",)).describe()
     with pytest.raises(ConfigError, match=r"accuracy.outputs: the model has no output 'nope'; its outputs are "
@@ -122,11 +123,11 @@ def test_accuracy_outputs_judges_only_the_outputs_that_matter_and_a_failure_name
 def test_per_output_metrics_replace_the_default_one_for_their_outputs():
     r = _two_outputs(snr_noise=0.05)  # tokens: 26 dB, cosine ~0.9988
     strict = AccuracyBudget(min_snr_db=30.0)
-    assert not strict.judge(r, None).ok
+    assert not strict.judge(Scores.from_dict(r), None).ok
     mixed = AccuracyBudget(min_snr_db=30.0, min_cosine=0.998, per_output=(("tokens", "cosine"),))
-    v = mixed.judge(r, None)
+    v = mixed.judge(Scores.from_dict(r), None)
     assert v.ok and "cosine" in v.what and "output 'tokens'" in v.what and "output 'pooled'" in v.what
-    assert not AccuracyBudget(min_cosine=0.9999, per_output=(("tokens", "cosine"),)).judge(r, None).ok
+    assert not AccuracyBudget(min_cosine=0.9999, per_output=(("tokens", "cosine"),)).judge(Scores.from_dict(r), None).ok
 
 
 def test_class_outputs_by_declaration_not_by_shape():
@@ -145,13 +146,13 @@ def test_class_outputs_by_declaration_not_by_shape():
     g, d = guessed.result(), declared.result()
     assert g["class_outputs"] == ["features"] and d["class_outputs"] == ["logits"]
     assert d["agreement"] == 1.0 and d["agreement_per_output"][0] is None
-    assert "agreement" in AccuracyBudget().judge(d, None).what
+    assert "agreement" in AccuracyBudget().judge(Scores.from_dict(d), None).what
 
 
 def test_custom_metric_budget_is_the_drop_of_the_users_score():
     from pipeline.accuracy.budget import CustomScore
 
-    r = _two_outputs()
+    r = Scores.from_dict(_two_outputs())
     b = AccuracyBudget(metric="custom", max_drop=0.5, custom_metric="my.recall")
     ok, bad = b.judge(r, None, custom=CustomScore(0.90, 0.895)), b.judge(r, None, custom=CustomScore(0.90, 0.30))
     assert ok.ok and ok.custom == 0.895 and ok.custom_float == 0.90 and "recall 0.895 (float 0.9" in ok.what
@@ -550,7 +551,7 @@ def test_recovery_aims_inside_the_budget_by_its_margin():
     assert t.min_snr_db == 21.0 and t.max_drop == 1.0
     assert t.max_disagreement == pytest.approx(10 ** -0.1)  # 2 flips in 251 decisive samples no longer pass
     scores = {"agreement": 0.99, "decisive_agreement": 249 / 251, "decisive_samples": 251, "snr_db": 30.0}
-    assert b.judge(scores, None).ok and not t.judge(scores, None).ok
-    assert t.judge({**scores, "decisive_agreement": 250 / 251}, None).ok
+    assert b.judge(Scores.from_dict(scores), None).ok and not t.judge(Scores.from_dict(scores), None).ok
+    assert t.judge(Scores.from_dict({**scores, "decisive_agreement": 250 / 251}), None).ok
     assert t.min_cosine == pytest.approx(1 - 0.01 * 10 ** -0.1)  # 1 dB less error energy
     assert b.tightened(0.0) == b
