@@ -38,6 +38,7 @@ from openvino_vs_nncf import (  # noqa: E402
 )
 
 RUNS = ("onnxruntime", "openvino", "auto")
+PEERS = ("ORT quantize_static", "NNCF")  # rows of peers' models (ours must load, or the bench fails)
 
 
 def tuned(key: str, root: Path, overrides: list[str]) -> dict[str, tuple[Path, float]]:
@@ -88,8 +89,18 @@ def bench(key: str, root: Path, rounds: int, runs: int) -> list[dict]:
             ("ORT quantize_static u8 (on ORT)", b["ort"], ort_u8(float_path, calib_hold[:CALIB], root)),
             *[(f"{name} (on OpenVINO)", b["ov"], p) for name, p in peers.items()]]
     live = [(n, be, p) for n, be, p in rows if isinstance(p, Path)]
+    failed: dict[str, str] = {}
     with ExitStack() as stack:
-        prepared = [stack.enter_context(be.prepare(p)) for _, be, p in live]
+        prepared, kept = [], []
+        for n, be, p in live:
+            try:
+                prepared.append(stack.enter_context(be.prepare(p)))
+                kept.append((n, be, p))
+            except Exception as exc:  # noqa: BLE001 - a peer's model its runtime cannot load is a row saying so
+                if not n.startswith(PEERS):
+                    raise
+                failed[n] = f"failed to load: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        live = kept
         for pm in prepared:
             pm.set_timing_feeds(scored[0])
         names = list(prepared[0].output_names)
@@ -99,6 +110,7 @@ def bench(key: str, root: Path, rounds: int, runs: int) -> list[dict]:
     out = [{"model": key, "row": n, "p10_ms": t.p10_ms, "vs_ort_fp32": ref / t.p10_ms, "error": e}
            for (n, _, _), t, e in zip(live, timings, errs, strict=True)]
     out += [{"model": key, "row": n, "error": p} for n, _, p in rows if not isinstance(p, Path)]
+    out += [{"model": key, "row": n, "error": why} for n, why in failed.items()]
     single = min(timings[2].p10_ms, timings[3].p10_ms)
     auto_be, auto_model, auto_rt = picks["auto"]
     same_be, same_model, _ = picks[auto_rt]
