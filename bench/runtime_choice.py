@@ -79,6 +79,12 @@ def bench(key: str, root: Path, rounds: int, runs: int) -> list[dict]:
     overrides, calib_hold, scored = feeds_for(key, root)
     ours = tuned(key, root, overrides)
     float_path = ours["auto"][0] / "export" / "model.onnx"
+    # the exported model's inputs only (export binds model.fixed_inputs, e.g. silero-vad's sample rate)
+    from pipeline.graph.model import input_specs, load_model
+
+    names = {s.name for s in input_specs(load_model(float_path, check=False))}
+    calib_hold = [{k: v for k, v in f.items() if k in names} for f in calib_hold]
+    scored = [{k: v for k, v in f.items() if k in names} for f in scored]
     b = backends()
     picks = {name: shipped(rd) for name, (rd, _) in ours.items()}
     peers = nncf_models(float_path, calib_hold[:CALIB], calib_hold[CALIB:], MODELS[key][1], root)
