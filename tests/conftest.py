@@ -1,14 +1,17 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from tests import models
-from tests.helpers import run_tune
+# pytest-xdist's workers share the machine's cores: torch's OpenMP pool in each worker and in every `tune`
+# it starts gets one thread (two workers each spinning two made the digits training 3x slower)
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# quantize without its own searches (range choice, float-exact transforms, bias correction), for tests
-# whose subject is another stage: it costs a fraction of the defaults and places the same Q/DQ nodes
+from tests import models  # noqa: E402 - after the thread setting, which torch reads when it loads
+from tests.helpers import run_tune  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
