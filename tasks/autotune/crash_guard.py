@@ -11,7 +11,8 @@ next schemes there vary the same points) is probed the same way. A crashed candi
 ``crashed_candidates.json`` with one warning, and every measurement of it is a failed one, as if the
 runtime had refused to build it. A candidate whose probe passed and that is found in flight again
 (it crashes only in the full run) is recorded crashed without another probe. Records belong to the
-runtime they were made with (its name, version and properties): another one starts afresh.
+runtime they were made with (its name, version and properties): another one starts afresh. Both
+files are state documents (``tasks.autotune.state_file``): a corrupt one is a one-line error.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ from typing import Any
 
 from pipeline.artifacts import atomic_write_json
 from pipeline.backends.base import Backend
+from tasks.autotune.state_file import CRASH_RECORD, StateDocument, StateHeader, read_state
 
 log = logging.getLogger("tune.autotune")
 
 IN_FLIGHT = "in_flight.json"
 CRASHED = "crashed_candidates.json"
 CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT})
+RECORD_VERSION = 1  # of both files (files from before it have no version and read as this one)
 
 
 def runtime_id(backend: Backend) -> str:
@@ -52,15 +55,15 @@ class CrashGuard:
         self.folder = folder
         self.backend = backend
         self.runtime = runtime_id(backend)
-        record = self._read(folder / CRASHED)
-        mine = record.get("runtime") == self.runtime
-        self.crashed: dict[str, str] = dict(record.get("crashed") or {}) if mine else {}
-        self.fragile: set[str] = set(record.get("fragile") or []) if mine else set()
+        self.header = StateHeader.of(RECORD_VERSION, None, None, runtime=self.runtime)
+        record = self._read(CRASHED, {"crashed": dict, "fragile": list})
+        self.crashed: dict[str, str] = dict(record.get("crashed", {}))
+        self.fragile: set[str] = set(record.get("fragile", []))
         self.probed: set[str] = set()  # candidates whose probe passed in this run
         # the candidate the last run ended on (model hash -> what it was), probed before it is measured
-        left = self._read(folder / IN_FLIGHT)
+        left = self._read(IN_FLIGHT, {"model": str})
         self.suspects: dict[str, str] = {}
-        if left.get("model") and left.get("runtime") == self.runtime:
+        if left.get("model"):
             what = left.get("what") or "a candidate"
             if left.get("probed"):  # it passed its probe and still ended the run
                 self._record(left["model"], f"{backend.name} crashed the process on it twice ({what}; its "
@@ -68,22 +71,28 @@ class CrashGuard:
             else:
                 self.suspects[left["model"]] = what
 
-    @staticmethod
-    def _read(path: Path) -> dict[str, Any]:
-        """The file's record; an unreadable one (a write the crash cut short) counts as none."""
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
+    def _read(self, name: str, types: dict[str, type]) -> dict[str, Any]:
+        """The body of the record ``name`` of this runtime; empty where there is none or it is another
+        runtime's. One whose fields are not of ``types`` is corrupt (a one-line StateError)."""
+        path = self.folder / name
+        document = read_state(path, CRASH_RECORD, self.header)
+        if document is None:
             return {}
-        return doc if isinstance(doc, dict) else {}
+        body = document.body
+        for key, kind in types.items():
+            if key in body and not isinstance(body[key], kind):
+                raise CRASH_RECORD.corrupt(path, f"'{key}' is not a {kind.__name__}")
+        return body
+
+    def _write(self, name: str, body: dict[str, Any]) -> None:
+        atomic_write_json(self.folder / name, StateDocument(self.header, body).to_dict())
 
     def _record(self, model_key: str, why: str, family: str | None, what: str, how: str) -> None:
         first = family is None or family not in self.fragile
         self.crashed[model_key] = why
         if family is not None:
             self.fragile.add(family)
-        atomic_write_json(self.folder / CRASHED, {"runtime": self.runtime, "crashed": self.crashed,
-                                                  "fragile": sorted(self.fragile)})
+        self._write(CRASHED, {"crashed": self.crashed, "fragile": sorted(self.fragile)})
         (log.warning if first else log.info)(
             "autotune: %s crashes %s (%s): it counts as a failed measurement%s (%s)", what, self.backend.name, how,
             f", and the rest of {family} is built in a child process first" if first and family else "",
@@ -112,9 +121,8 @@ class CrashGuard:
     def flight(self, model_key: str, what: str, family: str | None) -> Iterator[None]:
         """The measurement of ``model_key``: named in the folder while it runs."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.folder / IN_FLIGHT, {
-            "model": model_key, "what": what, "family": family, "runtime": self.runtime,
-            "probed": model_key in self.probed, "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+        self._write(IN_FLIGHT, {"model": model_key, "what": what, "family": family, "probed": model_key in self.probed,
+                                "started": time.strftime("%Y-%m-%d %H:%M:%S")})
         try:
             yield
         finally:

@@ -1,7 +1,9 @@
 """The one header of the autotuner's resumable files, and its one check before a run continues.
 
 Region mode resumes from ``autotuner_state.yaml``, subgraph mode from ``autotune_cache.json``, the
-runtime search from ``runtime_search.json``. Each is a ``StateDocument``: a ``StateHeader`` (the
+runtime search from ``runtime_search.json``; the float baseline's choice (``float_baseline.json``), the
+crash guard's records (``in_flight.json``, ``crashed_candidates.json``) and the pattern cache are kept
+the same way. Each is a ``StateDocument``: a ``StateHeader`` (the
 format version, the model's hash, the measurement context, a fingerprint of calibration, backend,
 rules, ..., and the settings the file must have been made with, such as its kind) followed by the
 file's own tables. A corrupt file is refused with a one-line ``StateError`` naming the file and the
@@ -13,14 +15,17 @@ named explicitly is still refused.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from pipeline.artifacts import set_aside
-from pipeline.errors import StaleStateError, StateError
+from pipeline.errors import StaleStateError, StateError, first_line
 
 log = logging.getLogger("tune.autotune")
 
@@ -63,6 +68,28 @@ RUNTIME_STATE = StateFileKind(
     mismatch_fix="delete it to search afresh",
     context_changes="the shipped model, backend or accuracy budget changed",
     context_fix="delete it to search afresh",
+)
+FLOAT_BASELINE = StateFileKind(
+    what="float baseline record",
+    corrupt_fix="delete it to choose the float baseline again",
+    mismatch_fix="delete it to choose the float baseline again",
+    context_changes="the model, runtime, accuracy budget or held-out data changed",
+    context_fix="delete it to choose the float baseline again",
+)
+CRASH_RECORD = StateFileKind(
+    what="crash record",
+    corrupt_fix="delete it (the candidates it names are measured again)",
+    mismatch_fix="delete it",
+    context_changes="another runtime version or its properties",
+    context_fix="delete it",
+)
+PATTERN_CACHE = StateFileKind(
+    what="pattern cache",
+    corrupt_fix="delete it or point autotune.pattern_cache at another file",
+    mismatch_fix="delete it or point autotune.pattern_cache at another file",
+    context_changes="",
+    context_fix="delete it or point autotune.pattern_cache at another file",
+    lenient_context=True,
 )
 
 
@@ -148,6 +175,31 @@ class StateDocument:
         """``doc`` (a loaded document of the right shape) with ``header``, once ``header.check`` passed."""
         header.check(doc, path, kind)
         return cls(header, cls.from_dict(doc, header.setting_keys).body)
+
+
+def read_state(path: Path, kind: StateFileKind, header: StateHeader, *, own: bool = True,
+               yaml_text: bool = False) -> StateDocument | None:
+    """The document at ``path`` made with ``header``; None where there is none, or where the pipeline
+    owns the file (``own``) and it was made for another model, runtime or setting: the caller starts
+    afresh and overwrites it (one log line says why). A file that cannot be parsed or holds no table
+    raises ``kind.corrupt`` (writes are atomic: no run leaves one half-written); a stale file the user
+    named raises StaleStateError."""
+    if not path.exists():
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+        doc = yaml.safe_load(text) if yaml_text else json.loads(text)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise kind.corrupt(path, f"{type(exc).__name__}: {first_line(exc)}") from None
+    if not isinstance(doc, dict):
+        raise kind.corrupt(path, "not a table")
+    try:
+        return StateDocument.resume(doc, path, kind, header)
+    except StaleStateError as exc:
+        if not own:
+            raise
+        log.info("autotune: %s %s %s; starting afresh", kind.what, path.name, exc.reason)
+        return None
 
 
 def resume_or_set_aside(load: Callable[[], Any], path: Path, kind: StateFileKind, *, own: bool,

@@ -5,7 +5,6 @@ and ``float_baseline``, which float the guard and every speedup compare against.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,12 +16,16 @@ from pipeline.accuracy.budget import AccuracyBudget
 from pipeline.accuracy.holdout import Holdout
 from pipeline.artifacts import atomic_write_json, fingerprint
 from pipeline.backends.base import Backend
+from pipeline.errors import first_line
 from pipeline.graph.model import model_hash
 from pipeline.quant.calibration import Calibration
 from tasks.autotune.crash_guard import CrashGuard
 from tasks.autotune.paired_step import PairedStep
+from tasks.autotune.state_file import FLOAT_BASELINE, StateDocument, StateHeader, read_state
 
 log = logging.getLogger("tune.autotune")
+
+FLOAT_BASELINE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -138,18 +141,27 @@ def float_baseline(backend: Backend, path: Path, holdout: Holdout, budget: Accur
         return (fp32 if choice.precision == "FP32" else backend), choice
     chosen_backend, choice = _choose_float(backend, fp32, path, holdout, budget, default)
     if record is not None:
-        atomic_write_json(record, {"key": key, "baseline": choice.to_dict()})
+        atomic_write_json(record, StateDocument(_baseline_header(key), {"baseline": choice.to_dict()}).to_dict())
     return chosen_backend, choice
 
 
 def _kept_choice(record: Path | None, key: str) -> FloatBaseline | None:
-    """The choice ``record`` holds for ``key``; None where there is none (or it cannot be read: the
-    choice is made again)."""
-    try:
-        doc = json.loads(record.read_text()) if record is not None else None
-        return FloatBaseline(**doc["baseline"]) if doc.get("key") == key else None
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    """The choice ``record`` holds for ``key``; None where there is none or it was made for another
+    model, runtime, budget or held-out data (the choice is made again). A corrupt record is a one-line
+    StateError."""
+    document = read_state(record, FLOAT_BASELINE, _baseline_header(key)) if record is not None else None
+    if document is None:
         return None
+    try:
+        return FloatBaseline(**document.body["baseline"])
+    except (KeyError, TypeError) as exc:
+        raise FLOAT_BASELINE.corrupt(record, f"{type(exc).__name__}: {first_line(exc)}") from None
+
+
+def _baseline_header(key: str) -> StateHeader:
+    """The header of float_baseline.json: ``key`` fingerprints the model, runtime, budget and held-out
+    data (files from before the header have only the key, and read as this version)."""
+    return StateHeader.of(FLOAT_BASELINE_VERSION, None, None, key=key)
 
 
 def _choose_float(backend: Backend, fp32: Backend, path: Path, holdout: Holdout, budget: AccuracyBudget, default: str

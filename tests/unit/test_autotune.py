@@ -170,9 +170,13 @@ def test_pattern_cache_distance_cap_and_roundtrip(tmp_path):
     cache.save(tmp_path / "c.yaml")
     loaded = PatternCache.load(tmp_path / "c.yaml")
     assert loaded.num_patterns == 1 and loaded.schemes_for("p") == [c, b]
-    (tmp_path / "bad.yaml").write_text("patterns: {p: [{schemex: 1}]}")
-    with pytest.raises(StateError, match="corrupt"):
-        PatternCache.load(tmp_path / "bad.yaml")
+    for bad in ("patterns: {p: [{schemex: 1}]}", "- not a table", "patterns: [unclosed"):
+        (tmp_path / "bad.yaml").write_text(bad)
+        with pytest.raises(StateError, match=r"pattern cache .*bad.yaml is corrupt \(.*\); delete it or point"):
+            PatternCache.load(tmp_path / "bad.yaml")
+    (tmp_path / "v9.yaml").write_text("version: 9\npatterns: {}\n")
+    with pytest.raises(StateError, match=r"v9.yaml has format version 9, this qdq-tune reads version 1; delete it"):
+        PatternCache.load(tmp_path / "v9.yaml")
 
 
 def test_pattern_cache_warm_start_seeds_first():

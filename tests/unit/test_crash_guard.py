@@ -8,13 +8,15 @@ import json
 import os
 import signal
 
+import pytest
 from omegaconf import OmegaConf
 
 from pipeline.backend_config import OnnxRuntimeBackendConfig
 from pipeline.backends.onnxruntime import OnnxRuntimeBackend
+from pipeline.errors import StateError
 from pipeline.graph.model import model_hash
 from tasks.autotune.benchmark import PairedBenchmark
-from tasks.autotune.crash_guard import CRASHED, IN_FLIGHT, CrashGuard
+from tasks.autotune.crash_guard import CRASHED, IN_FLIGHT, CrashGuard, runtime_id
 from tests import models
 
 
@@ -88,10 +90,14 @@ def test_a_kill_is_not_a_crash_and_a_crash_only_in_the_full_run_is_caught_the_se
     assert "twice" in again.why_failed("k-ok", ok, "region 2 scheme 1", "region 2")
 
 
-def test_an_unreadable_record_counts_as_none_and_an_unpicklable_backend_is_measured_unprobed(tmp_path):
-    (tmp_path / CRASHED).write_text("{not json")
-    (tmp_path / IN_FLIGHT).write_text("")
+def test_a_corrupt_record_is_a_one_line_error_and_an_unpicklable_backend_is_measured_unprobed(tmp_path):
     backend = _backend()
+    wrong_table = json.dumps({"runtime": runtime_id(backend), "crashed": []})
+    for name, text in ((CRASHED, "{not json"), (IN_FLIGHT, ""), (CRASHED, wrong_table)):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(StateError, match=rf"crash record .*{name} is corrupt .*; delete it"):
+            CrashGuard(tmp_path, backend)
+        (tmp_path / name).unlink()
     guard = CrashGuard(tmp_path, backend)
     assert guard.crashed == {} and guard.suspects == {} and guard.fragile == set()
     guard.suspects["k"] = "region 0 scheme 0"

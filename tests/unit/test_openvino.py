@@ -172,7 +172,10 @@ def test_evaluate_follows_autotunes_fp32_baseline_only_where_autotune_judged_thi
 
 
 def test_the_float_baseline_choice_is_kept_for_a_resumed_run(tmp_path, monkeypatch):
+    import json
+
     import tasks.autotune.tune_setup as ts
+    from pipeline.errors import StateError
 
     backend, path, holdout = _float_choice(tmp_path)
     record = tmp_path / "float_baseline.json"
@@ -191,5 +194,12 @@ def test_the_float_baseline_choice_is_kept_for_a_resumed_run(tmp_path, monkeypat
     monkeypatch.setattr(ts, "fp32_latency_ratio", lambda *a: (1.0, False))
     other, fresh = float_baseline(backend, path, holdout, AccuracyBudget(metric="snr", min_snr_db=10), record)
     assert other is backend and fresh.precision == backend.float_precision()
-    record.write_text("{broken")  # unreadable: chosen afresh, not an error
-    assert float_baseline(backend, path, holdout, budget, record)[1].precision == backend.float_precision()
+    doc = json.loads(record.read_text())  # a state document: version, its key, the choice
+    assert doc["version"] == ts.FLOAT_BASELINE_VERSION and doc["baseline"]["precision"] == fresh.precision
+    # a record from before the header (its key and the choice only) is read as it is
+    record.write_text(json.dumps({"key": doc["key"], "baseline": doc["baseline"]}))
+    assert float_baseline(backend, path, holdout, AccuracyBudget(metric="snr", min_snr_db=10), record)[1] == fresh
+    for corrupt in ("{broken", json.dumps({"key": doc["key"], "baseline": {"colour": 1}})):
+        record.write_text(corrupt)
+        with pytest.raises(StateError, match=r"float baseline record .* is corrupt .*; delete it to choose"):
+            float_baseline(backend, path, holdout, AccuracyBudget(metric="snr", min_snr_db=10), record)

@@ -15,6 +15,10 @@ import yaml
 from pipeline.artifacts import atomic_write_text
 from pipeline.errors import StateError, first_line
 from tasks.autotune.region.scheme import InsertionScheme
+from tasks.autotune.state_file import PATTERN_CACHE, StateDocument, StateHeader, read_state
+
+# the file's format; it holds schemes of any model, so its header names none
+HEADER = StateHeader.of(1, None, None)
 
 
 @dataclass
@@ -55,12 +59,11 @@ class PatternCache:
         return True
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": 1,
+        return StateDocument(HEADER, {
             "pattern_cache_minimum_distance": self.minimum_distance,
             "pattern_cache_max_entries_per_pattern": self.max_entries_per_pattern,
             "patterns": {p: [e.to_dict() for e in items] for p, items in sorted(self.entries.items())},
-        }
+        }).to_dict()
 
     def save(self, path: str | Path) -> None:
         atomic_write_text(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
@@ -71,8 +74,8 @@ class PatternCache:
         p = Path(path)
         if not p.exists():
             raise StateError(f"pattern cache {p} does not exist; check autotune.pattern_cache")
+        doc = read_state(p, PATTERN_CACHE, HEADER, own=False, yaml_text=True).body
         try:
-            doc = yaml.safe_load(p.read_text())
             patterns = doc["patterns"]
             cache = cls(int(minimum_distance if minimum_distance is not None else doc.get("pattern_cache_minimum_distance", 4)),
                         int(max_entries_per_pattern if max_entries_per_pattern is not None
@@ -80,7 +83,6 @@ class PatternCache:
             for pattern, items in (patterns or {}).items():
                 for item in items:
                     cache.add(str(pattern), InsertionScheme.from_keys(item["scheme"]), float(item["ratio"]))
-        except (yaml.YAMLError, KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise StateError(f"pattern cache {p} is corrupt ({type(exc).__name__}: {first_line(exc)}); "
-                             f"delete it or point autotune.pattern_cache at another file") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise PATTERN_CACHE.corrupt(p, f"{type(exc).__name__}: {first_line(exc)}") from None
         return cache
