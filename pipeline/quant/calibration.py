@@ -22,7 +22,7 @@ import numpy as np
 
 from pipeline.artifacts import read_json
 from pipeline.errors import StageError, StateError
-from pipeline.quant.plan import QDQPlan
+from pipeline.quant.plan import QDQPlan, WeightVariant
 from pipeline.quant.qmath import QTYPES, WEIGHT_SEARCHES, QuantParams, activation_params, weight_params
 from pipeline.values import enum_value
 
@@ -141,7 +141,7 @@ class QuantizeDecisions:
     storage is full range, no node is float and every other field is None.
     """
 
-    weight_range: str = "full"
+    weight_range: WeightVariant = WeightVariant.full
     weight_range_reason: str | None = None
     cpu: dict[str, Any] | None = None  # pipeline.accuracy.cpu.cpu_facts of the machine that quantized
     unsupported_nodes: list[str] | None = None  # the runtime cannot run them quantized
@@ -159,13 +159,17 @@ class QuantizeDecisions:
     body_nodes: list[str] | None = None  # quantized nodes inside Loop/Scan bodies
     all_float: bool = False  # recovery left every quantizable node float
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "weight_range", WeightVariant.of(self.weight_range))  # as read from JSON
+
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: v for f in fields(self)
-                if (v := getattr(self, f.name)) is not None or f.name not in _OPTIONAL_DECISIONS}
+        out = {f.name: v for f in fields(self)
+               if (v := getattr(self, f.name)) is not None or f.name not in _OPTIONAL_DECISIONS}
+        return {**out, "weight_range": self.weight_range.value}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> QuantizeDecisions:
-        """The record of ``d`` (ValueError naming its unknown or missing keys)."""
+        """The record of ``d`` (ValueError naming its unknown or missing keys, or an unknown weight storage)."""
         names = [f.name for f in fields(cls)]
         check_keys(d, [k for k in names if k not in _OPTIONAL_DECISIONS], names)
         return cls(**d)

@@ -50,7 +50,7 @@ import onnx
 from pipeline.graph.bodies import QUANTIZED_BODIES, body_views
 from pipeline.graph.index import ACTIVATION_TAILS, GraphIndex, bias_slot, through_shape_ops, weight_inputs
 from pipeline.graph.model import WEIGHTED_OPS, iter_nodes
-from pipeline.quant.plan import ActivationQ, BiasQ, QDQPlan, WeightQ
+from pipeline.quant.plan import ActivationQ, BiasQ, QDQPlan, WeightQ, WeightVariant
 from pipeline.values import enum_value
 
 # ops whose Q/DQ ORT drops, running them directly on 8-bit data
@@ -62,15 +62,11 @@ QUANTIZABLE_OPS = (*WEIGHTED_OPS, *ORT_QLINEAR_OPS, *PASS_THROUGH_OPS, "Softmax"
                    "Where", "Relu", "Clip")
 
 
-WEIGHT_RANGES = ("full", "reduced", "uint8")
-
-
 def weight_q(node: onnx.NodeProto, index: int, shape: tuple[int, ...], dtype: str, per_channel: bool = True,
              weight_range: str = "full") -> WeightQ:
     """How one weight is stored: int8 rules follow ``weight_range`` (full: int8 +-127; reduced: int8
     +-64; uint8: uint8 with zero point 128); fp8 rules are unaffected."""
-    if weight_range not in WEIGHT_RANGES:
-        raise ValueError(f"weight_range {weight_range!r}: choose one of {', '.join(WEIGHT_RANGES)}")
+    weight_range = WeightVariant.of(weight_range)
     axis = weight_axis(node, index, shape, per_channel)
     if dtype != "int8":
         return WeightQ(node.name, index, dtype, axis)

@@ -10,9 +10,41 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
+from pipeline.values import enum_value
+
 Consumer = tuple[str, int]  # (node name, input index)
+
+
+class WeightVariant(str, Enum):
+    """How int8 weights are stored: the weight storage quantize decides (calibration.json's
+    ``decisions.weight_range``) and autotune follows. Formats as its value."""
+
+    full = "full"  # int8 in [-127, 127]
+    reduced = "reduced"  # int8 in [-64, 64]: exact in u8 x s8 kernels without VNNI
+    uint8 = "uint8"  # uint8 with zero point 128: U8U8 kernels, exact on every CPU
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def candidate(self) -> str:
+        """The name of quantize's candidate model with this storage (its file, its log lines)."""
+        return f"weights_{self.value}"
+
+    @classmethod
+    def of(cls, value: object) -> WeightVariant:
+        """The variant named ``value`` (a string, a config enum), or a ValueError listing them."""
+        try:
+            return cls(enum_value(value))
+        except ValueError:
+            raise ValueError(f"weight_range {enum_value(value)!r}: choose one of "
+                             f"{', '.join(v.value for v in cls)}") from None
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,7 @@ def _weight_storage(setup: QuantizeSetup, placer: Placer, unsupported: set[str],
     if not setup.kind.cpu_kernels:
         why = ("TensorRT placement: full-range int8 (TensorRT's integer kernels do not saturate)"
                if requested == "auto" else f"quantize.weight_range={requested}")
-        cand = checker.check(placed(start), f"weights_{start}")
+        cand = checker.check(placed(start), start.candidate)
         return WeightStorage(start, why, cand, [cand])
     units = [n for n in placer.build(start, unsupported)[0].quantized_nodes()
              if ops.get(n) not in (None, *PASS_THROUGH_OPS)]

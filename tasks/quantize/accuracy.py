@@ -31,6 +31,7 @@ from pipeline.errors import StageError, first_line
 from pipeline.graph.bodies import walk_views
 from pipeline.graph.index import GraphIndex
 from pipeline.graph.model import WEIGHTED_OPS, save_model
+from pipeline.quant.plan import WeightVariant
 from pipeline.values import enum_value
 
 log = logging.getLogger("tune.quantize")
@@ -229,7 +230,7 @@ class WeightStorage:
     """The weight storage chosen for a placement: ``chosen`` is the checked candidate of the placement
     that will be written, ``checked`` every candidate tried (calibration.json's ``variants``)."""
 
-    weight_range: str
+    weight_range: WeightVariant
     reason: str
     chosen: Candidate
     checked: list[Candidate]
@@ -250,11 +251,12 @@ def choose_weight_range(build: Callable[..., onnx.ModelProto], checker: Checker,
     (else the most accurate exact one). A forced value is checked and reported, not changed.
     """
     if requested != "auto":
-        cand = checker.check(build(requested), f"weights_{requested}", fidelity=True)
-        return WeightStorage(requested, f"quantize.weight_range={requested}", cand, [cand])
-    full = checker.check(build("full"), "weights_full", fidelity=True)
+        forced = WeightVariant.of(requested)
+        cand = checker.check(build(forced), forced.candidate, fidelity=True)
+        return WeightStorage(forced, f"quantize.weight_range={forced}", cand, [cand])
+    full = checker.check(build(WeightVariant.full), WeightVariant.full.candidate, fidelity=True)
     if full.usable and not saturates:
-        return WeightStorage("full", "fused kernels agree with the Q/DQ reference", full, [full])
+        return WeightStorage(WeightVariant.full, "fused kernels agree with the Q/DQ reference", full, [full])
     why = ("this CPU's u8s8 kernels saturate (AVX2 without VNNI)" if saturates else
            f"this CPU's fused kernels disagree with the Q/DQ reference ({full.fidelity.reason if full.fidelity else full.error})")
     if not saturates and full.error is None and units:
@@ -271,23 +273,23 @@ def _localized(build: Callable[..., onnx.ModelProto], checker: Checker, full: Ca
     everything = set(units)
 
     def fails(quantized: set[str]) -> bool:
-        c = checker.check(build("full", everything - quantized), "fidelity_localize", fidelity=True)
+        c = checker.check(build(WeightVariant.full, everything - quantized), "fidelity_localize", fidelity=True)
         return c.error is None and c.fidelity is not None and not c.fidelity.ok
 
     culprits = localize(list(units), fails)
     if culprits and len(culprits) * 2 <= len(units):
-        fixed = checker.check(build("full", set(culprits)), "weights_full", fidelity=True)
+        fixed = checker.check(build(WeightVariant.full, set(culprits)), WeightVariant.full.candidate, fidelity=True)
         if fixed.usable:
             log.warning("quantize: %s; localized to %d node(s) left float: %s", why, len(culprits),
                         ", ".join(culprits))
-            return WeightStorage("full", (f"full-range int8 weights; {len(culprits)} node(s) whose fused kernels "
+            return WeightStorage(WeightVariant.full, (f"full-range int8 weights; {len(culprits)} node(s) whose fused kernels "
                                           f"disagree with the Q/DQ reference left float: {', '.join(culprits)}"),
                                  fixed, [fixed], culprits), why
     if saturates is False and not culprits:
         # exact kernels and no node to blame: what differs is the model's own quantization noise
         log.warning("quantize: %s, but no node is responsible on its own; keeping full-range weights on a CPU "
                     "whose u8s8 kernels are exact", why)
-        return WeightStorage("full", f"full-range int8 weights ({why}; no culprit node: not a kernel fault)",
+        return WeightStorage(WeightVariant.full, f"full-range int8 weights ({why}; no culprit node: not a kernel fault)",
                              full, [full]), why
     if culprits:
         why += f"; {len(culprits)} of {len(units)} quantized nodes show it"
@@ -297,15 +299,16 @@ def _localized(build: Callable[..., onnx.ModelProto], checker: Checker, full: Ca
 def _exact_storage(build: Callable[..., onnx.ModelProto], checker: Checker, full: Candidate, why: str,
                    measure: Callable[[list[Path]], list[float | None]]) -> WeightStorage:
     """The fastest exact weight storage (7-bit or uint8) within the budget, else the most accurate one."""
-    variants = [checker.check(build(v), f"weights_{v}", fidelity=True) for v in ("reduced", "uint8")]
-    exact = [c for c in variants if c.usable]
+    exact_variants = (WeightVariant.reduced, WeightVariant.uint8)
+    variants = [checker.check(build(v), v.candidate, fidelity=True) for v in exact_variants]
+    exact = [(v, c) for v, c in zip(exact_variants, variants, strict=True) if c.usable]
     if not exact:
         raise StageError(f"quantize: no int8 weight storage runs exactly on this CPU ({why}; "
                          + "; ".join(f"{c.name}: {c.error or c.fidelity.reason}" for c in variants)
                          + "); use backend=tensorrt or quantize=none")
-    for c, t in zip(exact, measure([c.path for c in exact]), strict=True):
+    for (_, c), t in zip(exact, measure([c.path for _, c in exact]), strict=True):
         c.latency_p10_ms = t
-    within = [c for c in exact if c.scored and c.verdict.ok]
+    within = [c for _, c in exact if c.scored and c.verdict.ok]
     if within:
         # the fastest within the budget, unless the most accurate is within ACCURACY_BAND of its speed:
         # 7-bit weights cost ~3-6 dB of output SNR, worth it only for a clear speed gain
@@ -316,25 +319,24 @@ def _exact_storage(build: Callable[..., onnx.ModelProto], checker: Checker, full
         rule = (f"most accurate exact variant within {ACCURACY_BAND - 1:.0%} of the fastest" if best is accurate
                 else "fastest exact variant within the budget")
     else:
-        best = min(exact, key=lambda c: c.verdict.error if c.verdict else math.inf)
+        best = min((c for _, c in exact), key=lambda c: c.verdict.error if c.verdict else math.inf)
         rule = "most accurate exact variant; none meets the budget"
-    choice = best.name.removeprefix("weights_")
-    desc = {"reduced": "weights use 7-bit range", "uint8": "weights stored as uint8 (U8U8 kernels)"}[choice]
-    timing = ", ".join(f"{c.name.removeprefix('weights_')} {c.latency_p10_ms:.3f} ms" for c in exact
-                       if c.latency_p10_ms is not None)
-    snr = ", ".join(f"{c.name.removeprefix('weights_')} {c.verdict.what}" for c in exact if c.scored)
+    choice = next(v for v, c in exact if c is best)
+    desc = {WeightVariant.reduced: "weights use 7-bit range",
+            WeightVariant.uint8: "weights stored as uint8 (U8U8 kernels)"}[choice]
+    timing = ", ".join(f"{v} {c.latency_p10_ms:.3f} ms" for v, c in exact if c.latency_p10_ms is not None)
+    snr = ", ".join(f"{v} {c.verdict.what}" for v, c in exact if c.scored)
     return WeightStorage(choice, f"{desc}: {why} ({rule}; p10 {timing}; {snr})", best, [full, *variants])
 
 
-def start_range(requested: Any, saturates: bool = False) -> str:
+def start_range(requested: Any, saturates: bool = False) -> WeightVariant:
     """The weight storage candidates are first built with (the transforms' and ranges' held-out errors
     are measured on it): ``quantize.weight_range``; auto starts from full range, or from uint8 where
     the fused kernels that will run the model saturate with full-range int8 weights (``saturates``),
     since errors measured through saturated sums would choose ranges and transforms for the fault."""
-    r = enum_value(requested)
-    if r != "auto":
-        return r
-    return "uint8" if saturates else "full"
+    if enum_value(requested) != "auto":
+        return WeightVariant.of(requested)
+    return WeightVariant.uint8 if saturates else WeightVariant.full
 
 
 def recovery_checker(checker: Checker, cfg: Any) -> Checker:

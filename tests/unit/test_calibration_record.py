@@ -14,6 +14,7 @@ from pipeline.quant.calibration import (
     load_calibration,
     quantize_decisions,
 )
+from pipeline.quant.plan import WeightVariant
 from pipeline.quant.qmath import QTYPES, activation_params
 
 STATS = {"min": -1.0, "max": 3.0, "absmax": 3.0, "channel_ratio": 4.0, "thresholds": {"int8": 2.0, "uint8": 2.5},
@@ -56,7 +57,8 @@ def test_tensor_stats_round_trip_with_the_scales_calibration_json_records():
 
 def test_decisions_round_trip_and_defaults_without_a_table(tmp_path):
     d = QuantizeDecisions.from_dict(DECISIONS)
-    assert d.weight_range == "reduced" and d.float_nodes == ["a", "b"] and d.ranges is None
+    assert d.weight_range is WeightVariant.reduced and d.float_nodes == ["a", "b"] and d.ranges is None
+    assert f"{d.weight_range} weights" == "reduced weights" and d.weight_range.candidate == "weights_reduced"
     assert d.to_dict() == DECISIONS  # ranges is written only with auto ranges
     ranged = {**DECISIONS, "ranges": {"chosen": "mse"}}
     assert QuantizeDecisions.from_dict(ranged).to_dict() == ranged
@@ -70,6 +72,7 @@ def test_decisions_round_trip_and_defaults_without_a_table(tmp_path):
     ({**DECISIONS, "weight_storage": "full"}, "unknown key(s) weight_storage"),
     ({k: v for k, v in DECISIONS.items() if k != "all_float"}, "missing key(s) all_float"),
     ([], "is a list, expected a table"),
+    ({**DECISIONS, "weight_range": "int4"}, "weight_range 'int4': choose one of full, reduced, uint8"),
 ])
 def test_decisions_with_unknown_or_missing_keys_are_refused_naming_the_file(tmp_path, decisions, problem):
     path = _write(tmp_path, {"tensors": {}, "decisions": decisions})

@@ -39,6 +39,7 @@ from pipeline.graph.index import GraphIndex
 from pipeline.graph.model import model_hash, save_model
 from pipeline.quant.calibration import Calibration
 from pipeline.quant.placement import DEFAULT_PLACEMENT, NodeDtypes
+from pipeline.quant.plan import WeightVariant
 from pipeline.quant.qdq import apply_plan, get_quantized_tensors, raise_opset
 from tasks.autotune.config import AutotuneConfig
 from tasks.autotune.region.autotuner_state import TunerState
@@ -87,7 +88,7 @@ class Config:
     schemes_per_region: int = 30
     placement: str = DEFAULT_PLACEMENT  # whose fusions shape the search space: a name in PLACEMENTS
     activation_type: str = "int8"  # storage of int8 activations: int8 (symmetric) | uint8 (ORT CPU)
-    weight_range: str = "full"  # storage of int8 weights: full | reduced (7-bit) | uint8 (the quantize stage's choice)
+    weight_range: WeightVariant = WeightVariant.full  # storage of int8 weights: the quantize stage's choice
     seed: int = 0
     warm_start_budget: float = _SCHEMA.warm_start_budget  # share of schemes_per_region for cached patterns
     node_filter_list: list[str] = field(default_factory=list)  # node-name wildcards; others are skipped
