@@ -5,6 +5,7 @@ compute what the graph says (ORT's u8 x s8 kernels on x86 without VNNI)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,11 @@ class FidelityResult:
         from pipeline.accuracy.metrics import json_safe
 
         return json_safe(asdict(self))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> FidelityResult:
+        """A result from its ``to_dict`` form; keys a newer or older writer added are left out."""
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import numpy as np
 
 from pipeline.artifacts import read_json
 from pipeline.errors import StageError, StateError
-from pipeline.quant.plan import QDQPlan, WeightVariant
+from pipeline.quant.plan import QDQPlan
 from pipeline.quant.qmath import QTYPES, WEIGHT_SEARCHES, QuantParams, activation_params, weight_params
 from pipeline.values import enum_value
 
@@ -130,52 +130,6 @@ def stats_table(tensors: Mapping[str, Mapping[str, Any]] | None, written: bool =
         except ValueError as exc:
             raise ValueError(f"tensors[{name!r}]: {exc}") from None
     return out
-
-
-@dataclass(frozen=True, kw_only=True)
-class QuantizeDecisions:
-    """What the quantize stage decided beside the ranges: calibration.json's ``decisions``, which
-    autotune follows (weight storage, nodes left float) and evaluate reports (CPU, accuracy facts).
-
-    Without a ``decisions`` table (the float model passed through, or no quantize stage) the weight
-    storage is full range, no node is float and every other field is None.
-    """
-
-    weight_range: WeightVariant = WeightVariant.full
-    weight_range_reason: str | None = None
-    cpu: dict[str, Any] | None = None  # pipeline.accuracy.cpu.cpu_facts of the machine that quantized
-    unsupported_nodes: list[str] | None = None  # the runtime cannot run them quantized
-    fidelity_culprits: list[str] | None = None  # their fused kernels disagree with the Q/DQ reference
-    bias_correction: dict[str, Any] | None = None
-    kernel_fidelity: dict[str, Any] | None = None
-    variants: list[dict[str, Any]] | None = None  # every weight storage checked
-    budget: str | None = None
-    holdout: str | None = None
-    holdout_samples: int | None = None
-    accuracy: dict[str, Any] | None = None  # the held-out verdict of the placement written
-    float_nodes: list[str] = field(default_factory=list)
-    transforms: list[dict[str, Any]] | None = None
-    ranges: dict[str, Any] | None = None  # quantize.algorithm=auto's range choice, absent otherwise
-    body_nodes: list[str] | None = None  # quantized nodes inside Loop/Scan bodies
-    all_float: bool = False  # recovery left every quantizable node float
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "weight_range", WeightVariant.of(self.weight_range))  # as read from JSON
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {f.name: v for f in fields(self)
-               if (v := getattr(self, f.name)) is not None or f.name not in _OPTIONAL_DECISIONS}
-        return {**out, "weight_range": self.weight_range.value}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> QuantizeDecisions:
-        """The record of ``d`` (ValueError naming its unknown or missing keys, or an unknown weight storage)."""
-        names = [f.name for f in fields(cls)]
-        check_keys(d, [k for k in names if k not in _OPTIONAL_DECISIONS], names)
-        return cls(**d)
-
-
-_OPTIONAL_DECISIONS = ("ranges",)
 
 
 class Calibration:
@@ -286,20 +240,6 @@ def load_calibration(path: str | Path, default_scale: float | None = None,
         raise StateError(f"calibration file {path}: bodies is not a table of plans ({exc}); re-run the quantize "
                          f"stage") from None
     return Calibration(tensors, default_scale, default_zero_point, clip, corrections, bodies)
-
-
-def quantize_decisions(path: str | Path | None) -> QuantizeDecisions:
-    """The quantize stage's decisions in calibration.json (weight storage, nodes left float, CPU and
-    accuracy facts): the defaults where it has no ``decisions`` table or there is none, StateError where
-    the table has unknown or missing keys."""
-    doc = read_json(path, "calibration file") if path is not None else {}
-    d = doc.get("decisions") if isinstance(doc, dict) else None
-    if d is None:
-        return QuantizeDecisions()
-    try:
-        return QuantizeDecisions.from_dict(d)
-    except ValueError as exc:
-        raise StateError(f"calibration file {path}: decisions: {exc}; re-run the quantize stage") from None
 
 
 def activation_dtypes(cfg: Any) -> tuple[str, ...]:

@@ -15,9 +15,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from pipeline.accuracy.decisions import quantize_decisions
 from pipeline.errors import StageError, first_line
 from pipeline.graph.model import copy_model, has_qdq, model_hash
-from pipeline.quant.calibration import quantize_decisions
 from tasks.autotune.paired_step import PairedStep
 from tasks.autotune.tune_setup import ModeResult, TuneSetup
 

@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pipeline.accuracy.budget import AccuracyBudget
+from pipeline.accuracy.decisions import quantize_decisions
 from pipeline.accuracy.holdout import Holdout
 from pipeline.artifacts import fingerprint, sha256_file, user_path
 from pipeline.backends import Backend, activation_type, create_backend, placement_kind
@@ -31,7 +32,7 @@ from pipeline.graph.model import (
     save_model,
     write_model_bytes,
 )
-from pipeline.quant.calibration import Calibration, activation_dtypes, load_calibration, quantize_decisions
+from pipeline.quant.calibration import Calibration, activation_dtypes, load_calibration
 from pipeline.quant.placement import resolve_rules
 from pipeline.stage import Stage, StageContext, StageResult
 from pipeline.values import enum_value, section

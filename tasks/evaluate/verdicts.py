@@ -16,11 +16,11 @@ from omegaconf import DictConfig
 
 from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict, CustomScore
 from pipeline.accuracy.cpu import CpuFacts, cpu_facts, describe
+from pipeline.accuracy.decisions import QuantizeDecisions, quantize_decisions
 from pipeline.accuracy.metrics import ModelScores
 from pipeline.config import resolved_data_source
 from pipeline.data.adapters import takes_split
 from pipeline.data.live import metric_name
-from pipeline.quant.calibration import QuantizeDecisions, quantize_decisions
 from pipeline.stage import StageContext
 
 log = logging.getLogger("tune.evaluate")
@@ -56,14 +56,10 @@ class Promise:
     @classmethod
     def of(cls, key: str, ctx: StageContext) -> Promise:
         """The holdout verdict quantize (ptq) or autotune (autotuned) recorded for its model."""
-        verdict = None
         if key == "ptq":
-            verdict = quantize_decisions(ctx.artifact("quantize/calibration.json")).accuracy
-        elif key == "autotuned":
-            verdict = (ctx.manifest.metrics("autotune").get("accuracy") or {}).get("final")
-        if not verdict:
-            return cls(key, None)
-        return cls(key, AccuracyVerdict.from_dict(verdict))
+            return cls(key, quantize_decisions(ctx.artifact("quantize/calibration.json")).accuracy)
+        final = (ctx.manifest.metrics("autotune").get("accuracy") or {}).get("final") if key == "autotuned" else None
+        return cls(key, AccuracyVerdict.from_dict(final) if final else None)
 
     def check(self, verdict: AccuracyVerdict, samples: int | None, label: str) -> tuple[dict[str, Any], str | None]:
         """(the record for metrics.json, the one-line flag when the holdout passed and ``verdict``, the
@@ -121,7 +117,7 @@ def _facts(metrics: dict[str, Any], budget: AccuracyBudget, decisions: QuantizeD
     """The machine, the quantization decisions and the budget into ``metrics``; the CPU's facts."""
     facts = cpu_facts()
     metrics["machine"] = {"cpu": facts.to_dict(), "cpu_line": describe(facts),
-                          "quantized_on": (decisions.cpu or {}).get("brand")}
+                          "quantized_on": decisions.cpu.brand if decisions.cpu else None}
     metrics["quantization"] = {
         "weight_range": decisions.weight_range, "weight_range_reason": decisions.weight_range_reason,
         "float_nodes": decisions.float_nodes, "budget": decisions.budget, "transforms": decisions.transforms,
@@ -142,7 +138,7 @@ def _cause(fid: Any, facts: CpuFacts, decisions: QuantizeDecisions) -> str:
         if facts.u8s8_saturates and decisions.weight_range == "full":
             cause += ", whose u8s8 kernels saturate with full-range int8 weights (AVX2 without VNNI)"
         return cause
-    quantized_on = CpuFacts.from_dict(decisions.cpu) if decisions.cpu else None
+    quantized_on = decisions.cpu
     if quantized_on is not None and (quantized_on.brand, quantized_on.flags) != (facts.brand, facts.flags):
         return (f"likely cause: quantized on {quantized_on.describe()}, evaluated on "
                 f"{facts.describe()}: re-run stages=[quantize,...] on this machine")

@@ -16,11 +16,11 @@ from typing import Any
 import onnx
 
 from pipeline.accuracy.cpu import CpuFacts, cpu_facts, describe
+from pipeline.accuracy.decisions import QuantizeDecisions
 from pipeline.backends.base import Backend
 from pipeline.errors import StageError
 from pipeline.graph.bodies import QUANTIZED_BODIES
 from pipeline.graph.model import iter_nodes
-from pipeline.quant.calibration import QuantizeDecisions
 from pipeline.quant.placement import PASS_THROUGH_OPS
 from pipeline.values import enum_value
 from tasks.quantize._placer import Placer
@@ -67,14 +67,14 @@ def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None
         if corrected is not None:
             final = corrected
     decisions = QuantizeDecisions(
-        weight_range=weight_range, weight_range_reason=why, cpu=facts.to_dict(),
+        weight_range=weight_range, weight_range_reason=why, cpu=facts,
         unsupported_nodes=sorted(unsupported - set(storage.culprits)),
         fidelity_culprits=storage.culprits,
         bias_correction=bias,
-        kernel_fidelity=chosen.fidelity.to_dict() if chosen.fidelity else None,
-        variants=[c.to_dict() for c in storage.checked],
+        kernel_fidelity=chosen.fidelity,
+        variants=[c.record() for c in storage.checked],
         budget=budget.describe(), holdout=holdout.source, holdout_samples=holdout.samples,
-        accuracy=final.verdict.to_dict() if final.verdict else None,
+        accuracy=final.verdict,
         float_nodes=sorted(set(float_nodes) | unsupported),
     )
     return decisions, sensitivity

@@ -10,10 +10,11 @@ from typing import Any
 
 import onnx
 
+from pipeline.accuracy.decisions import QuantizeDecisions
 from pipeline.calibrate.collect import AUTO_CANDIDATES, PER_TENSOR, with_ranges
 from pipeline.graph.shapes import node_macs
 from pipeline.progress import work_bar
-from pipeline.quant.calibration import QuantizeDecisions, stats_table
+from pipeline.quant.calibration import stats_table
 from tasks.quantize._placer import Placer
 from tasks.quantize._setup import QuantizeSetup
 from tasks.quantize.accuracy import Candidate, recovery_checker

@@ -24,6 +24,7 @@ from typing import Any
 import onnx
 
 from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict
+from pipeline.accuracy.decisions import StorageCheck
 from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.accuracy.holdout import Holdout
 from pipeline.backends.base import Backend
@@ -60,10 +61,9 @@ class Candidate:
         """It ran and was judged: ``verdict`` holds the budget's verdict."""
         return self.error is None and self.verdict is not None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "error": self.error, "latency_p10_ms": self.latency_p10_ms,
-                "fidelity": self.fidelity.to_dict() if self.fidelity else None,
-                "accuracy": self.verdict.to_dict() if self.verdict else None}
+    def record(self) -> StorageCheck:
+        """What calibration.json keeps of the check (its model file is gone after the stage)."""
+        return StorageCheck(self.name, self.error, self.latency_p10_ms, self.fidelity, self.verdict)
 
 
 @dataclass

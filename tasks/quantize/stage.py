@@ -23,12 +23,13 @@ import numpy as np
 import onnx
 from omegaconf import DictConfig
 
+from pipeline.accuracy.decisions import QuantizeDecisions
 from pipeline.artifacts import atomic_write_json
 from pipeline.graph import weights
 from pipeline.graph.bodies import QUANTIZED_BODIES, unique_names, walk_views
 from pipeline.graph.index import GraphIndex, weight_inputs
 from pipeline.graph.model import iter_nodes, load_model, save_model
-from pipeline.quant.calibration import Calibration, QuantizeDecisions, TensorStats
+from pipeline.quant.calibration import Calibration, TensorStats
 from pipeline.quant.placement import NodeDtypes, resolve_rules, weight_axis
 from pipeline.quant.qdq import qdq_summary
 from pipeline.quant.qmath import FP8
@@ -260,10 +261,10 @@ class QuantizeStage(Stage):
         """The headline's tail: held-out accuracy, weight storage, what improved int8, float nodes."""
         quantized = plan.quantized_nodes()
         in_bodies = len(quantized) - len(plan.node_rules)
-        acc = decisions.accuracy or {}
+        acc = decisions.accuracy
         out = ""
-        if acc and quantized:
-            out += f"; holdout {acc.get('what')}" + ("" if acc.get("ok") else " OVER BUDGET")
+        if acc is not None and quantized:
+            out += f"; holdout {acc.what}" + ("" if acc.ok else " OVER BUDGET")
         if decisions.weight_range != "full":
             out += f"; weights {decisions.weight_range}"
         improved = _prepare.summary(cal.transforms, decisions.bias_correction)
@@ -281,8 +282,9 @@ class QuantizeStage(Stage):
         quantized = plan.quantized_nodes()
         return {
             "weight_range": decisions.weight_range, "weight_range_reason": decisions.weight_range_reason,
-            "cpu": decisions.cpu, "kernel_fidelity": decisions.kernel_fidelity,
-            "accuracy": decisions.accuracy or {}, "float_nodes": decisions.float_nodes,
+            "cpu": decisions.cpu.to_dict() if decisions.cpu else None,
+            "kernel_fidelity": decisions.kernel_fidelity.to_dict() if decisions.kernel_fidelity else None,
+            "accuracy": decisions.accuracy.to_dict() if decisions.accuracy else {}, "float_nodes": decisions.float_nodes,
             "transforms": [{k: v for k, v in t.items() if k != "changes"} | {"changes": len(t["changes"])}
                            for t in cal.transforms],
             "bias_correction": {k: v for k, v in (decisions.bias_correction or {}).items() if k != "records"},

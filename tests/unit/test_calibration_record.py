@@ -7,24 +7,27 @@ import json
 
 import pytest
 
+from pipeline.accuracy.budget import AccuracyVerdict
+from pipeline.accuracy.cpu import CpuFacts
+from pipeline.accuracy.decisions import QuantizeDecisions, quantize_decisions
+from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.errors import StateError
-from pipeline.quant.calibration import (
-    QuantizeDecisions,
-    TensorStats,
-    load_calibration,
-    quantize_decisions,
-)
+from pipeline.quant.calibration import TensorStats, load_calibration
 from pipeline.quant.plan import WeightVariant
 from pipeline.quant.qmath import QTYPES, activation_params
 
 STATS = {"min": -1.0, "max": 3.0, "absmax": 3.0, "channel_ratio": 4.0, "thresholds": {"int8": 2.0, "uint8": 2.5},
          "threshold": 2.0, "chosen": {"int8": "mse", "uint8": "entropy"}, "algorithm": "auto", "samples": 16}
 
+VERDICT = AccuracyVerdict(True, "snr", "SNR 31.0 dB", snr_db=31.0).to_dict()
 DECISIONS = {
-    "weight_range": "reduced", "weight_range_reason": "weights use 7-bit range", "cpu": {"brand": "x"},
+    "weight_range": "reduced", "weight_range_reason": "weights use 7-bit range",
+    "cpu": CpuFacts("x86_64", brand="x", flags=("avx2",), u8s8_saturates=True, source="cpuid").to_dict(),
     "unsupported_nodes": ["a"], "fidelity_culprits": [], "bias_correction": None, "kernel_fidelity": None,
-    "variants": [{"name": "weights_full"}], "budget": "top-1 drop <= 1 point", "holdout": "calibration batches 4..5",
-    "holdout_samples": 8, "accuracy": {"ok": True}, "float_nodes": ["a", "b"], "transforms": [],
+    "variants": [{"name": "weights_full", "error": None, "latency_p10_ms": 1.5,
+                  "fidelity": FidelityResult(True, False, 6.2, reason="saturates").to_dict(), "accuracy": VERDICT}],
+    "budget": "top-1 drop <= 1 point", "holdout": "calibration batches 4..5",
+    "holdout_samples": 8, "accuracy": VERDICT, "float_nodes": ["a", "b"], "transforms": [],
     "body_nodes": [], "all_float": False,
 }
 
@@ -59,6 +62,9 @@ def test_decisions_round_trip_and_defaults_without_a_table(tmp_path):
     d = QuantizeDecisions.from_dict(DECISIONS)
     assert d.weight_range is WeightVariant.reduced and d.float_nodes == ["a", "b"] and d.ranges is None
     assert f"{d.weight_range} weights" == "reduced weights" and d.weight_range.candidate == "weights_reduced"
+    # every decision is a record, read by attribute
+    assert d.cpu.u8s8_saturates and d.accuracy.ok and d.accuracy.snr_db == 31.0
+    assert d.variants[0].fidelity.reason == "saturates" and d.variants[0].accuracy == d.accuracy
     assert d.to_dict() == DECISIONS  # ranges is written only with auto ranges
     ranged = {**DECISIONS, "ranges": {"chosen": "mse"}}
     assert QuantizeDecisions.from_dict(ranged).to_dict() == ranged
@@ -73,6 +79,8 @@ def test_decisions_round_trip_and_defaults_without_a_table(tmp_path):
     ({k: v for k, v in DECISIONS.items() if k != "all_float"}, "missing key(s) all_float"),
     ([], "is a list, expected a table"),
     ({**DECISIONS, "weight_range": "int4"}, "weight_range 'int4': choose one of full, reduced, uint8"),
+    ({**DECISIONS, "variants": [{"error": None}]}, "a decision record has the wrong shape (KeyError: 'name')"),
+    ({**DECISIONS, "accuracy": 3}, "a decision record has the wrong shape"),
 ])
 def test_decisions_with_unknown_or_missing_keys_are_refused_naming_the_file(tmp_path, decisions, problem):
     path = _write(tmp_path, {"tensors": {}, "decisions": decisions})

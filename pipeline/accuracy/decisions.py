@@ -1,0 +1,110 @@
+"""What the quantize stage decided beside the ranges (calibration.json's ``decisions``), as records:
+the weight storage autotune follows, the nodes left float, and the CPU, kernel-fidelity and accuracy
+facts evaluate reports. They sit above ``pipeline.quant`` since they hold the accuracy layer's records."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from pipeline.accuracy.budget import AccuracyVerdict
+from pipeline.accuracy.cpu import CpuFacts
+from pipeline.accuracy.fidelity import FidelityResult
+from pipeline.artifacts import read_json
+from pipeline.errors import StateError
+from pipeline.quant.calibration import check_keys
+from pipeline.quant.plan import WeightVariant
+
+
+@dataclass(frozen=True)
+class StorageCheck:
+    """One weight storage quantize checked on the holdout (calibration.json's ``decisions.variants``):
+    whether it ran, its p10 latency where it was timed, its kernels' fidelity and its verdict."""
+
+    name: str
+    error: str | None = None
+    latency_p10_ms: float | None = None
+    fidelity: FidelityResult | None = None
+    accuracy: AccuracyVerdict | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "error": self.error, "latency_p10_ms": self.latency_p10_ms,
+                "fidelity": self.fidelity.to_dict() if self.fidelity else None,
+                "accuracy": self.accuracy.to_dict() if self.accuracy else None}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StorageCheck:
+        fid, acc = d.get("fidelity"), d.get("accuracy")
+        return cls(str(d["name"]), d.get("error"), d.get("latency_p10_ms"),
+                   FidelityResult.from_dict(fid) if fid else None, AccuracyVerdict.from_dict(acc) if acc else None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantizeDecisions:
+    """What the quantize stage decided beside the ranges: calibration.json's ``decisions``, which
+    autotune follows (weight storage, nodes left float) and evaluate reports (CPU, accuracy facts).
+
+    Without a ``decisions`` table (the float model passed through, or no quantize stage) the weight
+    storage is full range, no node is float and every other field is None.
+    """
+
+    weight_range: WeightVariant = WeightVariant.full
+    weight_range_reason: str | None = None
+    cpu: CpuFacts | None = None  # the facts of the machine that quantized
+    unsupported_nodes: list[str] | None = None  # the runtime cannot run them quantized
+    fidelity_culprits: list[str] | None = None  # their fused kernels disagree with the Q/DQ reference
+    bias_correction: dict[str, Any] | None = None
+    kernel_fidelity: FidelityResult | None = None  # of the placement written
+    variants: list[StorageCheck] | None = None  # every weight storage checked
+    budget: str | None = None
+    holdout: str | None = None
+    holdout_samples: int | None = None
+    accuracy: AccuracyVerdict | None = None  # the held-out verdict of the placement written
+    float_nodes: list[str] = field(default_factory=list)
+    transforms: list[dict[str, Any]] | None = None
+    ranges: dict[str, Any] | None = None  # quantize.algorithm=auto's range choice, absent otherwise
+    body_nodes: list[str] | None = None  # quantized nodes inside Loop/Scan bodies
+    all_float: bool = False  # recovery left every quantizable node float
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: v for f in fields(self)
+               if (v := getattr(self, f.name)) is not None or f.name not in _OPTIONAL_DECISIONS}
+        records = {k: v.to_dict() for k in ("cpu", "kernel_fidelity", "accuracy") if (v := out.get(k)) is not None}
+        variants = {"variants": [v.to_dict() for v in self.variants]} if self.variants is not None else {}
+        return {**out, **records, **variants, "weight_range": self.weight_range.value}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> QuantizeDecisions:
+        """The record of ``d`` (ValueError naming its unknown or missing keys, an unknown weight storage
+        or a record of the wrong shape)."""
+        names = [f.name for f in fields(cls)]
+        check_keys(d, [k for k in names if k not in _OPTIONAL_DECISIONS], names)
+        try:
+            records = {k: parse(d[k]) for k, parse in _DECISION_RECORDS.items() if d.get(k) is not None}
+        except (TypeError, KeyError, AttributeError) as exc:
+            raise ValueError(f"a decision record has the wrong shape ({type(exc).__name__}: {exc})") from None
+        return cls(**{**d, **records, "weight_range": WeightVariant.of(d["weight_range"])})
+
+
+_OPTIONAL_DECISIONS = ("ranges",)
+# the decisions read back into their records
+_DECISION_RECORDS = {"cpu": CpuFacts.from_dict, "kernel_fidelity": FidelityResult.from_dict,
+                     "accuracy": AccuracyVerdict.from_dict,
+                     "variants": lambda vs: [StorageCheck.from_dict(v) for v in vs]}
+
+
+
+def quantize_decisions(path: str | Path | None) -> QuantizeDecisions:
+    """The quantize stage's decisions in calibration.json (weight storage, nodes left float, CPU and
+    accuracy facts): the defaults where it has no ``decisions`` table or there is none, StateError where
+    the table has unknown or missing keys."""
+    doc = read_json(path, "calibration file") if path is not None else {}
+    d = doc.get("decisions") if isinstance(doc, dict) else None
+    if d is None:
+        return QuantizeDecisions()
+    try:
+        return QuantizeDecisions.from_dict(d)
+    except ValueError as exc:
+        raise StateError(f"calibration file {path}: decisions: {exc}; re-run the quantize stage") from None
