@@ -16,6 +16,7 @@ from pipeline.artifacts import read_json
 from pipeline.errors import StateError
 from pipeline.quant.calibration import check_keys
 from pipeline.quant.plan import WeightVariant
+from pipeline.transforms.record import TransformRecord
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class QuantizeDecisions:
     holdout_samples: int | None = None
     accuracy: AccuracyVerdict | None = None  # the held-out verdict of the placement written
     float_nodes: list[str] = field(default_factory=list)
-    transforms: list[dict[str, Any]] | None = None
+    transforms: list[TransformRecord] | None = None
     ranges: dict[str, Any] | None = None  # quantize.algorithm=auto's range choice, absent otherwise
     body_nodes: list[str] | None = None  # quantized nodes inside Loop/Scan bodies
     all_float: bool = False  # recovery left every quantizable node float
@@ -72,8 +73,8 @@ class QuantizeDecisions:
         out = {f.name: v for f in fields(self)
                if (v := getattr(self, f.name)) is not None or f.name not in _OPTIONAL_DECISIONS}
         records = {k: v.to_dict() for k in ("cpu", "kernel_fidelity", "accuracy") if (v := out.get(k)) is not None}
-        variants = {"variants": [v.to_dict() for v in self.variants]} if self.variants is not None else {}
-        return {**out, **records, **variants, "weight_range": self.weight_range.value}
+        lists = {k: [v.to_dict() for v in vs] for k in ("variants", "transforms") if (vs := out.get(k)) is not None}
+        return {**out, **records, **lists, "weight_range": self.weight_range.value}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> QuantizeDecisions:
@@ -92,7 +93,8 @@ _OPTIONAL_DECISIONS = ("ranges",)
 # the decisions read back into their records
 _DECISION_RECORDS = {"cpu": CpuFacts.from_dict, "kernel_fidelity": FidelityResult.from_dict,
                      "accuracy": AccuracyVerdict.from_dict,
-                     "variants": lambda vs: [StorageCheck.from_dict(v) for v in vs]}
+                     "variants": lambda vs: [StorageCheck.from_dict(v) for v in vs],
+                     "transforms": lambda ts: [TransformRecord.from_dict(t) for t in ts]}
 
 
 

@@ -15,6 +15,7 @@ from pipeline.calibrate.collect import AUTO_CANDIDATES, PER_TENSOR, with_ranges
 from pipeline.graph.shapes import node_macs
 from pipeline.progress import work_bar
 from pipeline.quant.calibration import stats_table
+from pipeline.transforms.record import TransformRecord
 from tasks.quantize._placer import Placer
 from tasks.quantize._setup import QuantizeSetup
 from tasks.quantize.accuracy import Candidate, recovery_checker
@@ -31,29 +32,27 @@ def _weight_clip(method: str) -> str:
 
 
 def keep_transforms(setup: QuantizeSetup, transformed: onnx.ModelProto, stats: dict[str, dict],
-                    transforms: list[dict[str, Any]], weight_clip: str) -> tuple[onnx.ModelProto, dict]:
-    """(model, statistics): the float-exact transforms are kept only if the PTQ model made from them has
-    the lower held-out error than ``setup.model``'s: equalization shifts range from weights into
-    activations, which per-channel weights may not need (measured: a VAD's held-out error rose from
-    0.0033 to 0.030 with it, 24.8 to 15.2 dB)."""
+                    transforms: list[TransformRecord], weight_clip: str
+                    ) -> tuple[onnx.ModelProto, dict, list[TransformRecord]]:
+    """(model, statistics, the transforms' records with both held-out errors): the float-exact
+    transforms are kept only if the PTQ model made from them has the lower held-out error than
+    ``setup.model``'s: equalization shifts range from weights into activations, which per-channel
+    weights may not need (measured: a VAD's held-out error rose from 0.0033 to 0.030 with it, 24.8 to
+    15.2 dB)."""
     original = setup.model
     stats_o = setup.calibrate(original)
 
     err_t = Placer(setup, transformed, setup.calibration_of(stats, weight_clip)).held_out_error("transformed")
     err_o = Placer(setup, original, setup.calibration_of(stats_o, weight_clip)).held_out_error("original")
-    for t in transforms:
-        if t.get("applied"):
-            t["held_out_error"] = {"with": err_t, "without": err_o}
+    errors = {"with": err_t, "without": err_o}
+    records = [replace(t, held_out_error=errors) if t.applied else t for t in transforms]
     if err_t is None or err_o is None or err_t <= err_o:
         log.info("quantize: transformed graph kept (held-out error %s with, %s without)", _num(err_t), _num(err_o))
-        return transformed, stats
+        return transformed, stats, records
     log.warning("quantize: the transforms raised the PTQ model's held-out error (%s with, %s without); "
                 "calibrating the original graph instead", _num(err_t), _num(err_o))
-    for t in transforms:
-        if t.get("applied"):
-            t["applied"] = False
-            t["reason"] = f"raised the held-out error of the PTQ model ({_num(err_t)} vs {_num(err_o)} without)"
-    return original, stats_o
+    why = f"raised the held-out error of the PTQ model ({_num(err_t)} vs {_num(err_o)} without)"
+    return original, stats_o, [t.not_applied(why) if t.applied else t for t in records]
 
 
 def choose_ranges(setup: QuantizeSetup, model: onnx.ModelProto, stats: dict[str, dict]

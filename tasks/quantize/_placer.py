@@ -12,9 +12,9 @@ from pipeline.errors import StageError
 from pipeline.graph.model import control_flow
 from pipeline.quant.calibration import Calibration
 from pipeline.quant.qdq import apply_plan
-from tasks.quantize import _prepare
 from tasks.quantize._setup import QuantizeSetup
 from tasks.quantize.accuracy import Candidate
+from tasks.quantize.bias_correction import correct_bias
 
 log = logging.getLogger("tune.quantize")
 
@@ -71,7 +71,7 @@ class Placer:
             return self.build(weight_range, float_nodes)[1]
 
         plan, _ = self.build(weight_range, float_nodes)
-        corrections, records = _prepare.correct_bias(self.model, placed, {w.node for w in plan.weights},
+        corrections, records = correct_bias(self.model, placed, {w.node for w in plan.weights},
                                                      self.setup.batches, self.setup.backend.threads)
         rec: dict[str, Any] = {"applied": False, "nodes": len(corrections), "records": records,
                                "before": before.verdict.what if before.verdict else None}

@@ -24,10 +24,12 @@ from pipeline.graph.model import input_specs, model_hash
 from pipeline.progress import progress_bar
 from pipeline.quant.calibration import Calibration, activation_dtypes
 from pipeline.quant.placement import NodeDtypes, PlacementKind, resolve_rules
+from pipeline.quant.plan import WeightVariant
 from pipeline.quant.shared_stats import collect_once
+from pipeline.transforms.record import TransformRecord
 from pipeline.values import enum_value, section
-from tasks.quantize import _prepare
 from tasks.quantize.accuracy import Checker, start_range, temp_workdir
+from tasks.quantize.float_passes import PassContext, RnnLowering, run_passes
 
 log = logging.getLogger("tune.quantize")
 
@@ -42,7 +44,7 @@ class QuantizeSetup:
     # unrolled where that is exact (``lowering``, None when quantize.lower_rnn is off)
     model: onnx.ModelProto
     rules: dict[str, NodeDtypes]
-    lowering: dict[str, Any] | None
+    lowering: TransformRecord | None
     provider: DataProvider
     total: int  # calibration batches: quantize.calibration.batches less any the holdout needs
     backend: Backend  # the compute backend (ONNX Runtime): calibration runs on it (checks: on the checker's)
@@ -50,7 +52,7 @@ class QuantizeSetup:
     kind: PlacementKind
     act_type: str
     work: tempfile.TemporaryDirectory  # the candidates checked on the holdout; removed when decided
-    start_weights: str  # the weight storage the default placement and the held-out choices use (start_range)
+    start_weights: WeightVariant  # the weight storage the default placement and the held-out choices use (start_range)
     # weight scales searched so far, shared by every Calibration of the run (see Calibration)
     weight_cache: dict = field(default_factory=dict)
 
@@ -77,8 +79,10 @@ class QuantizeSetup:
                           fused=kind.cpu_kernels, workdir=Path(work.name))
         lowering = None
         if bool(q.lower_rnn):
-            model, lowering = _prepare.lower_rnn(model, lambda: provider.batches("calibration", n_batches))
-            if lowering["applied"]:
+            ctx = PassContext(q, lambda: provider.batches("calibration", n_batches), backend.threads,
+                               activation_type(cfg))
+            model, (lowering,) = run_passes(model, [RnnLowering()], ctx)
+            if lowering.applied:
                 rules = resolve_rules(model, q.layers, q.skip_names, q.op_types_to_quantize)
         saturates = kind.cpu_kernels and bool(cpu_facts().u8s8_saturates)
         return cls(cfg, out_dir, model, rules, lowering, provider, total, backend, checker, kind, act_type, work,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from pipeline.graph.model import WEIGHTED_OPS
 
 # levels corrected (one quantized-model run over the calibration feeds each), from the inputs down
 MAX_SWEEPS = 12
+BIAS_BATCHES = 8  # calibration batches the mean output shifts are measured on
 
 
 @dataclass(frozen=True)
@@ -164,3 +166,11 @@ def corrections(float_model: onnx.ModelProto, build: Callable[[dict[str, list[fl
                 for s in mismatched]
     records += [{"node": s.node, "bias": s.bias, "skipped": "bias shared with other nodes"} for s in shared]
     return {b: [float(x) for x in v] for b, v in total.items()}, records
+
+
+def correct_bias(model: onnx.ModelProto, build: Callable[[dict[str, list[float]]], onnx.ModelProto],
+                 quantized: Iterable[str], batches: Callable[[], Iterable[Any]], threads: int
+                 ) -> tuple[dict[str, list[float]], list[dict]]:
+    """``corrections`` of ``quantized`` measured on the first BIAS_BATCHES calibration batches."""
+    feeds = [b.feeds for b in islice(batches(), BIAS_BATCHES)]
+    return corrections(model, build, feeds, quantized, threads)

@@ -34,12 +34,13 @@ from pipeline.quant.placement import NodeDtypes, resolve_rules, weight_axis
 from pipeline.quant.qdq import qdq_summary
 from pipeline.quant.qmath import FP8
 from pipeline.stage import Stage, StageContext, StageResult
+from pipeline.transforms.record import TransformRecord
 from pipeline.values import enum_value
-from tasks.quantize import _prepare
 from tasks.quantize._decide import decide
 from tasks.quantize._held_out import choose_ranges, keep_transforms, refine_ranges
 from tasks.quantize._placer import Placer
 from tasks.quantize._setup import QuantizeSetup
+from tasks.quantize.float_passes import FLOAT_PASSES, PassContext, run_passes, summary
 from tasks.quantize.recovery import outlier_units
 
 log = logging.getLogger("tune.quantize")
@@ -103,7 +104,7 @@ class Calibrated:
     model: onnx.ModelProto  # the float graph Q/DQ go into: float_model.onnx
     stats: dict[str, dict]  # in force (auto: those of the chosen ranges)
     auto_stats: dict[str, dict]  # before auto's whole-model range choice, with every candidate threshold
-    transforms: list[dict[str, Any]]
+    transforms: list[TransformRecord]
     ranges: dict[str, Any] | None  # auto's range choice
     calibration: Calibration
     doc: dict[str, Any]  # calibration.json, completed when written
@@ -172,13 +173,13 @@ class QuantizeStage(Stage):
         """The float-exact transforms, calibration, the transforms kept or not and (auto) the ranges, all
         on the held-out error of the PTQ model; writes float_model.onnx."""
         q = setup.q
-        model, transforms = _prepare.transform_float(setup.model, q, setup.batches, setup.backend.threads,
-                                                     setup.act_type)
+        model, transforms = run_passes(setup.model, FLOAT_PASSES,
+                                       PassContext(q, setup.batches, setup.backend.threads, setup.act_type))
         weight_clip = Calibration.weight_clip_for(enum_value(q.algorithm))
         t0 = time.time()
         stats = setup.calibrate(model)
         if model is not setup.model:
-            model, stats = keep_transforms(setup, model, stats, transforms, weight_clip)
+            model, stats, transforms = keep_transforms(setup, model, stats, transforms, weight_clip)
         if setup.lowering is not None:
             transforms.insert(0, setup.lowering)
         ranges, auto_stats = None, stats
@@ -211,7 +212,7 @@ class QuantizeStage(Stage):
         """calibration.json (with ``decisions``), quantized_model.onnx, sensitivity.json; the metrics."""
         out_dir, doc = setup.out_dir, cal.doc
         out_model, out_calib = out_dir / "quantized_model.onnx", out_dir / "calibration.json"
-        doc["transforms"] = cal.transforms
+        doc["transforms"] = [t.to_dict() for t in cal.transforms]
         if cal.ranges is not None:
             doc["ranges"] = cal.ranges
         doc["bias_corrections"] = placer.calibration.bias_corrections
@@ -267,7 +268,7 @@ class QuantizeStage(Stage):
             out += f"; holdout {acc.what}" + ("" if acc.ok else " OVER BUDGET")
         if decisions.weight_range != "full":
             out += f"; weights {decisions.weight_range}"
-        improved = _prepare.summary(cal.transforms, decisions.bias_correction)
+        improved = summary(cal.transforms, decisions.bias_correction)
         if improved:
             out += "; " + ", ".join(improved)
         if decisions.float_nodes and quantized:
@@ -285,8 +286,7 @@ class QuantizeStage(Stage):
             "cpu": decisions.cpu.to_dict() if decisions.cpu else None,
             "kernel_fidelity": decisions.kernel_fidelity.to_dict() if decisions.kernel_fidelity else None,
             "accuracy": decisions.accuracy.to_dict() if decisions.accuracy else {}, "float_nodes": decisions.float_nodes,
-            "transforms": [{k: v for k, v in t.items() if k != "changes"} | {"changes": len(t["changes"])}
-                           for t in cal.transforms],
+            "transforms": [t.to_dict() | {"changes": len(t.changes)} for t in cal.transforms],
             "bias_correction": {k: v for k, v in (decisions.bias_correction or {}).items() if k != "records"},
             "fidelity_culprits": decisions.fidelity_culprits, "ranges": cal.ranges,
             "placement": setup.kind.name, "activation_type": setup.act_type, "calibrated_tensors": len(cal.stats),

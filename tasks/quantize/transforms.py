@@ -20,7 +20,7 @@ Both are pure functions: the input model is never mutated; they return a new mod
 records of what changed.
 
 The code lives in ``_graph_edit`` (the constant editor both use), ``_equalization`` and ``_smoothing``;
-this module is where the quantize stage (``_prepare``) and the tests import the transforms from.
+this module is where the quantize stage's passes (``float_passes``) and the tests import the transforms from.
 """
 
 from __future__ import annotations
