@@ -27,6 +27,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
@@ -35,6 +36,7 @@ from pipeline.data.adapters import Batch
 from pipeline.graph import weights
 from pipeline.graph.bodies import body_views, thread_out
 from pipeline.graph.index import GraphIndex
+from pipeline.quant.calibration import TensorStats
 from pipeline.quant.qmath import QTYPES
 
 log = logging.getLogger("tune.quantize")
@@ -181,14 +183,14 @@ def percentile_threshold(hist: np.ndarray, absmax: float, percentile: float) -> 
     return float(min((i + 1) * absmax / hist.size, absmax))
 
 
+# one tensor's statistics while collect's passes fill them in (a TensorStats once they are complete)
+Partial = dict[str, Any]
 # candidate clip thresholds of the mse search, as fractions of absmax (geometric: ~2.3% apart)
 MSE_GRID = np.geomspace(0.01, 1.0, 200)
 # exponent bits' floor (smallest normal exponent) and mantissa bits of the fp8 formats
 _FP8_FORMAT = {"fp8_e4m3fn": (-6, 3), "fp8_e5m2": (-14, 2)}
 # the order auto prefers on an exact tie: the simplest range first
 AUTO_CANDIDATES = ("minmax", "percentile", "entropy", "mse")
-# auto's whole-model candidate that keeps each tensor's own lowest-MSE clip
-PER_TENSOR = "per_tensor"
 
 
 def range_mse(hist: np.ndarray, lo: float, hi: float, dtype: str, thresholds: np.ndarray | float,
@@ -300,7 +302,7 @@ def signed_histogram(arr: np.ndarray, lo: float, hi: float, num_bins: int) -> tu
     return counts, zeros
 
 
-def _error_minimizing(s: dict, signed: np.ndarray, zeros: int, absolute: np.ndarray | None,
+def _error_minimizing(s: Partial, signed: np.ndarray, zeros: int, absolute: np.ndarray | None,
                       method: CalibrationMethod) -> None:
     """Fill ``thresholds`` (and for auto ``chosen``) of one tensor's statistics, one per ``method.dtypes``."""
     algorithm, percentile = method.algorithm, method.percentile
@@ -328,19 +330,10 @@ def _error_minimizing(s: dict, signed: np.ndarray, zeros: int, absolute: np.ndar
         s["candidates"] = candidates
 
 
-def with_ranges(stats: dict[str, dict], method: str) -> dict[str, dict]:
+def with_ranges(stats: dict[str, TensorStats], method: str) -> dict[str, TensorStats]:
     """Statistics from an ``auto`` calibration with every tensor clipped by ``method`` (one of
     AUTO_CANDIDATES), or by its per-tensor choice (``PER_TENSOR``); the candidates are dropped."""
-    out = {}
-    for t, s in stats.items():
-        rec = {k: v for k, v in s.items() if k != "candidates"}
-        cands = s.get("candidates")
-        if method != PER_TENSOR and cands:
-            rec["thresholds"] = dict(cands[method])
-            rec["threshold"] = rec["thresholds"]["int8"]
-            rec.pop("chosen", None)
-        out[t] = rec
-    return out
+    return {t: s.clipped_by(method) for t, s in stats.items()}
 
 
 def channel_extremes(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -381,7 +374,7 @@ class CalibrationMethod:
 
 def collect(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]], method: CalibrationMethod, threads: int,
             progress: Callable[[Iterable[Batch], str], Iterable[Batch]], max_bytes: float | None = None
-            ) -> dict[str, dict]:
+            ) -> dict[str, TensorStats]:
     """Statistics per candidate tensor: min, max, absmax, threshold, algorithm, samples; with mse and auto
     also ``thresholds`` per storage dtype, and with auto ``chosen`` (the algorithm that won, per dtype).
     ``max_bytes`` bounds the working set (see ActivationRunner)."""
@@ -419,10 +412,10 @@ def collect(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]], meth
             s.setdefault("threshold", s["absmax"])
         s["algorithm"] = algorithm
         s["samples"] = count
-    return stats
+    return {t: TensorStats.from_dict(s) for t, s in stats.items()}
 
 
-def _ranges(runner: ActivationRunner, batches: Iterable[Batch]) -> tuple[dict[str, dict], int]:
+def _ranges(runner: ActivationRunner, batches: Iterable[Batch]) -> tuple[dict[str, Partial], int]:
     """(min, max, absmax and, for tensors with channels, ``channel_ratio`` per tensor that had values;
     the number of samples): the first pass."""
     tensors = runner.tensors
@@ -445,7 +438,7 @@ def _ranges(runner: ActivationRunner, batches: Iterable[Batch]) -> tuple[dict[st
         from pipeline.errors import InputError
 
         raise InputError("calibration data yielded no samples; check the data config")
-    stats: dict[str, dict] = {}
+    stats: dict[str, Partial] = {}
     for t in tensors:
         if not np.isfinite(mins[t]):
             continue
@@ -465,7 +458,7 @@ def _absolute_histogram(arr: np.ndarray, absmax: float, num_bins: int, drop_zero
     return np.bincount(np.minimum(idx, num_bins - 1, out=idx), minlength=num_bins)
 
 
-def _error_minimizing_pass(stats: dict[str, dict], runner: ActivationRunner, batches: Iterable[Batch],
+def _error_minimizing_pass(stats: dict[str, Partial], runner: ActivationRunner, batches: Iterable[Batch],
                            method: CalibrationMethod) -> None:
     """mse and auto: the second pass (signed histograms, and for auto those of |x|), then each tensor's
     ``thresholds`` for ``method.dtypes`` (``_error_minimizing``)."""

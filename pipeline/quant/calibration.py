@@ -13,7 +13,7 @@ decisions.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ import numpy as np
 from pipeline.artifacts import read_json
 from pipeline.errors import StageError, StateError
 from pipeline.quant.plan import QDQPlan
-from pipeline.quant.qmath import QTYPES, WEIGHT_SEARCHES, QuantParams, activation_params, weight_params
+from pipeline.quant.qmath import QTYPES, WEIGHT_SEARCHES, QuantParams, range_params, weight_params
 from pipeline.values import enum_value
 
 
@@ -52,15 +52,19 @@ def check_keys(table: Any, required: Iterable[str], allowed: Iterable[str]) -> N
         raise ValueError("; ".join(problems))
 
 
+# auto's whole-model range candidate that keeps each tensor's own lowest-MSE clip
+PER_TENSOR = "per_tensor"
+
+
 @dataclass(frozen=True, kw_only=True)
-class TensorStats(Mapping[str, Any]):
-    """One tensor's calibration statistics (``tasks.quantize``'s collect; calibration.json's ``tensors``).
+class TensorStats:
+    """One tensor's calibration statistics (``pipeline.calibrate.collect``; calibration.json's ``tensors``).
 
     ``threshold`` is the algorithm's clipping magnitude; mse and auto add ``thresholds`` per storage
     dtype, which win over it, auto ``chosen`` (the algorithm that won, per dtype) and, before its
     whole-model range choice, ``candidates``. ``scales`` are the scale and zero point per dtype that
-    calibration.json records beside them (under each dtype's name). The record also reads as the
-    mapping of those keys: ``pipeline.quant.qmath.activation_params`` takes statistics as a mapping.
+    calibration.json records beside them (under each dtype's name). Read by attribute; a range choice
+    is a ``dataclasses.replace``.
     """
 
     min: float
@@ -95,24 +99,27 @@ class TensorStats(Mapping[str, Any]):
         (calibration.json's): all of them, or those of ``thresholds`` where calibration searched per dtype."""
         scales = {}
         for dt in QTYPES if self.thresholds is None else [d for d in QTYPES if d in self.thresholds]:
-            p = activation_params(self, dt)
+            p = self.params(dt)
             scales[dt] = {"scale": float(p.scale), "zero_point": float(p.zero_point)}
         return replace(self, scales=scales)
 
-    def __getitem__(self, key: str) -> Any:
-        if key in QTYPES:
-            value = (self.scales or {}).get(key)
-        else:
-            value = getattr(self, key) if key in STATS_KEYS else None
-        if value is None:  # an absent key, as in calibration.json
-            raise KeyError(key)
-        return value
+    def params(self, dtype: str) -> QuantParams:
+        """The scale and zero point of ``dtype``: its own threshold where calibration searched one per
+        dtype (the best clip differs between symmetric int8 and asymmetric uint8), else ``threshold``."""
+        per_dtype = self.thresholds or {}
+        if per_dtype and dtype not in per_dtype:  # calibration searched other dtypes: never a silent int8 clip
+            raise ValueError(f"no {dtype} range was calibrated (ranges for {', '.join(per_dtype)}): re-run the "
+                             f"quantize stage with {dtype} in quantize.layers or autotune.quant_type")
+        return range_params(dtype, self.min, self.max, per_dtype.get(dtype, self.threshold),
+                            max_algorithm=self.algorithm == "max")
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.to_dict())
-
-    def __len__(self) -> int:
-        return len(self.to_dict())
+    def clipped_by(self, method: str) -> TensorStats:
+        """The record of an ``auto`` calibration with its range clipped by ``method`` (one of its
+        ``candidates``), or by its own per-tensor choice (``per_tensor``); the candidates are dropped."""
+        if method == PER_TENSOR or not self.candidates:
+            return replace(self, candidates=None)
+        thresholds = dict(self.candidates[method])
+        return replace(self, thresholds=thresholds, threshold=thresholds["int8"], chosen=None, candidates=None)
 
 
 # the statistics' own keys, in calibration.json's order (each dtype's scales follow them)
@@ -196,7 +203,7 @@ class Calibration:
     def missing_dtypes(self, dtypes: Iterable[str]) -> list[str]:
         """Those of ``dtypes`` some tensor has no range for: statistics searched per dtype
         (``thresholds``, mse and auto) hold the dtypes their run could store only."""
-        searched = [set(th) for s in self.tensors.values() if (th := s.get("thresholds"))]
+        searched = [set(s.thresholds) for s in self.tensors.values() if s.thresholds]
         return [dt for dt in dtypes if any(dt not in have for have in searched)]
 
     def alias(self, tensor: str, source: str) -> None:
@@ -212,7 +219,7 @@ class Calibration:
             self.defaulted.add(tensor)
             zp = self.default_zero_point if dtype in ("int8", "uint8") else 0.0
             return QuantParams.scalar(dtype, self.default_scale, zp)
-        return activation_params(stats, dtype)
+        return stats.params(dtype)
 
 
 def load_calibration(path: str | Path, default_scale: float | None = None,

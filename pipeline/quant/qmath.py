@@ -61,27 +61,23 @@ class QuantParams:
         return cls(dtype, np.asarray(scale, np.float32), np.asarray(zero_point, np.float32))
 
 
-def activation_params(stats: dict[str, float], dtype: str) -> QuantParams:
-    """Scale/zero point of an activation from calibrated statistics.
+def range_params(dtype: str, lo: float, hi: float, threshold: float, *, max_algorithm: bool = False) -> QuantParams:
+    """Scale/zero point of an activation whose calibrated values span [``lo``, ``hi``], clipped at
+    +-``threshold`` (the calibration algorithm's clipping magnitude for ``dtype``).
 
-    ``stats`` holds min, max and threshold (the algorithm's clipping magnitude), and with the mse and
-    auto algorithms ``thresholds`` per dtype, which wins over ``threshold`` (the best clip differs
-    between symmetric int8 and asymmetric uint8). int8 and fp8 are symmetric; uint8 is asymmetric
-    over [min, max] clipped to +-threshold and widened to include 0, so a tensor that is never
-    negative (a ReLU output) gets zero point 0: ORT then folds the ReLU.
+    int8 and fp8 are symmetric; uint8 is asymmetric over [lo, hi] clipped to +-threshold and widened to
+    include 0, so a tensor that is never negative (a ReLU output) gets zero point 0: ORT then folds the
+    ReLU. ``max_algorithm`` (TensorRT's max calibration): uint8 spans [-t, t], or [0, t] for a tensor
+    that is never negative.
     """
-    per_dtype = stats.get("thresholds") or {}
-    if per_dtype and dtype not in per_dtype:  # calibration searched other dtypes: never a silent int8 clip
-        raise ValueError(f"no {dtype} range was calibrated (ranges for {', '.join(per_dtype)}): re-run the "
-                         f"quantize stage with {dtype} in quantize.layers or autotune.quant_type")
-    t = float(per_dtype.get(dtype, stats["threshold"]))
-    if dtype == "uint8" and stats.get("algorithm") == "max":
-        lo, hi = (-t if float(stats["min"]) < 0 else 0.0), t
+    t = float(threshold)
+    if dtype == "uint8" and max_algorithm:
+        lo, hi = (-t if float(lo) < 0 else 0.0), t
         scale = (hi - lo) / 255.0 if hi > lo else 1.0
         return QuantParams.scalar(dtype, scale, float(np.clip(np.rint(-lo / scale), 0, 255)))
     if dtype == "uint8":
-        lo = min(max(float(stats["min"]), -t), 0.0)
-        hi = max(min(float(stats["max"]), t), 0.0)
+        lo = min(max(float(lo), -t), 0.0)
+        hi = max(min(float(hi), t), 0.0)
         scale = (hi - lo) / 255.0 if hi > lo else 1.0
         zp = float(np.clip(np.rint(-lo / scale), 0, 255))
         return QuantParams.scalar(dtype, scale, zp)

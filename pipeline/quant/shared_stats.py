@@ -9,7 +9,6 @@ only: a user's data objects can change between calls without any config key chan
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,10 +16,11 @@ from contextvars import ContextVar
 from typing import Any
 
 from pipeline.artifacts import fingerprint
+from pipeline.quant.calibration import TensorStats
 
 log = logging.getLogger("tune.quantize")
 
-_SHARED: ContextVar[dict[str, dict[str, dict]] | None] = ContextVar("shared_calibration_statistics", default=None)
+_SHARED: ContextVar[dict[str, dict[str, TensorStats]] | None] = ContextVar("shared_calibration_statistics", default=None)
 
 
 @contextmanager
@@ -33,10 +33,10 @@ def sharing() -> Iterator[None]:
         _SHARED.reset(token)
 
 
-def collect_once(key_items: dict[str, Any], collect: Callable[[], dict[str, dict]]) -> dict[str, dict]:
+def collect_once(key_items: dict[str, Any], collect: Callable[[], dict[str, TensorStats]]) -> dict[str, TensorStats]:
     """``collect()``'s statistics, collected once per scope for ``key_items`` (what determines them: the
     float graph's hash, the data, the method); outside a scope, always collected. Each caller gets its
-    own copy (quantize completes the statistics it is given in place)."""
+    own table of the same records (frozen: a range choice replaces a record, it never edits one)."""
     shared = _SHARED.get()
     if shared is None:
         return collect()
@@ -46,4 +46,4 @@ def collect_once(key_items: dict[str, Any], collect: Callable[[], dict[str, dict
                  "of this run on the same graph and data)", len(shared[key]))
     else:
         shared[key] = collect()
-    return copy.deepcopy(shared[key])
+    return dict(shared[key])

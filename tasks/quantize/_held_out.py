@@ -11,10 +11,10 @@ from typing import Any
 import onnx
 
 from pipeline.accuracy.decisions import QuantizeDecisions
-from pipeline.calibrate.collect import AUTO_CANDIDATES, PER_TENSOR, with_ranges
+from pipeline.calibrate.collect import AUTO_CANDIDATES, with_ranges
 from pipeline.graph.shapes import node_macs
 from pipeline.progress import work_bar
-from pipeline.quant.calibration import stats_table
+from pipeline.quant.calibration import PER_TENSOR, TensorStats, stats_table
 from pipeline.transforms.record import TransformRecord
 from tasks.quantize._placer import Placer
 from tasks.quantize._setup import QuantizeSetup
@@ -31,7 +31,7 @@ def _weight_clip(method: str) -> str:
     return "mse" if method in (PER_TENSOR, "mse") else "max"
 
 
-def keep_transforms(setup: QuantizeSetup, transformed: onnx.ModelProto, stats: dict[str, dict],
+def keep_transforms(setup: QuantizeSetup, transformed: onnx.ModelProto, stats: dict[str, TensorStats],
                     transforms: list[TransformRecord], weight_clip: str
                     ) -> tuple[onnx.ModelProto, dict, list[TransformRecord]]:
     """(model, statistics, the transforms' records with both held-out errors): the float-exact
@@ -55,8 +55,8 @@ def keep_transforms(setup: QuantizeSetup, transformed: onnx.ModelProto, stats: d
     return original, stats_o, [t.not_applied(why) if t.applied else t for t in records]
 
 
-def choose_ranges(setup: QuantizeSetup, model: onnx.ModelProto, stats: dict[str, dict]
-                  ) -> tuple[dict[str, dict], str, dict[str, Any]]:
+def choose_ranges(setup: QuantizeSetup, model: onnx.ModelProto, stats: dict[str, TensorStats]
+                  ) -> tuple[dict[str, TensorStats], str, dict[str, Any]]:
     """``auto``: (statistics, weight search, record) of the whole-model range choice with the lowest
     held-out error of the PTQ model. A tensor's own lowest-MSE clip is not the output's: on a trained
     MobileNetV3 the per-tensor choice gave 19.7 dB held out where entropy everywhere gave 27.0 dB."""
@@ -98,8 +98,8 @@ def _requantize_costliest_first(setup: QuantizeSetup, placer: Placer, decisions:
     return requantized, final
 
 
-def refine_ranges(setup: QuantizeSetup, placer: Placer, auto_stats: dict[str, dict], ranges: dict[str, Any],
-                  decisions: QuantizeDecisions) -> tuple[dict[str, dict] | None, QuantizeDecisions]:
+def refine_ranges(setup: QuantizeSetup, placer: Placer, auto_stats: dict[str, TensorStats], ranges: dict[str, Any],
+                  decisions: QuantizeDecisions) -> tuple[dict[str, TensorStats] | None, QuantizeDecisions]:
     """``auto`` after recovery: the range choice again, for the placement that leaves the recovered nodes
     float (the full placement's error, which chose the ranges first, is dominated by those nodes). If
     another choice is better there, it is taken. Then each float node is quantized again where the
@@ -110,7 +110,7 @@ def refine_ranges(setup: QuantizeSetup, placer: Placer, auto_stats: dict[str, di
     calibration, checker = placer.calibration, setup.checker
     wr, float_nodes = decisions.weight_range, set(decisions.float_nodes)
 
-    def use(method: str) -> dict[str, dict]:
+    def use(method: str) -> dict[str, TensorStats]:
         stats = with_ranges(auto_stats, method)
         calibration.tensors = stats_table(stats)
         calibration.weight_clip = _weight_clip(method)
@@ -135,7 +135,7 @@ def refine_ranges(setup: QuantizeSetup, placer: Placer, auto_stats: dict[str, di
     ranges["with_float_nodes"] = errors
     usable = {k: v for k, v in errors.items() if v is not None}
     best = min(usable, key=lambda k: usable[k]) if usable else ranges["chosen"]
-    stats: dict[str, dict] | None = None
+    stats: dict[str, TensorStats] | None = None
     if best == ranges["chosen"]:
         calibration.tensors, calibration.weight_clip, _ = saved
         calibration.bias_corrections = {}  # fit to this float set: refit below if it changes

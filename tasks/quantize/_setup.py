@@ -22,7 +22,7 @@ from pipeline.calibrate.collect import CalibrationMethod, collect
 from pipeline.data.adapters import Batch, DataProvider
 from pipeline.graph.model import input_specs, model_hash
 from pipeline.progress import progress_bar
-from pipeline.quant.calibration import Calibration, activation_dtypes
+from pipeline.quant.calibration import Calibration, TensorStats, activation_dtypes
 from pipeline.quant.placement import NodeDtypes, PlacementKind, resolve_rules
 from pipeline.quant.plan import WeightVariant
 from pipeline.quant.shared_stats import collect_once
@@ -104,7 +104,7 @@ class QuantizeSetup:
         return progress_bar(bool(self.cfg.progress), iterable=it, total=self.total, desc=f"quantize: {desc}",
                             unit="batch")
 
-    def calibrate(self, model: onnx.ModelProto) -> dict[str, dict]:
+    def calibrate(self, model: onnx.ModelProto) -> dict[str, TensorStats]:
         """Statistics of every candidate tensor of ``model`` on the calibration batches."""
         q = self.q
         method = CalibrationMethod(enum_value(q.algorithm), float(q.percentile), int(q.calibration.num_bins),
@@ -115,7 +115,7 @@ class QuantizeSetup:
         return collect_once(key, lambda: collect(model, self.batches, method, self.backend.threads, self.progress,
                                                  self.max_bytes))
 
-    def calibration_of(self, stats: dict[str, dict], weight_clip: str) -> Calibration:
+    def calibration_of(self, stats: dict[str, TensorStats], weight_clip: str) -> Calibration:
         """A Calibration of ``stats`` that shares the weight scales this run has searched: they do not
         depend on the activation statistics (a 2.4 GB model's five range candidates searched its 9 x 67M
         weights five times)."""

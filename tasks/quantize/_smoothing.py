@@ -23,7 +23,7 @@ import onnx
 from onnx import helper
 
 from pipeline.calibrate.collect import outlier_ratio
-from pipeline.quant.qmath import activation_params, quantize_values, weight_params
+from pipeline.quant.qmath import quantize_values, range_params, weight_params
 from tasks.quantize._graph_edit import ConstEdit, Editor, Use, absorber, attr, divide_along
 
 log = logging.getLogger("tune.quantize")
@@ -78,9 +78,7 @@ def smoothing_scales(act_absmax: np.ndarray, weight_absmax: np.ndarray, alpha: f
 
 def _fake_quant_activation(x: np.ndarray, act_dtype: str) -> np.ndarray:
     # per-tensor range from the rows themselves: what minmax calibration on them would give
-    stats = {"min": float(x.min()), "max": float(x.max()), "threshold": float(np.abs(x).max()),
-             "algorithm": "minmax"}
-    p = activation_params(stats, act_dtype)
+    p = range_params(act_dtype, float(x.min()), float(x.max()), float(np.abs(x).max()))
     return (quantize_values(x, p) - float(p.zero_point)) * float(p.scale)
 
 

@@ -19,12 +19,13 @@ import onnx
 from pipeline.accuracy.budget import AccuracyVerdict
 from pipeline.graph.bodies import QUANTIZED_BODIES
 from pipeline.graph.model import WEIGHTED_OPS, iter_nodes
+from pipeline.quant.calibration import TensorStats
 from tasks.quantize.accuracy import Candidate, Checker
 
 log = logging.getLogger("tune.quantize")
 
 
-def outlier_units(model: onnx.ModelProto, stats: dict[str, dict], units: list[str], threshold: float
+def outlier_units(model: onnx.ModelProto, stats: dict[str, TensorStats], units: list[str], threshold: float
                   ) -> dict[str, str]:
     """Quantized nodes other than weighted ops (Add, Mul, Concat, ...) that read or write a tensor with
     outlier channels (``channel_ratio`` >= ``threshold``), with the reason: one per-tensor scale spans
@@ -38,10 +39,14 @@ def outlier_units(model: onnx.ModelProto, stats: dict[str, dict], units: list[st
         node = nodes.get(name)
         if node is None or node.op_type in WEIGHTED_OPS:
             continue
-        worst = max(((stats.get(t) or {}).get("channel_ratio", 0.0), t) for t in [*node.input, *node.output] if t)
+        worst = max((_ratio(stats.get(t)), t) for t in [*node.input, *node.output] if t)
         if worst[0] >= threshold:
             out[name] = f"outlier channels on {worst[1]} (max/median channel {worst[0]:.0f}x)"
     return out
+
+
+def _ratio(stats: TensorStats | None) -> float:
+    return (stats.channel_ratio or 0.0) if stats is not None else 0.0
 
 
 @dataclass

@@ -74,7 +74,7 @@ def _weight_records(model: onnx.ModelProto, calibration: Calibration, done: set[
     return out
 
 
-def calibration_document(stats: dict[str, dict], model: onnx.ModelProto, cfg: DictConfig,
+def calibration_document(stats: dict[str, TensorStats], model: onnx.ModelProto, cfg: DictConfig,
                          calibration: Calibration | None = None, batches: int | None = None) -> dict[str, Any]:
     """calibration.json: ``stats`` with scale/zero point per dtype, and the weights' scales as
     ``calibration`` (default: one made from ``stats`` for the configured algorithm) searches them;
@@ -83,7 +83,7 @@ def calibration_document(stats: dict[str, dict], model: onnx.ModelProto, cfg: Di
     if calibration is None:
         calibration = Calibration(stats, weight_clip=Calibration.weight_clip_for(enum_value(cfg.quantize.algorithm)))
     weight_clip = calibration.weight_clip
-    tensors = {name: TensorStats.from_dict(s).with_scales().to_dict() for name, s in stats.items()}
+    tensors = {name: s.with_scales().to_dict() for name, s in stats.items()}
     return {
         "version": 1,
         "algorithm": enum_value(cfg.quantize.algorithm),
@@ -102,8 +102,8 @@ class Calibrated:
     range choice after recovery replaces ``stats`` and ``doc`` (``QuantizeStage._decide``)."""
 
     model: onnx.ModelProto  # the float graph Q/DQ go into: float_model.onnx
-    stats: dict[str, dict]  # in force (auto: those of the chosen ranges)
-    auto_stats: dict[str, dict]  # before auto's whole-model range choice, with every candidate threshold
+    stats: dict[str, TensorStats]  # in force (auto: those of the chosen ranges)
+    auto_stats: dict[str, TensorStats]  # before auto's whole-model range choice, with every candidate threshold
     transforms: list[TransformRecord]
     ranges: dict[str, Any] | None  # auto's range choice
     calibration: Calibration
@@ -189,7 +189,7 @@ class QuantizeStage(Stage):
         seconds = time.time() - t0
         calibration = setup.calibration_of(stats, weight_clip)
         doc = calibration_document(stats, model, setup.cfg, calibration, setup.total)
-        samples = next(iter(stats.values()))["samples"] if stats else 0
+        samples = next(iter(stats.values())).samples if stats else 0
         log.info("calibrated %d tensors on %d samples with %s in %.1f s", len(stats), samples,
                  enum_value(q.algorithm), seconds)
         return Calibrated(model, stats, auto_stats, transforms, ranges, calibration, doc, float_path, seconds, samples)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pipeline.app.cli import open_dict_overrides
 from pipeline.errors import StateError
+from pipeline.quant.calibration import TensorStats
 from pipeline.runtime_choice import RuntimeChoice, RuntimeRow, headline
 from tests.helpers import compose
 
@@ -40,23 +43,25 @@ def test_the_choice_round_trips_and_a_foreign_file_is_one_line(tmp_path):
         RuntimeChoice.from_dict({"key": "k"})
 
 
-def test_statistics_are_collected_once_per_sharing_scope_and_each_caller_gets_a_copy():
+def test_statistics_are_collected_once_per_sharing_scope_and_each_caller_gets_its_own_table():
     from pipeline.quant.shared_stats import collect_once, sharing
 
     calls = []
 
     def collect():
         calls.append(1)
-        return {"t": {"min": 0.0, "max": 1.0}}
+        return {"t": TensorStats(min=0.0, max=1.0, absmax=1.0, threshold=1.0, algorithm="minmax")}
 
     assert collect_once({"k": 1}, collect) is not collect_once({"k": 1}, collect)
     assert len(calls) == 2  # outside a scope: always collected
     with sharing():
         a = collect_once({"k": 1}, collect)
-        a["t"]["threshold"] = 0.5  # quantize completes its statistics in place
+        with pytest.raises(dataclasses.FrozenInstanceError):  # a range choice replaces a record
+            a["t"].threshold = 0.5
+        a["t"] = dataclasses.replace(a["t"], threshold=0.5)
         b = collect_once({"k": 1}, collect)
         collect_once({"k": 2}, collect)
-    assert len(calls) == 4 and "threshold" not in b["t"]
+    assert len(calls) == 4 and b["t"].threshold == 1.0 and b is not a
     collect_once({"k": 1}, collect)
     assert len(calls) == 5  # the scope ended with its statistics
 

@@ -12,7 +12,6 @@ from pipeline.errors import StateError
 from pipeline.quant.calibration import Calibration
 from pipeline.quant.placement import onnxruntime_plan, openvino_plan, resolve_rules, tensorrt_plan
 from pipeline.quant.qdq import apply_plan, get_quantized_tensors
-from pipeline.quant.qmath import activation_params
 from tasks.autotune.region.autotuner import Config, QDQAutotuner
 from tasks.autotune.region.insertion_points import InsertionPoint
 from tasks.autotune.region.pattern import RegionPattern
@@ -102,7 +101,7 @@ def test_search_minimises_and_final_export_is_exactly_the_best_placement():
     for q in (n for n in final.graph.node if n.op_type == "QuantizeLinear"):
         tensor = q.input[0][: -len("_prequant")] if q.input[0].endswith("_prequant") else q.input[0]
         dtype = "uint8" if inits[q.input[2]].dtype == np.uint8 else "int8"
-        want = activation_params(t.calibration.tensors[tensor], dtype)
+        want = t.calibration.tensors[tensor].params(dtype)
         assert float(inits[q.input[1]]) == pytest.approx(float(want.scale))
         assert float(inits[q.input[2]]) == float(want.zero_point)
 

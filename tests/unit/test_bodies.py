@@ -98,8 +98,8 @@ def test_scan_body_ranges_are_those_of_the_tensors_inside_the_body():
             h = np.tanh(xw[-1] + hr[-1] + inits["rnn/b"])
     for name, values in (("rnn/xw", xw), ("rnn/hr", hr)):
         s = stats[name]
-        assert np.isclose(s["min"], np.min(values), atol=1e-5) and np.isclose(s["max"], np.max(values), atol=1e-5)
-        assert s["samples"] == 8  # 4 batches of 2
+        assert np.isclose(s.min, np.min(values), atol=1e-5) and np.isclose(s.max, np.max(values), atol=1e-5)
+        assert s.samples == 8  # 4 batches of 2
     assert "W" not in stats and "rnn/R" not in stats
 
 
@@ -144,7 +144,7 @@ def test_autotune_models_keep_the_body_placement_of_calibration_json(tmp_path):
     stats = _stats(model)
     plan = _plan(model, "onnxruntime")
     path = tmp_path / "calibration.json"
-    path.write_text(json.dumps({"tensors": stats, "bodies": {k: p.to_dict() for k, p in plan.bodies.items()}}))
+    path.write_text(json.dumps({"tensors": {t: v.to_dict() for t, v in stats.items()}, "bodies": {k: p.to_dict() for k, p in plan.bodies.items()}}))
     calibration = load_calibration(path)
     assert {k: p.to_dict() for k, p in calibration.bodies.items()} == {k: p.to_dict() for k, p in plan.bodies.items()}
     tuner = QDQAutotuner(model)

@@ -23,7 +23,7 @@ def batches():
         yield Batch({"input": rng.standard_normal((8, 3, 64, 64)).astype(np.float32)}, None, 8)
 stats = collect(model, batches, CalibrationMethod(sys.argv[3], 99.9, 2048), 1, lambda it, d: it)
 print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "tensors": len(stats),
-                  "samples": next(iter(stats.values()))["samples"]}))
+                  "samples": next(iter(stats.values())).samples}))
 """
 
 
@@ -64,9 +64,9 @@ def test_scales_do_not_depend_on_the_batch_size(algorithm):
     small, large = run(4), run(16)
     assert small.keys() == large.keys() and small
     for t in small:
-        assert (small[t]["min"], small[t]["max"]) == (large[t]["min"], large[t]["max"]), t
-        assert small[t]["samples"] == large[t]["samples"] == 64
-        assert small[t]["threshold"] == pytest.approx(large[t]["threshold"], rel=0.02), t
+        assert (small[t].min, small[t].max) == (large[t].min, large[t].max), t
+        assert small[t].samples == large[t].samples == 64
+        assert small[t].threshold == pytest.approx(large[t].threshold, rel=0.02), t
 
 
 def test_observation_groups_fit_the_budget():

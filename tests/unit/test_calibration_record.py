@@ -14,7 +14,7 @@ from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.errors import StateError
 from pipeline.quant.calibration import TensorStats, load_calibration
 from pipeline.quant.plan import WeightVariant
-from pipeline.quant.qmath import QTYPES, activation_params
+from pipeline.quant.qmath import QTYPES
 
 STATS = {"min": -1.0, "max": 3.0, "absmax": 3.0, "channel_ratio": 4.0, "thresholds": {"int8": 2.0, "uint8": 2.5},
          "threshold": 2.0, "chosen": {"int8": "mse", "uint8": "entropy"}, "algorithm": "auto", "samples": 16}
@@ -46,16 +46,16 @@ def test_tensor_stats_round_trip_with_the_scales_calibration_json_records():
     # scales for the dtypes calibration searched a range for, only: an fp8 scale from the int8 clip
     # would be a range nobody searched
     assert set(written) == set(STATS) | {"int8", "uint8"}
-    for dt in ("int8", "uint8"):  # the scales are those activation_params gives the statistics
-        assert written[dt]["scale"] == pytest.approx(float(activation_params(STATS, dt).scale))
+    for dt in ("int8", "uint8"):  # the scales are those the statistics give
+        assert written[dt]["scale"] == pytest.approx(float(s.params(dt).scale))
     with pytest.raises(ValueError, match="no fp8_e4m3fn range was calibrated .*re-run the quantize stage"):
-        activation_params(STATS, "fp8_e4m3fn")
+        s.params("fp8_e4m3fn")
     assert TensorStats.from_dict(written, written=True).to_dict() == written
     # one threshold for every dtype (minmax, max, entropy, percentile): every dtype's scale
     minmax = {k: v for k, v in STATS.items() if k not in ("thresholds", "chosen")} | {"algorithm": "minmax"}
     assert set(TensorStats.from_dict(minmax).with_scales().to_dict()) == set(minmax) | set(QTYPES)
-    # it reads as the mapping of its keys, as activation_params takes it
-    assert dict(s) == STATS and s.get("candidates") is None and "chosen" in s
+    # a record read by attribute only: no mapping face
+    assert not hasattr(s, "__getitem__") and not hasattr(s, "get")
 
 
 def test_decisions_round_trip_and_defaults_without_a_table(tmp_path):

@@ -290,3 +290,34 @@ def test_every_backend_parameter_is_typed_with_the_protocol():
                     if rel not in allowed and (not text or "Any" in text):
                         wrong.append(f"{rel}:{node.lineno} {name}: {text or 'no annotation'}")
     assert wrong == []
+
+
+# annotations of calibration statistics and quantize decisions that are not their records, by file, with why
+_UNTYPED_ALLOWED = {
+    ("pipeline/calibrate/collect.py", "dict[str, Partial]"): "statistics while collect's passes fill them in",
+}
+_STATS_OR_DECISIONS = re.compile(r"(^|_)(stats|statistics|decisions)$")
+
+
+def _annotations(tree: ast.AST):
+    """(name, annotation text) of every annotated argument, variable and field."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.annotation is not None:
+            yield node.arg, ast.unparse(node.annotation)
+        elif isinstance(node, ast.AnnAssign):
+            target = node.target.id if isinstance(node.target, ast.Name) else ast.unparse(node.target).split(".")[-1]
+            yield target, ast.unparse(node.annotation)
+
+
+def test_statistics_and_decisions_are_records_from_producer_to_consumer():
+    """No bare ``dict[str, dict]`` anywhere, and nothing named for statistics or decisions annotated as a
+    string-keyed table of plain dicts or Any instead of its records (TensorStats, QuantizeDecisions)."""
+    found = []
+    for path in sorted([*(ROOT / "pipeline").rglob("*.py"), *(ROOT / "tasks").rglob("*.py")]):
+        rel = str(path.relative_to(ROOT))
+        for name, text in _annotations(ast.parse(path.read_text())):
+            bare = re.search(r"dict\[str, dict\](?!\[)", text)
+            untyped = _STATS_OR_DECISIONS.search(name) and re.search(r"\b(dict|Mapping)\[str, (Any|dict|Partial)\b", text)
+            if (bare or untyped) and (rel, text) not in _UNTYPED_ALLOWED:
+                found.append(f"{rel}: {name}: {text}")
+    assert found == []

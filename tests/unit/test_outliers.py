@@ -45,8 +45,8 @@ def _stats(model):
 
 def test_calibration_measures_outlier_channels():
     stats = _stats(residual_ffn())
-    assert stats["h"]["channel_ratio"] > 32 and stats["r"]["channel_ratio"] > 32
-    assert stats["x"]["channel_ratio"] < 10 and stats["n"]["channel_ratio"] < 32
+    assert stats["h"].channel_ratio > 32 and stats["r"].channel_ratio > 32
+    assert stats["x"].channel_ratio < 10 and stats["n"].channel_ratio < 32
 
 
 def test_outlier_ratio_of_a_mask_at_the_float32_limit_is_finite_and_silent():

@@ -194,7 +194,7 @@ def test_entropy_and_percentile_clip_outliers_max_keeps_them():
             yield Batch({"input": a}, None, 4)
 
     res = {alg: collect(model, batches,
-                        CalibrationMethod(alg, 99.9, 2048), 1, lambda it, d: it)["y"]["threshold"]
+                        CalibrationMethod(alg, 99.9, 2048), 1, lambda it, d: it)["y"].threshold
            for alg in ("minmax", "max", "entropy", "percentile")}
     assert res["max"] == pytest.approx(60.0) and res["minmax"] == pytest.approx(60.0)
     assert res["entropy"] < 0.25 * res["max"], res
@@ -212,4 +212,4 @@ def test_calibration_ignores_padding():
         yield Batch({"input": a}, None, 2)
 
     s = collect(model, batches, CalibrationMethod("minmax", 99.9, 2048), 1, lambda it, d: it)["y"]
-    assert s["max"] == 1.0 and s["samples"] == 2
+    assert s.max == 1.0 and s.samples == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -20,10 +21,10 @@ from pipeline.calibrate.collect import (
     signed_histogram,
 )
 from pipeline.data.adapters import Batch
-from pipeline.quant.calibration import Calibration, load_calibration
+from pipeline.quant.calibration import Calibration, TensorStats, load_calibration
 from pipeline.quant.placement import resolve_rules, tensorrt_plan
 from pipeline.quant.qdq import apply_plan
-from pipeline.quant.qmath import QTYPES, QuantParams, activation_params, quantize_values, weight_params
+from pipeline.quant.qmath import QTYPES, QuantParams, quantize_values, weight_params
 from tasks.quantize.stage import calibration_document
 from tests import models
 
@@ -58,9 +59,9 @@ def _values(batches) -> np.ndarray:
     return np.concatenate([b.feeds["input"].ravel() for b in batches()])
 
 
-def _fake_quant(x: np.ndarray, stats: dict, dtype: str) -> np.ndarray:
-    """What a Q/DQ pair with activation_params(stats, dtype) does to x (ONNX QuantizeLinear semantics)."""
-    p = activation_params(stats, dtype)
+def _fake_quant(x: np.ndarray, stats: TensorStats, dtype: str) -> np.ndarray:
+    """What a Q/DQ pair with stats.params(dtype) does to x (ONNX QuantizeLinear semantics)."""
+    p = stats.params(dtype)
     s, z = np.float64(p.scale), float(p.zero_point)
     x = x.astype(np.float64)
     if dtype in ("int8", "uint8"):
@@ -75,7 +76,7 @@ def _mse(x: np.ndarray, stats: dict, dtype: str) -> float:
     return float(np.mean((_fake_quant(x, stats, dtype) - x) ** 2))
 
 
-def _collect(batches, algorithm: str, percentile: float = 99.99) -> dict:
+def _collect(batches, algorithm: str, percentile: float = 99.99) -> TensorStats:
     return collect(_identity_model(), batches,
                    CalibrationMethod(algorithm, percentile, 2048), 1, lambda it, d: it)["y"]
 
@@ -91,7 +92,7 @@ def test_histogram_mse_matches_the_quantization_error(dtype, relu):
     hist, zeros = signed_histogram(x, lo, hi, 2048)
     absmax = max(-lo, hi)
     for t in (absmax, 0.5 * absmax, 0.2 * absmax, 0.1 * absmax):
-        stats = {"min": lo, "max": hi, "threshold": t, "algorithm": "mse"}
+        stats = TensorStats(min=lo, max=hi, absmax=absmax, threshold=t, algorithm="mse")
         est, true = range_mse(hist, lo, hi, dtype, t, zeros)[0], _mse(x, stats, dtype)
         assert est == pytest.approx(true, rel=0.03), (t, est, true)
 
@@ -103,10 +104,10 @@ def test_mse_thresholds_beat_minmax_on_rare_outliers():
     batches = _outlier_batches()  # 4 values at 30 sigma among 1M
     x = _values(batches)
     mm, mse = _collect(batches, "minmax"), _collect(batches, "mse")
-    assert set(mse["thresholds"]) == set(QTYPES) and mse["threshold"] == mse["thresholds"]["int8"]
-    assert mse["algorithm"] == "mse" and mse["samples"] == mm["samples"]
+    assert set(mse.thresholds) == set(QTYPES) and mse.threshold == mse.thresholds["int8"]
+    assert mse.algorithm == "mse" and mse.samples == mm.samples
     for dt in ("int8", "uint8"):
-        assert mse["thresholds"][dt] < 0.5 * mm["threshold"], mse["thresholds"]
+        assert mse.thresholds[dt] < 0.5 * mm.threshold, mse.thresholds
         assert _mse(x, mse, dt) < 0.7 * _mse(x, mm, dt), dt
     for dt in QTYPES:
         assert _mse(x, mse, dt) <= _mse(x, mm, dt) * 1.01, dt
@@ -122,12 +123,12 @@ def test_int8_and_uint8_get_their_own_clip():
 
     x = _values(batches)
     mm, mse = _collect(batches, "minmax"), _collect(batches, "mse")
-    t = mse["thresholds"]
-    assert 0 < t["int8"] < t["uint8"] < mm["threshold"], t
+    t = mse.thresholds
+    assert 0 < t["int8"] < t["uint8"] < mm.threshold, t
     for dt in ("int8", "uint8"):
         assert _mse(x, mse, dt) < 0.8 * _mse(x, mm, dt), dt
     # each dtype's own clip is the better one for it
-    swapped = {**mse, "thresholds": {"int8": t["uint8"], "uint8": t["int8"]}}
+    swapped = dataclasses.replace(mse, thresholds={"int8": t["uint8"], "uint8": t["int8"]})
     assert _mse(x, mse, "int8") < _mse(x, swapped, "int8")
     assert _mse(x, mse, "uint8") < _mse(x, swapped, "uint8")
 
@@ -139,27 +140,27 @@ def test_mse_keeps_frequent_outliers():
     mm, mse = _collect(batches, "minmax"), _collect(batches, "mse")
     for dt in QTYPES:
         assert _mse(x, mse, dt) <= _mse(x, mm, dt) * 1.01, dt
-    assert mse["thresholds"]["int8"] > 0.9 * mm["threshold"]
+    assert mse.thresholds["int8"] > 0.9 * mm.threshold
 
 
 def test_uint8_mse_on_a_relu_output_keeps_zero_point_zero():
     batches = _outlier_batches(relu=True)
     x = _values(batches)
     mm, mse = _collect(batches, "minmax"), _collect(batches, "mse")
-    p = activation_params(mse, "uint8")
-    assert float(p.zero_point) == 0.0 and mse["thresholds"]["uint8"] < 0.8 * mm["threshold"]
+    p = mse.params("uint8")
+    assert float(p.zero_point) == 0.0 and mse.thresholds["uint8"] < 0.8 * mm.threshold
     assert _mse(x, mse, "uint8") < 0.85 * _mse(x, mm, "uint8")
 
 
-def test_activation_params_prefers_the_dtype_threshold():
-    stats = {"min": -4.0, "max": 8.0, "threshold": 8.0, "thresholds": {"int8": 2.0, "uint8": 3.0},
-             "algorithm": "mse"}
-    assert float(activation_params(stats, "int8").scale) == pytest.approx(2.0 / 127)
-    assert float(activation_params(stats, "uint8").scale) == pytest.approx(6.0 / 255)
+def test_activation_params_prefer_the_dtype_threshold():
+    stats = TensorStats(min=-4.0, max=8.0, absmax=8.0, threshold=8.0, thresholds={"int8": 2.0, "uint8": 3.0},
+                        algorithm="mse")
+    assert float(stats.params("int8").scale) == pytest.approx(2.0 / 127)
+    assert float(stats.params("uint8").scale) == pytest.approx(6.0 / 255)
     with pytest.raises(ValueError, match="no fp8_e4m3fn range was calibrated"):  # not the int8 clip, silently
-        activation_params(stats, "fp8_e4m3fn")
-    old = {k: v for k, v in stats.items() if k != "thresholds"}
-    assert float(activation_params(old, "int8").scale) == pytest.approx(8.0 / 127)
+        stats.params("fp8_e4m3fn")
+    old = dataclasses.replace(stats, thresholds=None)
+    assert float(old.params("int8").scale) == pytest.approx(8.0 / 127)
 
 
 def test_auto_never_picks_a_worse_threshold(caplog):
@@ -168,18 +169,18 @@ def test_auto_never_picks_a_worse_threshold(caplog):
     with caplog.at_level(logging.INFO, logger="tune.quantize"):
         auto = _collect(batches, "auto", percentile=99.9)
     alone = {alg: _collect(batches, alg, percentile=99.9) for alg in AUTO_CANDIDATES}
-    hist, zeros = signed_histogram(x, auto["min"], auto["max"], 2048)
-    assert auto["algorithm"] == "auto" and set(auto["chosen"]) == set(QTYPES)
+    hist, zeros = signed_histogram(x, auto.min, auto.max, 2048)
+    assert auto.algorithm == "auto" and set(auto.chosen) == set(QTYPES)
     for dt in QTYPES:
-        cands = {alg: s.get("thresholds", {}).get(dt, s["threshold"]) for alg, s in alone.items()}
-        chosen = auto["chosen"][dt]
+        cands = {alg: (s.thresholds or {}).get(dt, s.threshold) for alg, s in alone.items()}
+        chosen = auto.chosen[dt]
         # auto's candidates are the standalone algorithms' thresholds, and it keeps the best of them
-        assert auto["thresholds"][dt] == cands[chosen]
-        scores = {alg: range_mse(hist, auto["min"], auto["max"], dt, t, zeros)[0] for alg, t in cands.items()}
+        assert auto.thresholds[dt] == cands[chosen]
+        scores = {alg: range_mse(hist, auto.min, auto.max, dt, t, zeros)[0] for alg, t in cands.items()}
         assert scores[chosen] <= min(scores.values()), (dt, scores)
-        best_alone = min(_mse(x, {**s, "algorithm": "auto"}, dt) for s in alone.values())
+        best_alone = min(_mse(x, dataclasses.replace(s, algorithm="auto"), dt) for s in alone.values())
         assert _mse(x, auto, dt) <= best_alone * 1.01
-    assert auto["threshold"] == auto["thresholds"]["int8"]
+    assert auto.threshold == auto.thresholds["int8"]
     summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("auto ranges")]
     assert len(summary) == 1 and "int8:" in summary[0] and "uint8:" in summary[0], summary
 
@@ -290,7 +291,7 @@ def test_existing_algorithms_record_max_weight_clip():
     model = models.conv_chain()
     for alg in ("minmax", "max", "entropy", "percentile"):
         cfg = _cfg(alg)
-        stats = {"input": {"min": -1.0, "max": 1.0, "absmax": 1.0, "threshold": 1.0, "algorithm": alg}}
+        stats = {"input": TensorStats(min=-1.0, max=1.0, absmax=1.0, threshold=1.0, algorithm=alg)}
         doc = calibration_document(stats, model, cfg)
         assert doc["weight_clip"] == "max" and Calibration(doc["tensors"]).weight_clip == "max"
         w1 = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == "w1"))
@@ -300,18 +301,19 @@ def test_existing_algorithms_record_max_weight_clip():
 def test_auto_statistics_carry_every_whole_model_candidate():
     """One auto calibration yields what each single algorithm would: with_ranges(stats, method) gives
     the minmax / entropy / mse thresholds those algorithms calibrate on their own."""
-    from pipeline.calibrate.collect import PER_TENSOR, with_ranges
+    from pipeline.calibrate.collect import with_ranges
+    from pipeline.quant.calibration import PER_TENSOR
 
     batches = _outlier_batches()
     auto = collect(_identity_model(), batches, CalibrationMethod("auto", 99.99, 2048), 1, lambda it, d: it)
     s = auto["y"]
-    assert set(s["candidates"]) == {"minmax", "percentile", "entropy", "mse"}
-    assert with_ranges(auto, PER_TENSOR)["y"]["thresholds"] == s["thresholds"]
+    assert set(s.candidates) == {"minmax", "percentile", "entropy", "mse"}
+    assert with_ranges(auto, PER_TENSOR)["y"].thresholds == s.thresholds
     mm, mse, ent = (with_ranges(auto, m)["y"] for m in ("minmax", "mse", "entropy"))
-    assert all(mm["thresholds"][dt] == pytest.approx(s["absmax"]) for dt in QTYPES)
-    assert mse["thresholds"] == pytest.approx(_collect(batches, "mse")["thresholds"])
-    assert ent["threshold"] == pytest.approx(_collect(batches, "entropy")["threshold"], rel=1e-6)
-    assert "candidates" not in mm and "chosen" not in mm and "chosen" in with_ranges(auto, PER_TENSOR)["y"]
+    assert all(mm.thresholds[dt] == pytest.approx(s.absmax) for dt in QTYPES)
+    assert mse.thresholds == pytest.approx(_collect(batches, "mse").thresholds)
+    assert ent.threshold == pytest.approx(_collect(batches, "entropy").threshold, rel=1e-6)
+    assert mm.candidates is None and mm.chosen is None and with_ranges(auto, PER_TENSOR)["y"].chosen is not None
 
 
 def _kl_threshold_loop(hist: np.ndarray, absmax: float, nq: int = 128) -> float:
@@ -382,7 +384,7 @@ def test_calibration_searches_ranges_for_the_dtypes_the_run_can_store_only():
 
     stats = collect(_identity_model(), batches, CalibrationMethod("auto", 99.99, 2048, ("int8", "uint8")), 1,
                     lambda it, d: it)["y"]
-    assert set(stats["thresholds"]) == set(stats["chosen"]) == {"int8", "uint8"}
+    assert set(stats.thresholds) == set(stats.chosen) == {"int8", "uint8"}
     with pytest.raises(ValueError, match="int8 among them"):
         CalibrationMethod("auto", 99.99, 2048, ("uint8",))
 
