@@ -42,6 +42,53 @@ class StorageCheck:
                    FidelityResult.from_dict(fid) if fid else None, AccuracyVerdict.from_dict(acc) if acc else None)
 
 
+@dataclass(frozen=True)
+class BiasCorrection:
+    """Bias correction of the placement written: whether it was kept (it must lower the held-out error),
+    the nodes it measured and their per-node entries, the verdicts before and after, and why not."""
+
+    applied: bool
+    nodes: int
+    records: list[dict[str, Any]] = field(default_factory=list)  # bias_correction.corrections' entries
+    before: str | None = None
+    after: str | None = None
+    reason: str | None = None
+
+    def to_dict(self, with_records: bool = True) -> dict[str, Any]:
+        out = {"applied": self.applied, "nodes": self.nodes, **({"records": self.records} if with_records else {}),
+               "before": self.before}
+        return out | {k: v for k in ("reason", "after") if (v := getattr(self, k)) is not None}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> BiasCorrection:
+        return cls(bool(d["applied"]), int(d["nodes"]), list(d.get("records") or []), d.get("before"), d.get("after"),
+                   d.get("reason"))
+
+
+@dataclass(frozen=True)
+class RangeChoice:
+    """quantize.algorithm=auto's whole-model range choice: the candidate chosen (``per_tensor`` or one
+    algorithm everywhere), the weight search that goes with it, every candidate's PTQ held-out error, and
+    after recovery the errors with the nodes left float and whether that changed the choice."""
+
+    chosen: str
+    weight_clip: str
+    held_out_error: dict[str, float | None]
+    with_float_nodes: dict[str, float | None] | None = None
+    rechosen_after_recovery: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"chosen": self.chosen, "weight_clip": self.weight_clip, "held_out_error": dict(self.held_out_error)}
+        if self.with_float_nodes is not None:
+            out["with_float_nodes"] = dict(self.with_float_nodes)
+        return out | ({"rechosen_after_recovery": True} if self.rechosen_after_recovery else {})
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RangeChoice:
+        return cls(str(d["chosen"]), str(d["weight_clip"]), dict(d["held_out_error"]), d.get("with_float_nodes"),
+                   bool(d.get("rechosen_after_recovery", False)))
+
+
 @dataclass(frozen=True, kw_only=True)
 class QuantizeDecisions:
     """What the quantize stage decided beside the ranges: calibration.json's ``decisions``, which
@@ -56,7 +103,7 @@ class QuantizeDecisions:
     cpu: CpuFacts | None = None  # the facts of the machine that quantized
     unsupported_nodes: list[str] | None = None  # the runtime cannot run them quantized
     fidelity_culprits: list[str] | None = None  # their fused kernels disagree with the Q/DQ reference
-    bias_correction: dict[str, Any] | None = None
+    bias_correction: BiasCorrection | None = None
     kernel_fidelity: FidelityResult | None = None  # of the placement written
     variants: list[StorageCheck] | None = None  # every weight storage checked
     budget: str | None = None
@@ -65,14 +112,23 @@ class QuantizeDecisions:
     accuracy: AccuracyVerdict | None = None  # the held-out verdict of the placement written
     float_nodes: list[str] = field(default_factory=list)
     transforms: list[TransformRecord] | None = None
-    ranges: dict[str, Any] | None = None  # quantize.algorithm=auto's range choice, absent otherwise
+    ranges: RangeChoice | None = None  # quantize.algorithm=auto's range choice, absent otherwise
     body_nodes: list[str] | None = None  # quantized nodes inside Loop/Scan bodies
     all_float: bool = False  # recovery left every quantizable node float
+
+    def __post_init__(self) -> None:
+        """A field given another type than its record is our bug: say which, where it was built."""
+        for name, kind in _RECORD_TYPES.items():
+            value = getattr(self, name)
+            items = value if isinstance(value, list) and name in ("variants", "transforms") else [value]
+            if value is not None and not all(isinstance(v, kind) for v in items):
+                raise TypeError(f"QuantizeDecisions.{name} takes {kind.__name__} records, not {type(items[0]).__name__}")
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: v for f in fields(self)
                if (v := getattr(self, f.name)) is not None or f.name not in _OPTIONAL_DECISIONS}
-        records = {k: v.to_dict() for k in ("cpu", "kernel_fidelity", "accuracy") if (v := out.get(k)) is not None}
+        records = {k: v.to_dict() for k in ("cpu", "kernel_fidelity", "accuracy", "bias_correction", "ranges")
+                   if (v := out.get(k)) is not None}
         lists = {k: [v.to_dict() for v in vs] for k in ("variants", "transforms") if (vs := out.get(k)) is not None}
         return {**out, **records, **lists, "weight_range": self.weight_range.value}
 
@@ -90,9 +146,14 @@ class QuantizeDecisions:
 
 
 _OPTIONAL_DECISIONS = ("ranges",)
+# the record type of each field that holds records (of each item, for lists)
+_RECORD_TYPES = {"weight_range": WeightVariant, "cpu": CpuFacts, "kernel_fidelity": FidelityResult,
+                 "accuracy": AccuracyVerdict, "bias_correction": BiasCorrection, "ranges": RangeChoice,
+                 "variants": StorageCheck, "transforms": TransformRecord}
 # the decisions read back into their records
 _DECISION_RECORDS = {"cpu": CpuFacts.from_dict, "kernel_fidelity": FidelityResult.from_dict,
-                     "accuracy": AccuracyVerdict.from_dict,
+                     "accuracy": AccuracyVerdict.from_dict, "bias_correction": BiasCorrection.from_dict,
+                     "ranges": RangeChoice.from_dict,
                      "variants": lambda vs: [StorageCheck.from_dict(v) for v in vs],
                      "transforms": lambda ts: [TransformRecord.from_dict(t) for t in ts]}
 

@@ -121,7 +121,7 @@ def _facts(metrics: dict[str, Any], budget: AccuracyBudget, decisions: QuantizeD
     metrics["quantization"] = {
         "weight_range": decisions.weight_range, "weight_range_reason": decisions.weight_range_reason,
         "float_nodes": decisions.float_nodes, "budget": decisions.budget, "transforms": [t.to_dict() for t in decisions.transforms or []],
-        "bias_correction": decisions.bias_correction, "fidelity_culprits": decisions.fidelity_culprits,
+        "bias_correction": decisions.bias_correction.to_dict() if decisions.bias_correction else None, "fidelity_culprits": decisions.fidelity_culprits,
         "body_nodes": decisions.body_nodes}
     metrics["budget"] = budget.describe()
     if budget.metric == "custom":

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any
 
 import onnx
 
-from pipeline.accuracy.decisions import QuantizeDecisions
+from pipeline.accuracy.decisions import QuantizeDecisions, RangeChoice
 from pipeline.calibrate.collect import AUTO_CANDIDATES, with_ranges
 from pipeline.graph.shapes import node_macs
 from pipeline.progress import work_bar
@@ -56,7 +55,7 @@ def keep_transforms(setup: QuantizeSetup, transformed: onnx.ModelProto, stats: d
 
 
 def choose_ranges(setup: QuantizeSetup, model: onnx.ModelProto, stats: dict[str, TensorStats]
-                  ) -> tuple[dict[str, TensorStats], str, dict[str, Any]]:
+                  ) -> tuple[dict[str, TensorStats], str, RangeChoice]:
     """``auto``: (statistics, weight search, record) of the whole-model range choice with the lowest
     held-out error of the PTQ model. A tensor's own lowest-MSE clip is not the output's: on a trained
     MobileNetV3 the per-tensor choice gave 19.7 dB held out where entropy everywhere gave 27.0 dB."""
@@ -74,7 +73,7 @@ def choose_ranges(setup: QuantizeSetup, model: onnx.ModelProto, stats: dict[str,
     log.info("quantize: auto ranges: %s (held-out error %s)", best,
              ", ".join(f"{k} {_num(v)}" for k, v in errors.items()))
     st, clip = options[best]
-    return st, clip, {"chosen": best, "weight_clip": clip, "held_out_error": errors}
+    return st, clip, RangeChoice(best, clip, errors)
 
 
 def _requantize_costliest_first(setup: QuantizeSetup, placer: Placer, decisions: QuantizeDecisions,
@@ -98,15 +97,15 @@ def _requantize_costliest_first(setup: QuantizeSetup, placer: Placer, decisions:
     return requantized, final
 
 
-def refine_ranges(setup: QuantizeSetup, placer: Placer, auto_stats: dict[str, TensorStats], ranges: dict[str, Any],
-                  decisions: QuantizeDecisions) -> tuple[dict[str, TensorStats] | None, QuantizeDecisions]:
+def refine_ranges(setup: QuantizeSetup, placer: Placer, auto_stats: dict[str, TensorStats], ranges: RangeChoice,
+                  decisions: QuantizeDecisions) -> tuple[dict[str, TensorStats] | None, RangeChoice, QuantizeDecisions]:
     """``auto`` after recovery: the range choice again, for the placement that leaves the recovered nodes
     float (the full placement's error, which chose the ranges first, is dominated by those nodes). If
     another choice is better there, it is taken. Then each float node is quantized again where the
     budget (with recovery's margin) still holds, the costliest first (by multiply-accumulates: a 3x3
     conv at a quarter of the image's resolution before the elementwise Adds that share its slack), and
-    bias correction is redone. Updates ``placer.calibration`` and ``ranges``; returns (the statistics
-    now in force, None if the choice stands; the decisions)."""
+    bias correction is redone. Updates ``placer.calibration``; returns (the statistics now in force,
+    None if the choice stands; the range choice with the errors of this placement; the decisions)."""
     calibration, checker = placer.calibration, setup.checker
     wr, float_nodes = decisions.weight_range, set(decisions.float_nodes)
 
@@ -132,28 +131,28 @@ def refine_ranges(setup: QuantizeSetup, placer: Placer, auto_stats: dict[str, Te
 
     for method, c in zip(methods, checker.check_each(with_each_range()), strict=True):
         errors[method] = c.verdict.error if c.scored else None
-    ranges["with_float_nodes"] = errors
+    ranges = replace(ranges, with_float_nodes=errors)
     usable = {k: v for k, v in errors.items() if v is not None}
-    best = min(usable, key=lambda k: usable[k]) if usable else ranges["chosen"]
+    best = min(usable, key=lambda k: usable[k]) if usable else ranges.chosen
     stats: dict[str, TensorStats] | None = None
-    if best == ranges["chosen"]:
+    if best == ranges.chosen:
         calibration.tensors, calibration.weight_clip, _ = saved
         calibration.bias_corrections = {}  # fit to this float set: refit below if it changes
     else:
         log.info("quantize: auto ranges with the %d float nodes: %s (held-out error %s)", len(float_nodes), best,
                  ", ".join(f"{k} {_num(v)}" for k, v in errors.items()))
         stats = use(best)
-        ranges.update(chosen=best, weight_clip=calibration.weight_clip, rechosen_after_recovery=True)
+        ranges = replace(ranges, chosen=best, weight_clip=calibration.weight_clip, rechosen_after_recovery=True)
     final = check(float_nodes, "ranges_final") if stats is not None else None
     requantized, final = _requantize_costliest_first(setup, placer, decisions, float_nodes, final)
     if stats is None and not requantized:
         calibration.bias_corrections = saved[2]
-        return None, decisions
+        return None, ranges, decisions
     decisions = replace(decisions, float_nodes=sorted(float_nodes))
     if bool(setup.q.bias_correction) and final is not None:
         bias, corrected = placer.fix_bias(wr, float_nodes, final)
         decisions = replace(decisions, bias_correction=bias)
         final = corrected or final
     if final is not None:
-        decisions = replace(decisions, accuracy=final.verdict.to_dict())
-    return stats, decisions
+        decisions = replace(decisions, accuracy=final.verdict)
+    return stats, ranges, decisions

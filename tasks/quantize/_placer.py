@@ -4,10 +4,12 @@ with some nodes left float and a chosen weight storage, and bias correction of s
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import onnx
 
+from pipeline.accuracy.decisions import BiasCorrection
 from pipeline.errors import StageError
 from pipeline.graph.model import control_flow
 from pipeline.quant.calibration import Calibration
@@ -61,7 +63,7 @@ class Placer:
         return plan, apply_plan(model, plan, self.calibration)
 
     def fix_bias(self, weight_range: str, float_nodes: set[str], before: Candidate
-                 ) -> tuple[dict[str, Any], Candidate | None]:
+                 ) -> tuple[BiasCorrection, Candidate | None]:
         """Bias correction of this placement, kept (in ``calibration``) only if the held-out error falls:
         (the record, the corrected candidate or None)."""
         calibration = self.calibration
@@ -72,21 +74,17 @@ class Placer:
 
         plan, _ = self.build(weight_range, float_nodes)
         corrections, records = correct_bias(self.model, placed, {w.node for w in plan.weights},
-                                                     self.setup.batches, self.setup.backend.threads)
-        rec: dict[str, Any] = {"applied": False, "nodes": len(corrections), "records": records,
-                               "before": before.verdict.what if before.verdict else None}
+                                            self.setup.batches, self.setup.backend.threads)
+        rec = BiasCorrection(False, len(corrections), records, before.verdict.what if before.verdict else None)
         if not corrections:
-            rec["reason"] = "no quantized node has a bias initializer"
-            return rec, None
+            return replace(rec, reason="no quantized node has a bias initializer"), None
         calibration.bias_corrections = corrections
         after = self.setup.checker.check(self.build(weight_range, float_nodes)[1], "bias_corrected")
-        rec["after"] = after.verdict.what if after.verdict else after.error
+        rec = replace(rec, after=after.verdict.what if after.verdict else after.error)
         better = after.scored and before.verdict is not None and after.verdict.error < before.verdict.error
         if not better:
             calibration.bias_corrections = {}
-            rec["reason"] = "did not lower the held-out error"
-            log.info("quantize: bias correction not kept (%s -> %s)", rec["before"], rec["after"])
-            return rec, None
-        rec["applied"] = True
-        log.info("quantize: bias correction of %d node(s): %s -> %s", len(corrections), rec["before"], rec["after"])
-        return rec, after
+            log.info("quantize: bias correction not kept (%s -> %s)", rec.before, rec.after)
+            return replace(rec, reason="did not lower the held-out error"), None
+        log.info("quantize: bias correction of %d node(s): %s -> %s", len(corrections), rec.before, rec.after)
+        return replace(rec, applied=True), after

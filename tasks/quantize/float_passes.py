@@ -24,6 +24,7 @@ from typing import Any
 
 import onnx
 
+from pipeline.accuracy.decisions import BiasCorrection
 from pipeline.data.adapters import Batch
 from pipeline.transforms.record import TransformRecord
 
@@ -198,10 +199,10 @@ def run_passes(model: onnx.ModelProto, passes: Sequence[FloatPass], ctx: PassCon
     return model, records
 
 
-def summary(records: Iterable[TransformRecord], bias: dict[str, Any] | None) -> list[str]:
+def summary(records: Iterable[TransformRecord], bias: BiasCorrection | None) -> list[str]:
     """One phrase per transform that changed the model (and bias correction), for headlines and reports."""
     out = [phrase for r in records if r.applied and r.transform in PASSES_BY_NAME
            and (phrase := PASSES_BY_NAME[r.transform].phrase(r))]
-    if bias and bias.get("applied"):
-        out.append(f"bias-corrected {bias['nodes']} node(s)")
+    if bias is not None and bias.applied:
+        out.append(f"bias-corrected {bias.nodes} node(s)")
     return out

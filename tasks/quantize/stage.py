@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from omegaconf import DictConfig
 
-from pipeline.accuracy.decisions import QuantizeDecisions
+from pipeline.accuracy.decisions import QuantizeDecisions, RangeChoice
 from pipeline.artifacts import atomic_write_json
 from pipeline.graph import weights
 from pipeline.graph.bodies import QUANTIZED_BODIES, unique_names, walk_views
@@ -105,7 +105,7 @@ class Calibrated:
     stats: dict[str, TensorStats]  # in force (auto: those of the chosen ranges)
     auto_stats: dict[str, TensorStats]  # before auto's whole-model range choice, with every candidate threshold
     transforms: list[TransformRecord]
-    ranges: dict[str, Any] | None  # auto's range choice
+    ranges: RangeChoice | None  # auto's range choice
     calibration: Calibration
     doc: dict[str, Any]  # calibration.json, completed when written
     float_path: Path
@@ -202,7 +202,7 @@ class QuantizeStage(Stage):
         outliers = outlier_units(cal.model, cal.stats, list(setup.rules), float(setup.q.outlier_threshold))
         decisions, sensitivity = decide(setup, placer, outliers)
         if cal.ranges is not None and decisions.float_nodes:
-            stats, decisions = refine_ranges(setup, placer, cal.auto_stats, cal.ranges, decisions)
+            stats, cal.ranges, decisions = refine_ranges(setup, placer, cal.auto_stats, cal.ranges, decisions)
             cal.stats = stats if stats is not None else cal.stats
             cal.doc = calibration_document(cal.stats, cal.model, setup.cfg, placer.calibration, setup.total)
         return decisions, sensitivity
@@ -214,7 +214,7 @@ class QuantizeStage(Stage):
         out_model, out_calib = out_dir / "quantized_model.onnx", out_dir / "calibration.json"
         doc["transforms"] = [t.to_dict() for t in cal.transforms]
         if cal.ranges is not None:
-            doc["ranges"] = cal.ranges
+            doc["ranges"] = cal.ranges.to_dict()
         doc["bias_corrections"] = placer.calibration.bias_corrections
         plan, qmodel = placer.build(decisions.weight_range, set(decisions.float_nodes))
         # the Loop/Scan body placement, which autotune keeps (it tunes the main graph)
@@ -245,7 +245,7 @@ class QuantizeStage(Stage):
         dtypes = Counter(a.dtype for p in plan.walk() for a in p.activations) + \
             Counter(w.dtype for p in plan.walk() for w in p.weights)
         quantized = plan.quantized_nodes()
-        algorithm = enum_value(setup.q.algorithm) + (f" ({cal.ranges['chosen']} ranges)" if cal.ranges else "")
+        algorithm = enum_value(setup.q.algorithm) + (f" ({cal.ranges.chosen} ranges)" if cal.ranges else "")
         if quantized:
             return (f"{algorithm} calibration, {setup.kind.name} placement: {len(quantized)} nodes quantized "
                     f"({', '.join(f'{k} x{v}' for k, v in sorted(dtypes.items()))}), "
@@ -287,8 +287,8 @@ class QuantizeStage(Stage):
             "kernel_fidelity": decisions.kernel_fidelity.to_dict() if decisions.kernel_fidelity else None,
             "accuracy": decisions.accuracy.to_dict() if decisions.accuracy else {}, "float_nodes": decisions.float_nodes,
             "transforms": [t.to_dict() | {"changes": len(t.changes)} for t in cal.transforms],
-            "bias_correction": {k: v for k, v in (decisions.bias_correction or {}).items() if k != "records"},
-            "fidelity_culprits": decisions.fidelity_culprits, "ranges": cal.ranges,
+            "bias_correction": decisions.bias_correction.to_dict(with_records=False) if decisions.bias_correction else {},
+            "fidelity_culprits": decisions.fidelity_culprits, "ranges": cal.ranges.to_dict() if cal.ranges else None,
             "placement": setup.kind.name, "activation_type": setup.act_type, "calibrated_tensors": len(cal.stats),
             "calibration_samples": cal.samples, "calibration_seconds": round(cal.seconds, 2),
             "quantized_nodes": len(quantized), "body_nodes": len(quantized) - len(plan.node_rules),

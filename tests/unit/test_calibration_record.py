@@ -23,7 +23,9 @@ VERDICT = AccuracyVerdict(True, "snr", "SNR 31.0 dB", snr_db=31.0).to_dict()
 DECISIONS = {
     "weight_range": "reduced", "weight_range_reason": "weights use 7-bit range",
     "cpu": CpuFacts("x86_64", brand="x", flags=("avx2",), u8s8_saturates=True, source="cpuid").to_dict(),
-    "unsupported_nodes": ["a"], "fidelity_culprits": [], "bias_correction": None, "kernel_fidelity": None,
+    "unsupported_nodes": ["a"], "fidelity_culprits": [], "kernel_fidelity": None,
+    "bias_correction": {"applied": True, "nodes": 2, "records": [{"node": "conv1"}], "before": "SNR 20 dB",
+                        "after": "SNR 25 dB"},
     "variants": [{"name": "weights_full", "error": None, "latency_p10_ms": 1.5,
                   "fidelity": FidelityResult(True, False, 6.2, reason="saturates").to_dict(), "accuracy": VERDICT}],
     "budget": "top-1 drop <= 1 point", "holdout": "calibration batches 4..5",
@@ -62,12 +64,16 @@ def test_decisions_round_trip_and_defaults_without_a_table(tmp_path):
     d = QuantizeDecisions.from_dict(DECISIONS)
     assert d.weight_range is WeightVariant.reduced and d.float_nodes == ["a", "b"] and d.ranges is None
     assert f"{d.weight_range} weights" == "reduced weights" and d.weight_range.candidate == "weights_reduced"
+    with pytest.raises(TypeError, match="QuantizeDecisions.accuracy takes AccuracyVerdict records, not dict"):
+        QuantizeDecisions(accuracy=VERDICT)  # a record built with a plain dict is our bug, caught where built
     # every decision is a record, read by attribute
     assert d.cpu.u8s8_saturates and d.accuracy.ok and d.accuracy.snr_db == 31.0
     assert d.variants[0].fidelity.reason == "saturates" and d.variants[0].accuracy == d.accuracy
     assert d.to_dict() == DECISIONS  # ranges is written only with auto ranges
-    ranged = {**DECISIONS, "ranges": {"chosen": "mse"}}
+    ranged = {**DECISIONS, "ranges": {"chosen": "mse", "weight_clip": "mse",
+                                      "held_out_error": {"per_tensor": 0.002, "mse": 0.001}}}
     assert QuantizeDecisions.from_dict(ranged).to_dict() == ranged
+    assert QuantizeDecisions.from_dict(ranged).ranges.chosen == "mse" and d.bias_correction.after == "SNR 25 dB"
     assert quantize_decisions(_write(tmp_path, {"tensors": {}, "decisions": DECISIONS})) == d
     none = quantize_decisions(None)
     assert (none.weight_range, none.float_nodes, none.all_float) == ("full", [], False)

@@ -10,6 +10,7 @@ import onnx
 from omegaconf import OmegaConf
 from onnx import numpy_helper
 
+from pipeline.accuracy.decisions import BiasCorrection
 from pipeline.transforms.record import TransformRecord
 from tasks.quantize.float_passes import FLOAT_PASSES, FloatPass, PassContext, run_passes, summary
 from tests import models
@@ -88,7 +89,8 @@ def test_the_built_in_passes_and_their_records_keep_calibration_jsons_layout():
     assert (fold.applied, fold.reason) == (False, "nothing to change")
     assert eq.applied and len(eq.changes) == 1 and eq.float_rel_error <= 1e-5
     assert smooth.reason == "no MatMul/Gemm with a constant weight reads an activation"
-    assert summary(records, {"applied": True, "nodes": 2}) == ["equalized 1 conv pair(s)", "bias-corrected 2 node(s)"]
+    bias = BiasCorrection(True, 2)
+    assert summary(records, bias) == ["equalized 1 conv pair(s)", "bias-corrected 2 node(s)"]
     doc = eq.to_dict()
     assert list(doc) == ["transform", "applied", "float_rel_error", "changes"]
     assert TransformRecord.from_dict(doc) == eq
