@@ -32,7 +32,7 @@ from pipeline.data.adapters import DataProvider
 from pipeline.errors import PipelineError, StageError, first_line
 from pipeline.graph.model import InputSpec, has_qdq, input_specs, load_model
 from pipeline.progress import progress_bar
-from pipeline.runtime_choice import CHOICE, RuntimeChoice
+from pipeline.runtime_choice import CHOICE, RuntimeChoice, model_accuracy
 from pipeline.stage import Stage, StageContext, StageResult
 from tasks.evaluate._custom import CustomScores
 from tasks.evaluate._latency import LatencyRun, ModelLatency, same_session
@@ -447,14 +447,13 @@ def headline(metrics: dict[str, Any]) -> str:
     while the ratio of p10s holds up (shared/reference/field-notes.md).
     """
     parts = []
+    custom = (metrics.get("custom_metric") or {}).get("name")
     for key, m in metrics["models"].items():
         text = key
-        if m.get("custom_metric") is not None:
-            text += f" {metrics['custom_metric']['name']} {m['custom_metric']:.4g}"
-        elif m.get("top1") is not None:
-            text += f" {100 * m['top1']:.1f}%"
-        elif key != "float" and m.get("agreement") is not None:
-            text += f" agree {100 * m['agreement']:.1f}%"
+        found = model_accuracy(key, m, custom)
+        if found is not None:  # top-1 reads as a bare percentage in this line
+            what, value = found
+            text += f" {value}" if what == "top-1" else f" agree {value}" if what == "agreement" else f" {what} {value}"
         if m.get("over_budget"):
             text += " OVER BUDGET"
         if key == "float" and m.get("latency_ms"):
