@@ -11,7 +11,7 @@ mse picks, per tensor and per storage dtype, the clip threshold with the lowest 
 quantization error on that histogram (``range_mse``: clipped values cost their squared distance to
 the clip edge, in-range values their squared distance to the nearest level, exact zeros nothing);
 auto computes the minmax, percentile, entropy and mse thresholds and keeps the one with the lowest
-such error. Both record ``thresholds`` per dtype, which ``pipeline.quant.qmath.activation_params`` prefers
+such error. Both record ``thresholds`` per dtype, which ``TensorStats.params`` prefers
 to ``threshold``: symmetric int8 and asymmetric uint8 are best clipped at different places.
 
 onnxruntime.quantization's calibrators were the first choice, but they keep intermediate outputs of
@@ -199,7 +199,7 @@ def range_mse(hist: np.ndarray, lo: float, hi: float, dtype: str, thresholds: np
 
     ``hist`` counts the non-zero values over [lo, hi] (the tensor's min and max); ``zeros`` the exact
     zeros, which every range represents exactly. The scale and zero point of a threshold are those of
-    ``pipeline.quant.qmath.activation_params``. Values are taken as uniform within their bin, and the error is
+    ``pipeline.quant.qmath.range_params``. Values are taken as uniform within their bin, and the error is
     integrated exactly over each bin: squared distance to the clip edge outside the representable
     range, to the nearest grid point inside it (fp8: the grid step of the bin's binade). This is
     step^2 / 12 where bins are wider than a step, and stays right for a spike on a grid point, such
@@ -219,7 +219,7 @@ def range_mse(hist: np.ndarray, lo: float, hi: float, dtype: str, thresholds: np
         a = np.minimum(np.maximum(lo, -t), 0.0)
         b = np.maximum(np.minimum(hi, t), 0.0)
         exact = np.where(b > a, (b - a) / 255.0, 1.0)
-        zp = np.clip(np.rint(-a / exact), 0, 255)  # as activation_params: from the unrounded scale
+        zp = np.clip(np.rint(-a / exact), 0, 255)  # as range_params: from the unrounded scale
         step = exact.astype(np.float32).astype(np.float64)  # the float32 scale the graph stores
         qlo, qhi = -zp * step, (255.0 - zp) * step
     elif dtype == "int8":

@@ -1,8 +1,8 @@
 """Quantization math: storage types, scales and zero points, and quantized values.
 
 ``QTYPES`` maps each storage dtype (int8, uint8, float8e4m3fn, float8e5m2) to its ONNX type and range.
-``activation_params`` turns calibrated statistics into an activation's scale and zero point (int8 and
-fp8 symmetric, uint8 asymmetric); ``weight_params`` gives per-channel (or per-tensor) symmetric weight
+``range_params`` turns an activation's calibrated range and clip into its scale and zero point (int8
+and fp8 symmetric, uint8 asymmetric); ``weight_params`` gives per-channel (or per-tensor) symmetric weight
 scales, at the channel's absmax or at the clip with the lowest reconstruction error (the mse search);
 ``quantize_values`` rounds and clamps values to a grid, and ``make_quantized_tensor`` /
 ``make_zero_point`` store them as ONNX tensors.
