@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,11 @@ from pipeline.config import register_configs
 from pipeline.errors import ConfigError, PipelineError
 
 log = logging.getLogger("tune")
+
+# Hydra's app state (GlobalHydra), the running job's config (HydraConfig) and its job logging (the root
+# logger's handlers) are process-wide: compositions and jobs of one process take turns, each whole
+# (re-entrant: a job composes too). Every other run-wide setting is a ContextVar (pipeline.app.scope).
+HYDRA_TURN = threading.RLock()
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -149,15 +155,18 @@ def compose(config_dir: str | None, config_name: str, overrides: list[str]) -> D
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
-    GlobalHydra.instance().clear()
-    app = hydra_internals.main_hydra("tune", config_dir)
-    cfg = app.compose_config(config_name=config_name, overrides=overrides, run_mode=RunMode.RUN,
-                             with_log_configuration=False)
+    with HYDRA_TURN:
+        GlobalHydra.instance().clear()
+        try:
+            app = hydra_internals.main_hydra("tune", config_dir)
+            cfg = app.compose_config(config_name=config_name, overrides=overrides, run_mode=RunMode.RUN,
+                                     with_log_configuration=False)
+        finally:
+            GlobalHydra.instance().clear()
     from omegaconf import open_dict
 
     with open_dict(cfg):
         cfg.pop("hydra", None)
-    GlobalHydra.instance().clear()
     return cfg
 
 
@@ -189,7 +198,6 @@ def checked_config(overrides: list[str], config_dir: str | None = None, config_n
     """Compose the config a run of ``overrides`` gets (a sweep: its first job) and validate it; a bad
     key, value, group option or missing runtime raises a PipelineError whose message is the one line
     `tune` prints after "tune: error: "."""
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -208,8 +216,6 @@ def checked_config(overrides: list[str], config_dir: str | None = None, config_n
         raise
     except (HydraException, OmegaConfBaseException, ValueError) as exc:  # Hydra/OmegaConf's many types for bad input
         raise ConfigError(_one_line(exc)) from exc
-    finally:
-        GlobalHydra.instance().clear()
     return cfg
 
 
@@ -275,6 +281,7 @@ def run_job(overrides: list[str], config_dir: str | None = None, config_name: st
             return
         print_summary(outcome["summary"], results_dir)
 
+    HYDRA_TURN.acquire()  # another thread's job waits for this one (see HYDRA_TURN)
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     GlobalHydra.instance().clear()
@@ -297,6 +304,7 @@ def run_job(overrides: list[str], config_dir: str | None = None, config_name: st
             if h not in root.handlers:
                 root.addHandler(h)
         root.setLevel(level)
+        HYDRA_TURN.release()
     if "error" in outcome:
         raise outcome["error"]
     return outcome["results_dir"], outcome["summary"]

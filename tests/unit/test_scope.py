@@ -99,3 +99,44 @@ def test_two_runs_in_two_threads_at_once_each_see_their_own_settings():
         own, in_worker = seen[threads]
         assert own[:3] == (threads, bars, {f"data:{threads}"}) and own == in_worker
     assert seen[1][0][3] != seen[3][0][3]  # a weights folder each
+
+
+def test_two_tune_calls_in_two_threads_each_log_and_use_their_own_settings(tmp_path, monkeypatch):
+    """pipeline.api.tune from two threads at once, with other ORT threads and progress settings: each
+    run's stages see its own settings, and each results_dir's tune.log holds its own run only."""
+    import threading
+
+    from pipeline import api
+    from pipeline.app import runner
+    from tests import models
+
+    model = models.save(models.conv_chain(), tmp_path, "m")
+    seen: dict[str, list[tuple[int, bool]]] = {"one": [], "two": []}
+    real = runner._run_one
+
+    def run_one(stage, ctx, inputs, fp):
+        seen[ctx.results_dir.name].append((ort.configured_threads(), progress.is_enabled()))
+        return real(stage, ctx, inputs, fp)
+
+    monkeypatch.setattr(runner, "_run_one", run_one)
+    errors = []
+
+    def call(name: str, threads: int, bars: bool) -> None:
+        try:
+            api.tune([f"results_dir={tmp_path / name}", "backend=onnxruntime", f"backend.intra_op_threads={threads}",
+                      f"progress={str(bars).lower()}", "stages=[export,quantize]", "data=synthetic",
+                      "data.num_samples=16", "quantize.calibration.batches=2", "quantize.algorithm=minmax"],
+                     model=str(model))
+        except Exception as exc:  # noqa: BLE001 - reported below, from the main thread
+            errors.append(f"{name}: {exc!r}")
+
+    threads = [threading.Thread(target=call, args=a) for a in (("one", 1, False), ("two", 2, True))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert seen == {"one": [(1, False)] * 2, "two": [(2, True)] * 2}
+    for name, other in (("one", "two"), ("two", "one")):
+        text = (tmp_path / name / "tune.log").read_text()
+        assert "quantize: done" in text and str(tmp_path / other) not in text, text
