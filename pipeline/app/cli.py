@@ -252,10 +252,11 @@ def _run_checked(args: Any) -> None:
     compose that hydra.main makes first only to learn the run mode (the mode is RUN)."""
     from hydra.core.global_hydra import GlobalHydra
 
-    GlobalHydra.instance().clear()
-    app = hydra_internals.main_hydra(Path(__file__).stem, args.config_dir)
-    app.run(config_name=args.config_name or "tune", task_function=_job,
-            overrides=[*args.overrides, "hydra.mode=RUN"])
+    with HYDRA_TURN:
+        GlobalHydra.instance().clear()
+        app = hydra_internals.main_hydra(Path(__file__).stem, args.config_dir)
+        app.run(config_name=args.config_name or "tune", task_function=_job,
+                overrides=[*args.overrides, "hydra.mode=RUN"])
 
 
 def run_job(overrides: list[str], config_dir: str | None = None, config_name: str = "tune"
