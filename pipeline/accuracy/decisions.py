@@ -118,19 +118,19 @@ class QuantizeDecisions:
 
     def __post_init__(self) -> None:
         """A field given another type than its record is our bug: say which, where it was built."""
-        for name, kind in _RECORD_TYPES.items():
+        for name, (kind, many) in {"weight_range": (WeightVariant, False), **_RECORDS}.items():
             value = getattr(self, name)
-            items = value if isinstance(value, list) and name in ("variants", "transforms") else [value]
+            items = value if many and isinstance(value, list) else [value]
             if value is not None and not all(isinstance(v, kind) for v in items):
                 raise TypeError(f"QuantizeDecisions.{name} takes {kind.__name__} records, not {type(items[0]).__name__}")
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: v for f in fields(self)
                if (v := getattr(self, f.name)) is not None or f.name not in _OPTIONAL_DECISIONS}
-        records = {k: v.to_dict() for k in ("cpu", "kernel_fidelity", "accuracy", "bias_correction", "ranges")
-                   if (v := out.get(k)) is not None}
-        lists = {k: [v.to_dict() for v in vs] for k in ("variants", "transforms") if (vs := out.get(k)) is not None}
-        return {**out, **records, **lists, "weight_range": self.weight_range.value}
+        for name, (_, many) in _RECORDS.items():
+            if (value := out.get(name)) is not None:
+                out[name] = [v.to_dict() for v in value] if many else value.to_dict()
+        return {**out, "weight_range": self.weight_range.value}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> QuantizeDecisions:
@@ -139,24 +139,19 @@ class QuantizeDecisions:
         names = [f.name for f in fields(cls)]
         check_keys(d, [k for k in names if k not in _OPTIONAL_DECISIONS], names)
         try:
-            records = {k: parse(d[k]) for k, parse in _DECISION_RECORDS.items() if d.get(k) is not None}
+            records = {k: [kind.from_dict(v) for v in d[k]] if many else kind.from_dict(d[k])
+                       for k, (kind, many) in _RECORDS.items() if d.get(k) is not None}
         except (TypeError, KeyError, AttributeError) as exc:
             raise ValueError(f"a decision record has the wrong shape ({type(exc).__name__}: {exc})") from None
         return cls(**{**d, **records, "weight_range": WeightVariant.of(d["weight_range"])})
 
 
 _OPTIONAL_DECISIONS = ("ranges",)
-# the record type of each field that holds records (of each item, for lists)
-_RECORD_TYPES = {"weight_range": WeightVariant, "cpu": CpuFacts, "kernel_fidelity": FidelityResult,
-                 "accuracy": AccuracyVerdict, "bias_correction": BiasCorrection, "ranges": RangeChoice,
-                 "variants": StorageCheck, "transforms": TransformRecord}
-# the decisions read back into their records
-_DECISION_RECORDS = {"cpu": CpuFacts.from_dict, "kernel_fidelity": FidelityResult.from_dict,
-                     "accuracy": AccuracyVerdict.from_dict, "bias_correction": BiasCorrection.from_dict,
-                     "ranges": RangeChoice.from_dict,
-                     "variants": lambda vs: [StorageCheck.from_dict(v) for v in vs],
-                     "transforms": lambda ts: [TransformRecord.from_dict(t) for t in ts]}
-
+# the fields that hold records: field -> (record type, whether it holds a list of them)
+_RECORDS: dict[str, tuple[type, bool]] = {
+    "cpu": (CpuFacts, False), "kernel_fidelity": (FidelityResult, False), "accuracy": (AccuracyVerdict, False),
+    "bias_correction": (BiasCorrection, False), "ranges": (RangeChoice, False),
+    "variants": (StorageCheck, True), "transforms": (TransformRecord, True)}
 
 
 def quantize_decisions(path: str | Path | None) -> QuantizeDecisions:

@@ -176,15 +176,16 @@ def run_passes(model: onnx.ModelProto, passes: Sequence[FloatPass], ctx: PassCon
     for p in passes:
         if not p.enabled(ctx.q):
             continue
-        why = p.precondition(model)
-        try:
-            if why is not None:
-                raise _NothingToDo(why, [])
-            new, changes = p.rewrite(model, ctx)
-            if not changes:
-                raise _NothingToDo("nothing to change", [])
-        except _NothingToDo as nothing:
-            records.append(TransformRecord(p.name, False, nothing.changes, nothing.reason))
+        why, new, changes = p.precondition(model), model, []
+        if why is None:
+            try:
+                new, changes = p.rewrite(model, ctx)
+            except _NothingToDo as nothing:
+                why, changes = nothing.reason, nothing.changes
+            else:
+                why = None if changes else "nothing to change"
+        if why is not None:
+            records.append(TransformRecord(p.name, False, changes, why))
             continue
         err = float_rel_error(model, new, ctx.feeds)
         if err > FLOAT_EXACT:
