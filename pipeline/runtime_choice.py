@@ -69,6 +69,23 @@ class RuntimeEvaluation:
         return cls(**{**d, "models": [ModelSummary(**m) for m in d["models"]]})
 
 
+SHIPPED, FLOAT = "shipped", "float"  # Contender.what: a runtime's own shipped model, or its float as deployed
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One deployment the final comparison can ship: a runtime's shipped model (with its shipped settings)
+    or its float baseline as deployed (``what``: SHIPPED or FLOAT), and its p10 latency there."""
+
+    runtime: str
+    what: str
+    label: str  # "tuned", "ptq", "float" (what the runtime's own autotune shipped) or e.g. "BF16 float"
+    p10_ms: float
+
+    def describe(self) -> str:
+        return f"{self.runtime} ({self.label})"
+
+
 @dataclass(frozen=True)
 class RuntimeRow:
     """One runtime in the final comparison: what it ships and how fast it and its own float ran."""
@@ -85,6 +102,17 @@ class RuntimeRow:
 
     def speedup(self, reference_ms: float) -> float | None:
         return reference_ms / self.p10_ms if self.p10_ms else None
+
+    def contenders(self, float_is_shipped: bool, float_is_reference: bool) -> list[Contender]:
+        """What of this runtime can ship, as timed: its shipped model, and its float as deployed (within the
+        budget by construction: the FP32 reference itself, or a lower precision its autotune held to the
+        budget), unless that float is its shipped deployment or the reference float (one timing, one entry)."""
+        out = []
+        if self.p10_ms is not None:
+            out.append(Contender(self.runtime, SHIPPED, self.shipped, self.p10_ms))
+        if self.float_p10_ms is not None and not float_is_shipped and not float_is_reference:
+            out.append(Contender(self.runtime, FLOAT, f"{self.float_precision} float", self.float_p10_ms))
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RuntimeRow:
@@ -103,6 +131,13 @@ class RuntimeChoice:
     rows: list[RuntimeRow]
     left_out: dict[str, str] = field(default_factory=dict)  # runtime -> why it did not take part
     headline: str = ""
+    # every deployment that could ship, fastest first (the first ships); files from before it hold none
+    contenders: list[Contender] = field(default_factory=list)
+
+    @property
+    def ships(self) -> str:
+        """SHIPPED (the winner's own shipped model) or FLOAT (its float as deployed, faster here)."""
+        return self.contenders[0].what if self.contenders else SHIPPED
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,7 +145,8 @@ class RuntimeChoice:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RuntimeChoice:
         try:
-            return cls(**{**d, "rows": [RuntimeRow.from_dict(r) for r in d["rows"]]})
+            return cls(**{**d, "rows": [RuntimeRow.from_dict(r) for r in d["rows"]],
+                          "contenders": [Contender(**c) for c in d.get("contenders", [])]})
         except (TypeError, KeyError) as exc:
             raise StateError(f"{CHOICE} has an unknown layout ({first_line(exc)}); delete it to compare again") \
                 from None
@@ -119,14 +155,15 @@ class RuntimeChoice:
         return next(r for r in self.rows if r.runtime == runtime)
 
 
-def headline(choice: RuntimeChoice, ranked: list[RuntimeRow]) -> str:
-    """e.g. 'ships openvino (tuned): 2.10x the onnxruntime FP32 float (p10); next onnxruntime (tuned) 1.26x'."""
+def headline(choice: RuntimeChoice) -> str:
+    """e.g. 'ships openvino (tuned): 2.10x the onnxruntime FP32 float (p10), 1.26x the next; openvino (BF16
+    float) 1.67x; onnxruntime (tuned) 1.26x'."""
     ref = choice.reference_p10_ms
-    best = ranked[0]
-    text = f"ships {best.runtime} ({best.shipped}): {best.speedup(ref):.2f}x the {choice.reference}"
-    others = [f"{r.runtime} ({r.shipped}) {r.speedup(ref):.2f}x" for r in ranked[1:]]
+    best, *rest = choice.contenders
+    text = f"ships {best.describe()}: {ref / best.p10_ms:.2f}x the {choice.reference}"
+    if rest:
+        text += f", {rest[0].p10_ms / best.p10_ms:.2f}x the next"
+    others = [f"{c.describe()} {ref / c.p10_ms:.2f}x" for c in rest]
     others += [f"{r.runtime} not timed ({r.error})" for r in choice.rows if r.p10_ms is None]
     others += [f"{k} left out ({v})" for k, v in choice.left_out.items()]
-    if len(ranked) > 1:
-        text += f", {ranked[1].p10_ms / best.p10_ms:.2f}x the next"
     return text + (f"; {'; '.join(others)}" if others else "")

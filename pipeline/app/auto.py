@@ -4,12 +4,14 @@ Export runs once. Each runtime in ``backend.runtimes`` that can run here gets it
 results_dir/runtimes/<name>/, whose manifest points at the shared export, and quantize and autotune run
 there with that runtime's section as the backend (each resumable and skipped when up to date, as any run).
 A runtime that cannot run here, or whose run fails, is reported in one line and left out. Then every
-runtime's shipped model (with the settings it ships with) and its own float are timed side by side with
-the reference float (ONNX Runtime FP32 where it is in the list) in one interleaved run, and the fastest
-shipped model ships: every one of them already met the accuracy budget in its own autotune (or is the
-float model itself). The choice is kept in autotune/runtime_choice.json with a fingerprint of what it
-compared, so a re-run with nothing changed does not time again; the top-level manifest's quantize and
-autotune entries point at the winner's files, and gen_trt_engine and evaluate run on the winner.
+runtime's shipped model (with the settings it ships with) and its float baseline as deployed are timed side
+by side with the reference float (ONNX Runtime FP32 where it is in the list) in one interleaved run, and the
+fastest of them ships: every shipped model already met the accuracy budget in its own autotune, and every
+float baseline is within it (the FP32 reference, or a lower precision held to the budget). The choice is
+kept in autotune/runtime_choice.json with a fingerprint of what it compared, so a re-run with nothing
+changed does not time again; the top-level manifest's quantize and autotune entries point at the winner's
+files (at the exported float and the float's settings where a float wins), and gen_trt_engine and evaluate
+run on the winner.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pipeline.config import ordered_stages
 from pipeline.errors import BackendUnavailable, PipelineError, StateError, first_line
 from pipeline.quant.shared_stats import sharing
 from pipeline.registry import load_stage
-from pipeline.runtime_choice import CHOICE, RuntimeChoice, RuntimeEvaluation, RuntimeRow, headline
+from pipeline.runtime_choice import CHOICE, FLOAT, SHIPPED, RuntimeChoice, RuntimeEvaluation, RuntimeRow, headline
 from pipeline.stage import Stage
 from pipeline.values import section
 
@@ -219,7 +221,7 @@ def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[s
     for r in runs:
         backend, model, _ = shipped[r.name]
         compared[r.name] = [sha256_file(model), backend.settings.to_dict() if backend.settings is not None else None,
-                            section(r.cfg, "backend")]
+                            section(r.cfg, "backend"), float_precision(shipped[r.name][2], backend)]
     key = fingerprint({"float": sha256_file(float_path), "runtimes": compared,
                        "timing": [int(cfg.backend.warmup_runs), int(cfg.backend.timing_runs)]})
     path = top / CHOICE
@@ -231,11 +233,33 @@ def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[s
     reference = reference_float(runs)
     compare = Comparison()
     ref_slot = compare.slot(reference, float_path)
-    slots = [(compare.slot(b.as_deployed(), float_path), compare.slot(b, model)) for b, model, _ in shipped.values()]
+    slots = [(compare.slot(float_deployment(r, shipped[r.name][2]), float_path),
+              compare.slot(shipped[r.name][0], shipped[r.name][1])) for r in runs]
     timings = compare_pairs(compare.pairs, rounds=8, runs_per_round=max(2, int(cfg.backend.timing_runs) // 8),
                             warmup_runs=int(cfg.backend.warmup_runs), name="auto")
-    return _decide(key, path, reference, timings[ref_slot], [(timings[f], timings[s]) for f, s in slots], shipped,
-                   left_out)
+    timed = [TimedRuntime(timings[f], timings[s], f == s, f == ref_slot) for f, s in slots]
+    return _decide(key, path, reference, timings[ref_slot], timed, shipped, left_out)
+
+
+def float_deployment(run: RuntimeRun, metrics: dict[str, Any]) -> Backend:
+    """The runtime's float baseline as a deployment runs it (no tuned settings): the precision its autotune
+    chose (``float_baseline``: FP32 where its own precision misses the budget or runs slower), within
+    the budget either way. Its settings say that precision, so shipping it ships the precision too."""
+    backend = create_backend(run.cfg.backend).as_deployed()
+    chosen = (metrics.get("float_baseline") or {}).get("precision")
+    fp32 = backend.fp32_variant() if chosen == "FP32" else None
+    return fp32 or backend
+
+
+@dataclass(frozen=True)
+class TimedRuntime:
+    """One runtime in the final comparison: its float's and shipped model's timings, and whether its float
+    is the same deployment as its shipped model or as the reference float (timed once, one speed)."""
+
+    float_t: Timing
+    ship_t: Timing
+    float_is_shipped: bool
+    float_is_reference: bool
 
 
 class Comparison:
@@ -259,35 +283,46 @@ class Comparison:
         return self._index[key]
 
 
-def _decide(key: str, path: Path, reference: Backend, ref_t: Timing, timings: list[tuple[Timing, Timing]],
+def _decide(key: str, path: Path, reference: Backend, ref_t: Timing, timed: list[TimedRuntime],
             shipped: dict[str, tuple[Backend, Path, dict[str, Any]]], left_out: dict[str, str]) -> RuntimeChoice:
-    """The choice from the reference float's timing and each runtime's (float, shipped model) timings."""
+    """The choice from the reference float's timing and each runtime's timings: the fastest of every
+    runtime's shipped model and float baseline ships (a tie goes to the shipped model)."""
     if not ref_t.ok:
         raise PipelineError(f"backend=auto: the reference float did not run on {reference.name}: {ref_t.error}")
-    rows = []
-    for (name, (backend, _, metrics)), (float_t, ship_t) in zip(shipped.items(), timings, strict=True):
-        error = next((t.error for t in (float_t, ship_t) if not t.ok), None)
+    rows, contenders = [], []
+    for (name, (backend, _, metrics)), t in zip(shipped.items(), timed, strict=True):
+        error = next((x.error for x in (t.float_t, t.ship_t) if not x.ok), None)
         final = (metrics.get("accuracy") or {}).get("final") or {}
-        rows.append(RuntimeRow(name, str(metrics.get("shipped", "float")), backend.float_precision(),
-                               str(final.get("what", "")), ship_t.p10_ms if ship_t.ok else None,
-                               float_t.p10_ms if float_t.ok else None, error))
+        row = RuntimeRow(name, str(metrics.get("shipped", "float")), float_precision(metrics, backend),
+                         str(final.get("what", "")), t.ship_t.p10_ms if t.ship_t.ok else None,
+                         t.float_t.p10_ms if t.float_t.ok else None, error)
+        rows.append(row)
+        contenders += row.contenders(t.float_is_shipped, t.float_is_reference)
         if error:
             log.warning("auto: %s left out of the choice: %s", name, error)
-    ranked = sorted((r for r in rows if r.p10_ms is not None), key=lambda r: r.p10_ms)
-    if not ranked:
+    contenders.sort(key=lambda c: (c.p10_ms, c.what != SHIPPED))
+    if not contenders:
         raise PipelineError("backend=auto: no runtime's shipped model ran in the final comparison: "
                             + "; ".join(f"{r.runtime}: {r.error}" for r in rows))
     reference_name = f"{reference.name} {reference.float_precision()} float"
-    choice = RuntimeChoice(key, reference_name, ref_t.p10_ms, ranked[0].runtime, rows, dict(left_out))
-    choice.headline = headline(choice, ranked)
+    choice = RuntimeChoice(key, reference_name, ref_t.p10_ms, contenders[0].runtime, rows, dict(left_out),
+                           contenders=contenders)
+    choice.headline = headline(choice)
     atomic_write_json(path, choice.to_dict(), indent=1)
     log.info("auto: %s", choice.headline)
     return choice
 
 
+def float_precision(metrics: dict[str, Any], backend: Backend) -> str:
+    """The precision of the runtime's float baseline: its autotune's choice, else the runtime's own."""
+    return str((metrics.get("float_baseline") or {}).get("precision") or backend.float_precision())
+
+
 def _publish(top: Path, winner: RuntimeRun, choice: RuntimeChoice | None) -> None:
     """The top-level manifest's quantize and autotune entries: the winner's, pointing at its files, the
-    autotune one with the choice beside it (``choice`` None: no choice made yet)."""
+    autotune one with the choice beside it (``choice`` None: no choice made yet). Where the winner's float
+    ships (faster than its own shipped model in the final comparison), autotune's model is the exported
+    float and its settings file the float deployment's, written at the top level."""
     sub = Manifest(winner.results_dir)
     manifest = Manifest(top)
     for stage in PER_RUNTIME:
@@ -297,6 +332,30 @@ def _publish(top: Path, winner: RuntimeRun, choice: RuntimeChoice | None) -> Non
     auto = manifest.stages.get("autotune")
     if auto is not None and choice is not None:
         auto["outputs"][CHOICE] = manifest.describe_file(top / CHOICE)
-        auto["metrics"] = {**auto.get("metrics", {}), "headline": choice.headline, "runtime_choice": choice.to_dict(),
-                           "runtime_headline": auto.get("metrics", {}).get("headline")}
+        metrics = auto.get("metrics", {})
+        if choice.ships == FLOAT:
+            metrics = _ship_float(manifest, winner, auto["outputs"], metrics)
+        auto["metrics"] = {**metrics, "headline": choice.headline, "runtime_choice": choice.to_dict(),
+                           "runtime_headline": metrics.get("headline")}
     manifest.save()
+
+
+def _ship_float(manifest: Manifest, winner: RuntimeRun, outputs: dict[str, Any], metrics: dict[str, Any]
+                ) -> dict[str, Any]:
+    """Point ``outputs`` at the exported float and the float deployment's settings (written at the top level);
+    the autotune metrics of what ships then: the float, with its verdict against FP32 where it runs lower."""
+    top = manifest.results_dir
+    backend = float_deployment(winner, metrics)
+    float_path = manifest.artifact("export/model.onnx")
+    if float_path is None:
+        raise StateError(f"backend=auto: no export/model.onnx in {top}: run stage 'export' first")
+    outputs["autotune/optimized_final.onnx"] = manifest.describe_file(float_path)
+    kind = backend.shipped_settings
+    if kind is not None:
+        outputs.pop(kind.artifact, None)
+        if backend.settings is not None:
+            outputs[kind.artifact] = manifest.describe_file(backend.settings.save(top / kind.artifact))
+    baseline = metrics.get("float_baseline") or {}
+    judged = baseline.get("verdict") if baseline.get("precision") == baseline.get("default") else None
+    return {**metrics, "shipped": "float", "shipped_reason": "auto: its float ran faster than its shipped model",
+            "accuracy": {**(metrics.get("accuracy") or {}), "final": judged}}

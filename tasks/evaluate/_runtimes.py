@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from pipeline.runtime_choice import RuntimeChoice, RuntimeEvaluation
+from pipeline.runtime_choice import FLOAT, RuntimeChoice, RuntimeEvaluation
 
 THIS_REPORT = "evaluate/report.md"
 
@@ -23,9 +23,13 @@ def runtimes_metrics(choice: RuntimeChoice, metrics: dict[str, Any]) -> dict[str
     rows = []
     for r in choice.rows:
         ev = RuntimeEvaluation.from_metrics(metrics, THIS_REPORT) if r.runtime == choice.winner else r.evaluation
-        rows.append({**asdict(r), "evaluation": asdict(ev) if ev is not None else None,
-                     "vs_reference": r.speedup(ref),
-                     "float_vs_reference": ref / r.float_p10_ms if r.float_p10_ms else None})
+        row = {**asdict(r), "evaluation": asdict(ev) if ev is not None else None, "vs_reference": r.speedup(ref),
+               "float_vs_reference": ref / r.float_p10_ms if r.float_p10_ms else None}
+        if r.runtime == choice.winner and choice.ships == FLOAT:  # its float ran faster than its own pick
+            best = choice.contenders[0]
+            row.update(shipped=f"{best.label} (its {r.shipped} model {r.speedup(ref):.2f}x)",
+                       vs_reference=ref / best.p10_ms)
+        rows.append(row)
     return {"reference": choice.reference, "reference_p10_ms": ref, "winner": choice.winner, "rows": rows,
             "left_out": dict(choice.left_out)}
 

@@ -4,6 +4,7 @@ side, the fastest accurate one shipped and built; a runtime that cannot run is l
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from tests.helpers import QUICK, run_tune
 
@@ -21,7 +22,9 @@ def test_auto_tunes_every_runtime_and_ships_the_fastest(residual_models, tmp_pat
     rows = {r["runtime"]: r for r in choice["rows"]}
     assert set(rows) == {"onnxruntime", "openvino"} and all(r["p10_ms"] for r in rows.values())
     assert choice["reference"] == "onnxruntime FP32 float"
-    fastest = min(rows.values(), key=lambda r: r["p10_ms"])["runtime"]
+    best = choice["contenders"][0]  # the fastest of every runtime's shipped model and float (a tie: shipped)
+    assert best["p10_ms"] == min(c["p10_ms"] for c in choice["contenders"])
+    fastest = best["runtime"]
     assert choice["winner"] == fastest
     stages = json.loads((rd / "manifest.json").read_text())["stages"]
     assert stages["autotune"]["metrics"]["headline"].startswith(f"ships {fastest} (")
@@ -35,8 +38,8 @@ def test_auto_tunes_every_runtime_and_ships_the_fastest(residual_models, tmp_pat
     # calibrated once: the second runtime's quantize reuses the first one's statistics
     assert proc.stderr.count("calibration statistics of") == 1 and "reused" in proc.stderr
     # the top level points at the winner's files; gen_trt_engine builds the winner's artifact
-    assert stages["autotune"]["outputs"]["autotune/optimized_final.onnx"]["path"] == \
-        f"runtimes/{fastest}/autotune/optimized_final.onnx"
+    assert stages["autotune"]["outputs"]["autotune/optimized_final.onnx"]["path"] == (
+        f"runtimes/{fastest}/autotune/optimized_final.onnx" if best["what"] == "shipped" else "export/model.onnx")
     artifact = {"openvino": "model.xml", "onnxruntime": "model.ort.onnx"}[fastest]
     assert (rd / "gen_trt_engine" / artifact).exists()
     assert stages["evaluate"]["status"] == "done"
@@ -108,3 +111,48 @@ def test_auto_without_autotune_quantizes_every_runtime_and_evaluates_the_first(r
     assert "auto: no runtime chosen yet (autotune chooses one): the later stages run on onnxruntime" in proc.stderr
     stages = json.loads((rd / "manifest.json").read_text())["stages"]
     assert "ptq" in stages["evaluate"]["metrics"]["models"]  # the first runtime's PTQ model, beside float
+
+
+def test_a_float_faster_than_every_shipped_model_ships_and_the_later_stages_run_it(residual_models, tmp_path,
+                                                                                    monkeypatch):
+    """Timings faked so that OpenVINO's float beats every shipped model: the top level ships the exported float
+    with that float's settings, gen_trt_engine deploys it and evaluate and the API run it."""
+    from pipeline.app import auto
+    from pipeline.api import tune
+    from pipeline.backends.base import Timing
+
+    def timed(pairs, **_):
+        def ms(backend, model):
+            if model.name != "model.onnx":
+                return 1.0  # a shipped model
+            return 0.5 if backend.name == "openvino" else 2.0  # OpenVINO's float, the reference float
+        return [Timing(median_ms=ms(b, Path(m)), p10_ms=ms(b, Path(m)), n=8, backend="auto") for b, m in pairs]
+
+    monkeypatch.setattr(auto, "compare_pairs", timed)
+    rd = tmp_path / "r"
+    args = ["model=onnx", f"model.onnx_path={residual_models['tiny']}", "data=synthetic", "backend=auto",
+            *QUICK, *SHORT, "autotune.schemes_per_region=1", "autotune.runtime.enabled=false", "evaluate.plot=false",
+            "evaluate.max_batches=2", f"results_dir={rd}"]
+    result = tune(args)
+    choice = json.loads((rd / "autotune" / "runtime_choice.json").read_text())
+    assert choice["winner"] == "openvino" and choice["contenders"][0]["what"] == "float", choice
+    precision = choice["contenders"][0]["label"]
+    assert choice["headline"].startswith(f"ships openvino ({precision}): 4.00x the onnxruntime FP32 float, 2.00x")
+    stages = json.loads((rd / "manifest.json").read_text())["stages"]
+    outputs = stages["autotune"]["outputs"]
+    assert outputs["autotune/optimized_final.onnx"]["path"] == "export/model.onnx"
+    settings = json.loads((rd / outputs["autotune/openvino_compile.json"]["path"]).read_text())
+    assert ("f32" in json.dumps(settings)) == precision.startswith("FP32")  # the float's precision ships with it
+    assert stages["autotune"]["metrics"]["shipped"] == "float"
+    assert (rd / "gen_trt_engine" / "model.xml").exists()
+    assert f"| **openvino** | {precision} (its " in (rd / "evaluate" / "report.md").read_text()
+    metrics = json.loads((rd / "evaluate" / "metrics.json").read_text())
+    assert metrics["shipped"] == "float" or "autotuned" not in metrics["models"], metrics.get("shipped")
+    assert result.runtime == "openvino" and len(result.load()(fixed_feeds_of(residual_models["tiny"]))) == 1
+
+
+def fixed_feeds_of(path):
+    from pipeline.data.adapters import fixed_feeds
+    from pipeline.graph.model import input_specs, load_model
+
+    return fixed_feeds(input_specs(load_model(path)))
