@@ -3,8 +3,8 @@
 ``pipeline.app.auto`` writes it; evaluate reads it (an optional input) to show every runtime beside the
 one that ships. Each row is one runtime: what its own autotune shipped, its p10 latency and its own
 float's in auto's final interleaved run, and (where evaluate ran in that runtime's results_dir) the
-accuracy and speed of its models on the evaluation data. ``model_accuracy`` is the one wording of a
-model's accuracy in evaluate's metrics.json, which this table and evaluate's headline share.
+accuracy and speed of its models on the evaluation data (``pipeline.accuracy.evaluation.runtime_evaluation``
+makes it from that runtime's metrics.json).
 """
 
 from __future__ import annotations
@@ -15,19 +15,6 @@ from typing import Any
 from pipeline.errors import StateError, first_line
 
 CHOICE = "autotune/runtime_choice.json"
-
-
-def model_accuracy(key: str, model: dict[str, Any], custom_name: str | None) -> tuple[str, str] | None:
-    """(what, value) of the accuracy evaluate reports for model ``key`` of metrics.json: the user's
-    custom metric, else top-1, else (for a quantized model) agreement with float; None without any.
-    The headline and the runtime table word it each their way from this one choice."""
-    if model.get("custom_metric") is not None:
-        return str(custom_name), f"{model['custom_metric']:.4g}"
-    if model.get("top1") is not None:
-        return "top-1", f"{100 * model['top1']:.1f}%"
-    if key != "float" and model.get("agreement") is not None:
-        return "agreement", f"{100 * model['agreement']:.1f}%"
-    return None
 
 
 @dataclass(frozen=True)
@@ -51,18 +38,6 @@ class RuntimeEvaluation:
     shipped: str | None
     models: list[ModelSummary]
     report: str
-
-    @classmethod
-    def from_metrics(cls, metrics: dict[str, Any], report: str) -> RuntimeEvaluation:
-        """The summary of evaluate's metrics.json."""
-        models = []
-        custom = (metrics.get("custom_metric") or {}).get("name")
-        for key, m in metrics["models"].items():
-            found = model_accuracy(key, m, custom)
-            acc = f"{found[0]} {found[1]}" if found else None
-            models.append(ModelSummary(key, str(m.get("label", key)), acc, m.get("speedup_p10"),
-                                       bool(m.get("over_budget"))))
-        return cls(str(metrics["baseline"]), metrics.get("shipped"), models, report)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RuntimeEvaluation:

@@ -377,7 +377,8 @@ class AccuracyVerdict:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> AccuracyVerdict:
         """A verdict from its ``to_dict`` form; keys a newer or older writer added are left out."""
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**{**known, "passing": tuple(known.get("passing") or ())})
 
     @property
     def error(self) -> float:

@@ -21,6 +21,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from pipeline.accuracy.evaluation import EvaluateMetrics
 from pipeline.artifacts import Manifest
 from pipeline.data.live import metric_attribute
 from pipeline.errors import ConfigError, InputError
@@ -38,6 +39,12 @@ class TuneResult:
     accuracy_ok: bool | None  # whether it meets the accuracy budget
     metrics: Mapping[str, Mapping[str, Any]] = field(repr=False)  # each stage's metrics, as in manifest.json
     runtime: str | None = None  # the runtime the shipped model was tuned for (backend=auto: the winner)
+
+    @property
+    def evaluation(self) -> EvaluateMetrics | None:
+        """What evaluate measured (evaluate/metrics.json as a record), where this run evaluated."""
+        recorded = self.metrics.get("evaluate")
+        return EvaluateMetrics.from_dict(recorded, "evaluate's metrics") if recorded else None
 
     def load(self, device: str = "CPU") -> Any:
         """The shipped model ready to run in its runtime's own API, with the settings it ships with: an
@@ -381,21 +388,19 @@ def shipped_runtime(manifest: Manifest) -> str | None:
     return str(name) if name else None
 
 
-def _metrics(manifest: Manifest, stage: str) -> dict[str, Any]:
-    entry = manifest.entry(stage) or {}
-    return (entry.get("metrics") or {}) if entry.get("status") == "done" else {}
-
-
 def _shipped_numbers(manifest: Manifest, shipped: Path | None) -> tuple[float | None, dict[str, Any]]:
     """Speedup and accuracy verdict of the shipped model: autotune's final measurement (the one its
     final line prints), else evaluate's numbers for that model."""
-    tuned = _metrics(manifest, "autotune")
+    tuned = manifest.metrics("autotune")
     if "speedup" in tuned:
         return float(tuned["speedup"]), (tuned.get("accuracy") or {}).get("final") or {}
-    ev = _metrics(manifest, "evaluate")
-    if not ev or shipped is None:
+    recorded = manifest.metrics("evaluate")
+    if not recorded or shipped is None:
         return None, {}
+    ev = EvaluateMetrics.from_dict(recorded, f"{manifest.path}'s evaluate entry")
     key = {"optimized_final.onnx": "autotuned", "quantized_model.onnx": "ptq"}.get(shipped.name, "float")
-    key = next((d["identical_to"] for d in ev.get("duplicates") or [] if d["model"] == key), key)
-    m = ev["models"].get(key) or {}
-    return m.get("speedup_p10"), m.get("budget") or {}
+    key = next((d.identical_to for d in ev.duplicates if d.model == key), key)
+    m = ev.models.get(key)
+    if m is None:
+        return None, {}
+    return m.speedup_p10, m.budget.to_dict() if m.budget is not None else {}

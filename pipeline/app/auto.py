@@ -26,6 +26,7 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
+from pipeline.accuracy.evaluation import EvaluateMetrics, runtime_evaluation
 from pipeline.app.scope import run_scope
 from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
 from pipeline.backends import Backend, auto_runtimes, create_backend
@@ -34,7 +35,7 @@ from pipeline.config import ordered_stages
 from pipeline.errors import BackendUnavailable, PipelineError, StateError, first_line
 from pipeline.quant.shared_stats import sharing
 from pipeline.registry import load_stage
-from pipeline.runtime_choice import CHOICE, FLOAT, SHIPPED, RuntimeChoice, RuntimeEvaluation, RuntimeRow, headline
+from pipeline.runtime_choice import CHOICE, FLOAT, SHIPPED, RuntimeChoice, RuntimeRow, headline
 from pipeline.stage import Stage
 from pipeline.values import section
 
@@ -126,7 +127,9 @@ def _evaluate_others(cfg: DictConfig, top: Path, runs: list[RuntimeRun], choice:
             with _scope(cfg, run):
                 run_stages(run.cfg, [load_stage("evaluate")], run.results_dir)
             report = os.path.relpath(run.results_dir / "evaluate" / "report.md", top)
-            evaluation = RuntimeEvaluation.from_metrics(Manifest(run.results_dir).metrics("evaluate"), report)
+            metrics = EvaluateMetrics.from_dict(Manifest(run.results_dir).metrics("evaluate"),
+                                                f"{run.results_dir}/manifest.json's evaluate entry")
+            evaluation = runtime_evaluation(metrics, report)
             rows.append(replace(row, evaluation=evaluation, evaluation_error=None))
         except PipelineError as exc:
             log.warning("auto: evaluate on %s failed: %s", run.name, first_line(exc))
@@ -238,7 +241,7 @@ def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[s
     timings = compare_pairs(compare.pairs, rounds=8, runs_per_round=max(2, int(cfg.backend.timing_runs) // 8),
                             warmup_runs=int(cfg.backend.warmup_runs), name="auto")
     timed = [TimedRuntime(timings[f], timings[s], f == s, f == ref_slot) for f, s in slots]
-    return _decide(key, path, reference, timings[ref_slot], timed, shipped, left_out)
+    return decide(key, path, reference, timings[ref_slot], timed, shipped, left_out)
 
 
 def float_deployment(run: RuntimeRun, metrics: dict[str, Any]) -> Backend:
@@ -283,7 +286,7 @@ class Comparison:
         return self._index[key]
 
 
-def _decide(key: str, path: Path, reference: Backend, ref_t: Timing, timed: list[TimedRuntime],
+def decide(key: str, path: Path, reference: Backend, ref_t: Timing, timed: list[TimedRuntime],
             shipped: dict[str, tuple[Backend, Path, dict[str, Any]]], left_out: dict[str, str]) -> RuntimeChoice:
     """The choice from the reference float's timing and each runtime's timings: the fastest of every
     runtime's shipped model and float baseline ships (a tie goes to the shipped model)."""
@@ -358,4 +361,5 @@ def _ship_float(manifest: Manifest, winner: RuntimeRun, outputs: dict[str, Any],
     baseline = metrics.get("float_baseline") or {}
     judged = baseline.get("verdict") if baseline.get("precision") == baseline.get("default") else None
     return {**metrics, "shipped": "float", "shipped_reason": "auto: its float ran faster than its shipped model",
+            "final_ms": metrics.get("baseline_ms"), "speedup": 1.0,
             "accuracy": {**(metrics.get("accuracy") or {}), "final": judged}}

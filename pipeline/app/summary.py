@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pipeline.accuracy.evaluation import EvaluateMetrics
+
 
 def print_summary(summary: dict[str, Any], results_dir: Path) -> None:
     rows = []
@@ -19,6 +21,7 @@ def print_summary(summary: dict[str, Any], results_dir: Path) -> None:
     print(f"\nresults_dir: {results_dir}")
     for stage, status, headline in rows:
         print(f"  {stage:<{w1}}  {status:<{w2}}  {headline}")
-    for info in summary.values():  # models past the accuracy budget, with the likely cause, in words
-        for text in (info.get("metrics") or {}).get("over_budget") or []:
+    evaluated = (summary.get("evaluate") or {}).get("metrics")
+    if evaluated:  # models past the accuracy budget, with the likely cause, in words
+        for text in EvaluateMetrics.from_dict(evaluated, "evaluate's metrics").over_budget:
             print(f"  WARNING: {text}")

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pipeline.accuracy.budget import AccuracyBudget
+from pipeline.accuracy.evaluation import FloatBaseline
 from pipeline.accuracy.holdout import Holdout
 from pipeline.artifacts import atomic_write_json, fingerprint
 from pipeline.backends.base import Backend
@@ -77,23 +78,6 @@ class TuneSetup:
         return self.inputs.get("quantize/quantized_model.onnx")
 
 
-@dataclass(frozen=True)
-class FloatBaseline:
-    """The float the guard and every speedup compare against: the runtime's default precision, or
-    FP32 where the default misses the accuracy budget or runs slower (``reason`` and ``note`` say
-    which)."""
-
-    precision: str  # what the baseline float runs in ("BF16", "FP32", ...)
-    default: str  # the runtime's own float precision here
-    verdict: dict[str, Any] | None = None  # the default float's verdict against FP32 (None: not judged)
-    note: str = ""  # why the baseline is not the default ("" when it is)
-    reason: str = ""  # the note's short form: "misses the budget" or "is slower here"
-    fp32_ratio: float | None = None  # the FP32 float's latency over the default float's (None: not timed)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 # the FP32 float is the baseline, the default precision meeting the budget, where its latency is
 # clearly below this fraction of the default float's (the 95% interval of its per-round ratios)
 FP32_FASTER = 0.97
@@ -153,7 +137,7 @@ def _kept_choice(record: Path | None, key: str) -> FloatBaseline | None:
     if document is None:
         return None
     try:
-        return FloatBaseline(**document.body["baseline"])
+        return FloatBaseline.from_dict(document.body["baseline"])
     except (KeyError, TypeError) as exc:
         raise FLOAT_BASELINE.corrupt(record, f"{type(exc).__name__}: {first_line(exc)}") from None
 
@@ -174,19 +158,18 @@ def _choose_float(backend: Backend, fp32: Backend, path: Path, holdout: Holdout,
             note = f"{default} float misses the budget: {verdict.what}"
             log.warning("autotune: the %s float model misses the accuracy budget against the FP32 float (%s): the "
                         "search, the guard and every speedup run float layers in FP32", default, verdict.what)
-            return fp32, FloatBaseline("FP32", default, verdict.to_dict(), note, "misses the budget")
+            return fp32, FloatBaseline("FP32", default, verdict, note, "misses the budget")
     ratio, faster = fp32_latency_ratio(backend, fp32, path)
-    judged = verdict.to_dict() if verdict is not None else None
     if faster and ratio is not None:
         note = f"{default} float is slower here: the FP32 float runs at {ratio:.2f}x its latency"
         log.info("autotune: the FP32 float model runs at %.2fx the latency of the %s float: it is the baseline, and "
                  "the search, the guard and every speedup run float layers in FP32", ratio, default)
-        return fp32, FloatBaseline("FP32", default, judged, note, "is slower here", ratio)
+        return fp32, FloatBaseline("FP32", default, verdict, note, "is slower here", ratio)
     slower = f"FP32 at {ratio:.2f}x its latency" if ratio is not None else "FP32 not timed"
     log.info("autotune: the %s float model %s and is not slower (%s): it is the baseline", default,
              f"meets the accuracy budget against the FP32 float ({verdict.what})" if verdict is not None
              else "is not judged (accuracy budget off)", slower)
-    return backend, FloatBaseline(default, default, judged, fp32_ratio=ratio)
+    return backend, FloatBaseline(default, default, verdict, fp32_ratio=ratio)
 
 
 @dataclass

@@ -4,36 +4,14 @@ metrics.json holds them (``latency`` and each model's ``latency_ms``)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.accuracy.evaluation import LatencySummary, ModelLatency, ModelMetrics, SessionComparison
 from pipeline.backends.base import Backend, Timing
 
 # p90/p10 above this means the machine was busy while timing: the medians are not to be trusted
 _NOISY_SPREAD = 1.5
-
-
-@dataclass(frozen=True)
-class ModelLatency:
-    """One model's times over the interleaved run, in ms (``latency_ms`` in metrics.json)."""
-
-    median: float
-    p10: float
-    p90: float
-    minimum: float
-    samples: int
-
-    @classmethod
-    def from_timing(cls, t: Timing) -> ModelLatency:
-        return cls(t.median_ms, t.p10_ms, t.p90_ms, t.min_ms, t.n)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"median": self.median, "p10": self.p10, "p90": self.p90, "min": self.minimum, "samples": self.samples}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ModelLatency:
-        return cls(d["median"], d["p10"], d["p90"], d["min"], d["samples"])
 
 
 @dataclass(frozen=True)
@@ -61,32 +39,29 @@ class LatencyRun:
         return (f"timings were noisy (p90/p10 up to {spread:.1f}x): other processes were busy; "
                 f"trust the p10 ratio or re-run with more evaluate.latency_repeats")
 
-    def to_dict(self) -> dict[str, Any]:
+    def summary(self) -> LatencySummary:
         """``latency`` in metrics.json: how the run went (each model's times are under the model)."""
-        out: dict[str, Any] = {"rounds": self.rounds, "runs_per_round": self.runs_per_round,
-                               "warmup_runs": self.warmup_runs, "max_p90_over_p10": self.spread}
-        if self.warning is not None:
-            out["warning"] = self.warning
         # the FP32 float and the runtime's own float, whichever of them is the baseline
         fp32, own = self.timings.get("float_fp32"), self.timings.get("float")
         if "float_default" in self.timings:
             fp32, own = own, self.timings["float_default"]
-        if fp32 is not None and fp32.ok and own is not None and own.p10_ms > 0:
-            out["float_fp32_ms"] = ModelLatency.from_timing(fp32).to_dict()
-            out["float_speedup_over_fp32_p10"] = fp32.p10_ms / own.p10_ms
-        return out
+        other = fp32 is not None and fp32.ok and own is not None and own.p10_ms > 0
+        return LatencySummary(self.rounds, self.runs_per_round, self.warmup_runs, self.spread, self.warning,
+                              model_latency(fp32) if other else None, fp32.p10_ms / own.p10_ms if other else None)
 
 
-def same_session(models: dict[str, dict[str, Any]], latency: LatencyRun, settings: Any, backend: Backend) -> None:
+def model_latency(t: Timing) -> ModelLatency:
+    """A model's times of the interleaved run, as metrics.json keeps them."""
+    return ModelLatency(t.median_ms, t.p10_ms, t.p90_ms, t.min_ms, t.n)
+
+
+def same_session(m: ModelMetrics, latency: LatencyRun, settings: Any, backend: Backend) -> None:
     """The autotuned model's speedup against float run with the same shipped settings, so a runtime
     win is not read as a quantization win; and which settings those were."""
     same = latency.extra.get("float_same_session")
-    if same is None or not same.ok or "autotuned" not in models or not models["autotuned"].get("latency_ms"):
+    if same is None or not same.ok or m.latency_ms is None:
         return
     at = latency.timings["autotuned"]
-    models["autotuned"]["speedup_same_session"] = same.median_ms / at.median_ms
-    models["autotuned"]["speedup_same_session_p10"] = same.p10_ms / at.p10_ms
-    models["autotuned"]["session"] = settings.describe()
     kind = backend.shipped_settings
-    models["autotuned"].update(settings_file=kind.artifact, settings_what=kind.what,
-                               settings_defaults=kind.defaults)
+    m.same_session = SessionComparison(same.median_ms / at.median_ms, same.p10_ms / at.p10_ms, settings.describe(),
+                                       kind.artifact, kind.what, kind.defaults)

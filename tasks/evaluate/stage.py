@@ -23,6 +23,17 @@ from typing import Any
 import numpy as np
 import onnx
 
+from pipeline.accuracy.evaluation import (
+    DataSummary,
+    Duplicate,
+    EvaluateMetrics,
+    FloatBaseline,
+    ModelMetrics,
+    Reproduce,
+    SensitiveNode,
+    SensitivitySummary,
+)
+from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.accuracy.metrics import ModelScores, json_safe
 from pipeline.artifacts import atomic_write_json, atomic_write_text, read_json, sha256_file
 from pipeline.backends import create_backend, settings_artifacts
@@ -32,10 +43,10 @@ from pipeline.data.adapters import DataProvider
 from pipeline.errors import PipelineError, StageError, first_line
 from pipeline.graph.model import InputSpec, has_qdq, input_specs, load_model
 from pipeline.progress import progress_bar
-from pipeline.runtime_choice import CHOICE, RuntimeChoice, model_accuracy
+from pipeline.runtime_choice import CHOICE, RuntimeChoice
 from pipeline.stage import Stage, StageContext, StageResult
 from tasks.evaluate._custom import CustomScores
-from tasks.evaluate._latency import LatencyRun, ModelLatency, same_session
+from tasks.evaluate._latency import LatencyRun, model_latency, same_session
 from tasks.evaluate._runtimes import runtimes_metrics
 from tasks.evaluate.report import backend_text, reproduce_commands
 from tasks.evaluate.verdicts import judge_models
@@ -61,11 +72,11 @@ class EvaluationPlan:
     autotuned model ships with (None: none that change anything)."""
 
     models: list[EvaluatedModel]
-    duplicates: list[dict[str, str]]
+    duplicates: list[Duplicate]
     specs: list[InputSpec]
     precision: str
     settings: Any
-    float_choice: dict[str, Any] | None = None  # autotune's float_baseline where evaluate follows it to FP32
+    float_choice: FloatBaseline | None = None  # autotune's float_baseline where evaluate follows it to FP32
 
 
 @dataclass(frozen=True)
@@ -75,7 +86,7 @@ class Measurements:
 
     scores: dict[str, ModelScores]
     batches: int
-    fidelity: dict[str, Any]
+    fidelity: dict[str, FidelityResult | None]
     latency: LatencyRun | None
 
 
@@ -88,7 +99,7 @@ class Runtimes:
     plain: Backend
     by_key: dict[str, Backend]
     extra_float: tuple[str, str] | None = None
-    choice: dict[str, Any] | None = None
+    choice: FloatBaseline | None = None
 
     def of(self, key: str) -> Backend:
         return self.by_key.get(key) or self.plain
@@ -153,21 +164,21 @@ class EvaluateStage(Stage):
         from tasks.evaluate import report
 
         artifacts = self._sensitivity(ctx, evaluated, specs, out_dir, metrics) if ecfg.sensitivity.enabled else {}
-        safe = json_safe(metrics)
+        safe = json_safe(metrics.to_dict())
         metrics_path = atomic_write_json(out_dir / "metrics.json", safe)
         report_path = atomic_write_text(out_dir / "report.md", report.markdown(metrics))
         artifacts.update({"evaluate/metrics.json": metrics_path, "evaluate/report.md": report_path})
         if ecfg.plot:
             artifacts["evaluate/summary.png"] = report.plot(metrics, out_dir / "summary.png")
-        log.info("%s", metrics["headline"])
+        log.info("%s", metrics.headline)
         notes = [timings.warning] if timings is not None and timings.warning is not None else []
         return StageResult(artifacts=artifacts, metrics=safe, notes=notes)
 
     @staticmethod
     def _sensitivity(ctx: StageContext, evaluated: list[EvaluatedModel], specs: list[InputSpec], out_dir: Path,
-                     metrics: dict[str, Any]) -> dict[str, Path]:
+                     metrics: EvaluateMetrics) -> dict[str, Path]:
         """Each quantized node's own contribution to the shipped model's error (tasks/evaluate/_sensitivity.py);
-        its summary goes into ``metrics["sensitivity"]`` for the report."""
+        its summary goes into ``metrics.sensitivity`` for the report."""
         from tasks.evaluate import _sensitivity
 
         graph = ctx.artifact("quantize/float_model.onnx")
@@ -182,28 +193,27 @@ class EvaluateStage(Stage):
             return {}
         s = ctx.cfg.evaluate.sensitivity
         batches = list(DataProvider(ctx.cfg, specs).batches("evaluation", int(s.batches)))
-        left_float = list((metrics.get("quantization") or {}).get("float_nodes") or [])
+        left_float = list(metrics.quantization.float_nodes) if metrics.quantization is not None else []
         artifacts, doc = _sensitivity.analyse(ctx.cfg, load_model(graph, check=False),
                                               _sensitivity.ShippedModel(shipped.label, qmodel, left_float), batches,
                                               out_dir, int(s.max_nodes), bool(ctx.cfg.evaluate.plot))
         if artifacts:
-            metrics["sensitivity"] = {"model": shipped.label, "whole_model": doc["whole_model"]["label"],
-                                      "top": [{k: r.get(k) for k in ("node", "op_type", "label")} for r in doc["nodes"][:5]],
-                                      "nodes": len(doc["nodes"]), "quantized_nodes": doc["quantized_nodes"],
-                                      "left_float": left_float,
-                                      "files": sorted(Path(p).name for p in artifacts.values())}
+            top = [SensitiveNode(str(r.get("node")), str(r.get("op_type")), str(r.get("label"))) for r in doc["nodes"][:5]]
+            metrics.sensitivity = SensitivitySummary(shipped.label, doc["whole_model"]["label"], top, len(doc["nodes"]),
+                                                     doc["quantized_nodes"], left_float,
+                                                     sorted(Path(p).name for p in artifacts.values()))
         return artifacts
 
     # ------------------------------------------------------------------ which models
     @staticmethod
     def _evaluated_models(ctx: StageContext, own_session: bool = False, extra_float: tuple[str, str] | None = None
-                          ) -> tuple[list[EvaluatedModel], list[dict[str, str]]]:
+                          ) -> tuple[list[EvaluatedModel], list[Duplicate]]:
         """The models to evaluate, each file once; with ``own_session`` (the autotuned model ships
         session settings of its own) the autotuned model is evaluated even when its bytes repeat; with
         ``extra_float`` (metrics key, label) the float model follows itself once more under that key
         (run in the other float precision, ``Runtimes``)."""
         evaluated: list[EvaluatedModel] = []
-        duplicates: list[dict[str, str]] = []
+        duplicates: list[Duplicate] = []
         for key, label, artifact in _MODELS:
             path = ctx.require(artifact) if key == "float" else ctx.artifact(artifact)
             if path is None:
@@ -214,7 +224,7 @@ class EvaluateStage(Stage):
                 # quantize with quantize=none, or an autotune that kept the PTQ placement, gives the
                 # same bytes: measuring it again would only add noise to the comparison
                 log.info("%s model %s is identical to the %s model; evaluated once", label, artifact, same.label)
-                duplicates.append({"model": key, "file": artifact, "identical_to": same.key})
+                duplicates.append(Duplicate(key, artifact, same.key))
                 continue
             evaluated.append(EvaluatedModel(key, label, artifact, Path(path), digest))
             if key == "float" and extra_float is not None:
@@ -298,7 +308,7 @@ class EvaluateStage(Stage):
 
     @staticmethod
     def _fidelity(ctx: StageContext, backend: Backend, evaluated: list[EvaluatedModel], specs: list[InputSpec],
-                  prepared: dict[str, PreparedModel]) -> dict[str, Any]:
+                  prepared: dict[str, PreparedModel]) -> dict[str, FidelityResult | None]:
         """Kernel fidelity of each quantized model on the first evaluation batches (fused kernels vs
         plain Q/DQ math), where the backend has a reference runner."""
         from pipeline.accuracy.fidelity import kernel_fidelity
@@ -346,42 +356,29 @@ class EvaluateStage(Stage):
 
     # ------------------------------------------------------------------ assembling the metrics
     def _metrics(self, ctx: StageContext, backend: Backend, plan: EvaluationPlan,
-                 measured: Measurements) -> dict[str, Any]:
+                 measured: Measurements) -> EvaluateMetrics:
         latency = measured.latency
         info = backend.describe()
         models = _model_metrics(plan.models, measured)
-        first = models["float"]
-        metrics: dict[str, Any] = {
-            "baseline": f"{plan.precision} float model on {backend_text(info)}",
-            "backend": info,
-            "data": {
-                "source": resolved_data_source(ctx.cfg),
-                "samples": first["samples"],
-                "batches": measured.batches,
-                "batch_size": plan.specs[0].batch if plan.specs else 1,
-                "labelled": first["top1"] is not None,
-                "max_batches": ctx.cfg.evaluate.max_batches,
-            },
-            "top_k": int(ctx.cfg.evaluate.top_k),
-            "models": models,
-            "duplicates": plan.duplicates,
-            "latency": None if latency is None else latency.to_dict(),
-            "model_name": str(ctx.cfg.model.name),
-            "reproduce": reproduce_commands(ctx),
-            "shipped": shipped_model(plan),
-        }
-        if plan.float_choice is not None:
-            metrics["float_baseline"] = plan.float_choice
+        first = models["float"].scores
+        data = DataSummary(resolved_data_source(ctx.cfg), first.samples, measured.batches,
+                           plan.specs[0].batch if plan.specs else 1, first.top1 is not None, ctx.cfg.evaluate.max_batches)
+        reproduce = Reproduce(**reproduce_commands(ctx))
+        metrics = EvaluateMetrics(f"{plan.precision} float model on {backend_text(info)}", info, data,
+                                  int(ctx.cfg.evaluate.top_k), models, reproduce, str(ctx.cfg.model.name),
+                                  plan.duplicates, latency.summary() if latency is not None else None,
+                                  shipped_model(plan), plan.float_choice)
         if latency is not None:
-            same_session(models, latency, plan.settings, backend)
+            if "autotuned" in models and plan.settings is not None:
+                same_session(models["autotuned"], latency, plan.settings, backend)
             if latency.warning is not None:
                 log.warning("%s", latency.warning)
         judge_models(ctx, metrics, measured.scores, measured.fidelity, _FLOATS)
-        metrics["headline"] = headline(metrics)
+        metrics.headline = headline(metrics)
         choice = ctx.artifact(CHOICE)  # the run chose its runtime: every runtime beside this one
         if choice is not None:
-            metrics["runtimes"] = runtimes_metrics(RuntimeChoice.from_dict(read_json(choice, CHOICE)), metrics)
-            metrics["headline"] = f"on {metrics['runtimes']['winner']}: {metrics['headline']}"
+            metrics.runtimes = runtimes_metrics(RuntimeChoice.from_dict(read_json(choice, CHOICE)), metrics)
+            metrics.headline = f"on {metrics.runtimes.winner}: {metrics.headline}"
         return metrics
 
 
@@ -398,27 +395,26 @@ def model_runtimes(ctx: StageContext, backend: Backend, settings: Any) -> Runtim
     if fp32 is None:
         return Runtimes(plain, tuned)
     own = plain.float_precision()
-    choice = ctx.manifest.metrics("autotune").get("float_baseline") or {}
+    recorded = ctx.manifest.metrics("autotune").get("float_baseline")
+    choice = FloatBaseline.from_dict(recorded) if recorded else None
     # followed only where autotune judged the float this backend runs (not one of another precision)
-    if choice.get("precision") != "FP32" or choice.get("default") != own:
+    if choice is None or choice.precision != "FP32" or choice.default != own:
         return Runtimes(plain, {**tuned, "float_fp32": fp32}, ("float_fp32", "float (FP32)"))
     return Runtimes(fp32, {**tuned, "float_default": plain}, ("float_default", f"float ({own})"), choice)
 
 
-def _model_metrics(evaluated: list[EvaluatedModel], measured: Measurements) -> dict[str, dict[str, Any]]:
+def _model_metrics(evaluated: list[EvaluatedModel], measured: Measurements) -> dict[str, ModelMetrics]:
     """Each model's entry in metrics.json: its file, scores, custom metric, times and speedups."""
     latency = measured.latency
-    models: dict[str, Any] = {}
+    models: dict[str, ModelMetrics] = {}
     for c in evaluated:
         scores = measured.scores[c.key]
-        m: dict[str, Any] = {"label": c.label, "file": c.artifact, "sha256": c.sha256, **scores.result()}
-        if scores.custom is not None:
-            m["custom_metric"] = scores.custom
+        m = ModelMetrics(c.label, c.artifact, scores.scores(), c.sha256, scores.custom)
         if latency is not None:
             base, t = latency.timings["float"], latency.timings[c.key]
-            m["latency_ms"] = ModelLatency.from_timing(t).to_dict()
-            m["speedup"] = base.median_ms / t.median_ms if t.median_ms > 0 else None
-            m["speedup_p10"] = base.p10_ms / t.p10_ms if t.p10_ms > 0 else None
+            m.latency_ms = model_latency(t)
+            m.speedup = base.median_ms / t.median_ms if t.median_ms > 0 else None
+            m.speedup_p10 = base.p10_ms / t.p10_ms if t.p10_ms > 0 else None
         models[c.key] = m
     return models
 
@@ -428,7 +424,7 @@ def shipped_model(plan: EvaluationPlan) -> str | None:
     is byte-identical to (as autotune names it), and to "float" where it holds no Q/DQ node; None when
     only the float model was evaluated (there is no choice to name)."""
     present = {c.key: c for c in plan.models}
-    same = {d["model"]: d["identical_to"] for d in plan.duplicates}
+    same = {d.model: d.identical_to for d in plan.duplicates}
     newest = next(k for k, _, _ in reversed(_MODELS) if k in present or k in same)
     if newest == "float":
         return None
@@ -440,33 +436,31 @@ def shipped_model(plan: EvaluationPlan) -> str | None:
     return key
 
 
-def headline(metrics: dict[str, Any]) -> str:
+def headline(metrics: EvaluateMetrics) -> str:
     """One line for the end-of-run table, e.g. 'float 97.0% 1.2 ms | ptq 96.8% 2.10x (p10 2.20x) | ...'.
 
     Both ratios are shown because on a busy machine the median drifts with other processes' load
     while the ratio of p10s holds up (shared/reference/field-notes.md).
     """
     parts = []
-    custom = (metrics.get("custom_metric") or {}).get("name")
-    for key, m in metrics["models"].items():
+    for key, m in metrics.models.items():
         text = key
-        found = model_accuracy(key, m, custom)
+        found = m.accuracy(key, metrics.custom_name)
         if found is not None:  # top-1 reads as a bare percentage in this line
             what, value = found
             text += f" {value}" if what == "top-1" else f" agree {value}" if what == "agreement" else f" {what} {value}"
-        if m.get("over_budget"):
+        if m.over_budget:
             text += " OVER BUDGET"
-        if key == "float" and m.get("latency_ms"):
-            text += f" {ModelLatency.from_dict(m['latency_ms']).median:.3g} ms"
-        elif m.get("speedup") is not None:
-            text += f" {m['speedup']:.2f}x"
-            if m.get("speedup_p10") is not None:
-                text += f" (p10 {m['speedup_p10']:.2f}x)"
+        if key == "float" and m.latency_ms is not None:
+            text += f" {m.latency_ms.median:.3g} ms"
+        elif m.speedup is not None:
+            text += f" {m.speedup:.2f}x"
+            if m.speedup_p10 is not None:
+                text += f" (p10 {m.speedup_p10:.2f}x)"
         parts.append(text)
-    chosen = metrics.get("float_baseline")
-    why = f"; baseline: FP32 float ({chosen['default']} float {chosen.get('reason') or 'misses the budget'})" \
-        if chosen else ""
-    ships = f"ships {metrics['shipped']}: " if metrics.get("shipped") else ""
+    chosen = metrics.float_baseline
+    why = f"; baseline: FP32 float ({chosen.default} float {chosen.reason or 'misses the budget'})" if chosen else ""
+    ships = f"ships {metrics.shipped}: " if metrics.shipped else ""
     return ships + " | ".join(parts) + why
 
 

@@ -10,13 +10,20 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig
 
 from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict, CustomScore
 from pipeline.accuracy.cpu import CpuFacts, cpu_facts, describe
 from pipeline.accuracy.decisions import QuantizeDecisions, quantize_decisions
+from pipeline.accuracy.evaluation import (
+    CustomMetricSummary,
+    EvaluateMetrics,
+    MachineSummary,
+    PromiseCheck,
+    QuantizationSummary,
+)
+from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.accuracy.metrics import ModelScores
 from pipeline.config import resolved_data_source
 from pipeline.data.adapters import takes_split
@@ -61,11 +68,10 @@ class Promise:
         final = (ctx.manifest.metrics("autotune").get("accuracy") or {}).get("final") if key == "autotuned" else None
         return cls(key, AccuracyVerdict.from_dict(final) if final else None)
 
-    def check(self, verdict: AccuracyVerdict, samples: int | None, label: str) -> tuple[dict[str, Any], str | None]:
+    def check(self, verdict: AccuracyVerdict, samples: int | None, label: str) -> tuple[PromiseCheck, str | None]:
         """(the record for metrics.json, the one-line flag when the holdout passed and ``verdict``, the
         model's verdict on the evaluation data, misses the budget; else None)."""
-        record = {"holdout": self.holdout.to_dict() if self.holdout else None, "evaluation_ok": verdict.ok,
-                  "evaluation_what": verdict.what, "samples": samples}
+        record = PromiseCheck(self.holdout, verdict.ok, verdict.what, samples)
         if self.holdout is None or not self.holdout.ok or verdict.ok:
             return record, None
         return record, (f"{label} model passed the holdout ({self.holdout.what}) but misses the budget on "
@@ -73,65 +79,59 @@ class Promise:
                         f"samples like these (accuracy.holdout_samples) or raise accuracy.confidence")
 
 
-def judge_models(ctx: StageContext, metrics: dict[str, Any], scores: dict[str, ModelScores],
-                 fidelity: dict[str, Any], floats: tuple[str, ...]) -> None:
-    """Hold every quantized model (the keys of metrics["models"] not in ``floats``) to the accuracy
+def judge_models(ctx: StageContext, metrics: EvaluateMetrics, scores: dict[str, ModelScores],
+                 fidelity: dict[str, FidelityResult | None], floats: tuple[str, ...]) -> None:
+    """Hold every quantized model (the keys of ``metrics.models`` not in ``floats``) to the accuracy
     budget on the evaluation data; say in words which ones miss it and why, and which broke the
     holdout's promise."""
     budget = AccuracyBudget.from_config(ctx.cfg)
     decisions = quantize_decisions(ctx.artifact("quantize/calibration.json"))
     facts = _facts(metrics, budget, decisions)
-    models = metrics["models"]
-    float_top1 = models["float"].get("top1")
+    models = metrics.models
+    float_top1 = models["float"].scores.top1
     flagged = []
     unseen = unseen_data(ctx.cfg)
-    metrics["unseen_data"] = unseen is None
-    if unseen is not None:
-        metrics["promise_unchecked"] = unseen
+    metrics.unseen_data = unseen is None
+    metrics.promise_unchecked = unseen
     for key, m in models.items():
         if key in floats:
             continue
-        custom = CustomScore(models["float"]["custom_metric"], m["custom_metric"]) if budget.metric == "custom" \
-            else None
+        custom = CustomScore(models["float"].custom_metric, m.custom_metric) if budget.metric == "custom" else None
         # judged on the value over the evaluation data (ModelScores keep no per-sample values here)
         s = scores[key].scores()
         v = budget.judge(s, float_top1, custom, where="evaluation samples")
         fid = fidelity.get(key)
-        m["budget"] = v.to_dict()
-        m["kernel_fidelity"] = fid.to_dict() if fid is not None else None
+        m.budget, m.kernel_fidelity = v, fid
         broken = None
         if unseen is None:
-            m["promise"], broken = Promise.of(key, ctx).check(v, s.samples, m["label"])
+            m.promise, broken = Promise.of(key, ctx).check(v, s.samples, m.label)
         if not v.ok:
             cause = _cause(fid, facts, decisions)
             # one line per model: a broken promise says it misses the budget, with the holdout it passed
-            miss = broken or f"{m['label']} model misses the accuracy budget: {v.what}"
-            m["over_budget"] = miss + (f"; {cause}" if cause else "")
-            flagged.append(m["over_budget"])
+            miss = broken or f"{m.label} model misses the accuracy budget: {v.what}"
+            m.over_budget = miss + (f"; {cause}" if cause else "")
+            flagged.append(m.over_budget)
     for line in flagged:
         log.warning("%s", line)
-    metrics["over_budget"] = flagged
+    metrics.over_budget = flagged
 
 
-def _facts(metrics: dict[str, Any], budget: AccuracyBudget, decisions: QuantizeDecisions) -> CpuFacts:
+def _facts(metrics: EvaluateMetrics, budget: AccuracyBudget, decisions: QuantizeDecisions) -> CpuFacts:
     """The machine, the quantization decisions and the budget into ``metrics``; the CPU's facts."""
     facts = cpu_facts()
-    metrics["machine"] = {"cpu": facts.to_dict(), "cpu_line": describe(facts),
-                          "quantized_on": decisions.cpu.brand if decisions.cpu else None}
-    metrics["quantization"] = {
-        "weight_range": decisions.weight_range, "weight_range_reason": decisions.weight_range_reason,
-        "float_nodes": decisions.float_nodes, "budget": decisions.budget, "transforms": [t.to_dict() for t in decisions.transforms or []],
-        "bias_correction": decisions.bias_correction.to_dict() if decisions.bias_correction else None, "fidelity_culprits": decisions.fidelity_culprits,
-        "body_nodes": decisions.body_nodes}
-    metrics["budget"] = budget.describe()
+    metrics.machine = MachineSummary(facts, describe(facts), decisions.cpu.brand if decisions.cpu else None)
+    metrics.quantization = QuantizationSummary(
+        decisions.weight_range.value, decisions.weight_range_reason, list(decisions.float_nodes or []), decisions.budget,
+        decisions.transforms, decisions.bias_correction, decisions.fidelity_culprits, decisions.body_nodes)
+    metrics.budget = budget.describe()
     if budget.metric == "custom":
-        metrics["custom_metric"] = {"name": metric_name(budget.custom_metric), "path": budget.custom_metric,
-                                    "relative": budget.relative,
-                                    "scores": {k: m["custom_metric"] for k, m in metrics["models"].items()}}
+        metrics.custom_metric = CustomMetricSummary(
+            metric_name(budget.custom_metric), str(budget.custom_metric), bool(budget.relative),
+            {k: m.custom_metric for k, m in metrics.models.items()})
     return facts
 
 
-def _cause(fid: Any, facts: CpuFacts, decisions: QuantizeDecisions) -> str:
+def _cause(fid: FidelityResult | None, facts: CpuFacts, decisions: QuantizeDecisions) -> str:
     """The likely cause of a model over budget: its kernels' fidelity here, or another CPU."""
     if fid is not None and fid.checked and not fid.ok:
         cause = f"likely cause: {fid.reason} on {describe(facts)}"

@@ -56,7 +56,7 @@ def test_module_and_dataloader_run_skip_and_rerun_on_new_weights(tmp_path):
     tuned = manifest["stages"]["autotune"]["metrics"]
     assert first.speedup == tuned["speedup"] > 0
     assert first.accuracy == tuned["accuracy"]["final"]["what"] and first.accuracy_ok is tuned["accuracy"]["final"]["ok"]
-    assert first.metrics["evaluate"]["data"]["labelled"] and first.metrics["evaluate"]["data"]["samples"] == 64
+    assert first.evaluation.data.labelled and first.evaluation.data.samples == 64
     for f in (".hydra/config.yaml", ".hydra/overrides.yaml", "tune.log", "evaluate/report.md"):
         assert (rd / f).is_file(), f
     assert "The model and data came from a Python session" in (rd / "evaluate" / "report.md").read_text()

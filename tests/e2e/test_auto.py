@@ -117,8 +117,8 @@ def test_a_float_faster_than_every_shipped_model_ships_and_the_later_stages_run_
                                                                                     monkeypatch):
     """Timings faked so that OpenVINO's float beats every shipped model: the top level ships the exported float
     with that float's settings, gen_trt_engine deploys it and evaluate and the API run it."""
-    from pipeline.app import auto
     from pipeline.api import tune
+    from pipeline.app import auto
     from pipeline.backends.base import Timing
 
     def timed(pairs, **_):

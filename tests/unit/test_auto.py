@@ -25,7 +25,7 @@ def _choice() -> RuntimeChoice:
     rows = [RuntimeRow("onnxruntime", "ptq", "FP32", "SNR 40 dB", p10_ms=1.5, float_p10_ms=2.0),
             RuntimeRow("openvino", "tuned", "BF16", "SNR 38 dB", p10_ms=1.0, float_p10_ms=1.2),
             RuntimeRow("tensorrt_rtx", "float", "FP16", "", error="no GPU")]
-    contenders = [c for r, same in zip(rows, (True, False, False)) for c in r.contenders(False, same)]
+    contenders = [c for r, same in zip(rows, (True, False, False), strict=True) for c in r.contenders(False, same)]
     contenders.sort(key=lambda c: c.p10_ms)
     choice = RuntimeChoice("k", "onnxruntime FP32 float", 2.0, "openvino", rows, {"trtexec": "not on PATH"},
                            contenders=contenders)
@@ -46,9 +46,9 @@ def _timing(ms: float | None):
     return Timing(median_ms=ms, p10_ms=ms, n=8) if ms is not None else Timing.failed("auto", "crashed")
 
 
-def _decided(tmp_path, *timed):
-    """_decide over fake timings of two runtimes (float ms, shipped ms, float is shipped, float is reference)."""
-    from pipeline.app.auto import TimedRuntime, _decide
+def decided(tmp_path, *timed):
+    """decide over fake timings of two runtimes (float ms, shipped ms, float is shipped, float is reference)."""
+    from pipeline.app.auto import TimedRuntime, decide
     from pipeline.backends import create_backend
 
     ort = create_backend(compose(["backend=onnxruntime"]).backend)
@@ -56,11 +56,11 @@ def _decided(tmp_path, *timed):
                "float_baseline": {"precision": "FP32", "default": "BF16"}}
     shipped = {"onnxruntime": (ort, tmp_path / "a.onnx", metrics), "openvino": (ort, tmp_path / "b.onnx", metrics)}
     runs = [TimedRuntime(_timing(f), _timing(s), same, ref) for f, s, same, ref in timed]
-    return _decide("k", tmp_path / "choice.json", ort, _timing(2.0), runs, shipped, {})
+    return decide("k", tmp_path / "choice.json", ort, _timing(2.0), runs, shipped, {})
 
 
 def test_a_runtime_float_faster_than_every_shipped_model_ships(tmp_path):
-    choice = _decided(tmp_path, (2.0, 1.5, False, True), (0.9, 1.0, False, False))
+    choice = decided(tmp_path, (2.0, 1.5, False, True), (0.9, 1.0, False, False))
     assert (choice.winner, choice.ships) == ("openvino", "float")
     assert choice.row("openvino").float_precision == "FP32"  # its autotune's float baseline, not its default
     assert choice.headline.startswith("ships openvino (FP32 float): 2.22x the onnxruntime FP32 float, 1.11x the next")
@@ -68,11 +68,11 @@ def test_a_runtime_float_faster_than_every_shipped_model_ships(tmp_path):
 
 
 def test_a_tie_ships_the_tuned_model_and_one_deployment_is_one_contender(tmp_path):
-    choice = _decided(tmp_path, (2.0, 1.5, False, True), (1.0, 1.0, False, False))
+    choice = decided(tmp_path, (2.0, 1.5, False, True), (1.0, 1.0, False, False))
     assert (choice.winner, choice.ships) == ("openvino", "shipped")
-    same = _decided(tmp_path, (2.0, 1.5, False, True), (1.0, 1.0, True, False))
+    same = decided(tmp_path, (2.0, 1.5, False, True), (1.0, 1.0, True, False))
     assert [c.describe() for c in same.contenders] == ["openvino (tuned)", "onnxruntime (tuned)"]
-    failed = _decided(tmp_path, (2.0, None, False, True), (1.2, 1.0, False, False))
+    failed = decided(tmp_path, (2.0, None, False, True), (1.2, 1.0, False, False))
     assert [c.describe() for c in failed.contenders] == ["openvino (tuned)", "openvino (FP32 float)"]
     assert "onnxruntime left out" not in failed.headline and failed.row("onnxruntime").error == "crashed"
 

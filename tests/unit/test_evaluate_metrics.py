@@ -117,6 +117,9 @@ def test_model_scores_without_labels_or_enough_classes():
 
 
 def test_headline_and_report_text():
+    from pipeline.accuracy.evaluation import EvaluateMetrics
+    from pipeline.accuracy.metrics import json_safe
+    from pipeline.errors import StateError
     from tasks.evaluate.report import markdown
     from tasks.evaluate.stage import headline
 
@@ -136,10 +139,18 @@ def test_headline_and_report_text():
         "duplicates": [{"model": "autotuned", "file": "autotune/optimized_final.onnx", "identical_to": "ptq"}],
         "reproduce": {"full": "tune stages=[export,evaluate]", "evaluate_only": "tune stages=[evaluate]"},
     }
-    assert headline(metrics) == "float 97.0% 2 ms | ptq 96.8% 2.00x (p10 2.00x)"
-    text = markdown(metrics)
+    record = EvaluateMetrics.from_dict(metrics)
+    assert headline(record) == "float 97.0% 2 ms | ptq 96.8% 2.00x (p10 2.00x)"
+    text = markdown(record)
     assert "| PTQ | `quantize/quantized_model.onnx` | 96.80% | 100.00% | 99.00% | 0.99900 | 25.3 |" in text
     assert "byte-identical to the PTQ model" in text and "FP32 float model on onnxruntime" in text
+    # the record is metrics.json: what it writes reads back as the same record, and the report is the same
+    written = json.loads(json.dumps(json_safe(record.to_dict())))
+    again = EvaluateMetrics.from_dict(written)
+    assert json_safe(again.to_dict()) == written and markdown(again) == text
+    assert record.models["ptq"].latency_ms.p10 == 0.95 and record.duplicates[0].identical_to == "ptq"
+    with pytest.raises(StateError, match=r"^evaluate/metrics.json has an unknown layout \(KeyError: 'models'\)"):
+        EvaluateMetrics.from_dict({k: v for k, v in metrics.items() if k != "models"})
 
 
 # --------------------------------------------------------------------------- interleaved timing of prepared models
@@ -204,6 +215,7 @@ def test_the_shipped_model_is_named_as_autotune_names_it(tmp_path):
     a quantized-looking file without Q/DQ is the float model, and a float-only run names none."""
     import onnx
 
+    from pipeline.accuracy.evaluation import Duplicate
     from tasks.evaluate.stage import EvaluatedModel, EvaluationPlan, shipped_model
     from tests import models
     from tests.helpers import qdq_conv_chain
@@ -221,5 +233,5 @@ def test_the_shipped_model_is_named_as_autotune_names_it(tmp_path):
     assert shipped_model(plan([("float", flt, "a"), ("ptq", q, "b"), ("autotuned", q, "b")])) == "ptq"
     assert shipped_model(plan([("float", flt, "a"), ("ptq", q, "b"), ("autotuned", q, "c")])) == "autotuned"
     assert shipped_model(plan([("float", flt, "a"), ("ptq", q, "b")],
-                         [{"model": "autotuned", "file": "x", "identical_to": "float"}])) == "float"
+                         [Duplicate("autotuned", "x", "float")])) == "float"
     assert shipped_model(plan([("float", flt, "a"), ("autotuned", flt, "c")])) == "float"  # no Q/DQ in it

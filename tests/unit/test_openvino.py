@@ -114,12 +114,12 @@ def test_the_float_baseline_is_openvinos_default_unless_it_misses_the_budget_the
 
     kept, choice = float_baseline(backend, path, holdout, AccuracyBudget(metric="snr", min_snr_db=20))
     assert kept is backend and (choice.precision, choice.default, choice.note) == (default, default, "")
-    assert choice.verdict["ok"]
+    assert choice.verdict.ok
 
     strict = AccuracyBudget(metric="snr", min_snr_db=200)  # no float below FP32 is this close to FP32
     switched, choice = float_baseline(backend, path, holdout, strict)
     assert (switched.float_precision(), choice.precision, choice.default) == ("FP32", "FP32", default)
-    assert not choice.verdict["ok"] and choice.note.startswith(f"{default} float misses the budget: ")
+    assert not choice.verdict.ok and choice.note.startswith(f"{default} float misses the budget: ")
     # f32 is in its own keys: the runtime search starts from it and "as deployed" keeps it
     assert base_settings(switched).to_dict()["INFERENCE_PRECISION_HINT"] == "f32"
     assert switched.as_deployed().float_precision() == "FP32"
@@ -138,7 +138,7 @@ def test_the_float_baseline_is_fp32_where_the_default_float_is_clearly_slower(tm
     fastest, choice = float_baseline(backend, path, holdout, AccuracyBudget(metric="snr", min_snr_db=20))
     default = backend.float_precision()
     assert fastest.float_precision() == "FP32" and (choice.precision, choice.reason) == ("FP32", "is slower here")
-    assert choice.verdict["ok"] and choice.fp32_ratio == 0.8
+    assert choice.verdict.ok and choice.fp32_ratio == 0.8
     assert choice.note == f"{default} float is slower here: the FP32 float runs at 0.80x its latency"
 
 
@@ -158,6 +158,8 @@ def test_evaluate_follows_autotunes_fp32_baseline_only_where_autotune_judged_thi
         manifest.stages["autotune"] = autotune
         return model_runtimes(SimpleNamespace(manifest=manifest), backend, None)
 
+    from pipeline.accuracy.evaluation import FloatBaseline
+
     fp32 = {"precision": "FP32", "default": default, "note": f"{default} float misses the budget: ..."}
     for kept in ({}, {"status": "done", "metrics": {"float_baseline": {"precision": default, "default": default}}},
                  {"status": "failed", "metrics": {"float_baseline": fp32}},  # not the models evaluated
@@ -168,7 +170,7 @@ def test_evaluate_follows_autotunes_fp32_baseline_only_where_autotune_judged_thi
     r = runtimes({"status": "done", "metrics": {"float_baseline": fp32}})
     assert (r.of("float").float_precision(), r.of("ptq").float_precision()) == ("FP32", "FP32")
     assert r.of("float_default").float_precision() == default and r.of("autotuned") is r.plain
-    assert r.extra_float == ("float_default", f"float ({default})") and r.choice == fp32
+    assert r.extra_float == ("float_default", f"float ({default})") and r.choice == FloatBaseline.from_dict(fp32)
 
 
 def test_the_float_baseline_choice_is_kept_for_a_resumed_run(tmp_path, monkeypatch):
