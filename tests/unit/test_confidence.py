@@ -173,7 +173,7 @@ def test_a_broken_promise_is_one_line_naming_both_verdicts():
     held = AccuracyVerdict(True, "cosine", "cosine 0.9931 (95% lower bound 0.9912, 32 held-out samples; min 0.99)")
     missed = AccuracyVerdict(False, "cosine", "cosine 0.9890 on output 'e' (64 evaluation samples; min 0.99)")
     record, flag = Promise("autotuned", held).check(missed, 64, "autotuned")
-    assert not record["evaluation_ok"] and record["holdout"]["what"] == held.what
+    assert not record.evaluation_ok and record.holdout.what == held.what
     assert flag.count("\n") == 0 and "passed the holdout (cosine 0.9931" in flag and "64 evaluation samples" in flag
     assert Promise("autotuned", held).check(held, 64, "autotuned")[1] is None
     assert Promise("ptq", None).check(missed, 64, "PTQ")[1] is None  # nothing was promised
