@@ -57,6 +57,7 @@ def feeds_for(key: str, root: Path) -> tuple[list[str], list[dict], list[dict]]:
     from pipeline.app.cli import open_dict_overrides
     from pipeline.data.adapters import DataProvider
     from pipeline.graph.model import input_specs, load_model
+    from pipeline.graph.weights import own_folder
     from tests.helpers import compose
 
     overrides = list(MODELS[key][0])
@@ -72,7 +73,8 @@ def feeds_for(key: str, root: Path) -> tuple[list[str], list[dict], list[dict]]:
     if err:
         raise SystemExit(f"{key}: export failed: {err}")
     cfg = compose(open_dict_overrides([*overrides, f"results_dir={rd}"]))
-    provider = DataProvider(cfg, input_specs(load_model(rd / "export" / "model.onnx")))
+    with own_folder():  # its weights' hard links gone after: onnx.load (NNCF's peer) refuses linked data files
+        provider = DataProvider(cfg, input_specs(load_model(rd / "export" / "model.onnx")))
     calib = [b.feeds for b in provider.batches("calibration", CALIB + HOLDOUT)]
     scored = [b.feeds for b in provider.batches("evaluation", SCORED)]
     return overrides, calib, scored

@@ -81,8 +81,10 @@ def bench(key: str, root: Path, rounds: int, runs: int) -> list[dict]:
     float_path = ours["auto"][0] / "export" / "model.onnx"
     # the exported model's inputs only (export binds model.fixed_inputs, e.g. silero-vad's sample rate)
     from pipeline.graph.model import input_specs, load_model
+    from pipeline.graph.weights import own_folder
 
-    names = {s.name for s in input_specs(load_model(float_path, check=False))}
+    with own_folder():  # its weights' hard links gone after: onnx.load (NNCF's peer) refuses linked data files
+        names = {s.name for s in input_specs(load_model(float_path, check=False))}
     calib_hold = [{k: v for k, v in f.items() if k in names} for f in calib_hold]
     scored = [{k: v for k, v in f.items() if k in names} for f in scored]
     b = backends()
