@@ -149,6 +149,7 @@ def test_a_float_faster_than_every_shipped_model_ships_and_the_later_stages_run_
     metrics = json.loads((rd / "evaluate" / "metrics.json").read_text())
     assert metrics["shipped"] == "float" or "autotuned" not in metrics["models"], metrics.get("shipped")
     assert result.runtime == "openvino" and len(result.load()(fixed_feeds_of(residual_models["tiny"]))) == 1
+    assert result.model == rd / "export" / "model.onnx" and result.speedup == 1.0  # the float, against itself
 
 
 def fixed_feeds_of(path):
