@@ -19,6 +19,7 @@ from pipeline.accuracy.cpu import CpuFacts
 from pipeline.accuracy.decisions import BiasCorrection
 from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.accuracy.scores import Scores
+from pipeline.backends.base import Timing
 from pipeline.errors import StateError, first_line
 from pipeline.runtime_choice import ModelSummary, RuntimeEvaluation
 from pipeline.transforms.record import TransformRecord
@@ -64,6 +65,10 @@ class ModelLatency:
     p90: float
     minimum: float
     samples: int
+
+    @classmethod
+    def from_timing(cls, t: Timing) -> ModelLatency:
+        return cls(t.median_ms, t.p10_ms, t.p90_ms, t.min_ms, t.n)
 
     def to_dict(self) -> dict[str, Any]:
         return {"median": self.median, "p10": self.p10, "p90": self.p90, "min": self.minimum, "samples": self.samples}

@@ -27,7 +27,7 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
-from pipeline.accuracy.evaluation import EvaluateMetrics, runtime_evaluation
+from pipeline.accuracy.evaluation import EvaluateMetrics, FloatBaseline, runtime_evaluation
 from pipeline.app.scope import run_scope
 from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
 from pipeline.backends import Backend, auto_runtimes, create_backend
@@ -266,9 +266,15 @@ def float_deployment(run: RuntimeRun, metrics: dict[str, Any]) -> Backend:
     chose (``float_baseline``: FP32 where its own precision misses the budget or runs slower), within
     the budget either way. Its settings say that precision, so shipping it ships the precision too."""
     backend = create_backend(run.cfg.backend).as_deployed()
-    chosen = (metrics.get("float_baseline") or {}).get("precision")
-    fp32 = backend.fp32_variant() if chosen == "FP32" else None
+    chosen = float_baseline(metrics)
+    fp32 = backend.fp32_variant() if chosen is not None and chosen.precision == "FP32" else None
     return fp32 or backend
+
+
+def float_baseline(metrics: dict[str, Any]) -> FloatBaseline | None:
+    """The float baseline a runtime's autotune chose (its metrics' ``float_baseline``), if it recorded one."""
+    recorded = metrics.get("float_baseline")
+    return FloatBaseline.from_dict(recorded) if recorded else None
 
 
 @dataclass(frozen=True)
@@ -335,7 +341,8 @@ def decide(key: str, path: Path, reference: Backend, ref_t: Timing, timed: list[
 
 def float_precision(metrics: dict[str, Any], backend: Backend) -> str:
     """The precision of the runtime's float baseline: its autotune's choice, else the runtime's own."""
-    return str((metrics.get("float_baseline") or {}).get("precision") or backend.float_precision())
+    chosen = float_baseline(metrics)
+    return chosen.precision if chosen is not None else backend.float_precision()
 
 
 def _publish(top: Path, winner: RuntimeRun, choice: RuntimeChoice | None) -> None:
@@ -375,8 +382,8 @@ def _ship_float(manifest: Manifest, winner: RuntimeRun, outputs: dict[str, Any],
         outputs.pop(kind.artifact, None)
         if backend.settings is not None:
             outputs[kind.artifact] = manifest.describe_file(backend.settings.save(top / kind.artifact))
-    baseline = metrics.get("float_baseline") or {}
-    judged = baseline.get("verdict") if baseline.get("precision") == baseline.get("default") else None
+    chosen = float_baseline(metrics)
+    judged = chosen.verdict if chosen is not None and chosen.precision == chosen.default else None
     return {**metrics, "shipped": "float", "shipped_reason": "auto: its float ran faster than its shipped model",
             "final_ms": metrics.get("baseline_ms"), "speedup": 1.0,
-            "accuracy": {**(metrics.get("accuracy") or {}), "final": judged}}
+            "accuracy": {**(metrics.get("accuracy") or {}), "final": judged.to_dict() if judged is not None else None}}

@@ -47,12 +47,7 @@ class LatencyRun:
             fp32, own = own, self.timings["float_default"]
         other = fp32 is not None and fp32.ok and own is not None and own.p10_ms > 0
         return LatencySummary(self.rounds, self.runs_per_round, self.warmup_runs, self.spread, self.warning,
-                              model_latency(fp32) if other else None, fp32.p10_ms / own.p10_ms if other else None)
-
-
-def model_latency(t: Timing) -> ModelLatency:
-    """A model's times of the interleaved run, as metrics.json keeps them."""
-    return ModelLatency(t.median_ms, t.p10_ms, t.p90_ms, t.min_ms, t.n)
+                              ModelLatency.from_timing(fp32) if other else None, fp32.p10_ms / own.p10_ms if other else None)
 
 
 def same_session(m: ModelMetrics, latency: LatencyRun, settings: Any, backend: Backend) -> None:

@@ -28,6 +28,7 @@ from pipeline.accuracy.evaluation import (
     Duplicate,
     EvaluateMetrics,
     FloatBaseline,
+    ModelLatency,
     ModelMetrics,
     Reproduce,
     SensitiveNode,
@@ -46,7 +47,7 @@ from pipeline.progress import progress_bar
 from pipeline.runtime_choice import CHOICE, RuntimeChoice
 from pipeline.stage import Stage, StageContext, StageResult
 from tasks.evaluate._custom import CustomScores
-from tasks.evaluate._latency import LatencyRun, model_latency, same_session
+from tasks.evaluate._latency import LatencyRun, same_session
 from tasks.evaluate._runtimes import runtimes_metrics
 from tasks.evaluate.report import backend_text, reproduce_commands
 from tasks.evaluate.verdicts import judge_models
@@ -412,7 +413,7 @@ def _model_metrics(evaluated: list[EvaluatedModel], measured: Measurements) -> d
         m = ModelMetrics(c.label, c.artifact, scores.scores(), c.sha256, scores.custom)
         if latency is not None:
             base, t = latency.timings["float"], latency.timings[c.key]
-            m.latency_ms = model_latency(t)
+            m.latency_ms = ModelLatency.from_timing(t)
             m.speedup = base.median_ms / t.median_ms if t.median_ms > 0 else None
             m.speedup_p10 = base.p10_ms / t.p10_ms if t.p10_ms > 0 else None
         models[c.key] = m
