@@ -17,7 +17,6 @@ run on the winner.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -239,26 +238,10 @@ def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[s
     ref_slot = compare.slot(reference, float_path)
     slots = [(compare.slot(float_deployment(r, shipped[r.name][2]), float_path),
               compare.slot(shipped[r.name][0], shipped[r.name][1])) for r in runs]
-    timings = compare_pairs(compare.pairs, rounds=8, runs_per_round=runs_per_block(cfg, shipped),
+    timings = compare_pairs(compare.pairs, rounds=8, runs_per_round=max(2, int(cfg.backend.timing_runs) // 8),
                             warmup_runs=int(cfg.backend.warmup_runs), name="auto")
     timed = [TimedRuntime(timings[f], timings[s], f == s, f == ref_slot) for f, s in slots]
     return decide(key, path, reference, timings[ref_slot], timed, shipped, left_out)
-
-
-# each timed block of the final comparison lasts at least this long: blocks of a few runs of a model that
-# takes a tenth of a millisecond measure the switch between runtimes' worker threads, not the model
-MIN_BLOCK_MS = 10.0
-
-
-def runs_per_block(cfg: DictConfig, shipped: dict[str, tuple[Backend, Path, dict[str, Any]]]) -> int:
-    """Timed runs per model and round: ``backend.timing_runs`` over the 8 rounds, and enough for the fastest
-    latency any runtime's autotune measured (its ``final_ms``, ``baseline_ms``) to fill MIN_BLOCK_MS."""
-    runs = max(2, int(cfg.backend.timing_runs) // 8)
-    measured = [float(v) for _, _, m in shipped.values() for k in ("final_ms", "baseline_ms")
-                if isinstance(v := m.get(k), (int, float)) and v > 0]
-    if measured:
-        runs = max(runs, min(1000, math.ceil(MIN_BLOCK_MS / min(measured))))
-    return runs
 
 
 def float_deployment(run: RuntimeRun, metrics: dict[str, Any]) -> Backend:

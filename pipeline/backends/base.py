@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -364,18 +365,33 @@ def compare_pairs(models: list[tuple[Backend, str | Path]], rounds: int, runs_pe
                 for pm, e in zip(prepared, errors, strict=True)]
 
 
+# a timed block lasts at least this long: blocks of a few runs of a model that takes a tenth of a
+# millisecond measure the switch between models (the other one's worker threads), not the model
+MIN_BLOCK_MS = 10.0
+# and has at most this many runs
+MAX_BLOCK_RUNS = 1000
+
+
 @dataclass(frozen=True)
 class TimingPlan:
     """How ``time_interleaved`` times its models: ``rounds`` rounds of ``runs_per_round`` timed runs per
     model, after ``warmup_runs`` untimed ones per model. ``stop_on_error`` ends the timing at the first
     failure (a paired comparison is void once either side fails); ``until`` (given the blocks so far)
-    ends it after any complete round, before ``rounds``."""
+    ends it after any complete round, before ``rounds``. Every block has the same number of runs, more
+    than ``runs_per_round`` where the fastest model needs them to fill ``min_block_ms``."""
 
     rounds: int
     runs_per_round: int
     warmup_runs: int = 0
     stop_on_error: bool = False
     until: Callable[[list[list[list[float]]]], bool] | None = None
+    min_block_ms: float = MIN_BLOCK_MS
+
+    def block_runs(self, fastest_ms: float) -> int:
+        """Timed runs per block for models whose fastest run takes ``fastest_ms``."""
+        if not (math.isfinite(fastest_ms) and fastest_ms > 0 and self.min_block_ms > 0):
+            return self.runs_per_round
+        return max(self.runs_per_round, min(MAX_BLOCK_RUNS, math.ceil(self.min_block_ms / fastest_ms)))
 
 
 def time_interleaved(prepared: list[PreparedModel | None], plan: TimingPlan, errors: list[str | None] | None = None,
@@ -383,10 +399,10 @@ def time_interleaved(prepared: list[PreparedModel | None], plan: TimingPlan, err
     """Time prepared models in alternating blocks by ``plan``: per model, one list of run times per
     round, and its error (None models, and models in ``errors`` with an error already, are skipped).
 
-    Each model is warmed up once (``plan.warmup_runs``); each round times every model for
-    ``plan.runs_per_round`` runs after ``settle_runs`` untimed ones (the previous model's worker threads
-    slow the first runs after a switch). A model whose runs raise keeps its error and drops out; the others
-    go on, unless ``plan.stop_on_error``.
+    Each model is warmed up once (``plan.warmup_runs``, at least one run); each round times every model
+    for ``plan.block_runs`` of the fastest warm-up run, after ``settle_runs`` untimed ones (the previous
+    model's worker threads slow the first runs after a switch). A model whose runs raise keeps its error
+    and drops out; the others go on, unless ``plan.stop_on_error``.
     """
     n = len(prepared)
     blocks: list[list[list[float]]] = [[] for _ in prepared]
@@ -399,14 +415,16 @@ def time_interleaved(prepared: list[PreparedModel | None], plan: TimingPlan, err
         log.debug("timing model %d of %d failed", i + 1, n, exc_info=True)
         errors[i] = f"{type(exc).__name__}: {exc}"
 
+    warm: list[float] = []
     for i, pm in enumerate(prepared):
-        if plan.warmup_runs and errors[i] is None:
+        if errors[i] is None:
             try:
-                pm.time_runs(plan.warmup_runs)  # type: ignore[union-attr]
+                warm.append(min(pm.time_runs(max(1, plan.warmup_runs))))  # type: ignore[union-attr]
             except Exception as exc:  # noqa: BLE001 - reported as a failed measurement
                 fail(i, exc)
                 if plan.stop_on_error:
                     return blocks, errors
+    runs = plan.block_runs(min(warm, default=math.nan))
     settle = max([getattr(pm, "settle_runs", 1) for pm in prepared if pm is not None] or [1])
     settle_s = max([getattr(pm, "settle_seconds", 0.0) for pm in prepared if pm is not None] or [0.0])
     for r in range(plan.rounds):
@@ -418,7 +436,7 @@ def time_interleaved(prepared: list[PreparedModel | None], plan: TimingPlan, err
             pm = prepared[i]
             try:
                 _settle(pm, settle, settle_s)
-                blocks[i].append(pm.time_runs(plan.runs_per_round))  # type: ignore[union-attr]
+                blocks[i].append(pm.time_runs(runs))  # type: ignore[union-attr]
             except Exception as exc:  # noqa: BLE001 - reported as a failed measurement
                 fail(i, exc)
                 if plan.stop_on_error:

@@ -202,8 +202,10 @@ def compare_profiled(backend: Backend, paths: list[Path], rounds: int, runs_per_
                      warmup_runs: int) -> list[ProfiledTiming]:
     """``time_interleaved`` over models prepared with per-layer profiling (the first is the reference)."""
     with prepared_models(backend, paths, profile=True) as (prepared, errors):
-        # a warm-up call always: _round_compute reads the profile's calls as warm-up, then switch + block
-        blocks, errors = time_interleaved(prepared, TimingPlan(rounds, runs_per_round, max(1, warmup_runs)), errors)
+        # a warm-up call always: _round_compute reads the profile's calls as warm-up, then switch + block;
+        # blocks as asked: a profiler keeps every run's layer events (ONNX Runtime's drops them past its buffer)
+        blocks, errors = time_interleaved(prepared, TimingPlan(rounds, runs_per_round, max(1, warmup_runs),
+                                                               min_block_ms=0.0), errors)
         computes = [_round_compute(pm) if pm is not None and e is None else None
                     for pm, e in zip(prepared, errors, strict=True)]
     totals = [[min(b) for b in bl] for bl in blocks]

@@ -124,16 +124,3 @@ def test_the_final_comparison_times_each_deployment_once(tmp_path):
     assert compare.slot(fp32, path) != ref and len(compare.pairs) == 2
     other = models.save(models.conv_chain(seed=3), tmp_path, "other")
     assert compare.slot(ort_backend.as_deployed(), other) == 2
-
-
-def test_the_final_comparison_times_blocks_long_enough_for_the_fastest_model():
-    """Blocks of a few runs of a 0.05 ms model time the switch between runtimes, not the model: each block
-    runs at least MIN_BLOCK_MS of the fastest latency the runtimes' autotunes measured."""
-    from pipeline.app.auto import MIN_BLOCK_MS, runs_per_block
-
-    cfg = compose(["backend=auto", "backend.timing_runs=48"])
-    at = {"ort": (None, None, {"final_ms": 0.05, "baseline_ms": 0.08}), "ov": (None, None, {"final_ms": None})}
-    assert runs_per_block(cfg, at) == round(MIN_BLOCK_MS / 0.05)
-    assert runs_per_block(cfg, {"ort": (None, None, {"final_ms": 30.0, "baseline_ms": 40.0})}) == 6
-    assert runs_per_block(cfg, {"ort": (None, None, {})}) == 6  # nothing measured: timing_runs over 8 rounds
-    assert runs_per_block(cfg, {"ort": (None, None, {"final_ms": 1e-6})}) == 1000  # at most

@@ -177,14 +177,32 @@ def test_compare_prepared_rotates_and_fails_only_the_broken_model():
     from pipeline.backends.base import compare_prepared
 
     order: list[str] = []
-    a, b, c = (_FakePrepared(1.0, log=order, name="a"), _FakePrepared(2.0, fail_after=2, log=order, name="b"),
-               _FakePrepared(3.0, log=order, name="c"))
+    a, b, c = (_FakePrepared(5.0, log=order, name="a"), _FakePrepared(6.0, fail_after=3, log=order, name="b"),
+               _FakePrepared(7.0, log=order, name="c"))
     ta, tb, tc = compare_prepared("fake", [a, b, c], rounds=3, runs_per_round=4, warmup_runs=0)
-    assert ta.ok and tc.ok and ta.n == 12 and tc.median_ms == 3.0
+    assert ta.ok and tc.ok and ta.n == 12 and tc.median_ms == 7.0
     assert not tb.ok and "device lost" in tb.error
-    # each round starts one model later: a b c | b c a | c a (b has dropped out)
-    firsts = [order[i] for i in range(0, len(order), 2)]
+    # one warm-up run each (a b c), then each round starts one model later: a b c | b c a | c a (b has
+    # dropped out); each block is a settle call and a timed one
+    assert order[:3] == ["a", "b", "c"]
+    firsts = [order[i] for i in range(3, len(order), 2)]
     assert firsts[:3] == ["a", "b", "c"] and not any(m.closed for m in (a, b, c))  # the caller closes them
+
+
+def test_every_block_lasts_long_enough_for_the_fastest_model():
+    """Blocks of a few runs of a 0.05 ms model time the switch between models, not the model: every
+    block of an interleaved timing has the runs the fastest model needs to fill MIN_BLOCK_MS."""
+    from pipeline.backends.base import MAX_BLOCK_RUNS, MIN_BLOCK_MS, TimingPlan, time_interleaved
+
+    fast, slow = _FakePrepared(0.05), _FakePrepared(3.0)
+    blocks, errors = time_interleaved([fast, slow], TimingPlan(3, 6, warmup_runs=2))
+    assert errors == [None, None] and [len(b) for bl in blocks for b in bl] == [round(MIN_BLOCK_MS / 0.05)] * 6
+    blocks, _ = time_interleaved([_FakePrepared(30.0), slow], TimingPlan(2, 6))  # long enough already
+    assert [len(b) for bl in blocks for b in bl] == [6] * 4
+    blocks, _ = time_interleaved([_FakePrepared(1e-6)], TimingPlan(1, 6))
+    assert len(blocks[0][0]) == MAX_BLOCK_RUNS
+    blocks, _ = time_interleaved([fast], TimingPlan(1, 6, min_block_ms=0.0))  # asked not to
+    assert len(blocks[0][0]) == 6
 
 
 def test_compare_interleaved_closes_what_it_prepared_on_interrupt(tmp_path):

@@ -64,7 +64,8 @@ def test_failed_measurement_is_not_infinite(tmp_path):
 def test_interleaved_compare(tiny_models):
     backend = create_backend(compose(["backend=onnxruntime", "backend.timing_runs=6", "backend.warmup_runs=1"]).backend)
     a, b = compare_interleaved(backend, [tiny_models["conv_chain"], tiny_models["attention_block"]], rounds=3)
-    assert a.ok and b.ok and a.n == 6 and b.n == 6
+    # 3 rounds of 2 runs at least; more where the faster model needs them to fill a block (MIN_BLOCK_MS)
+    assert a.ok and b.ok and a.n == b.n and a.n >= 6 and a.n % 3 == 0
     assert physical_cores() >= 1
 
 
