@@ -139,13 +139,19 @@ def _cosine(got: list[np.ndarray], want: list[np.ndarray]) -> float:
 
 def errors(pm, ref, feeds: list[dict], names: list[str], judged: str | None) -> str:
     """Relative L2 against ``ref`` (or the cosine of output ``judged``) over ``feeds``."""
+    return output_error([pm.run(f) for f in feeds], [ref.run(f) for f in feeds], names, judged)
+
+
+def output_error(got: list[list[np.ndarray]], want: list[list[np.ndarray]], names: list[str],
+                 judged: str | None) -> str:
+    """``errors`` of outputs already computed: per feed, every output of the model and of the reference."""
     if judged is not None:
         k = names.index(judged)
-        cos = [_cosine([pm.run(f)[k]], [ref.run(f)[k]]) for f in feeds]
+        cos = [_cosine([g[k]], [w[k]]) for g, w in zip(got, want, strict=True)]
         return f"cosine {np.mean(cos):.4f} (min {np.min(cos):.4f})"
     num = den = 0.0
-    for f in feeds:
-        for g, w in zip(pm.run(f), ref.run(f), strict=True):
+    for gs, ws in zip(got, want, strict=True):
+        for g, w in zip(gs, ws, strict=True):
             num += float(np.sum((np.asarray(g, np.float64) - w) ** 2))
             den += float(np.sum(np.asarray(w, np.float64) ** 2))
     return f"rel. L2 {np.sqrt(num / max(den, 1e-30)):.4f}"

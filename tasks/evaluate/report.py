@@ -259,6 +259,10 @@ def _machine(metrics: EvaluateMetrics) -> list[str]:
                                                     else "exact (int32 dot-product instructions)."))
     if q.weight_range:
         lines.append(f"Weight storage: {q.weight_range} ({q.weight_range_reason}).")
+        if q.weight_range == "full" and sat is False:
+            lines.append("These full-range int8 weights are exact on CPUs with VNNI or AMX only: where u8 x s8 "
+                         "kernels saturate (AVX2 without VNNI) they may lose accuracy. For such a target, tune "
+                         "on it or pin its kind here (`QDQ_TUNE_CPU_FLAGS=avx2`).")
     if mach.quantized_on and mach.quantized_on != mach.cpu.brand:
         lines.append(f"Quantized on a different CPU: {mach.quantized_on}.")
     lines += _accuracy_steps(q)

@@ -116,15 +116,10 @@ def test_model_scores_without_labels_or_enough_classes():
     assert s.result()["top1"] == 1.0 and "top5" not in s.result()
 
 
-def test_headline_and_report_text():
-    from pipeline.accuracy.evaluation import EvaluateMetrics
-    from pipeline.accuracy.metrics import json_safe
-    from pipeline.errors import StateError
-    from tasks.evaluate.report import markdown
-    from tasks.evaluate.stage import headline
-
+def _small_metrics() -> dict:
+    """evaluate's metrics.json of a float and a PTQ model (the autotuned one identical to PTQ)."""
     lat = {"median": 2.0, "p10": 1.9, "p90": 2.2, "min": 1.8, "samples": 50}
-    metrics = {
+    return {
         "baseline": "FP32 float model on onnxruntime", "top_k": 5, "model_name": "m",
         "data": {"source": "digits", "samples": 10, "batches": 1, "batch_size": 16, "labelled": True},
         "latency": {"rounds": 5, "runs_per_round": 10, "warmup_runs": 10},
@@ -139,6 +134,16 @@ def test_headline_and_report_text():
         "duplicates": [{"model": "autotuned", "file": "autotune/optimized_final.onnx", "identical_to": "ptq"}],
         "reproduce": {"full": "tune stages=[export,evaluate]", "evaluate_only": "tune stages=[evaluate]"},
     }
+
+
+def test_headline_and_report_text():
+    from pipeline.accuracy.evaluation import EvaluateMetrics
+    from pipeline.accuracy.metrics import json_safe
+    from pipeline.errors import StateError
+    from tasks.evaluate.report import markdown
+    from tasks.evaluate.stage import headline
+
+    metrics = _small_metrics()
     record = EvaluateMetrics.from_dict(metrics)
     assert headline(record) == "float 97.0% 2 ms | ptq 96.8% 2.00x (p10 2.00x)"
     text = markdown(record)
@@ -253,3 +258,23 @@ def test_the_shipped_model_is_named_as_autotune_names_it(tmp_path):
     assert shipped_model(plan([("float", flt, "a"), ("ptq", q, "b")],
                          [Duplicate("autotuned", "x", "float")])) == "float"
     assert shipped_model(plan([("float", flt, "a"), ("autotuned", flt, "c")])) == "float"  # no Q/DQ in it
+
+
+def test_report_says_where_full_range_weights_stop_being_exact():
+    """Full-range int8 weights chosen on a CPU with exact u8 x s8 kernels may lose accuracy where those kernels
+    saturate: the report says so, and how to tune for such a target; quantized for a saturating CPU, it does not."""
+    from dataclasses import replace
+
+    from pipeline.accuracy.cpu import CpuFacts
+    from pipeline.accuracy.evaluation import EvaluateMetrics, MachineSummary, QuantizationSummary
+    from tasks.evaluate.report import markdown
+
+    record = EvaluateMetrics.from_dict(_small_metrics())
+    vnni = CpuFacts("x86_64", brand="Xeon", flags=("avx2", "avx512_vnni"), u8s8_saturates=False)
+    full = QuantizationSummary(weight_range="full", weight_range_reason="fused kernels agree with the Q/DQ reference")
+    text = markdown(replace(record, machine=MachineSummary(vnni, "Xeon"), quantization=full))
+    assert "exact on CPUs with VNNI or AMX only" in text and "QDQ_TUNE_CPU_FLAGS=avx2" in text
+    avx2 = replace(vnni, flags=("avx2",), u8s8_saturates=True)
+    reduced = replace(full, weight_range="reduced")
+    for machine, q in ((MachineSummary(avx2, "EPYC"), full), (MachineSummary(vnni, "Xeon"), reduced)):
+        assert "VNNI or AMX only" not in markdown(replace(record, machine=machine, quantization=q))
