@@ -75,6 +75,11 @@ def test_a_tie_ships_the_tuned_model_and_one_deployment_is_one_contender(tmp_pat
     failed = decided(tmp_path, (2.0, None, False, True), (1.2, 1.0, False, False))
     assert [c.describe() for c in failed.contenders] == ["openvino (tuned)", "openvino (FP32 float)"]
     assert "onnxruntime left out" not in failed.headline and failed.row("onnxruntime").error == "crashed"
+    # a runtime that ships its float with tuned settings: two floats of one runtime, told apart
+    row = RuntimeRow("openvino", "float", "BF16", "SNR 40 dB", p10_ms=1.0, float_p10_ms=1.1)
+    assert [c.describe() for c in row.contenders(False, False)] == ["openvino (float, tuned settings)",
+                                                                    "openvino (BF16 float)"]
+    assert [c.describe() for c in row.contenders(True, False)] == ["openvino (float)"]
 
 
 def test_the_choice_round_trips_and_a_foreign_file_is_one_line(tmp_path):
