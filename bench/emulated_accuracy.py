@@ -3,6 +3,9 @@ this machine (each single-runtime run's and auto's pick, with the settings each 
 `qemu-x86_64 -cpu Haswell`, where u8 x s8 int8 kernels saturate and there is no bf16; their outputs on the
 bench's unseen feeds against ONNX Runtime fp32 computed natively. Also the same models natively, in the
 same run, so the two columns differ only by the CPU. Emulated time means nothing: no timing here.
+Before any model, one-node float probes (MatMul, Tanh, ...) run on each runtime under the emulator: a
+runtime the emulator computes differently from this CPU gets "not a measurement" with the ops it got
+wrong, not an error figure.
 
 Each model runs in its own emulated process with one thread (qemu-user's multi-threaded guests are
 unreliable); that process prints the CPU the tool reads there (CPUID), so every row names its CPU.
@@ -66,6 +69,75 @@ def child(rd: Path, feeds: Path, out: Path) -> None:
                       "seconds": round(time.perf_counter() - t0, 1)}))
 
 
+# one-node float models the emulator must compute as this CPU does before its numbers mean anything
+# (qemu 7.2, the first release that emulates AVX2, miscomputes OpenVINO's AVX2 Tanh kernel)
+PROBE_OPS = ("MatMul", "Tanh", "Sigmoid", "Exp", "Erf", "Softmax")
+PROBE_TOLERANCE = 1e-4  # relative L2 against ONNX Runtime fp32 on this CPU
+
+
+def probe_models(folder: Path) -> tuple[list[Path], dict[str, np.ndarray]]:
+    """One float model per PROBE_OPS op, [64, 256] in and out, and their input."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array((rng.standard_normal((256, 256)) * 0.1).astype(np.float32), "w")
+    paths = []
+    for op in PROBE_OPS:
+        node = helper.make_node(op, ["x", "w"] if op == "MatMul" else ["x"], ["y"])
+        graph = helper.make_graph([node], op, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 256])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, 256])],
+                                  [w] if op == "MatMul" else [])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 8
+        paths.append(folder / f"probe_{op}.onnx")
+        onnx.save(model, str(paths[-1]))
+    return paths, {"x": (rng.standard_normal((64, 256)) * 2).astype(np.float32)}
+
+
+def probe_child(runtime: str, folder: Path, out: Path) -> None:
+    """Run every probe model in ``folder`` on ``runtime`` (one thread, as deployed); outputs to ``out``."""
+    from pipeline.backends import create_backend
+    from tests.helpers import compose
+
+    backend = one_thread(create_backend(compose([f"backend={runtime}"]).backend).fp32_variant()
+                         or create_backend(compose([f"backend={runtime}"]).backend))
+    feeds = dict(np.load(folder / "probe_input.npz"))
+    got = {}
+    for op in PROBE_OPS:
+        with backend.prepare(folder / f"probe_{op}.onnx") as pm:
+            got[op] = pm.run(feeds)[0]
+    np.savez(out, **got)
+
+
+def emulator_faults(runtimes: set[str], work: Path, timeout: float) -> dict[str, str]:
+    """Per runtime, why the emulator's numbers for it are not measurements (a probe op it computes
+    differently from this CPU, in FP32), or nothing."""
+    folder = work / "probes"
+    folder.mkdir(parents=True, exist_ok=True)
+    paths, feeds = probe_models(folder)
+    np.savez(folder / "probe_input.npz", **feeds)
+    ref = backends()["ort"]
+    want = {}
+    for op, path in zip(PROBE_OPS, paths, strict=True):
+        with ref.prepare(path) as pm:
+            want[op] = pm.run(feeds)[0]
+    faults = {}
+    for runtime in sorted(runtimes):
+        out = folder / f"{runtime}.npz"
+        proc = emulated([__file__, "--probe", runtime, str(folder), str(out)], timeout)
+        if proc.returncode != 0:
+            faults[runtime] = f"its probe models failed under the emulator (rc {proc.returncode})"
+            continue
+        with np.load(out) as z:
+            bad = {op: float(np.linalg.norm(z[op] - w) / np.linalg.norm(w)) for op, w in want.items()}
+        bad = {op: e for op, e in bad.items() if not e <= PROBE_TOLERANCE}
+        if bad:
+            faults[runtime] = ("the emulator computes its FP32 " + ", ".join(f"{op} (rel. L2 {e:.2g})" for op, e in bad.items())
+                               + " unlike this CPU")
+    return faults
+
+
 def read_outputs(path: Path, feeds: int, outputs: int) -> list[list[np.ndarray]]:
     with np.load(path) as z:
         return [[z[f"{i}_{k}"] for k in range(outputs)] for i in range(feeds)]
@@ -80,14 +152,14 @@ def emulated(args: list[str], timeout: float) -> subprocess.CompletedProcess:
                           env=env, timeout=timeout)
 
 
-def bench(key: str, root: Path, count: int, timeout: float) -> list[dict]:
+def bench(key: str, root: Path, count: int, timeout: float, names: list[str]) -> list[dict]:
     _, _, scored = feeds_for(key, root)
-    runs = {name: root / name for name in RUNS}
+    runs = {name: root / name for name in names}
     missing = [str(rd) for rd in runs.values() if not (rd / "manifest.json").exists()]
     if missing:
         raise SystemExit(f"{key}: no runtime_choice run in {missing[0]}; run bench/runtime_choice.py with "
                          f"--results-root {root.parent} first")
-    float_path = runs["auto"] / "export" / "model.onnx"
+    float_path = next(iter(runs.values())) / "export" / "model.onnx"
     work = root / "emulated"
     feed_dir = work / "feeds"
     if feed_dir.exists():
@@ -101,6 +173,7 @@ def bench(key: str, root: Path, count: int, timeout: float) -> list[dict]:
     for i, f in enumerate(feeds):
         np.savez(feed_dir / f"feed_{i:04d}.npz", **f)
     judged = MODELS[key][2]
+    faults = emulator_faults({shipped(rd)[2] for rd in runs.values()}, work, timeout)
     rows = []
     for name, rd in runs.items():
         backend, model, runtime = shipped(rd)
@@ -114,6 +187,8 @@ def bench(key: str, root: Path, count: int, timeout: float) -> list[dict]:
         else:
             info = json.loads(proc.stdout.strip().splitlines()[-1])
             row["emulated"] = output_error(read_outputs(out, len(feeds), info["outputs"]), want, names, judged)
+            if runtime in faults:
+                row["emulated"] = f"not a measurement ({row['emulated']}): {faults[runtime]}"
             row.update(emulated_cpu=info["cpu"], emulated_seconds=info["seconds"])
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -121,18 +196,20 @@ def bench(key: str, root: Path, count: int, timeout: float) -> list[dict]:
 
 
 def main() -> None:
-    if len(sys.argv) == 5 and sys.argv[1] == "--child":
-        child(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
+    if len(sys.argv) == 5 and sys.argv[1] in ("--child", "--probe"):
+        run = child if sys.argv[1] == "--child" else probe_child
+        run(sys.argv[2] if run is probe_child else Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", action="append", choices=sorted(MODELS), required=True)
     ap.add_argument("--results-root", required=True, type=Path, help="bench/runtime_choice.py's --results-root")
     ap.add_argument("--feeds", type=int, default=4, help="unseen feeds per model (emulation is slow)")
     ap.add_argument("--timeout", type=float, default=7200, help="seconds per emulated model")
+    ap.add_argument("--run", action="append", choices=RUNS, help="repeatable; default: every run")
     args = ap.parse_args()
     rows = []
     for key in args.model:
-        rows += bench(key, args.results_root / key, args.feeds, args.timeout)
+        rows += bench(key, args.results_root / key, args.feeds, args.timeout, args.run or list(RUNS))
     print("\n| model | run | ships | error, this CPU | error, emulated AVX2 | emulated CPU |")
     print("|---|---|---|---|---|---|")
     for r in rows:
