@@ -71,7 +71,7 @@ def child(rd: Path, feeds: Path, out: Path) -> None:
 
 # one-node float models the emulator must compute as this CPU does before its numbers mean anything
 # (qemu 7.2, the first release that emulates AVX2, miscomputes OpenVINO's AVX2 Tanh kernel)
-PROBE_OPS = ("MatMul", "Tanh", "Sigmoid", "Exp", "Erf", "Softmax")
+PROBE_OPS = ("MatMul", "Tanh", "Sigmoid", "HardSigmoid", "Exp", "Erf", "Softmax")
 PROBE_TOLERANCE = 1e-4  # relative L2 against ONNX Runtime fp32 on this CPU
 
 
