@@ -100,8 +100,8 @@ def probe_child(runtime: str, folder: Path, out: Path) -> None:
     from pipeline.backends import create_backend
     from tests.helpers import compose
 
-    backend = one_thread(create_backend(compose([f"backend={runtime}"]).backend).fp32_variant()
-                         or create_backend(compose([f"backend={runtime}"]).backend))
+    default = create_backend(compose([f"backend={runtime}"]).backend)
+    backend = one_thread(default.fp32_variant() or default)
     feeds = dict(np.load(folder / "probe_input.npz"))
     got = {}
     for op in PROBE_OPS:
