@@ -56,9 +56,29 @@ class Contender:
     what: str
     label: str  # "tuned", "ptq", "float" (what the runtime's own autotune shipped) or e.g. "BF16 float"
     p10_ms: float
+    # a float: the 95% interval of its latency over its runtime's shipped model's (per-round ratios)
+    interval: tuple[float, float] | None = None
+    # the latency it is ranked by: its p10, but a float not clearly faster than its runtime's shipped
+    # model ranks just behind that model (None: its p10)
+    rank_ms: float | None = None
 
     def describe(self) -> str:
         return f"{self.runtime} ({self.label})"
+
+    @property
+    def rank(self) -> float:
+        return self.p10_ms if self.rank_ms is None else self.rank_ms
+
+    @property
+    def held_back(self) -> bool:
+        """A float that ran faster than its runtime's shipped model here, but not clearly (its interval
+        reaches 1): it does not displace that model."""
+        return self.rank_ms is not None and self.rank_ms > self.p10_ms
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Contender:
+        interval = d.get("interval")
+        return cls(**{**d, "interval": tuple(interval) if interval is not None else None})
 
 
 @dataclass(frozen=True)
@@ -78,17 +98,23 @@ class RuntimeRow:
     def speedup(self, reference_ms: float) -> float | None:
         return reference_ms / self.p10_ms if self.p10_ms else None
 
-    def contenders(self, float_is_shipped: bool, float_is_reference: bool) -> list[Contender]:
+    def contenders(self, float_is_shipped: bool, float_is_reference: bool,
+                   float_interval: tuple[float, float] | None = None) -> list[Contender]:
         """What of this runtime can ship, as timed: its shipped model, and its float as deployed (within the
         budget by construction: the FP32 reference itself, or a lower precision its autotune held to the
-        budget), unless that float is its shipped deployment or the reference float (one timing, one entry)."""
+        budget), unless that float is its shipped deployment or the reference float (one timing, one entry).
+        The float ranks by its own latency only where ``float_interval`` (its latency over the shipped
+        model's, 95%) lies below 1; else just behind the shipped model, which its autotune chose."""
         out = []
         if self.p10_ms is not None:
             # a shipped float that is not the float baseline's deployment differs from it by its tuned settings
             label = "float, tuned settings" if self.shipped == "float" and not float_is_shipped else self.shipped
             out.append(Contender(self.runtime, SHIPPED, label, self.p10_ms))
         if self.float_p10_ms is not None and not float_is_shipped and not float_is_reference:
-            out.append(Contender(self.runtime, FLOAT, f"{self.float_precision} float", self.float_p10_ms))
+            clearly = self.p10_ms is None or (float_interval is not None and float_interval[1] < 1.0)
+            rank = self.float_p10_ms if clearly else max(self.float_p10_ms, self.p10_ms or 0.0)
+            out.append(Contender(self.runtime, FLOAT, f"{self.float_precision} float", self.float_p10_ms,
+                                 float_interval, rank if rank != self.float_p10_ms else None))
         return out
 
     @classmethod
@@ -123,7 +149,7 @@ class RuntimeChoice:
     def from_dict(cls, d: dict[str, Any]) -> RuntimeChoice:
         try:
             return cls(**{**d, "rows": [RuntimeRow.from_dict(r) for r in d["rows"]],
-                          "contenders": [Contender(**c) for c in d.get("contenders", [])]})
+                          "contenders": [Contender.from_dict(c) for c in d.get("contenders", [])]})
         except (TypeError, KeyError) as exc:
             raise StateError(f"{CHOICE} has an unknown layout ({first_line(exc)}); delete it to compare again") \
                 from None
@@ -138,9 +164,15 @@ def headline(choice: RuntimeChoice) -> str:
     ref = choice.reference_p10_ms
     best, *rest = choice.contenders
     text = f"ships {best.describe()}: {ref / best.p10_ms:.2f}x the {choice.reference}"
-    if rest:
+    if rest and not rest[0].held_back:
         text += f", {rest[0].p10_ms / best.p10_ms:.2f}x the next"
-    others = [f"{c.describe()} {ref / c.p10_ms:.2f}x" for c in rest]
+    others = [f"{c.describe()} {ref / c.p10_ms:.2f}x" + (_held_back(c) if c.held_back else "") for c in rest]
     others += [f"{r.runtime} not timed ({r.error})" for r in choice.rows if r.p10_ms is None]
     others += [f"{k} left out ({v})" for k, v in choice.left_out.items()]
     return text + (f"; {'; '.join(others)}" if others else "")
+
+
+def _held_back(c: Contender) -> str:
+    low, high = c.interval or (0.0, float("inf"))
+    return (f" (not clearly faster than {c.runtime}'s shipped model: {low:.2f}-{high:.2f}x its latency, 95%;"
+            f" a tie goes to the model its autotune chose)")

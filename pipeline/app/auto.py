@@ -6,7 +6,9 @@ there with that runtime's section as the backend (each resumable and skipped whe
 A runtime that cannot run here, or whose run fails, is reported in one line and left out. Then every
 runtime's shipped model (with the settings it ships with) and its float baseline as deployed are timed side
 by side with the reference float (ONNX Runtime FP32 where it is in the list) in one interleaved run, and the
-fastest of them ships: every shipped model already met the accuracy budget in its own autotune, and every
+fastest of them ships (a runtime's float displaces that runtime's shipped model only where its per-round
+ratios put it clearly ahead: the runtime's autotune chose the shipped model over it by its own paired
+measurements): every shipped model already met the accuracy budget in its own autotune, and every
 float baseline is within it (the FP32 reference, or a lower precision held to the budget). The choice is
 kept in autotune/runtime_choice.json with a fingerprint of what it compared, so a re-run with nothing
 changed does not time again; the top-level manifest's quantize and autotune entries point at the winner's
@@ -30,7 +32,8 @@ from pipeline.accuracy.evaluation import EvaluateMetrics, FloatBaseline, runtime
 from pipeline.app.scope import run_scope
 from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
 from pipeline.backends import Backend, auto_runtimes, create_backend
-from pipeline.backends.base import Timing, compare_pairs
+from pipeline.backends.base import Timing, TimingPlan, time_pairs
+from pipeline.backends.ratios import ratio_interval, round_ratios
 from pipeline.config import ordered_stages
 from pipeline.errors import BackendUnavailable, PipelineError, StateError, first_line
 from pipeline.quant.shared_stats import sharing
@@ -238,9 +241,11 @@ def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[s
     ref_slot = compare.slot(reference, float_path)
     slots = [(compare.slot(float_deployment(r, shipped[r.name][2]), float_path),
               compare.slot(shipped[r.name][0], shipped[r.name][1])) for r in runs]
-    timings = compare_pairs(compare.pairs, rounds=8, runs_per_round=max(2, int(cfg.backend.timing_runs) // 8),
-                            warmup_runs=int(cfg.backend.warmup_runs), name="auto")
-    timed = [TimedRuntime(timings[f], timings[s], f == s, f == ref_slot) for f, s in slots]
+    plan = TimingPlan(rounds=8, runs_per_round=max(2, int(cfg.backend.timing_runs) // 8),
+                      warmup_runs=int(cfg.backend.warmup_runs))
+    timings, blocks = time_pairs(compare.pairs, plan, name="auto")
+    timed = [TimedRuntime(timings[f], timings[s], f == s, f == ref_slot,
+                          ratio_interval(round_ratios(blocks[s], blocks[f])) if f != s else None) for f, s in slots]
     return decide(key, path, reference, timings[ref_slot], timed, shipped, left_out)
 
 
@@ -269,6 +274,8 @@ class TimedRuntime:
     ship_t: Timing
     float_is_shipped: bool
     float_is_reference: bool
+    # 95% interval of the float's latency over the shipped model's, from their per-round ratios
+    float_interval: tuple[float, float] | None = None
 
 
 class Comparison:
@@ -295,7 +302,9 @@ class Comparison:
 def decide(key: str, path: Path, reference: Backend, ref_t: Timing, timed: list[TimedRuntime],
             shipped: dict[str, tuple[Backend, Path, dict[str, Any]]], left_out: dict[str, str]) -> RuntimeChoice:
     """The choice from the reference float's timing and each runtime's timings: the fastest of every
-    runtime's shipped model and float baseline ships (a tie goes to the shipped model)."""
+    runtime's shipped model and float baseline ships. A float displaces its own runtime's shipped model
+    only when clearly faster (``Contender.rank_ms``): that runtime's autotune chose the shipped model over
+    it by its own paired measurements, and a tie goes to the shipped model."""
     if not ref_t.ok:
         raise PipelineError(f"backend=auto: the reference float did not run on {reference.name}: {ref_t.error}")
     rows, contenders = [], []
@@ -306,10 +315,10 @@ def decide(key: str, path: Path, reference: Backend, ref_t: Timing, timed: list[
                          str(final.get("what", "")), t.ship_t.p10_ms if t.ship_t.ok else None,
                          t.float_t.p10_ms if t.float_t.ok else None, error)
         rows.append(row)
-        contenders += row.contenders(t.float_is_shipped, t.float_is_reference)
+        contenders += row.contenders(t.float_is_shipped, t.float_is_reference, t.float_interval)
         if error:
             log.warning("auto: %s left out of the choice: %s", name, error)
-    contenders.sort(key=lambda c: (c.p10_ms, c.what != SHIPPED))
+    contenders.sort(key=lambda c: (c.rank, c.what != SHIPPED))
     if not contenders:
         raise PipelineError("backend=auto: no runtime's shipped model ran in the final comparison: "
                             + "; ".join(f"{r.runtime}: {r.error}" for r in rows))

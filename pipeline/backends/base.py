@@ -358,11 +358,17 @@ def compare_pairs(models: list[tuple[Backend, str | Path]], rounds: int, runs_pe
                   name: str) -> list[Timing]:
     """``compare_interleaved`` of (backend, model) pairs, each model on its own backend; ``name`` labels
     the Timings."""
+    return time_pairs(models, TimingPlan(rounds, runs_per_round, warmup_runs), name)[0]
+
+
+def time_pairs(models: list[tuple[Backend, str | Path]], plan: TimingPlan, name: str
+               ) -> tuple[list[Timing], list[list[list[float]]]]:
+    """(backend, model) pairs, each model on its own backend, timed by ``time_interleaved``: one Timing
+    per model over all its runs (``name`` labels them; a model that could not be prepared or run is a
+    failed Timing), and its blocks (per round, its timed runs) for paired ratios."""
     with prepared_pairs(models) as (prepared, errors):
-        timed = iter(compare_prepared(name, [pm for pm in prepared if pm is not None], rounds, runs_per_round,
-                                      warmup_runs))
-        return [next(timed) if pm is not None else Timing.failed(name, e or "not prepared")
-                for pm, e in zip(prepared, errors, strict=True)]
+        blocks, errors = time_interleaved(prepared, plan, errors)
+    return pooled(blocks, errors, name), blocks
 
 
 # a timed block lasts at least this long: blocks of a few runs of a model that takes a tenth of a
@@ -457,10 +463,14 @@ def compare_prepared(backend_name: str, prepared: list[PreparedModel], rounds: i
                      warmup_runs: int = 0) -> list[Timing]:
     """Time already prepared models (``time_interleaved``); one Timing per model over all its runs
     (the caller closes them)."""
-    blocks, errors = time_interleaved(list(prepared), TimingPlan(rounds, runs_per_round, warmup_runs))
-    return [Timing.from_samples([t for b in bl for t in b], backend_name) if e is None and bl else
-            Timing.failed(backend_name, e or "no timed runs")
-            for bl, e in zip(blocks, errors, strict=True)]
+    return pooled(*time_interleaved(list(prepared), TimingPlan(rounds, runs_per_round, warmup_runs)), backend_name)
+
+
+def pooled(blocks: list[list[list[float]]], errors: list[str | None], name: str) -> list[Timing]:
+    """One Timing per model of ``time_interleaved``'s result, over all its timed runs (``name`` labels
+    them); a model with an error or no runs is a failed Timing."""
+    return [Timing.from_samples([t for b in bl for t in b], name) if e is None and bl else
+            Timing.failed(name, e or "no timed runs") for bl, e in zip(blocks, errors, strict=True)]
 
 
 def read_layer_info(doc: Any, where: str) -> dict[str, Any]:

@@ -122,7 +122,7 @@ def _from_steps(setup: TuneSetup, paths: list[Path], steps: list[PairedStep]
     """
     from pipeline.accuracy.budget import AccuracyVerdict
     from pipeline.backends import Timing
-    from tasks.autotune.benchmark import chain_interval
+    from pipeline.backends.ratios import chain_interval
 
     shas = [model_hash(p) for p in paths]
     ratio: dict[str, float] = {shas[0]: 1.0}

@@ -88,7 +88,7 @@ def fp32_latency_ratio(backend: Backend, fp32: Backend, path: Path) -> tuple[flo
     either failed to run; whether it is clearly below FP32_FASTER), paired rounds ending once that is
     clear."""
     from pipeline.backends.base import TimingPlan, time_interleaved
-    from tasks.autotune.benchmark import round_ratios, sequential_verdict
+    from pipeline.backends.ratios import round_ratios, sequential_verdict
 
     with backend.prepare(path) as own, fp32.prepare(path) as full:
         plan = TimingPlan(12, max(2, int(backend.timing_runs) // 8), int(backend.warmup_runs), stop_on_error=True,

@@ -121,14 +121,16 @@ def test_a_float_faster_than_every_shipped_model_ships_and_the_later_stages_run_
     from pipeline.app import auto
     from pipeline.backends.base import Timing
 
-    def timed(pairs, **_):
+    def timed(pairs, plan, name):
         def ms(backend, model):
             if model.name != "model.onnx":
                 return 1.0  # a shipped model
             return 0.5 if backend.name == "openvino" else 2.0  # OpenVINO's float, the reference float
-        return [Timing(median_ms=ms(b, Path(m)), p10_ms=ms(b, Path(m)), n=8, backend="auto") for b, m in pairs]
+        times = [ms(b, Path(m)) for b, m in pairs]
+        return ([Timing(median_ms=t, p10_ms=t, n=8, backend=name) for t in times],
+                [[[t] for _ in range(plan.rounds)] for t in times])
 
-    monkeypatch.setattr(auto, "compare_pairs", timed)
+    monkeypatch.setattr(auto, "time_pairs", timed)
     rd = tmp_path / "r"
     args = ["model=onnx", f"model.onnx_path={residual_models['tiny']}", "data=synthetic", "backend=auto",
             *QUICK, *SHORT, "autotune.schemes_per_region=1", "autotune.runtime.enabled=false", "evaluate.plot=false",

@@ -47,7 +47,8 @@ def _timing(ms: float | None):
 
 
 def decided(tmp_path, *timed):
-    """decide over fake timings of two runtimes (float ms, shipped ms, float is shipped, float is reference)."""
+    """decide over fake timings of two runtimes (float ms, shipped ms, float is shipped, float is reference[,
+    the float's 95% interval over the shipped model])."""
     from pipeline.app.auto import TimedRuntime, decide
     from pipeline.backends import create_backend
 
@@ -55,12 +56,12 @@ def decided(tmp_path, *timed):
     metrics = {"shipped": "tuned", "accuracy": {"final": {"what": "SNR 40 dB"}},
                "float_baseline": {"precision": "FP32", "default": "BF16"}}
     shipped = {"onnxruntime": (ort, tmp_path / "a.onnx", metrics), "openvino": (ort, tmp_path / "b.onnx", metrics)}
-    runs = [TimedRuntime(_timing(f), _timing(s), same, ref) for f, s, same, ref in timed]
+    runs = [TimedRuntime(_timing(f), _timing(s), *rest) for f, s, *rest in timed]
     return decide("k", tmp_path / "choice.json", ort, _timing(2.0), runs, shipped, {})
 
 
 def test_a_runtime_float_faster_than_every_shipped_model_ships(tmp_path):
-    choice = decided(tmp_path, (2.0, 1.5, False, True), (0.9, 1.0, False, False))
+    choice = decided(tmp_path, (2.0, 1.5, False, True), (0.9, 1.0, False, False, (0.86, 0.94)))
     assert (choice.winner, choice.ships) == ("openvino", "float")
     assert choice.row("openvino").float_precision == "FP32"  # its autotune's float baseline, not its default
     assert choice.headline.startswith("ships openvino (FP32 float): 2.22x the onnxruntime FP32 float, 1.11x the next")
@@ -80,6 +81,24 @@ def test_a_tie_ships_the_tuned_model_and_one_deployment_is_one_contender(tmp_pat
     assert [c.describe() for c in row.contenders(False, False)] == ["openvino (float, tuned settings)",
                                                                     "openvino (BF16 float)"]
     assert [c.describe() for c in row.contenders(True, False)] == ["openvino (float)"]
+
+
+def test_a_float_not_clearly_faster_than_its_runtimes_shipped_model_does_not_displace_it(tmp_path):
+    # faster by p10 in this comparison, but its per-round ratios reach 1: the runtime's autotune measured
+    # the two itself and chose the shipped model, so a tie is the shipped model's
+    choice = decided(tmp_path, (2.0, 1.5, False, True), (0.9, 1.0, False, False, (0.8, 1.04)))
+    assert (choice.winner, choice.ships) == ("openvino", "shipped")
+    assert [c.describe() for c in choice.contenders] == ["openvino (tuned)", "openvino (FP32 float)",
+                                                         "onnxruntime (tuned)"]
+    assert choice.headline == (
+        "ships openvino (tuned): 2.00x the onnxruntime FP32 float; openvino (FP32 float) 2.22x (not clearly faster "
+        "than openvino's shipped model: 0.80-1.04x its latency, 95%; a tie goes to the model its autotune chose); "
+        "onnxruntime (tuned) 1.33x")
+    assert RuntimeChoice.from_dict(choice.to_dict()) == choice
+    # a float it does not hold back still ranks by its own latency behind a faster model of another runtime
+    other = decided(tmp_path, (2.0, 0.8, False, True), (0.9, 1.0, False, False, (0.8, 1.04)))
+    assert [c.describe() for c in other.contenders] == ["onnxruntime (tuned)", "openvino (tuned)",
+                                                        "openvino (FP32 float)"]
 
 
 def test_the_choice_round_trips_and_a_foreign_file_is_one_line(tmp_path):

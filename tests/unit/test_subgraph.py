@@ -215,7 +215,7 @@ def test_trtexec_shape_flags_give_opt_shapes_and_are_dropped_for_subgraphs():
 
 
 def test_sequential_stop_rule_ends_only_when_the_interval_clears_the_threshold():
-    from tasks.autotune.benchmark import chain_interval, ratio_interval, sequential_verdict
+    from pipeline.backends.ratios import chain_interval, ratio_interval, sequential_verdict
 
     assert sequential_verdict([0.80, 0.81], 0.99) is None  # fewer than MIN_ROUNDS rounds: never decided
     assert sequential_verdict([0.80, 0.81, 0.79], 0.99) == "below"  # clearly faster

@@ -21,9 +21,9 @@ from typing import Any
 
 from pipeline.artifacts import atomic_write_json, read_json
 from pipeline.backends.base import Backend, TimingPlan, time_interleaved
+from pipeline.backends.ratios import ratio_interval, round_ratios, sequential_verdict
 from pipeline.errors import first_line
 from pipeline.graph.model import model_hash
-from tasks.autotune.benchmark import ratio_interval, round_ratios, sequential_verdict
 from tasks.autotune.state_file import RUNTIME_STATE, StateDocument, StateHeader, resume_or_set_aside
 
 log = logging.getLogger("tune.autotune")

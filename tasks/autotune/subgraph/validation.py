@@ -17,9 +17,10 @@ from typing import Any
 
 from pipeline.artifacts import atomic_write_json
 from pipeline.backends import Backend
+from pipeline.backends.ratios import ratio_interval
 from pipeline.errors import StateError
 from pipeline.graph.model import model_bytes, model_hash, write_model_bytes
-from tasks.autotune.benchmark import PairedBenchmark, ratio_interval
+from tasks.autotune.benchmark import PairedBenchmark
 from tasks.autotune.paired_step import PairedStep
 from tasks.autotune.progress import OnProgress, Progress
 from tasks.autotune.region.autotuner import QDQAutotunerBase

@@ -1,0 +1,51 @@
+"""Confidence in a latency ratio measured in paired rounds (``time_interleaved``): each round's
+candidate/reference ratio of best runs, and the t interval of their mean log ratio. Autotune's paired
+measurements, the runtime-settings search, the float-precision check and ``backend=auto``'s choice share it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+# a sequential measurement runs at least this many rounds before its interval may end it
+MIN_ROUNDS = 3
+# two-sided 95% Student t quantiles for 1..10 degrees of freedom (the last one beyond: conservative)
+_T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23)
+
+
+def chain_interval(steps: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """95% confidence interval of a product of ratios, each from its own per-round ratios (a chain of
+    paired steps: A/B from one, B/C from the next); the t quantile of the fewest rounds, so it errs
+    wide. (1, 1) for no steps: a model against itself."""
+    if not steps:
+        return 1.0, 1.0
+    if any(len(r) < 2 for r in steps):
+        return 0.0, math.inf
+    logs = [np.log(np.asarray(r, dtype=np.float64)) for r in steps]
+    mean = sum(float(np.mean(x)) for x in logs)
+    se = math.sqrt(sum(float(np.var(x, ddof=1)) / len(x) for x in logs))
+    half = _T95[min(min(len(x) for x in logs) - 2, len(_T95) - 1)] * se
+    return math.exp(mean - half), math.exp(mean + half)
+
+
+def ratio_interval(ratios: Sequence[float]) -> tuple[float, float]:
+    """95% confidence interval of a candidate/reference ratio from its per-round ratios (t interval of
+    the mean log ratio); (0, inf) from fewer than two rounds."""
+    return chain_interval([ratios])
+
+
+def sequential_verdict(ratios: Sequence[float], threshold: float, min_rounds: int = MIN_ROUNDS) -> str | None:
+    """"below" or "above" once ``min_rounds`` rounds are in and the ratio's interval lies entirely on
+    that side of ``threshold``; None while it straddles it."""
+    if len(ratios) < max(min_rounds, 2):
+        return None
+    low, high = ratio_interval(ratios)
+    return "below" if high < threshold else "above" if low > threshold else None
+
+
+def round_ratios(ref_blocks: list[list[float]], cand_blocks: list[list[float]]) -> list[float]:
+    """Per round, the candidate's best run over the reference's best run (spikes removed)."""
+    return [min(c) / min(r) for r, c in zip(ref_blocks, cand_blocks, strict=False) if min(r) > 0]
