@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pipeline.backends.base import TimingPlan
+
 # a sequential measurement runs at least this many rounds before its interval may end it
 MIN_ROUNDS = 3
 # two-sided 95% Student t quantiles for 1..10 degrees of freedom (the last one beyond: conservative)
@@ -49,3 +51,24 @@ def sequential_verdict(ratios: Sequence[float], threshold: float, min_rounds: in
 def round_ratios(ref_blocks: list[list[float]], cand_blocks: list[list[float]]) -> list[float]:
     """Per round, the candidate's best run over the reference's best run (spikes removed)."""
     return [min(c) / min(r) for r, c in zip(ref_blocks, cand_blocks, strict=False) if min(r) > 0]
+
+
+# an undecided duel goes on past its rounds while they are cheap: up to CHEAP_ROUNDS rounds in all, as
+# long as its timed runs so far took less than CHEAP_SECONDS (a model of a tenth of a millisecond
+# spreads more from round to round than 12 rounds can resolve, and 64 of its rounds take about a second)
+CHEAP_ROUNDS, CHEAP_SECONDS = 64, 2.0
+
+
+def duel_plan(rounds: int, runs_per_round: int, warmup_runs: int, threshold: float) -> TimingPlan:
+    """How to time a pair [reference, candidate]: paired rounds that end once the candidate's ratio is
+    clearly below or above ``threshold`` (``sequential_verdict``), or after ``rounds`` rounds, or, where
+    those were cheap, after more (CHEAP_ROUNDS, CHEAP_SECONDS); the first failure ends it."""
+
+    def until(blocks: list[list[list[float]]]) -> bool:
+        ratios = round_ratios(blocks[0], blocks[1])
+        if sequential_verdict(ratios, threshold) is not None:
+            return True
+        spent_s = sum(sum(block) for model in blocks for block in model) / 1000.0
+        return len(ratios) >= rounds and spent_s >= CHEAP_SECONDS
+
+    return TimingPlan(max(rounds, CHEAP_ROUNDS), runs_per_round, warmup_runs, stop_on_error=True, until=until)

@@ -87,12 +87,11 @@ def fp32_latency_ratio(backend: Backend, fp32: Backend, path: Path) -> tuple[flo
     """(the FP32 float's latency over the default float's: median of per-round ratios, None where
     either failed to run; whether it is clearly below FP32_FASTER), paired rounds ending once that is
     clear."""
-    from pipeline.backends.base import TimingPlan, time_interleaved
-    from pipeline.backends.ratios import round_ratios, sequential_verdict
+    from pipeline.backends.base import time_interleaved
+    from pipeline.backends.ratios import duel_plan, round_ratios, sequential_verdict
 
     with backend.prepare(path) as own, fp32.prepare(path) as full:
-        plan = TimingPlan(12, max(2, int(backend.timing_runs) // 8), int(backend.warmup_runs), stop_on_error=True,
-                          until=lambda bl: sequential_verdict(round_ratios(*bl), FP32_FASTER) is not None)
+        plan = duel_plan(12, max(2, int(backend.timing_runs) // 8), int(backend.warmup_runs), FP32_FASTER)
         blocks, errors = time_interleaved([own, full], plan)
     ratios = round_ratios(*blocks)
     if any(errors) or not ratios:

@@ -278,3 +278,36 @@ def test_report_says_where_full_range_weights_stop_being_exact():
     reduced = replace(full, weight_range="reduced")
     for machine, q in ((MachineSummary(avx2, "EPYC"), full), (MachineSummary(vnni, "Xeon"), reduced)):
         assert "VNNI or AMX only" not in markdown(replace(record, machine=machine, quantization=q))
+
+
+class _AlternatingPrepared(_FakePrepared):
+    """Its timed blocks (calls of at least 6 runs: not warm-up or settle runs) take ``ms`` times each of
+    ``factors`` in turn."""
+
+    def __init__(self, ms: float, factors: tuple[float, ...] = (1.0,)):
+        super().__init__(ms)
+        self.factors, self.blocks = factors, 0
+
+    def time_runs(self, n: int) -> list[float]:
+        if n < 6:
+            return [self.ms] * n
+        self.blocks += 1
+        return [self.ms * self.factors[(self.blocks - 1) % len(self.factors)]] * n
+
+
+def test_an_undecided_duel_goes_on_while_its_rounds_are_cheap():
+    """The float-precision check's duel: a clear ratio ends it after MIN_ROUNDS rounds; one whose rounds
+    read 0.87x and 1.07x in turn (0.965x on average, never clear of 0.97) goes on to CHEAP_ROUNDS rounds
+    for a tenth-of-a-millisecond model, and stops at its 12 rounds for a slow one."""
+    from pipeline.backends.base import time_interleaved
+    from pipeline.backends.ratios import CHEAP_ROUNDS, MIN_ROUNDS, duel_plan
+
+    def rounds(ms: float, factors: tuple[float, ...]) -> int:
+        blocks, errors = time_interleaved([_AlternatingPrepared(ms), _AlternatingPrepared(ms, factors)],
+                                          duel_plan(12, 6, 2, threshold=0.97))
+        assert errors == [None, None]
+        return len(blocks[0])
+
+    assert rounds(0.1, (0.5, 0.55)) == MIN_ROUNDS  # clearly below
+    assert rounds(0.1, (0.87, 1.07)) == CHEAP_ROUNDS  # 64 rounds of 2 x 10 ms blocks are cheap
+    assert rounds(100.0, (0.87, 1.07)) == 12  # 12 rounds of 2 x 6 runs already took 14 s
