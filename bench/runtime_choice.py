@@ -145,8 +145,8 @@ def main() -> None:
             print(f"| {r['model']} | {r['row']} | {r['p10_ms']:.3f} | {r['vs_ort_fp32']:.2f}x | {r['error']} |")
         elif "auto_over_best" in r:
             t = r["tuning_seconds"]
-            same = (f"the same deployment as backend={r['picked']}'s, timed once; its own row read "
-                    f"{r['identical_rows']:.3f}x that one" if r["same_deployment"] else
+            same = (f"the same deployment as backend={r['picked']}'s, whose row's timing it takes; its own "
+                    f"row read {r['identical_rows']:.3f}x that one" if r["same_deployment"] else
                     f"a different deployment from backend={r['picked']}'s")
             print(f"| {r['model']} | auto picked {r['picked']}: {r['auto_over_best']:.3f}x the latency of the "
                   f"fastest single-runtime shipped model ({same}); tuned in {t['auto']} s vs {t['onnxruntime']} + "

@@ -111,6 +111,8 @@ class RuntimeRow:
             label = "float, tuned settings" if self.shipped == "float" and not float_is_shipped else self.shipped
             out.append(Contender(self.runtime, SHIPPED, label, self.p10_ms))
         if self.float_p10_ms is not None and not float_is_shipped and not float_is_reference:
+            if self.p10_ms is None:  # its shipped model did not run: nothing to hold the float back
+                float_interval = None
             clearly = self.p10_ms is None or (float_interval is not None and float_interval[1] < 1.0)
             rank = self.float_p10_ms if clearly else max(self.float_p10_ms, self.p10_ms or 0.0)
             out.append(Contender(self.runtime, FLOAT, f"{self.float_precision} float", self.float_p10_ms,
@@ -134,12 +136,13 @@ class RuntimeChoice:
     rows: list[RuntimeRow]
     left_out: dict[str, str] = field(default_factory=dict)  # runtime -> why it did not take part
     headline: str = ""
-    # every deployment that could ship, fastest first (the first ships); files from before it hold none
+    # every deployment that could ship, in rank order (``Contender.rank``; the first ships); files from before
+    # it hold none
     contenders: list[Contender] = field(default_factory=list)
 
     @property
     def ships(self) -> str:
-        """SHIPPED (the winner's own shipped model) or FLOAT (its float as deployed, faster here)."""
+        """SHIPPED (the winner's own shipped model) or FLOAT (its float as deployed, clearly faster here)."""
         return self.contenders[0].what if self.contenders else SHIPPED
 
     def to_dict(self) -> dict[str, Any]:
@@ -164,8 +167,9 @@ def headline(choice: RuntimeChoice) -> str:
     ref = choice.reference_p10_ms
     best, *rest = choice.contenders
     text = f"ships {best.describe()}: {ref / best.p10_ms:.2f}x the {choice.reference}"
-    if rest and not rest[0].held_back:
-        text += f", {rest[0].p10_ms / best.p10_ms:.2f}x the next"
+    nxt = next((c for c in rest if not c.held_back), None)  # the margin: over the next not held back
+    if nxt is not None:
+        text += f", {nxt.p10_ms / best.p10_ms:.2f}x the next"
     others = [f"{c.describe()} {ref / c.p10_ms:.2f}x" + (_held_back(c) if c.held_back else "") for c in rest]
     others += [f"{r.runtime} not timed ({r.error})" for r in choice.rows if r.p10_ms is None]
     others += [f"{k} left out ({v})" for k, v in choice.left_out.items()]

@@ -45,6 +45,8 @@ from pipeline.values import section
 log = logging.getLogger("tune.auto")
 
 PER_RUNTIME = ("quantize", "autotune")  # the stages each runtime runs in its own results_dir
+# the version of the rule ``decide`` chooses by: a choice kept from an older rule is made again
+CHOICE_RULE = 2
 
 
 @dataclass(frozen=True)
@@ -228,7 +230,7 @@ def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[s
         backend, model, _ = shipped[r.name]
         compared[r.name] = [sha256_file(model), backend.settings.to_dict() if backend.settings is not None else None,
                             section(r.cfg, "backend"), float_precision(shipped[r.name][2], backend)]
-    key = fingerprint({"float": sha256_file(float_path), "runtimes": compared,
+    key = fingerprint({"float": sha256_file(float_path), "runtimes": compared, "rule": CHOICE_RULE,
                        "timing": [int(cfg.backend.warmup_runs), int(cfg.backend.timing_runs)]})
     path = top / CHOICE
     if path.exists():
@@ -340,7 +342,7 @@ def float_precision(metrics: dict[str, Any], backend: Backend) -> str:
 def _publish(top: Path, winner: RuntimeRun, choice: RuntimeChoice | None) -> None:
     """The top-level manifest's quantize and autotune entries: the winner's, pointing at its files, the
     autotune one with the choice beside it (``choice`` None: no choice made yet). Where the winner's float
-    ships (faster than its own shipped model in the final comparison), autotune's model is the exported
+    ships (clearly faster than its own shipped model in the final comparison), autotune's model is the exported
     float and its settings file the float deployment's, written at the top level."""
     sub = Manifest(winner.results_dir)
     manifest = Manifest(top)
@@ -376,6 +378,6 @@ def _ship_float(manifest: Manifest, winner: RuntimeRun, outputs: dict[str, Any],
             outputs[kind.artifact] = manifest.describe_file(backend.settings.save(top / kind.artifact))
     chosen = float_baseline(metrics)
     judged = chosen.verdict if chosen is not None and chosen.precision == chosen.default else None
-    return {**metrics, "shipped": "float", "shipped_reason": "auto: its float ran faster than its shipped model",
+    return {**metrics, "shipped": "float", "shipped_reason": "auto: its float ran clearly faster than its shipped model",
             "final_ms": metrics.get("baseline_ms"), "speedup": 1.0,
             "accuracy": {**(metrics.get("accuracy") or {}), "final": judged.to_dict() if judged is not None else None}}

@@ -65,10 +65,9 @@ def duel_plan(rounds: int, runs_per_round: int, warmup_runs: int, threshold: flo
     those were cheap, after more (CHEAP_ROUNDS, CHEAP_SECONDS); the first failure ends it."""
 
     def until(blocks: list[list[list[float]]]) -> bool:
-        ratios = round_ratios(blocks[0], blocks[1])
-        if sequential_verdict(ratios, threshold) is not None:
+        if sequential_verdict(round_ratios(blocks[0], blocks[1]), threshold) is not None:
             return True
         spent_s = sum(sum(block) for model in blocks for block in model) / 1000.0
-        return len(ratios) >= rounds and spent_s >= CHEAP_SECONDS
+        return len(blocks[0]) >= rounds and spent_s >= CHEAP_SECONDS
 
     return TimingPlan(max(rounds, CHEAP_ROUNDS), runs_per_round, warmup_runs, stop_on_error=True, until=until)

@@ -85,8 +85,8 @@ FP32_FASTER = 0.97
 
 def fp32_latency_ratio(backend: Backend, fp32: Backend, path: Path) -> tuple[float | None, bool]:
     """(the FP32 float's latency over the default float's: median of per-round ratios, None where
-    either failed to run; whether it is clearly below FP32_FASTER), paired rounds ending once that is
-    clear."""
+    either failed to run; whether it is clearly below FP32_FASTER), from paired rounds that end once that
+    is clear or not, else after 12 rounds, or more while they are cheap (``duel_plan``)."""
     from pipeline.backends.base import time_interleaved
     from pipeline.backends.ratios import duel_plan, round_ratios, sequential_verdict
 

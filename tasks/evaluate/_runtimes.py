@@ -25,7 +25,7 @@ def runtimes_metrics(choice: RuntimeChoice, metrics: EvaluateMetrics) -> Runtime
         ev = runtime_evaluation(metrics, THIS_REPORT) if r.runtime == choice.winner else r.evaluation
         fields = {**asdict(r), "evaluation": ev, "vs_reference": r.speedup(ref),
                   "float_vs_reference": ref / r.float_p10_ms if r.float_p10_ms else None}
-        if r.runtime == choice.winner and choice.ships == FLOAT:  # its float ran faster than its own pick
+        if r.runtime == choice.winner and choice.ships == FLOAT:  # its float ran clearly faster than its own pick
             best = choice.contenders[0]
             fields.update(shipped=f"{best.label} (its {r.shipped} model {r.speedup(ref):.2f}x)",
                           vs_reference=ref / best.p10_ms)

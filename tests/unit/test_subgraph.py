@@ -257,7 +257,8 @@ class _FakeBackend:
 
 
 def test_paired_measurement_with_a_threshold_stops_early_when_clear(tmp_path):
-    from tasks.autotune.benchmark import MIN_ROUNDS, PairedBenchmark
+    from pipeline.backends.ratios import MIN_ROUNDS
+    from tasks.autotune.benchmark import PairedBenchmark
 
     ref = tmp_path / "ref.onnx"
     ref.write_text("10.0")
