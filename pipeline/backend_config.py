@@ -110,6 +110,10 @@ class BackendConfig:
     name: BackendName = MISSING
     warmup_runs: int = 10
     timing_runs: int = 50
+    # every timed block of an interleaved timing lasts at least this long (ms) of its fastest model's warm-up
+    # run, more runs than timing_runs asks where that is short: blocks of a few runs of a 0.1 ms model time
+    # the switch between models. Run-wide: under backend=auto, auto's value holds for every runtime.
+    min_block_ms: float = 10.0
 
 
 class GraphOptimizationLevel(str, Enum):

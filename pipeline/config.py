@@ -393,6 +393,8 @@ def validate(cfg: DictConfig) -> None:
         problems.append(f"backend.float_precision={fp}: choose FP32, FP16 or BF16")
     if cfg.backend.warmup_runs < 0 or cfg.backend.timing_runs < 1:
         problems.append("backend.warmup_runs must be >= 0 and backend.timing_runs >= 1")
+    if not cfg.backend.get("min_block_ms", 0.0) >= 0:
+        problems.append(f"backend.min_block_ms={cfg.backend.min_block_ms}: must be >= 0 (0: blocks of timing_runs only)")
     if len(set(cfg.stages)) != len(cfg.stages):
         problems.append(f"stages={list(cfg.stages)}: a stage is listed twice")
     problems += _accuracy_problems(cfg.accuracy)

@@ -66,6 +66,9 @@ def tune_command() -> list[str]:
 # The default, backend=auto, quantizes and tunes for every runtime here: a test runs ONNX Runtime unless it
 # names a backend (a later backend= wins), so each test pays for one runtime; the tests of auto name it.
 PINNED_BACKEND = "backend=onnxruntime"
+# the tests' models run in well under a millisecond: blocks of 2 ms keep their timings short (a test
+# that sets backend.min_block_ms itself wins: it comes later)
+TEST_BLOCK = "backend.min_block_ms=2"
 
 
 def pin_backend(args: list[str]) -> list[str]:
@@ -79,6 +82,7 @@ def run_tune(args: list[str], cwd: Path, timeout: float = 900, check: bool = Fal
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`tune ARGS` in ``cwd`` (on ONNX Runtime unless ARGS name a backend: see PINNED_BACKEND)."""
     args = pin_backend(args)
+    args.insert(args.index(PINNED_BACKEND) + 1, TEST_BLOCK)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if EMULATED_CPU:  # emulation is ~50x slower, and qemu-user's multi-threaded guests are unreliable
         proc = run_emulated(tune_command()[:-2], ["-m", "pipeline.app.cli", *args], cwd=cwd, timeout=timeout * 50,

@@ -32,7 +32,7 @@ from pipeline.accuracy.evaluation import EvaluateMetrics, FloatBaseline, runtime
 from pipeline.app.scope import run_scope
 from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
 from pipeline.backends import Backend, auto_runtimes, create_backend
-from pipeline.backends.base import Timing, TimingPlan, time_pairs
+from pipeline.backends.base import MIN_BLOCK_MS, Timing, TimingPlan, time_pairs
 from pipeline.backends.ratios import ratio_interval, round_ratios
 from pipeline.config import ordered_stages
 from pipeline.errors import BackendUnavailable, PipelineError, StateError, first_line
@@ -231,7 +231,8 @@ def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[s
         compared[r.name] = [sha256_file(model), backend.settings.to_dict() if backend.settings is not None else None,
                             section(r.cfg, "backend"), float_precision(shipped[r.name][2], backend)]
     key = fingerprint({"float": sha256_file(float_path), "runtimes": compared, "rule": CHOICE_RULE,
-                       "timing": [int(cfg.backend.warmup_runs), int(cfg.backend.timing_runs)]})
+                       "timing": [int(cfg.backend.warmup_runs), int(cfg.backend.timing_runs),
+                                  float(cfg.backend.get("min_block_ms", MIN_BLOCK_MS))]})
     path = top / CHOICE
     if path.exists():
         kept = RuntimeChoice.from_dict(read_json(path, CHOICE))

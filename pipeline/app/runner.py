@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from pipeline.app.scope import run_scope
 from pipeline.artifacts import Manifest, ResultsDirLock, fingerprint, sha256_file
+from pipeline.backends.base import MIN_BLOCK_MS
 from pipeline.config import ordered_stages, validate
 from pipeline.errors import PipelineError, StageError
 from pipeline.graph import weights
@@ -98,7 +99,8 @@ def run_pipeline(cfg: DictConfig, results_dir: Path) -> dict[str, Any]:
     stages = [load_stage(n) for n in ordered_stages(cfg)]  # fail on unbuilt stages before doing any work
     # the bars and ORT sessions deep inside (weights, saves, calibration) follow the config too, for
     # this run only
-    with run_scope(threads=int(cfg.backend.get("intra_op_threads", 0) or 0), progress=bool(cfg.progress)):
+    with run_scope(threads=int(cfg.backend.get("intra_op_threads", 0) or 0), progress=bool(cfg.progress),
+                   min_block_ms=float(cfg.backend.get("min_block_ms", MIN_BLOCK_MS))):
         if is_auto(cfg.backend):
             from pipeline.app.auto import run_auto
 

@@ -11,6 +11,7 @@ a baseline.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import logging
 import math
@@ -372,8 +373,20 @@ def time_pairs(models: list[tuple[Backend, str | Path]], plan: TimingPlan, name:
 
 
 # a timed block lasts at least this long: blocks of a few runs of a model that takes a tenth of a
-# millisecond measure the switch between models (the other one's worker threads), not the model
+# millisecond measure the switch between models (the other one's worker threads), not the model. The
+# run's backend.min_block_ms sets it for the run (``min_block_configured``).
 MIN_BLOCK_MS = 10.0
+_MIN_BLOCK = contextvars.ContextVar("min_block_ms", default=MIN_BLOCK_MS)
+
+
+@contextlib.contextmanager
+def min_block_configured(ms: float) -> Iterator[None]:
+    """Timed blocks of at least ``ms`` for the block (a run's ``backend.min_block_ms``), as before after it."""
+    token = _MIN_BLOCK.set(float(ms))
+    try:
+        yield
+    finally:
+        _MIN_BLOCK.reset(token)
 # and has at most this many runs
 MAX_BLOCK_RUNS = 1000
 
@@ -391,13 +404,14 @@ class TimingPlan:
     warmup_runs: int = 0
     stop_on_error: bool = False
     until: Callable[[list[list[list[float]]]], bool] | None = None
-    min_block_ms: float = MIN_BLOCK_MS
+    min_block_ms: float | None = None  # None: the run's (``min_block_configured``, else MIN_BLOCK_MS)
 
     def block_runs(self, fastest_ms: float) -> int:
         """Timed runs per block for models whose fastest run takes ``fastest_ms``."""
-        if not (math.isfinite(fastest_ms) and fastest_ms > 0 and self.min_block_ms > 0):
+        least = _MIN_BLOCK.get() if self.min_block_ms is None else self.min_block_ms
+        if not (math.isfinite(fastest_ms) and fastest_ms > 0 and least > 0):
             return self.runs_per_round
-        return max(self.runs_per_round, min(MAX_BLOCK_RUNS, math.ceil(self.min_block_ms / fastest_ms)))
+        return max(self.runs_per_round, min(MAX_BLOCK_RUNS, math.ceil(least / fastest_ms)))
 
 
 def time_interleaved(prepared: list[PreparedModel | None], plan: TimingPlan, errors: list[str | None] | None = None,

@@ -132,6 +132,8 @@ def test_accuracy_group_and_its_deprecated_alias_compose_the_same_run(capsys):
 def test_a_bad_accuracy_value_names_its_key():
     with pytest.raises(ConfigError, match=r"accuracy.max_float_fraction=1.5: must be in \(0, 1\]"):
         validate(compose(["accuracy.max_float_fraction=1.5", "results_dir=/tmp/x"]))
+    with pytest.raises(ConfigError, match=r"backend.min_block_ms=-1.0: must be >= 0"):
+        validate(compose(["backend.min_block_ms=-1", "results_dir=/tmp/x"]))
 
 
 def test_a_key_the_chosen_mode_ignores_is_named(capsys):

@@ -208,6 +208,13 @@ def test_every_block_lasts_long_enough_for_the_fastest_model():
     assert len(blocks[0][0]) == MAX_BLOCK_RUNS
     blocks, _ = time_interleaved([fast], TimingPlan(1, 6, min_block_ms=0.0))  # asked not to
     assert len(blocks[0][0]) == 6
+    from pipeline.app.scope import run_scope
+
+    with run_scope(min_block_ms=2.0):  # a run's backend.min_block_ms
+        blocks, _ = time_interleaved([fast], TimingPlan(1, 6))
+    assert len(blocks[0][0]) == 40
+    blocks, _ = time_interleaved([fast], TimingPlan(1, 6))  # and back after the run
+    assert len(blocks[0][0]) == round(MIN_BLOCK_MS / 0.05)
 
 
 def test_compare_interleaved_closes_what_it_prepared_on_interrupt(tmp_path):
