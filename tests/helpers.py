@@ -72,17 +72,16 @@ TEST_BLOCK = "backend.min_block_ms=2"
 
 
 def pin_backend(args: list[str]) -> list[str]:
-    """``args`` with PINNED_BACKEND as the first override (before the first ``key=value``: every override
-    after it, a backend= too, wins over it)."""
+    """``args`` with PINNED_BACKEND and TEST_BLOCK as the first overrides (before the first ``key=value``:
+    every override after them, a backend= too, wins over them)."""
     i = next((k for k, a in enumerate(args) if "=" in a and not a.startswith("-")), len(args))
-    return [*args[:i], PINNED_BACKEND, *args[i:]]
+    return [*args[:i], PINNED_BACKEND, TEST_BLOCK, *args[i:]]
 
 
 def run_tune(args: list[str], cwd: Path, timeout: float = 900, check: bool = False,
              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`tune ARGS` in ``cwd`` (on ONNX Runtime unless ARGS name a backend: see PINNED_BACKEND)."""
     args = pin_backend(args)
-    args.insert(args.index(PINNED_BACKEND) + 1, TEST_BLOCK)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if EMULATED_CPU:  # emulation is ~50x slower, and qemu-user's multi-threaded guests are unreliable
         proc = run_emulated(tune_command()[:-2], ["-m", "pipeline.app.cli", *args], cwd=cwd, timeout=timeout * 50,

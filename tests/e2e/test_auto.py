@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.helpers import QUICK, run_tune
+from tests.helpers import QUICK, pin_backend, run_tune
 
 # each runtime's own measurements kept short, as QUICK keeps the single-runtime ones
 SHORT = [f"backend.{r}.{k}={v}" for r in ("onnxruntime", "openvino") for k, v in (("warmup_runs", 1),
@@ -66,7 +66,7 @@ def test_auto_tunes_every_runtime_and_ships_the_fastest(residual_models, tmp_pat
     from pipeline.data.adapters import fixed_feeds
     from pipeline.graph.model import input_specs, load_model
 
-    result = tune(args)
+    result = tune(pin_backend(args))  # as run_tune ran it
     assert result.runtime == fastest and set(result.stages.values()) == {"skipped"}
     feeds = fixed_feeds(input_specs(load_model(residual_models["tiny"])))
     deployed = result.load()
