@@ -17,7 +17,12 @@ from tests.helpers import run_tune  # noqa: E402
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``extra`` run when selected by ``-m extra`` (the second half of .ci/run): under the
     README's plain command they skip even where their extra is installed, since the emulated-CPU ones
-    alone take minutes and the default suite must stay under ten."""
+    alone take minutes and the default suite must stay under ten.
+
+    Tests marked ``slow`` are handed out first: pytest-xdist deals tests in collection order, and a long
+    test dealt last leaves one worker running it alone while the other idles (a stable sort: each group
+    keeps its order, the same on every worker)."""
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if "extra" in (config.getoption("markexpr") or ""):
         return
     skip = pytest.mark.skip(reason="marked extra: run with `python -m pytest -q -m extra` (bash .ci/run does)")
