@@ -58,8 +58,8 @@ class Contender:
     p10_ms: float
     # a float: the 95% interval of its latency over its runtime's shipped model's (per-round ratios)
     interval: tuple[float, float] | None = None
-    # the latency it is ranked by: its p10, but a float not clearly faster than its runtime's shipped
-    # model ranks just behind that model (None: its p10)
+    # a float that ran faster than its runtime's shipped model, but not clearly: that model's p10, which it
+    # ranks just behind (None: it ranks by its own p10)
     rank_ms: float | None = None
 
     def describe(self) -> str:
@@ -73,7 +73,7 @@ class Contender:
     def held_back(self) -> bool:
         """A float that ran faster than its runtime's shipped model here, but not clearly (its interval
         reaches 1): it does not displace that model."""
-        return self.rank_ms is not None and self.rank_ms > self.p10_ms
+        return self.rank_ms is not None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Contender:
@@ -113,10 +113,10 @@ class RuntimeRow:
         if self.float_p10_ms is not None and not float_is_shipped and not float_is_reference:
             if self.p10_ms is None:  # its shipped model did not run: nothing to hold the float back
                 float_interval = None
-            clearly = self.p10_ms is None or (float_interval is not None and float_interval[1] < 1.0)
-            rank = self.float_p10_ms if clearly else max(self.float_p10_ms, self.p10_ms or 0.0)
+            held = (self.p10_ms is not None and self.float_p10_ms < self.p10_ms
+                    and (float_interval is None or float_interval[1] >= 1.0))
             out.append(Contender(self.runtime, FLOAT, f"{self.float_precision} float", self.float_p10_ms,
-                                 float_interval, rank if rank != self.float_p10_ms else None))
+                                 float_interval, self.p10_ms if held else None))
         return out
 
     @classmethod

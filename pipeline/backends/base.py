@@ -376,6 +376,8 @@ def time_pairs(models: list[tuple[Backend, str | Path]], plan: TimingPlan, name:
 # millisecond measure the switch between models (the other one's worker threads), not the model. The
 # run's backend.min_block_ms sets it for the run (``min_block_configured``).
 MIN_BLOCK_MS = 10.0
+# and has at most this many runs
+MAX_BLOCK_RUNS = 1000
 _MIN_BLOCK = contextvars.ContextVar("min_block_ms", default=MIN_BLOCK_MS)
 
 
@@ -387,8 +389,6 @@ def min_block_configured(ms: float) -> Iterator[None]:
         yield
     finally:
         _MIN_BLOCK.reset(token)
-# and has at most this many runs
-MAX_BLOCK_RUNS = 1000
 
 
 @dataclass(frozen=True)

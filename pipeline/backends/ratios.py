@@ -59,10 +59,12 @@ def round_ratios(ref_blocks: list[list[float]], cand_blocks: list[list[float]]) 
 CHEAP_ROUNDS, CHEAP_SECONDS = 64, 2.0
 
 
-def duel_plan(rounds: int, runs_per_round: int, warmup_runs: int, threshold: float) -> TimingPlan:
+def duel_plan(rounds: int, runs_per_round: int, warmup_runs: int, threshold: float,
+              cheap_rounds: int = CHEAP_ROUNDS) -> TimingPlan:
     """How to time a pair [reference, candidate]: paired rounds that end once the candidate's ratio is
     clearly below or above ``threshold`` (``sequential_verdict``), or after ``rounds`` rounds, or, where
-    those were cheap, after more (CHEAP_ROUNDS, CHEAP_SECONDS); the first failure ends it."""
+    those were cheap, after more (up to ``cheap_rounds`` within CHEAP_SECONDS; 0: none past ``rounds``);
+    the first failure ends it."""
 
     def until(blocks: list[list[list[float]]]) -> bool:
         if sequential_verdict(round_ratios(blocks[0], blocks[1]), threshold) is not None:
@@ -70,4 +72,4 @@ def duel_plan(rounds: int, runs_per_round: int, warmup_runs: int, threshold: flo
         spent_s = sum(sum(block) for model in blocks for block in model) / 1000.0
         return len(blocks[0]) >= rounds and spent_s >= CHEAP_SECONDS
 
-    return TimingPlan(max(rounds, CHEAP_ROUNDS), runs_per_round, warmup_runs, stop_on_error=True, until=until)
+    return TimingPlan(max(rounds, cheap_rounds), runs_per_round, warmup_runs, stop_on_error=True, until=until)

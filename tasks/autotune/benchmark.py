@@ -29,7 +29,7 @@ import numpy as np
 
 from pipeline.backends import Backend, PreparedModel
 from pipeline.backends.base import TimingPlan, prepared_models, time_interleaved
-from pipeline.backends.ratios import MIN_ROUNDS, round_ratios, sequential_verdict
+from pipeline.backends.ratios import MIN_ROUNDS, duel_plan, round_ratios, sequential_verdict
 from pipeline.graph.model import model_hash, write_model_bytes
 from tasks.autotune.crash_guard import CrashGuard
 from tasks.autotune.region.scheme import Measurement
@@ -112,10 +112,10 @@ class PairedBenchmark:
                     m.accuracy = verdict.to_dict()
                     return m
             cand.time_runs(self.warmup_runs)  # (the reference was warmed up once, when it was loaded)
-            until = None if stop_at is None else \
-                (lambda bl: sequential_verdict(round_ratios(*bl), stop_at) is not None)
             runs = self.runs_per_round if stop_at is None else max(2, self.runs_per_round // 2)
-            blocks, errors = time_interleaved([ref, cand], TimingPlan(rounds, runs, stop_on_error=True, until=until))
+            plan = (TimingPlan(rounds, runs, stop_on_error=True) if stop_at is None else
+                    duel_plan(rounds, runs, 0, stop_at, cheap_rounds=0))
+            blocks, errors = time_interleaved([ref, cand], plan)
             error = next((e for e in errors if e is not None), None)
             if error is not None:
                 return Measurement.failed(error)

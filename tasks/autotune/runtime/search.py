@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import atomic_write_json, read_json
-from pipeline.backends.base import Backend, TimingPlan, time_interleaved
-from pipeline.backends.ratios import ratio_interval, round_ratios, sequential_verdict
+from pipeline.backends.base import Backend, time_interleaved
+from pipeline.backends.ratios import duel_plan, ratio_interval, round_ratios
 from pipeline.errors import first_line
 from pipeline.graph.model import model_hash
 from tasks.autotune.state_file import RUNTIME_STATE, StateDocument, StateHeader, resume_or_set_aside
@@ -201,10 +201,9 @@ class RuntimeSearch:
                 step.why = f"misses the accuracy budget ({verdict.what})"
                 log.info("runtime search: %s: %s", change.name, step.why)
                 return step
-            blocks, errors = time_interleaved([ref_pm, cand_pm], TimingPlan(
+            blocks, errors = time_interleaved([ref_pm, cand_pm], duel_plan(
                 int(self.cfg.max_rounds), max(2, self.backend.timing_runs // 8), self.backend.warmup_runs,
-                stop_on_error=True,
-                until=lambda b: sequential_verdict(round_ratios(b[0], b[1]), float(self.cfg.keep_below)) is not None))
+                float(self.cfg.keep_below), cheap_rounds=0))
         except Exception as exc:  # noqa: BLE001 - a setting the runtime rejects is a failed step, not a failed run
             step.why = f"failed: {first_line(exc)}"
             log.info("runtime search: %s %s", change.name, step.why)
