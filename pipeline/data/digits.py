@@ -41,15 +41,22 @@ def digits_arrays(split: str, seed: int, test_fraction: float, image_shape: tupl
     return np.ascontiguousarray(x), y
 
 
+def user_cache() -> Path:
+    """The user's cache folder of this tool ($XDG_CACHE_HOME/qdq-tune, else ~/.cache/qdq-tune): data
+    and trained weights any run may reuse, each file named by what made it."""
+    import os
+
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qdq-tune"
+
+
 def digits_split(seed: int, test_fraction: float, size: tuple[int, int]) -> dict[str, np.ndarray]:
     """The stratified split of the digits (images in [0, 1] resized to ``size``, labels), as scikit-learn
     makes it. Kept in the user's cache folder per seed, fraction, size and scikit-learn version:
     importing scikit-learn and scipy takes seconds, which every stage that reads the digits would pay
     again in its own process."""
     import importlib.metadata
-    import os
 
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qdq-tune"
+    root = user_cache()
     path = root / (f"digits-{seed}-{test_fraction!r}-{size[0]}x{size[1]}-"
                    f"sklearn{importlib.metadata.version('scikit-learn')}.npz")
     keys = ("x_train", "y_train", "x_test", "y_test")

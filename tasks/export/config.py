@@ -11,7 +11,8 @@ from omegaconf import DictConfig
 class ExportConfig:
     # run ORT on the exported file and compare with torch on the same input
     verify: bool = True
-    # reuse trained digits_cnn weights cached in results_dir/export/ when the model config is unchanged
+    # reuse trained digits_cnn weights kept in results_dir/export/, else in the user's cache (another
+    # results_dir trained them), when the model config, seed and torch version are unchanged
     cache_trained_weights: bool = True
 
 

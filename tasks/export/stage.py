@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.artifacts import atomic_output, fingerprint, user_path
 from pipeline.backends.onnxruntime.session import inference_session
+from pipeline.data.digits import user_cache
 from pipeline.errors import ConfigError, InputError, StageError, first_line
 from pipeline.graph import weights
 from pipeline.graph.model import (
@@ -345,24 +346,34 @@ class ExportStage(Stage):
     def _train_or_load(self, ctx: StageContext, mcfg: DictConfig, module, out_dir: Path) -> dict[str, Any]:
         import torch
 
-        from pipeline.artifacts import atomic_write_json, read_json
         from tasks.export._train import TrainingRecipe, train_digits_cnn
 
         key = fingerprint({"model": section(ctx.cfg, "model"), "seed": int(ctx.cfg.seed),
-                           "test_fraction": float(ctx.cfg.data.get("test_fraction", 0.3))})
+                           "test_fraction": float(ctx.cfg.data.get("test_fraction", 0.3)),
+                           "torch": torch.__version__})
         weights, meta_path = out_dir / "digits_cnn.pt", out_dir / "digits_cnn.json"
-        if ctx.cfg.export.cache_trained_weights and weights.exists() and meta_path.exists():
-            meta = read_json(meta_path, "training cache")
-            if meta.get("key") == key:
-                module.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
-                log.info("reusing trained digits_cnn weights from %s", weights)
+        # this run's copy first, then the user's cache (another results_dir trained the same model)
+        shared = user_cache() / f"digits_cnn-{key}.pt"
+        if ctx.cfg.export.cache_trained_weights:
+            for found, meta_file in ((weights, meta_path), (shared, shared.with_suffix(".json"))):
+                meta = _training_record(found, meta_file, key)
+                if meta is None:
+                    continue
+                module.load_state_dict(torch.load(found, map_location="cpu", weights_only=True))
+                log.info("reusing trained digits_cnn weights from %s", found)
+                if found != weights:
+                    _save_trained(module, weights, meta_path, meta)
                 return {k: v for k, v in meta.items() if k != "key"} | {"weights_cached": True}
         recipe = TrainingRecipe(int(mcfg.epochs), float(mcfg.learning_rate), int(mcfg.train_batch_size))
         metrics = train_digits_cnn(module, int(mcfg.image_size), int(ctx.cfg.seed),
                                    float(ctx.cfg.data.get("test_fraction", 0.3)), recipe, bool(ctx.cfg.progress))
-        with atomic_output(weights) as tmp:
-            torch.save(module.state_dict(), tmp)
-        atomic_write_json(meta_path, {"key": key, **metrics})
+        _save_trained(module, weights, meta_path, {"key": key, **metrics})
+        if ctx.cfg.export.cache_trained_weights:
+            try:
+                shared.parent.mkdir(parents=True, exist_ok=True)
+                _save_trained(module, shared, shared.with_suffix(".json"), {"key": key, **metrics})
+            except OSError:  # a read-only home: the next results_dir trains again
+                pass
         return metrics
 
     @staticmethod
@@ -431,3 +442,28 @@ class ExportStage(Stage):
             raise StageError(f"exported model disagrees with torch: max |diff| {max_diff:.3e} > tolerance {tol:.3e} "
                              f"(model.verify_atol/verify_rtol)")
         return {"max_abs_diff": max_diff, "verify_tolerance": tol, "output_max_abs": scale}
+
+
+def _training_record(weights: Path, meta_path: Path, key: str) -> dict[str, Any] | None:
+    """The training record beside trained weights, where both are there and were made for ``key``."""
+    from pipeline.artifacts import read_json
+    from pipeline.errors import StateError
+
+    if not (weights.exists() and meta_path.exists()):
+        return None
+    try:
+        meta = read_json(meta_path, "training cache")
+    except StateError:  # a broken record: trained again, and written anew
+        return None
+    return meta if meta.get("key") == key else None
+
+
+def _save_trained(module: Any, weights: Path, meta_path: Path, meta: dict[str, Any]) -> None:
+    """Trained weights and their training record, each written atomically (the weights first)."""
+    import torch
+
+    from pipeline.artifacts import atomic_write_json
+
+    with atomic_output(weights) as tmp:
+        torch.save(module.state_dict(), tmp)
+    atomic_write_json(meta_path, meta)

@@ -38,6 +38,21 @@ def test_changed_config_reruns(tmp_path):
     assert first != second
 
 
+def test_trained_digits_weights_are_reused_by_another_results_dir(tmp_path):
+    """digits_cnn trained once is kept in the user's cache: another results_dir (a sweep's next job, a new
+    run) loads it and exports the same model; export.cache_trained_weights=false trains again."""
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    small = ["stages=[export]", "model.epochs=1", "model.channels=[4,8]", "progress=false"]
+    run_tune([*small, f"results_dir={tmp_path / 'a'}"], cwd=tmp_path, check=True, env=env)
+    again = run_tune([*small, f"results_dir={tmp_path / 'b'}"], cwd=tmp_path, check=True, env=env)
+    assert f"reusing trained digits_cnn weights from {tmp_path / 'cache' / 'qdq-tune'}" in again.stderr
+    assert (tmp_path / "a" / "export" / "model.onnx").read_bytes() == (tmp_path / "b" / "export" / "model.onnx").read_bytes()
+    assert (tmp_path / "b" / "export" / "digits_cnn.pt").exists()  # the run keeps its own copy
+    fresh = run_tune([*small, "export.cache_trained_weights=false", f"results_dir={tmp_path / 'c'}"], cwd=tmp_path,
+                     check=True, env=env)
+    assert "reusing" not in fresh.stderr and "trained digits_cnn in" in fresh.stderr
+
+
 @pytest.mark.parametrize("model_args", [
     ["model=resnet18", "model.input_size=32"],
     ["model=resnet50", "model.input_size=32", "model.num_classes=10"],
