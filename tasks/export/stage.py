@@ -8,6 +8,7 @@ difference goes into the manifest. `model=onnx` validates and copies an existing
 from __future__ import annotations
 
 import logging
+import pickle
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -359,7 +360,11 @@ class ExportStage(Stage):
                 meta = _training_record(found, meta_file, key)
                 if meta is None:
                     continue
-                module.load_state_dict(torch.load(found, map_location="cpu", weights_only=True))
+                try:
+                    module.load_state_dict(torch.load(found, map_location="cpu", weights_only=True))
+                except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:  # a broken copy
+                    log.warning("trained digits_cnn weights in %s do not load (%s): not reused", found, first_line(exc))
+                    continue
                 log.info("reusing trained digits_cnn weights from %s", found)
                 if found != weights:
                     _save_trained(module, weights, meta_path, meta)

@@ -48,6 +48,10 @@ def test_trained_digits_weights_are_reused_by_another_results_dir(tmp_path):
     assert f"reusing trained digits_cnn weights from {tmp_path / 'cache' / 'qdq-tune'}" in again.stderr
     assert (tmp_path / "a" / "export" / "model.onnx").read_bytes() == (tmp_path / "b" / "export" / "model.onnx").read_bytes()
     assert (tmp_path / "b" / "export" / "digits_cnn.pt").exists()  # the run keeps its own copy
+    for pt in (tmp_path / "cache" / "qdq-tune").glob("digits_cnn-*.pt"):  # a broken cache copy: trained again
+        pt.write_bytes(b"not a checkpoint")
+    broken = run_tune([*small, f"results_dir={tmp_path / 'd'}"], cwd=tmp_path, check=True, env=env)
+    assert "do not load" in broken.stderr and "trained digits_cnn in" in broken.stderr
     fresh = run_tune([*small, "export.cache_trained_weights=false", f"results_dir={tmp_path / 'c'}"], cwd=tmp_path,
                      check=True, env=env)
     assert "reusing" not in fresh.stderr and "trained digits_cnn in" in fresh.stderr
