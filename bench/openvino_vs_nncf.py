@@ -95,11 +95,13 @@ def nncf_models(float_path: Path, calib: list[dict], holdout: list[dict], transf
     onnx.save(q, str(out / "nncf.onnx"))
     out_paths["NNCF quantize"] = out / "nncf.onnx"
     ref = ort.InferenceSession(str(float_path))
-    want = [ref.run(None, f) for f in holdout]
 
     def validate(m, data) -> float:
+        # NNCF first calls this with a one-item dataset to pick its mode: a float back means metric mode;
+        # an exception means its logits mode, which refuses ONNX models once it must rank layers. So the
+        # float reference is run on the items given, not precomputed for the whole hold-out set.
         sess = ort.InferenceSession(m.SerializeToString())
-        return float(np.mean([_cosine(sess.run(None, f), w) for f, w in zip(data, want, strict=True)]))
+        return float(np.mean([_cosine(sess.run(None, f), ref.run(None, f)) for f in data]))
 
     try:
         q = nncf.quantize_with_accuracy_control(model, nncf.Dataset(calib), nncf.Dataset(holdout), validate,
