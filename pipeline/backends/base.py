@@ -421,7 +421,8 @@ def time_interleaved(prepared: list[PreparedModel | None], plan: TimingPlan, err
 
     Each model is warmed up once (``plan.warmup_runs``, at least one run); each round times every model
     for ``plan.block_runs`` of the fastest warm-up run, after ``settle_runs`` untimed ones (the previous
-    model's worker threads slow the first runs after a switch). A model whose runs raise keeps its error
+    model's worker threads slow the first runs after a switch), and for at least the previous model's
+    ``settle_seconds`` (threads that spin on after its runs). A model whose runs raise keeps its error
     and drops out; the others go on, unless ``plan.stop_on_error``.
     """
     n = len(prepared)
@@ -446,7 +447,7 @@ def time_interleaved(prepared: list[PreparedModel | None], plan: TimingPlan, err
                     return blocks, errors
     runs = plan.block_runs(min(warm, default=math.nan))
     settle = max([getattr(pm, "settle_runs", 1) for pm in prepared if pm is not None] or [1])
-    settle_s = max([getattr(pm, "settle_seconds", 0.0) for pm in prepared if pm is not None] or [0.0])
+    before: Any = next((pm for pm, e in zip(reversed(prepared), reversed(errors), strict=True) if e is None), None)
     for r in range(plan.rounds):
         # rotate the order every round: each model follows every other one equally often, so
         # no model always pays for its predecessor's lingering worker threads
@@ -455,7 +456,10 @@ def time_interleaved(prepared: list[PreparedModel | None], plan: TimingPlan, err
                 continue
             pm = prepared[i]
             try:
-                _settle(pm, settle, settle_s)
+                # the pause is the previous model's: only a model whose worker threads spin on after
+                # its runs leaves the cores busy for the next one
+                _settle(pm, settle, getattr(before, "settle_seconds", 0.0) if before is not pm else 0.0)
+                before = pm
                 blocks[i].append(pm.time_runs(runs))  # type: ignore[union-attr]
             except Exception as exc:  # noqa: BLE001 - reported as a failed measurement
                 fail(i, exc)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -192,6 +193,36 @@ def test_compare_prepared_rotates_and_fails_only_the_broken_model():
     assert order[:3] == ["a", "b", "c"]
     firsts = [order[i] for i in range(3, len(order), 2)]
     assert firsts[:3] == ["a", "b", "c"] and not any(m.closed for m in (a, b, c))  # the caller closes them
+
+
+def test_only_the_block_after_a_spinning_model_waits_for_its_threads():
+    """A model whose worker threads spin on after its runs (settle_seconds) makes the next model wait
+    that long before its block; a model that follows one that does not spin is timed after its settle
+    runs only."""
+    from pipeline.backends.base import TimingPlan, time_interleaved
+
+    class Sleepy(_FakePrepared):  # each call takes real time, so a pause is a count of settle calls
+        def time_runs(self, n: int) -> list[float]:
+            time.sleep(0.002)
+            return super().time_runs(n)
+
+    order: list[str] = []
+    spin, a, b = (Sleepy(1.0, log=order, name=n) for n in ("spin", "a", "b"))
+    spin.settle_runs, spin.settle_seconds = 2, 0.04
+    blocks, errors = time_interleaved([spin, a, b], TimingPlan(3, 2, min_block_ms=0.0))
+    assert errors == [None] * 3 and all(len(bl) == 3 for bl in blocks)
+    # after the warm-up (spin a b), every block is its settle calls, then one timed call
+    calls, runs = [], order[3:]
+    while runs:
+        name, k = runs[0], 1
+        while k < len(runs) and runs[k] == name:
+            k += 1
+        calls.append((name, k - 1))  # settle calls before the timed one
+        runs = runs[k:]
+    after_spin = [c for (prev, _), (_, c) in zip(calls, calls[1:], strict=False) if prev == "spin"]
+    others = [c for (prev, _), (_, c) in zip([("b", 0), *calls[:-1]], calls, strict=True) if prev != "spin"]
+    assert after_spin and all(c >= 5 for c in after_spin)  # 40 ms of calls that take 2 ms or more
+    assert others and all(c == 2 for c in others)  # the settle runs, no pause
 
 
 def test_every_block_lasts_long_enough_for_the_fastest_model():
