@@ -33,7 +33,7 @@ from pipeline.app.scope import run_scope
 from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
 from pipeline.backends import Backend, auto_runtimes, create_backend
 from pipeline.backends.base import MIN_BLOCK_MS, Timing, TimingPlan, time_pairs
-from pipeline.backends.ratios import ratio_interval, round_ratios
+from pipeline.backends.ratios import clear_leader, ratio_interval, round_ratios
 from pipeline.config import ordered_stages
 from pipeline.errors import BackendUnavailable, PipelineError, StateError, first_line
 from pipeline.quant.shared_stats import sharing
@@ -244,8 +244,10 @@ def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[s
     ref_slot = compare.slot(reference, float_path)
     slots = [(compare.slot(float_deployment(r, shipped[r.name][2]), float_path),
               compare.slot(shipped[r.name][0], shipped[r.name][1])) for r in runs]
+    # up to 8 rounds; fewer once one deployment is clearly the fastest (every other one's ratio clear of
+    # 1 after MIN_ROUNDS rounds): a tie, or a float against its own runtime's shipped model, takes all 8
     plan = TimingPlan(rounds=8, runs_per_round=max(2, int(cfg.backend.timing_runs) // 8),
-                      warmup_runs=int(cfg.backend.warmup_runs))
+                      warmup_runs=int(cfg.backend.warmup_runs), until=clear_leader)
     timings, blocks = time_pairs(compare.pairs, plan, name="auto")
     timed = [TimedRuntime(timings[f], timings[s], f == s, f == ref_slot,
                           ratio_interval(round_ratios(blocks[s], blocks[f])) if f != s else None) for f, s in slots]

@@ -53,6 +53,19 @@ def round_ratios(ref_blocks: list[list[float]], cand_blocks: list[list[float]]) 
     return [min(c) / min(r) for r, c in zip(ref_blocks, cand_blocks, strict=False) if min(r) > 0]
 
 
+def clear_leader(blocks: list[list[list[float]]]) -> bool:
+    """Whether, after at least MIN_ROUNDS complete rounds, the deployment with the lowest p10 so far is
+    clearly faster than every other one still timed (``sequential_verdict`` of each ratio leader/other
+    below 1): more rounds would not change which one is fastest. A deployment that dropped out (fewer
+    blocks) is not compared."""
+    rounds = max((len(b) for b in blocks), default=0)
+    live = [i for i, b in enumerate(blocks) if len(b) == rounds]
+    if rounds < MIN_ROUNDS or len(live) < 2:
+        return False
+    lead = min(live, key=lambda i: float(np.percentile([t for b in blocks[i] for t in b], 10)))
+    return all(sequential_verdict(round_ratios(blocks[i], blocks[lead]), 1.0) == "below" for i in live if i != lead)
+
+
 # an undecided duel goes on past its rounds while they are cheap: up to CHEAP_ROUNDS rounds in all, as
 # long as its timed runs so far took less than CHEAP_SECONDS (a model of a tenth of a millisecond
 # spreads more from round to round than 12 rounds can resolve, and 64 of its rounds take about a second)

@@ -349,3 +349,23 @@ def test_an_undecided_duel_goes_on_while_its_rounds_are_cheap():
     assert rounds(0.1, (0.5, 0.55)) == MIN_ROUNDS  # clearly below
     assert rounds(0.1, (0.87, 1.07)) == CHEAP_ROUNDS  # 64 rounds of 2 x 10 ms blocks are cheap
     assert rounds(100.0, (0.87, 1.07)) == 12  # 12 rounds of 2 x 6 runs already took 14 s
+
+
+def test_the_final_comparison_ends_early_only_behind_a_clear_leader():
+    """backend=auto's comparison (``clear_leader``): once one deployment is clearly faster than every
+    other after MIN_ROUNDS rounds, more rounds would not change the choice; a near tie with any one of
+    them (a float against its runtime's shipped model) takes every round; one that dropped out is not
+    waited for."""
+    from pipeline.backends.base import TimingPlan, time_interleaved
+    from pipeline.backends.ratios import MIN_ROUNDS, clear_leader
+
+    def rounds(*models: _FakePrepared) -> int:
+        blocks, _ = time_interleaved(list(models), TimingPlan(8, 6, min_block_ms=0.0, until=clear_leader))
+        return max(len(b) for b in blocks)
+
+    ahead = _AlternatingPrepared(1.0, (1.0, 1.02))
+    assert rounds(_AlternatingPrepared(2.0, (1.0, 0.97)), ahead, _AlternatingPrepared(1.5, (1.0, 1.03))) == MIN_ROUNDS
+    # the leader and one other alternate 0.95x / 1.06x: never clear, all 8 rounds
+    assert rounds(_AlternatingPrepared(2.0), _AlternatingPrepared(1.0, (0.95, 1.06)), _AlternatingPrepared(1.0)) == 8
+    assert rounds(_AlternatingPrepared(2.0), _FakePrepared(1.0, fail_after=2), _AlternatingPrepared(1.0)) == MIN_ROUNDS
+    assert not clear_leader([[[1.0]] * 2, [[2.0]] * 2]) and not clear_leader([[[1.0]] * 5])  # too few rounds; alone
