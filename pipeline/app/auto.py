@@ -245,7 +245,8 @@ def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[s
     slots = [(compare.slot(float_deployment(r, shipped[r.name][2]), float_path),
               compare.slot(shipped[r.name][0], shipped[r.name][1])) for r in runs]
     # up to 8 rounds; fewer once one deployment is clearly the fastest (every other one's ratio clear of
-    # 1 after MIN_ROUNDS rounds): a tie, or a float against its own runtime's shipped model, takes all 8
+    # 1 after MIN_ROUNDS rounds that took 2 s or more): a tie, or a float against its own runtime's
+    # shipped model, takes all 8, as do cheap rounds
     plan = TimingPlan(rounds=8, runs_per_round=max(2, int(cfg.backend.timing_runs) // 8),
                       warmup_runs=int(cfg.backend.warmup_runs), until=clear_leader)
     timings, blocks = time_pairs(compare.pairs, plan, name="auto")

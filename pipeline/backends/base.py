@@ -420,10 +420,9 @@ def time_interleaved(prepared: list[PreparedModel | None], plan: TimingPlan, err
     round, and its error (None models, and models in ``errors`` with an error already, are skipped).
 
     Each model is warmed up once (``plan.warmup_runs``, at least one run); each round times every model
-    for ``plan.block_runs`` of the fastest warm-up run, after ``settle_runs`` untimed ones (the previous
-    model's worker threads slow the first runs after a switch), and for at least the previous model's
-    ``settle_seconds`` (threads that spin on after its runs). A model whose runs raise keeps its error
-    and drops out; the others go on, unless ``plan.stop_on_error``.
+    for ``plan.block_runs`` of the fastest warm-up run, after ``settle_runs`` untimed ones lasting at least
+    the previous model's ``settle_seconds`` (its worker threads slow the first runs after a switch). A
+    model whose runs raise keeps its error and drops out; the others go on, unless ``plan.stop_on_error``.
     """
     n = len(prepared)
     blocks: list[list[list[float]]] = [[] for _ in prepared]
@@ -449,16 +448,13 @@ def time_interleaved(prepared: list[PreparedModel | None], plan: TimingPlan, err
     settle = max([getattr(pm, "settle_runs", 1) for pm in prepared if pm is not None] or [1])
     before: Any = next((pm for pm, e in zip(reversed(prepared), reversed(errors), strict=True) if e is None), None)
     for r in range(plan.rounds):
-        # rotate the order every round: each model follows every other one equally often, so
-        # no model always pays for its predecessor's lingering worker threads
+        # rotate the order every round: no model always pays for its predecessor's lingering threads
         for i in [(r + k) % n for k in range(n)]:
             if errors[i] is not None:
                 continue
             pm = prepared[i]
             try:
-                # the pause is the previous model's: only a model whose worker threads spin on after
-                # its runs leaves the cores busy for the next one
-                _settle(pm, settle, getattr(before, "settle_seconds", 0.0) if before is not pm else 0.0)
+                _settle(pm, settle, before)
                 before = pm
                 blocks[i].append(pm.time_runs(runs))  # type: ignore[union-attr]
             except Exception as exc:  # noqa: BLE001 - reported as a failed measurement
@@ -470,7 +466,9 @@ def time_interleaved(prepared: list[PreparedModel | None], plan: TimingPlan, err
     return blocks, errors
 
 
-def _settle(pm: Any, runs: int, seconds: float) -> None:
+def _settle(pm: Any, runs: int, before: Any) -> None:
+    """``runs`` untimed runs of ``pm``, for at least ``before``'s ``settle_seconds`` (its spinning threads)."""
+    seconds = getattr(before, "settle_seconds", 0.0) if before is not pm else 0.0
     t0, n = time.perf_counter(), 0
     while n < runs or time.perf_counter() - t0 < seconds:
         pm.time_runs(1)
@@ -479,8 +477,7 @@ def _settle(pm: Any, runs: int, seconds: float) -> None:
 
 def compare_prepared(backend_name: str, prepared: list[PreparedModel], rounds: int = 5, runs_per_round: int = 1,
                      warmup_runs: int = 0) -> list[Timing]:
-    """Time already prepared models (``time_interleaved``); one Timing per model over all its runs
-    (the caller closes them)."""
+    """Time prepared models (``time_interleaved``): one Timing per model over all its runs (the caller closes them)."""
     return pooled(*time_interleaved(list(prepared), TimingPlan(rounds, runs_per_round, warmup_runs)), backend_name)
 
 

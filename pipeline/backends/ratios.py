@@ -53,23 +53,15 @@ def round_ratios(ref_blocks: list[list[float]], cand_blocks: list[list[float]]) 
     return [min(c) / min(r) for r, c in zip(ref_blocks, cand_blocks, strict=False) if min(r) > 0]
 
 
-def clear_leader(blocks: list[list[list[float]]]) -> bool:
-    """Whether, after at least MIN_ROUNDS complete rounds, the deployment with the lowest p10 so far is
-    clearly faster than every other one still timed (``sequential_verdict`` of each ratio leader/other
-    below 1): more rounds would not change which one is fastest. A deployment that dropped out (fewer
-    blocks) is not compared."""
-    rounds = max((len(b) for b in blocks), default=0)
-    live = [i for i, b in enumerate(blocks) if len(b) == rounds]
-    if rounds < MIN_ROUNDS or len(live) < 2:
-        return False
-    lead = min(live, key=lambda i: float(np.percentile([t for b in blocks[i] for t in b], 10)))
-    return all(sequential_verdict(round_ratios(blocks[i], blocks[lead]), 1.0) == "below" for i in live if i != lead)
-
-
 # an undecided duel goes on past its rounds while they are cheap: up to CHEAP_ROUNDS rounds in all, as
 # long as its timed runs so far took less than CHEAP_SECONDS (a model of a tenth of a millisecond
 # spreads more from round to round than 12 rounds can resolve, and 64 of its rounds take about a second)
 CHEAP_ROUNDS, CHEAP_SECONDS = 64, 2.0
+
+
+def timed_seconds(blocks: list[list[list[float]]]) -> float:
+    """The seconds the timed runs of ``time_interleaved``'s blocks took, all models together."""
+    return sum(sum(block) for model in blocks for block in model) / 1000.0
 
 
 def duel_plan(rounds: int, runs_per_round: int, warmup_runs: int, threshold: float,
@@ -82,7 +74,20 @@ def duel_plan(rounds: int, runs_per_round: int, warmup_runs: int, threshold: flo
     def until(blocks: list[list[list[float]]]) -> bool:
         if sequential_verdict(round_ratios(blocks[0], blocks[1]), threshold) is not None:
             return True
-        spent_s = sum(sum(block) for model in blocks for block in model) / 1000.0
-        return len(blocks[0]) >= rounds and spent_s >= CHEAP_SECONDS
+        return len(blocks[0]) >= rounds and timed_seconds(blocks) >= CHEAP_SECONDS
 
     return TimingPlan(max(rounds, cheap_rounds), runs_per_round, warmup_runs, stop_on_error=True, until=until)
+
+
+def clear_leader(blocks: list[list[list[float]]]) -> bool:
+    """Whether, after at least MIN_ROUNDS complete rounds that took CHEAP_SECONDS or more, the deployment
+    with the lowest p10 so far is clearly faster than every other one still timed (``sequential_verdict``
+    of each ratio leader/other below 1): more rounds would not change which one is fastest. Cheap rounds
+    all run: a fast model's latency switches between levels within a second here, so its few first
+    rounds may all catch one level. A deployment that dropped out (fewer blocks) is not compared."""
+    rounds = max((len(b) for b in blocks), default=0)
+    live = [i for i, b in enumerate(blocks) if len(b) == rounds]
+    if rounds < MIN_ROUNDS or len(live) < 2 or timed_seconds(blocks) < CHEAP_SECONDS:
+        return False
+    lead = min(live, key=lambda i: float(np.percentile([t for b in blocks[i] for t in b], 10)))
+    return all(sequential_verdict(round_ratios(blocks[i], blocks[lead]), 1.0) == "below" for i in live if i != lead)

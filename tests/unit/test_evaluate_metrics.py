@@ -353,9 +353,9 @@ def test_an_undecided_duel_goes_on_while_its_rounds_are_cheap():
 
 def test_the_final_comparison_ends_early_only_behind_a_clear_leader():
     """backend=auto's comparison (``clear_leader``): once one deployment is clearly faster than every
-    other after MIN_ROUNDS rounds, more rounds would not change the choice; a near tie with any one of
-    them (a float against its runtime's shipped model) takes every round; one that dropped out is not
-    waited for."""
+    other after MIN_ROUNDS rounds that were not cheap, more rounds would not change the choice; a near
+    tie with any one of them (a float against its runtime's shipped model) takes every round, as do
+    cheap rounds; one that dropped out is not waited for."""
     from pipeline.backends.base import TimingPlan, time_interleaved
     from pipeline.backends.ratios import MIN_ROUNDS, clear_leader
 
@@ -363,9 +363,14 @@ def test_the_final_comparison_ends_early_only_behind_a_clear_leader():
         blocks, _ = time_interleaved(list(models), TimingPlan(8, 6, min_block_ms=0.0, until=clear_leader))
         return max(len(b) for b in blocks)
 
-    ahead = _AlternatingPrepared(1.0, (1.0, 1.02))
-    assert rounds(_AlternatingPrepared(2.0, (1.0, 0.97)), ahead, _AlternatingPrepared(1.5, (1.0, 1.03))) == MIN_ROUNDS
+    def clear(ms: float) -> int:  # the second model leads the others by 1.5x and 2x
+        return rounds(_AlternatingPrepared(2 * ms, (1.0, 0.97)), _AlternatingPrepared(ms, (1.0, 1.02)),
+                      _AlternatingPrepared(1.5 * ms, (1.0, 1.03)))
+
+    assert clear(100.0) == MIN_ROUNDS and clear(1.0) == 8  # 3 rounds of 6 runs at 100-200 ms: 8 s
     # the leader and one other alternate 0.95x / 1.06x: never clear, all 8 rounds
-    assert rounds(_AlternatingPrepared(2.0), _AlternatingPrepared(1.0, (0.95, 1.06)), _AlternatingPrepared(1.0)) == 8
-    assert rounds(_AlternatingPrepared(2.0), _FakePrepared(1.0, fail_after=2), _AlternatingPrepared(1.0)) == MIN_ROUNDS
-    assert not clear_leader([[[1.0]] * 2, [[2.0]] * 2]) and not clear_leader([[[1.0]] * 5])  # too few rounds; alone
+    assert rounds(_AlternatingPrepared(200.0), _AlternatingPrepared(100.0, (0.95, 1.06)),
+                  _AlternatingPrepared(100.0)) == 8
+    assert rounds(_AlternatingPrepared(200.0), _FakePrepared(100.0, fail_after=2),
+                  _AlternatingPrepared(100.0)) == MIN_ROUNDS
+    assert not clear_leader([[[1e3]] * 2, [[2e3]] * 2]) and not clear_leader([[[1e3]] * 5])  # too few rounds; alone
