@@ -22,8 +22,11 @@ def test_auto_tunes_every_runtime_and_ships_the_fastest(residual_models, tmp_pat
     rows = {r["runtime"]: r for r in choice["rows"]}
     assert set(rows) == {"onnxruntime", "openvino"} and all(r["p10_ms"] for r in rows.values())
     assert choice["reference"] == "onnxruntime FP32 float"
-    best = choice["contenders"][0]  # the fastest of every runtime's shipped model and float (a tie: shipped)
-    assert best["p10_ms"] == min(c["p10_ms"] for c in choice["contenders"])
+    # the fastest of every runtime's shipped model and float, where a float not clearly faster than its own
+    # runtime's shipped model ranks just behind it (rank_ms): its p10 may still be the lowest
+    rank = [c["p10_ms"] if c.get("rank_ms") is None else c["rank_ms"] for c in choice["contenders"]]
+    best = choice["contenders"][0]
+    assert rank[0] == min(rank) and best["rank_ms"] is None  # the winner is never a held-back float
     fastest = best["runtime"]
     assert choice["winner"] == fastest
     stages = json.loads((rd / "manifest.json").read_text())["stages"]
