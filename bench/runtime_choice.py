@@ -39,8 +39,8 @@ from openvino_vs_nncf import (  # noqa: E402
 
 RUNS = ("onnxruntime", "openvino", "auto")
 SINGLE_ROW = {"onnxruntime": 2, "openvino": 3}  # the row of each single-runtime run's shipped model
-PEERS = ("ORT quantize_static", "NNCF")
-MAX_ROUNDS, BENCH_SECONDS = 300, 20.0  # rounds at most; timed seconds (all rows) before the rounds may end  # rows of peers' models (ours must load, or the bench fails)
+PEERS = ("ORT quantize_static", "NNCF")  # rows of peers' models (ours must load, or the bench fails)
+MAX_ROUNDS, BENCH_SECONDS = 300, 20.0  # rounds at most; timed seconds (all rows) before the rounds may end
 
 
 def tuned(key: str, root: Path, overrides: list[str]) -> dict[str, tuple[Path, float]]:

@@ -31,6 +31,12 @@ def user_path(value: str | os.PathLike) -> Path:
     return Path(to_absolute_path(str(value)))
 
 
+def user_cache() -> Path:
+    """The user's cache folder of this tool ($XDG_CACHE_HOME/qdq-tune, else ~/.cache/qdq-tune): data
+    and trained weights any run may reuse, each file named by what made it."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qdq-tune"
+
+
 def _fsync_dir(folder: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)

@@ -5,11 +5,10 @@ import scikit-learn and scipy (seconds) to read them again."""
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import numpy as np
 
-from pipeline.artifacts import atomic_output
+from pipeline.artifacts import atomic_output, user_cache
 from pipeline.errors import InputError
 
 
@@ -39,14 +38,6 @@ def digits_arrays(split: str, seed: int, test_fraction: float, image_shape: tupl
     if c != 1:
         x = np.repeat(x, c, axis=1)
     return np.ascontiguousarray(x), y
-
-
-def user_cache() -> Path:
-    """The user's cache folder of this tool ($XDG_CACHE_HOME/qdq-tune, else ~/.cache/qdq-tune): data
-    and trained weights any run may reuse, each file named by what made it."""
-    import os
-
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qdq-tune"
 
 
 def digits_split(seed: int, test_fraction: float, size: tuple[int, int]) -> dict[str, np.ndarray]:

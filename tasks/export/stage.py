@@ -17,10 +17,9 @@ import numpy as np
 import onnx
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.artifacts import atomic_output, fingerprint, user_path
+from pipeline.artifacts import atomic_output, atomic_write_json, fingerprint, read_json, user_cache, user_path
 from pipeline.backends.onnxruntime.session import inference_session
-from pipeline.data.digits import user_cache
-from pipeline.errors import ConfigError, InputError, StageError, first_line
+from pipeline.errors import ConfigError, InputError, StageError, StateError, first_line
 from pipeline.graph import weights
 from pipeline.graph.model import (
     control_flow,
@@ -451,9 +450,6 @@ class ExportStage(Stage):
 
 def _training_record(weights: Path, meta_path: Path, key: str) -> dict[str, Any] | None:
     """The training record beside trained weights, where both are there and were made for ``key``."""
-    from pipeline.artifacts import read_json
-    from pipeline.errors import StateError
-
     if not (weights.exists() and meta_path.exists()):
         return None
     try:
@@ -466,8 +462,6 @@ def _training_record(weights: Path, meta_path: Path, key: str) -> dict[str, Any]
 def _save_trained(module: Any, weights: Path, meta_path: Path, meta: dict[str, Any]) -> None:
     """Trained weights and their training record, each written atomically (the weights first)."""
     import torch
-
-    from pipeline.artifacts import atomic_write_json
 
     with atomic_output(weights) as tmp:
         torch.save(module.state_dict(), tmp)
