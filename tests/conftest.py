@@ -25,10 +25,12 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: "slow" not in item.keywords)
     if "extra" in (config.getoption("markexpr") or ""):
         return
-    skip = pytest.mark.skip(reason="marked extra: run with `python -m pytest -q -m extra` (bash .ci/run does)")
     for item in items:
-        if "extra" in item.keywords:
-            item.add_marker(skip)
+        marker = item.get_closest_marker("extra")
+        if marker is not None:
+            need = marker.args[0] if marker.args else "an optional extra"
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs {need}; then run `python -m pytest -q -m extra` (bash .ci/run does)"))
 
 
 

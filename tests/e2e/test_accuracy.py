@@ -44,7 +44,7 @@ def test_default_pipeline_keeps_top1_within_a_point(digits_results, tmp_path):
     assert "## Accuracy budget" in report and "within budget" in report and "CPU:" in report
 
 
-@pytest.mark.extra
+@pytest.mark.extra("qemu-user (apt-get install qemu-user)")
 def test_default_pipeline_keeps_top1_within_a_point_on_avx2_without_vnni(digits_results, tmp_path):
     """quantize, autotune and evaluate on an emulated Haswell (AVX2, no VNNI), where ORT's u8 x s8
     kernels saturate. The full-range int8 model (what qdq-tune shipped before) is checked in the same

@@ -90,7 +90,7 @@ def test_reproduce_command_names_spec_file_overrides_and_job_folder():
 
 
 @pytest.mark.slow
-@pytest.mark.extra
+@pytest.mark.extra("the optuna extra (pip install -e '.[optuna]')")
 def test_optuna_sweeper_searches_speed_and_accuracy(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper",
                         reason="needs the optuna extra: pip install -e '.[optuna]'")
@@ -110,7 +110,7 @@ def test_optuna_sweeper_searches_speed_and_accuracy(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.extra
+@pytest.mark.extra("the ray extra (pip install -e '.[ray]')")
 def test_ray_launcher_runs_jobs_on_a_local_instance(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="needs the ray extra: pip install -e '.[ray]'")
     rd = tmp_path / "ray"

@@ -236,7 +236,7 @@ def test_pinned_cpu_flags_decide_as_that_cpu_kind(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.extra
+@pytest.mark.extra("qemu-user (apt-get install qemu-user)")
 def test_fidelity_check_fires_on_an_emulated_avx2_cpu(tmp_path):
     prefix = qemu_haswell()
     if prefix is None:
