@@ -379,7 +379,8 @@ def _ship_float(manifest: Manifest, winner: RuntimeRun, outputs: dict[str, Any],
     if kind is not None:
         outputs.pop(kind.artifact, None)
         if backend.settings is not None:
-            outputs[kind.artifact] = manifest.describe_file(backend.settings.save(top / kind.artifact))
+            pinned = backend.settings.pinned(backend)
+            outputs[kind.artifact] = manifest.describe_file(pinned.save(top / kind.artifact))
     chosen = float_baseline(metrics)
     judged = chosen.verdict if chosen is not None and chosen.precision == chosen.default else None
     return {**metrics, "shipped": "float", "shipped_reason": "auto: its float ran clearly faster than its shipped model",

@@ -114,6 +114,14 @@ class RuntimeSettings(ABC):
         """These settings with ``values`` (field names) replaced, checked as a new record is."""
         return replace(self, **values)
 
+    def pinned(self: S, backend: Any) -> S:
+        """These settings as they ship from ``backend``: whatever the runtime would resolve from the host
+        where they leave it open, and that every check ran with, written out (OpenVINO's inference
+        precision), so the file means the same on every machine. Thread and stream counts are never
+        pinned: a count left open is the runtime's own rule (one per physical core), which scales with
+        the host. Here: nothing is left open that changes numerics."""
+        return self
+
     @abstractmethod
     def describe(self) -> str:
         """One line for logs and headlines: what these settings change (or what runs without them)."""

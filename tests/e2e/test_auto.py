@@ -148,6 +148,7 @@ def test_a_float_faster_than_every_shipped_model_ships_and_the_later_stages_run_
     assert outputs["autotune/optimized_final.onnx"]["path"] == "export/model.onnx"
     settings = json.loads((rd / outputs["autotune/openvino_compile.json"]["path"]).read_text())
     assert ("f32" in json.dumps(settings)) == precision.startswith("FP32")  # the float's precision ships with it
+    assert settings["INFERENCE_PRECISION_HINT"] == {"FP32": "f32", "BF16": "bf16"}[precision.split()[0]]
     assert stages["autotune"]["metrics"]["shipped"] == "float"
     assert (rd / "gen_trt_engine" / "model.xml").exists()
     assert f"| **openvino** | {precision} (its " in (rd / "evaluate" / "report.md").read_text()

@@ -39,17 +39,67 @@ def test_candidates_differ_from_what_openvino_picks_for_the_model(tmp_path):
 def test_candidates_follow_the_cpu_and_the_picked_values():
     picked = {"INFERENCE_PRECISION_HINT": "bf16", "INFERENCE_NUM_THREADS": "4", "NUM_STREAMS": "1",
               "ENABLE_CPU_PINNING": "YES", "CPU_DENORMALS_OPTIMIZATION": "NO"}
-    assert candidates(picked, ["BF16", "FP32", "INT8"], cores=4) == [
+    assert candidates(picked, ["BF16", "FP32", "INT8"]) == [
         ("inference precision f32", {"INFERENCE_PRECISION_HINT": "f32"}),
         ("1 inference thread", {"INFERENCE_NUM_THREADS": 1}),
         ("CPU pinning off", {"ENABLE_CPU_PINNING": "NO"}),
         ("denormals optimization on", {"CPU_DENORMALS_OPTIMIZATION": "YES"})]
     f32 = {**picked, "INFERENCE_PRECISION_HINT": "f32", "NUM_STREAMS": "2", "ENABLE_CPU_PINNING": "NO",
            "CPU_DENORMALS_OPTIMIZATION": "YES"}
-    names = [n for n, _ in candidates(f32, ["FP32", "INT8"], cores=8)]  # no BF16 on this CPU: f32 only
-    assert names == ["1 inference thread", "8 inference threads", "single stream (NUM_STREAMS 1)", "CPU pinning on"]
-    assert [n for n, _ in candidates(f32, ["BF16"], cores=8, cpu=False)] == ["inference precision bf16",
+    names = [n for n, _ in candidates(f32, ["FP32", "INT8"])]  # no BF16 on this CPU: f32 only
+    assert names == ["1 inference thread", "single stream (NUM_STREAMS 1)", "CPU pinning on"]
+    assert [n for n, _ in candidates(f32, ["BF16"], cpu=False)] == ["inference precision bf16",
                                                                             "single stream (NUM_STREAMS 1)"]
+
+
+def test_no_candidate_is_a_count_taken_from_this_hosts_cores():
+    """Thread and stream counts are rules that mean the same on every machine (one thread, one stream, or
+    OpenVINO's own choice left open), whatever count OpenVINO picked here."""
+    for threads in ("2", "7", "64"):
+        picked = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": "3"}
+        counts = [v for _, change in candidates(picked, ["FP32"]) for k, v in change.items()
+                  if k in ("INFERENCE_NUM_THREADS", "NUM_STREAMS")]
+        assert counts == [1, 1], counts
+
+
+class _Kind:
+    """A backend on a CPU kind whose OpenVINO picks ``default`` for float layers when nothing pins one."""
+
+    def __init__(self, default):
+        self.default, self.settings = default, None
+
+    def with_settings(self, settings):
+        other = _Kind(self.default)
+        other.settings = settings
+        return other
+
+    def float_precision(self):
+        given = dict(self.settings.properties).get("INFERENCE_PRECISION_HINT") if self.settings else None
+        return {"bf16": "BF16", "f32": "FP32", "f16": "FP16"}.get(given, self.default)
+
+
+@pytest.mark.parametrize("kind, default", [("avx2", "FP32"), ("avx512", "FP32"), ("avx512_vnni", "FP32"),
+                                           ("avx512_vnni with avx512_bf16", "BF16"), ("amx", "BF16")])
+def test_shipped_settings_pin_the_precision_the_checks_ran_on_every_kind(kind, default):
+    """Every shipped openvino_compile.json names its inference precision: left open, OpenVINO picks bf16 on a
+    CPU with AMX or AVX-512 BF16, so a float checked in f32 on an AVX2 host would compile in bf16 there."""
+    backend = _Kind(default)
+    for settings in (CompileSettings(), CompileSettings.from_dict({"PERFORMANCE_HINT": "LATENCY"})):
+        pinned = settings.pinned(backend)
+        assert pinned.to_dict()["INFERENCE_PRECISION_HINT"] == {"FP32": "f32", "BF16": "bf16"}[default], kind
+        assert set(settings.to_dict().items()) <= set(pinned.to_dict().items())
+    chosen = CompileSettings.from_dict({"INFERENCE_PRECISION_HINT": "f32"})
+    assert chosen.pinned(backend) == chosen  # a precision the search chose stays as it is
+
+
+def test_pinned_settings_compile_in_the_precision_they_name(tmp_path):
+    backend = _backend()
+    pinned = CompileSettings().pinned(backend)
+    compiled = pinned.compile(models.save(models.conv_chain(), tmp_path, "c"))
+    named = pinned.to_dict()["INFERENCE_PRECISION_HINT"]
+    assert named == backend.inference_precision(compiled)  # what OpenVINO picks here, now written out
+    f32 = CompileSettings.from_dict({"INFERENCE_PRECISION_HINT": "f32"}).pinned(backend)
+    assert backend.inference_precision(f32.compile(models.save(models.conv_chain(), tmp_path, "c"))) == "f32"
 
 
 def test_changes_accumulate_and_the_settings_file_round_trips(tmp_path):

@@ -21,6 +21,17 @@ def _optimized(model: onnx.ModelProto, tmp_path, settings: SessionSettings = Ses
     return onnx.load(str(tmp_path / "opt.onnx"))
 
 
+def test_the_only_thread_count_tried_is_one_whatever_the_hosts_cores(tmp_path):
+    """A shipped thread count is a rule (ORT's own, one per physical core, or one thread), never a count
+    derived from this host's cores."""
+    model = models.transformer_layer()
+    opt = _optimized(model, tmp_path)
+    for cores in (2, 8, 64):
+        threads = [c["threads"] for _, c in candidates(opt, model, cores=cores) if "threads" in c]
+        assert threads == [1], (cores, threads)
+    assert not [c for _, c in candidates(opt, model, cores=1) if "threads" in c]
+
+
 def test_candidates_name_the_transformers_that_made_the_fused_ops(tmp_path):
     model = models.transformer_layer()  # ORT fuses its erf GELU (Gelu) and residual + LN (SkipLayerNormalization)
     opt = _optimized(model, tmp_path)

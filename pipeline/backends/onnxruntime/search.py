@@ -5,8 +5,10 @@ ORT rewrites the graph before it runs it, and some of its fusions are slower tha
 on a given CPU and shape (a fused SkipLayerNormalization around the residual Adds recovery left
 float, BiasGelu on one thread). Each fused op found in ORT's optimized graph names the transformer
 that made it (``FUSIONS``, ORT's own transformer names); the gelu approximation where a Gelu runs,
-the intra-op thread counts below the machine's cores and the extended optimization level complete
-the list. The search itself is tasks.autotune.runtime.search.
+one intra-op thread (where more run now) and the extended optimization level complete the list.
+A thread count ships only as a rule that means the same on every machine: ORT's own (one thread per
+physical core, the file's 0) or one thread; never a count derived from this host's cores, which would
+mean something else on a server with 16 times as many. The search itself is tasks.autotune.runtime.search.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ _GELU_OPS = {"Gelu", "BiasGelu"}
 def candidates(optimized: onnx.ModelProto, original: onnx.ModelProto, cores: int) -> list[tuple[str, dict]]:
     """(name, change) for every setting worth measuring on this graph: the transformers whose fused
     ops ORT put in it (LayerNormFusion only where it made LayerNormalization the model did not
-    have), the gelu approximation where a Gelu runs, fewer threads than ``cores`` (the backend's
-    thread count), the extended level."""
+    have), the gelu approximation where a Gelu runs, one thread where ``cores`` (the backend's thread
+    count) is more, the extended level."""
     ops = {(n.domain or "", n.op_type) for n in optimized.graph.node}
     out: list[tuple[str, dict]] = [(f"disable {t}", {"disable": t}) for (d, op), t in FUSIONS.items()
                                    if (d, op) in ops]
@@ -58,7 +60,8 @@ def candidates(optimized: onnx.ModelProto, original: onnx.ModelProto, cores: int
         out.append(("gelu approximation", {"entry": GELU_APPROXIMATION}))
     if any(d == "com.microsoft.nchwc" for d, _ in ops):
         out.append(("graph optimization extended (no NCHWc layout)", {"level": "extended"}))
-    out += [(f"{n} intra-op thread{'s' if n > 1 else ''}", {"threads": n}) for n in range(cores - 1, 0, -1)]
+    if cores > 1:
+        out.append(("1 intra-op thread", {"threads": 1}))
     return out
 
 

@@ -25,11 +25,12 @@ SEARCHED = ("INFERENCE_PRECISION_HINT", "INFERENCE_NUM_THREADS", "NUM_STREAMS", 
             "CPU_DENORMALS_OPTIMIZATION")
 
 
-def candidates(picked: dict[str, str], capabilities: list[str], cores: int, cpu: bool = True
-               ) -> list[tuple[str, dict]]:
+def candidates(picked: dict[str, str], capabilities: list[str], cpu: bool = True) -> list[tuple[str, dict]]:
     """(name, change) for every compile property worth measuring, in the order the greedy search tries
-    them: the other inference precision (bf16 only where the device has BF16), 1 thread and ``cores``
-    threads, a single stream, CPU pinning flipped, denormals flushed. ``picked`` is what the compiled
+    them: the other inference precision (bf16 only where the device has BF16), one thread, a single
+    stream, CPU pinning flipped, denormals flushed. Thread and stream counts are only ever rules that
+    mean the same on every machine (one thread, one stream, or OpenVINO's own choice, left open): a
+    count taken from this host's cores would mean something else on the next. ``picked`` is what the compiled
     model reports for ``SEARCHED``; a value equal to it is not a candidate; ``cpu=False`` leaves out
     the CPU plugin's own properties."""
     out: list[tuple[str, dict]] = []
@@ -37,8 +38,8 @@ def candidates(picked: dict[str, str], capabilities: list[str], cores: int, cpu:
     out += [(f"inference precision {p}", {"INFERENCE_PRECISION_HINT": p}) for p in precisions
             if p != picked.get("INFERENCE_PRECISION_HINT")]
     if cpu:
-        out += [(f"{n} inference thread{'s' if n > 1 else ''}", {"INFERENCE_NUM_THREADS": n})
-                for n in sorted({1, cores}) if str(n) != picked.get("INFERENCE_NUM_THREADS")]
+        if picked.get("INFERENCE_NUM_THREADS") != "1":
+            out.append(("1 inference thread", {"INFERENCE_NUM_THREADS": 1}))
     if picked.get("NUM_STREAMS") != "1":
         out.append(("single stream (NUM_STREAMS 1)", {"NUM_STREAMS": 1}))
     if cpu:
@@ -76,8 +77,6 @@ def picked(compiled: Any) -> dict[str, str]:
 def search_candidates(backend: Backend, shipped: Path) -> tuple[list[tuple[str, dict]], dict[str, Any]]:
     """The candidates for ``shipped`` on this OpenVINO backend, and what the search reports beside its
     steps: the OpenVINO version and the properties it picked for the model with the backend's own."""
-    from pipeline.backends.onnxruntime.backend import physical_cores
-
     device = str(backend.cfg.device)
     compiled = backend.with_settings(base_settings(backend)).compile(shipped)
     chosen = picked(compiled)
@@ -85,7 +84,7 @@ def search_candidates(backend: Backend, shipped: Path) -> tuple[list[tuple[str, 
     log.info("runtime search: OpenVINO compiles %s on %s with %s", shipped.name, device,
              ", ".join(f"{k}={v}" for k, v in chosen.items()))
     found = {"openvino_version": backend.describe()["openvino"], "openvino_picked": chosen}
-    return candidates(chosen, capabilities, physical_cores(), cpu=device == "CPU"), found
+    return candidates(chosen, capabilities, cpu=device == "CPU"), found
 
 
 # what autotune's runtime search runs on this runtime (its Backend.search_space())

@@ -16,6 +16,8 @@ from pipeline.errors import BackendUnavailable
 INSTALL = "pip install openvino"
 # config value -> INFERENCE_PRECISION_HINT (default: what OpenVINO picks on this CPU)
 PRECISIONS = {"default": None, "bf16": "bf16", "f16": "f16", "f32": "f32"}
+# a float_precision() label -> the INFERENCE_PRECISION_HINT value that pins it
+SHIPPED_PRECISION = {"BF16": "bf16", "FP16": "f16", "FP32": "f32"}
 HINTS = ("LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT")
 # the compile properties a shipped openvino_compile.json may hold, with the values each accepts
 # (None: a non-negative integer)
@@ -95,6 +97,15 @@ class CompileSettings(RuntimeSettings):
 
     def describe(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.properties) or "OpenVINO's defaults"
+
+    def pinned(self, backend: Any) -> CompileSettings:
+        """With INFERENCE_PRECISION_HINT always set: the precision ``backend`` ran float layers in with these
+        settings. Left open, OpenVINO picks it per CPU (bf16 with AMX or AVX-512 BF16, f32 elsewhere), so a
+        file checked in f32 would compile in bf16, a precision no check ran, on the next machine."""
+        if "INFERENCE_PRECISION_HINT" in dict(self.properties):
+            return self
+        precision = backend.with_settings(self).float_precision()
+        return self.changed(INFERENCE_PRECISION_HINT=SHIPPED_PRECISION.get(precision, precision.lower()))
 
     def compile(self, model: str | os.PathLike, device: str = "CPU") -> Any:
         """``model`` compiled with these properties, as they were measured: what a deployment runs."""

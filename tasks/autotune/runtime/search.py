@@ -240,6 +240,7 @@ def search_runtime(setup: Any, rcfg: Any) -> tuple[dict[str, Path], RuntimeOutco
     path, key = out / Path(kind.artifact).name, kind.artifact
     base = space.base(backend)
     if not bool(rcfg.enabled):
+        base = base.pinned(backend)
         base.save(path)
         return {key: path}, RuntimeOutcome(False, "autotune.runtime.enabled=false", base.to_dict(), key)
     cands, found = space.candidates(backend, shipped)
@@ -260,6 +261,7 @@ def search_runtime(setup: Any, rcfg: Any) -> tuple[dict[str, Path], RuntimeOutco
                      "comparison; shipping those", settings.describe())
             outcome.rejected = settings.to_dict()
             settings = base
+    settings = settings.pinned(backend)
     settings.save(path)
     outcome.settings, outcome.describe = settings.to_dict(), settings.describe()
     sp = outcome.speedups()
