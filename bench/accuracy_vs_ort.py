@@ -86,7 +86,7 @@ def main() -> None:
 
     import onnxruntime as ort
 
-    from pipeline.accuracy.cpu import describe
+    from pipeline.quant.cpu import describe
 
     print(f"CPU: {describe()}")
     print(f"onnxruntime {ort.__version__}")

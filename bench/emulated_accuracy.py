@@ -55,7 +55,7 @@ def one_thread(backend):
 
 def child(rd: Path, feeds: Path, out: Path) -> None:
     """Run ``rd``'s shipped deployment on one thread over the feeds in ``feeds``; outputs to ``out``."""
-    from pipeline.accuracy.cpu import cpu_facts
+    from pipeline.quant.cpu import cpu_facts
 
     backend, model, runtime = shipped(rd)
     backend = one_thread(backend)

@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=10)
     args = ap.parse_args()
 
-    from pipeline.accuracy.cpu import describe
+    from pipeline.quant.cpu import describe
     from pipeline.backends import create_backend
     from tests.helpers import compose
 

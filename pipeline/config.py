@@ -294,6 +294,30 @@ def apply_aliases(cfg: DictConfig) -> None:
 # --------------------------------------------------------------------------- primary
 
 
+# --------------------------------------------------------------------------- target
+
+
+class CpuKindName(str, Enum):
+    """A CPU kind `target.cpus` lists (pipeline.quant.cpu.KINDS says what each is), or x86: all."""
+
+    avx2 = "avx2"
+    avx512 = "avx512"
+    avx_vnni = "avx_vnni"
+    avx512_vnni = "avx512_vnni"
+    amx = "amx"
+    x86 = "x86"
+
+
+@dataclass
+class TargetConfig:
+    """The CPU kinds the shipped deployment must be right on, beside the host it is tuned on (group
+    `target`: host, x86). Numerics are chosen for the weakest kind (weights that cannot saturate u8 x s8
+    kernels without VNNI; OpenVINO float layers in f32 unless every kind runs bf16), and the accuracy
+    verdict is given per kind. Kinds: avx2, avx512, avx_vnni, avx512_vnni, amx; x86 is all of them."""
+
+    cpus: list[CpuKindName] = field(default_factory=list)  # []: this host's kind only (target=host)
+
+
 @dataclass
 class TuneConfig:
     stages: list[StageName] = field(default_factory=lambda: list(StageName))
@@ -309,6 +333,7 @@ class TuneConfig:
     quantize: Any = MISSING
     autotune: Any = MISSING
     accuracy: Any = MISSING  # the accuracy budget (group `accuracy`), shared by every stage that makes a model
+    target: Any = MISSING  # the CPU kinds the deployment must be right on (group `target`)
     gen_trt_engine: Any = MISSING
     evaluate: Any = MISSING
 
@@ -323,6 +348,7 @@ _SHARED_GROUPS: dict[str, dict[str, type]] = {
     },
     "data": {"base_data": DataConfig},
     "accuracy": {"base_accuracy": AccuracyConfig},
+    "target": {"base_target": TargetConfig},
     "backend": {
         "base_onnxruntime": OnnxRuntimeBackendConfig,
         "base_tensorrt": TensorRTBackendConfig,
@@ -361,7 +387,7 @@ def validate(cfg: DictConfig) -> None:
     """Cross-field checks for the whole config; raises one ConfigError listing every problem."""
     apply_aliases(cfg)
     problems: list[str] = []
-    for key in ("model", "data", "backend", "accuracy"):
+    for key in ("model", "data", "backend", "accuracy", "target"):
         if not isinstance(cfg.get(key), DictConfig):
             problems.append(f"{key}: missing config group; choose one with {key}=<option>")
     if problems:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.accuracy.budget import AccuracyVerdict
-from pipeline.accuracy.cpu import CpuFacts
+from pipeline.quant.cpu import CpuFacts
 from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.artifacts import read_json
 from pipeline.errors import StateError

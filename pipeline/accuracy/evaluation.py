@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from pipeline.accuracy.budget import AccuracyVerdict
-from pipeline.accuracy.cpu import CpuFacts
+from pipeline.quant.cpu import CpuFacts
 from pipeline.accuracy.decisions import BiasCorrection
 from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.accuracy.scores import Scores

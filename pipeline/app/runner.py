@@ -52,7 +52,7 @@ _PACKAGES = ("qdq-tune", "onnx", "onnxruntime", "torch", "numpy", "hydra-core", 
 def environment() -> dict[str, Any]:
     """What a result depends on besides the config: host, Python, package versions, CPU and GPU."""
 
-    from pipeline.accuracy.cpu import describe
+    from pipeline.quant.cpu import describe
 
     packages = {}
     for name in _PACKAGES:
@@ -100,7 +100,7 @@ def run_pipeline(cfg: DictConfig, results_dir: Path) -> dict[str, Any]:
     # the bars and ORT sessions deep inside (weights, saves, calibration) follow the config too, for
     # this run only
     with run_scope(threads=int(cfg.backend.get("intra_op_threads", 0) or 0), progress=bool(cfg.progress),
-                   min_block_ms=float(cfg.backend.get("min_block_ms", MIN_BLOCK_MS))):
+                   min_block_ms=float(cfg.backend.get("min_block_ms", MIN_BLOCK_MS)), target=list(cfg.target.cpus)):
         if is_auto(cfg.backend):
             from pipeline.app.auto import run_auto
 

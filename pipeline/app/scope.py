@@ -2,7 +2,8 @@
 
 A few settings reach code deep below the stages, which takes no config: whether progress bars show
 (`progress`), how many threads the pipeline's own ONNX Runtime sessions use
-(`backend.intra_op_threads`), the least length of a timed block (`backend.min_block_ms`), the folder of hard links a loaded model's weights are read from, the
+(`backend.intra_op_threads`), the least length of a timed block (`backend.min_block_ms`), the CPU
+kinds the deployment must be right on (`target.cpus`), the folder of hard links a loaded model's weights are read from, the
 warnings about the data already given, and the objects a ``pipeline.api.tune()`` call was given in
 memory. Each is a ContextVar owned by its module; ``run_scope`` composes their context managers: it
 sets them for one run and puts back what was there before, also when the run raises, so two runs in
@@ -13,10 +14,11 @@ thread sees its run's settings where it is handed the run's context (``contextva
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from pipeline import progress as bars
+from pipeline.quant import cpu
 from pipeline.backends import base as timing
 from pipeline.backends.onnxruntime import session as ort
 from pipeline.data import adapters
@@ -26,7 +28,8 @@ from pipeline.graph import weights
 
 @contextlib.contextmanager
 def run_scope(*, threads: int | None = None, progress: bool | None = None,
-              live: Mapping[str, Any] | None = None, min_block_ms: float | None = None) -> Iterator[None]:
+              live: Mapping[str, Any] | None = None, min_block_ms: float | None = None,
+              target: Iterable[str] | None = None) -> Iterator[None]:
     """The run-wide settings for the block, each back to its previous value after it.
 
     Args:
@@ -34,6 +37,7 @@ def run_scope(*, threads: int | None = None, progress: bool | None = None,
         progress: whether bars deep inside library code show (on interactive terminals).
         live: objects a tune() call was given, by the key their config args name.
         min_block_ms: the least length of a timed block (``backend.min_block_ms``).
+        target: the CPU kinds the deployment must be right on besides this host's (``target.cpus``).
 
     None keeps the enclosing value: ``pipeline.api.tune`` holds its objects before the config is
     composed, and the runner's scope inside it sets the config's threads and bars. Every scope gets a
@@ -48,6 +52,8 @@ def run_scope(*, threads: int | None = None, progress: bool | None = None,
             stack.enter_context(live_objects.held(live))
         if min_block_ms is not None:
             stack.enter_context(timing.min_block_configured(min_block_ms))
+        if target is not None:
+            stack.enter_context(cpu.target_configured(target))
         stack.enter_context(weights.own_folder())
         stack.enter_context(adapters.warnings_once())
         yield

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from pipeline.artifacts import atomic_write_json, read_settings
+from pipeline.backends.base import Backend
 
 S = TypeVar("S", bound="RuntimeSettings")
 
@@ -114,7 +115,7 @@ class RuntimeSettings(ABC):
         """These settings with ``values`` (field names) replaced, checked as a new record is."""
         return replace(self, **values)
 
-    def pinned(self: S, backend: Any) -> S:
+    def pinned(self: S, backend: Backend) -> S:
         """These settings as they ship from ``backend``: whatever the runtime would resolve from the host
         where they leave it open, and that every check ran with, written out (OpenVINO's inference
         precision), so the file means the same on every machine. Thread and stream counts are never

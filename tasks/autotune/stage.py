@@ -91,7 +91,7 @@ class AutotuneStage(Stage):
     # outlier smoothing), the one calibration.json describes; Q/DQ go into it, timing is against export's
     optional_inputs = ("quantize/calibration.json", "quantize/quantized_model.onnx", "quantize/float_model.onnx")
     outputs = COMMON_OUTPUTS
-    config_keys = ("autotune", "accuracy", "backend", "quantize", "seed")
+    config_keys = ("autotune", "accuracy", "backend", "quantize", "seed", "target")
 
     def run(self, ctx: StageContext) -> StageResult:
         mode = enum_value(ctx.cfg.autotune.mode)

@@ -123,7 +123,7 @@ class EvaluateStage(Stage):
     optional_inputs = ("quantize/quantized_model.onnx", "autotune/optimized_final.onnx", "quantize/calibration.json",
                        "quantize/float_model.onnx", CHOICE)
     outputs = ("evaluate/metrics.json", "evaluate/report.md")
-    config_keys = ("evaluate", "data", "backend", "seed", "accuracy")
+    config_keys = ("evaluate", "data", "backend", "seed", "accuracy", "target")
 
     def optional_input_keys(self, ctx: StageContext) -> tuple[str, ...]:
         # the runtime settings the autotuned model ships with (the configured runtime's file)

@@ -14,7 +14,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict, CustomScore
-from pipeline.accuracy.cpu import CpuFacts, cpu_facts, describe
+from pipeline.quant.cpu import CpuFacts, cpu_facts, describe
 from pipeline.accuracy.decisions import QuantizeDecisions, quantize_decisions
 from pipeline.accuracy.evaluation import (
     CustomMetricSummary,

@@ -15,7 +15,7 @@ from typing import Any
 
 import onnx
 
-from pipeline.accuracy.cpu import CpuFacts, cpu_facts, describe
+from pipeline.quant.cpu import CpuFacts, decision_facts, describe
 from pipeline.accuracy.decisions import QuantizeDecisions
 from pipeline.backends.base import Backend
 from pipeline.errors import StageError
@@ -43,7 +43,7 @@ def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None
     bias correction of ``placer``'s model, decided on ``setup.checker``'s held-out batches. ``outliers``
     are the element-wise nodes on tensors with outlier channels, recovery's first candidates."""
     checker, budget, holdout = setup.checker, setup.checker.budget, setup.checker.holdout
-    facts = cpu_facts()
+    facts = decision_facts()
     ops = {n.name: n.op_type for n in iter_nodes(placer.model.graph, QUANTIZED_BODIES)}
     start = setup.start_weights
     unsupported = runnable(lambda s: placer.build(start, s)[1], checker, set(ops))

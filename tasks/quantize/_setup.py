@@ -15,7 +15,7 @@ import onnx
 from omegaconf import DictConfig
 
 from pipeline.accuracy.budget import AccuracyBudget
-from pipeline.accuracy.cpu import cpu_facts
+from pipeline.quant.cpu import decision_facts
 from pipeline.accuracy.holdout import Holdout
 from pipeline.backends import Backend, activation_type, compute_backend, judging_backend, placement_kind
 from pipeline.calibrate.collect import CalibrationMethod, collect
@@ -84,7 +84,7 @@ class QuantizeSetup:
             model, (lowering,) = run_passes(model, [RnnLowering()], ctx)
             if lowering.applied:
                 rules = resolve_rules(model, q.layers, q.skip_names, q.op_types_to_quantize)
-        saturates = kind.cpu_kernels and bool(cpu_facts().u8s8_saturates)
+        saturates = kind.cpu_kernels and bool(decision_facts().u8s8_saturates)
         return cls(cfg, out_dir, model, rules, lowering, provider, total, backend, checker, kind, act_type, work,
                    start_range(q.weight_range, saturates))
 

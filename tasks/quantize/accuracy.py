@@ -257,7 +257,7 @@ def choose_weight_range(build: Callable[..., onnx.ModelProto], checker: Checker,
     full = checker.check(build(WeightVariant.full), WeightVariant.full.candidate, fidelity=True)
     if full.usable and not saturates:
         return WeightStorage(WeightVariant.full, "fused kernels agree with the Q/DQ reference", full, [full])
-    why = ("this CPU's u8s8 kernels saturate (AVX2 without VNNI)" if saturates else
+    why = ("u8s8 kernels saturate (AVX2 without VNNI) on a CPU it must run on" if saturates else
            f"this CPU's fused kernels disagree with the Q/DQ reference ({full.fidelity.reason if full.fidelity else full.error})")
     if not saturates and full.error is None and units:
         kept, why = _localized(build, checker, full, why, saturates, units)

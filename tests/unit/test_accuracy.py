@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 from pipeline.accuracy.budget import AccuracyBudget
-from pipeline.accuracy.cpu import cpu_facts
+from pipeline.quant.cpu import cpu_facts
 from pipeline.accuracy.fidelity import kernel_fidelity
 from pipeline.accuracy.holdout import Holdout
 from pipeline.accuracy.scores import Scores
@@ -189,7 +189,7 @@ sys.path.insert(0, {root!r})
 import numpy as np
 from tests.helpers import openvino_backend, ort_backend, saturating_model
 from pipeline.accuracy.fidelity import kernel_fidelity
-from pipeline.accuracy.cpu import cpu_facts
+from pipeline.quant.cpu import cpu_facts
 path = {path!r}
 feeds = [{{"x": np.ones((1, 16, 8, 8), np.float32)}}]
 r = kernel_fidelity(ort_backend(), path, feeds)
@@ -215,7 +215,7 @@ def test_fidelity_check_on_a_graph_that_saturates_u8s8_without_vnni(tmp_path, ba
 
 def test_pinned_cpu_flags_decide_as_that_cpu_kind(monkeypatch):
     """QDQ_TUNE_CPU_FLAGS pins the facts the tool decides from; unset, the CPU's own (CPUID) come back."""
-    from pipeline.accuracy.cpu import PIN_ENV, CpuFacts
+    from pipeline.quant.cpu import PIN_ENV, CpuFacts
     from pipeline.errors import InputError
 
     real = cpu_facts()

@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 from onnx import helper
 
-from pipeline.accuracy.cpu import cpu_facts
+from pipeline.quant.cpu import cpu_facts
 from pipeline.backends.onnxruntime.session import inference_session
 from pipeline.calibrate.collect import CalibrationMethod, collect
 from pipeline.data.adapters import Batch

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pipeline.accuracy.budget import AccuracyVerdict
-from pipeline.accuracy.cpu import CpuFacts
+from pipeline.quant.cpu import CpuFacts
 from pipeline.accuracy.decisions import QuantizeDecisions, quantize_decisions
 from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.errors import StateError

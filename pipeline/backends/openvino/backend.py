@@ -28,6 +28,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_write_bytes, atomic_write_json
+from pipeline.quant.cpu import bf16_everywhere
 from pipeline.backends.base import (
     Backend,
     BuildResult,
@@ -164,6 +165,8 @@ class OpenVinoBackend(Backend):
         """The compile properties: backend.* first, the shipped settings over them."""
         props: dict[str, Any] = {"PERFORMANCE_HINT": enum_value(self.cfg.performance_hint)}
         precision = PRECISIONS[enum_value(self.cfg.inference_precision)]
+        if precision is None and not bf16_everywhere():
+            precision = "f32"  # a target kind runs float layers in f32: every kind runs what was checked
         if precision is not None:
             props["INFERENCE_PRECISION_HINT"] = precision
         if int(self.cfg.threads) > 0:

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.backends.base import Backend
 from pipeline.backends.settings import RuntimeSettings, string_map
 from pipeline.errors import BackendUnavailable
 
@@ -98,7 +99,7 @@ class CompileSettings(RuntimeSettings):
     def describe(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.properties) or "OpenVINO's defaults"
 
-    def pinned(self, backend: Any) -> CompileSettings:
+    def pinned(self, backend: Backend) -> CompileSettings:
         """With INFERENCE_PRECISION_HINT always set: the precision ``backend`` ran float layers in with these
         settings. Left open, OpenVINO picks it per CPU (bf16 with AMX or AVX-512 BF16, f32 elsewhere), so a
         file checked in f32 would compile in bf16, a precision no check ran, on the next machine."""

@@ -7,15 +7,26 @@ by int8 weights with VPMADDUBSW, which adds each pair of products in int16 with 
 compute wrong sums. VNNI (VPDPBUSD) accumulates in int32 and is exact. The flags are read with
 CPUID (archspec), i.e. what this process's instructions really see, which is what MLAS dispatches on.
 
-``QDQ_TUNE_CPU_FLAGS`` pins the flags the tool decides from (for tests, and to prepare a model for a
-CPU kind other than this one): a comma- or space-separated list of the flags below, or ``none``. The
-kernels still run on the real CPU, so every fidelity check still measures what this machine computes.
+CPU kinds (``KINDS``) name what a deployment must be right on: `avx2` (AMD Zen 2/3, Intel before
+Skylake-SP), `avx512` (Skylake-SP: AVX-512 without VNNI), `avx_vnni` (Alder Lake and later clients),
+`avx512_vnni` (Ice Lake, Cascade Lake, AMD Zen 4) and `amx` (Sapphire Rapids and later). A run's
+target (`target.cpus`, set for the run by ``target_configured``) lists the kinds beside this host's:
+numerics are chosen for the weakest of them (``decision_facts``), and OpenVINO's float precision is
+bf16 only where every one of them runs bf16 (``bf16_everywhere``).
+
+``QDQ_TUNE_CPU_FLAGS`` pins the flags the tool decides from (a test seam: the user's way to prepare a
+model for other CPUs is `target.cpus`): a comma- or space-separated list of the flags below, or
+``none``. The kernels still run on the real CPU, so every fidelity check still measures what this
+machine computes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterable, Iterator
+from contextvars import ContextVar
 import platform
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -31,6 +42,33 @@ PIN_ENV = "QDQ_TUNE_CPU_FLAGS"
 
 
 @dataclass(frozen=True)
+class CpuKind:
+    """A kind of x86 CPU as its int8 kernels see it: whether u8 x s8 dot products saturate in int16
+    pair sums (no VNNI), and whether OpenVINO runs float layers in bf16 there by default (only AMX is
+    sure to; among AVX-512 VNNI CPUs, Zen 4 has AVX-512 BF16 and Cascade Lake does not)."""
+
+    name: str
+    flags: tuple[str, ...]  # the flags (X86_FLAGS' names) a CPU of this kind has at least
+    saturates: bool
+    bf16: bool
+    examples: str
+
+
+KINDS: dict[str, CpuKind] = {k.name: k for k in (
+    CpuKind("avx2", ("avx2",), True, False, "AMD Zen 2/3, Intel before Skylake-SP"),
+    CpuKind("avx512", ("avx2", "avx512f", "avx512bw"), True, False, "Intel Skylake-SP"),
+    CpuKind("avx_vnni", ("avx2", "avx_vnni"), False, False, "Intel Alder Lake and later clients"),
+    CpuKind("avx512_vnni", ("avx2", "avx512f", "avx512bw", "avx512_vnni"), False, False,
+            "Intel Ice Lake, Cascade Lake; AMD Zen 4"),
+    CpuKind("amx", ("avx2", "avx512f", "avx512bw", "avx512_vnni", "amx_int8"), False, True,
+            "Intel Sapphire Rapids and later"),
+)}
+# `target.cpus` shorthand for every x86 kind
+ALL_X86 = "x86"
+_TARGET: ContextVar[tuple[str, ...]] = ContextVar("target_cpus", default=())
+
+
+@dataclass(frozen=True)
 class CpuFacts:
     """The CPU the tool decides for. ``u8s8_saturates`` is True on x86 without VNNI, False where
     dot-product instructions accumulate in int32, and None when unknown (archspec missing or an
@@ -43,6 +81,16 @@ class CpuFacts:
     u8s8_saturates: bool | None = None
     source: str | None = None
     pinned: bool = False  # the flags come from QDQ_TUNE_CPU_FLAGS, not from this CPU
+
+    @property
+    def kind(self) -> str | None:
+        """The CPU kind (``KINDS``) these flags make, None off x86 or without AVX2."""
+        if self.arch not in ("x86_64", "amd64", "i386", "i686"):
+            return None
+        for name in ("amx", "avx512_vnni", "avx_vnni", "avx512", "avx2"):
+            if set(KINDS[name].flags) <= set(self.flags):
+                return name
+        return None
 
     def describe(self) -> str:
         """One line, e.g. 'AMD EPYC (x86_64; avx2 avx512f avx512_vnni)'."""
@@ -113,3 +161,50 @@ def _detected() -> CpuFacts:
 def describe(facts: CpuFacts | None = None) -> str:
     """One line, e.g. 'AMD EPYC (x86_64; avx2 avx512f avx512_vnni)'."""
     return (facts or cpu_facts()).describe()
+
+
+def target_cpus(cpus: Iterable[str], key: str = "target.cpus") -> tuple[str, ...]:
+    """The kinds ``cpus`` lists (``x86``: every x86 kind), in KINDS' order; an InputError naming ``key``
+    for a name that is not a kind."""
+    names = [str(getattr(c, "value", c)).strip().lower() for c in cpus]
+    bad = [n for n in names if n not in KINDS and n != ALL_X86]
+    if bad:
+        raise InputError(f"{key}: unknown CPU kind(s) {', '.join(bad)}; choose from {', '.join(KINDS)} or "
+                         f"{ALL_X86} (every x86 kind)")
+    wanted = set(KINDS) if ALL_X86 in names else set(names)
+    return tuple(k for k in KINDS if k in wanted)
+
+
+@contextlib.contextmanager
+def target_configured(cpus: Iterable[str]) -> Iterator[None]:
+    """The run's target kinds for the block (empty: this host only); the previous ones after it."""
+    token = _TARGET.set(target_cpus(cpus))
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
+def target_kinds() -> tuple[str, ...]:
+    """The kinds the run's deployment must be right on: this host's and the target's, in KINDS' order
+    (this host alone where its kind is unknown and no target is set)."""
+    host = cpu_facts().kind
+    wanted = set(_TARGET.get()) | ({host} if host else set())
+    return tuple(k for k in KINDS if k in wanted)
+
+
+def decision_facts() -> CpuFacts:
+    """The facts numerics are chosen by: this CPU's, as saturating where a target kind's u8 x s8 kernels
+    saturate though this CPU's do not (the weakest kind decides)."""
+    facts = cpu_facts()
+    weak = [k for k in _TARGET.get() if KINDS[k].saturates]
+    if not weak or facts.u8s8_saturates:
+        return facts
+    return CpuFacts(facts.arch, facts.vendor, facts.brand, facts.flags, True,
+                    f"target.cpus has {', '.join(weak)}, whose u8s8 kernels saturate", pinned=True)
+
+
+def bf16_everywhere() -> bool:
+    """Whether every target kind runs float layers in bf16 by default (True with no target: the host
+    decides, as the runtime does)."""
+    return all(KINDS[k].bf16 for k in _TARGET.get())

@@ -1,0 +1,261 @@
+"""What the u8 x s8 kernels of x86 CPUs without VNNI compute: a Q/DQ model's saturating twin.
+
+Without VNNI, ONNX Runtime's MLAS and OpenVINO's oneDNN multiply uint8 activations by int8 weights with
+VPMADDUBSW, which adds the products of neighbouring elements along the reduction axis in int16 with
+saturation, then widens the pair sums to int32 (VPMADDWD by ones) and corrects the zero points exactly.
+Pairs are (2p, 2p+1) along K of a MatMul or Gemm, and along the reduction of a Conv taken in the
+channels-last im2col order (kernel position, then channel): neighbouring channels at one kernel
+position where the channel count is even, pairs that cross kernel positions where it is odd (a
+one-channel first layer). So a layer's output differs from its
+Q/DQ math by ``sa * sw * sum_p (clip16(s_p) - s_p)``, with ``s_p`` the pair sums of the raw uint8 and
+int8 values.
+
+``saturating_twin`` adds exactly that correction after every such layer of a Q/DQ model, as ONNX ops
+in float32 (products of at most 255 x 128 and their pair sums are exact there), so running the twin as
+plain Q/DQ math (ONNX Runtime with no graph optimizations) computes what a CPU without VNNI computes,
+with errors that flow into later layers as they do on that CPU. Layers whose weights are 7-bit (reduced
+range) or uint8 cannot saturate and get no correction; grouped convolutions run on kernels that widen
+to int16 first and are left as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from pipeline.graph.model import opset_version
+from pipeline.graph.shapes import infer_shapes
+
+INT16_MIN, INT16_MAX = -32768.0, 32767.0
+# the most a pair of products can reach with |weight| <= this: 2 x 255 x 63 = 32130 fits in int16
+EXACT_WEIGHT_MAX = 63
+
+
+@dataclass(frozen=True)
+class TwinReport:
+    """What ``saturating_twin`` did: the layers that got a correction, and the layers it left as they
+    are, each with why (their weights cannot saturate, or their kernel is not a u8 x s8 pair kernel)."""
+
+    corrected: tuple[str, ...]
+    exact: tuple[tuple[str, str], ...]
+
+    @property
+    def can_saturate(self) -> bool:
+        return bool(self.corrected)
+
+
+def saturating_twin(model: onnx.ModelProto) -> tuple[onnx.ModelProto, TwinReport]:
+    """A copy of ``model`` (a Q/DQ model) whose u8 x s8 MatMul, Gemm and Conv layers compute what the
+    saturating kernels of a CPU without VNNI compute (see the module docstring), and what was done.
+    Only the main graph is changed (Loop and Scan bodies keep their Q/DQ math)."""
+    twin = onnx.ModelProto()
+    twin.CopyFrom(model)
+    inferred = infer_shapes(onnx.ModelProto.FromString(twin.SerializeToString()))
+    shapes = _shapes(inferred)
+    inits = {t.name: t for t in twin.graph.initializer}
+    producer = {o: n for n in twin.graph.node for o in n.output}
+    opset = opset_version(twin)
+    corrected: list[str] = []
+    exact: list[tuple[str, str]] = []
+    new_nodes: list[onnx.NodeProto] = []
+    for node in list(twin.graph.node):
+        new_nodes.append(node)
+        if node.op_type not in ("MatMul", "Gemm", "Conv"):
+            continue
+        layer = _layer(node, producer, inits)
+        if layer is None:
+            continue
+        name = node.name or node.output[0]
+        why = _why_exact(node, layer)
+        if why:
+            exact.append((name, why))
+            continue
+        extra = _correction(node, layer, shapes, twin.graph, len(corrected), opset)
+        if extra is None:
+            exact.append((name, "shapes unknown: left as Q/DQ math"))
+            continue
+        new_nodes.extend(extra)
+        corrected.append(name)
+    del twin.graph.node[:]
+    twin.graph.node.extend(new_nodes)
+    return twin, TwinReport(tuple(corrected), tuple(exact))
+
+
+@dataclass(frozen=True)
+class _Layer:
+    act_q: str  # the raw uint8 activation (DequantizeLinear's input)
+    act_scale: float
+    act_zero: int
+    weight: np.ndarray  # raw int8 values, as stored
+    weight_scale: np.ndarray  # per output channel (or one)
+
+
+def _layer(node: onnx.NodeProto, producer: dict[str, onnx.NodeProto], inits: dict[str, TensorProto]
+           ) -> _Layer | None:
+    """The quantized operands of a DQ(uint8 act) x DQ(int8 weight) layer, None for any other node."""
+    if len(node.input) < 2:
+        return None
+    act, wgt = producer.get(node.input[0]), producer.get(node.input[1])
+    if act is None or wgt is None or act.op_type != "DequantizeLinear" or wgt.op_type != "DequantizeLinear":
+        return None
+    values = [inits.get(n) for n in (*act.input[1:3], *wgt.input[:3])]
+    if len(act.input) < 3 or len(wgt.input) < 3 or any(v is None for v in values):
+        return None
+    a_scale, a_zero, w_q, w_scale, w_zero = (numpy_helper.to_array(v) for v in values)
+    if a_zero.dtype != np.uint8 or w_q.dtype != np.int8 or a_scale.size != 1 or a_zero.size != 1 \
+            or np.any(w_zero != 0):
+        return None
+    return _Layer(act.input[0], float(a_scale.reshape(())), int(a_zero.reshape(())), w_q,
+                  np.asarray(w_scale, dtype=np.float32).reshape(-1))
+
+
+def _why_exact(node: onnx.NodeProto, layer: _Layer) -> str:
+    """Why the layer's kernel cannot saturate ("" where it can)."""
+    if int(np.abs(layer.weight.astype(np.int32)).max(initial=0)) <= EXACT_WEIGHT_MAX:
+        return f"weights within +-{EXACT_WEIGHT_MAX}: pair sums fit in int16"
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if node.op_type == "Conv" and int(attrs.get("group", 1)) != 1:
+        return "grouped convolution: its kernel widens to int16 before multiplying"
+    if node.op_type == "Conv" and attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID", "NOTSET", "VALID"):
+        return "auto_pad SAME: left as Q/DQ math"
+    if node.op_type == "Gemm" and int(attrs.get("transA", 0)):
+        return "Gemm with transA: left as Q/DQ math"
+    return ""
+
+
+def _shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
+    out = {}
+    for vi in (*model.graph.value_info, *model.graph.input, *model.graph.output):
+        dims = [d.dim_value if d.HasField("dim_value") else -1 for d in vi.type.tensor_type.shape.dim]
+        if dims and all(d > 0 for d in dims):
+            out[vi.name] = dims
+    return out
+
+
+class _Builder:
+    """Nodes and constants of one layer's correction, named apart from every other layer's."""
+
+    def __init__(self, graph: onnx.GraphProto, index: int, opset: int):
+        self.graph, self.prefix, self.nodes, self.opset = graph, f"qdq_tune_saturation_{index}", [], opset
+
+    def const(self, name: str, value: np.ndarray) -> str:
+        full = f"{self.prefix}/{name}"
+        self.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(value), full))
+        return full
+
+    def reduce_sum(self, data: str, axis: int, name: str) -> str:
+        """ReduceSum over one axis, dropped (its axes an input from opset 13, an attribute before)."""
+        if self.opset >= 13:
+            return self.op("ReduceSum", [data, self.const(f"{name}_axes", np.asarray([axis], np.int64))], name,
+                           keepdims=0)
+        return self.op("ReduceSum", [data], name, axes=[axis], keepdims=0)
+
+    def op(self, op_type: str, inputs: list[str], name: str, **attrs) -> str:
+        out = f"{self.prefix}/{name}"
+        self.nodes.append(helper.make_node(op_type, inputs, [out], name=out, **attrs))
+        return out
+
+
+def _correction(node: onnx.NodeProto, layer: _Layer, shapes: dict[str, list[int]], graph: onnx.GraphProto,
+                index: int, opset: int) -> list[onnx.NodeProto] | None:
+    """Nodes that add the saturation error to ``node``'s output (renamed), None where shapes are unknown."""
+    act_shape, out_shape = shapes.get(layer.act_q), shapes.get(node.output[0])
+    if act_shape is None or out_shape is None:
+        return None
+    b = _Builder(graph, index, opset)
+    raw = b.op("Cast", [layer.act_q], "act", to=TensorProto.FLOAT)
+    if node.op_type == "Conv":
+        error = _conv_error(b, node, layer, raw, act_shape, out_shape)
+        scale = (layer.act_scale * layer.weight_scale).astype(np.float32)
+        scale = scale.reshape(1, -1, *([1] * (len(out_shape) - 2))) if scale.size > 1 else scale.reshape(())
+    else:
+        weight = layer.weight.astype(np.float32)
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "Gemm" and int(attrs.get("transB", 0)):
+            weight = weight.T
+        error = _matmul_error(b, raw, weight, act_shape, out_shape)
+        scale = (layer.act_scale * layer.weight_scale).astype(np.float32)
+        scale = scale.reshape(()) if scale.size == 1 else scale
+        if node.op_type == "Gemm":
+            scale = scale * np.float32(attrs.get("alpha", 1.0))
+    delta = b.op("Mul", [error, b.const("scale", np.asarray(scale, np.float32))], "delta")
+    exact_out = f"{b.prefix}/qdq_output"
+    final = node.output[0]
+    node.output[0] = exact_out
+    b.nodes.append(helper.make_node("Add", [exact_out, delta], [final], name=f"{b.prefix}/saturated"))
+    return b.nodes
+
+
+def _pair_error(b: _Builder, sums: str) -> str:
+    low = b.const("int16_min", np.asarray(INT16_MIN, np.float32))
+    high = b.const("int16_max", np.asarray(INT16_MAX, np.float32))
+    return b.op("Sub", [b.op("Clip", [sums, low, high], "clipped"), sums], "pair_error")
+
+
+def _matmul_error(b: _Builder, raw: str, weight: np.ndarray, act_shape: list[int], out_shape: list[int]) -> str:
+    """sum_p (clip16(s_p) - s_p) of act [..., M, K] x weight [K, N]: the pairs as a [..., M, P, 1, 2] x
+    [P, 2, N] batched product (two products per sum, exact in float32)."""
+    k, n = weight.shape
+    pairs = math.ceil(k / 2)
+    if k % 2:
+        weight = np.concatenate([weight, np.zeros((1, n), np.float32)])
+        zeros = [0] * len(act_shape)
+        raw = b.op("Pad", [raw, b.const("pads", np.asarray(zeros[:-1] + [0] + zeros[:-1] + [1], np.int64))],
+                   "act_even")
+    lead = act_shape[:-1]
+    act = b.op("Reshape", [raw, b.const("act_pairs_shape", np.asarray([*lead, pairs, 1, 2], np.int64))], "act_pairs")
+    sums = b.op("MatMul", [act, b.const("weight_pairs", weight.reshape(pairs, 2, n))], "pair_sums")
+    error = b.reduce_sum(_pair_error(b, sums), -3, "error")
+    return b.op("Reshape", [error, b.const("out_shape", np.asarray(out_shape, np.int64))], "error_out")
+
+
+def _conv_error(b: _Builder, node: onnx.NodeProto, layer: _Layer, raw: str, act_shape: list[int],
+                out_shape: list[int]) -> str:
+    """sum over pairs of (clip16(s) - s) for a group-1 Conv, on the activation padded with its zero point
+    as the kernel pads it. The reduction runs over (kernel position, channel) with channels fastest (the
+    channels-last im2col order), in pairs: one convolution whose kernels each hold one pair's two
+    weights gives every pair sum."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    w = layer.weight.astype(np.float32)
+    kernels, sums_per_output = _pair_kernels(w)
+    rank = len(act_shape)
+    pads = list(attrs.get("pads", [0] * (2 * (rank - 2))))
+    if any(pads):
+        begin, end = [0, 0, *pads[:rank - 2]], [0, 0, *pads[rank - 2:]]
+        raw = b.op("Pad", [raw, b.const("pads", np.asarray(begin + end, np.int64)),
+                           b.const("pad_value", np.asarray(float(layer.act_zero), np.float32))], "act_padded")
+    conv_attrs = {k: v for k, v in attrs.items() if k in ("strides", "dilations")}
+    group = w.shape[1] // 2 if w.shape[1] % 2 == 0 else 1
+    sums = b.op("Conv", [raw, b.const("pair_kernels", kernels)], "pair_sums", group=group, **conv_attrs)
+    grouped = b.op("Reshape", [_pair_error(b, sums), b.const("groups_shape", np.asarray(
+        [out_shape[0], sums_per_output, w.shape[0], *out_shape[2:]], np.int64))], "error_groups")
+    return b.reduce_sum(grouped, 1, "error")
+
+
+def _pair_kernels(w: np.ndarray) -> tuple[np.ndarray, int]:
+    """(kernels, pairs per output channel) of the pair-sum convolution of weights ``w`` [O, C, *k]:
+    output channel ``pair * O + o`` holds the two weights of ``o`` that form that pair. With C even every
+    pair is two neighbouring channels at one kernel position, so the convolution is grouped by channel
+    pair (kernels [C/2 * positions * O, 2, *k]); with C odd, pairs cross kernel positions and each kernel
+    spans every channel ([pairs * O, C, *k])."""
+    o, c, spatial = w.shape[0], w.shape[1], w.shape[2:]
+    positions = int(np.prod(spatial))
+    flat = w.reshape(o, c, positions)
+    if c % 2 == 0:
+        kernels = np.zeros((c // 2, positions, o, 2, positions), np.float32)
+        for p in range(positions):
+            kernels[:, p, :, :, p] = flat[:, :, p].reshape(o, c // 2, 2).transpose(1, 0, 2)
+        return kernels.reshape(c // 2 * positions * o, 2, *spatial), c // 2 * positions
+    pairs = math.ceil(positions * c / 2)
+    kernels = np.zeros((pairs, o, c, positions), np.float32)
+    for k in range(positions * c):  # k = position * C + channel: channels fastest
+        p, ch = divmod(k, c)
+        kernels[k // 2, :, ch, p] = flat[:, ch, p]
+    return kernels.reshape(pairs * o, c, *spatial), pairs
+
+
+__all__ = ["TwinReport", "saturating_twin"]
