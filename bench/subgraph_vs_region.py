@@ -107,8 +107,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=10)
     args = ap.parse_args()
 
-    from pipeline.quant.cpu import describe
     from pipeline.backends import create_backend
+    from pipeline.quant.cpu import describe
     from tests.helpers import compose
 
     root = Path(args.results_root or tempfile.mkdtemp(prefix="bench_sg_"))

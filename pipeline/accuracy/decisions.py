@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.accuracy.budget import AccuracyVerdict
-from pipeline.quant.cpu import CpuFacts
 from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.artifacts import read_json
 from pipeline.errors import StateError
 from pipeline.quant.calibration import check_keys
+from pipeline.quant.cpu import CpuFacts
 from pipeline.quant.plan import WeightVariant
 from pipeline.transforms.record import TransformRecord
 

@@ -326,6 +326,31 @@ def _shipped(results_dir: str | os.PathLike, settings_key: str) -> tuple[Path, P
     return shipped[1], settings_path
 
 
+def checked_on(results_dir: str | os.PathLike) -> Any:
+    """What the deployment a run shipped was checked on, a ``pipeline.accuracy.kinds.CheckedOn`` (CPU kind,
+    runtime and versions, precision, settings, each CPU kind's verdict): the stage that wrote the shipped model recorded it (None for
+    the exported float, or a run made before the record existed)."""
+    from pipeline.accuracy.kinds import shipped_record
+
+    return shipped_record(Manifest(Path(results_dir)))
+
+
+def host_warning(results_dir: str | os.PathLike) -> str | None:
+    """One line naming the risk where this host is not what the shipped deployment was checked on (a CPU
+    kind on which it misses the budget or was not judged, other runtime versions), with the command that
+    checks this host; None where it is. The loaders below log it as a warning."""
+    record = checked_on(results_dir)
+    return record.host_warning(results_dir=results_dir) if record is not None else None
+
+
+def _warn_host(results_dir: str | os.PathLike) -> None:
+    import logging
+
+    line = host_warning(results_dir)
+    if line:
+        logging.getLogger("tune.deploy").warning("%s", line)
+
+
 def ort_session(results_dir: str | os.PathLike, providers: Sequence[str] = ("CPUExecutionProvider",)) -> Any:
     """An onnxruntime.InferenceSession of the model a run shipped (autotune's, else quantize's, else
     export's) with the session settings it ships with (autotune/ort_session.json: disabled fusions,
@@ -338,6 +363,7 @@ def ort_session(results_dir: str | os.PathLike, providers: Sequence[str] = ("CPU
 
     model, settings_path = _shipped(results_dir, "autotune/ort_session.json")
     settings = SessionSettings.load(settings_path) if settings_path is not None else SessionSettings()
+    _warn_host(results_dir)
     return settings.session(model, providers)
 
 
@@ -356,6 +382,7 @@ def openvino_model(results_dir: str | os.PathLike, device: str = "CPU") -> Any:
 
     model, settings_path = _shipped(results_dir, "autotune/openvino_compile.json")
     settings = CompileSettings.load(settings_path) if settings_path is not None else CompileSettings()
+    _warn_host(results_dir)
     return settings.compile(model, device)
 
 

@@ -29,6 +29,7 @@ from typing import Any
 from omegaconf import DictConfig, open_dict
 
 from pipeline.accuracy.evaluation import EvaluateMetrics, FloatBaseline, runtime_evaluation
+from pipeline.accuracy.kinds import checked_on, float_kinds
 from pipeline.app.scope import run_scope
 from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
 from pipeline.backends import Backend, auto_runtimes, create_backend
@@ -385,4 +386,5 @@ def _ship_float(manifest: Manifest, winner: RuntimeRun, outputs: dict[str, Any],
     judged = chosen.verdict if chosen is not None and chosen.precision == chosen.default else None
     return {**metrics, "shipped": "float", "shipped_reason": "auto: its float ran clearly faster than its shipped model",
             "final_ms": metrics.get("baseline_ms"), "speedup": 1.0,
-            "accuracy": {**(metrics.get("accuracy") or {}), "final": judged.to_dict() if judged is not None else None}}
+            "accuracy": {**(metrics.get("accuracy") or {}), "final": judged.to_dict() if judged is not None else None},
+            "checked_on": checked_on(backend, float_kinds(judged)).to_dict()}

@@ -18,12 +18,12 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from pipeline import progress as bars
-from pipeline.quant import cpu
 from pipeline.backends import base as timing
 from pipeline.backends.onnxruntime import session as ort
 from pipeline.data import adapters
 from pipeline.data import live as live_objects
 from pipeline.graph import weights
+from pipeline.quant import cpu
 
 
 @contextlib.contextmanager

@@ -25,9 +25,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import platform
 from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
-import platform
 from dataclasses import asdict, dataclass
 from typing import Any
 

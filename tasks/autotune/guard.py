@@ -2,7 +2,8 @@
 
 The float model, the PTQ model and the tuned model are compared by a fresh interleaved measurement
 (not by the search's best-of-N), or, in subgraph mode, by the paired steps that already measured
-these very models (by content hash) when they decide clearly. The shipped model must beat the
+these very models (by content hash) when they decide clearly. Last, ``checked_where`` records what the shipped model was checked on and
+its verdict on every CPU kind. The shipped model must beat the
 float baseline (``tune_setup.float_baseline``: the runtime's own float precision, FP32 where that misses
 the accuracy budget or runs slower) by ``performance_threshold`` or the float model ships, and if the
 PTQ model measures faster than the tuned one, the PTQ model ships. Either way the stage says so, and
@@ -15,7 +16,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from pipeline.accuracy.budget import AccuracyVerdict
 from pipeline.accuracy.decisions import quantize_decisions
+from pipeline.accuracy.kinds import CheckedOn, checked_on, float_kinds, kind_verdicts, log_kinds
 from pipeline.errors import StageError, first_line
 from pipeline.graph.model import copy_model, has_qdq, model_hash
 from tasks.autotune.paired_step import PairedStep
@@ -88,6 +91,23 @@ def finalize(setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
         "float_baseline": chosen_float.to_dict() if chosen_float is not None else None,
         "headline": headline,
     }
+
+
+def checked_where(setup: TuneSetup, final: AccuracyVerdict | None, shipped_float: bool,
+                  artifacts: dict[str, Path]) -> CheckedOn:
+    """What the shipped model (optimized_final.onnx, judged ``final`` here, with the settings in
+    ``artifacts``) was checked on, with its verdict on every CPU kind (``kind_verdicts``), logged."""
+    backend = setup.backend
+    kind = backend.shipped_settings
+    path = artifacts.get(kind.artifact) if kind is not None else None
+    if path is not None:
+        backend = backend.with_settings(kind.type.load(path))
+    if shipped_float:
+        kinds = float_kinds(final)
+    else:
+        kinds = kind_verdicts(backend, setup.out / "optimized_final.onnx", setup.holdout, setup.budget, final)
+    log_kinds(kinds, "autotune")
+    return checked_on(backend, kinds)
 
 
 def _float_copy(path: Path) -> bool:

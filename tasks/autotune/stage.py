@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline.accuracy.budget import AccuracyBudget
+from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict
 from pipeline.accuracy.decisions import quantize_decisions
 from pipeline.accuracy.holdout import Holdout
 from pipeline.artifacts import fingerprint, sha256_file, user_path
@@ -37,7 +37,7 @@ from pipeline.quant.placement import resolve_rules
 from pipeline.stage import Stage, StageContext, StageResult
 from pipeline.values import enum_value, section
 from tasks.autotune.config import PRESETS
-from tasks.autotune.guard import finalize
+from tasks.autotune.guard import checked_where, finalize
 from tasks.autotune.progress import ProgressBars
 from tasks.autotune.runtime.search import search_runtime
 from tasks.autotune.tune_setup import ModeResult, TuneRuns, TuneSetup, float_baseline
@@ -102,6 +102,9 @@ class AutotuneStage(Stage):
         runtime_artifacts, runtime = search_runtime(setup, ctx.cfg.autotune.runtime)
         metrics["runtime"] = runtime.to_dict()
         metrics["headline"] += runtime.headline()
+        final = metrics["accuracy"]["final"]
+        metrics["checked_on"] = checked_where(setup, AccuracyVerdict.from_dict(final) if final else None,
+                                              metrics["shipped"] == "float", runtime_artifacts).to_dict()
         if result.report is not None:
             result.report(metrics)
         remove_model(result.tuned)

@@ -35,6 +35,7 @@ from pipeline.accuracy.evaluation import (
     SensitivitySummary,
 )
 from pipeline.accuracy.fidelity import FidelityResult
+from pipeline.accuracy.kinds import shipped_record
 from pipeline.accuracy.metrics import ModelScores, json_safe
 from pipeline.artifacts import atomic_write_json, atomic_write_text, read_json, sha256_file
 from pipeline.backends import create_backend, settings_artifacts
@@ -132,6 +133,10 @@ class EvaluateStage(Stage):
     def run(self, ctx: StageContext) -> StageResult:
         ecfg = ctx.cfg.evaluate
         out_dir = ctx.stage_dir("evaluate")
+        record = shipped_record(ctx.manifest)
+        warning = record.host_warning(results_dir=ctx.results_dir) if record is not None else None
+        if warning:
+            log.warning("evaluate: %s (what follows measures this host)", warning)
         backend = create_backend(ctx.cfg.backend)
         settings = self._session_settings(ctx, backend)
         runs_on = model_runtimes(ctx, backend, settings)

@@ -14,7 +14,6 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict, CustomScore
-from pipeline.quant.cpu import CpuFacts, cpu_facts, describe
 from pipeline.accuracy.decisions import QuantizeDecisions, quantize_decisions
 from pipeline.accuracy.evaluation import (
     CustomMetricSummary,
@@ -28,6 +27,7 @@ from pipeline.accuracy.metrics import ModelScores
 from pipeline.config import resolved_data_source
 from pipeline.data.adapters import takes_split
 from pipeline.data.live import metric_name
+from pipeline.quant.cpu import CpuFacts, cpu_facts, describe
 from pipeline.stage import StageContext
 
 log = logging.getLogger("tune.evaluate")

@@ -15,12 +15,12 @@ from typing import Any
 
 import onnx
 
-from pipeline.quant.cpu import CpuFacts, decision_facts, describe
 from pipeline.accuracy.decisions import QuantizeDecisions
 from pipeline.backends.base import Backend
 from pipeline.errors import StageError
 from pipeline.graph.bodies import QUANTIZED_BODIES
 from pipeline.graph.model import iter_nodes
+from pipeline.quant.cpu import CpuFacts, decision_facts, describe
 from pipeline.quant.placement import PASS_THROUGH_OPS
 from pipeline.values import enum_value
 from tasks.quantize._placer import Placer

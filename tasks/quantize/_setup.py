@@ -15,7 +15,6 @@ import onnx
 from omegaconf import DictConfig
 
 from pipeline.accuracy.budget import AccuracyBudget
-from pipeline.quant.cpu import decision_facts
 from pipeline.accuracy.holdout import Holdout
 from pipeline.backends import Backend, activation_type, compute_backend, judging_backend, placement_kind
 from pipeline.calibrate.collect import CalibrationMethod, collect
@@ -23,6 +22,7 @@ from pipeline.data.adapters import Batch, DataProvider
 from pipeline.graph.model import input_specs, model_hash
 from pipeline.progress import progress_bar
 from pipeline.quant.calibration import Calibration, TensorStats, activation_dtypes
+from pipeline.quant.cpu import decision_facts
 from pipeline.quant.placement import NodeDtypes, PlacementKind, resolve_rules
 from pipeline.quant.plan import WeightVariant
 from pipeline.quant.shared_stats import collect_once

@@ -24,6 +24,7 @@ import onnx
 from omegaconf import DictConfig
 
 from pipeline.accuracy.decisions import QuantizeDecisions, RangeChoice
+from pipeline.accuracy.kinds import checked_on, kind_verdicts, log_kinds
 from pipeline.artifacts import atomic_write_json
 from pipeline.graph import weights
 from pipeline.graph.bodies import QUANTIZED_BODIES, unique_names, walk_views
@@ -236,7 +237,13 @@ class QuantizeStage(Stage):
             if sensitivity.get("ranking"):
                 artifacts["quantize/sensitivity.png"] = _sensitivity_chart(sensitivity, out_dir / "sensitivity.png")
         headline += self._details(plan, cal, decisions)
-        return StageResult(artifacts, self._metrics(setup, plan, counts, cal, decisions, headline))
+        metrics = self._metrics(setup, plan, counts, cal, decisions, headline)
+        checker = setup.checker
+        kinds = kind_verdicts(checker.backend, out_model, checker.holdout, checker.budget, decisions.accuracy,
+                              quantized=bool(plan.quantized_nodes()))
+        log_kinds(kinds, "quantize")
+        metrics["checked_on"] = checked_on(checker.backend, kinds).to_dict()
+        return StageResult(artifacts, metrics)
 
     @staticmethod
     def _headline(setup: QuantizeSetup, plan: Any, counts: dict[str, int], cal: Calibrated,

@@ -11,7 +11,6 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 from pipeline.accuracy.budget import AccuracyBudget
-from pipeline.quant.cpu import cpu_facts
 from pipeline.accuracy.fidelity import kernel_fidelity
 from pipeline.accuracy.holdout import Holdout
 from pipeline.accuracy.scores import Scores
@@ -21,6 +20,7 @@ from pipeline.data.adapters import Batch, synthetic_batches
 from pipeline.errors import ConfigError
 from pipeline.graph.model import input_specs
 from pipeline.quant.calibration import Calibration
+from pipeline.quant.cpu import cpu_facts
 from pipeline.quant.placement import onnxruntime_plan, resolve_rules
 from pipeline.quant.qdq import apply_plan
 from tasks.quantize import accuracy
@@ -215,8 +215,8 @@ def test_fidelity_check_on_a_graph_that_saturates_u8s8_without_vnni(tmp_path, ba
 
 def test_pinned_cpu_flags_decide_as_that_cpu_kind(monkeypatch):
     """QDQ_TUNE_CPU_FLAGS pins the facts the tool decides from; unset, the CPU's own (CPUID) come back."""
-    from pipeline.quant.cpu import PIN_ENV, CpuFacts
     from pipeline.errors import InputError
+    from pipeline.quant.cpu import PIN_ENV, CpuFacts
 
     real = cpu_facts()
     if real.arch not in ("x86_64", "amd64"):

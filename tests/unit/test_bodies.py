@@ -11,13 +11,13 @@ import onnxruntime as ort
 import pytest
 from onnx import helper
 
-from pipeline.quant.cpu import cpu_facts
 from pipeline.backends.onnxruntime.session import inference_session
 from pipeline.calibrate.collect import CalibrationMethod, collect
 from pipeline.data.adapters import Batch
 from pipeline.graph.bodies import body, thread_out, unique_names
 from pipeline.graph.model import input_specs, iter_nodes
 from pipeline.quant.calibration import Calibration, load_calibration
+from pipeline.quant.cpu import cpu_facts
 from pipeline.quant.placement import onnxruntime_plan, resolve_rules, tensorrt_plan
 from pipeline.quant.qdq import apply_plan
 from tasks.autotune.region.autotuner import Config, QDQAutotuner

@@ -8,11 +8,11 @@ import json
 import pytest
 
 from pipeline.accuracy.budget import AccuracyVerdict
-from pipeline.quant.cpu import CpuFacts
 from pipeline.accuracy.decisions import QuantizeDecisions, quantize_decisions
 from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.errors import StateError
 from pipeline.quant.calibration import TensorStats, load_calibration
+from pipeline.quant.cpu import CpuFacts
 from pipeline.quant.plan import WeightVariant
 from pipeline.quant.qmath import QTYPES
 

@@ -303,8 +303,8 @@ def test_report_says_where_full_range_weights_stop_being_exact():
     saturate: the report says so, and how to tune for such a target; quantized for a saturating CPU, it does not."""
     from dataclasses import replace
 
-    from pipeline.quant.cpu import CpuFacts
     from pipeline.accuracy.evaluation import EvaluateMetrics, MachineSummary, QuantizationSummary
+    from pipeline.quant.cpu import CpuFacts
     from tasks.evaluate.report import markdown
 
     record = EvaluateMetrics.from_dict(_small_metrics())

@@ -28,7 +28,6 @@ import numpy as np
 from omegaconf import DictConfig
 
 from pipeline.artifacts import atomic_write_bytes, atomic_write_json
-from pipeline.quant.cpu import bf16_everywhere
 from pipeline.backends.base import (
     Backend,
     BuildResult,
@@ -49,6 +48,7 @@ from pipeline.backends.openvino.settings import (
 from pipeline.data.adapters import fixed_feeds
 from pipeline.errors import StageError, first_line
 from pipeline.graph.model import input_specs, load_model, output_names
+from pipeline.quant.cpu import bf16_everywhere
 from pipeline.values import enum_value
 
 # runtime layers that only move or convert data at the model's edges: left out of a subgraph's compute

@@ -1,0 +1,236 @@
+"""The accuracy verdict per CPU kind, and what a deployment was checked on.
+
+A quantized model computes differently on different CPUs: u8 x s8 kernels saturate without VNNI, and
+OpenVINO runs float layers in bf16 only where the CPU has it. So the shipped model's verdict is given
+for every x86 kind (``kind_verdicts``), on the same held-out samples and with the same confidence
+bound: on this host's kind by running it here; on a kind whose int8 kernels are exact (VNNI, AMX) by
+its Q/DQ math, which exact kernels compute; on a kind whose kernels saturate by its saturating twin
+(``pipeline.quant.saturation``), which computes what they compute.
+
+``CheckedOn`` is what the manifest keeps of it (autotune's metrics["checked_on"]): the host's CPU and
+kind, the runtime and its package versions, the float precision, the shipped settings, the target and
+each kind's verdict. ``host_warning`` compares a host with it where the model is loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict
+from pipeline.accuracy.holdout import Holdout
+from pipeline.artifacts import Manifest
+from pipeline.backends.base import Backend
+from pipeline.graph.model import load_model, save_model
+from pipeline.quant.cpu import KINDS, CpuFacts, cpu_facts, target_kinds
+from pipeline.quant.saturation import saturating_twin
+from pipeline.stage import MODEL_KEYS
+
+log = logging.getLogger("tune.accuracy")
+
+MEASURED = "run on this host"
+QDQ_MATH = "Q/DQ math (its int8 kernels are exact)"
+SATURATION = "saturating twin (its u8 x s8 kernels' int16 pair sums)"
+NO_INT8 = "float model (no int8 kernels)"
+
+
+@dataclass(frozen=True)
+class KindVerdict:
+    """The shipped model's accuracy verdict on one CPU kind, and how it was reached."""
+
+    kind: str
+    how: str
+    verdict: AccuracyVerdict | None  # None: not judged (accuracy budget off)
+    note: str = ""
+
+    @property
+    def ok(self) -> bool | None:
+        return None if self.verdict is None else self.verdict.ok
+
+    def line(self) -> str:
+        state = "not judged" if self.verdict is None else ("meets the budget" if self.verdict.ok else "MISSES the budget")
+        what = f": {self.verdict.what}" if self.verdict is not None else ""
+        return f"{self.kind}: {state} ({self.how}{'; ' + self.note if self.note else ''}){what}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "how": self.how, "note": self.note,
+                "verdict": self.verdict.to_dict() if self.verdict is not None else None}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> KindVerdict:
+        v = d.get("verdict")
+        return cls(str(d["kind"]), str(d.get("how", "")), AccuracyVerdict.from_dict(v) if v else None,
+                   str(d.get("note", "")))
+
+
+def kind_verdicts(backend: Backend, model: Path, holdout: Holdout, budget: AccuracyBudget,
+                  host_verdict: AccuracyVerdict | None, quantized: bool = True) -> list[KindVerdict]:
+    """The verdict of ``model`` (judged ``host_verdict`` on this host with ``backend``) on every x86 kind,
+    the run's target kinds first. Kinds that compute alike share one evaluation; a float model
+    (``quantized=False``) has no int8 kernels, and its float layers run in the precision its settings pin
+    or in f32 (more exact) where a kind lacks it, so every kind gets the host's verdict."""
+    host = cpu_facts().kind
+    order = [*target_kinds(), *(k for k in KINDS if k not in target_kinds())]
+    judged: dict[str, tuple[str, AccuracyVerdict | None, str]] = {}
+
+    def exact() -> tuple[str, AccuracyVerdict | None, str]:
+        if "exact" not in judged:
+            judged["exact"] = (QDQ_MATH, _judge_reference(backend, model, holdout, budget), "")
+        return judged["exact"]
+
+    def saturating() -> tuple[str, AccuracyVerdict | None, str]:
+        if "saturating" not in judged:
+            twin, report = saturating_twin(load_model(model, check=False))
+            if not report.can_saturate:
+                how, verdict, _ = exact()
+                judged["saturating"] = (how, verdict, "no layer's pair sums can leave int16")
+            else:
+                path = save_model(twin, model.with_name(f".{model.stem}.saturating_twin.onnx"))
+                try:
+                    verdict = _judge_reference(backend, path, holdout, budget)
+                finally:
+                    path.unlink(missing_ok=True)
+                judged["saturating"] = (SATURATION, verdict, f"{len(report.corrected)} layer(s) can saturate")
+        return judged["saturating"]
+
+    out = []
+    for kind in order:
+        if not quantized:
+            out.append(KindVerdict(kind, NO_INT8, host_verdict))
+        elif kind == host:
+            out.append(KindVerdict(kind, MEASURED, host_verdict))
+        elif budget.enabled:
+            how, verdict, note = saturating() if KINDS[kind].saturates else exact()
+            out.append(KindVerdict(kind, how, verdict, note))
+        else:
+            out.append(KindVerdict(kind, "accuracy budget off", None))
+    return out
+
+
+def _judge_reference(backend: Backend, model: Path, holdout: Holdout, budget: AccuracyBudget) -> AccuracyVerdict | None:
+    """``model`` run as plain Q/DQ math (the backend's reference runner) and judged on the holdout."""
+    ref = backend.prepare_reference(model)
+    if ref is None:
+        return None
+    try:
+        return holdout.score(ref, budget)
+    finally:
+        ref.close()
+
+
+# the packages whose versions decide what a deployment computes, where installed
+RUNTIME_PACKAGES = ("onnxruntime", "openvino", "tensorrt", "tensorrt-rtx-cu13-bindings")
+
+
+def runtime_versions() -> dict[str, str]:
+    """The installed version of every package in RUNTIME_PACKAGES (those not installed are left out)."""
+    out = {}
+    for name in RUNTIME_PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+@dataclass(frozen=True)
+class CheckedOn:
+    """What a shipped deployment was checked on: the host's CPU and kind, the runtime and the versions of
+    the runtime packages, the precision of its float layers, the settings it ships with, the target kinds
+    it was made for, and its verdict on each x86 kind."""
+
+    cpu: str
+    kind: str | None
+    runtime: str
+    versions: dict[str, str]
+    precision: str
+    settings: dict[str, Any] | None
+    target: tuple[str, ...]
+    kinds: list[KindVerdict] = field(default_factory=list)
+
+    def verdict(self, kind: str | None) -> KindVerdict | None:
+        return next((k for k in self.kinds if k.kind == kind), None)
+
+    def failing(self) -> list[KindVerdict]:
+        """The kinds whose verdict misses the budget."""
+        return [k for k in self.kinds if k.ok is False]
+
+    def host_warning(self, facts: CpuFacts | None = None, versions: Mapping[str, str] | None = None,
+                     results_dir: str | Path = "RESULTS_DIR") -> str | None:
+        """One line naming the risk where this host is not what the deployment was checked on (None where it
+        is): a CPU kind outside the target whose verdict misses the budget or was not reached, or other
+        versions of the runtime's package; with the command that checks this host."""
+        facts = facts or cpu_facts()
+        versions = runtime_versions() if versions is None else versions
+        fix = f"check and choose again on this host: tune-rechoose {results_dir}"
+        kind = facts.kind
+        changed = [f"{k} {v} (checked with {self.versions[k]})" for k, v in versions.items()
+                   if k in self.versions and self.versions[k] != v and k == self.runtime]
+        if kind != self.kind:
+            v = self.verdict(kind) if kind is not None else None
+            if v is None or (v.ok is None and v.how != NO_INT8):
+                return (f"warning: the deployment was checked on {self.kind or 'another CPU'}, not on this "
+                        f"{kind or 'kind of'} CPU ({facts.describe()}): its accuracy here is unknown; {fix}")
+            if v.ok is False:
+                return (f"warning: the deployment MISSES its accuracy budget on this {kind} CPU ({v.how}: "
+                        f"{v.verdict.what if v.verdict else ''}); it was made for {', '.join(self.target)}: "
+                        f"tune again with target.cpus=[{kind}] (or target=x86), or {fix}")
+        if changed:
+            return f"warning: the deployment was checked with other runtime versions: {'; '.join(changed)}: {fix}"
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cpu": self.cpu, "kind": self.kind, "runtime": self.runtime, "versions": dict(self.versions),
+                "precision": self.precision, "settings": self.settings, "target": list(self.target),
+                "kinds": [k.to_dict() for k in self.kinds]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CheckedOn:
+        return cls(str(d.get("cpu", "")), d.get("kind"), str(d.get("runtime", "")), dict(d.get("versions") or {}),
+                   str(d.get("precision", "")), d.get("settings"), tuple(d.get("target") or ()),
+                   [KindVerdict.from_dict(k) for k in d.get("kinds") or ()])
+
+
+def float_kinds(verdict: AccuracyVerdict | None) -> list[KindVerdict]:
+    """Every kind's verdict of a shipped float model: the host's (no int8 kernels to differ)."""
+    return [KindVerdict(k, NO_INT8, verdict) for k in (*target_kinds(), *(k for k in KINDS if k not in target_kinds()))]
+
+
+def log_kinds(kinds: list[KindVerdict], stage: str) -> None:
+    """A warning for the target kinds whose verdict misses the budget, one line for the other kinds that
+    miss it (grouped by how they compute), and one summary line."""
+    targets = set(target_kinds())
+    missed = [k for k in kinds if k.ok is False and k.kind not in targets]
+    for k in kinds:
+        if k.ok is False and k.kind in targets:
+            log.warning("%s: the shipped model misses the accuracy budget on target kind %s", stage, k.line())
+    if missed:
+        names = ", ".join(k.kind for k in missed)
+        log.warning("%s: not for %s CPUs: %s; tune with target.cpus=[%s] (or target=x86) for a deployment "
+                    "right there too", stage, names, missed[0].line(), names)
+    log.info("%s: accuracy per CPU kind: %s", stage, "; ".join(
+        f"{k.kind} {'ok' if k.ok else 'not judged' if k.ok is None else 'MISSES'}" for k in kinds))
+
+
+def shipped_record(manifest: Manifest) -> CheckedOn | None:
+    """What the deployment ``manifest``'s run shipped was checked on, as the stage that wrote the shipped
+    model recorded it (None for the exported float, or a run made before the record existed)."""
+    key = next((k for k in MODEL_KEYS if manifest.artifact(k) is not None), None)
+    recorded = manifest.metrics(key.split("/")[0]).get("checked_on") if key is not None else None
+    return CheckedOn.from_dict(recorded) if recorded else None
+
+
+def checked_on(backend: Backend, kinds: list[KindVerdict]) -> CheckedOn:
+    """The record of a deployment on ``backend`` (with the settings it ships) checked here with ``kinds``."""
+    facts = cpu_facts()
+    settings = backend.settings.pinned(backend).to_dict() if backend.settings is not None else None
+    return CheckedOn(facts.describe(), facts.kind, backend.name, runtime_versions(), backend.float_precision(),
+                     settings, target_kinds(), kinds)
+
+
+__all__ = ["CheckedOn", "KindVerdict", "checked_on", "float_kinds", "kind_verdicts", "log_kinds", "runtime_versions",
+           "shipped_record"]

@@ -1,0 +1,117 @@
+"""The saturating twin computes what u8 x s8 kernels without VNNI compute: every layer's output moves by
+exactly the error of its int16 pair sums, computed here by brute force in numpy (the real kernels under
+qemu: tests/e2e/test_accuracy.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from pipeline.backends.onnxruntime.session import inference_session, ort_session_options
+from pipeline.quant.saturation import saturating_twin
+
+A_SCALE, A_ZERO = 0.02, 3
+
+
+def _layer_model(op: str, x_shape: list[int], w: np.ndarray, w_scale: np.ndarray, **attrs) -> onnx.ModelProto:
+    """uint8 input -> DQ -> op(., DQ(int8 w)) -> float output."""
+    inits = [numpy_helper.from_array(np.asarray(A_SCALE, np.float32), "xs"),
+             numpy_helper.from_array(np.asarray(A_ZERO, np.uint8), "xz"),
+             numpy_helper.from_array(w, "wq"), numpy_helper.from_array(w_scale.astype(np.float32), "ws"),
+             numpy_helper.from_array(np.zeros(w_scale.shape, np.int8), "wz")]
+    axis = {"axis": 1 if op == "MatMul" else 0} if w_scale.size > 1 else {}
+    nodes = [helper.make_node("DequantizeLinear", ["x", "xs", "xz"], ["xd"], name="dq_x"),
+             helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"], name="dq_w", **axis),
+             helper.make_node(op, ["xd", "wd"], ["y"], name="layer", **attrs)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.UINT8, x_shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    session = inference_session(model, ort_session_options("disable", threads=1))
+    return session.run(None, {"x": x})[0]
+
+
+def _pair_error(a: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """sum_p clip16(s_p) - s_p of rows ``a`` [R, K] and columns ``w`` [K, N] in int64, pairs (2p, 2p+1)."""
+    k = a.shape[1]
+    if k % 2:
+        a, w = np.pad(a, ((0, 0), (0, 1))), np.pad(w, ((0, 1), (0, 0)))
+    s = a[:, 0::2, None] * w[None, 0::2, :] + a[:, 1::2, None] * w[None, 1::2, :]
+    return (np.clip(s, -32768, 32767) - s).sum(axis=1)
+
+
+def _big_weights(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """int8 weights, many near +-127 with runs of one sign: pair sums overflow int16 often."""
+    return np.where(rng.random(shape) < 0.6, 127, rng.integers(-128, 128, shape)).astype(np.int8) * \
+        np.where(rng.random(shape) < 0.85, 1, -1).astype(np.int8)
+
+
+@pytest.mark.parametrize("k", [16, 15])
+def test_matmul_moves_by_the_pair_sum_error(k):
+    rng = np.random.default_rng(k)
+    w = _big_weights(rng, (k, 6))
+    ws = rng.uniform(0.001, 0.01, 6).astype(np.float32)
+    x = rng.integers(150, 256, (2, 5, k)).astype(np.uint8)
+    model = _layer_model("MatMul", [2, 5, k], w, ws)
+    twin, report = saturating_twin(model)
+    assert report.corrected == ("layer",)
+    got = _run(twin, x) - _run(model, x)
+    err = _pair_error(x.reshape(-1, k).astype(np.int64), w.astype(np.int64)).reshape(2, 5, 6)
+    assert np.abs(err).max() > 0  # these weights do saturate
+    np.testing.assert_allclose(got, A_SCALE * ws * err, rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_with_transposed_weights_and_alpha():
+    rng = np.random.default_rng(1)
+    w = _big_weights(rng, (4, 12))  # [N, K], transB
+    ws = np.asarray([0.004], np.float32)
+    x = rng.integers(200, 256, (3, 12)).astype(np.uint8)
+    model = _layer_model("Gemm", [3, 12], w, ws, transB=1, alpha=0.5)
+    twin, _ = saturating_twin(model)
+    err = _pair_error(x.astype(np.int64), w.T.astype(np.int64))
+    np.testing.assert_allclose(_run(twin, x) - _run(model, x), 0.5 * A_SCALE * ws * err, rtol=1e-5, atol=1e-5)
+
+
+def _im2col(x: np.ndarray, kh: int, kw: int, pad: int, stride: int, zero: int) -> np.ndarray:
+    """[N, OH, OW, kh*kw*C] rows of ``x`` [N, C, H, W] padded with ``zero``, channels fastest."""
+    xp = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)), constant_values=zero)
+    n, c, h, w = xp.shape
+    oh, ow = (h - kh) // stride + 1, (w - kw) // stride + 1
+    rows = np.empty((n, oh, ow, kh * kw * c), np.int64)
+    for i in range(oh):
+        for j in range(ow):
+            patch = xp[:, :, i * stride:i * stride + kh, j * stride:j * stride + kw]  # [N, C, kh, kw]
+            rows[:, i, j] = patch.transpose(0, 2, 3, 1).reshape(n, -1)
+    return rows
+
+
+@pytest.mark.parametrize("channels, pad, stride", [(4, 1, 1), (1, 1, 1), (3, 0, 2)])
+def test_conv_moves_by_the_pair_sum_error_in_channels_last_order(channels, pad, stride):
+    """Even channel counts pair neighbouring channels at one position; odd ones pair across positions
+    (a one-channel first layer); pads hold the activation's zero point, as the kernels' do."""
+    rng = np.random.default_rng(channels)
+    w = _big_weights(rng, (5, channels, 3, 3))
+    ws = rng.uniform(0.001, 0.01, 5).astype(np.float32)
+    x = rng.integers(180, 256, (2, channels, 7, 7)).astype(np.uint8)
+    model = _layer_model("Conv", [2, channels, 7, 7], w, ws, pads=[pad] * 4, strides=[stride, stride])
+    twin, _ = saturating_twin(model)
+    rows = _im2col(x.astype(np.int64), 3, 3, pad, stride, A_ZERO)
+    n, oh, ow, k = rows.shape
+    cols = w.transpose(0, 2, 3, 1).reshape(5, k).T.astype(np.int64)  # [kh*kw*C, O], channels fastest
+    err = _pair_error(rows.reshape(-1, k), cols).reshape(n, oh, ow, 5).transpose(0, 3, 1, 2)
+    assert np.abs(err).max() > 0
+    np.testing.assert_allclose(_run(twin, x) - _run(model, x), A_SCALE * ws.reshape(1, 5, 1, 1) * err,
+                               rtol=1e-5, atol=2e-5)
+
+
+def test_layers_that_cannot_saturate_are_left_as_they_are():
+    rng = np.random.default_rng(3)
+    small = rng.integers(-63, 64, (16, 4)).astype(np.int8)  # 7-bit: 2 x 255 x 63 fits in int16
+    model = _layer_model("MatMul", [2, 16], small, np.asarray([0.01], np.float32))
+    twin, report = saturating_twin(model)
+    assert not report.can_saturate and "fit in int16" in report.exact[0][1]
+    assert [n.op_type for n in twin.graph.node] == [n.op_type for n in model.graph.node]
