@@ -54,13 +54,16 @@ class StageContext:
 class Stage:
     """Base class. Subclasses set ``name``, ``inputs`` (required artifact keys), ``optional_inputs``,
     ``outputs`` (artifact keys they always write) and ``config_keys`` (config sections whose values
-    change the outputs), and implement ``run``."""
+    change the outputs), ``host_bound`` where the outputs are facts of the host that made them (a
+    compiled engine, measured latency: a results_dir copied to another kind of CPU or runtime version
+    runs the stage again), and implement ``run``."""
 
     name: str = ""
     inputs: tuple[str, ...] = ()
     optional_inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
     config_keys: tuple[str, ...] = ()
+    host_bound: bool = False
 
     def optional_input_keys(self, ctx: StageContext) -> tuple[str, ...]:
         """``optional_inputs``, and any the run's config adds (e.g. the configured runtime's settings file)."""

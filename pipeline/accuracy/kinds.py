@@ -137,6 +137,12 @@ def runtime_versions() -> dict[str, str]:
     return out
 
 
+def host_key() -> str:
+    """This host as the choices it makes are keyed: its CPU kind and the runtime packages' versions, e.g.
+    'amx onnxruntime=1.32.0 openvino=2026.4.1'."""
+    return " ".join([cpu_facts().kind or "unknown-cpu", *(f"{k}={v}" for k, v in runtime_versions().items())])
+
+
 @dataclass(frozen=True)
 class CheckedOn:
     """What a shipped deployment was checked on: the host's CPU and kind, the runtime and the versions of
@@ -232,5 +238,5 @@ def checked_on(backend: Backend, kinds: list[KindVerdict]) -> CheckedOn:
                      settings, target_kinds(), kinds)
 
 
-__all__ = ["CheckedOn", "KindVerdict", "checked_on", "float_kinds", "kind_verdicts", "log_kinds", "runtime_versions",
+__all__ = ["CheckedOn", "KindVerdict", "checked_on", "float_kinds", "host_key", "kind_verdicts", "log_kinds", "runtime_versions",
            "shipped_record"]

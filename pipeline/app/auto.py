@@ -29,7 +29,8 @@ from typing import Any
 from omegaconf import DictConfig, open_dict
 
 from pipeline.accuracy.evaluation import EvaluateMetrics, FloatBaseline, runtime_evaluation
-from pipeline.accuracy.kinds import checked_on, float_kinds
+from pipeline.accuracy.kinds import checked_on, float_kinds, host_key
+from pipeline.app.rechoose import HOST_CHOICES, recheck_here, remember
 from pipeline.app.scope import run_scope
 from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
 from pipeline.backends import Backend, auto_runtimes, create_backend
@@ -231,15 +232,17 @@ def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[s
         backend, model, _ = shipped[r.name]
         compared[r.name] = [sha256_file(model), backend.settings.to_dict() if backend.settings is not None else None,
                             section(r.cfg, "backend"), float_precision(shipped[r.name][2], backend)]
+    # the host is part of the key: on another CPU kind or other runtime versions the choice is made again
     key = fingerprint({"float": sha256_file(float_path), "runtimes": compared, "rule": CHOICE_RULE,
                        "timing": [int(cfg.backend.warmup_runs), int(cfg.backend.timing_runs),
-                                  float(cfg.backend.get("min_block_ms", MIN_BLOCK_MS))]})
+                                  float(cfg.backend.get("min_block_ms", MIN_BLOCK_MS))], "host": host_key()})
     path = top / CHOICE
     if path.exists():
         kept = RuntimeChoice.from_dict(read_json(path, CHOICE))
         if kept.key == key:
             log.info("auto: %s (kept: nothing it compared changed)", kept.headline)
             return kept
+    misses = recheck_here(runs[0].cfg, float_path, shipped)  # models checked on another host, judged here
     reference = reference_float(runs)
     compare = Comparison()
     ref_slot = compare.slot(reference, float_path)
@@ -251,8 +254,9 @@ def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[s
     plan = TimingPlan(rounds=8, runs_per_round=max(2, int(cfg.backend.timing_runs) // 8),
                       warmup_runs=int(cfg.backend.warmup_runs), until=clear_leader)
     timings, blocks = time_pairs(compare.pairs, plan, name="auto")
-    timed = [TimedRuntime(timings[f], timings[s], f == s, f == ref_slot,
-                          ratio_interval(round_ratios(blocks[s], blocks[f])) if f != s else None) for f, s in slots]
+    timed = [TimedRuntime(timings[f], timings[s] if r.name not in misses else Timing.failed(r.name, misses[r.name]),
+                          f == s, f == ref_slot, ratio_interval(round_ratios(blocks[s], blocks[f])) if f != s else None)
+             for r, (f, s) in zip(runs, slots, strict=True)]
     return decide(key, path, reference, timings[ref_slot], timed, shipped, left_out)
 
 
@@ -334,6 +338,7 @@ def decide(key: str, path: Path, reference: Backend, ref_t: Timing, timed: list[
                            contenders=contenders)
     choice.headline = headline(choice)
     atomic_write_json(path, choice.to_dict(), indent=1)
+    remember(path.parent.parent, choice)
     log.info("auto: %s", choice.headline)
     return choice
 
@@ -361,6 +366,9 @@ def _publish(top: Path, winner: RuntimeRun, choice: RuntimeChoice | None) -> Non
         metrics = auto.get("metrics", {})
         if choice.ships == FLOAT:
             metrics = _ship_float(manifest, winner, auto["outputs"], metrics)
+        if (top / HOST_CHOICES).exists():
+            auto["outputs"][HOST_CHOICES] = manifest.describe_file(top / HOST_CHOICES)
+            metrics = {**metrics, "host_choices": read_json(top / HOST_CHOICES, HOST_CHOICES)}
         auto["metrics"] = {**metrics, "headline": choice.headline, "runtime_choice": choice.to_dict(),
                            "runtime_headline": metrics.get("headline")}
     manifest.save()

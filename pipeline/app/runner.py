@@ -81,11 +81,16 @@ def _outputs_intact(manifest: Manifest, entry: dict[str, Any]) -> bool:
 
 
 def stage_fingerprint(stage: Stage, cfg: DictConfig, inputs: dict[str, Path]) -> str:
+    """What a finished stage's outputs depend on: the tool's version, its config sections, its inputs'
+    contents and, for a host-bound stage, the host's CPU kind and runtime versions."""
+    from pipeline.accuracy.kinds import host_key
+
     return fingerprint(
         {
             "qdq_tune": _VERSION,
             "config": {k: section(cfg, k) for k in stage.config_keys},
             "inputs": {k: sha256_file(p) for k, p in sorted(inputs.items())},
+            **({"host": host_key()} if stage.host_bound else {}),
         }
     )
 

@@ -125,6 +125,7 @@ class EvaluateStage(Stage):
                        "quantize/float_model.onnx", CHOICE)
     outputs = ("evaluate/metrics.json", "evaluate/report.md")
     config_keys = ("evaluate", "data", "backend", "seed", "accuracy", "target")
+    host_bound = True  # latency and accuracy measured on this host
 
     def optional_input_keys(self, ctx: StageContext) -> tuple[str, ...]:
         # the runtime settings the autotuned model ships with (the configured runtime's file)

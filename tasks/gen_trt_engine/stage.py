@@ -32,6 +32,7 @@ class GenTrtEngineStage(Stage):
     optional_inputs = MODEL_KEYS
     outputs = ()  # which files depends on the backend (engine + build.log, model.ort.onnx or OpenVINO IR + build.json)
     config_keys = ("gen_trt_engine", "backend", "target")
+    host_bound = True  # an engine compiled for this host
 
     def optional_input_keys(self, ctx: StageContext) -> tuple[str, ...]:
         # the runtime settings autotune ships for its model (the configured runtime's file)

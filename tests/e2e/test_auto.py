@@ -163,3 +163,52 @@ def fixed_feeds_of(path):
     from pipeline.graph.model import input_specs, load_model
 
     return fixed_feeds(input_specs(load_model(path)))
+
+
+def test_rechoose_on_another_host_ships_the_runtime_that_wins_there(residual_models, tmp_path, monkeypatch):
+    """Timings faked so that OpenVINO wins where the run was tuned and ONNX Runtime on the host the
+    results_dir lands on (another CPU kind, pinned through the test seam): `tune-rechoose` tunes nothing,
+    judges both shipped models on the held-out samples here, ships ONNX Runtime, and gen_trt_engine,
+    evaluate and result.load() use it; the manifest keeps both hosts' choices."""
+    from pipeline.api import tune
+    from pipeline.app import auto
+    from pipeline.app.rechoose import main as rechoose
+    from pipeline.backends.base import Timing
+    from pipeline.quant.cpu import PIN_ENV, cpu_facts
+
+    fast = {"runtime": "openvino"}
+
+    def timed(pairs, plan, name):
+        def ms(backend, model):
+            if model.name == "model.onnx":
+                return 2.0  # every float
+            return 0.5 if backend.name == fast["runtime"] else 1.0
+        times = [ms(b, Path(m)) for b, m in pairs]
+        return ([Timing(median_ms=t, p10_ms=t, n=8, backend=name) for t in times],
+                [[[t] for _ in range(plan.rounds)] for t in times])
+
+    monkeypatch.setattr(auto, "time_pairs", timed)
+    rd = tmp_path / "r"
+    args = ["model=onnx", f"model.onnx_path={residual_models['tiny']}", "data=synthetic", "backend=auto",
+            *QUICK, *SHORT, "autotune.schemes_per_region=1", "autotune.runtime.enabled=false", "evaluate.plot=false",
+            "evaluate.max_batches=2", f"results_dir={rd}"]
+    first = tune(args)
+    assert first.runtime == "openvino" and (rd / "gen_trt_engine" / "model.xml").exists()
+    here = cpu_facts().kind
+    other = "avx2" if here != "avx2" else "amx"
+    monkeypatch.setenv(PIN_ENV, {"avx2": "avx2", "amx": "avx2 avx512f avx512bw avx512_vnni amx_int8"}[other])
+    fast["runtime"] = "onnxruntime"
+    assert rechoose([str(rd), "progress=false"]) == 0
+    stages = json.loads((rd / "manifest.json").read_text())["stages"]
+    for name in ("onnxruntime", "openvino"):  # nothing was tuned again
+        sub = json.loads((rd / "runtimes" / name / "manifest.json").read_text())["stages"]
+        assert sub["autotune"]["metrics"]["checked_on"]["kind"] == here
+    choices = stages["autotune"]["metrics"]["host_choices"]
+    assert {k.split()[0]: v["winner"] for k, v in choices.items()} == {here: "openvino", other: "onnxruntime"}
+    assert stages["autotune"]["outputs"]["autotune/optimized_final.onnx"]["path"].startswith("runtimes/onnxruntime/")
+    assert (rd / "gen_trt_engine" / "model.ort.onnx").exists() and stages["gen_trt_engine"]["status"] == "done"
+    assert stages["evaluate"]["metrics"]["headline"].startswith("on onnxruntime: ships ")
+    again = tune(args)  # the same host: everything up to date, the new choice stands
+    assert set(again.stages.values()) == {"skipped"} and again.runtime == "onnxruntime"
+    session = again.load()
+    assert len(session.run(None, fixed_feeds_of(residual_models["tiny"]))) == 1
