@@ -4,6 +4,8 @@ qemu: tests/e2e/test_accuracy.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -115,3 +117,85 @@ def test_layers_that_cannot_saturate_are_left_as_they_are():
     twin, report = saturating_twin(model)
     assert not report.can_saturate and "fit in int16" in report.exact[0][1]
     assert [n.op_type for n in twin.graph.node] == [n.op_type for n in model.graph.node]
+
+
+def _chain_model(rng: np.random.Generator) -> onnx.ModelProto:
+    """float -> Q/DQ -> Conv(1 -> 8, pad 1) -> Relu -> Q/DQ -> Conv(8 -> 6) -> Relu -> Q/DQ -> Flatten ->
+    Q/DQ -> Gemm(transB) -> float: a one-channel first layer (pairs across kernel positions), an even one,
+    a fully connected one, all with weights that saturate int16 pair sums, and Q after each layer so ONNX
+    Runtime fuses them into its integer kernels."""
+    inits, nodes = [], []
+
+    def const(name, value):
+        inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def qdq(x, scale, name):
+        nodes.append(helper.make_node("QuantizeLinear", [x, const(f"{name}_s", np.float32(scale)),
+                                                         const(f"{name}_z", np.uint8(0))], [f"{name}_q"]))
+        nodes.append(helper.make_node("DequantizeLinear", [f"{name}_q", f"{name}_s", f"{name}_z"], [f"{name}_d"]))
+        return f"{name}_d"
+
+    def weight(shape, name):
+        w = _big_weights(rng, shape)
+        const(f"{name}_q", w)
+        nodes.append(helper.make_node("DequantizeLinear", [f"{name}_q", const(f"{name}_s", np.full(shape[0], 0.004, np.float32)),
+                                                           const(f"{name}_z", np.zeros(shape[0], np.int8))], [f"{name}_d"], axis=0))
+        return f"{name}_d"
+
+    x = qdq("x", 1 / 255, "a0")
+    nodes.append(helper.make_node("Conv", [x, weight((8, 1, 3, 3), "w0")], ["c0"], pads=[1, 1, 1, 1]))
+    nodes.append(helper.make_node("Relu", ["c0"], ["r0"]))
+    nodes.append(helper.make_node("Conv", [qdq("r0", 0.02, "a1"), weight((6, 8, 3, 3), "w1")], ["c1"]))
+    nodes.append(helper.make_node("Relu", ["c1"], ["r1"]))
+    nodes.append(helper.make_node("Flatten", [qdq("r1", 0.05, "a2")], ["f"]))
+    nodes.append(helper.make_node("Gemm", [qdq("f", 0.05, "a3"), weight((5, 6 * 10 * 10), "w2")], ["y"], transB=1))
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 1, 12, 12])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+_REAL_KERNELS = """
+import sys, json
+sys.path.insert(0, {root!r})
+import numpy as np
+from pipeline.backends.onnxruntime.session import inference_session, ort_session_options
+from pipeline.quant.cpu import cpu_facts
+s = inference_session({path!r}, ort_session_options("all", threads=1))
+np.save({out!r}, s.run(None, {{"x": np.load({feeds!r})}})[0])
+print(json.dumps({{"saturates": cpu_facts().u8s8_saturates}}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.extra("qemu-user (apt-get install qemu-user)")
+def test_the_twin_computes_what_the_real_kernels_compute_on_an_emulated_avx2_cpu(tmp_path):
+    """ONNX Runtime's fused u8 x s8 kernels run under `qemu-x86_64 -cpu Haswell` (AVX2, no VNNI) on a few
+    feeds; the saturating twin, run natively as Q/DQ math, gives the same outputs to float rounding, far
+    from what the Q/DQ graph says."""
+    from tests.helpers import qemu_haswell, run_emulated
+
+    prefix = qemu_haswell()
+    if prefix is None:
+        pytest.skip("needs qemu-user (apt-get install qemu-user) on x86_64 to emulate an AVX2 CPU without VNNI")
+    rng = np.random.default_rng(0)
+    model = _chain_model(rng)
+    path, feeds, out = tmp_path / "chain.onnx", tmp_path / "feeds.npy", tmp_path / "real.npy"
+    onnx.save(model, str(path))
+    x = rng.uniform(0.5, 1.0, (2, 1, 12, 12)).astype(np.float32)
+    np.save(feeds, x)
+    root = str(Path(__file__).resolve().parents[2])
+    proc = run_emulated(prefix, ["-c", _REAL_KERNELS.format(root=root, path=str(path), feeds=str(feeds), out=str(out))],
+                        timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert '"saturates": true' in proc.stdout  # CPUID: the emulated CPU
+    real = np.load(out)
+    qdq = inference_session(model, ort_session_options("disable", threads=1)).run(None, {"x": x})[0]
+    twin, report = saturating_twin(model)
+    assert len(report.corrected) == 3
+    modelled = inference_session(twin, ort_session_options("disable", threads=1)).run(None, {"x": x})[0]
+    norm = np.linalg.norm(real)
+    assert np.linalg.norm(real - qdq) / norm > 0.1  # the real kernels saturate here
+    assert np.linalg.norm(real - modelled) / norm < 0.01
