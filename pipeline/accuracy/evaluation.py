@@ -17,6 +17,7 @@ from typing import Any
 from pipeline.accuracy.budget import AccuracyVerdict
 from pipeline.accuracy.decisions import BiasCorrection
 from pipeline.accuracy.fidelity import FidelityResult
+from pipeline.accuracy.kinds import CheckedOn
 from pipeline.accuracy.scores import Scores
 from pipeline.backends.base import Timing
 from pipeline.errors import StateError, first_line
@@ -236,18 +237,24 @@ class Reproduce:
 
 @dataclass(frozen=True)
 class MachineSummary:
-    """The CPU the models ran on, and the one they were quantized on (its brand, where known)."""
+    """The CPU the models ran on, the one they were quantized on (its brand, where known), and what the
+    shipped deployment was checked on."""
 
     cpu: CpuFacts
     cpu_line: str
     quantized_on: str | None = None
+    # what the shipped deployment was checked on, with its verdict per CPU kind (None: not recorded)
+    checked_on: CheckedOn | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"cpu": self.cpu.to_dict(), "cpu_line": self.cpu_line, "quantized_on": self.quantized_on}
+        return {"cpu": self.cpu.to_dict(), "cpu_line": self.cpu_line, "quantized_on": self.quantized_on,
+                "checked_on": self.checked_on.to_dict() if self.checked_on is not None else None}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> MachineSummary:
-        return cls(CpuFacts.from_dict(dict(d.get("cpu") or {})), str(d.get("cpu_line", "")), d.get("quantized_on"))
+        checked = d.get("checked_on")
+        return cls(CpuFacts.from_dict(dict(d.get("cpu") or {})), str(d.get("cpu_line", "")), d.get("quantized_on"),
+                   CheckedOn.from_dict(checked) if checked else None)
 
 
 @dataclass(frozen=True)

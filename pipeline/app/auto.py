@@ -30,7 +30,7 @@ from omegaconf import DictConfig, open_dict
 
 from pipeline.accuracy.evaluation import EvaluateMetrics, FloatBaseline, runtime_evaluation
 from pipeline.accuracy.kinds import checked_on, float_kinds, host_key
-from pipeline.app.rechoose import HOST_CHOICES, recheck_here, remember
+from pipeline.app.host_choice import HOST_CHOICES, recheck_here, remember
 from pipeline.app.scope import run_scope
 from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
 from pipeline.backends import Backend, auto_runtimes, create_backend

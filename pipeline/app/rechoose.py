@@ -8,78 +8,22 @@ date and skipped (nothing is tuned again), auto's choice is keyed by this host's
 versions (``pipeline.accuracy.kinds.host_key``), so it is made here, and gen_trt_engine and evaluate are
 host-bound, so they run here on what ships. Before the choice, each runtime's shipped model that was
 checked on another host is judged here on the held-out samples with this machine's own kernels
-(``recheck_here``); one that misses the budget here does not ship here. Each host's choice is kept
-(autotune/host_choices.json, and the manifest's autotune metrics).
+(``pipeline.app.host_choice``); one that misses the budget here does not ship here. Each host's choice
+is kept (autotune/host_choices.json, and the manifest's autotune metrics).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
-from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from pipeline.accuracy.budget import AccuracyBudget
-from pipeline.accuracy.holdout import Holdout
-from pipeline.accuracy.kinds import CheckedOn, host_key, runtime_versions
-from pipeline.artifacts import atomic_write_json, read_json
-from pipeline.backends import Backend, compute_backend
 from pipeline.errors import InputError, PipelineError
-from pipeline.graph.model import input_specs, load_model
-from pipeline.quant.cpu import cpu_facts
 
-log = logging.getLogger("tune.auto")
-
-HOST_CHOICES = "autotune/host_choices.json"
 # the stages a re-choice runs (those of the original run's stages): tuning is up to date and skipped
 STAGES = ("quantize", "autotune", "gen_trt_engine", "evaluate")
-
-
-def checked_elsewhere(metrics: dict[str, Any]) -> bool:
-    """Whether a runtime's autotune (its ``metrics``) checked its shipped model on another CPU kind or with
-    other versions of its runtime than this host's (True where it recorded nothing)."""
-    recorded = metrics.get("checked_on")
-    if not recorded:
-        return True
-    record = CheckedOn.from_dict(recorded)
-    here = runtime_versions()
-    return record.kind != cpu_facts().kind or record.versions.get(record.runtime) != here.get(record.runtime)
-
-
-def recheck_here(cfg: DictConfig, float_path: Path, shipped: dict[str, tuple[Backend, Path, dict[str, Any]]]
-                 ) -> dict[str, str]:
-    """runtime -> why its shipped model misses the accuracy budget on this host, for every runtime in
-    ``shipped`` (backend with its settings, model, autotune metrics) checked on another host; judged on
-    the held-out samples of ``cfg`` (one runtime's config) with this machine's kernels."""
-    stale = {name: (backend, model) for name, (backend, model, metrics) in shipped.items()
-             if checked_elsewhere(metrics)}
-    if not stale:
-        return {}
-    holdout = Holdout.from_config(cfg, input_specs(load_model(float_path, check=False)))
-    with compute_backend(cfg).prepare(float_path) as pm:
-        holdout.set_reference(pm)
-    budget = AccuracyBudget.from_config(cfg)
-    misses = {}
-    for name, (backend, model) in stale.items():
-        with backend.prepare(model) as pm:
-            verdict = holdout.score(pm, budget)
-        log.info("auto: %s's shipped model on this host (%s): %s", name, cpu_facts().describe(), verdict.what)
-        if not verdict.ok:
-            misses[name] = f"misses the accuracy budget on this host ({verdict.what})"
-    return misses
-
-
-def remember(top: Path, choice: Any) -> dict[str, Any]:
-    """Keep ``choice`` (a RuntimeChoice) as this host's in autotune/host_choices.json; every host's choice."""
-    path = top / HOST_CHOICES
-    kept = read_json(path, HOST_CHOICES) if path.exists() else {}
-    kept[host_key()] = {"cpu": cpu_facts().describe(), "winner": choice.winner, "ships": choice.ships,
-                        "headline": choice.headline}
-    atomic_write_json(path, kept, indent=1)
-    return kept
 
 
 def rechoose_args(results_dir: Path, overrides: list[str]) -> tuple[str | None, str, list[str]]:
@@ -128,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["HOST_CHOICES", "checked_elsewhere", "main", "recheck_here", "remember", "rechoose_args", "cli"]
+__all__ = ["cli", "main", "rechoose_args"]
 
 
 def cli() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.accuracy.budget import AccuracyVerdict
-from pipeline.accuracy.evaluation import EvaluateMetrics, ModelMetrics, QuantizationSummary
+from pipeline.accuracy.evaluation import EvaluateMetrics, MachineSummary, ModelMetrics, QuantizationSummary
 from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.artifacts import atomic_output
 from pipeline.config import STAGE_ORDER
@@ -262,7 +262,8 @@ def _machine(metrics: EvaluateMetrics) -> list[str]:
         if q.weight_range == "full" and sat is False:
             lines.append("These full-range int8 weights are exact on CPUs with VNNI or AMX only: where u8 x s8 "
                          "kernels saturate (AVX2 without VNNI) they may lose accuracy. For such a target, tune "
-                         "on it or pin its kind here (`QDQ_TUNE_CPU_FLAGS=avx2`).")
+                         "for it too (`target.cpus=[avx2]`, or `target=x86` for every x86 kind).")
+    lines += _kinds(mach)
     if mach.quantized_on and mach.quantized_on != mach.cpu.brand:
         lines.append(f"Quantized on a different CPU: {mach.quantized_on}.")
     lines += _accuracy_steps(q)
@@ -273,6 +274,23 @@ def _machine(metrics: EvaluateMetrics) -> list[str]:
         lines.append(f"Inside Loop/Scan bodies: {len(q.body_nodes)} nodes quantized "
                      f"({', '.join(f'`{n}`' for n in q.body_nodes)}); autotune tunes the main graph and keeps "
                      f"the quantize stage's placement inside the bodies.")
+    return lines
+
+
+def _kinds(mach: MachineSummary) -> list[str]:
+    """The shipped deployment's verdict on each CPU kind, and how each was reached."""
+    checked = mach.checked_on
+    if checked is None or not checked.kinds:
+        return []
+    lines = ["", f"Accuracy of the shipped deployment per CPU kind (checked on {checked.cpu}, {checked.runtime} "
+                 f"{checked.versions.get(checked.runtime, '')}, {checked.precision} float layers; target: "
+                 f"{', '.join(checked.target) or 'this host'}):", "",
+             "| CPU kind | verdict | how |", "|---|---|---|"]
+    for k in checked.kinds:
+        state = "not judged" if k.ok is None else ("meets the budget" if k.ok else "**MISSES the budget**")
+        what = f": {k.verdict.what}" if k.verdict is not None else ""
+        target = " (target)" if k.kind in checked.target else ""
+        lines.append(f"| {k.kind}{target} | {state}{what} | {k.how}{'; ' + k.note if k.note else ''} |")
     return lines
 
 

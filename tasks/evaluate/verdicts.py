@@ -23,6 +23,7 @@ from pipeline.accuracy.evaluation import (
     QuantizationSummary,
 )
 from pipeline.accuracy.fidelity import FidelityResult
+from pipeline.accuracy.kinds import CheckedOn, shipped_record
 from pipeline.accuracy.metrics import ModelScores
 from pipeline.config import resolved_data_source
 from pipeline.data.adapters import takes_split
@@ -86,7 +87,7 @@ def judge_models(ctx: StageContext, metrics: EvaluateMetrics, scores: dict[str, 
     holdout's promise."""
     budget = AccuracyBudget.from_config(ctx.cfg)
     decisions = quantize_decisions(ctx.artifact("quantize/calibration.json"))
-    facts = _facts(metrics, budget, decisions)
+    facts = _facts(metrics, budget, decisions, shipped_record(ctx.manifest))
     models = metrics.models
     float_top1 = models["float"].scores.top1
     flagged = []
@@ -116,10 +117,13 @@ def judge_models(ctx: StageContext, metrics: EvaluateMetrics, scores: dict[str, 
     metrics.over_budget = flagged
 
 
-def _facts(metrics: EvaluateMetrics, budget: AccuracyBudget, decisions: QuantizeDecisions) -> CpuFacts:
-    """The machine, the quantization decisions and the budget into ``metrics``; the CPU's facts."""
+def _facts(metrics: EvaluateMetrics, budget: AccuracyBudget, decisions: QuantizeDecisions,
+           checked: CheckedOn | None) -> CpuFacts:
+    """The machine (with what the shipped deployment was ``checked`` on), the quantization decisions and
+    the budget into ``metrics``; the CPU's facts."""
     facts = cpu_facts()
-    metrics.machine = MachineSummary(facts, describe(facts), decisions.cpu.brand if decisions.cpu else None)
+    metrics.machine = MachineSummary(facts, describe(facts), decisions.cpu.brand if decisions.cpu else None,
+                                     checked)
     metrics.quantization = QuantizationSummary(
         decisions.weight_range.value, decisions.weight_range_reason, list(decisions.float_nodes or []), decisions.budget,
         decisions.transforms, decisions.bias_correction, decisions.fidelity_culprits, decisions.body_nodes)

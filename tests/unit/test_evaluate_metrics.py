@@ -311,7 +311,7 @@ def test_report_says_where_full_range_weights_stop_being_exact():
     vnni = CpuFacts("x86_64", brand="Xeon", flags=("avx2", "avx512_vnni"), u8s8_saturates=False)
     full = QuantizationSummary(weight_range="full", weight_range_reason="fused kernels agree with the Q/DQ reference")
     text = markdown(replace(record, machine=MachineSummary(vnni, "Xeon"), quantization=full))
-    assert "exact on CPUs with VNNI or AMX only" in text and "QDQ_TUNE_CPU_FLAGS=avx2" in text
+    assert "exact on CPUs with VNNI or AMX only" in text and "target.cpus=[avx2]" in text
     avx2 = replace(vnni, flags=("avx2",), u8s8_saturates=True)
     reduced = replace(full, weight_range="reduced")
     for machine, q in ((MachineSummary(avx2, "EPYC"), full), (MachineSummary(vnni, "Xeon"), reduced)):
