@@ -20,7 +20,6 @@ to int16 first and are left as they are.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,6 +117,15 @@ def _why_exact(node: onnx.NodeProto, layer: _Layer) -> str:
     if int(np.abs(layer.weight.astype(np.int32)).max(initial=0)) <= EXACT_WEIGHT_MAX:
         return f"weights within +-{EXACT_WEIGHT_MAX}: pair sums fit in int16"
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    w = layer.weight.astype(np.float32)
+    if node.op_type == "Conv":  # pairs along (position, channel), channels fastest
+        w = w.reshape(w.shape[0], w.shape[1], -1).transpose(2, 1, 0).reshape(-1, w.shape[0])
+    elif node.op_type == "Gemm" and int(attrs.get("transB", 0)):
+        w = w.T
+    if len(w) % 2:
+        w = np.concatenate([w, np.zeros((1, w.shape[1]), np.float32)])
+    if not _saturable(w[0::2], w[1::2]).any():
+        return "no pair of its weights can leave int16"
     if node.op_type == "Conv" and int(attrs.get("group", 1)) != 1:
         return "grouped convolution: its kernel widens to int16 before multiplying"
     if node.op_type == "Conv" and attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID", "NOTSET", "VALID"):
@@ -196,13 +204,33 @@ def _pair_error(b: _Builder, sums: str) -> str:
     return b.op("Sub", [b.op("Clip", [sums, low, high], "clipped"), sums], "pair_error")
 
 
+def _saturable(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """Where a pair of weights can push a sum of uint8 x weight products out of int16 (both of one sign,
+    255 x their sum past it)."""
+    pos = np.maximum(first, 0) + np.maximum(second, 0)
+    neg = np.minimum(first, 0) + np.minimum(second, 0)
+    return (255 * pos > INT16_MAX) | (255 * neg < INT16_MIN)
+
+
 def _matmul_error(b: _Builder, raw: str, weight: np.ndarray, act_shape: list[int], out_shape: list[int]) -> str:
-    """sum_p (clip16(s_p) - s_p) of act [..., M, K] x weight [K, N]: the pairs as a [..., M, P, 1, 2] x
-    [P, 2, N] batched product (two products per sum, exact in float32)."""
+    """sum_p (clip16(s_p) - s_p) of act [..., M, K] x weight [K, N], pairs (2p, 2p+1) along K. Only the
+    (pair, column) sums that can leave int16 are computed where they are few (a [K, S] selection of their
+    two weights each, then their errors summed per column by an [S, N] 0/1 matrix); else every pair at once
+    as a [..., M, P, 1, 2] x [P, 2, N] batched product (two products per sum, exact in float32)."""
     k, n = weight.shape
-    pairs = math.ceil(k / 2)
     if k % 2:
         weight = np.concatenate([weight, np.zeros((1, n), np.float32)])
+    pairs = weight.shape[0] // 2
+    rows, cols = np.nonzero(_saturable(weight[0::2], weight[1::2]))
+    if len(rows) * (k + n) < k * n + 3 * pairs * n:  # few sums can saturate: those alone
+        select = np.zeros((k + k % 2, len(rows)), np.float32)
+        select[2 * rows, np.arange(len(rows))] = weight[2 * rows, cols]
+        select[2 * rows + 1, np.arange(len(rows))] = weight[2 * rows + 1, cols]
+        sums = b.op("MatMul", [raw, b.const("pair_select", select[:k])], "pair_sums")
+        scatter = np.zeros((len(rows), n), np.float32)
+        scatter[np.arange(len(rows)), cols] = 1.0
+        return b.op("MatMul", [_pair_error(b, sums), b.const("pair_scatter", scatter)], "error_out")
+    if k % 2:
         zeros = [0] * len(act_shape)
         raw = b.op("Pad", [raw, b.const("pads", np.asarray(zeros[:-1] + [0] + zeros[:-1] + [1], np.int64))],
                    "act_even")
@@ -217,11 +245,11 @@ def _conv_error(b: _Builder, node: onnx.NodeProto, layer: _Layer, raw: str, act_
                 out_shape: list[int]) -> str:
     """sum over pairs of (clip16(s) - s) for a group-1 Conv, on the activation padded with its zero point
     as the kernel pads it. The reduction runs over (kernel position, channel) with channels fastest (the
-    channels-last im2col order), in pairs: one convolution whose kernels each hold one pair's two
-    weights gives every pair sum."""
+    channels-last im2col order), in pairs: a convolution whose kernels each hold one pair's two weights
+    gives the pair sums that can leave int16, and a 1x1 convolution of 0/1 weights adds each one's error
+    to its output channel."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    w = layer.weight.astype(np.float32)
-    kernels, sums_per_output = _pair_kernels(w)
+    kernels, group, owner = _pair_kernels(layer.weight.astype(np.float32))
     rank = len(act_shape)
     pads = list(attrs.get("pads", [0] * (2 * (rank - 2))))
     if any(pads):
@@ -229,33 +257,45 @@ def _conv_error(b: _Builder, node: onnx.NodeProto, layer: _Layer, raw: str, act_
         raw = b.op("Pad", [raw, b.const("pads", np.asarray(begin + end, np.int64)),
                            b.const("pad_value", np.asarray(float(layer.act_zero), np.float32))], "act_padded")
     conv_attrs = {k: v for k, v in attrs.items() if k in ("strides", "dilations")}
-    group = w.shape[1] // 2 if w.shape[1] % 2 == 0 else 1
     sums = b.op("Conv", [raw, b.const("pair_kernels", kernels)], "pair_sums", group=group, **conv_attrs)
-    grouped = b.op("Reshape", [_pair_error(b, sums), b.const("groups_shape", np.asarray(
-        [out_shape[0], sums_per_output, w.shape[0], *out_shape[2:]], np.int64))], "error_groups")
-    return b.reduce_sum(grouped, 1, "error")
+    scatter = np.zeros((layer.weight.shape[0], len(owner), *([1] * (rank - 2))), np.float32)
+    live = owner >= 0
+    scatter[owner[live], np.nonzero(live)[0]] = 1.0
+    return b.op("Conv", [_pair_error(b, sums), b.const("pair_scatter", scatter)], "error")
 
 
-def _pair_kernels(w: np.ndarray) -> tuple[np.ndarray, int]:
-    """(kernels, pairs per output channel) of the pair-sum convolution of weights ``w`` [O, C, *k]:
-    output channel ``pair * O + o`` holds the two weights of ``o`` that form that pair. With C even every
-    pair is two neighbouring channels at one kernel position, so the convolution is grouped by channel
-    pair (kernels [C/2 * positions * O, 2, *k]); with C odd, pairs cross kernel positions and each kernel
-    spans every channel ([pairs * O, C, *k])."""
+def _pair_kernels(w: np.ndarray) -> tuple[np.ndarray, int, np.ndarray]:
+    """(kernels, group, the output channel of each kernel or -1) of the pair sums of weights ``w`` [O, C,
+    *k] that can leave int16. With C even every pair is two neighbouring channels at one kernel position:
+    the convolution is grouped by channel pair, each group holding the same number of kernels (unused
+    ones zero); with C odd, pairs cross kernel positions and each kernel spans every channel."""
     o, c, spatial = w.shape[0], w.shape[1], w.shape[2:]
     positions = int(np.prod(spatial))
-    flat = w.reshape(o, c, positions)
+    flat = w.reshape(o, c, positions).transpose(0, 2, 1).reshape(o, positions * c)  # channels fastest
+    if flat.shape[1] % 2:
+        flat = np.concatenate([flat, np.zeros((o, 1), np.float32)], axis=1)
+    outs, pairs = np.nonzero(_saturable(flat[:, 0::2], flat[:, 1::2]))  # (output channel, pair q)
     if c % 2 == 0:
-        kernels = np.zeros((c // 2, positions, o, 2, positions), np.float32)
-        for p in range(positions):
-            kernels[:, p, :, :, p] = flat[:, :, p].reshape(o, c // 2, 2).transpose(1, 0, 2)
-        return kernels.reshape(c // 2 * positions * o, 2, *spatial), c // 2 * positions
-    pairs = math.ceil(positions * c / 2)
-    kernels = np.zeros((pairs, o, c, positions), np.float32)
-    for k in range(positions * c):  # k = position * C + channel: channels fastest
-        p, ch = divmod(k, c)
-        kernels[k // 2, :, ch, p] = flat[:, ch, p]
-    return kernels.reshape(pairs * o, c, *spatial), pairs
+        per_pair = c // 2  # pair q = position q // (C/2), channels 2 * (q % (C/2)) + (0, 1)
+        groups = [np.nonzero(pairs % per_pair == j)[0] for j in range(per_pair)]
+        width = max(1, max(len(g) for g in groups))
+        kernels = np.zeros((per_pair, width, 2, positions), np.float32)
+        owner = np.full((per_pair, width), -1, np.int64)
+        for j, entries in enumerate(groups):
+            for slot, e in enumerate(entries):
+                q, out = pairs[e], outs[e]
+                kernels[j, slot, :, q // per_pair] = flat[out, 2 * q:2 * q + 2]
+                owner[j, slot] = out
+        return kernels.reshape(per_pair * width, 2, *spatial), per_pair, owner.reshape(-1)
+    kernels = np.zeros((max(1, len(pairs)), c, positions), np.float32)
+    owner = np.full(max(1, len(pairs)), -1, np.int64)
+    for slot, (q, out) in enumerate(zip(pairs, outs, strict=True)):
+        for k in (2 * q, 2 * q + 1):
+            if k < positions * c:
+                p, ch = divmod(k, c)
+                kernels[slot, ch, p] = flat[out, k]
+        owner[slot] = out
+    return kernels.reshape(len(owner), c, *spatial), 1, owner
 
 
 __all__ = ["TwinReport", "saturating_twin"]

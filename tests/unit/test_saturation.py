@@ -52,10 +52,19 @@ def _big_weights(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray
         np.where(rng.random(shape) < 0.85, 1, -1).astype(np.int8)
 
 
-@pytest.mark.parametrize("k", [16, 15])
-def test_matmul_moves_by_the_pair_sum_error(k):
+def _trained_weights(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """int8 weights as a trained layer's: mostly small, a few at +-127 (so only a few pair sums saturate)."""
+    w = np.clip(rng.normal(0, 25, shape), -127, 127)
+    w[rng.random(shape) < 0.08] = 127
+    return w.astype(np.int8)
+
+
+@pytest.mark.parametrize("k, weights", [(16, _big_weights), (15, _big_weights), (64, _trained_weights),
+                                        (63, _trained_weights)])
+def test_matmul_moves_by_the_pair_sum_error(k, weights):
+    """Many saturable pair sums (all pairs computed) or a few (only those)."""
     rng = np.random.default_rng(k)
-    w = _big_weights(rng, (k, 6))
+    w = weights(rng, (k, 6))
     ws = rng.uniform(0.001, 0.01, 6).astype(np.float32)
     x = rng.integers(150, 256, (2, 5, k)).astype(np.uint8)
     model = _layer_model("MatMul", [2, 5, k], w, ws)
@@ -91,12 +100,12 @@ def _im2col(x: np.ndarray, kh: int, kw: int, pad: int, stride: int, zero: int) -
     return rows
 
 
-@pytest.mark.parametrize("channels, pad, stride", [(4, 1, 1), (1, 1, 1), (3, 0, 2)])
+@pytest.mark.parametrize("channels, pad, stride", [(4, 1, 1), (1, 1, 1), (3, 0, 2), (16, 1, 1)])
 def test_conv_moves_by_the_pair_sum_error_in_channels_last_order(channels, pad, stride):
     """Even channel counts pair neighbouring channels at one position; odd ones pair across positions
     (a one-channel first layer); pads hold the activation's zero point, as the kernels' do."""
     rng = np.random.default_rng(channels)
-    w = _big_weights(rng, (5, channels, 3, 3))
+    w = (_trained_weights if channels == 16 else _big_weights)(rng, (5, channels, 3, 3))
     ws = rng.uniform(0.001, 0.01, 5).astype(np.float32)
     x = rng.integers(180, 256, (2, channels, 7, 7)).astype(np.uint8)
     model = _layer_model("Conv", [2, channels, 7, 7], w, ws, pads=[pad] * 4, strides=[stride, stride])
@@ -117,6 +126,9 @@ def test_layers_that_cannot_saturate_are_left_as_they_are():
     twin, report = saturating_twin(model)
     assert not report.can_saturate and "fit in int16" in report.exact[0][1]
     assert [n.op_type for n in twin.graph.node] == [n.op_type for n in model.graph.node]
+    mixed = np.tile(np.asarray([[127], [-127]], np.int8), (8, 4))  # every pair of one sign each: sums near 0
+    _, report = saturating_twin(_layer_model("MatMul", [2, 16], mixed, np.asarray([0.01], np.float32)))
+    assert not report.can_saturate and "no pair" in report.exact[0][1]
 
 
 def _chain_model(rng: np.random.Generator) -> onnx.ModelProto:
