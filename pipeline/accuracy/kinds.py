@@ -27,6 +27,7 @@ from pipeline.artifacts import Manifest
 from pipeline.backends.base import Backend
 from pipeline.graph.model import load_model, save_model
 from pipeline.quant.cpu import KINDS, CpuFacts, cpu_facts, target_kinds
+from pipeline.quant.placement import PLACEMENTS
 from pipeline.quant.saturation import saturating_twin
 from pipeline.stage import MODEL_KEYS
 
@@ -70,9 +71,14 @@ class KindVerdict:
 def kind_verdicts(backend: Backend, model: Path, holdout: Holdout, budget: AccuracyBudget,
                   host_verdict: AccuracyVerdict | None, quantized: bool = True) -> list[KindVerdict]:
     """The verdict of ``model`` (judged ``host_verdict`` on this host with ``backend``) on every x86 kind,
-    the run's target kinds first. Kinds that compute alike share one evaluation; a float model
-    (``quantized=False``) has no int8 kernels, and its float layers run in the precision its settings pin
-    or in f32 (more exact) where a kind lacks it, so every kind gets the host's verdict."""
+    the run's target kinds first; none where ``backend``'s placement does not run on CPU kernels
+    (TensorRT). Kinds that compute alike share one evaluation; the saturating twin pairs as the
+    backend's kernels do (its placement's ``pair_order``). A float model (``quantized=False``) has no
+    int8 kernels, and its float layers run in the precision its settings pin or in f32 (more exact)
+    where a kind lacks it, so every kind gets the host's verdict."""
+    placement = PLACEMENTS[backend.placement]
+    if not placement.cpu_kernels:
+        return []
     host = cpu_facts().kind
     order = [*target_kinds(), *(k for k in KINDS if k not in target_kinds())]
     judged: dict[str, tuple[str, AccuracyVerdict | None, str]] = {}
@@ -84,7 +90,7 @@ def kind_verdicts(backend: Backend, model: Path, holdout: Holdout, budget: Accur
 
     def saturating() -> tuple[str, AccuracyVerdict | None, str]:
         if "saturating" not in judged:
-            twin, report = saturating_twin(load_model(model, check=False))
+            twin, report = saturating_twin(load_model(model, check=False), placement.pair_order)
             if not report.can_saturate:
                 how, verdict, _ = exact()
                 judged["saturating"] = (how, verdict, "no layer's pair sums can leave int16")
@@ -170,6 +176,8 @@ class CheckedOn:
         """One line naming the risk where this host is not what the deployment was checked on (None where it
         is): a CPU kind outside the target whose verdict misses the budget or was not reached, or other
         versions of the runtime's package; with the command that checks this host."""
+        if not self.kinds:  # not a deployment on CPU kernels (TensorRT): no CPU kind to compare
+            return None
         facts = facts or cpu_facts()
         versions = runtime_versions() if versions is None else versions
         fix = f"check and choose again on this host: tune-rechoose {results_dir}"

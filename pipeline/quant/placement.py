@@ -482,6 +482,8 @@ class PlacementKind:
     reshaped_reads: bool = False
     # op types whose activation inputs are stored as the rule says (symmetric), whatever activation_type
     symmetric_inputs: tuple[str, ...] = ()
+    # how its u8 x s8 kernels pair a convolution's reduction without VNNI (pipeline.quant.saturation.PAIRINGS)
+    pair_order: str = "im2col"
 
 
 DEFAULT_PLACEMENT = "tensorrt"  # the placement of a runtime that declares none (Q/DQ as TensorRT recommends)
@@ -490,5 +492,5 @@ PLACEMENTS: dict[str, PlacementKind] = {
     "onnxruntime": PlacementKind("onnxruntime", onnxruntime_plan, cpu_kernels=True, qlinear_groups=True,
                                  int32_bias=True),
     "openvino": PlacementKind("openvino", openvino_plan, cpu_kernels=True, qlinear_groups=True, reshaped_reads=True,
-                              symmetric_inputs=OPENVINO_SYMMETRIC_OPS),
+                              symmetric_inputs=OPENVINO_SYMMETRIC_OPS, pair_order="channels"),
 }

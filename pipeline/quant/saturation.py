@@ -3,10 +3,12 @@
 Without VNNI, ONNX Runtime's MLAS and OpenVINO's oneDNN multiply uint8 activations by int8 weights with
 VPMADDUBSW, which adds the products of neighbouring elements along the reduction axis in int16 with
 saturation, then widens the pair sums to int32 (VPMADDWD by ones) and corrects the zero points exactly.
-Pairs are (2p, 2p+1) along K of a MatMul or Gemm, and along the reduction of a Conv taken in the
-channels-last im2col order (kernel position, then channel): neighbouring channels at one kernel
-position where the channel count is even, pairs that cross kernel positions where it is odd (a
-one-channel first layer). So a layer's output differs from its
+Pairs are (2p, 2p+1) along K of a MatMul or Gemm. A Conv's pairs depend on the library
+(``PAIRINGS``): MLAS (ONNX Runtime) takes the reduction in the channels-last im2col order (kernel
+position, then channel), so pairs are neighbouring channels at one kernel position where the channel
+count is even and cross kernel positions where it is odd (a one-channel first layer); oneDNN (OpenVINO)
+pads the channels to an even count, so pairs never cross a position. Both were read off the real
+kernels under `qemu-x86_64 -cpu Haswell` (tests/unit/test_saturation.py checks ONNX Runtime's). So a layer's output differs from its
 Q/DQ math by ``sa * sw * sum_p (clip16(s_p) - s_p)``, with ``s_p`` the pair sums of the raw uint8 and
 int8 values.
 
@@ -30,6 +32,9 @@ from pipeline.graph.model import opset_version
 from pipeline.graph.shapes import infer_shapes
 
 INT16_MIN, INT16_MAX = -32768.0, 32767.0
+# how a runtime's kernels pair a convolution's reduction: across kernel positions where channels are odd
+# (im2col), or within each position over channels padded to an even count (channels)
+PAIRINGS = ("im2col", "channels")
 # the most a pair of products can reach with |weight| <= this: 2 x 255 x 63 = 32130 fits in int16
 EXACT_WEIGHT_MAX = 63
 
@@ -47,10 +52,13 @@ class TwinReport:
         return bool(self.corrected)
 
 
-def saturating_twin(model: onnx.ModelProto) -> tuple[onnx.ModelProto, TwinReport]:
+def saturating_twin(model: onnx.ModelProto, pairing: str = "im2col") -> tuple[onnx.ModelProto, TwinReport]:
     """A copy of ``model`` (a Q/DQ model) whose u8 x s8 MatMul, Gemm and Conv layers compute what the
-    saturating kernels of a CPU without VNNI compute (see the module docstring), and what was done.
-    Only the main graph is changed (Loop and Scan bodies keep their Q/DQ math)."""
+    saturating kernels of a CPU without VNNI compute, pairing a Conv's reduction as ``pairing`` says (see
+    the module docstring), and what was done. Only the main graph is changed (Loop and Scan bodies keep
+    their Q/DQ math)."""
+    if pairing not in PAIRINGS:
+        raise ValueError(f"pairing={pairing!r}: expected one of {', '.join(PAIRINGS)}")
     twin = onnx.ModelProto()
     twin.CopyFrom(model)
     inferred = infer_shapes(onnx.ModelProto.FromString(twin.SerializeToString()))
@@ -69,11 +77,11 @@ def saturating_twin(model: onnx.ModelProto) -> tuple[onnx.ModelProto, TwinReport
         if layer is None:
             continue
         name = node.name or node.output[0]
-        why = _why_exact(node, layer)
+        why = _why_exact(node, layer, pairing)
         if why:
             exact.append((name, why))
             continue
-        extra = _correction(node, layer, shapes, twin.graph, len(corrected), opset)
+        extra = _correction(node, layer, shapes, twin.graph, len(corrected), opset, pairing)
         if extra is None:
             exact.append((name, "shapes unknown: left as Q/DQ math"))
             continue
@@ -112,13 +120,14 @@ def _layer(node: onnx.NodeProto, producer: dict[str, onnx.NodeProto], inits: dic
                   np.asarray(w_scale, dtype=np.float32).reshape(-1))
 
 
-def _why_exact(node: onnx.NodeProto, layer: _Layer) -> str:
+def _why_exact(node: onnx.NodeProto, layer: _Layer, pairing: str) -> str:
     """Why the layer's kernel cannot saturate ("" where it can)."""
     if int(np.abs(layer.weight.astype(np.int32)).max(initial=0)) <= EXACT_WEIGHT_MAX:
         return f"weights within +-{EXACT_WEIGHT_MAX}: pair sums fit in int16"
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     w = layer.weight.astype(np.float32)
     if node.op_type == "Conv":  # pairs along (position, channel), channels fastest
+        w = _conv_weights(w, pairing)
         w = w.reshape(w.shape[0], w.shape[1], -1).transpose(2, 1, 0).reshape(-1, w.shape[0])
     elif node.op_type == "Gemm" and int(attrs.get("transB", 0)):
         w = w.T
@@ -168,8 +177,16 @@ class _Builder:
         return out
 
 
+def _conv_weights(w: np.ndarray, pairing: str) -> np.ndarray:
+    """Conv weights [O, C, *k] as ``pairing`` pairs them: with a zero channel added to an odd count where
+    the kernels pad channels to an even count."""
+    if pairing == "channels" and w.shape[1] % 2:
+        return np.concatenate([w, np.zeros((w.shape[0], 1, *w.shape[2:]), w.dtype)], axis=1)
+    return w
+
+
 def _correction(node: onnx.NodeProto, layer: _Layer, shapes: dict[str, list[int]], graph: onnx.GraphProto,
-                index: int, opset: int) -> list[onnx.NodeProto] | None:
+                index: int, opset: int, pairing: str) -> list[onnx.NodeProto] | None:
     """Nodes that add the saturation error to ``node``'s output (renamed), None where shapes are unknown."""
     act_shape, out_shape = shapes.get(layer.act_q), shapes.get(node.output[0])
     if act_shape is None or out_shape is None:
@@ -177,7 +194,7 @@ def _correction(node: onnx.NodeProto, layer: _Layer, shapes: dict[str, list[int]
     b = _Builder(graph, index, opset)
     raw = b.op("Cast", [layer.act_q], "act", to=TensorProto.FLOAT)
     if node.op_type == "Conv":
-        error = _conv_error(b, node, layer, raw, act_shape, out_shape)
+        error = _conv_error(b, node, layer, raw, act_shape, out_shape, pairing)
         scale = (layer.act_scale * layer.weight_scale).astype(np.float32)
         scale = scale.reshape(1, -1, *([1] * (len(out_shape) - 2))) if scale.size > 1 else scale.reshape(())
     else:
@@ -242,18 +259,20 @@ def _matmul_error(b: _Builder, raw: str, weight: np.ndarray, act_shape: list[int
 
 
 def _conv_error(b: _Builder, node: onnx.NodeProto, layer: _Layer, raw: str, act_shape: list[int],
-                out_shape: list[int]) -> str:
+                out_shape: list[int], pairing: str) -> str:
     """sum over pairs of (clip16(s) - s) for a group-1 Conv, on the activation padded with its zero point
     as the kernel pads it. The reduction runs over (kernel position, channel) with channels fastest (the
     channels-last im2col order), in pairs: a convolution whose kernels each hold one pair's two weights
     gives the pair sums that can leave int16, and a 1x1 convolution of 0/1 weights adds each one's error
     to its output channel."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    kernels, group, owner = _pair_kernels(layer.weight.astype(np.float32))
+    weight = _conv_weights(layer.weight.astype(np.float32), pairing)
+    kernels, group, owner = _pair_kernels(weight)
     rank = len(act_shape)
     pads = list(attrs.get("pads", [0] * (2 * (rank - 2))))
-    if any(pads):
-        begin, end = [0, 0, *pads[:rank - 2]], [0, 0, *pads[rank - 2:]]
+    extra = weight.shape[1] - layer.weight.shape[1]  # a channel the kernels add (its weights are zero)
+    if any(pads) or extra:
+        begin, end = [0, 0, *pads[:rank - 2]], [0, extra, *pads[rank - 2:]]
         raw = b.op("Pad", [raw, b.const("pads", np.asarray(begin + end, np.int64)),
                            b.const("pad_value", np.asarray(float(layer.act_zero), np.float32))], "act_padded")
     conv_attrs = {k: v for k, v in attrs.items() if k in ("strides", "dilations")}

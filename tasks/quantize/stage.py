@@ -240,7 +240,7 @@ class QuantizeStage(Stage):
         metrics = self._metrics(setup, plan, counts, cal, decisions, headline)
         checker = setup.checker
         kinds = kind_verdicts(checker.backend, out_model, checker.holdout, checker.budget, decisions.accuracy,
-                              quantized=bool(plan.quantized_nodes()))
+                              quantized=bool(plan.quantized_nodes())) if setup.kind.cpu_kernels else []
         log_kinds(kinds, "quantize")
         metrics["checked_on"] = checked_on(checker.backend, kinds).to_dict()
         return StageResult(artifacts, metrics)

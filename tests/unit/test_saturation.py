@@ -211,3 +211,23 @@ def test_the_twin_computes_what_the_real_kernels_compute_on_an_emulated_avx2_cpu
     norm = np.linalg.norm(real)
     assert np.linalg.norm(real - qdq) / norm > 0.1  # the real kernels saturate here
     assert np.linalg.norm(real - modelled) / norm < 0.01
+
+
+def test_onednn_pairs_a_one_channel_conv_within_each_position():
+    """oneDNN (OpenVINO) pads channels to an even count, so a one-channel layer's pairs hold one real
+    product each and cannot saturate; MLAS (ONNX Runtime) pairs its reduction across kernel positions."""
+    w = np.full((4, 1, 3, 3), 127, np.int8)
+    model = _layer_model("Conv", [1, 1, 6, 6], w, np.full(4, 0.01, np.float32), pads=[1, 1, 1, 1])
+    _, onednn = saturating_twin(model, "channels")
+    assert not onednn.can_saturate and "no pair" in onednn.exact[0][1]
+    _, mlas = saturating_twin(model, "im2col")
+    assert mlas.corrected == ("layer",)
+    x = np.full((1, 3, 6, 6), 255, np.uint8)
+    wide = _layer_model("Conv", [1, 3, 6, 6], np.full((4, 3, 3, 3), 127, np.int8), np.full(4, 0.01, np.float32))
+    twin, report = saturating_twin(wide, "channels")  # 3 channels: (0, 1) pair, channel 2 with a zero
+    assert report.corrected == ("layer",)
+    err = (np.clip(2 * 255 * 127, -32768, 32767) - 2 * 255 * 127) * 9  # one saturated pair per position
+    np.testing.assert_allclose(_run(twin, x) - _run(wide, x), np.full((1, 4, 4, 4), A_SCALE * 0.01 * err, np.float32),
+                               rtol=1e-5)
+    with pytest.raises(ValueError, match="pairing"):
+        saturating_twin(model, "rows")
