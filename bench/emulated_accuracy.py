@@ -4,8 +4,8 @@ this machine (each single-runtime run's and auto's pick, with the settings each 
 bench's unseen feeds against ONNX Runtime fp32 computed natively. Also the same models natively, in the
 same run, so the two columns differ only by the CPU. Emulated time means nothing: no timing here.
 Before any model, one-node float probes (MatMul, Tanh, ...) run on each runtime under the emulator: a
-runtime the emulator computes differently from this CPU gets "not a measurement" with the ops it got
-wrong, not an error figure.
+model with an op the emulator computes differently from this CPU on its runtime gets "not a
+measurement" with the ops it got wrong, not an error figure.
 
 Each model runs in its own emulated process with one thread (qemu-user's multi-threaded guests are
 unreliable); that process prints the CPU the tool reads there (CPUID), so every row names its CPU.
@@ -110,9 +110,9 @@ def probe_child(runtime: str, folder: Path, out: Path) -> None:
     np.savez(out, **got)
 
 
-def emulator_faults(runtimes: set[str], work: Path, timeout: float) -> dict[str, str]:
-    """Per runtime, why the emulator's numbers for it are not measurements (a probe op it computes
-    differently from this CPU, in FP32), or nothing."""
+def emulator_faults(runtimes: set[str], work: Path, timeout: float) -> dict[str, dict[str, float | str]]:
+    """Per runtime, the probe ops the emulator computes differently from this CPU in FP32 (op -> rel. L2),
+    or {"*": why} where its probes failed to run at all."""
     folder = work / "probes"
     folder.mkdir(parents=True, exist_ok=True)
     paths, feeds = probe_models(folder)
@@ -122,20 +122,32 @@ def emulator_faults(runtimes: set[str], work: Path, timeout: float) -> dict[str,
     for op, path in zip(PROBE_OPS, paths, strict=True):
         with ref.prepare(path) as pm:
             want[op] = pm.run(feeds)[0]
-    faults = {}
+    faults: dict[str, dict[str, float | str]] = {}
     for runtime in sorted(runtimes):
         out = folder / f"{runtime}.npz"
         proc = emulated([__file__, "--probe", runtime, str(folder), str(out)], timeout)
         if proc.returncode != 0:
-            faults[runtime] = f"its probe models failed under the emulator (rc {proc.returncode})"
+            faults[runtime] = {"*": f"its probe models failed under the emulator (rc {proc.returncode})"}
             continue
         with np.load(out) as z:
             bad = {op: float(np.linalg.norm(z[op] - w) / np.linalg.norm(w)) for op, w in want.items()}
-        bad = {op: e for op, e in bad.items() if not e <= PROBE_TOLERANCE}
-        if bad:
-            faults[runtime] = ("the emulator computes its FP32 " + ", ".join(f"{op} (rel. L2 {e:.2g})" for op, e in bad.items())
-                               + " unlike this CPU")
+        faults[runtime] = {op: e for op, e in bad.items() if not e <= PROBE_TOLERANCE}
     return faults
+
+
+def model_fault(faults: dict[str, float | str], model: Path) -> str | None:
+    """Why the emulator's numbers for ``model`` are not measurements: a probe op it computes wrongly that
+    the model has (any graph, bodies included), or its runtime's probes failing; None where it has none."""
+    if "*" in faults:
+        return str(faults["*"])
+    from pipeline.graph.model import iter_nodes, load_model
+
+    ops = {n.op_type for n in iter_nodes(load_model(model, check=False).graph)}
+    bad = {op: e for op, e in faults.items() if op in ops}
+    if not bad:
+        return None
+    return "the emulator computes its FP32 " + ", ".join(f"{op} (rel. L2 {e:.2g})" for op, e in bad.items()) \
+        + " unlike this CPU"
 
 
 def read_outputs(path: Path, feeds: int, outputs: int) -> list[list[np.ndarray]]:
@@ -187,8 +199,9 @@ def bench(key: str, root: Path, count: int, timeout: float, names: list[str]) ->
         else:
             info = json.loads(proc.stdout.strip().splitlines()[-1])
             row["emulated"] = output_error(read_outputs(out, len(feeds), info["outputs"]), want, names, judged)
-            if runtime in faults:
-                row["emulated"] = f"not a measurement ({row['emulated']}): {faults[runtime]}"
+            fault = model_fault(faults.get(runtime, {}), model)
+            if fault:
+                row["emulated"] = f"not a measurement ({row['emulated']}): {fault}"
             row.update(emulated_cpu=info["cpu"], emulated_seconds=info["seconds"])
         print(json.dumps(row), flush=True)
         rows.append(row)
