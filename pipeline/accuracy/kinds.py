@@ -180,21 +180,21 @@ class CheckedOn:
             return None
         facts = facts or cpu_facts()
         versions = runtime_versions() if versions is None else versions
-        fix = f"check and choose again on this host: tune-rechoose {results_dir}"
+        fix = f"check and choose again on this host: tune-rechoose {rechoose_dir(results_dir)}"
         kind = facts.kind
         changed = [f"{k} {v} (checked with {self.versions[k]})" for k, v in versions.items()
                    if k in self.versions and self.versions[k] != v and k == self.runtime]
         if kind != self.kind:
             v = self.verdict(kind) if kind is not None else None
             if v is None or (v.ok is None and v.how != NO_INT8):
-                return (f"warning: the deployment was checked on {self.kind or 'another CPU'}, not on this "
+                return (f"the deployment was checked on {self.kind or 'another CPU'}, not on this "
                         f"{kind or 'kind of'} CPU ({facts.describe()}): its accuracy here is unknown; {fix}")
             if v.ok is False:
-                return (f"warning: the deployment MISSES its accuracy budget on this {kind} CPU ({v.how}: "
+                return (f"the deployment MISSES its accuracy budget on this {kind} CPU ({v.how}: "
                         f"{v.verdict.what if v.verdict else ''}); it was made for {', '.join(self.target)}: "
                         f"tune again with target.cpus=[{kind}] (or target=x86), or {fix}")
         if changed:
-            return f"warning: the deployment was checked with other runtime versions: {'; '.join(changed)}: {fix}"
+            return f"the deployment was checked with other runtime versions: {'; '.join(changed)}: {fix}"
         return None
 
     def to_dict(self) -> dict[str, Any]:
@@ -207,6 +207,13 @@ class CheckedOn:
         return cls(str(d.get("cpu", "")), d.get("kind"), str(d.get("runtime", "")), dict(d.get("versions") or {}),
                    str(d.get("precision", "")), d.get("settings"), tuple(d.get("target") or ()),
                    [KindVerdict.from_dict(k) for k in d.get("kinds") or ()])
+
+
+def rechoose_dir(results_dir: str | Path) -> str | Path:
+    """The results_dir `tune-rechoose` takes for ``results_dir``: the run's own (the nearest folder up with
+    .hydra/overrides.yaml: a runtime's results_dir under backend=auto is part of its top level's run)."""
+    path = Path(results_dir)
+    return next((p for p in (path, *path.parents) if (p / ".hydra" / "overrides.yaml").is_file()), results_dir)
 
 
 def float_kinds(verdict: AccuracyVerdict | None) -> list[KindVerdict]:

@@ -348,7 +348,7 @@ def _warn_host(results_dir: str | os.PathLike) -> None:
 
     line = host_warning(results_dir)
     if line:
-        logging.getLogger("tune.deploy").warning("%s", line)
+        logging.getLogger("tune.deploy").warning("warning: %s", line)
 
 
 def ort_session(results_dir: str | os.PathLike, providers: Sequence[str] = ("CPUExecutionProvider",)) -> Any:

@@ -137,7 +137,7 @@ class EvaluateStage(Stage):
         record = shipped_record(ctx.manifest)
         warning = record.host_warning(results_dir=ctx.results_dir) if record is not None else None
         if warning:
-            log.warning("evaluate: %s (what follows measures this host)", warning)
+            log.warning("evaluate: %s (what follows is measured on this host)", warning)
         backend = create_backend(ctx.cfg.backend)
         settings = self._session_settings(ctx, backend)
         runs_on = model_runtimes(ctx, backend, settings)
