@@ -28,6 +28,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from pipeline.graph import weights
 from pipeline.graph.model import opset_version
 from pipeline.graph.shapes import infer_shapes
 
@@ -61,8 +62,9 @@ def saturating_twin(model: onnx.ModelProto, pairing: str = "im2col") -> tuple[on
         raise ValueError(f"pairing={pairing!r}: expected one of {', '.join(PAIRINGS)}")
     twin = onnx.ModelProto()
     twin.CopyFrom(model)
-    inferred = infer_shapes(onnx.ModelProto.FromString(twin.SerializeToString()))
-    shapes = _shapes(inferred)
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)  # shape inference writes into large models (weights on disk stay references)
+    shapes = _shapes(infer_shapes(probe))
     inits = {t.name: t for t in twin.graph.initializer}
     producer = {o: n for n in twin.graph.node for o in n.output}
     opset = opset_version(twin)
@@ -112,7 +114,7 @@ def _layer(node: onnx.NodeProto, producer: dict[str, onnx.NodeProto], inits: dic
     values = [inits.get(n) for n in (*act.input[1:3], *wgt.input[:3])]
     if len(act.input) < 3 or len(wgt.input) < 3 or any(v is None for v in values):
         return None
-    a_scale, a_zero, w_q, w_scale, w_zero = (numpy_helper.to_array(v) for v in values)
+    a_scale, a_zero, w_q, w_scale, w_zero = (weights.array(v) for v in values)  # weights on disk read there
     if a_zero.dtype != np.uint8 or w_q.dtype != np.int8 or a_scale.size != 1 or a_zero.size != 1 \
             or np.any(w_zero != 0):
         return None
