@@ -29,7 +29,6 @@ log = logging.getLogger("tune")
 
 JOB_FILE = "job.json"  # written by every multirun job: status, reason, host, command, environment
 TIMED_STAGES = ("autotune", "evaluate")
-CPU_BACKENDS = ("onnxruntime",)
 
 
 def accuracy_drop(verdict: dict[str, Any] | None) -> float | None:
@@ -125,9 +124,12 @@ def _varying(rows: list[dict[str, Any]]) -> set[str]:
 
 
 def overlapping(rows: list[dict[str, Any]]) -> set[str]:
-    """Jobs whose timing stages overlapped with another job's on the same host and a CPU backend."""
+    """Jobs whose timing stages overlapped with another job's on the same host, both timing on its CPU
+    (every CPU runtime and backend=auto, the default: ``times_on_host_cpu``)."""
     flagged = set()
-    timed = [r for r in rows if r["backend"] in CPU_BACKENDS and r["timing_windows"]]
+    from pipeline.backends import times_on_host_cpu
+
+    timed = [r for r in rows if r["timing_windows"] and times_on_host_cpu(str(r["backend"]))]
     for i, a in enumerate(timed):
         for b in timed[i + 1:]:
             if a["host"] != b["host"]:

@@ -102,6 +102,16 @@ def auto_runtimes(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
     return [(n, cfg[n]) for n in names]
 
 
+def times_on_host_cpu(name: str) -> bool:
+    """Whether a run with `backend=<name>` (as a job records it) times models on this host's CPU, where two
+    jobs timing at once slow each other: every runtime whose placement runs CPU kernels, auto (its
+    runtimes do), and a custom or unknown one (its timing cannot be told apart)."""
+    if name not in BACKENDS:
+        return True
+    cls = import_object(BACKENDS[name], "backend.name")
+    return PLACEMENTS[cls.placement].cpu_kernels
+
+
 def is_auto(cfg: DictConfig) -> bool:
     """The `backend` section is backend=auto (several runtimes, one chosen by measurement)."""
     return enum_value(cfg.name) == "auto"

@@ -72,6 +72,10 @@ def test_overlapping_cpu_timing_is_flagged_and_pareto_front():
     rows = [row("a", "h1", 0, 10), row("b", "h1", 5, 15), row("c", "h2", 0, 10), row("d", "h1", 20, 30),
             row("e", "h1", 0, 10, backend="tensorrt")]
     assert overlapping(rows) == {"a", "b"}  # other host, later, or a GPU backend: comparable
+    # the default backend (auto) and OpenVINO time on the CPU too
+    for backend in ("auto", "openvino"):
+        both = [row("a", "h1", 0, 10, backend=backend), row("b", "h1", 5, 15), row("c", "h1", 3, 4, backend="trtexec")]
+        assert overlapping(both) == {"a", "b"}, backend
     pts = [row("fast", "h", 0, 1, 3.0, 2.0), row("exact", "h", 0, 1, 1.5, 0.0), row("worse", "h", 0, 1, 1.4, 0.5),
            row("mid", "h", 0, 1, 2.0, 1.0)]
     assert sorted(pareto(pts)) == ["exact", "fast", "mid"]
