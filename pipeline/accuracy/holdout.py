@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import onnx
 from omegaconf import DictConfig
 
 from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict, CustomMetric, CustomScore
+from pipeline.accuracy.class_scores import guess_class_output
 from pipeline.accuracy.confidence import CALL_RESAMPLES, bound
 from pipeline.accuracy.metrics import FIRST_OUTPUT, ModelScores, valid_rows
 from pipeline.accuracy.scores import Scores
@@ -116,9 +118,11 @@ class Holdout:
     _float_calls: dict[tuple[int, ...], float] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, specs: list, warn: bool = True) -> Holdout:
+    def from_config(cls, cfg: DictConfig, specs: list, warn: bool = True,
+                    model: onnx.ModelProto | None = None) -> Holdout:
         """The held-out batches of ``HoldoutSplit`` (quantize and autotune use the same slice);
-        ``warn``: log the one-line warning when the holdout is smaller than accuracy.holdout_samples."""
+        ``warn``: log the one-line warning when the holdout is smaller than accuracy.holdout_samples;
+        ``model``: the float model, whose outputs the class-score guess reads (``class_outputs``)."""
         from pipeline.data.adapters import DataProvider
 
         provider = DataProvider(cfg, specs)
@@ -136,7 +140,7 @@ class Holdout:
         if split.overlap:
             source = "the only calibration batch (also calibrated on: the calibration data has one batch)"
         holdout = cls([b.feeds for b in held], [b.labels for b in held], [b.valid for b in held], source=source,
-                      budget=AccuracyBudget.from_config(cfg), class_outputs=class_outputs(cfg),
+                      budget=AccuracyBudget.from_config(cfg), class_outputs=class_outputs(cfg, model),
                       metric=CustomMetric.from_config(cfg), split=split)
         if warn:
             holdout.warn_if_small(cfg, samples, bs)
@@ -225,14 +229,25 @@ class Holdout:
         return int(sum(self.valid))
 
 
-def class_outputs(cfg: DictConfig) -> list[str] | None:
+def class_outputs(cfg: DictConfig, model: onnx.ModelProto | None = None) -> list[str] | None:
     """accuracy.class_outputs, plus the outputs accuracy.per_output judges by agreement (which needs
-    class scores counted on them); None: the shape guess on the first output, and those outputs."""
+    class scores counted on them). Unset, ``model``'s first output where the guess says it holds class
+    scores (``class_scores.guess_class_output``, said once in one line), none where it holds features;
+    without a model, None: the shape guess on the first output."""
     a = cfg.accuracy
     agreement = [str(o) for o, m in (a.per_output or {}).items() if enum_value(m) == "agreement"]
     if a.class_outputs is None:
-        return None if not agreement else [FIRST_OUTPUT, *agreement]
+        guess = guess_class_output(model) if model is not None else None
+        if guess is None:
+            return None if not agreement else [FIRST_OUTPUT, *agreement]
+        if guess.line() not in _SAID:
+            _SAID.add(guess.line())
+            log.info("%s", guess.line())
+        return list(dict.fromkeys([*([guess.output] if guess.classes else []), *agreement]))
     return list(dict.fromkeys([*a.class_outputs, *agreement]))
+
+
+_SAID: set[str] = set()  # the guesses' lines already logged in this process
 
 
 def check_output_names(budget: AccuracyBudget | None, class_outputs: list[str] | None,

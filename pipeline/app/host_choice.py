@@ -43,7 +43,8 @@ def recheck_here(cfg: DictConfig, float_path: Path, shipped: dict[str, tuple[Bac
              if checked_elsewhere(CheckedOn.from_dict(metrics["checked_on"]) if metrics.get("checked_on") else None)}
     if not stale:
         return {}
-    holdout = Holdout.from_config(cfg, input_specs(load_model(float_path, check=False)))
+    float_model = load_model(float_path, check=False)
+    holdout = Holdout.from_config(cfg, input_specs(float_model), model=float_model)
     with compute_backend(cfg).prepare(float_path) as pm:
         holdout.set_reference(pm)
     budget = AccuracyBudget.from_config(cfg)

@@ -143,7 +143,8 @@ class AutotuneStage(Stage):
         # verdict on few samples (quantize's recovery margin would leave the PTQ model no room)
         budget = AccuracyBudget.from_config(cfg)
         # quantize warned already when the holdout is small
-        holdout = Holdout.from_config(cfg, input_specs(model), warn="quantize/calibration.json" not in inputs)
+        holdout = Holdout.from_config(cfg, input_specs(model), warn="quantize/calibration.json" not in inputs,
+                                      model=model)
         backend, baseline = float_baseline(backend, baseline_path, holdout, budget, out / "float_baseline.json")
         log.info("autotune: every candidate is held to the accuracy budget (%s) on %d samples of %s",
                  budget.describe(), holdout.samples, holdout.source)

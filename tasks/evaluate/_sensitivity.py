@@ -66,7 +66,7 @@ def analyse(cfg: Any, float_model: onnx.ModelProto, shipped: ShippedModel, batch
                  len(nodes), len(every))
     budget = AccuracyBudget.from_config(cfg)
     metric = CustomMetric.from_config(cfg)
-    judge = _Judge(float_model, batches, budget, metric, class_outputs(cfg))
+    judge = _Judge(float_model, batches, budget, metric, class_outputs(cfg, float_model))
     rows = []
     with work_bar(len(nodes), "evaluate: sensitivity", unit="node") as bar:
         for name in nodes:

@@ -155,7 +155,7 @@ class EvaluateStage(Stage):
         try:
             for c in evaluated:
                 prepared[c.key] = self._prepare(runs_on.of(c.key), c)
-            scores, batches = self._score(ctx, backend, evaluated, specs, max_batches, prepared)
+            scores, batches = self._score(ctx, backend, evaluated, specs, max_batches, prepared, float_model)
             fidelity = self._fidelity(ctx, backend, evaluated, specs, prepared)
             if settings is not None and ecfg.latency and "autotuned" in prepared:
                 # float with the same settings: so a runtime win is not read as a quantization win
@@ -255,16 +255,18 @@ class EvaluateStage(Stage):
 
     # ------------------------------------------------------------------ accuracy and agreement
     def _score(self, ctx: StageContext, backend: Backend, evaluated: list[EvaluatedModel], specs: list[InputSpec],
-               max_batches: int | None, prepared: dict[str, PreparedModel]) -> tuple[dict[str, ModelScores], int]:
+               max_batches: int | None, prepared: dict[str, PreparedModel], float_model: onnx.ModelProto
+               ) -> tuple[dict[str, ModelScores], int]:
         """One pass over the evaluation data; every model runs each batch, so nothing is stored.
-        ``prepared`` holds every model, prepared by the caller (who also closes them)."""
+        ``prepared`` holds every model, prepared by the caller (who also closes them); ``float_model``'s
+        outputs are the ones the class-score guess reads."""
         from pipeline.accuracy.budget import AccuracyBudget
         from pipeline.accuracy.holdout import check_output_names, class_outputs
 
         provider = DataProvider(ctx.cfg, specs)
         top_k = int(ctx.cfg.evaluate.top_k)
         names = list(getattr(prepared["float"], "output_names", None) or [])
-        classes = class_outputs(ctx.cfg)
+        classes = class_outputs(ctx.cfg, float_model)
         check_output_names(AccuracyBudget.from_config(ctx.cfg), classes, names)
         # evaluate's verdicts are on the values over its data: no per-sample values kept
         scores = {c.key: ModelScores(top_k=top_k, output_names=names, class_outputs=classes, keep_samples=False)

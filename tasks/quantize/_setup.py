@@ -66,7 +66,7 @@ class QuantizeSetup:
         check_weights_fit(model, memory_limit_bytes(q.calibration.max_memory_gb), "quantize.calibration.max_memory_gb")
         specs = input_specs(model)
         provider = DataProvider(cfg, specs)
-        holdout = Holdout.from_config(cfg, specs)
+        holdout = Holdout.from_config(cfg, specs, model=model)
         n_batches = total = holdout.split.calibration_batches  # never the held-out ones
         backend = compute_backend(cfg)
         kind = placement_kind(cfg)
