@@ -15,7 +15,8 @@ each kind's verdict. ``host_warning`` compares a host with it where the model is
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -25,10 +26,12 @@ from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict
 from pipeline.accuracy.holdout import Holdout
 from pipeline.artifacts import Manifest
 from pipeline.backends.base import Backend
+from pipeline.errors import first_line
 from pipeline.graph.model import load_model, save_model
 from pipeline.quant.cpu import KINDS, CpuFacts, cpu_facts, target_kinds
 from pipeline.quant.placement import PLACEMENTS
 from pipeline.quant.saturation import saturating_twin
+from pipeline.runtime_choice import CHOICE
 from pipeline.stage import MODEL_KEYS
 
 log = logging.getLogger("tune.accuracy")
@@ -90,17 +93,7 @@ def kind_verdicts(backend: Backend, model: Path, holdout: Holdout, budget: Accur
 
     def saturating() -> tuple[str, AccuracyVerdict | None, str]:
         if "saturating" not in judged:
-            twin, report = saturating_twin(load_model(model, check=False), placement.pair_order)
-            if not report.can_saturate:
-                how, verdict, _ = exact()
-                judged["saturating"] = (how, verdict, "no layer's pair sums can leave int16")
-            else:
-                path = save_model(twin, model.with_name(f".{model.stem}.saturating_twin.onnx"))
-                try:
-                    verdict = _judge_reference(backend, path, holdout, budget)
-                finally:
-                    path.unlink(missing_ok=True)
-                judged["saturating"] = (SATURATION, verdict, f"{len(report.corrected)} layer(s) can saturate")
+            judged["saturating"] = _judge_twin(backend, model, holdout, budget, placement.pair_order, exact)
         return judged["saturating"]
 
     out = []
@@ -117,6 +110,29 @@ def kind_verdicts(backend: Backend, model: Path, holdout: Holdout, budget: Accur
     return out
 
 
+def _judge_twin(backend: Backend, model: Path, holdout: Holdout, budget: AccuracyBudget, pairing: str,
+                exact: Callable[[], tuple[str, AccuracyVerdict | None, str]]
+                ) -> tuple[str, AccuracyVerdict | None, str]:
+    """(how, verdict, note) on a kind whose u8 x s8 kernels saturate: the model's Q/DQ math where no layer
+    can saturate; its saturating twin judged as Q/DQ math where every layer that can is modelled; no
+    verdict where one is not (the twin would compute less than the kernels) or the twin fails to run."""
+    try:
+        twin, report = saturating_twin(load_model(model, check=False), pairing)
+        if report.skipped:
+            name, why = report.skipped[0]
+            return (SATURATION, None, f"not judged: {len(report.skipped)} layer(s) that can saturate are not "
+                                      f"modelled ({name}: {why})")
+        if not report.can_saturate:
+            how, verdict, _ = exact()
+            return how, verdict, "no layer's pair sums can leave int16"
+        with tempfile.TemporaryDirectory(dir=model.parent, prefix=".twin-") as tmp:  # its weights too
+            verdict = _judge_reference(backend, save_model(twin, Path(tmp) / model.name), holdout, budget)
+        return SATURATION, verdict, f"{len(report.corrected)} layer(s) can saturate"
+    except Exception as exc:  # noqa: BLE001 - a twin that fails is a kind not judged, never a failed stage
+        log.warning("accuracy: the saturating twin of %s could not be judged: %s", model.name, first_line(exc))
+        return SATURATION, None, f"not judged: the twin failed ({first_line(exc)})"
+
+
 def _judge_reference(backend: Backend, model: Path, holdout: Holdout, budget: AccuracyBudget) -> AccuracyVerdict | None:
     """``model`` run as plain Q/DQ math (the backend's reference runner) and judged on the holdout."""
     ref = backend.prepare_reference(model)
@@ -129,7 +145,16 @@ def _judge_reference(backend: Backend, model: Path, holdout: Holdout, budget: Ac
 
 
 # the packages whose versions decide what a deployment computes, where installed
-RUNTIME_PACKAGES = ("onnxruntime", "openvino", "tensorrt", "tensorrt-rtx-cu13-bindings")
+RUNTIME_PACKAGES = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-openvino", "onnxruntime-directml", "openvino",
+                    "tensorrt", "tensorrt-cu12", "tensorrt-rtx-cu13-bindings")
+
+
+def runtime_version(versions: Mapping[str, str], runtime: str) -> str | None:
+    """The version of ``runtime``'s package among ``versions`` (a runtime name as `backend=` spells it:
+    its package, or a build of it such as onnxruntime-gpu)."""
+    if runtime in versions:
+        return versions[runtime]
+    return next((v for k, v in versions.items() if k.replace("-", "_").startswith(runtime)), None)
 
 
 def runtime_versions() -> dict[str, str]:
@@ -143,10 +168,11 @@ def runtime_versions() -> dict[str, str]:
     return out
 
 
-def host_key() -> str:
+def host_key(facts: CpuFacts | None = None, versions: Mapping[str, str] | None = None) -> str:
     """This host as the choices it makes are keyed: its CPU kind and the runtime packages' versions, e.g.
     'amx onnxruntime=1.32.0 openvino=2026.4.1'."""
-    return " ".join([cpu_facts().kind or "unknown-cpu", *(f"{k}={v}" for k, v in runtime_versions().items())])
+    versions = runtime_versions() if versions is None else versions
+    return " ".join([(facts or cpu_facts()).kind or "unknown-cpu", *(f"{k}={v}" for k, v in versions.items())])
 
 
 @dataclass(frozen=True)
@@ -163,6 +189,8 @@ class CheckedOn:
     settings: dict[str, Any] | None
     target: tuple[str, ...]
     kinds: list[KindVerdict] = field(default_factory=list)
+    # host_key -> {"ok", "what"}: the shipped model judged on other hosts by `tune-rechoose`
+    hosts: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def verdict(self, kind: str | None) -> KindVerdict | None:
         return next((k for k in self.kinds if k.kind == kind), None)
@@ -174,39 +202,56 @@ class CheckedOn:
     def host_warning(self, facts: CpuFacts | None = None, versions: Mapping[str, str] | None = None,
                      results_dir: str | Path = "RESULTS_DIR") -> str | None:
         """One line naming the risk where this host is not what the deployment was checked on (None where it
-        is): a CPU kind outside the target whose verdict misses the budget or was not reached, or other
-        versions of the runtime's package; with the command that checks this host."""
+        is, or where `tune-rechoose` judged it on this very host and it met the budget): a CPU kind whose
+        verdict misses the budget or was not reached, or another version of the runtime's package; with
+        the command that checks this host."""
         if not self.kinds:  # not a deployment on CPU kernels (TensorRT): no CPU kind to compare
             return None
         facts = facts or cpu_facts()
         versions = runtime_versions() if versions is None else versions
-        fix = f"check and choose again on this host: tune-rechoose {rechoose_dir(results_dir)}"
+        here = self.hosts.get(host_key(facts, versions))
+        if here is not None:
+            return None if here.get("ok") else (
+                f"the deployment MISSES its accuracy budget on this host, judged here ({here.get('what')}); "
+                f"{self._fix(results_dir, None)}")
         kind = facts.kind
-        changed = [f"{k} {v} (checked with {self.versions[k]})" for k, v in versions.items()
-                   if k in self.versions and self.versions[k] != v and k == self.runtime]
+        ours, theirs = runtime_version(versions, self.runtime), runtime_version(self.versions, self.runtime)
         if kind != self.kind:
             v = self.verdict(kind) if kind is not None else None
             if v is None or (v.ok is None and v.how != NO_INT8):
                 return (f"the deployment was checked on {self.kind or 'another CPU'}, not on this "
-                        f"{kind or 'kind of'} CPU ({facts.describe()}): its accuracy here is unknown; {fix}")
+                        f"{kind or 'kind of'} CPU ({facts.describe()}): its accuracy here is unknown; "
+                        f"{self._fix(results_dir, None)}")
             if v.ok is False:
+                made = "one of the kinds it was made for" if kind in self.target else \
+                    f"it was made for {', '.join(self.target) or self.kind}"
                 return (f"the deployment MISSES its accuracy budget on this {kind} CPU ({v.how}: "
-                        f"{v.verdict.what if v.verdict else ''}); it was made for {', '.join(self.target)}: "
-                        f"tune again with target.cpus=[{kind}] (or target=x86), or {fix}")
-        if changed:
-            return f"the deployment was checked with other runtime versions: {'; '.join(changed)}: {fix}"
+                        f"{v.verdict.what if v.verdict else ''}); {made}: {self._fix(results_dir, kind)}")
+        if ours != theirs and ours is not None and theirs is not None:
+            return (f"the deployment was checked with {self.runtime} {theirs}, this host has {ours}: "
+                    f"{self._fix(results_dir, None)}")
         return None
+
+    @staticmethod
+    def _fix(results_dir: str | Path, kind: str | None) -> str:
+        """The commands that make a deployment right here: choose again among what the run tuned where it
+        tuned several runtimes (backend=auto), tune for this kind."""
+        top = rechoose_dir(results_dir)
+        tune = f"tune again with target.cpus=[{kind}] (or target=x86)" if kind else "tune again on this host"
+        if (Path(top) / CHOICE).is_file():
+            return f"{tune}, or check and choose again on this host: tune-rechoose {top}"
+        return tune
 
     def to_dict(self) -> dict[str, Any]:
         return {"cpu": self.cpu, "kind": self.kind, "runtime": self.runtime, "versions": dict(self.versions),
                 "precision": self.precision, "settings": self.settings, "target": list(self.target),
-                "kinds": [k.to_dict() for k in self.kinds]}
+                "kinds": [k.to_dict() for k in self.kinds], "hosts": dict(self.hosts)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> CheckedOn:
         return cls(str(d.get("cpu", "")), d.get("kind"), str(d.get("runtime", "")), dict(d.get("versions") or {}),
                    str(d.get("precision", "")), d.get("settings"), tuple(d.get("target") or ()),
-                   [KindVerdict.from_dict(k) for k in d.get("kinds") or ()])
+                   [KindVerdict.from_dict(k) for k in d.get("kinds") or ()], dict(d.get("hosts") or {}))
 
 
 def rechoose_dir(results_dir: str | Path) -> str | Path:

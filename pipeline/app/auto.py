@@ -30,7 +30,7 @@ from omegaconf import DictConfig, open_dict
 
 from pipeline.accuracy.evaluation import EvaluateMetrics, FloatBaseline, runtime_evaluation
 from pipeline.accuracy.kinds import checked_on, float_kinds, host_key
-from pipeline.app.host_choice import HOST_CHOICES, recheck_here, remember
+from pipeline.app.host_choice import HOST_CHOICES, judged_hosts, recheck_here, remember
 from pipeline.app.scope import run_scope
 from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
 from pipeline.backends import Backend, auto_runtimes, create_backend
@@ -242,7 +242,8 @@ def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[s
         if kept.key == key:
             log.info("auto: %s (kept: nothing it compared changed)", kept.headline)
             return kept
-    misses = recheck_here(runs[0].cfg, float_path, shipped)  # models checked on another host, judged here
+    judged = recheck_here(runs[0].cfg, float_path, shipped)  # models checked on another host, judged here
+    misses = {name: f"misses the accuracy budget on this host ({v.what})" for name, v in judged.items() if not v.ok}
     reference = reference_float(runs)
     compare = Comparison()
     ref_slot = compare.slot(reference, float_path)
@@ -257,7 +258,9 @@ def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[s
     timed = [TimedRuntime(timings[f], timings[s] if r.name not in misses else Timing.failed(r.name, misses[r.name]),
                           f == s, f == ref_slot, ratio_interval(round_ratios(blocks[s], blocks[f])) if f != s else None)
              for r, (f, s) in zip(runs, slots, strict=True)]
-    return decide(key, path, reference, timings[ref_slot], timed, shipped, left_out)
+    choice = decide(key, path, reference, timings[ref_slot], timed, shipped, left_out)
+    remember(top, choice, judged)
+    return choice
 
 
 def float_deployment(run: RuntimeRun, metrics: dict[str, Any]) -> Backend:
@@ -338,7 +341,6 @@ def decide(key: str, path: Path, reference: Backend, ref_t: Timing, timed: list[
                            contenders=contenders)
     choice.headline = headline(choice)
     atomic_write_json(path, choice.to_dict(), indent=1)
-    remember(path.parent.parent, choice)
     log.info("auto: %s", choice.headline)
     return choice
 
@@ -368,7 +370,10 @@ def _publish(top: Path, winner: RuntimeRun, choice: RuntimeChoice | None) -> Non
             metrics = _ship_float(manifest, winner, auto["outputs"], metrics)
         if (top / HOST_CHOICES).exists():
             auto["outputs"][HOST_CHOICES] = manifest.describe_file(top / HOST_CHOICES)
-            metrics = {**metrics, "host_choices": read_json(top / HOST_CHOICES, HOST_CHOICES)}
+            choices = read_json(top / HOST_CHOICES, HOST_CHOICES)
+            metrics = {**metrics, "host_choices": choices}
+            if metrics.get("checked_on") and choice.ships != FLOAT:  # the winner's model as other hosts judged it
+                metrics["checked_on"] = {**metrics["checked_on"], "hosts": judged_hosts(choices, winner.name)}
         auto["metrics"] = {**metrics, "headline": choice.headline, "runtime_choice": choice.to_dict(),
                            "runtime_headline": metrics.get("headline")}
     manifest.save()

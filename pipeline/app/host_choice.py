@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline.accuracy.budget import AccuracyBudget
+from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict
 from pipeline.accuracy.holdout import Holdout
 from pipeline.accuracy.kinds import CheckedOn, host_key, runtime_versions
 from pipeline.artifacts import atomic_write_json, read_json
@@ -35,10 +35,10 @@ def checked_elsewhere(record: CheckedOn | None) -> bool:
 
 
 def recheck_here(cfg: DictConfig, float_path: Path, shipped: dict[str, tuple[Backend, Path, dict[str, Any]]]
-                 ) -> dict[str, str]:
-    """runtime -> why its shipped model misses the accuracy budget on this host, for every runtime in
-    ``shipped`` (backend with its settings, model, autotune metrics) checked on another host; judged on
-    the held-out samples of ``cfg`` (one runtime's config) with this machine's kernels."""
+                 ) -> dict[str, AccuracyVerdict]:
+    """runtime -> its shipped model's verdict on this host, for every runtime in ``shipped`` (backend with
+    its settings, model, autotune metrics) checked on another host; judged on the held-out samples of
+    ``cfg`` (one runtime's config) with this machine's kernels."""
     stale = {name: (backend, model) for name, (backend, model, metrics) in shipped.items()
              if checked_elsewhere(CheckedOn.from_dict(metrics["checked_on"]) if metrics.get("checked_on") else None)}
     if not stale:
@@ -48,24 +48,29 @@ def recheck_here(cfg: DictConfig, float_path: Path, shipped: dict[str, tuple[Bac
     with compute_backend(cfg).prepare(float_path) as pm:
         holdout.set_reference(pm)
     budget = AccuracyBudget.from_config(cfg)
-    misses = {}
+    verdicts = {}
     for name, (backend, model) in stale.items():
         with backend.prepare(model) as pm:
-            verdict = holdout.score(pm, budget)
-        log.info("auto: %s's shipped model on this host (%s): %s", name, cpu_facts().describe(), verdict.what)
-        if not verdict.ok:
-            misses[name] = f"misses the accuracy budget on this host ({verdict.what})"
-    return misses
+            verdicts[name] = holdout.score(pm, budget)
+        log.info("auto: %s's shipped model on this host (%s): %s", name, cpu_facts().describe(), verdicts[name].what)
+    return verdicts
 
 
-def remember(top: Path, choice: Any) -> dict[str, Any]:
-    """Keep ``choice`` (a RuntimeChoice) as this host's in autotune/host_choices.json; every host's choice."""
+def remember(top: Path, choice: Any, judged: dict[str, AccuracyVerdict]) -> dict[str, Any]:
+    """Keep ``choice`` (a RuntimeChoice) as this host's in autotune/host_choices.json, with the verdicts of
+    the runtimes ``judged`` here (``recheck_here``); every host's choice."""
     path = top / HOST_CHOICES
     kept = read_json(path, HOST_CHOICES) if path.exists() else {}
     kept[host_key()] = {"cpu": cpu_facts().describe(), "winner": choice.winner, "ships": choice.ships,
-                        "headline": choice.headline}
+                        "headline": choice.headline,
+                        "judged": {name: {"ok": v.ok, "what": v.what} for name, v in judged.items()}}
     atomic_write_json(path, kept, indent=1)
     return kept
 
 
-__all__ = ["HOST_CHOICES", "checked_elsewhere", "recheck_here", "remember"]
+def judged_hosts(choices: dict[str, Any], runtime: str) -> dict[str, dict[str, Any]]:
+    """host_key -> {"ok", "what"} of ``runtime``'s shipped model on every host that judged it (``remember``)."""
+    return {host: entry["judged"][runtime] for host, entry in choices.items() if runtime in entry.get("judged", {})}
+
+
+__all__ = ["HOST_CHOICES", "checked_elsewhere", "judged_hosts", "recheck_here", "remember"]

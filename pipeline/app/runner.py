@@ -8,6 +8,7 @@ change, so an interrupted run shows which stage was in flight.
 
 from __future__ import annotations
 
+import functools
 import logging
 import platform
 import shutil
@@ -60,16 +61,21 @@ def environment() -> dict[str, Any]:
             packages[name] = version(name)
         except PackageNotFoundError:
             pass
-    gpus: list[str] = []
-    if shutil.which("nvidia-smi"):
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=10)
-            gpus = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
-        except (OSError, subprocess.SubprocessError):
-            pass
     return {"host": socket.gethostname(), "python": platform.python_version(), "packages": packages,
-            "cpu": describe(), "gpus": gpus}
+            "cpu": describe(), "gpus": list(gpus())}
+
+
+@functools.lru_cache(maxsize=1)
+def gpus() -> tuple[str, ...]:
+    """This host's NVIDIA GPUs with their driver versions (none without nvidia-smi)."""
+    if not shutil.which("nvidia-smi"):
+        return ()
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    return tuple(ln.strip() for ln in out.stdout.splitlines() if ln.strip())
 
 
 def _outputs_intact(manifest: Manifest, entry: dict[str, Any]) -> bool:
@@ -82,7 +88,7 @@ def _outputs_intact(manifest: Manifest, entry: dict[str, Any]) -> bool:
 
 def stage_fingerprint(stage: Stage, cfg: DictConfig, inputs: dict[str, Path]) -> str:
     """What a finished stage's outputs depend on: the tool's version, its config sections, its inputs'
-    contents and, for a host-bound stage, the host's CPU kind and runtime versions."""
+    contents and, for a host-bound stage, the host's CPU kind, runtime versions and GPUs."""
     from pipeline.accuracy.kinds import host_key
 
     return fingerprint(
@@ -90,7 +96,7 @@ def stage_fingerprint(stage: Stage, cfg: DictConfig, inputs: dict[str, Path]) ->
             "qdq_tune": _VERSION,
             "config": {k: section(cfg, k) for k in stage.config_keys},
             "inputs": {k: sha256_file(p) for k, p in sorted(inputs.items())},
-            **({"host": host_key()} if stage.host_bound else {}),
+            **({"host": host_key(), "gpus": list(gpus())} if stage.host_bound else {}),
         }
     )
 

@@ -42,11 +42,13 @@ EXACT_WEIGHT_MAX = 63
 
 @dataclass(frozen=True)
 class TwinReport:
-    """What ``saturating_twin`` did: the layers that got a correction, and the layers it left as they
-    are, each with why (their weights cannot saturate, or their kernel is not a u8 x s8 pair kernel)."""
+    """What ``saturating_twin`` did: the layers that got a correction, the layers left as they are
+    because they cannot saturate (``exact``, with why), and the layers that could but are not modelled
+    (``skipped``, with why: the twin then computes less than the kernels do there)."""
 
     corrected: tuple[str, ...]
     exact: tuple[tuple[str, str], ...]
+    skipped: tuple[tuple[str, str], ...] = ()
 
     @property
     def can_saturate(self) -> bool:
@@ -64,12 +66,13 @@ def saturating_twin(model: onnx.ModelProto, pairing: str = "im2col") -> tuple[on
     twin.CopyFrom(model)
     probe = onnx.ModelProto()
     probe.CopyFrom(model)  # shape inference writes into large models (weights on disk stay references)
-    shapes = _shapes(infer_shapes(probe))
+    ranks = _ranks(infer_shapes(probe))
     inits = {t.name: t for t in twin.graph.initializer}
     producer = {o: n for n in twin.graph.node for o in n.output}
     opset = opset_version(twin)
     corrected: list[str] = []
     exact: list[tuple[str, str]] = []
+    skipped: list[tuple[str, str]] = []
     new_nodes: list[onnx.NodeProto] = []
     for node in list(twin.graph.node):
         new_nodes.append(node)
@@ -79,47 +82,88 @@ def saturating_twin(model: onnx.ModelProto, pairing: str = "im2col") -> tuple[on
         if layer is None:
             continue
         name = node.name or node.output[0]
+        if isinstance(layer, str):
+            skipped.append((name, layer))
+            continue
         why = _why_exact(node, layer, pairing)
         if why:
             exact.append((name, why))
             continue
-        extra = _correction(node, layer, shapes, twin.graph, len(corrected), opset, pairing)
-        if extra is None:
-            exact.append((name, "shapes unknown: left as Q/DQ math"))
+        unmodelled = _why_skipped(node, layer, ranks, opset)
+        if unmodelled:
+            skipped.append((name, unmodelled))
             continue
-        new_nodes.extend(extra)
+        new_nodes.extend(_correction(node, layer, ranks[layer.act_q], twin.graph, len(corrected), opset, pairing))
         corrected.append(name)
     del twin.graph.node[:]
     twin.graph.node.extend(new_nodes)
-    return twin, TwinReport(tuple(corrected), tuple(exact))
+    return twin, TwinReport(tuple(corrected), tuple(exact), tuple(skipped))
 
 
 @dataclass(frozen=True)
 class _Layer:
-    act_q: str  # the raw uint8 activation (DequantizeLinear's input)
+    act_q: str  # the raw activation (DequantizeLinear's input)
     act_scale: float
     act_zero: int
+    act_offset: int  # what the kernels add to a raw value to multiply it as uint8: 128 for int8, else 0
     weight: np.ndarray  # raw int8 values, as stored
     weight_scale: np.ndarray  # per output channel (or one)
 
 
 def _layer(node: onnx.NodeProto, producer: dict[str, onnx.NodeProto], inits: dict[str, TensorProto]
-           ) -> _Layer | None:
-    """The quantized operands of a DQ(uint8 act) x DQ(int8 weight) layer, None for any other node."""
+           ) -> _Layer | str | None:
+    """The quantized operands of a DQ(8-bit act) x DQ(int8 weight) layer; why it is not modelled (a str)
+    where it is such a layer in a form the twin does not read; None for any other node. Int8 activations
+    are multiplied as uint8 after adding 128 (MLAS and oneDNN both shift them so, then correct the sums)."""
     if len(node.input) < 2:
         return None
     act, wgt = producer.get(node.input[0]), producer.get(node.input[1])
     if act is None or wgt is None or act.op_type != "DequantizeLinear" or wgt.op_type != "DequantizeLinear":
         return None
-    values = [inits.get(n) for n in (*act.input[1:3], *wgt.input[:3])]
+    stored = inits.get(wgt.input[0])
+    if stored is None or stored.data_type != TensorProto.INT8:
+        return None  # uint8 or float weights: no u8 x s8 kernel
+    values = [inits.get(n) if n else None for n in (*act.input[1:3], *wgt.input[1:3])]
     if len(act.input) < 3 or len(wgt.input) < 3 or any(v is None for v in values):
-        return None
-    a_scale, a_zero, w_q, w_scale, w_zero = (weights.array(v) for v in values)  # weights on disk read there
-    if a_zero.dtype != np.uint8 or w_q.dtype != np.int8 or a_scale.size != 1 or a_zero.size != 1 \
-            or np.any(w_zero != 0):
-        return None
-    return _Layer(act.input[0], float(a_scale.reshape(())), int(a_zero.reshape(())), w_q,
-                  np.asarray(w_scale, dtype=np.float32).reshape(-1))
+        return "a DequantizeLinear without a constant scale and zero point"
+    a_scale, a_zero, w_scale, w_zero = (weights.array(v) for v in values)
+    if a_zero.dtype not in (np.uint8, np.int8) or a_scale.size != 1 or a_zero.size != 1:
+        return "per-channel or non-8-bit activations"
+    if np.any(w_zero != 0):
+        return "weights with a zero point"
+    w_q = weights.array(stored)  # weights on disk are read there
+    attrs = {a.name: helper.get_attribute_value(a) for a in wgt.attribute}
+    if w_scale.size > 1 and (w_q.ndim != (2 if node.op_type != "Conv" else w_q.ndim) or "block_size" in attrs
+                             or int(attrs.get("axis", 1)) != _output_axis(node, w_q)):
+        return "weight scales along another axis than the output channels"
+    return _Layer(act.input[0], float(a_scale.reshape(())), int(a_zero.reshape(())),
+                  128 if a_zero.dtype == np.int8 else 0, w_q, np.asarray(w_scale, dtype=np.float32).reshape(-1))
+
+
+def _output_axis(node: onnx.NodeProto, w: np.ndarray) -> int:
+    """The axis of ``node``'s weight that holds its output channels."""
+    if node.op_type == "Conv":
+        return 0
+    trans = node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute)
+    return 0 if trans else w.ndim - 1
+
+
+def _why_skipped(node: onnx.NodeProto, layer: _Layer, ranks: dict[str, int], opset: int) -> str:
+    """Why a layer that can saturate is not modelled ("" where it is)."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if opset < 11:
+        return f"opset {opset}: the twin's Pad and Clip need opset 11"
+    if layer.act_q not in ranks:
+        return "the rank of its activation is unknown"
+    if node.op_type != "Conv" and layer.weight.ndim != 2:
+        return f"weights of rank {layer.weight.ndim}"
+    if node.op_type == "Conv" and int(attrs.get("group", 1)) != 1:
+        return "a grouped convolution"
+    if node.op_type == "Conv" and attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID", "NOTSET", "VALID"):
+        return "auto_pad SAME"
+    if node.op_type == "Gemm" and int(attrs.get("transA", 0)):
+        return "a Gemm with transA"
+    return ""
 
 
 def _why_exact(node: onnx.NodeProto, layer: _Layer, pairing: str) -> str:
@@ -131,27 +175,24 @@ def _why_exact(node: onnx.NodeProto, layer: _Layer, pairing: str) -> str:
     if node.op_type == "Conv":  # pairs along (position, channel), channels fastest
         w = _conv_weights(w, pairing)
         w = w.reshape(w.shape[0], w.shape[1], -1).transpose(2, 1, 0).reshape(-1, w.shape[0])
+    elif w.ndim != 2:
+        return ""  # weights of another rank: skipped, not judged exact
     elif node.op_type == "Gemm" and int(attrs.get("transB", 0)):
         w = w.T
     if len(w) % 2:
         w = np.concatenate([w, np.zeros((1, w.shape[1]), np.float32)])
     if not _saturable(w[0::2], w[1::2]).any():
         return "no pair of its weights can leave int16"
-    if node.op_type == "Conv" and int(attrs.get("group", 1)) != 1:
-        return "grouped convolution: its kernel widens to int16 before multiplying"
-    if node.op_type == "Conv" and attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID", "NOTSET", "VALID"):
-        return "auto_pad SAME: left as Q/DQ math"
-    if node.op_type == "Gemm" and int(attrs.get("transA", 0)):
-        return "Gemm with transA: left as Q/DQ math"
     return ""
 
 
-def _shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
+def _ranks(model: onnx.ModelProto) -> dict[str, int]:
+    """The rank of every tensor shape inference knows (dims may be symbolic: only the rank is read)."""
     out = {}
     for vi in (*model.graph.value_info, *model.graph.input, *model.graph.output):
-        dims = [d.dim_value if d.HasField("dim_value") else -1 for d in vi.type.tensor_type.shape.dim]
-        if dims and all(d > 0 for d in dims):
-            out[vi.name] = dims
+        t = vi.type.tensor_type
+        if t.HasField("shape"):
+            out[vi.name] = len(t.shape.dim)
     return out
 
 
@@ -187,25 +228,23 @@ def _conv_weights(w: np.ndarray, pairing: str) -> np.ndarray:
     return w
 
 
-def _correction(node: onnx.NodeProto, layer: _Layer, shapes: dict[str, list[int]], graph: onnx.GraphProto,
-                index: int, opset: int, pairing: str) -> list[onnx.NodeProto] | None:
-    """Nodes that add the saturation error to ``node``'s output (renamed), None where shapes are unknown."""
-    act_shape, out_shape = shapes.get(layer.act_q), shapes.get(node.output[0])
-    if act_shape is None or out_shape is None:
-        return None
+def _correction(node: onnx.NodeProto, layer: _Layer, rank: int, graph: onnx.GraphProto, index: int, opset: int,
+                pairing: str) -> list[onnx.NodeProto]:
+    """Nodes that add the saturation error to ``node``'s output (renamed); ``rank``: its activation's."""
     b = _Builder(graph, index, opset)
     raw = b.op("Cast", [layer.act_q], "act", to=TensorProto.FLOAT)
+    if layer.act_offset:  # int8 activations, multiplied as uint8
+        raw = b.op("Add", [raw, b.const("act_offset", np.asarray(float(layer.act_offset), np.float32))], "act_u8")
+    scale = (layer.act_scale * layer.weight_scale).astype(np.float32)
     if node.op_type == "Conv":
-        error = _conv_error(b, node, layer, raw, act_shape, out_shape, pairing)
-        scale = (layer.act_scale * layer.weight_scale).astype(np.float32)
-        scale = scale.reshape(1, -1, *([1] * (len(out_shape) - 2))) if scale.size > 1 else scale.reshape(())
+        error = _conv_error(b, node, layer, raw, rank, pairing)
+        scale = scale.reshape(1, -1, *([1] * (rank - 2))) if scale.size > 1 else scale.reshape(())
     else:
         weight = layer.weight.astype(np.float32)
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == "Gemm" and int(attrs.get("transB", 0)):
             weight = weight.T
-        error = _matmul_error(b, raw, weight, act_shape, out_shape)
-        scale = (layer.act_scale * layer.weight_scale).astype(np.float32)
+        error = _matmul_error(b, raw, weight, rank)
         scale = scale.reshape(()) if scale.size == 1 else scale
         if node.op_type == "Gemm":
             scale = scale * np.float32(attrs.get("alpha", 1.0))
@@ -231,11 +270,12 @@ def _saturable(first: np.ndarray, second: np.ndarray) -> np.ndarray:
     return (255 * pos > INT16_MAX) | (255 * neg < INT16_MIN)
 
 
-def _matmul_error(b: _Builder, raw: str, weight: np.ndarray, act_shape: list[int], out_shape: list[int]) -> str:
-    """sum_p (clip16(s_p) - s_p) of act [..., M, K] x weight [K, N], pairs (2p, 2p+1) along K. Only the
-    (pair, column) sums that can leave int16 are computed where they are few (a [K, S] selection of their
-    two weights each, then their errors summed per column by an [S, N] 0/1 matrix); else every pair at once
-    as a [..., M, P, 1, 2] x [P, 2, N] batched product (two products per sum, exact in float32)."""
+def _matmul_error(b: _Builder, raw: str, weight: np.ndarray, rank: int) -> str:
+    """sum_p (clip16(s_p) - s_p) of act [..., M, K] (of ``rank``) x weight [K, N], pairs (2p, 2p+1) along K.
+    Only the (pair, column) sums that can leave int16 are computed where they are few (a [K, S] selection
+    of their two weights each, then their errors summed per column by an [S, N] 0/1 matrix); else every
+    pair at once as a [..., M, P, 1, 2] x [P, 2, N] batched product (two products per sum, exact in float32).
+    Reshapes copy the leading dims (0), so symbolic dims are fine."""
     k, n = weight.shape
     if k % 2:
         weight = np.concatenate([weight, np.zeros((1, n), np.float32)])
@@ -250,18 +290,17 @@ def _matmul_error(b: _Builder, raw: str, weight: np.ndarray, act_shape: list[int
         scatter[np.arange(len(rows)), cols] = 1.0
         return b.op("MatMul", [_pair_error(b, sums), b.const("pair_scatter", scatter)], "error_out")
     if k % 2:
-        zeros = [0] * len(act_shape)
+        zeros = [0] * rank
         raw = b.op("Pad", [raw, b.const("pads", np.asarray(zeros[:-1] + [0] + zeros[:-1] + [1], np.int64))],
                    "act_even")
-    lead = act_shape[:-1]
+    lead = [0] * (rank - 1)
     act = b.op("Reshape", [raw, b.const("act_pairs_shape", np.asarray([*lead, pairs, 1, 2], np.int64))], "act_pairs")
     sums = b.op("MatMul", [act, b.const("weight_pairs", weight.reshape(pairs, 2, n))], "pair_sums")
-    error = b.reduce_sum(_pair_error(b, sums), -3, "error")
-    return b.op("Reshape", [error, b.const("out_shape", np.asarray(out_shape, np.int64))], "error_out")
+    error = b.reduce_sum(_pair_error(b, sums), -3, "error")  # [..., M, 1, N]
+    return b.op("Reshape", [error, b.const("out_shape", np.asarray([*lead, n], np.int64))], "error_out")
 
 
-def _conv_error(b: _Builder, node: onnx.NodeProto, layer: _Layer, raw: str, act_shape: list[int],
-                out_shape: list[int], pairing: str) -> str:
+def _conv_error(b: _Builder, node: onnx.NodeProto, layer: _Layer, raw: str, rank: int, pairing: str) -> str:
     """sum over pairs of (clip16(s) - s) for a group-1 Conv, on the activation padded with its zero point
     as the kernel pads it. The reduction runs over (kernel position, channel) with channels fastest (the
     channels-last im2col order), in pairs: a convolution whose kernels each hold one pair's two weights
@@ -270,13 +309,13 @@ def _conv_error(b: _Builder, node: onnx.NodeProto, layer: _Layer, raw: str, act_
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     weight = _conv_weights(layer.weight.astype(np.float32), pairing)
     kernels, group, owner = _pair_kernels(weight)
-    rank = len(act_shape)
     pads = list(attrs.get("pads", [0] * (2 * (rank - 2))))
     extra = weight.shape[1] - layer.weight.shape[1]  # a channel the kernels add (its weights are zero)
     if any(pads) or extra:
         begin, end = [0, 0, *pads[:rank - 2]], [0, extra, *pads[rank - 2:]]
         raw = b.op("Pad", [raw, b.const("pads", np.asarray(begin + end, np.int64)),
-                           b.const("pad_value", np.asarray(float(layer.act_zero), np.float32))], "act_padded")
+                           b.const("pad_value", np.asarray(float(layer.act_zero + layer.act_offset), np.float32))],
+                   "act_padded")
     conv_attrs = {k: v for k, v in attrs.items() if k in ("strides", "dilations")}
     sums = b.op("Conv", [raw, b.const("pair_kernels", kernels)], "pair_sums", group=group, **conv_attrs)
     scatter = np.zeros((layer.weight.shape[0], len(owner), *([1] * (rank - 2))), np.float32)

@@ -208,6 +208,9 @@ def test_rechoose_on_another_host_ships_the_runtime_that_wins_there(residual_mod
     assert stages["autotune"]["outputs"]["autotune/optimized_final.onnx"]["path"].startswith("runtimes/onnxruntime/")
     assert (rd / "gen_trt_engine" / "model.ort.onnx").exists() and stages["gen_trt_engine"]["status"] == "done"
     assert stages["evaluate"]["metrics"]["headline"].startswith("on onnxruntime: ships ")
+    from pipeline.api import host_warning
+
+    assert host_warning(rd) is None  # judged here by tune-rechoose, and it met the budget
     again = tune(args)  # the same host: everything up to date, the new choice stands
     assert set(again.stages.values()) == {"skipped"} and again.runtime == "onnxruntime"
     session = again.load()

@@ -55,7 +55,8 @@ def test_loading_on_a_kind_where_the_deployment_misses_its_budget_says_so_in_one
     lines = [r.getMessage() for r in caplog.records if r.name == "tune.deploy"]
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert f"MISSES its accuracy budget on this {other} CPU" in lines[0] and "top-1 drop 40.00 points" in lines[0]
-    assert f"target.cpus=[{other}]" in lines[0] and f"tune-rechoose {rd}" in lines[0]
+    # one runtime was tuned: nothing to choose among, the fix is tuning for this kind
+    assert f"tune again with target.cpus=[{other}]" in lines[0] and "tune-rechoose" not in lines[0]
     entry["verdict"] = None  # a kind no verdict was reached for
     entry["how"] = "accuracy budget off"
     (rd / "manifest.json").write_text(json.dumps(manifest))

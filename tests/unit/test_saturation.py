@@ -231,3 +231,36 @@ def test_onednn_pairs_a_one_channel_conv_within_each_position():
                                rtol=1e-5)
     with pytest.raises(ValueError, match="pairing"):
         saturating_twin(model, "rows")
+
+
+def test_symbolic_dims_int8_activations_and_unmodelled_layers():
+    """A batch dim the model leaves open is modelled (only ranks are read); int8 activations are multiplied
+    as uint8 after adding 128, as MLAS and oneDNN do (checked against both under qemu: tests/e2e); a layer
+    the twin cannot model is listed as skipped, never passed as exact."""
+    rng = np.random.default_rng(5)
+    w = _big_weights(rng, (16, 6))
+    ws = rng.uniform(0.001, 0.01, 6).astype(np.float32)
+    model = _layer_model("MatMul", [2, 16], w, ws)
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "N"
+    twin, report = saturating_twin(model)
+    x = rng.integers(150, 256, (3, 16)).astype(np.uint8)  # a batch the model does not fix
+    err = _pair_error(x.astype(np.int64), w.astype(np.int64))
+    np.testing.assert_allclose(_run(twin, x) - _run(model, x), A_SCALE * ws * err, rtol=1e-5, atol=1e-5)
+
+    signed = _layer_model("MatMul", [2, 16], w, ws)
+    signed.graph.input[0].type.tensor_type.elem_type = TensorProto.INT8
+    zero = next(i for i in signed.graph.initializer if i.name == "xz")
+    zero.CopyFrom(numpy_helper.from_array(np.asarray(0, np.int8), "xz"))
+    xs = rng.integers(60, 128, (2, 16)).astype(np.int8)
+    twin, report = saturating_twin(signed)
+    assert report.corrected == ("layer",)
+    err = _pair_error(xs.astype(np.int64) + 128, w.astype(np.int64))
+    np.testing.assert_allclose(_run(twin, xs) - _run(signed, xs), A_SCALE * ws * err, rtol=1e-5, atol=1e-5)
+
+    batched = _layer_model("MatMul", [2, 4, 16], _big_weights(rng, (2, 16, 6)), np.asarray([0.01], np.float32))
+    _, report = saturating_twin(batched)  # [B, K, N] weights: not read, and said so
+    assert not report.corrected and report.skipped and "rank 3" in report.skipped[0][1]
+    old = _layer_model("MatMul", [2, 16], w, ws)
+    old.opset_import[0].version = 10
+    _, report = saturating_twin(old)
+    assert report.skipped and "opset 10" in report.skipped[0][1]
