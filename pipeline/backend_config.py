@@ -215,6 +215,11 @@ class AutoBackendConfig(BackendConfig):
 
     name: BackendName = BackendName.auto
     runtimes: list[str] = field(default_factory=lambda: ["onnxruntime", "openvino"])
+    # tune every runtime to the end: no runtime is dropped when it falls out of the leader's reach after PTQ
+    # (pipeline.app.race)
+    tune_all: bool = False
+    # compare only the runtimes tuned before, tuning nothing (tune-rechoose sets it)
+    tuned_only: bool = False
     onnxruntime: OnnxRuntimeBackendConfig = field(default_factory=OnnxRuntimeBackendConfig)
     openvino: OpenVinoBackendConfig = field(default_factory=OpenVinoBackendConfig)
     tensorrt: TensorRTBackendConfig = field(default_factory=TensorRTBackendConfig)

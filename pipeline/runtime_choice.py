@@ -139,6 +139,7 @@ class RuntimeChoice:
     # every deployment that could ship, in rank order (``Contender.rank``; the first ships); files from before
     # it hold none
     contenders: list[Contender] = field(default_factory=list)
+    race: str = ""  # the race after PTQ in one line, where one ran (pipeline.app.race)
 
     @property
     def ships(self) -> str:

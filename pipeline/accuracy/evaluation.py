@@ -352,6 +352,7 @@ class RuntimesTable:
     winner: str
     rows: list[RuntimeTableRow]
     left_out: dict[str, str] = field(default_factory=dict)
+    race: str = ""  # the race after PTQ in one line, where one ran (pipeline.app.race)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "rows": [r.to_dict() for r in self.rows]}

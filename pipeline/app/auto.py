@@ -30,7 +30,10 @@ from omegaconf import DictConfig, open_dict
 
 from pipeline.accuracy.evaluation import EvaluateMetrics, FloatBaseline, runtime_evaluation
 from pipeline.accuracy.kinds import checked_on, float_kinds, host_key
+from pipeline.app.comparison import Comparison
 from pipeline.app.host_choice import HOST_CHOICES, judged_hosts, recheck_here, remember
+from pipeline.app.race import RACE, race_line, run_race, still_in_reach
+from pipeline.app.race import describe as describe_race
 from pipeline.app.scope import run_scope
 from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
 from pipeline.backends import Backend, auto_runtimes, create_backend
@@ -73,22 +76,13 @@ def run_auto(cfg: DictConfig, results_dir: Path,
     if not per_runtime and not rest:
         return summary
     runs, left_out = _runnable(cfg, results_dir)
-    outcomes: dict[str, dict[str, Any]] = {}
-    failures: list[PipelineError] = []
+    each = EachRuntime(cfg, results_dir, run_stages, left_out)
     with sharing():  # calibration statistics are collected once, by the first runtime that quantizes
-        for run in list(runs):
-            if not per_runtime:
-                break
-            _share_export(results_dir, run.results_dir)
-            log.info("auto: %s in %s", run.name, run.results_dir)
-            try:
-                with _scope(cfg, run):
-                    outcomes[run.name] = run_stages(run.cfg, [load_stage(s) for s in per_runtime], run.results_dir)
-            except PipelineError as exc:
-                log.warning("auto: %s left out: %s", run.name, first_line(exc))
-                left_out[run.name] = first_line(exc)
-                runs.remove(run)
-                failures.append(exc)
+        if "quantize" in per_runtime:
+            runs = each.run(runs, "quantize")
+        if "autotune" in per_runtime:
+            runs = _tune(cfg, results_dir, runs, each)
+    failures, outcomes = each.failures, each.outcomes
     if not runs and failures:
         raise failures[0]  # every runtime failed: the first one's error (a bad input fails them all alike)
     if not runs:
@@ -112,6 +106,86 @@ def run_auto(cfg: DictConfig, results_dir: Path,
     if rest:
         summary.update(run_stages(winner.cfg, [load_stage(s) for s in rest], results_dir))
     return summary
+
+
+class EachRuntime:
+    """Runs a stage in each runtime's own results_dir: a runtime whose run fails is left out in one line
+    (its error kept), and each runtime's outcome of every stage is kept for the summary."""
+
+    def __init__(self, cfg: DictConfig, top: Path, run_stages: Callable[[DictConfig, list[Stage], Path], dict[str, Any]],
+                 left_out: dict[str, str]):
+        self.cfg, self.top, self.run_stages, self.left_out = cfg, top, run_stages, left_out
+        self.outcomes: dict[str, dict[str, Any]] = {}
+        self.failures: list[PipelineError] = []
+
+    def run(self, runs: list[RuntimeRun], stage: str) -> list[RuntimeRun]:
+        """``stage`` in each of ``runs``, in order; the runs that did not fail."""
+        return [r for r in runs if self.one(r, stage)]
+
+    def one(self, run: RuntimeRun, stage: str) -> bool:
+        """``stage`` in ``run``'s results_dir; whether it ran (else it is left out)."""
+        _share_export(self.top, run.results_dir)
+        log.info("auto: %s %s in %s", run.name, stage, run.results_dir)
+        try:
+            with _scope(self.cfg, run):
+                self.outcomes.setdefault(run.name, {}).update(
+                    self.run_stages(run.cfg, [load_stage(stage)], run.results_dir))
+        except PipelineError as exc:
+            log.warning("auto: %s left out: %s", run.name, first_line(exc))
+            self.left_out[run.name] = first_line(exc)
+            self.failures.append(exc)
+            return False
+        return True
+
+
+def _tune(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: EachRuntime) -> list[RuntimeRun]:
+    """Autotune in each runtime that stays in the race (``pipeline.app.race``): the leader first, then each
+    one still in reach of its tuned latency; every runtime where `backend.tune_all` is set or the race
+    cannot run; under `backend.tuned_only` (tune-rechoose) only the runtimes tuned before. The runtimes that
+    take part in the choice."""
+    if bool(cfg.backend.get("tuned_only", False)):
+        tuned = [r for r in runs if (Manifest(r.results_dir).entry("autotune") or {}).get("status") == "done"]
+        for r in runs:
+            if r not in tuned:
+                each.left_out[r.name] = "never tuned (tune-rechoose tunes nothing)"
+        return [r for r in tuned if each.one(r, "autotune")]  # up to date: skipped, nothing tuned
+    race = None if bool(cfg.backend.get("tune_all", False)) or len(runs) < 2 else \
+        run_race(top, runs, lambda r: float_deployment(r, {}), cfg)
+    if race is None:
+        (top / RACE).unlink(missing_ok=True)  # no race this time: none is reported
+        return each.run(runs, "autotune")
+    log.info("auto: %s", describe_race(race))
+
+    def rank(r: RuntimeRun) -> tuple[bool, float]:  # the leader first, then by their best latency
+        entry = race.entry(r.name)
+        return r.name != race.leader, (entry.best_ms if entry is not None and entry.best_ms is not None else 0.0)
+
+    order = sorted(runs, key=rank)
+    kept: list[RuntimeRun] = []
+    gain = 1.0
+    for run in order:
+        entry = race.entry(run.name)
+        reach, why = (not entry.dropped, entry.why) if entry is not None else (True, "")
+        if reach and kept and run.name != race.leader:
+            reach, why = still_in_reach(race, run.name, gain)
+        if not reach:
+            log.info("auto: %s not tuned: %s", run.name, why)
+            each.left_out[run.name] = f"not tuned: out of reach after PTQ ({why})"
+            continue
+        if each.one(run, "autotune"):
+            kept.append(run)
+            if run.name == race.leader:
+                gain = _tuned_gain(run)
+    return kept
+
+
+def _tuned_gain(run: RuntimeRun) -> float:
+    """How much faster the runtime's shipped deployment ran than the better of its PTQ model and float, in
+    its own autotune's final comparison (1.0 where it did not measure both)."""
+    m = Manifest(run.results_dir).metrics("autotune")
+    best = min((t for t in (m.get("ptq_ms"), m.get("baseline_ms")) if t), default=None)
+    final = m.get("final_ms")
+    return best / final if best and final else 1.0
 
 
 def _scope(cfg: DictConfig, run: RuntimeRun) -> AbstractContextManager[None]:
@@ -258,7 +332,7 @@ def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[s
     timed = [TimedRuntime(timings[f], timings[s] if r.name not in misses else Timing.failed(r.name, misses[r.name]),
                           f == s, f == ref_slot, ratio_interval(round_ratios(blocks[s], blocks[f])) if f != s else None)
              for r, (f, s) in zip(runs, slots, strict=True)]
-    choice = decide(key, path, reference, timings[ref_slot], timed, shipped, left_out)
+    choice = decide(key, path, reference, timings[ref_slot], timed, shipped, left_out, race_line(top))
     remember(top, choice, judged)
     return choice
 
@@ -292,29 +366,9 @@ class TimedRuntime:
     float_interval: tuple[float, float] | None = None
 
 
-class Comparison:
-    """The deployments of the final comparison, each once: the reference float is often a runtime's own
-    float (ONNX Runtime's), and a runtime that ships float ships its float deployment; timed twice, one
-    deployment would read as two speeds (and be held in memory twice)."""
-
-    def __init__(self) -> None:
-        self.pairs: list[tuple[Backend, Path]] = []
-        self._index: dict[str, int] = {}
-        self._digests: dict[Path, str] = {}
-
-    def slot(self, backend: Backend, model: Path) -> int:
-        """The index of (``backend``, ``model``) in ``pairs``, added unless the same deployment is there."""
-        digest = self._digests.setdefault(model, sha256_file(model))
-        key = fingerprint([backend.describe(), backend.settings.to_dict() if backend.settings is not None else None,
-                           digest])
-        if key not in self._index:
-            self._index[key] = len(self.pairs)
-            self.pairs.append((backend, model))
-        return self._index[key]
-
-
 def decide(key: str, path: Path, reference: Backend, ref_t: Timing, timed: list[TimedRuntime],
-            shipped: dict[str, tuple[Backend, Path, dict[str, Any]]], left_out: dict[str, str]) -> RuntimeChoice:
+           shipped: dict[str, tuple[Backend, Path, dict[str, Any]]], left_out: dict[str, str], race: str = ""
+           ) -> RuntimeChoice:
     """The choice from the reference float's timing and each runtime's timings: the fastest of every
     runtime's shipped model and float baseline ships. A float displaces its own runtime's shipped model
     only when clearly faster (``Contender.rank_ms``): that runtime's autotune chose the shipped model over
@@ -338,7 +392,7 @@ def decide(key: str, path: Path, reference: Backend, ref_t: Timing, timed: list[
                             + "; ".join(f"{r.runtime}: {r.error}" for r in rows))
     reference_name = f"{reference.name} {reference.float_precision()} float"
     choice = RuntimeChoice(key, reference_name, ref_t.p10_ms, contenders[0].runtime, rows, dict(left_out),
-                           contenders=contenders)
+                           contenders=contenders, race=race)
     choice.headline = headline(choice)
     atomic_write_json(path, choice.to_dict(), indent=1)
     log.info("auto: %s", choice.headline)
@@ -361,7 +415,7 @@ def _publish(top: Path, winner: RuntimeRun, choice: RuntimeChoice | None) -> Non
     for stage in PER_RUNTIME:
         entry = sub.entry(stage)
         if entry is not None:
-            manifest.stages[stage] = _reroot(entry, winner.results_dir, top)
+            manifest.stages[stage] = {**_reroot(entry, winner.results_dir, top), **_every_runtime_seconds(top, stage)}
     auto = manifest.stages.get("autotune")
     if auto is not None and choice is not None:
         auto["outputs"][CHOICE] = manifest.describe_file(top / CHOICE)
@@ -377,6 +431,17 @@ def _publish(top: Path, winner: RuntimeRun, choice: RuntimeChoice | None) -> Non
         auto["metrics"] = {**metrics, "headline": choice.headline, "runtime_choice": choice.to_dict(),
                            "runtime_headline": metrics.get("headline")}
     manifest.save()
+
+
+def _every_runtime_seconds(top: Path, stage: str) -> dict[str, Any]:
+    """The seconds every runtime's own run spent in ``stage`` (the ones the race dropped too), and their sum:
+    what the top level's entry reports for the whole auto run."""
+    spent = {}
+    for sub in sorted((top / "runtimes").glob("*/manifest.json")):
+        entry = Manifest(sub.parent).entry(stage) or {}
+        if entry.get("seconds") is not None:
+            spent[sub.parent.name] = float(entry["seconds"])
+    return {"seconds": round(sum(spent.values()), 3), "seconds_by_runtime": spent} if spent else {}
 
 
 def _ship_float(manifest: Manifest, winner: RuntimeRun, outputs: dict[str, Any], metrics: dict[str, Any]

@@ -37,8 +37,10 @@ def rechoose_args(results_dir: Path, overrides: list[str]) -> tuple[str | None, 
     hydra = OmegaConf.load(hydra_dir / "hydra.yaml").hydra
     ran = [str(o) for o in OmegaConf.load(hydra_dir / "overrides.yaml")]
     kept = [o for o in ran if o.split("=", 1)[0].lstrip("+~") not in ("results_dir", "stages")]
-    stages_cfg = OmegaConf.load(hydra_dir / "config.yaml").get("stages", []) \
-        if (hydra_dir / "config.yaml").is_file() else []
+    composed = OmegaConf.load(hydra_dir / "config.yaml") if (hydra_dir / "config.yaml").is_file() else OmegaConf.create()
+    stages_cfg = composed.get("stages", [])
+    # backend=auto: the runtimes tuned before are compared, nothing is tuned (the race may have dropped some)
+    auto = ["backend.tuned_only=true"] if str(OmegaConf.select(composed, "backend.name", default="")) == "auto" else []
     stages = [s for s in STAGES if s in [str(x) for x in stages_cfg]]
     if "autotune" not in stages:
         raise InputError(f"{results_dir}: its run has no autotune stage, so there is no deployment to choose "
@@ -49,7 +51,7 @@ def rechoose_args(results_dir: Path, overrides: list[str]) -> tuple[str | None, 
         raise InputError(f"{results_dir} was made from spec files in {config_dir}, which is not on this machine; "
                          f"copy that folder there too")
     return config_dir, str(hydra.job.config_name), [*kept, f"results_dir={results_dir}",
-                                                     f"stages=[{','.join(stages)}]", *overrides]
+                                                     f"stages=[{','.join(stages)}]", *auto, *overrides]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,7 @@ def runtimes_metrics(choice: RuntimeChoice, metrics: EvaluateMetrics) -> Runtime
             fields.update(shipped=f"{best.label} (its {r.shipped} model {r.speedup(ref):.2f}x)",
                           vs_reference=ref / best.p10_ms)
         rows.append(RuntimeTableRow(**fields))
-    return RuntimesTable(choice.reference, ref, choice.winner, rows, dict(choice.left_out))
+    return RuntimesTable(choice.reference, ref, choice.winner, rows, dict(choice.left_out), choice.race)
 
 
 def _cell(models: dict[str, ModelSummary], key: str, fallback: str = "–") -> str:
@@ -69,4 +69,7 @@ def section(metrics: EvaluateMetrics) -> list[str]:
         lines.append(f"| {name} | {r.shipped} | {speed} | {own} | " + " | ".join(cells) + " |")
     for name, why in rt.left_out.items():
         lines.append(f"| {name} | left out | {why} | | | | | |")
+    if rt.race:
+        lines += ["", f"The {rt.race} (a runtime whose PTQ model and float, at best, stay out of the leader's reach "
+                      f"after what autotune can gain is not tuned; `backend.tune_all=true` tunes every runtime)."]
     return lines

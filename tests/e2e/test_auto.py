@@ -16,7 +16,8 @@ SHORT = [f"backend.{r}.{k}={v}" for r in ("onnxruntime", "openvino") for k, v in
 def test_auto_tunes_every_runtime_and_ships_the_fastest(residual_models, tmp_path):
     rd = tmp_path / "r"
     args = ["model=onnx", f"model.onnx_path={residual_models['tiny']}", "data=synthetic", "backend=auto",
-            *QUICK, *SHORT, "autotune.schemes_per_region=2", "evaluate.plot=false", f"results_dir={rd}"]
+            "backend.tune_all=true", *QUICK, *SHORT, "autotune.schemes_per_region=2", "evaluate.plot=false",
+            f"results_dir={rd}"]
     proc = run_tune(args, cwd=tmp_path, check=True)
     choice = json.loads((rd / "autotune" / "runtime_choice.json").read_text())
     rows = {r["runtime"]: r for r in choice["rows"]}
@@ -136,8 +137,8 @@ def test_a_float_faster_than_every_shipped_model_ships_and_the_later_stages_run_
     monkeypatch.setattr(auto, "time_pairs", timed)
     rd = tmp_path / "r"
     args = ["model=onnx", f"model.onnx_path={residual_models['tiny']}", "data=synthetic", "backend=auto",
-            *QUICK, *SHORT, "autotune.schemes_per_region=1", "autotune.runtime.enabled=false", "evaluate.plot=false",
-            "evaluate.max_batches=2", f"results_dir={rd}"]
+            "backend.tune_all=true", *QUICK, *SHORT, "autotune.schemes_per_region=1", "autotune.runtime.enabled=false",
+            "evaluate.plot=false", "evaluate.max_batches=2", f"results_dir={rd}"]
     result = tune(args)
     choice = json.loads((rd / "autotune" / "runtime_choice.json").read_text())
     assert choice["winner"] == "openvino" and choice["contenders"][0]["what"] == "float", choice
@@ -190,8 +191,8 @@ def test_rechoose_on_another_host_ships_the_runtime_that_wins_there(residual_mod
     monkeypatch.setattr(auto, "time_pairs", timed)
     rd = tmp_path / "r"
     args = ["model=onnx", f"model.onnx_path={residual_models['tiny']}", "data=synthetic", "backend=auto",
-            *QUICK, *SHORT, "autotune.schemes_per_region=1", "autotune.runtime.enabled=false", "evaluate.plot=false",
-            "evaluate.max_batches=2", f"results_dir={rd}"]
+            "backend.tune_all=true", *QUICK, *SHORT, "autotune.schemes_per_region=1", "autotune.runtime.enabled=false",
+            "evaluate.plot=false", "evaluate.max_batches=2", f"results_dir={rd}"]
     first = tune(args)
     assert first.runtime == "openvino" and (rd / "gen_trt_engine" / "model.xml").exists()
     here = cpu_facts().kind
@@ -215,3 +216,66 @@ def test_rechoose_on_another_host_ships_the_runtime_that_wins_there(residual_mod
     assert set(again.stages.values()) == {"skipped"} and again.runtime == "onnxruntime"
     session = again.load()
     assert len(session.run(None, fixed_feeds_of(residual_models["tiny"]))) == 1
+
+
+def _fake_timings(ms_of):
+    """A stand-in for time_pairs: each (backend, model) timed at ``ms_of(backend name, model file name)``."""
+    from pipeline.backends.base import Timing
+
+    def timed(pairs, plan, name):
+        times = [ms_of(b.name, Path(m).name) for b, m in pairs]
+        return ([Timing(median_ms=t, p10_ms=t, n=8, backend=name) for t in times],
+                [[[t] for _ in range(plan.rounds)] for t in times])
+    return timed
+
+
+def test_the_race_drops_a_runtime_far_behind_after_ptq_and_keeps_a_close_one(residual_models, tmp_path, monkeypatch):
+    """Timings faked: OpenVINO's PTQ model 2x ONNX Runtime's is dropped before its autotune, named with its
+    figures in the headline, the manifest and the report; at 1.2x it stays in the race and is tuned."""
+    from pipeline.api import tune
+    from pipeline.app import auto, race
+
+    ptq = {"onnxruntime": 1.0, "openvino": 2.0}
+
+    def ms(runtime, model):
+        if model == "model.onnx":
+            return 3.0  # every float
+        return ptq[runtime] if model == "quantized_model.onnx" else ptq[runtime] * 0.95  # a tuned model
+
+    monkeypatch.setattr(race, "time_pairs", _fake_timings(ms))
+    monkeypatch.setattr(auto, "time_pairs", _fake_timings(ms))
+    rd = tmp_path / "far"
+    args = ["model=onnx", f"model.onnx_path={residual_models['tiny']}", "data=synthetic", "backend=auto", *QUICK,
+            *SHORT, "autotune.schemes_per_region=1", "autotune.runtime.enabled=false", "evaluate.plot=false",
+            "evaluate.max_batches=2", f"results_dir={rd}"]
+    result = tune(args)
+    assert result.runtime == "onnxruntime"
+    sub = json.loads((rd / "runtimes" / "openvino" / "manifest.json").read_text())["stages"]
+    assert sub["quantize"]["status"] == "done" and "autotune" not in sub  # dropped before its autotune
+    choice = json.loads((rd / "autotune" / "runtime_choice.json").read_text())
+    why = choice["left_out"]["openvino"]
+    assert why.startswith("not tuned: out of reach after PTQ (best reachable 1.538 ms") and "onnxruntime's 1.000 ms" in why
+    assert "openvino left out (not tuned: out of reach" in choice["headline"]
+    assert "openvino (PTQ 2.000 ms, float 3.000 ms; dropped" in choice["race"]
+    stages = json.loads((rd / "manifest.json").read_text())["stages"]
+    assert set(stages["quantize"]["seconds_by_runtime"]) == {"onnxruntime", "openvino"}  # every runtime's work
+    assert stages["quantize"]["seconds"] >= max(stages["quantize"]["seconds_by_runtime"].values())
+    report = (rd / "evaluate" / "report.md").read_text()
+    assert "| openvino | left out | not tuned: out of reach after PTQ" in report and "race after PTQ" in report
+    # chosen again on another kind of CPU: nothing is tuned, the runtime the race dropped stays untuned
+    from pipeline.app.rechoose import main as rechoose
+    from pipeline.quant.cpu import PIN_ENV, cpu_facts
+
+    monkeypatch.setenv(PIN_ENV, "avx2" if cpu_facts().kind != "avx2" else "avx2 avx512f avx512bw avx512_vnni amx_int8")
+    assert rechoose([str(rd), "progress=false"]) == 0
+    assert "autotune" not in json.loads((rd / "runtimes" / "openvino" / "manifest.json").read_text())["stages"]
+    again = json.loads((rd / "autotune" / "runtime_choice.json").read_text())
+    assert again["winner"] == "onnxruntime" and again["left_out"]["openvino"].startswith("never tuned")
+    monkeypatch.delenv(PIN_ENV)
+
+    ptq["openvino"] = 1.2  # within reach: 1.2 / 1.3 < 1.03 x 1.0
+    rd = tmp_path / "close"
+    result = tune([*args[:-1], f"results_dir={rd}"])
+    choice = json.loads((rd / "autotune" / "runtime_choice.json").read_text())
+    assert {r["runtime"] for r in choice["rows"]} == {"onnxruntime", "openvino"} and not choice["left_out"]
+    assert "openvino (PTQ 1.200 ms, float 3.000 ms; kept)" in choice["race"]

@@ -135,7 +135,8 @@ def test_statistics_are_collected_once_per_sharing_scope_and_each_caller_gets_it
 
 def test_the_final_comparison_times_each_deployment_once(tmp_path):
     """ONNX Runtime's own float is the reference float: one slot, so one speed (and one session in memory)."""
-    from pipeline.app.auto import Comparison, reference_float
+    from pipeline.app.auto import reference_float
+    from pipeline.app.comparison import Comparison
     from pipeline.backends import create_backend
     from tests import models
 

@@ -1,0 +1,174 @@
+"""backend=auto's race: after every runtime's PTQ, a runtime that cannot come within the tie margin of the
+leader is not tuned.
+
+Tuning every runtime to the end costs the sum of the single runs, though a runtime far behind after PTQ
+cannot catch up: what autotune (Q/DQ placement and runtime settings) gains over the better of a
+runtime's PTQ model and its float is bounded. So once every runtime has quantized, each one's PTQ model
+and float (as deployed) are timed side by side in one interleaved run. A runtime's best reachable
+latency is its best one divided by ``GAIN_BOUND``; it is dropped when that is still more than
+``TIE_MARGIN`` times the leader's current best. The leader is tuned first, then each runtime still in
+reach of the leader's tuned latency (the leader's race latency scaled by the gain its own autotune
+measured), in order. A close race keeps every runtime; `backend.tune_all=true` tunes them all.
+
+The race is kept in autotune/race.json with a key of what it timed (models, settings, host), so a re-run
+with nothing changed does not time again; a dropped runtime is left out of the final choice with the
+figures that dropped it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from pipeline.accuracy.kinds import host_key
+from pipeline.app.comparison import Comparison
+from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
+from pipeline.backends import Backend, create_backend
+from pipeline.backends.base import TimingPlan, time_pairs
+from pipeline.backends.ratios import clear_leader
+
+log = logging.getLogger("tune.auto")
+
+RACE = "autotune/race.json"
+# the most autotune gained over the better of a runtime's PTQ model and its float, with its runtime
+# settings, on the bench models on the CPU kinds measured (docs/measurements/2026-11-28-targets-and-race.md:
+# up to 1.12x), with room above it
+GAIN_BOUND = 1.3
+# latencies within this factor of each other are a tie (auto's pick must be within 3% of the fastest)
+TIE_MARGIN = 1.03
+RACE_RULE = 1  # the version of the rule: a race kept from another rule is run again
+
+
+@dataclass(frozen=True)
+class RaceEntry:
+    """One runtime in the race: its PTQ model's and float's p10 latency, its best reachable latency, and
+    whether it was dropped, with why."""
+
+    runtime: str
+    ptq_ms: float | None
+    float_ms: float | None
+    reachable_ms: float | None
+    dropped: bool = False
+    why: str = ""
+
+    @property
+    def best_ms(self) -> float | None:
+        known = [t for t in (self.ptq_ms, self.float_ms) if t is not None]
+        return min(known) if known else None
+
+
+@dataclass
+class Race:
+    """The race's record (autotune/race.json): what it timed, each runtime's entry, and the order tuned."""
+
+    key: str
+    entries: list[RaceEntry] = field(default_factory=list)
+    leader: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Race:
+        return cls(str(d.get("key", "")), [RaceEntry(**e) for e in d.get("entries", [])], str(d.get("leader", "")))
+
+    def entry(self, runtime: str) -> RaceEntry | None:
+        return next((e for e in self.entries if e.runtime == runtime), None)
+
+
+def reachable(best_ms: float) -> float:
+    """The best latency autotune could reach from ``best_ms`` (the better of PTQ and float)."""
+    return best_ms / GAIN_BOUND
+
+
+def out_of_reach(best_ms: float, leader_ms: float) -> bool:
+    """Whether a runtime whose best is ``best_ms`` cannot come within the tie margin of ``leader_ms``."""
+    return reachable(best_ms) > leader_ms * TIE_MARGIN
+
+
+def run_race(top: Path, runs: list[Any], float_deployment: Callable[[Any], Backend], cfg: DictConfig) -> Race | None:
+    """The race of ``runs`` (auto's RuntimeRun records, each quantized in its own results_dir), timed or
+    kept; None where a runtime has no PTQ model to time (its quantize did not run)."""
+    float_path = Manifest(top).artifact("export/model.onnx")
+    ptq = {r.name: Manifest(r.results_dir).artifact("quantize/quantized_model.onnx") for r in runs}
+    if float_path is None or any(p is None for p in ptq.values()):
+        return None
+    floats = {r.name: float_deployment(r) for r in runs}
+    ptqs = {r.name: create_backend(r.cfg.backend).as_deployed() for r in runs}
+    key = fingerprint({"float": sha256_file(float_path), "rule": RACE_RULE, "host": host_key(),
+                       "gain": GAIN_BOUND, "tie": TIE_MARGIN,
+                       "runtimes": {r.name: [sha256_file(ptq[r.name]), floats[r.name].describe()] for r in runs}})
+    path = top / RACE
+    if path.exists():
+        kept = Race.from_dict(read_json(path, RACE))
+        if kept.key == key and {e.runtime for e in kept.entries} == {r.name for r in runs}:
+            return kept
+    compare = Comparison()
+    slots = {r.name: (compare.slot(floats[r.name], float_path), compare.slot(ptqs[r.name], ptq[r.name])) for r in runs}
+    plan = TimingPlan(rounds=8, runs_per_round=max(2, int(cfg.backend.timing_runs) // 8),
+                      warmup_runs=int(cfg.backend.warmup_runs), until=clear_leader)
+    timings, _ = time_pairs(compare.pairs, plan, name="race")
+    race = decide_race(key, {name: (timings[f].p10_ms if timings[f].ok else None,
+                                    timings[p].p10_ms if timings[p].ok else None) for name, (f, p) in slots.items()})
+    atomic_write_json(path, race.to_dict(), indent=1)
+    return race
+
+
+def decide_race(key: str, measured: dict[str, tuple[float | None, float | None]]) -> Race:
+    """The race from each runtime's (float, PTQ) p10 latencies: the leader is the runtime with the lowest
+    best; every runtime whose best reachable latency is out of the leader's reach is dropped."""
+    entries = []
+    bests = {name: min((t for t in pair if t is not None), default=None) for name, pair in measured.items()}
+    timed = {n: b for n, b in bests.items() if b is not None}
+    if not timed:
+        return Race(key, [RaceEntry(n, p, f, None) for n, (f, p) in measured.items()])
+    leader = min(timed, key=timed.get)
+    lead = timed[leader]
+    for name, (float_ms, ptq_ms) in measured.items():
+        best = bests[name]
+        if best is None:
+            entries.append(RaceEntry(name, ptq_ms, float_ms, None, False, "not timed: kept"))
+            continue
+        dropped = name != leader and out_of_reach(best, lead)
+        why = (f"best reachable {reachable(best):.3f} ms (its best {best:.3f} ms / {GAIN_BOUND}) is over "
+               f"{TIE_MARGIN} x {leader}'s {lead:.3f} ms") if dropped else ""
+        entries.append(RaceEntry(name, ptq_ms, float_ms, reachable(best), dropped, why))
+    return Race(key, entries, leader)
+
+
+def still_in_reach(race: Race, runtime: str, leader_gain: float) -> tuple[bool, str]:
+    """Whether ``runtime`` is still in reach of the leader once the leader's autotune made it ``leader_gain``
+    times faster than its race latency (its own PTQ-to-shipped ratio); why not, where it is not."""
+    lead, entry = race.entry(race.leader), race.entry(runtime)
+    if lead is None or entry is None or lead.best_ms is None or entry.best_ms is None or leader_gain <= 1.0:
+        return True, ""
+    tuned = lead.best_ms / leader_gain
+    if out_of_reach(entry.best_ms, tuned):
+        return False, (f"best reachable {reachable(entry.best_ms):.3f} ms is over {TIE_MARGIN} x {race.leader}'s "
+                       f"tuned {tuned:.3f} ms (its race {lead.best_ms:.3f} ms / its autotune's gain {leader_gain:.2f}x)")
+    return True, ""
+
+
+def race_line(top: Path) -> str:
+    """The race ``top``'s run kept (autotune/race.json) in one line, "" where none ran."""
+    path = top / RACE
+    return describe(Race.from_dict(read_json(path, RACE))) if path.exists() else ""
+
+
+def describe(race: Race) -> str:
+    """One line: each runtime's race figures, the dropped ones with why."""
+    parts = []
+    for e in race.entries:
+        figures = ", ".join(f"{k} {v:.3f} ms" for k, v in (("PTQ", e.ptq_ms), ("float", e.float_ms)) if v is not None)
+        state = f"dropped: {e.why}" if e.dropped else ("leader" if e.runtime == race.leader else "kept")
+        parts.append(f"{e.runtime} ({figures}; {state})")
+    return "race after PTQ: " + "; ".join(parts)
+
+
+__all__ = ["GAIN_BOUND", "RACE", "TIE_MARGIN", "Race", "RaceEntry", "decide_race", "describe", "out_of_reach",
+           "race_line", "reachable", "run_race", "still_in_reach"]
