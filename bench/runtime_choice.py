@@ -7,8 +7,9 @@ run's shipped model (with its session settings), our OpenVINO run's (with its co
 pick (the winner's model and settings), ONNX Runtime's `quantize_static` u8 on ONNX Runtime, and NNCF's
 `quantize` and `quantize_with_accuracy_control` on OpenVINO (bench/openvino_vs_nncf.py builds them the
 same way). Every model comes from the same float ONNX and calibration feeds. Also printed: the tuning time
-of auto against the sum of the two single-runtime runs, and by how much auto's pick trails (or leads) the
-fastest single-runtime shipped model.
+of auto against each single-runtime run (and the winner's), auto's race after PTQ (the runtimes it did not
+tune, with their figures), and by how much auto's pick trails (or leads) the fastest single-runtime
+shipped model.
 
     pip install -e ".[bench]"      # nncf, tokenizers
     python bench/runtime_choice.py --model digits --model resnet18 --model bert4 --model minilm
@@ -36,6 +37,8 @@ from openvino_vs_nncf import (  # noqa: E402
     ort_u8,
     run_models,
 )
+
+from pipeline.app.race import race_line  # noqa: E402
 
 RUNS = ("onnxruntime", "openvino", "auto")
 SINGLE_ROW = {"onnxruntime": 2, "openvino": 3}  # the row of each single-runtime run's shipped model
@@ -138,7 +141,8 @@ def bench(key: str, root: Path, rounds: int, runs: int) -> list[dict]:
     out.append({"model": key, "row": "auto vs the fastest single-runtime shipped model",
                 "auto_over_best": twin.p10_ms / single, "picked": auto_rt, "same_deployment": same,
                 "identical_rows": timings[4].p10_ms / twin.p10_ms if same else None,
-                "tuning_seconds": {n: round(s, 1) for n, (_, s) in ours.items()}})
+                "tuning_seconds": {n: round(s, 1) for n, (_, s) in ours.items()},
+                "race": race_line(ours["auto"][0])})
     return out
 
 
@@ -156,7 +160,8 @@ def main() -> None:
                     f"a different deployment from backend={r['picked']}'s")
             print(f"| {r['model']} | auto picked {r['picked']}: {r['auto_over_best']:.3f}x the latency of the "
                   f"fastest single-runtime shipped model ({same}); tuned in {t['auto']} s vs {t['onnxruntime']} + "
-                  f"{t['openvino']} s | | | |")
+                  f"{t['openvino']} s ({t['auto'] / t[r['picked']]:.2f}x backend={r['picked']}'s single run); "
+                  f"{r['race'] or 'no race'} | | | |")
         else:
             print(f"| {r['model']} | {r['row']} | | | {r['error']} |")
 
