@@ -174,25 +174,14 @@ def test_rechoose_on_another_host_ships_the_runtime_that_wins_there(residual_mod
     from pipeline.api import tune
     from pipeline.app import auto
     from pipeline.app.rechoose import main as rechoose
-    from pipeline.backends.base import Timing
     from pipeline.quant.cpu import PIN_ENV, cpu_facts
 
     fast = {"runtime": "openvino"}
-
-    def timed(pairs, plan, name):
-        def ms(backend, model):
-            if model.name == "model.onnx":
-                return 2.0  # every float
-            return 0.5 if backend.name == fast["runtime"] else 1.0
-        times = [ms(b, Path(m)) for b, m in pairs]
-        return ([Timing(median_ms=t, p10_ms=t, n=8, backend=name) for t in times],
-                [[[t] for _ in range(plan.rounds)] for t in times])
-
+    timed = _fake_timings(lambda runtime, model: 2.0 if model == "model.onnx" else  # every float
+                          0.5 if runtime == fast["runtime"] else 1.0)
     monkeypatch.setattr(auto, "time_pairs", timed)
     rd = tmp_path / "r"
-    args = ["model=onnx", f"model.onnx_path={residual_models['tiny']}", "data=synthetic", "backend=auto",
-            "backend.tune_all=true", *QUICK, *SHORT, "autotune.schemes_per_region=1", "autotune.runtime.enabled=false",
-            "evaluate.plot=false", "evaluate.max_batches=2", f"results_dir={rd}"]
+    args = [*_faked_auto_args(residual_models, rd), "backend.tune_all=true"]
     first = tune(args)
     assert first.runtime == "openvino" and (rd / "gen_trt_engine" / "model.xml").exists()
     here = cpu_facts().kind
@@ -216,6 +205,14 @@ def test_rechoose_on_another_host_ships_the_runtime_that_wins_there(residual_mod
     assert set(again.stages.values()) == {"skipped"} and again.runtime == "onnxruntime"
     session = again.load()
     assert len(session.run(None, fixed_feeds_of(residual_models["tiny"]))) == 1
+
+
+def _faked_auto_args(residual_models, rd):
+    """A quick backend=auto run of the tiny model whose timings a test fakes (no runtime search, a short
+    evaluation)."""
+    return ["model=onnx", f"model.onnx_path={residual_models['tiny']}", "data=synthetic", "backend=auto", *QUICK,
+            *SHORT, "autotune.schemes_per_region=1", "autotune.runtime.enabled=false", "evaluate.plot=false",
+            "evaluate.max_batches=2", f"results_dir={rd}"]
 
 
 def _fake_timings(ms_of):
@@ -245,9 +242,7 @@ def test_the_race_drops_a_runtime_far_behind_after_ptq_and_keeps_a_close_one(res
     monkeypatch.setattr(race, "time_pairs", _fake_timings(ms))
     monkeypatch.setattr(auto, "time_pairs", _fake_timings(ms))
     rd = tmp_path / "far"
-    args = ["model=onnx", f"model.onnx_path={residual_models['tiny']}", "data=synthetic", "backend=auto", *QUICK,
-            *SHORT, "autotune.schemes_per_region=1", "autotune.runtime.enabled=false", "evaluate.plot=false",
-            "evaluate.max_batches=2", f"results_dir={rd}"]
+    args = _faked_auto_args(residual_models, rd)
     result = tune(args)
     assert result.runtime == "onnxruntime"
     sub = json.loads((rd / "runtimes" / "openvino" / "manifest.json").read_text())["stages"]
@@ -275,7 +270,7 @@ def test_the_race_drops_a_runtime_far_behind_after_ptq_and_keeps_a_close_one(res
 
     ptq["openvino"] = 1.2  # within reach: 1.2 / 1.3 < 1.03 x 1.0
     rd = tmp_path / "close"
-    result = tune([*args[:-1], f"results_dir={rd}"])
+    result = tune(_faked_auto_args(residual_models, rd))
     choice = json.loads((rd / "autotune" / "runtime_choice.json").read_text())
     assert {r["runtime"] for r in choice["rows"]} == {"onnxruntime", "openvino"} and not choice["left_out"]
     assert "openvino (PTQ 1.200 ms, float 3.000 ms; kept)" in choice["race"]
