@@ -76,6 +76,7 @@ def run_auto(cfg: DictConfig, results_dir: Path,
     if not per_runtime and not rest:
         return summary
     runs, left_out = _runnable(cfg, results_dir)
+    runnable = list(runs)  # the reference float is among them, tuned or not
     each = EachRuntime(cfg, results_dir, run_stages, left_out)
     with sharing():  # calibration statistics are collected once, by the first runtime that quantizes
         if "quantize" in per_runtime:
@@ -89,7 +90,7 @@ def run_auto(cfg: DictConfig, results_dir: Path,
         raise BackendUnavailable("backend=auto: no runtime in backend.runtimes could run here: "
                                  + "; ".join(f"{k}: {v}" for k, v in left_out.items()))
     if "autotune" in wanted:
-        choice = _choose(cfg, results_dir, runs, left_out)
+        choice = _choose(cfg, results_dir, runs, left_out, reference_float(runnable))
         winner = next(r for r in runs if r.name == choice.winner)
         if "evaluate" in rest:
             choice = _evaluate_others(cfg, results_dir, runs, choice, run_stages)
@@ -294,9 +295,11 @@ def reference_float(runs: list[RuntimeRun]) -> Backend:
     return backend.fp32_variant() or backend
 
 
-def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[str, str]) -> RuntimeChoice:
+def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[str, str], reference: Backend
+            ) -> RuntimeChoice:
     """The kept choice when nothing it compared changed, else one interleaved run of every runtime's shipped
-    model and float against the reference float."""
+    model and float against the ``reference`` float (``reference_float`` of every runtime that runs here,
+    those the race did not tune included)."""
     float_path = Manifest(top).artifact("export/model.onnx")
     if float_path is None:
         raise StateError(f"backend=auto: no export/model.onnx in {top}: run stage 'export' first")
@@ -308,6 +311,7 @@ def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[s
                             section(r.cfg, "backend"), float_precision(shipped[r.name][2], backend)]
     # the host is part of the key: on another CPU kind or other runtime versions the choice is made again
     key = fingerprint({"float": sha256_file(float_path), "runtimes": compared, "rule": CHOICE_RULE,
+                       "reference": reference.describe(),
                        "timing": [int(cfg.backend.warmup_runs), int(cfg.backend.timing_runs),
                                   float(cfg.backend.get("min_block_ms", MIN_BLOCK_MS))], "host": host_key()})
     path = top / CHOICE
@@ -318,7 +322,6 @@ def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[s
             return kept
     judged = recheck_here(runs[0].cfg, float_path, shipped)  # models checked on another host, judged here
     misses = {name: f"misses the accuracy budget on this host ({v.what})" for name, v in judged.items() if not v.ok}
-    reference = reference_float(runs)
     compare = Comparison()
     ref_slot = compare.slot(reference, float_path)
     slots = [(compare.slot(float_deployment(r, shipped[r.name][2]), float_path),

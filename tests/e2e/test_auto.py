@@ -274,3 +274,10 @@ def test_the_race_drops_a_runtime_far_behind_after_ptq_and_keeps_a_close_one(res
     choice = json.loads((rd / "autotune" / "runtime_choice.json").read_text())
     assert {r["runtime"] for r in choice["rows"]} == {"onnxruntime", "openvino"} and not choice["left_out"]
     assert "openvino (PTQ 1.200 ms, float 3.000 ms; kept)" in choice["race"]
+
+    ptq.update(onnxruntime=2.0, openvino=1.0)  # ONNX Runtime dropped: its FP32 float stays the reference
+    rd = tmp_path / "ort_behind"
+    tune(_faked_auto_args(residual_models, rd))
+    choice = json.loads((rd / "autotune" / "runtime_choice.json").read_text())
+    assert choice["winner"] == "openvino" and "onnxruntime" in choice["left_out"]
+    assert choice["reference"] == "onnxruntime FP32 float"
