@@ -56,10 +56,8 @@ def rel_l2(got: list[list[np.ndarray]], want: list[list[np.ndarray]]) -> float:
 
 
 def bench(key: str, root: Path, count: int, timeout: float) -> list[dict]:
-    import onnx
-
     from pipeline.backends.onnxruntime.session import inference_session, ort_session_options
-    from pipeline.graph.model import load_model
+    from pipeline.graph.model import load_model, save_model
     from pipeline.quant.placement import PLACEMENTS
     from pipeline.quant.saturation import saturating_twin
 
@@ -85,8 +83,7 @@ def bench(key: str, root: Path, count: int, timeout: float) -> list[dict]:
             plain = inference_session(model, ort_session_options("disable", threads=1))
             qdq = [plain.run(None, f) for f in feeds]
             twin, report = saturating_twin(model, PLACEMENTS[runtime].pair_order)
-            twin_path = work / f"{runtime}_{what}_twin.onnx"
-            onnx.save(twin, str(twin_path))
+            twin_path = save_model(twin, work / f"{runtime}_{what}_twin.onnx")  # weights on disk written too
             modelled = [inference_session(twin_path, ort_session_options("disable", threads=1)).run(None, f) for f in feeds]
             out = work / f"{runtime}_{what}.npz"
             native = work / f"{runtime}_{what}_native.npz"

@@ -32,7 +32,7 @@ from pipeline.accuracy.evaluation import EvaluateMetrics, FloatBaseline, runtime
 from pipeline.accuracy.kinds import checked_on, float_kinds, host_key
 from pipeline.app.comparison import Comparison
 from pipeline.app.host_choice import HOST_CHOICES, judged_hosts, recheck_here, remember
-from pipeline.app.race import RACE, race_line, run_race, still_in_reach
+from pipeline.app.race import FLOAT_RACE, RACE, race_line, run_float_race, run_race, still_in_reach
 from pipeline.app.race import describe as describe_race
 from pipeline.app.scope import run_scope
 from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
@@ -80,7 +80,7 @@ def run_auto(cfg: DictConfig, results_dir: Path,
     each = EachRuntime(cfg, results_dir, run_stages, left_out)
     with sharing():  # calibration statistics are collected once, by the first runtime that quantizes
         if "quantize" in per_runtime:
-            runs = each.run(runs, "quantize")
+            runs = each.run(_race_floats(cfg, results_dir, runs, each), "quantize")
         if "autotune" in per_runtime:
             runs = _tune(cfg, results_dir, runs, each)
     failures, outcomes = each.failures, each.outcomes
@@ -139,6 +139,35 @@ class EachRuntime:
         return True
 
 
+def _racing(cfg: DictConfig, runs: list[RuntimeRun]) -> bool:
+    """Whether the runtimes race (``pipeline.app.race``): not where every one is to be tuned
+    (`backend.tune_all`), where only those tuned before are compared (`backend.tuned_only`), or alone."""
+    return not (bool(cfg.backend.get("tune_all", False)) or bool(cfg.backend.get("tuned_only", False))
+                or len(runs) < 2)
+
+
+def _race_floats(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: EachRuntime) -> list[RuntimeRun]:
+    """The runtimes to quantize: those whose float as deployed, over the int8 ceiling, stays in reach of the
+    fastest float (every one where they do not race); the others are left out with the figures."""
+    if bool(cfg.backend.get("tuned_only", False)):  # tune-rechoose: what never quantized is not quantized now
+        done = [r for r in runs if (Manifest(r.results_dir).entry("quantize") or {}).get("status") == "done"]
+        each.left_out.update({r.name: "never quantized (tune-rechoose quantizes nothing)" for r in runs if r not in done})
+        return done
+    race = run_float_race(top, runs, lambda r: float_deployment(r, {}), cfg) if _racing(cfg, runs) else None
+    if race is None:
+        (top / FLOAT_RACE).unlink(missing_ok=True)  # no race this time: none is reported
+        return runs
+    log.info("auto: %s", describe_race(race, "before quantize"))
+    kept = []
+    for run in runs:
+        entry = race.entry(run.name)
+        if entry is not None and entry.dropped:
+            each.left_out[run.name] = f"not quantized: out of reach before quantize ({entry.why})"
+        else:
+            kept.append(run)
+    return kept
+
+
 def _tune(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: EachRuntime) -> list[RuntimeRun]:
     """Autotune in each runtime that stays in the race (``pipeline.app.race``): the leader first, then each
     one still in reach of its tuned latency; every runtime where `backend.tune_all` is set or the race
@@ -150,8 +179,7 @@ def _tune(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: EachRuntime)
             if r not in tuned:
                 each.left_out[r.name] = "never tuned (tune-rechoose tunes nothing)"
         return [r for r in tuned if each.one(r, "autotune")]  # up to date: skipped, nothing tuned
-    race = None if bool(cfg.backend.get("tune_all", False)) or len(runs) < 2 else \
-        run_race(top, runs, lambda r: float_deployment(r, {}), cfg)
+    race = run_race(top, runs, lambda r: float_deployment(r, {}), cfg) if _racing(cfg, runs) else None
     if race is None:
         (top / RACE).unlink(missing_ok=True)  # no race this time: none is reported
         return each.run(runs, "autotune")

@@ -10,9 +10,11 @@ latency is its best one divided by ``GAIN_BOUND``; it is dropped when that is st
 reach of the leader's tuned latency (the leader's race latency scaled by the gain its own autotune
 measured), in order. A close race keeps every runtime; `backend.tune_all=true` tunes them all.
 
-The race is kept in autotune/race.json with a key of what it timed (models, settings, host), so a re-run
-with nothing changed does not time again; a dropped runtime is left out of the final choice with the
-figures that dropped it.
+Before any runtime quantizes, the floats race the same way, against ``INT8_CEILING`` (the most a
+runtime's int8 model ran faster than its own float): a runtime whose float stays out of reach is not
+even quantized. Each race is kept (autotune/float_race.json, autotune/race.json) with a key of what it
+timed (models, settings, host), so a re-run with nothing changed does not time again; a dropped runtime
+is left out of the final choice with the figures that dropped it.
 """
 
 from __future__ import annotations
@@ -35,10 +37,15 @@ from pipeline.backends.ratios import clear_leader
 log = logging.getLogger("tune.auto")
 
 RACE = "autotune/race.json"
+FLOAT_RACE = "autotune/float_race.json"  # the race of the floats, before any runtime quantizes
 # the most autotune gained over the better of a runtime's PTQ model and its float, with its runtime
 # settings, on the bench models on the CPU kinds measured (docs/measurements/2026-11-28-targets-and-race.md:
 # up to 1.12x), with room above it
 GAIN_BOUND = 1.3
+# the most a runtime's int8 model ran faster than its own float, over the bench models and CPU kinds
+# measured (ONNX Runtime's ResNet-18 on AMX: 3.3x; docs/measurements/2026-11-28-targets-and-race.md),
+# with room above it: before quantize, a runtime's float over this is the best its int8 could reach
+INT8_CEILING = 4.0
 # latencies within this factor of each other are a tie (auto's pick must be within 3% of the fastest)
 TIE_MARGIN = 1.03
 RACE_RULE = 1  # the version of the rule: a race kept from another rule is run again
@@ -81,14 +88,15 @@ class Race:
         return next((e for e in self.entries if e.runtime == runtime), None)
 
 
-def reachable(best_ms: float) -> float:
-    """The best latency autotune could reach from ``best_ms`` (the better of PTQ and float)."""
-    return best_ms / GAIN_BOUND
+def reachable(best_ms: float, bound: float = GAIN_BOUND) -> float:
+    """The best latency a runtime could reach from ``best_ms``: the better of its PTQ model and float over
+    what autotune gains at most (``GAIN_BOUND``), or, before quantize, its float over ``INT8_CEILING``."""
+    return best_ms / bound
 
 
-def out_of_reach(best_ms: float, leader_ms: float) -> bool:
+def out_of_reach(best_ms: float, leader_ms: float, bound: float = GAIN_BOUND) -> bool:
     """Whether a runtime whose best is ``best_ms`` cannot come within the tie margin of ``leader_ms``."""
-    return reachable(best_ms) > leader_ms * TIE_MARGIN
+    return reachable(best_ms, bound) > leader_ms * TIE_MARGIN
 
 
 def run_race(top: Path, runs: list[Any], float_deployment: Callable[[Any], Backend], cfg: DictConfig) -> Race | None:
@@ -110,18 +118,49 @@ def run_race(top: Path, runs: list[Any], float_deployment: Callable[[Any], Backe
             return kept
     compare = Comparison()
     slots = {r.name: (compare.slot(floats[r.name], float_path), compare.slot(ptqs[r.name], ptq[r.name])) for r in runs}
-    plan = TimingPlan(rounds=8, runs_per_round=max(2, int(cfg.backend.timing_runs) // 8),
-                      warmup_runs=int(cfg.backend.warmup_runs), until=clear_leader)
-    timings, _ = time_pairs(compare.pairs, plan, name="race")
+    timings, _ = time_pairs(compare.pairs, _plan(cfg), name="race")
     race = decide_race(key, {name: (timings[f].p10_ms if timings[f].ok else None,
                                     timings[p].p10_ms if timings[p].ok else None) for name, (f, p) in slots.items()})
     atomic_write_json(path, race.to_dict(), indent=1)
     return race
 
 
-def decide_race(key: str, measured: dict[str, tuple[float | None, float | None]]) -> Race:
-    """The race from each runtime's (float, PTQ) p10 latencies: the leader is the runtime with the lowest
-    best; every runtime whose best reachable latency is out of the leader's reach is dropped."""
+def run_float_race(top: Path, runs: list[Any], float_deployment: Callable[[Any], Backend], cfg: DictConfig
+                   ) -> Race | None:
+    """The race of ``runs``' floats as deployed, before any of them quantizes (kept in
+    autotune/float_race.json like the race after PTQ): a runtime whose float over ``INT8_CEILING`` stays
+    out of the fastest float's reach is not quantized; None where there is no exported model."""
+    float_path = Manifest(top).artifact("export/model.onnx")
+    if float_path is None:
+        return None
+    floats = {r.name: float_deployment(r) for r in runs}
+    key = fingerprint({"float": sha256_file(float_path), "rule": RACE_RULE, "host": host_key(),
+                       "ceiling": INT8_CEILING, "tie": TIE_MARGIN,
+                       "runtimes": {name: b.describe() for name, b in floats.items()}})
+    path = top / FLOAT_RACE
+    if path.exists():
+        kept = Race.from_dict(read_json(path, FLOAT_RACE))
+        if kept.key == key and {e.runtime for e in kept.entries} == set(floats):
+            return kept
+    compare = Comparison()
+    slots = {name: compare.slot(b, float_path) for name, b in floats.items()}
+    timings, _ = time_pairs(compare.pairs, _plan(cfg), name="race")
+    race = decide_race(key, {n: (timings[i].p10_ms if timings[i].ok else None, None) for n, i in slots.items()},
+                       INT8_CEILING)
+    atomic_write_json(path, race.to_dict(), indent=1)
+    return race
+
+
+def _plan(cfg: DictConfig) -> TimingPlan:
+    """A race's timing: up to 8 rounds, fewer once one deployment is clearly the fastest."""
+    return TimingPlan(rounds=8, runs_per_round=max(2, int(cfg.backend.timing_runs) // 8),
+                      warmup_runs=int(cfg.backend.warmup_runs), until=clear_leader)
+
+
+def decide_race(key: str, measured: dict[str, tuple[float | None, float | None]], bound: float = GAIN_BOUND) -> Race:
+    """The race from each runtime's (float, PTQ) p10 latencies (PTQ None: the race of the floats, before
+    quantize): the leader is the runtime with the lowest best; every runtime whose best reachable latency
+    (its best over ``bound``) is out of the leader's reach is dropped."""
     entries = []
     bests = {name: min((t for t in pair if t is not None), default=None) for name, pair in measured.items()}
     timed = {n: b for n, b in bests.items() if b is not None}
@@ -134,10 +173,11 @@ def decide_race(key: str, measured: dict[str, tuple[float | None, float | None]]
         if best is None:
             entries.append(RaceEntry(name, ptq_ms, float_ms, None, False, "not timed: kept"))
             continue
-        dropped = name != leader and out_of_reach(best, lead)
-        why = (f"best reachable {reachable(best):.3f} ms (its best {best:.3f} ms / {GAIN_BOUND}) is over "
+        dropped = name != leader and out_of_reach(best, lead, bound)
+        what = "its best" if ptq_ms is not None else "its float"
+        why = (f"best reachable {reachable(best, bound):.3f} ms ({what} {best:.3f} ms / {bound}) is over "
                f"{TIE_MARGIN} x {leader}'s {lead:.3f} ms") if dropped else ""
-        entries.append(RaceEntry(name, ptq_ms, float_ms, reachable(best), dropped, why))
+        entries.append(RaceEntry(name, ptq_ms, float_ms, reachable(best, bound), dropped, why))
     return Race(key, entries, leader)
 
 
@@ -155,20 +195,22 @@ def still_in_reach(race: Race, runtime: str, leader_gain: float) -> tuple[bool, 
 
 
 def race_line(top: Path) -> str:
-    """The race ``top``'s run kept (autotune/race.json) in one line, "" where none ran."""
-    path = top / RACE
-    return describe(Race.from_dict(read_json(path, RACE))) if path.exists() else ""
+    """The races ``top``'s run kept (autotune/float_race.json, autotune/race.json) in one line, "" where
+    none ran."""
+    lines = [describe(Race.from_dict(read_json(top / name, name)), when)
+             for name, when in ((FLOAT_RACE, "before quantize"), (RACE, "after PTQ")) if (top / name).exists()]
+    return "; ".join(lines)
 
 
-def describe(race: Race) -> str:
+def describe(race: Race, when: str = "after PTQ") -> str:
     """One line: each runtime's race figures, the dropped ones with why."""
     parts = []
     for e in race.entries:
         figures = ", ".join(f"{k} {v:.3f} ms" for k, v in (("PTQ", e.ptq_ms), ("float", e.float_ms)) if v is not None)
         state = f"dropped: {e.why}" if e.dropped else ("leader" if e.runtime == race.leader else "kept")
         parts.append(f"{e.runtime} ({figures}; {state})")
-    return "race after PTQ: " + "; ".join(parts)
+    return f"race {when}: " + "; ".join(parts)
 
 
-__all__ = ["GAIN_BOUND", "RACE", "TIE_MARGIN", "Race", "RaceEntry", "decide_race", "describe", "out_of_reach",
+__all__ = ["FLOAT_RACE", "GAIN_BOUND", "INT8_CEILING", "RACE", "run_float_race", "TIE_MARGIN", "Race", "RaceEntry", "decide_race", "describe", "out_of_reach",
            "race_line", "reachable", "run_race", "still_in_reach"]

@@ -23,6 +23,15 @@ def test_auto_tunes_every_runtime_and_ships_the_fastest(residual_models, tmp_pat
     rows = {r["runtime"]: r for r in choice["rows"]}
     assert set(rows) == {"onnxruntime", "openvino"} and all(r["p10_ms"] for r in rows.values())
     assert choice["reference"] == "onnxruntime FP32 float"
+
+    floats["onnxruntime"] = 6.0  # its float over 4.0 (the int8 ceiling) stays out of reach of OpenVINO's 1.0
+    floats["openvino"] = 1.0
+    rd = tmp_path / "float_behind"
+    tune(_faked_auto_args(residual_models, rd))
+    assert not (rd / "runtimes" / "onnxruntime" / "quantize").exists()  # not even quantized
+    choice = json.loads((rd / "autotune" / "runtime_choice.json").read_text())
+    assert choice["left_out"]["onnxruntime"].startswith("not quantized: out of reach before quantize")
+    assert "race before quantize: onnxruntime (float 6.000 ms; dropped" in choice["race"]
     # the fastest of every runtime's shipped model and float, where a float not clearly faster than its own
     # runtime's shipped model ranks just behind it (rank_ms): its p10 may still be the lowest
     rank = [c["p10_ms"] if c.get("rank_ms") is None else c["rank_ms"] for c in choice["contenders"]]
@@ -108,7 +117,8 @@ def test_auto_leaves_out_a_runtime_that_cannot_run_here_in_one_line(residual_mod
 def test_auto_without_autotune_quantizes_every_runtime_and_evaluates_the_first(residual_models, tmp_path):
     rd = tmp_path / "r"
     args = ["model=onnx", f"model.onnx_path={residual_models['tiny']}", "data=synthetic", "backend=auto",
-            *QUICK, *SHORT, "stages=[export,quantize,evaluate]", "evaluate.plot=false", f"results_dir={rd}"]
+            "backend.tune_all=true", *QUICK, *SHORT, "stages=[export,quantize,evaluate]", "evaluate.plot=false",
+            f"results_dir={rd}"]
     proc = run_tune(args, cwd=tmp_path, check=True)
     for name in ("onnxruntime", "openvino"):
         assert (rd / "runtimes" / name / "quantize" / "quantized_model.onnx").exists()
@@ -233,10 +243,11 @@ def test_the_race_drops_a_runtime_far_behind_after_ptq_and_keeps_a_close_one(res
     from pipeline.app import auto, race
 
     ptq = {"onnxruntime": 1.0, "openvino": 2.0}
+    floats = {"onnxruntime": 3.0, "openvino": 3.0}
 
     def ms(runtime, model):
         if model == "model.onnx":
-            return 3.0  # every float
+            return floats[runtime]
         return ptq[runtime] if model == "quantized_model.onnx" else ptq[runtime] * 0.95  # a tuned model
 
     monkeypatch.setattr(race, "time_pairs", _fake_timings(ms))
@@ -281,3 +292,12 @@ def test_the_race_drops_a_runtime_far_behind_after_ptq_and_keeps_a_close_one(res
     choice = json.loads((rd / "autotune" / "runtime_choice.json").read_text())
     assert choice["winner"] == "openvino" and "onnxruntime" in choice["left_out"]
     assert choice["reference"] == "onnxruntime FP32 float"
+
+    floats["onnxruntime"] = 6.0  # its float over 4.0 (the int8 ceiling) stays out of reach of OpenVINO's 1.0
+    floats["openvino"] = 1.0
+    rd = tmp_path / "float_behind"
+    tune(_faked_auto_args(residual_models, rd))
+    assert not (rd / "runtimes" / "onnxruntime" / "quantize").exists()  # not even quantized
+    choice = json.loads((rd / "autotune" / "runtime_choice.json").read_text())
+    assert choice["left_out"]["onnxruntime"].startswith("not quantized: out of reach before quantize")
+    assert "race before quantize: onnxruntime (float 6.000 ms; dropped" in choice["race"]

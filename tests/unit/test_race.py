@@ -37,3 +37,15 @@ def test_the_leaders_tuned_latency_puts_a_kept_runtime_out_of_reach():
 def test_an_untimed_runtime_is_kept():
     race = decide_race("k", {"onnxruntime": (3.0, 1.0), "openvino": (None, None)})
     assert not race.entry("openvino").dropped and "not timed" in race.entry("openvino").why
+
+
+def test_before_quantize_a_float_out_of_reach_of_the_int8_ceiling_is_dropped():
+    from pipeline.app.race import INT8_CEILING
+
+    # ONNX Runtime's fp32 float at 5x OpenVINO's bf16 float: even at the int8 ceiling it cannot catch up
+    race = decide_race("k", {"onnxruntime": (27.0, None), "openvino": (5.0, None)}, INT8_CEILING)
+    assert race.leader == "openvino" and race.entry("onnxruntime").dropped
+    assert f"its float 27.000 ms / {INT8_CEILING}" in race.entry("onnxruntime").why
+    assert "race before quantize: onnxruntime (float 27.000 ms; dropped" in describe(race, "before quantize")
+    close = decide_race("k", {"onnxruntime": (1.7, None), "openvino": (0.5, None)}, INT8_CEILING)
+    assert not close.entry("onnxruntime").dropped  # 1.7 / 4 = 0.425, within 1.03 x 0.5
