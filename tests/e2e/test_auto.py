@@ -23,15 +23,6 @@ def test_auto_tunes_every_runtime_and_ships_the_fastest(residual_models, tmp_pat
     rows = {r["runtime"]: r for r in choice["rows"]}
     assert set(rows) == {"onnxruntime", "openvino"} and all(r["p10_ms"] for r in rows.values())
     assert choice["reference"] == "onnxruntime FP32 float"
-
-    floats["onnxruntime"] = 6.0  # its float over 4.0 (the int8 ceiling) stays out of reach of OpenVINO's 1.0
-    floats["openvino"] = 1.0
-    rd = tmp_path / "float_behind"
-    tune(_faked_auto_args(residual_models, rd))
-    assert not (rd / "runtimes" / "onnxruntime" / "quantize").exists()  # not even quantized
-    choice = json.loads((rd / "autotune" / "runtime_choice.json").read_text())
-    assert choice["left_out"]["onnxruntime"].startswith("not quantized: out of reach before quantize")
-    assert "race before quantize: onnxruntime (float 6.000 ms; dropped" in choice["race"]
     # the fastest of every runtime's shipped model and float, where a float not clearly faster than its own
     # runtime's shipped model ranks just behind it (rank_ms): its p10 may still be the lowest
     rank = [c["p10_ms"] if c.get("rank_ms") is None else c["rank_ms"] for c in choice["contenders"]]
