@@ -467,7 +467,8 @@ def time_on_real_feed(backend, paths: list[Path], provider, rounds: int, runs: i
     ``settings``: per model, ONNX Runtime session settings (None: the backend's own)."""
     from contextlib import ExitStack
 
-    from pipeline.backends.base import Timing, compare_prepared, prepared_models
+    from pipeline.backends.base import Timing
+    from pipeline.backends.timing import compare_prepared, prepared_models
 
     feed = next(iter(provider.batches("evaluation", 1))).feeds
     if settings is not None:  # one backend per model, each with its session settings

@@ -182,8 +182,8 @@ def backends() -> dict[str, object]:
 
 
 def bench(key: str, root: Path, rounds: int, runs: int) -> list[dict]:
-    from pipeline.backends.base import compare_prepared
     from pipeline.backends.openvino.settings import CompileSettings
+    from pipeline.backends.timing import compare_prepared
 
     overrides, calib_hold, scored = feeds_for(key, root)
     rd = root / "ours"

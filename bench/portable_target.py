@@ -41,8 +41,8 @@ def kinds_of(rd: Path) -> str:
 
 
 def bench(key: str, root: Path, rounds: int, runs: int, feeds: int, timeout: float) -> list[dict]:
-    from pipeline.backends.base import TimingPlan, pooled, time_interleaved
     from pipeline.backends.ratios import timed_seconds
+    from pipeline.backends.timing import TimingPlan, pooled, time_interleaved
     from pipeline.quant.cpu import cpu_facts
 
     overrides, _, scored = feeds_for(key, root)

@@ -79,8 +79,8 @@ def shipped(rd: Path):
 
 def bench(key: str, root: Path, rounds: int, runs: int) -> list[dict]:
     from pipeline.artifacts import sha256_file
-    from pipeline.backends.base import TimingPlan, pooled, time_interleaved
     from pipeline.backends.ratios import timed_seconds
+    from pipeline.backends.timing import TimingPlan, pooled, time_interleaved
 
     overrides, calib_hold, scored = feeds_for(key, root)
     ours = tuned(key, root, overrides)

@@ -37,9 +37,9 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     from pipeline.backend_config import OnnxRuntimeBackendConfig
-    from pipeline.backends.base import compare_prepared
     from pipeline.backends.onnxruntime import OnnxRuntimeBackend
     from pipeline.backends.onnxruntime.session import SessionSettings
+    from pipeline.backends.timing import compare_prepared
 
     backend = OnnxRuntimeBackend(OmegaConf.structured(OnnxRuntimeBackendConfig(warmup_runs=5, timing_runs=args.runs)))
     rows = []

@@ -69,7 +69,7 @@ def _autotune(overrides: list[str], rd: Path) -> dict:
 def _measure(backend, paths: list[Path], rounds: int, runs: int) -> tuple[list[float], list[list[float]]]:
     """(latency per path, per-round best-run times per path): one interleaved run, identical files
     (by content hash) measured once."""
-    from pipeline.backends.base import TimingPlan, prepared_models, time_interleaved
+    from pipeline.backends.timing import TimingPlan, prepared_models, time_interleaved
     from pipeline.graph.model import model_hash
 
     shas = [model_hash(p) for p in paths]

@@ -37,8 +37,9 @@ from pipeline.app.race import describe as describe_race
 from pipeline.app.scope import run_scope
 from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
 from pipeline.backends import Backend, auto_runtimes, create_backend
-from pipeline.backends.base import MIN_BLOCK_MS, Timing, TimingPlan, time_pairs
+from pipeline.backends.base import Timing
 from pipeline.backends.ratios import clear_leader, ratio_interval, round_ratios
+from pipeline.backends.timing import MIN_BLOCK_MS, TimingPlan, time_pairs
 from pipeline.config import ordered_stages
 from pipeline.errors import BackendUnavailable, PipelineError, StateError, first_line
 from pipeline.quant.shared_stats import sharing

@@ -31,8 +31,8 @@ from pipeline.accuracy.kinds import host_key
 from pipeline.app.comparison import Comparison
 from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
 from pipeline.backends import Backend, create_backend
-from pipeline.backends.base import TimingPlan, time_pairs
 from pipeline.backends.ratios import clear_leader
+from pipeline.backends.timing import TimingPlan, time_pairs
 
 log = logging.getLogger("tune.auto")
 

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from pipeline.app.scope import run_scope
 from pipeline.artifacts import Manifest, ResultsDirLock, fingerprint, sha256_file
-from pipeline.backends.base import MIN_BLOCK_MS
+from pipeline.backends.timing import MIN_BLOCK_MS
 from pipeline.config import ordered_stages, validate
 from pipeline.errors import PipelineError, StageError
 from pipeline.graph import weights

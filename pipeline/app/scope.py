@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from pipeline import progress as bars
-from pipeline.backends import base as timing
+from pipeline.backends import timing
 from pipeline.backends.onnxruntime import session as ort
 from pipeline.data import adapters
 from pipeline.data import live as live_objects

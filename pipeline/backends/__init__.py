@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing, compare_interleaved
+from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing
+from pipeline.backends.timing import compare_interleaved
 from pipeline.errors import ConfigError
 from pipeline.quant.placement import PLACEMENTS, PlacementKind
 from pipeline.registry import import_object

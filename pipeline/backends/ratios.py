@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline.backends.base import TimingPlan
+from pipeline.backends.timing import TimingPlan
 
 # a sequential measurement runs at least this many rounds before its interval may end it
 MIN_ROUNDS = 3

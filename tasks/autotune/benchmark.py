@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from pipeline.backends import Backend, PreparedModel
-from pipeline.backends.base import TimingPlan, prepared_models, time_interleaved
 from pipeline.backends.ratios import MIN_ROUNDS, duel_plan, round_ratios, sequential_verdict
+from pipeline.backends.timing import TimingPlan, prepared_models, time_interleaved
 from pipeline.graph.model import model_hash, write_model_bytes
 from tasks.autotune.crash_guard import CrashGuard
 from tasks.autotune.region.scheme import Measurement

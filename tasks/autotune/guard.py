@@ -193,7 +193,7 @@ def _from_steps(setup: TuneSetup, paths: list[Path], steps: list[PairedStep]
 def _measure_final(setup: TuneSetup, paths: list[Path]) -> tuple[list[Any], list[Any]]:
     """Timings (one interleaved run) and accuracy verdicts of ``paths``; the float baseline and the
     tuned model must both be measurable."""
-    from pipeline.backends.base import compare_prepared
+    from pipeline.backends.timing import compare_prepared
 
     backend = setup.backend
     warmup, timing = setup.runs.warmup_runs, setup.runs.timing_runs

@@ -87,8 +87,8 @@ def fp32_latency_ratio(backend: Backend, fp32: Backend, path: Path) -> tuple[flo
     """(the FP32 float's latency over the default float's: median of per-round ratios, None where
     either failed to run; whether it is clearly below FP32_FASTER), from paired rounds that end once that
     is clear or not, else after 12 rounds, or more while they are cheap (``duel_plan``)."""
-    from pipeline.backends.base import time_interleaved
     from pipeline.backends.ratios import duel_plan, round_ratios, sequential_verdict
+    from pipeline.backends.timing import time_interleaved
 
     with backend.prepare(path) as own, fp32.prepare(path) as full:
         plan = duel_plan(12, max(2, int(backend.timing_runs) // 8), int(backend.warmup_runs), FP32_FASTER)

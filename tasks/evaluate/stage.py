@@ -39,7 +39,8 @@ from pipeline.accuracy.kinds import shipped_record
 from pipeline.accuracy.metrics import ModelScores, json_safe
 from pipeline.artifacts import atomic_write_json, atomic_write_text, read_json, sha256_file
 from pipeline.backends import create_backend, settings_artifacts
-from pipeline.backends.base import Backend, PreparedModel, compare_prepared
+from pipeline.backends.base import Backend, PreparedModel
+from pipeline.backends.timing import compare_prepared
 from pipeline.config import resolved_data_source
 from pipeline.data.adapters import DataProvider
 from pipeline.errors import PipelineError, StageError, first_line

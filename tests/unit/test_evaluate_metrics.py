@@ -180,7 +180,7 @@ class _FakePrepared:
 
 
 def test_compare_prepared_rotates_and_fails_only_the_broken_model():
-    from pipeline.backends.base import compare_prepared
+    from pipeline.backends.timing import compare_prepared
 
     order: list[str] = []
     a, b, c = (_FakePrepared(5.0, log=order, name="a"), _FakePrepared(6.0, fail_after=3, log=order, name="b"),
@@ -199,7 +199,7 @@ def test_only_the_block_after_a_spinning_model_waits_for_its_threads():
     """A model whose worker threads spin on after its runs (settle_seconds) makes the next model wait
     that long before its block; a model that follows one that does not spin is timed after its settle
     runs only."""
-    from pipeline.backends.base import TimingPlan, time_interleaved
+    from pipeline.backends.timing import TimingPlan, time_interleaved
 
     class Sleepy(_FakePrepared):  # each call takes real time, so a pause is a count of settle calls
         def time_runs(self, n: int) -> list[float]:
@@ -228,7 +228,7 @@ def test_only_the_block_after_a_spinning_model_waits_for_its_threads():
 def test_every_block_lasts_long_enough_for_the_fastest_model():
     """Blocks of a few runs of a 0.05 ms model time the switch between models, not the model: every
     block of an interleaved timing has the runs the fastest model needs to fill MIN_BLOCK_MS."""
-    from pipeline.backends.base import MAX_BLOCK_RUNS, MIN_BLOCK_MS, TimingPlan, time_interleaved
+    from pipeline.backends.timing import MAX_BLOCK_RUNS, MIN_BLOCK_MS, TimingPlan, time_interleaved
 
     fast, slow = _FakePrepared(0.05), _FakePrepared(3.0)
     blocks, errors = time_interleaved([fast, slow], TimingPlan(3, 6, warmup_runs=2))
@@ -249,7 +249,8 @@ def test_every_block_lasts_long_enough_for_the_fastest_model():
 
 
 def test_compare_interleaved_closes_what_it_prepared_on_interrupt(tmp_path):
-    from pipeline.backends.base import Timing, compare_interleaved
+    from pipeline.backends.base import Timing
+    from pipeline.backends.timing import compare_interleaved
 
     made: list[_FakePrepared] = []
 
@@ -337,8 +338,8 @@ def test_an_undecided_duel_goes_on_while_its_rounds_are_cheap():
     """The float-precision check's duel: a clear ratio ends it after MIN_ROUNDS rounds; one whose rounds
     read 0.87x and 1.07x in turn (0.965x on average, never clear of 0.97) goes on to CHEAP_ROUNDS rounds
     for a tenth-of-a-millisecond model, and stops at its 12 rounds for a slow one."""
-    from pipeline.backends.base import time_interleaved
     from pipeline.backends.ratios import CHEAP_ROUNDS, MIN_ROUNDS, duel_plan
+    from pipeline.backends.timing import time_interleaved
 
     def rounds(ms: float, factors: tuple[float, ...]) -> int:
         blocks, errors = time_interleaved([_AlternatingPrepared(ms), _AlternatingPrepared(ms, factors)],
@@ -356,8 +357,8 @@ def test_the_final_comparison_ends_early_only_behind_a_clear_leader():
     other after MIN_ROUNDS rounds that were not cheap, more rounds would not change the choice; a near
     tie with any one of them (a float against its runtime's shipped model) takes every round, as do
     cheap rounds; one that dropped out is not waited for."""
-    from pipeline.backends.base import TimingPlan, time_interleaved
     from pipeline.backends.ratios import MIN_ROUNDS, clear_leader
+    from pipeline.backends.timing import TimingPlan, time_interleaved
 
     def rounds(*models: _FakePrepared) -> int:
         blocks, _ = time_interleaved(list(models), TimingPlan(8, 6, min_block_ms=0.0, until=clear_leader))

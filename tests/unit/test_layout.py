@@ -214,6 +214,7 @@ def test_readme_module_map_lists_every_module_and_nothing_else():
 # as the pipeline's own compute engine (calibration and reference sessions), which every stage runs on
 # whatever the deployment runtime is (not the ONNX Runtime backend: pipeline.backends.onnxruntime)
 SHARED_BACKEND_MODULES = {"pipeline.backends", "pipeline.backends.base", "pipeline.backends.ratios",
+                          "pipeline.backends.timing",
                           "pipeline.backends.settings", "pipeline.backends.onnxruntime.session"}
 # string constants in tasks/ equal to a runtime name, each allowed for its reason
 RUNTIME_NAME_ALLOWED = {
@@ -261,7 +262,7 @@ def test_each_runtime_is_a_sub_package_of_backends():
     from pipeline.backends import BACKENDS
 
     top = sorted(p.name for p in (ROOT / "pipeline" / "backends").glob("*.py"))
-    assert top == ["__init__.py", "base.py", "ratios.py", "settings.py"]
+    assert top == ["__init__.py", "base.py", "ratios.py", "settings.py", "timing.py"]
     wrong = [f"{name}: {path}" for name, path in BACKENDS.items()
              if not ((pkg := path.rpartition(".")[0]).count(".") == 2 and pkg.startswith("pipeline.backends.")
                      and pkg in MODULES and MODULES[pkg].name == "__init__.py")]

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import atomic_write_json, read_json
-from pipeline.backends.base import Backend, time_interleaved
+from pipeline.backends.base import Backend
 from pipeline.backends.ratios import duel_plan, ratio_interval, round_ratios
+from pipeline.backends.timing import time_interleaved
 from pipeline.errors import first_line
 from pipeline.graph.model import model_hash
 from tasks.autotune.state_file import RUNTIME_STATE, StateDocument, StateHeader, resume_or_set_aside
@@ -283,7 +284,7 @@ def _final_comparison(backend: Backend, float_path: Path, shipped: Path, setting
     """(p10 latencies, None) of float and shipped models, with the backend's own settings and with
     ``settings``, from one interleaved run (a runtime win is not reported as a quantization win), or
     (None, the error) when one of them failed."""
-    from pipeline.backends.base import compare_prepared
+    from pipeline.backends.timing import compare_prepared
 
     plain, tuned = backend.as_deployed(), backend.with_settings(settings)
     prepared = []

@@ -1,0 +1,198 @@
+"""Interleaved timing: models timed in alternating blocks, one deployment after the other each round, so
+a machine that drifts slows them all alike. ``time_interleaved`` is the one timer (a ``TimingPlan`` says
+how many rounds, runs and warm-up runs, and when to stop early); ``time_pairs`` and ``compare_*`` prepare
+models and pool its blocks into ``Timing`` records; the least length of a timed block is run-wide
+(``min_block_configured``). The protocol and its records are ``pipeline.backends.base``'s; the statistics
+over per-round blocks are ``pipeline.backends.ratios``'."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.backends.base import Backend, PreparedModel, Timing
+
+log = logging.getLogger("tune.backends")
+
+
+@contextlib.contextmanager
+def prepared_models(backend: Backend, model_paths: list[str | Path], profile: bool = False
+                    ) -> Iterator[tuple[list[PreparedModel | None], list[str | None]]]:
+    """Prepare every model (``profile``: with per-layer timing); one that cannot be prepared is None
+    with its error. All are closed on the way out, also on Ctrl-C."""
+    with prepared_pairs([(backend, p) for p in model_paths], profile) as out:
+        yield out
+
+
+@contextlib.contextmanager
+def prepared_pairs(models: list[tuple[Backend, str | Path]], profile: bool = False
+                   ) -> Iterator[tuple[list[PreparedModel | None], list[str | None]]]:
+    """``prepared_models`` of (backend, model) pairs: each model on its own backend (runtimes side by side)."""
+    prepared: list[PreparedModel | None] = []
+    errors: list[str | None] = []
+    try:
+        for backend, p in models:
+            try:
+                prepared.append(backend.prepare(p, profile=profile) if profile else backend.prepare(p))
+                errors.append(None)
+            except Exception as exc:  # noqa: BLE001 - reported as a failed measurement
+                log.debug("prepare %s failed", p, exc_info=True)
+                prepared.append(None)
+                errors.append(f"{type(exc).__name__}: {exc}")
+        yield prepared, errors
+    finally:
+        for pm in prepared:
+            if pm is not None:
+                pm.close()
+
+
+def compare_interleaved(backend: Backend, model_paths: list[str | Path], rounds: int = 5,
+                        runs_per_round: int | None = None, warmup_runs: int | None = None) -> list[Timing]:
+    """Measure several models in alternating blocks; one Timing per model over all its samples.
+
+    Prepares every model, then times them with ``compare_prepared``; a model that cannot be prepared
+    gets a failed Timing. Every prepared model is closed on the way out, also on Ctrl-C.
+    """
+    runs = runs_per_round or max(1, backend.timing_runs // max(rounds, 1))
+    warm = backend.warmup_runs if warmup_runs is None else warmup_runs
+    return compare_pairs([(backend, p) for p in model_paths], rounds, runs, warm, backend.name)
+
+
+def compare_pairs(models: list[tuple[Backend, str | Path]], rounds: int, runs_per_round: int, warmup_runs: int,
+                  name: str) -> list[Timing]:
+    """``compare_interleaved`` of (backend, model) pairs, each model on its own backend; ``name`` labels
+    the Timings."""
+    return time_pairs(models, TimingPlan(rounds, runs_per_round, warmup_runs), name)[0]
+
+
+def time_pairs(models: list[tuple[Backend, str | Path]], plan: TimingPlan, name: str
+               ) -> tuple[list[Timing], list[list[list[float]]]]:
+    """(backend, model) pairs, each model on its own backend, timed by ``time_interleaved``: one Timing
+    per model over all its runs (``name`` labels them; a model that could not be prepared or run is a
+    failed Timing), and its blocks (per round, its timed runs) for paired ratios."""
+    with prepared_pairs(models) as (prepared, errors):
+        blocks, errors = time_interleaved(prepared, plan, errors)
+    return pooled(blocks, errors, name), blocks
+
+
+# a timed block lasts at least this long: blocks of a few runs of a model that takes a tenth of a
+# millisecond measure the switch between models (the other one's worker threads), not the model. The
+# run's backend.min_block_ms sets it for the run (``min_block_configured``).
+MIN_BLOCK_MS = 10.0
+# and has at most this many runs
+MAX_BLOCK_RUNS = 1000
+_MIN_BLOCK = contextvars.ContextVar("min_block_ms", default=MIN_BLOCK_MS)
+
+
+@contextlib.contextmanager
+def min_block_configured(ms: float) -> Iterator[None]:
+    """Timed blocks of at least ``ms`` for the block (a run's ``backend.min_block_ms``), as before after it."""
+    token = _MIN_BLOCK.set(float(ms))
+    try:
+        yield
+    finally:
+        _MIN_BLOCK.reset(token)
+
+
+@dataclass(frozen=True)
+class TimingPlan:
+    """How ``time_interleaved`` times its models: ``rounds`` rounds of ``runs_per_round`` timed runs per
+    model, after ``warmup_runs`` untimed ones per model. ``stop_on_error`` ends the timing at the first
+    failure (a paired comparison is void once either side fails); ``until`` (given the blocks so far)
+    ends it after any complete round, before ``rounds``. Every block has the same number of runs, more
+    than ``runs_per_round`` where the fastest model needs them to fill ``min_block_ms``."""
+
+    rounds: int
+    runs_per_round: int
+    warmup_runs: int = 0
+    stop_on_error: bool = False
+    until: Callable[[list[list[list[float]]]], bool] | None = None
+    min_block_ms: float | None = None  # None: the run's (``min_block_configured``, else MIN_BLOCK_MS)
+
+    def block_runs(self, fastest_ms: float) -> int:
+        """Timed runs per block for models whose fastest run takes ``fastest_ms``."""
+        least = _MIN_BLOCK.get() if self.min_block_ms is None else self.min_block_ms
+        if not (math.isfinite(fastest_ms) and fastest_ms > 0 and least > 0):
+            return self.runs_per_round
+        return max(self.runs_per_round, min(MAX_BLOCK_RUNS, math.ceil(least / fastest_ms)))
+
+
+def time_interleaved(prepared: list[PreparedModel | None], plan: TimingPlan, errors: list[str | None] | None = None,
+                     ) -> tuple[list[list[list[float]]], list[str | None]]:
+    """Time prepared models in alternating blocks by ``plan``: per model, one list of run times per
+    round, and its error (None models, and models in ``errors`` with an error already, are skipped).
+
+    Each model is warmed up once (``plan.warmup_runs``, at least one run); each round times every model
+    for ``plan.block_runs`` of the fastest warm-up run, after ``settle_runs`` untimed ones lasting at least
+    the previous model's ``settle_seconds`` (its worker threads slow the first runs after a switch). A
+    model whose runs raise keeps its error and drops out; the others go on, unless ``plan.stop_on_error``.
+    """
+    n = len(prepared)
+    blocks: list[list[list[float]]] = [[] for _ in prepared]
+    errors = list(errors) if errors is not None else [None] * n
+    for i, pm in enumerate(prepared):
+        if pm is None:
+            errors[i] = errors[i] or "not prepared"
+
+    def fail(i: int, exc: Exception) -> None:
+        log.debug("timing model %d of %d failed", i + 1, n, exc_info=True)
+        errors[i] = f"{type(exc).__name__}: {exc}"
+
+    warm: list[float] = []
+    for i, pm in enumerate(prepared):
+        if errors[i] is None:
+            try:
+                warm.append(min(pm.time_runs(max(1, plan.warmup_runs))))  # type: ignore[union-attr]
+            except Exception as exc:  # noqa: BLE001 - reported as a failed measurement
+                fail(i, exc)
+                if plan.stop_on_error:
+                    return blocks, errors
+    runs = plan.block_runs(min(warm, default=math.nan))
+    settle = max([getattr(pm, "settle_runs", 1) for pm in prepared if pm is not None] or [1])
+    before: Any = next((pm for pm, e in zip(reversed(prepared), reversed(errors), strict=True) if e is None), None)
+    for r in range(plan.rounds):
+        # rotate the order every round: no model always pays for its predecessor's lingering threads
+        for i in [(r + k) % n for k in range(n)]:
+            if errors[i] is not None:
+                continue
+            pm = prepared[i]
+            try:
+                _settle(pm, settle, before)
+                before = pm
+                blocks[i].append(pm.time_runs(runs))  # type: ignore[union-attr]
+            except Exception as exc:  # noqa: BLE001 - reported as a failed measurement
+                fail(i, exc)
+                if plan.stop_on_error:
+                    return blocks, errors
+        if plan.until is not None and plan.until(blocks):
+            break
+    return blocks, errors
+
+
+def _settle(pm: Any, runs: int, before: Any) -> None:
+    """``runs`` untimed runs of ``pm``, for at least ``before``'s ``settle_seconds`` (its spinning threads)."""
+    seconds = getattr(before, "settle_seconds", 0.0) if before is not pm else 0.0
+    t0, n = time.perf_counter(), 0
+    while n < runs or time.perf_counter() - t0 < seconds:
+        pm.time_runs(1)
+        n += 1
+
+
+def compare_prepared(backend_name: str, prepared: list[PreparedModel], rounds: int = 5, runs_per_round: int = 1,
+                     warmup_runs: int = 0) -> list[Timing]:
+    """Time prepared models (``time_interleaved``): one Timing per model over all its runs (the caller closes them)."""
+    return pooled(*time_interleaved(list(prepared), TimingPlan(rounds, runs_per_round, warmup_runs)), backend_name)
+
+
+def pooled(blocks: list[list[list[float]]], errors: list[str | None], name: str) -> list[Timing]:
+    """One Timing per model of ``time_interleaved``'s result, over all its timed runs (``name`` labels
+    them); a model with an error or no runs is a failed Timing."""
+    return [Timing.from_samples([t for b in bl for t in b], name) if e is None and bl else
+            Timing.failed(name, e or "no timed runs") for bl, e in zip(blocks, errors, strict=True)]
