@@ -1,11 +1,9 @@
 """The backend protocol: build an engine from ONNX, run it, and measure its latency.
 
 Every backend prepares a model once (`prepare`) into a ``PreparedModel`` that can run feeds and
-time a number of runs. Statistics are computed here, the same way for every backend: warm-up,
-timed runs, median with p10/p90 spread. ``compare_interleaved`` (``compare_prepared`` for models
-already prepared) measures several models in alternating blocks (with one untimed run after each
-switch) so that machine drift hits all of them alike, which is how candidates are compared against
-a baseline.
+time a number of runs; a ``Timing`` is the same statistics for every backend (median with p10/p90
+spread over timed runs after warm-up). Several models timed in alternating blocks, so that machine
+drift hits all of them alike, is ``pipeline.backends.timing``'s.
 """
 
 from __future__ import annotations
