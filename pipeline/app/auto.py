@@ -21,22 +21,26 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
 from pipeline.accuracy.evaluation import EvaluateMetrics, FloatBaseline, runtime_evaluation
 from pipeline.accuracy.kinds import checked_on, float_kinds, host_key
 from pipeline.app.comparison import Comparison
 from pipeline.app.host_choice import HOST_CHOICES, judged_hosts, recheck_here, remember
-from pipeline.app.race import FLOAT_RACE, RACE, race_line, run_float_race, run_race, still_in_reach
-from pipeline.app.race import describe as describe_race
-from pipeline.app.scope import run_scope
+from pipeline.app.race import race_floats, race_line, tune_racing
+from pipeline.app.runtime_runs import (
+    EachRuntime,
+    RuntimeRun,
+    reroot,
+    run_scope_of,
+    runnable,
+)
 from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
-from pipeline.backends import Backend, auto_runtimes, create_backend
+from pipeline.backends import Backend, create_backend
 from pipeline.backends.base import Timing
 from pipeline.backends.ratios import clear_leader, ratio_interval, round_ratios
 from pipeline.backends.timing import MIN_BLOCK_MS, TimingPlan, time_pairs
@@ -55,15 +59,6 @@ PER_RUNTIME = ("quantize", "autotune")  # the stages each runtime runs in its ow
 CHOICE_RULE = 2
 
 
-@dataclass(frozen=True)
-class RuntimeRun:
-    """One runtime's own run: its name, the config with its section as `backend`, its results_dir."""
-
-    name: str
-    cfg: DictConfig
-    results_dir: Path
-
-
 def run_auto(cfg: DictConfig, results_dir: Path,
              run_stages: Callable[[DictConfig, list[Stage], Path], dict[str, Any]]) -> dict[str, Any]:
     """Run ``cfg.stages`` with backend=auto in ``results_dir`` (``run_stages(cfg, stages, dir)`` runs stages
@@ -76,14 +71,14 @@ def run_auto(cfg: DictConfig, results_dir: Path,
     rest = [s for s in wanted if s not in ("export", *PER_RUNTIME)]
     if not per_runtime and not rest:
         return summary
-    runs, left_out = _runnable(cfg, results_dir)
-    runnable = list(runs)  # the reference float is among them, tuned or not
+    runs, left_out = runnable(cfg, results_dir)
+    everyone = list(runs)  # the reference float is among them, tuned or not
     each = EachRuntime(cfg, results_dir, run_stages, left_out)
     with sharing():  # calibration statistics are collected once, by the first runtime that quantizes
         if "quantize" in per_runtime:
-            runs = each.run(_race_floats(cfg, results_dir, runs, each), "quantize")
+            runs = each.run(race_floats(cfg, results_dir, runs, each), "quantize")
         if "autotune" in per_runtime:
-            runs = _tune(cfg, results_dir, runs, each)
+            runs = tune_racing(cfg, results_dir, runs, each)
     failures, outcomes = each.failures, each.outcomes
     if not runs and failures:
         raise failures[0]  # every runtime failed: the first one's error (a bad input fails them all alike)
@@ -91,7 +86,7 @@ def run_auto(cfg: DictConfig, results_dir: Path,
         raise BackendUnavailable("backend=auto: no runtime in backend.runtimes could run here: "
                                  + "; ".join(f"{k}: {v}" for k, v in left_out.items()))
     if "autotune" in wanted:
-        choice = _choose(cfg, results_dir, runs, left_out, reference_float(runnable))
+        choice = _choose(cfg, results_dir, runs, left_out, reference_float(everyone))
         winner = next(r for r in runs if r.name == choice.winner)
         if "evaluate" in rest:
             choice = _evaluate_others(cfg, results_dir, runs, choice, run_stages)
@@ -110,119 +105,6 @@ def run_auto(cfg: DictConfig, results_dir: Path,
     return summary
 
 
-class EachRuntime:
-    """Runs a stage in each runtime's own results_dir: a runtime whose run fails is left out in one line
-    (its error kept), and each runtime's outcome of every stage is kept for the summary."""
-
-    def __init__(self, cfg: DictConfig, top: Path, run_stages: Callable[[DictConfig, list[Stage], Path], dict[str, Any]],
-                 left_out: dict[str, str]):
-        self.cfg, self.top, self.run_stages, self.left_out = cfg, top, run_stages, left_out
-        self.outcomes: dict[str, dict[str, Any]] = {}
-        self.failures: list[PipelineError] = []
-
-    def run(self, runs: list[RuntimeRun], stage: str) -> list[RuntimeRun]:
-        """``stage`` in each of ``runs``, in order; the runs that did not fail."""
-        return [r for r in runs if self.one(r, stage)]
-
-    def one(self, run: RuntimeRun, stage: str) -> bool:
-        """``stage`` in ``run``'s results_dir; whether it ran (else it is left out)."""
-        _share_export(self.top, run.results_dir)
-        log.info("auto: %s %s in %s", run.name, stage, run.results_dir)
-        try:
-            with _scope(self.cfg, run):
-                self.outcomes.setdefault(run.name, {}).update(
-                    self.run_stages(run.cfg, [load_stage(stage)], run.results_dir))
-        except PipelineError as exc:
-            log.warning("auto: %s left out: %s", run.name, first_line(exc))
-            self.left_out[run.name] = first_line(exc)
-            self.failures.append(exc)
-            return False
-        return True
-
-
-def _racing(cfg: DictConfig, runs: list[RuntimeRun]) -> bool:
-    """Whether the runtimes race (``pipeline.app.race``): not where every one is to be tuned
-    (`backend.tune_all`), where only those tuned before are compared (`backend.tuned_only`), or alone."""
-    return not (bool(cfg.backend.get("tune_all", False)) or bool(cfg.backend.get("tuned_only", False))
-                or len(runs) < 2)
-
-
-def _race_floats(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: EachRuntime) -> list[RuntimeRun]:
-    """The runtimes to quantize: those whose float as deployed, over the int8 ceiling, stays in reach of the
-    fastest float (every one where they do not race); the others are left out with the figures."""
-    if bool(cfg.backend.get("tuned_only", False)):  # tune-rechoose: what never quantized is not quantized now
-        done = [r for r in runs if (Manifest(r.results_dir).entry("quantize") or {}).get("status") == "done"]
-        each.left_out.update({r.name: "never quantized (tune-rechoose quantizes nothing)" for r in runs if r not in done})
-        return done
-    race = run_float_race(top, runs, lambda r: float_deployment(r, {}), cfg) if _racing(cfg, runs) else None
-    if race is None:
-        (top / FLOAT_RACE).unlink(missing_ok=True)  # no race this time: none is reported
-        return runs
-    log.info("auto: %s", describe_race(race, "before quantize"))
-    kept = []
-    for run in runs:
-        entry = race.entry(run.name)
-        if entry is not None and entry.dropped:
-            each.left_out[run.name] = f"not quantized: out of reach before quantize ({entry.why})"
-        else:
-            kept.append(run)
-    return kept
-
-
-def _tune(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: EachRuntime) -> list[RuntimeRun]:
-    """Autotune in each runtime that stays in the race (``pipeline.app.race``): the leader first, then each
-    one still in reach of its tuned latency; every runtime where `backend.tune_all` is set or the race
-    cannot run; under `backend.tuned_only` (tune-rechoose) only the runtimes tuned before. The runtimes that
-    take part in the choice."""
-    if bool(cfg.backend.get("tuned_only", False)):
-        tuned = [r for r in runs if (Manifest(r.results_dir).entry("autotune") or {}).get("status") == "done"]
-        for r in runs:
-            if r not in tuned:
-                each.left_out[r.name] = "never tuned (tune-rechoose tunes nothing)"
-        return [r for r in tuned if each.one(r, "autotune")]  # up to date: skipped, nothing tuned
-    race = run_race(top, runs, lambda r: float_deployment(r, {}), cfg) if _racing(cfg, runs) else None
-    if race is None:
-        (top / RACE).unlink(missing_ok=True)  # no race this time: none is reported
-        return each.run(runs, "autotune")
-    log.info("auto: %s", describe_race(race))
-
-    def rank(r: RuntimeRun) -> tuple[bool, float]:  # the leader first, then by their best latency
-        entry = race.entry(r.name)
-        return r.name != race.leader, (entry.best_ms if entry is not None and entry.best_ms is not None else 0.0)
-
-    order = sorted(runs, key=rank)
-    kept: list[RuntimeRun] = []
-    gain = 1.0
-    for run in order:
-        entry = race.entry(run.name)
-        reach, why = (not entry.dropped, entry.why) if entry is not None else (True, "")
-        if reach and kept and run.name != race.leader:
-            reach, why = still_in_reach(race, run.name, gain)
-        if not reach:
-            log.info("auto: %s not tuned: %s", run.name, why)
-            each.left_out[run.name] = f"not tuned: out of reach after PTQ ({why})"
-            continue
-        if each.one(run, "autotune"):
-            kept.append(run)
-            if run.name == race.leader:
-                gain = _tuned_gain(run)
-    return kept
-
-
-def _tuned_gain(run: RuntimeRun) -> float:
-    """How much faster the runtime's shipped deployment ran than the better of its PTQ model and float, in
-    its own autotune's final comparison (1.0 where it did not measure both)."""
-    m = Manifest(run.results_dir).metrics("autotune")
-    best = min((t for t in (m.get("ptq_ms"), m.get("baseline_ms")) if t), default=None)
-    final = m.get("final_ms")
-    return best / final if best and final else 1.0
-
-
-def _scope(cfg: DictConfig, run: RuntimeRun) -> AbstractContextManager[None]:
-    """The run-wide settings of one runtime's own run."""
-    return run_scope(threads=int(run.cfg.backend.get("intra_op_threads", 0) or 0), progress=bool(cfg.progress))
-
-
 def _evaluate_others(cfg: DictConfig, top: Path, runs: list[RuntimeRun], choice: RuntimeChoice,
                      run_stages: Callable[[DictConfig, list[Stage], Path], dict[str, Any]]) -> RuntimeChoice:
     """Evaluate each runtime that does not ship in its own results_dir (skipped when up to date, as any
@@ -235,7 +117,7 @@ def _evaluate_others(cfg: DictConfig, top: Path, runs: list[RuntimeRun], choice:
             continue
         log.info("auto: evaluate %s in %s", run.name, run.results_dir)
         try:
-            with _scope(cfg, run):
+            with run_scope_of(cfg, run):
                 run_stages(run.cfg, [load_stage("evaluate")], run.results_dir)
             report = os.path.relpath(run.results_dir / "evaluate" / "report.md", top)
             metrics = EvaluateMetrics.from_dict(Manifest(run.results_dir).metrics("evaluate"),
@@ -263,42 +145,6 @@ def _earlier_winner(top: Path, runs: list[RuntimeRun], later_stages: bool) -> Ru
             log.info("auto: no runtime chosen yet (autotune chooses one): the later stages run on %s",
                      chosen.name)
     return chosen
-
-
-def _runnable(cfg: DictConfig, results_dir: Path) -> tuple[list[RuntimeRun], dict[str, str]]:
-    """The runtimes of backend.runtimes that can run here, and why each other one cannot."""
-    runs, left_out = [], {}
-    for name, bcfg in auto_runtimes(cfg.backend):
-        try:
-            create_backend(bcfg)
-        except BackendUnavailable as exc:
-            log.warning("auto: %s left out: %s", name, first_line(exc))
-            left_out[name] = first_line(exc)
-            continue
-        sub = results_dir / "runtimes" / name
-        rcfg = cfg.copy()
-        with open_dict(rcfg):
-            rcfg.backend = bcfg
-            rcfg.results_dir = str(sub)
-        runs.append(RuntimeRun(name, rcfg, sub))
-    return runs, left_out
-
-
-def _reroot(entry: dict[str, Any], src: Path, dst: Path) -> dict[str, Any]:
-    """A manifest entry of results_dir ``src`` as results_dir ``dst`` records it (same files)."""
-    outputs = {k: {**rec, "path": os.path.relpath(src / rec["path"], dst)} for k, rec in entry.get("outputs", {}).items()}
-    return {**entry, "outputs": outputs}
-
-
-def _share_export(top: Path, sub: Path) -> None:
-    """Point ``sub``'s manifest at the top-level export (its files are not copied)."""
-    entry = Manifest(top).entry("export")
-    if not entry or entry.get("status") != "done":
-        return
-    sub.mkdir(parents=True, exist_ok=True)
-    manifest = Manifest(sub)
-    manifest.stages["export"] = _reroot(entry, top, sub)
-    manifest.save()
 
 
 def _shipped(run: RuntimeRun) -> tuple[Backend, Path, dict[str, Any]]:
@@ -447,7 +293,7 @@ def _publish(top: Path, winner: RuntimeRun, choice: RuntimeChoice | None) -> Non
     for stage in PER_RUNTIME:
         entry = sub.entry(stage)
         if entry is not None:
-            manifest.stages[stage] = {**_reroot(entry, winner.results_dir, top), **_every_runtime_seconds(top, stage)}
+            manifest.stages[stage] = {**reroot(entry, winner.results_dir, top), **_every_runtime_seconds(top, stage)}
     auto = manifest.stages.get("autotune")
     if auto is not None and choice is not None:
         auto["outputs"][CHOICE] = manifest.describe_file(top / CHOICE)

@@ -1,5 +1,6 @@
-"""backend=auto's race: after every runtime's PTQ, a runtime that cannot come within the tie margin of the
-leader is not tuned.
+"""backend=auto's races: before quantize and after every runtime's PTQ, a runtime that cannot come within
+the tie margin of the leader is not quantized, or not tuned (``race_floats`` and ``tune_racing`` run the
+stages that way for ``pipeline.app.auto``).
 
 Tuning every runtime to the end costs the sum of the single runs, though a runtime far behind after PTQ
 cannot catch up: what autotune (Q/DQ placement and runtime settings) gains over the better of a
@@ -29,6 +30,7 @@ from omegaconf import DictConfig
 
 from pipeline.accuracy.kinds import host_key
 from pipeline.app.comparison import Comparison
+from pipeline.app.runtime_runs import EachRuntime, RuntimeRun, deployed_float
 from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
 from pipeline.backends import Backend, create_backend
 from pipeline.backends.ratios import clear_leader
@@ -213,5 +215,83 @@ def describe(race: Race, when: str = "after PTQ") -> str:
     return f"race {when}: " + "; ".join(parts)
 
 
-__all__ = ["FLOAT_RACE", "GAIN_BOUND", "INT8_CEILING", "RACE", "run_float_race", "TIE_MARGIN", "Race", "RaceEntry", "decide_race", "describe", "out_of_reach",
+def racing(cfg: DictConfig, runs: list[RuntimeRun]) -> bool:
+    """Whether the runtimes race (``pipeline.app.race``): not where every one is to be tuned
+    (`backend.tune_all`), where only those tuned before are compared (`backend.tuned_only`), or alone."""
+    return not (bool(cfg.backend.get("tune_all", False)) or bool(cfg.backend.get("tuned_only", False))
+                or len(runs) < 2)
+
+
+def race_floats(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: EachRuntime) -> list[RuntimeRun]:
+    """The runtimes to quantize: those whose float as deployed, over the int8 ceiling, stays in reach of the
+    fastest float (every one where they do not race); the others are left out with the figures."""
+    if bool(cfg.backend.get("tuned_only", False)):  # tune-rechoose: what never quantized is not quantized now
+        done = [r for r in runs if (Manifest(r.results_dir).entry("quantize") or {}).get("status") == "done"]
+        each.left_out.update({r.name: "never quantized (tune-rechoose quantizes nothing)" for r in runs if r not in done})
+        return done
+    race = run_float_race(top, runs, deployed_float, cfg) if racing(cfg, runs) else None
+    if race is None:
+        (top / FLOAT_RACE).unlink(missing_ok=True)  # no race this time: none is reported
+        return runs
+    log.info("auto: %s", describe(race, "before quantize"))
+    kept = []
+    for run in runs:
+        entry = race.entry(run.name)
+        if entry is not None and entry.dropped:
+            each.left_out[run.name] = f"not quantized: out of reach before quantize ({entry.why})"
+        else:
+            kept.append(run)
+    return kept
+
+
+def tune_racing(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: EachRuntime) -> list[RuntimeRun]:
+    """Autotune in each runtime that stays in the race (``pipeline.app.race``): the leader first, then each
+    one still in reach of its tuned latency; every runtime where `backend.tune_all` is set or the race
+    cannot run; under `backend.tuned_only` (tune-rechoose) only the runtimes tuned before. The runtimes that
+    take part in the choice."""
+    if bool(cfg.backend.get("tuned_only", False)):
+        tuned = [r for r in runs if (Manifest(r.results_dir).entry("autotune") or {}).get("status") == "done"]
+        for r in runs:
+            if r not in tuned:
+                each.left_out[r.name] = "never tuned (tune-rechoose tunes nothing)"
+        return [r for r in tuned if each.one(r, "autotune")]  # up to date: skipped, nothing tuned
+    race = run_race(top, runs, deployed_float, cfg) if racing(cfg, runs) else None
+    if race is None:
+        (top / RACE).unlink(missing_ok=True)  # no race this time: none is reported
+        return each.run(runs, "autotune")
+    log.info("auto: %s", describe(race))
+
+    def rank(r: RuntimeRun) -> tuple[bool, float]:  # the leader first, then by their best latency
+        entry = race.entry(r.name)
+        return r.name != race.leader, (entry.best_ms if entry is not None and entry.best_ms is not None else 0.0)
+
+    order = sorted(runs, key=rank)
+    kept: list[RuntimeRun] = []
+    gain = 1.0
+    for run in order:
+        entry = race.entry(run.name)
+        reach, why = (not entry.dropped, entry.why) if entry is not None else (True, "")
+        if reach and kept and run.name != race.leader:
+            reach, why = still_in_reach(race, run.name, gain)
+        if not reach:
+            log.info("auto: %s not tuned: %s", run.name, why)
+            each.left_out[run.name] = f"not tuned: out of reach after PTQ ({why})"
+            continue
+        if each.one(run, "autotune"):
+            kept.append(run)
+            if run.name == race.leader:
+                gain = tuned_gain(run)
+    return kept
+
+
+def tuned_gain(run: RuntimeRun) -> float:
+    """How much faster the runtime's shipped deployment ran than the better of its PTQ model and float, in
+    its own autotune's final comparison (1.0 where it did not measure both)."""
+    m = Manifest(run.results_dir).metrics("autotune")
+    best = min((t for t in (m.get("ptq_ms"), m.get("baseline_ms")) if t), default=None)
+    final = m.get("final_ms")
+    return best / final if best and final else 1.0
+
+
+__all__ = ["race_floats", "racing", "tune_racing", "FLOAT_RACE", "GAIN_BOUND", "INT8_CEILING", "RACE", "run_float_race", "TIE_MARGIN", "Race", "RaceEntry", "decide_race", "describe", "out_of_reach",
            "race_line", "reachable", "run_race", "still_in_reach"]
