@@ -26,7 +26,7 @@ from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict
 from pipeline.accuracy.holdout import Holdout
 from pipeline.artifacts import Manifest
 from pipeline.backends.base import Backend
-from pipeline.errors import first_line
+from pipeline.errors import StateError, first_line
 from pipeline.graph.model import load_model, save_model
 from pipeline.quant.cpu import KINDS, CpuFacts, cpu_facts, target_kinds
 from pipeline.quant.placement import PLACEMENTS
@@ -287,7 +287,11 @@ def shipped_record(manifest: Manifest) -> CheckedOn | None:
     model recorded it (None for the exported float, or a run made before the record existed)."""
     key = next((k for k in MODEL_KEYS if manifest.artifact(k) is not None), None)
     recorded = manifest.metrics(key.split("/")[0]).get("checked_on") if key is not None else None
-    return CheckedOn.from_dict(recorded) if recorded else None
+    try:
+        return CheckedOn.from_dict(recorded) if recorded else None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise StateError(f"{manifest.path}: the {key.split('/')[0]} entry's checked_on record is not one "
+                         f"({first_line(exc)}); run that stage again (tune force=true stages=[...])") from None
 
 
 def checked_on(backend: Backend, kinds: list[KindVerdict]) -> CheckedOn:

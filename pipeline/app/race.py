@@ -21,7 +21,6 @@ is left out of the final choice with the figures that dropped it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,9 +31,10 @@ from pipeline.accuracy.kinds import host_key
 from pipeline.app.comparison import Comparison
 from pipeline.app.runtime_runs import EachRuntime, RuntimeRun, deployed_float
 from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
-from pipeline.backends import Backend, create_backend
+from pipeline.backends import Backend
 from pipeline.backends.ratios import clear_leader
 from pipeline.backends.timing import TimingPlan, time_pairs
+from pipeline.errors import StateError, first_line
 
 log = logging.getLogger("tune.auto")
 
@@ -85,7 +85,10 @@ class Race:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Race:
-        return cls(str(d.get("key", "")), [RaceEntry(**e) for e in d.get("entries", [])], str(d.get("leader", "")))
+        try:
+            return cls(str(d["key"]), [RaceEntry(**e) for e in d.get("entries", [])], str(d.get("leader", "")))
+        except (TypeError, KeyError) as exc:
+            raise StateError(f"{RACE} has an unknown layout ({first_line(exc)}); delete it to race again") from None
 
     def entry(self, runtime: str) -> RaceEntry | None:
         return next((e for e in self.entries if e.runtime == runtime), None)
@@ -102,54 +105,53 @@ def out_of_reach(best_ms: float, leader_ms: float, bound: float = GAIN_BOUND) ->
     return reachable(best_ms, bound) > leader_ms * TIE_MARGIN
 
 
-def run_race(top: Path, runs: list[Any], float_deployment: Callable[[Any], Backend], cfg: DictConfig) -> Race | None:
-    """The race of ``runs`` (auto's RuntimeRun records, each quantized in its own results_dir), timed or
-    kept; None where a runtime has no PTQ model to time (its quantize did not run)."""
+def run_race(top: Path, runs: list[RuntimeRun], cfg: DictConfig) -> Race | None:
+    """The race of ``runs``, each quantized in its own results_dir: its PTQ model and float as deployed,
+    timed or kept; None where a runtime has no PTQ model to time (its quantize did not run)."""
     float_path = Manifest(top).artifact("export/model.onnx")
     ptq = {r.name: Manifest(r.results_dir).artifact("quantize/quantized_model.onnx") for r in runs}
     if float_path is None or any(p is None for p in ptq.values()):
         return None
-    floats = {r.name: float_deployment(r) for r in runs}
-    ptqs = {r.name: create_backend(r.cfg.backend).as_deployed() for r in runs}
+    floats = {r.name: deployed_float(r) for r in runs}
     key = fingerprint({"float": sha256_file(float_path), "rule": RACE_RULE, "host": host_key(),
                        "gain": GAIN_BOUND, "tie": TIE_MARGIN,
                        "runtimes": {r.name: [sha256_file(ptq[r.name]), floats[r.name].describe()] for r in runs}})
-    path = top / RACE
-    if path.exists():
-        kept = Race.from_dict(read_json(path, RACE))
-        if kept.key == key and {e.runtime for e in kept.entries} == {r.name for r in runs}:
-            return kept
-    compare = Comparison()
-    slots = {r.name: (compare.slot(floats[r.name], float_path), compare.slot(ptqs[r.name], ptq[r.name])) for r in runs}
-    timings, _ = time_pairs(compare.pairs, _plan(cfg), name="race")
-    race = decide_race(key, {name: (timings[f].p10_ms if timings[f].ok else None,
-                                    timings[p].p10_ms if timings[p].ok else None) for name, (f, p) in slots.items()})
-    atomic_write_json(path, race.to_dict(), indent=1)
-    return race
+    # a runtime's PTQ model runs on its float's deployment (no tuned settings yet)
+    return _timed_race(top / RACE, key, {n: ((b, float_path), (b, ptq[n])) for n, b in floats.items()}, cfg,
+                       GAIN_BOUND)
 
 
-def run_float_race(top: Path, runs: list[Any], float_deployment: Callable[[Any], Backend], cfg: DictConfig
-                   ) -> Race | None:
+def run_float_race(top: Path, runs: list[RuntimeRun], cfg: DictConfig) -> Race | None:
     """The race of ``runs``' floats as deployed, before any of them quantizes (kept in
     autotune/float_race.json like the race after PTQ): a runtime whose float over ``INT8_CEILING`` stays
     out of the fastest float's reach is not quantized; None where there is no exported model."""
     float_path = Manifest(top).artifact("export/model.onnx")
     if float_path is None:
         return None
-    floats = {r.name: float_deployment(r) for r in runs}
+    floats = {r.name: deployed_float(r) for r in runs}
     key = fingerprint({"float": sha256_file(float_path), "rule": RACE_RULE, "host": host_key(),
                        "ceiling": INT8_CEILING, "tie": TIE_MARGIN,
                        "runtimes": {name: b.describe() for name, b in floats.items()}})
-    path = top / FLOAT_RACE
+    return _timed_race(top / FLOAT_RACE, key, {n: ((b, float_path), None) for n, b in floats.items()}, cfg,
+                       INT8_CEILING)
+
+
+def _timed_race(path: Path, key: str, deployments: dict[str, tuple[tuple[Backend, Path], tuple[Backend, Path] | None]],
+                cfg: DictConfig, bound: float) -> Race:
+    """The race kept in ``path`` where it has ``key`` and the same runtimes, else each runtime's (float, PTQ
+    or None) deployment timed side by side, decided against ``bound`` and kept."""
     if path.exists():
-        kept = Race.from_dict(read_json(path, FLOAT_RACE))
-        if kept.key == key and {e.runtime for e in kept.entries} == set(floats):
+        kept = Race.from_dict(read_json(path, path.name))
+        if kept.key == key and {e.runtime for e in kept.entries} == set(deployments):
             return kept
     compare = Comparison()
-    slots = {name: compare.slot(b, float_path) for name, b in floats.items()}
+    slots = {n: (compare.slot(*f), compare.slot(*p) if p is not None else None) for n, (f, p) in deployments.items()}
     timings, _ = time_pairs(compare.pairs, _plan(cfg), name="race")
-    race = decide_race(key, {n: (timings[i].p10_ms if timings[i].ok else None, None) for n, i in slots.items()},
-                       INT8_CEILING)
+
+    def p10(i: int | None) -> float | None:
+        return timings[i].p10_ms if i is not None and timings[i].ok else None
+
+    race = decide_race(key, {n: (p10(f), p10(p)) for n, (f, p) in slots.items()}, bound)
     atomic_write_json(path, race.to_dict(), indent=1)
     return race
 
@@ -229,7 +231,7 @@ def race_floats(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: EachRu
         done = [r for r in runs if (Manifest(r.results_dir).entry("quantize") or {}).get("status") == "done"]
         each.left_out.update({r.name: "never quantized (tune-rechoose quantizes nothing)" for r in runs if r not in done})
         return done
-    race = run_float_race(top, runs, deployed_float, cfg) if racing(cfg, runs) else None
+    race = run_float_race(top, runs, cfg) if racing(cfg, runs) else None
     if race is None:
         (top / FLOAT_RACE).unlink(missing_ok=True)  # no race this time: none is reported
         return runs
@@ -255,7 +257,7 @@ def tune_racing(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: EachRu
             if r not in tuned:
                 each.left_out[r.name] = "never tuned (tune-rechoose tunes nothing)"
         return [r for r in tuned if each.one(r, "autotune")]  # up to date: skipped, nothing tuned
-    race = run_race(top, runs, deployed_float, cfg) if racing(cfg, runs) else None
+    race = run_race(top, runs, cfg) if racing(cfg, runs) else None
     if race is None:
         (top / RACE).unlink(missing_ok=True)  # no race this time: none is reported
         return each.run(runs, "autotune")

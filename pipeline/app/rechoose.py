@@ -20,7 +20,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from pipeline.errors import InputError, PipelineError
+from pipeline.errors import InputError, PipelineError, first_line
 
 # the stages a re-choice runs (those of the original run's stages): tuning is up to date and skipped
 STAGES = ("quantize", "autotune", "gen_trt_engine", "evaluate")
@@ -34,10 +34,15 @@ def rechoose_args(results_dir: Path, overrides: list[str]) -> tuple[str | None, 
     if not (hydra_dir / "overrides.yaml").is_file() or not (hydra_dir / "hydra.yaml").is_file():
         raise InputError(f"{results_dir}: no .hydra/overrides.yaml (not a results_dir made by tune); give a "
                          f"results_dir a tune run wrote")
-    hydra = OmegaConf.load(hydra_dir / "hydra.yaml").hydra
-    ran = [str(o) for o in OmegaConf.load(hydra_dir / "overrides.yaml")]
+    try:
+        hydra = OmegaConf.load(hydra_dir / "hydra.yaml").hydra
+        ran = [str(o) for o in OmegaConf.load(hydra_dir / "overrides.yaml")]
+        composed = OmegaConf.load(hydra_dir / "config.yaml") if (hydra_dir / "config.yaml").is_file() \
+            else OmegaConf.create()
+    except Exception as exc:  # noqa: BLE001 - OmegaConf's and YAML's many error types for a broken file
+        raise InputError(f"{hydra_dir}: not the record a tune run writes ({first_line(exc)}); give a results_dir "
+                         f"a tune run wrote") from None
     kept = [o for o in ran if o.split("=", 1)[0].lstrip("+~") not in ("results_dir", "stages")]
-    composed = OmegaConf.load(hydra_dir / "config.yaml") if (hydra_dir / "config.yaml").is_file() else OmegaConf.create()
     stages_cfg = composed.get("stages", [])
     # backend=auto: the runtimes tuned before are compared, nothing is tuned (the race may have dropped some)
     auto = ["backend.tuned_only=true"] if str(OmegaConf.select(composed, "backend.name", default="")) == "auto" else []
