@@ -28,8 +28,8 @@ Two placements build a ``QDQPlan`` from those assignments:
   int8 kernels there and would only gain requantization. Convolution activations are uint8 with a
   zero point (asymmetric, as for ORT): OpenVINO's int8 convolutions take u8 sources with zero points,
   and a post-Relu range keeps all 256 levels. MatMul/Gemm activations are int8 and symmetric: an s8
-  source needs no zero-point compensation in the FullyConnected kernel (README: "Why the code does
-  what it does"), except where the input is pooled (a classifier head's GlobalAveragePool, through
+  source needs no zero-point compensation in the FullyConnected kernel
+  (docs/measurements/README-benchmarks-until-2026-11-28.md: "Why the code does what it does"), except where the input is pooled (a classifier head's GlobalAveragePool, through
   Flatten): there the pooling's input and output get u8 Qs, as NNCF places them, so the pooling runs
   on u8 and the FullyConnected reads its u8 output without a requantizing layer between them. A tensor both read
   is quantized once, as the first rule placed it.
@@ -363,7 +363,8 @@ def _feeds_quantized(g: GraphIndex, qnodes: dict[str, NodeDtypes], tensor: str) 
 def _before_layernorm(g: GraphIndex, node: onnx.NodeProto) -> bool:
     # A residual Add feeding LayerNormalization stays float: ORT then fuses the two into
     # SkipLayerNormalization, which is faster on the CPU EP than QLinearAdd + DQ + LayerNormalization
-    # (README: "Why the code does what it does"). The autotuner can still toggle it back.
+    # (docs/measurements/README-benchmarks-until-2026-11-28.md: "Why the code does what it does").
+    # The autotuner can still toggle it back.
     return node.op_type == "Add" and any(c.op_type == "LayerNormalization"
                                          for c, _ in g.consumers.get(node.output[0], []))
 

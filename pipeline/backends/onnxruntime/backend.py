@@ -254,8 +254,8 @@ class OnnxRuntimeBackend(Backend):
             pm = OrtPrepared(self.session(model_path), specs_of(model_path))
             if self.settings is not None or self.cfg.allow_spinning:
                 # a spinning session's threads keep the cores busy for tens of ms after its runs, so the
-                # next model is timed only after settle runs and a pause (README: "Why the code does what
-                # it does")
+                # next model is timed only after settle runs and a pause
+                # (docs/measurements/README-benchmarks-until-2026-11-28.md: "Why the code does what it does")
                 pm.settle_runs, pm.settle_seconds = SPIN_SETTLE_RUNS, SPIN_SETTLE_SECONDS
             return pm
 
