@@ -223,6 +223,9 @@ class AccuracyConfig:
     # factor), so that the nodes it quantizes again leave room for autotune's choices; autotune and
     # evaluate use the budget itself
     recovery_margin_db: float = 1.0
+    # recovery's time allowance, as a multiple of what calibration and placement took before it (at least
+    # 20 s): past it recovery checks nothing new and keeps the best float set it found; 0: no limit
+    recovery_time_factor: float = 1.0
 
 
 def _accuracy_problems(acc: DictConfig) -> list[str]:
@@ -244,6 +247,8 @@ def _accuracy_problems(acc: DictConfig) -> list[str]:
                         f"the 95% lower bound)")
     if acc.recovery_margin_db < 0:
         problems.append(f"accuracy.recovery_margin_db={acc.recovery_margin_db}: must be >= 0 (dB)")
+    if acc.recovery_time_factor < 0:
+        problems.append(f"accuracy.recovery_time_factor={acc.recovery_time_factor}: must be >= 0 (0: no limit)")
     if not 0.0 < acc.max_float_fraction <= 1.0:
         problems.append(f"accuracy.max_float_fraction={acc.max_float_fraction}: must be in (0, 1]")
     custom = enum_value(acc.metric) == "custom"

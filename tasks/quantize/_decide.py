@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +33,17 @@ from tasks.quantize.accuracy import (
     recovery_checker,
     runnable,
 )
-from tasks.quantize.recovery import MissedBudget, recover_budget
+from tasks.quantize.recovery import MissedBudget, recover_budget, recovery_allowance
 
 log = logging.getLogger("tune.quantize")
 
 
-def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None = None
+def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None = None, started: float | None = None
            ) -> tuple[QuantizeDecisions, dict[str, Any] | None]:
     """(decisions, sensitivity report or None): weight storage, kernel-fidelity culprits, float nodes and
     bias correction of ``placer``'s model, decided on ``setup.checker``'s held-out batches. ``outliers``
-    are the element-wise nodes on tensors with outlier channels, recovery's first candidates."""
+    are the element-wise nodes on tensors with outlier channels, recovery's first candidates; ``started``
+    the ``time.monotonic()`` calibration started at (recovery's time allowance counts from it)."""
     checker, budget, holdout = setup.checker, setup.checker.budget, setup.checker.holdout
     facts = decision_facts()
     ops = {n.name: n.op_type for n in iter_nodes(placer.model.graph, QUANTIZED_BODIES)}
@@ -60,7 +62,8 @@ def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None
     float_nodes: list[str] = []
     sensitivity = None
     if chosen.verdict is not None and not chosen.verdict.ok and budget.enabled and bool(setup.cfg.accuracy.recovery):
-        float_nodes, final, sensitivity = _recover(setup, placer, unsupported, ops, storage, outliers or {})
+        before_s = time.monotonic() - started if started is not None else 0.0
+        float_nodes, final, sensitivity = _recover(setup, placer, unsupported, ops, storage, outliers or {}, before_s)
     bias = None
     if bool(setup.q.bias_correction) and final.verdict is not None:
         bias, corrected = placer.fix_bias(weight_range, unsupported | set(float_nodes), final)
@@ -112,9 +115,11 @@ def _measure(backend: Backend, paths: list[Path]) -> list[float | None]:
 
 
 def _recover(setup: QuantizeSetup, placer: Placer, unsupported: set[str], ops: dict[str, str],
-             storage: WeightStorage, outliers: dict[str, str]) -> tuple[list[str], Candidate, dict[str, Any]]:
+             storage: WeightStorage, outliers: dict[str, str], before_s: float
+             ) -> tuple[list[str], Candidate, dict[str, Any]]:
     """(float nodes, the candidate to write, sensitivity report) of recovery from the verdict of
-    ``storage``'s chosen candidate, which misses the budget."""
+    ``storage``'s chosen candidate, which misses the budget (``before_s``: the seconds calibration and
+    placement took)."""
     checker, cfg = setup.checker, setup.cfg
     weight_range, chosen = storage.weight_range, storage.chosen
     holdout, budget, verdict = checker.holdout, checker.budget, chosen.verdict
@@ -129,9 +134,11 @@ def _recover(setup: QuantizeSetup, placer: Placer, unsupported: set[str], ops: d
                 holdout.samples, verdict.what, len(units))
     if verdict.hint:
         log.warning("quantize: %s", verdict.hint)
-    float_nodes, recovered, report = recover_budget(
-        placer.model, MissedBudget(units, verdict, outliers), placed, recovery_checker(checker, cfg),
-        math.floor(float(cfg.accuracy.max_float_fraction) * len(units)), bool(cfg.progress), checker)
+    max_float = math.floor(float(cfg.accuracy.max_float_fraction) * len(units))
+    with recovery_allowance(cfg, before_s) as allowance:
+        found = recover_budget(placer.model, MissedBudget(units, verdict, outliers), placed,
+                               recovery_checker(checker, cfg), max_float, allowance, checker)
+    float_nodes, recovered, report = found.float_nodes, found.candidate, found.report
     final = chosen
     if recovered is not None:  # judged again by the budget itself (recovery aimed inside it)
         final = checker.check(placed(set(float_nodes)), "recovered")

@@ -151,9 +151,10 @@ class QuantizeStage(Stage):
         if not rules:
             return self._pass_through(out_dir, model)
         setup = QuantizeSetup.create(cfg, out_dir, float_path, model, rules)
+        started = time.monotonic()
         cal = self._calibrate(setup)
         placer = Placer(setup, cal.model, cal.calibration)
-        decisions, sensitivity = self._decide(setup, placer, cal)
+        decisions, sensitivity = self._decide(setup, placer, cal, started)
         setup.work.cleanup()
         return self._write(setup, placer, cal, decisions, sensitivity)
 
@@ -196,12 +197,12 @@ class QuantizeStage(Stage):
         return Calibrated(model, stats, auto_stats, transforms, ranges, calibration, doc, float_path, seconds, samples)
 
     @staticmethod
-    def _decide(setup: QuantizeSetup, placer: Placer, cal: Calibrated
+    def _decide(setup: QuantizeSetup, placer: Placer, cal: Calibrated, started: float
                 ) -> tuple[QuantizeDecisions, dict[str, Any] | None]:
         """(decisions, sensitivity report or None); with auto ranges and nodes left float, the ranges are
         chosen again for that placement."""
         outliers = outlier_units(cal.model, cal.stats, list(setup.rules), float(setup.q.outlier_threshold))
-        decisions, sensitivity = decide(setup, placer, outliers)
+        decisions, sensitivity = decide(setup, placer, outliers, started)
         if cal.ranges is not None and decisions.float_nodes:
             stats, cal.ranges, decisions = refine_ranges(setup, placer, cal.auto_stats, cal.ranges, decisions)
             cal.stats = stats if stats is not None else cal.stats

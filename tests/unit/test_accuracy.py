@@ -545,6 +545,82 @@ def test_recovery_finds_nodes_that_only_matter_together():
     assert steps[-1]["ok"] and Checker.calls < 30
 
 
+def _additive_checker(contribution: dict[str, float], floor_db: float):
+    """A stub checker for recovery: each quantized node adds its noise ``contribution`` (noise / signal),
+    the budget is met above ``floor_db``; counts its checks."""
+    import math
+    from pathlib import Path
+
+    from pipeline.accuracy.budget import AccuracyVerdict
+    from tasks.quantize.accuracy import Candidate
+
+    class Checker:
+        calls = 0
+
+        def check(self, float_nodes, name):
+            Checker.calls += 1
+            nsr = sum(v for n, v in contribution.items() if n not in float_nodes) or 1e-12
+            db = -10 * math.log10(nsr)
+            return Candidate(name, Path("m.onnx"), AccuracyVerdict(db >= floor_db, "snr", f"SNR {db:.1f} dB",
+                                                                   snr_db=db))
+
+        def check_each(self, items):
+            return (self.check(m, n) for m, n in items)
+
+    return Checker()
+
+
+def test_recovery_ranks_many_nodes_by_stretches_first_and_stays_bounded():
+    """120 nodes, two culprits in the middle of the graph: the stretches whose float helps most are ranked
+    node by node, the culprits come first and the budget is met with them alone, in far fewer checks
+    than ranking every node (what made a BERT-base's recovery outlast its calibration)."""
+    from tasks.quantize.recovery import Allowance, Closest, rank_nodes, recover
+
+    nodes = [f"n{k:03d}" for k in range(120)]
+    contribution = {n: 1e-5 for n in nodes} | {"n047": 0.02, "n081": 0.01}
+    checker = _additive_checker(contribution, floor_db=25.0)
+    ranking, measured = rank_nodes(nodes, frozenset, checker, Allowance(), Closest())
+    assert len(measured) == 12 and measured[0]["nodes"] == 10
+    assert [r["node"] for r in ranking[:2]] == ["n047", "n081"]
+    assert len(ranking) == 120 and ranking[-1]["error_without"] is None and "stretch" in ranking[-1]
+    float_nodes, met = recover(ranking, frozenset, checker, max_nodes=60)
+    assert sorted(float_nodes) == ["n047", "n081"] and met.verdict.ok
+    assert checker.calls <= 12 + 30 + 7, checker.calls
+
+
+def test_recovery_checks_nothing_past_its_time_allowance_and_its_bar_counts_checks():
+    import time
+
+    from tasks.quantize.recovery import Allowance, MissedBudget, recover_budget
+
+    nodes = [f"n{k}" for k in range(30)]
+    checker = _additive_checker({n: 1e-3 for n in nodes}, floor_db=40.0)
+    model = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("Relu", ["x"], ["y"], name=n) for n in nodes], "g", [], []))
+
+    class Bar:
+        total, n = 0, 0
+
+        def refresh(self):
+            pass
+
+        def set_postfix_str(self, s, refresh=True):
+            pass
+
+        def update(self, k):
+            self.n += k
+
+    from pipeline.accuracy.budget import AccuracyVerdict
+
+    start = MissedBudget(nodes, AccuracyVerdict(False, "snr", "SNR 15.2 dB", snr_db=15.2), {})
+    spent = recover_budget(model, start, frozenset, checker, 15, Allowance(time.monotonic() - 1, Bar()))
+    assert spent.candidate is None and checker.calls == 0
+    assert all(r["error"] == "not checked: recovery's time allowance ran out" for r in spent.report["stretches"])
+    bar = Bar()
+    met = recover_budget(model, start, frozenset, checker, 30, Allowance(None, bar))
+    assert bar.n == checker.calls > 0 and bar.total >= bar.n
+
+
 def test_recovery_aims_inside_the_budget_by_its_margin():
     from pipeline.accuracy.budget import AccuracyBudget
 
