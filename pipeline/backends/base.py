@@ -85,7 +85,7 @@ class SearchSpace:
 @dataclass(frozen=True)
 class FusionSource:
     """What a runtime fuses in a model, for autotune's subgraph mode: the layer information it reports
-    (``layers``: each layer with the ONNX nodes fused into it, as ``tensorrt.common.parse_layer_info``
+    (``layers``: each layer with the ONNX nodes fused into it, as ``pipeline.graph.layer_info.parse_layer_info``
     normalizes it) or the optimized graph it runs (``optimized``), where it came from, and the file
     it was written to beside the results (if any)."""
 
@@ -237,6 +237,7 @@ class Backend:
         import json
 
         from pipeline.errors import StageError
+        from pipeline.graph.layer_info import parse_layer_info
 
         precision = self.float_precision().lower()
         path = out_dir / f"{stem}.{precision}.graph.json"
@@ -250,7 +251,7 @@ class Backend:
 
             atomic_write_json(path, {"Layers": info["layers"], "Bindings": info.get("io_tensors", [])}, indent=1)
         return FusionSource(f"{path.name} ({self.name} {precision.upper()} build)",
-                            layers=read_layer_info(json.loads(path.read_text()), path.name), path=path)
+                            layers=parse_layer_info(json.loads(path.read_text()), path.name), path=path)
 
     def for_subgraphs(self) -> Backend:
         """The backend to measure extracted subgraphs with (static shapes, other input names): this
@@ -304,14 +305,6 @@ class Backend:
     def run(self, model_path: str | Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         with self.prepare(model_path) as pm:
             return pm.run(feeds)
-
-
-def read_layer_info(doc: Any, where: str) -> dict[str, Any]:
-    """Layer information in TensorRT's formats (trtexec --exportLayerInfo, the engine inspector),
-    normalized to ``{"layers": [...]}`` (``tensorrt.common.parse_layer_info``)."""
-    from pipeline.backends.tensorrt.common import parse_layer_info
-
-    return parse_layer_info(doc, where)
 
 
 def specs_of(model_path: str | Path) -> list[InputSpec]:

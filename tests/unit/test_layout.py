@@ -1,4 +1,4 @@
-"""The tree shows the architecture: the README's module map matches it, imports point down only (no
+"""The tree shows the architecture: the module map in docs/layout.md matches it, imports point down only (no
 circle among modules or packages, every import resolved, also those inside functions), no private
 name crosses a module, and no file grows past what one reader can hold."""
 
@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
+LAYOUT = (ROOT / "docs" / "layout.md").read_text()
 # pipeline's sub-packages, lowest first: each may import the framework and those before it
 LAYERS = ["graph", "transforms", "quant", "data", "backends", "calibrate", "accuracy", "app"]
 
@@ -188,7 +188,7 @@ def test_no_file_over_500_lines():
 
 
 def _readme_map() -> set[str]:
-    block = README.split("## How the code is laid out", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    block = LAYOUT.split("```text\n", 1)[1].split("```", 1)[0]
     paths, stack = set(), []
     for line in block.splitlines():
         indent = (len(line) - len(line.lstrip())) // 2
@@ -206,8 +206,8 @@ def _readme_map() -> set[str]:
 def test_readme_module_map_lists_every_module_and_nothing_else():
     tree = {str(p.relative_to(ROOT)) for p in MODULES.values() if p.name != "__init__.py"}
     listed = _readme_map()
-    assert sorted(tree - listed) == [], "modules the README's map leaves out"
-    assert sorted(listed - tree) == [], "the README's map names modules that do not exist"
+    assert sorted(tree - listed) == [], "modules docs/layout.md's map leaves out"
+    assert sorted(listed - tree) == [], "docs/layout.md's map names modules that do not exist"
 
 
 # pipeline.backends modules any stage may use: the protocol, the settings base, and ONNX Runtime's sessions

@@ -182,7 +182,7 @@ def test_parse_profile_tolerates_unescaped_names_and_nan():
 
 
 def test_parse_layer_info_fixture():
-    from pipeline.backends.tensorrt.common import parse_layer_info
+    from pipeline.graph.layer_info import parse_layer_info
 
     info = parse_layer_info(json.loads((FIXTURES / "layer_info_10x.json").read_text()), "trtexec")
     assert info["io_tensors"] == ["input", "logits"]

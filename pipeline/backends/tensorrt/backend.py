@@ -51,13 +51,13 @@ from pipeline.backends.tensorrt.builder import (
 from pipeline.backends.tensorrt.common import (
     EngineBuildConfig,
     parse_builder_layers,
-    parse_layer_info,
     profile_shapes,
     tensorrt_qdq_view,
 )
 from pipeline.backends.tensorrt.settings import TrtBuildSettings
 from pipeline.data.adapters import fixed_feeds
 from pipeline.errors import BackendUnavailable, StageError
+from pipeline.graph.layer_info import parse_layer_info
 from pipeline.graph.model import InputSpec, has_qdq, input_specs
 
 log = logging.getLogger("tune.backend")

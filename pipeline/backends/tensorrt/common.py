@@ -6,8 +6,8 @@
 - ``plugin_paths``: plugin libraries checked and made absolute;
 - ``shape_problems`` and ``profile_shapes``: the check of explicit min/opt/max shapes and the
   optimization profile a model needs (explicit shapes or the batch shortcut);
-- the parsers for TensorRT's layer information: engine inspector JSON (also what trtexec
-  --exportLayerInfo writes) and the builder's own layer table;
+- the parser of the builder's own layer table (the engine inspector's JSON, also what trtexec
+  --exportLayerInfo writes, is read by ``pipeline.graph.layer_info``);
 - ``tensorrt_qdq_view``: a Q/DQ model as TensorRT can parse it (ORT's uint8 asymmetric Q/DQ and
   int32 bias DQs rewritten as symmetric int8 and float biases by ``to_symmetric_int8`` and
   ``fold_int32_biases``).
@@ -35,6 +35,7 @@ from pipeline.backend_config import DataType, EngineBuildConfig, shape_problems
 # --------------------------------------------------------------------------- build options
 from pipeline.errors import InputError, StageError
 from pipeline.graph import weights
+from pipeline.graph.layer_info import onnx_nodes_of
 from pipeline.graph.model import graph_inputs, graph_reads, subgraphs, value_dims
 
 PLUGIN_KEYS = "backend.plugin_libraries / gen_trt_engine.tensorrt.plugin_libraries"
@@ -97,33 +98,6 @@ def profile_shapes(model: onnx.ModelProto, options: EngineBuildConfig,
 
 
 # --------------------------------------------------------------------------- layer information
-
-_ONNX_LAYER = re.compile(r"\[ONNX Layer: ([^\]]*)\]")
-
-
-def onnx_nodes_of(metadata: str | None) -> list[str]:
-    """ONNX node names a TensorRT layer was built from (its Metadata lists `[ONNX Layer: name]` per node,
-    separated by \\x1f, with \\x1e between sub-groups)."""
-    return _ONNX_LAYER.findall(metadata or "")
-
-
-def parse_layer_info(obj: dict[str, Any] | list[Any], source: str) -> dict[str, Any]:
-    """Normalize engine inspector JSON (also what trtexec --exportLayerInfo writes).
-
-    10.x writes ``{"Layers": [...], "Bindings": [...]}``, 11.x names the second key "I/O Tensors";
-    with profiling verbosity below DETAILED a layer is only its name (a string). Every layer keeps
-    its original keys and gains ``onnx_nodes``.
-    """
-    if isinstance(obj, list):
-        obj = {"Layers": obj}
-    layers = []
-    for layer in obj.get("Layers", []):
-        rec = {"Name": layer} if isinstance(layer, str) else dict(layer)
-        rec["onnx_nodes"] = onnx_nodes_of(rec.get("Metadata"))
-        layers.append(rec)
-    io = obj.get("I/O Tensors", obj.get("Bindings", []))
-    return {"source": source, "layers": layers, "io_tensors": io}
-
 
 _LAYER_LINE = re.compile(r"^Name: (?P<name>.*?), LayerType: (?P<type>[^,]*),")
 _TACTIC = re.compile(r", TacticName: (?P<tactic>.*?), StreamId: (?P<stream>\d+)")
@@ -272,5 +246,5 @@ def tensorrt_qdq_view(model_path: Path, note: Callable[[str], None] | None = Non
 
 
 __all__ = ["PLUGIN_KEYS", "DataType", "EngineBuildConfig", "fold_int32_biases",
-           "has_asymmetric_uint8", "onnx_nodes_of", "parse_builder_layers", "parse_layer_info", "plugin_paths", "profile_shapes", "shape_problems",
+           "has_asymmetric_uint8", "parse_builder_layers", "plugin_paths", "profile_shapes", "shape_problems",
            "tensorrt_qdq_view", "to_symmetric_int8"]

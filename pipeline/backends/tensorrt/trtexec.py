@@ -52,7 +52,6 @@ from pipeline.backends.base import (
 )
 from pipeline.backends.tensorrt.common import (
     EngineBuildConfig,
-    parse_layer_info,
     plugin_paths,
     profile_shapes,
     tensorrt_qdq_view,
@@ -78,6 +77,7 @@ from pipeline.backends.tensorrt.trtexec_parse import (
     timing_from_summary,
 )
 from pipeline.errors import BackendUnavailable, InputError, StageError
+from pipeline.graph.layer_info import parse_layer_info
 from pipeline.graph.model import has_qdq, input_specs
 
 log = logging.getLogger("tune.backend")

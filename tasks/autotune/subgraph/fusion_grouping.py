@@ -114,10 +114,10 @@ def layer_fusion_groups(model: onnx.ModelProto, layer_info: dict) -> list[Fusion
     """Fusion groups of ``model`` from a runtime's per-layer information: TensorRT's (as
     ``parse_layer_info`` returns it, or the raw --exportLayerInfo JSON) or OpenVINO's runtime graph
     (``OpenVinoBackend.layer_info``); each layer names the ONNX nodes it was built from."""
-    from pipeline.backends.base import read_layer_info
+    from pipeline.graph.layer_info import parse_layer_info
 
     if "layers" not in layer_info:
-        layer_info = read_layer_info(layer_info, "graph json")
+        layer_info = parse_layer_info(layer_info, "graph json")
     from pipeline.graph.index import GraphIndex
 
     index = GraphIndex(model)
