@@ -325,10 +325,11 @@ class TargetConfig:
 
 @dataclass
 class TuneConfig:
+    # the stages to run, in pipeline order whatever the order given; each is skipped when up to date
     stages: list[StageName] = field(default_factory=lambda: list(StageName))
-    results_dir: str = MISSING
-    seed: int = 42
-    progress: bool = True
+    results_dir: str = MISSING  # where every stage reads and writes its artifacts (resumable)
+    seed: int = 42  # seeds data splits, sampling and built-in models' weights
+    progress: bool = True  # progress bars on a terminal
     # re-run the requested stages even when they are up to date
     force: bool = False
     model: Any = MISSING
@@ -365,6 +366,12 @@ _SHARED_GROUPS: dict[str, dict[str, type]] = {
 }
 
 _registered = False
+
+
+def shared_groups() -> dict[str, dict[str, type]]:
+    """group -> {schema name: dataclass} of the groups every stage shares (model, data, accuracy, target,
+    backend); the stages' own groups come from ``pipeline.registry.stage_schemas``."""
+    return {group: dict(schemas) for group, schemas in _SHARED_GROUPS.items()}
 
 
 def register_configs() -> None:

@@ -148,3 +148,35 @@ def test_a_key_the_chosen_mode_ignores_is_named(capsys):
     region = compose(["autotune.incremental_validation=false", "results_dir=/tmp/x"])
     assert ignored_keys(region.autotune) == ["autotune.incremental_validation=False"]
     assert ignored_keys(compose(["results_dir=/tmp/x"]).autotune) == []
+
+
+def _flat_keys(node: dict, prefix: str = "") -> set[str]:
+    """Dotted keys of a config's container (the values that are maps a user fills stay one key)."""
+    out = set()
+    for k, v in node.items():
+        key = f"{prefix}{k}"
+        if str(k).startswith("_"):
+            continue
+        if isinstance(v, dict) and v and k not in ("input_shapes", "per_output", "runtimes", "compile_config"):
+            out |= _flat_keys(v, f"{key}.")
+        else:
+            out.add(key)
+    return out
+
+
+def test_the_config_reference_is_generated_from_the_schemas_and_lists_every_key():
+    """docs/config.md is what pipeline.app.config_reference renders, and every key a composed config holds, for
+    every option of the groups that have several, is in it."""
+    from pipeline.app.config_reference import CONF, keys, render
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+    assert doc.read_text() == render(), "docs/config.md is stale: python -m pipeline.app.config_reference > docs/config.md"
+    listed = keys()
+    for group in ("model", "backend", "data", "quantize", "target"):
+        for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
+            extra = {"model": ["model.onnx_path=x.onnx"] if option == "onnx" else [],
+                     "data": ["data.path=x"] if option == "npz" else []}.get(group, [])
+            cfg = compose([f"{group}={option}", "results_dir=/tmp/x", *extra])
+            container = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
+            missing = sorted(k for k in _flat_keys(container) if k not in listed and not k.startswith("hydra"))
+            assert missing == [], f"{group}={option}: keys the reference leaves out"
