@@ -39,8 +39,15 @@ from pipeline.app.runtime_runs import (
     run_scope_of,
     runnable,
 )
-from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
-from pipeline.backends import Backend, create_backend
+from pipeline.artifacts import (
+    Manifest,
+    atomic_write_json,
+    external_data_files,
+    fingerprint,
+    read_json,
+    sha256_file,
+)
+from pipeline.backends import Backend, create_backend, settings_artifacts
 from pipeline.backends.base import Timing
 from pipeline.backends.ratios import clear_leader, ratio_interval, round_ratios
 from pipeline.backends.timing import MIN_BLOCK_MS, TimingPlan, time_pairs
@@ -91,6 +98,7 @@ def run_auto(cfg: DictConfig, results_dir: Path,
         if "evaluate" in rest:
             choice = _evaluate_others(cfg, results_dir, runs, choice, run_stages)
         _publish(results_dir, winner, choice)
+        place_shipped(results_dir, [a for r in everyone for a in settings_artifacts(r.cfg.backend)])
     else:
         winner = _earlier_winner(results_dir, runs, bool(rest))
         if rest and not (results_dir / CHOICE).exists():
@@ -309,6 +317,44 @@ def _publish(top: Path, winner: RuntimeRun, choice: RuntimeChoice | None) -> Non
         auto["metrics"] = {**metrics, "headline": choice.headline, "runtime_choice": choice.to_dict(),
                            "runtime_headline": metrics.get("headline")}
     manifest.save()
+
+
+SHIPPED_MODEL = "autotune/optimized_final.onnx"
+
+
+def place_shipped(top: Path, settings_files: list[str]) -> None:
+    """The shipped deployment where a reader finds it without the manifest, whatever runtime won: the model
+    the top-level autotune entry ships (with the data files it names) linked as
+    results_dir/autotune/optimized_final.onnx, and its settings file (one of ``settings_files``, the
+    runtimes' settings artifacts) beside it; another runtime's settings file left there by an earlier
+    choice is removed."""
+    outputs = (Manifest(top).entry("autotune") or {}).get("outputs", {})
+    for key in settings_files:
+        if key not in outputs:
+            (top / key).unlink(missing_ok=True)
+    for key in [SHIPPED_MODEL, *dict.fromkeys(k for k in settings_files if k in outputs)]:
+        if key not in outputs:
+            continue
+        src, dst = (top / outputs[key]["path"]).resolve(), top / key
+        if src == dst.resolve():
+            continue
+        extra = [(f, dst.parent / f.name) for f in external_data_files(src)] if key == SHIPPED_MODEL else []
+        for a, b in [(src, dst), *extra]:
+            _link(a, b)
+
+
+def _link(src: Path, dst: Path) -> None:
+    """``dst`` the same file as ``src`` (a hard link, a copy across file systems), replaced atomically."""
+    import shutil
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copy2(src, tmp)
+    os.replace(tmp, dst)
 
 
 def _every_runtime_seconds(top: Path, stage: str) -> dict[str, Any]:

@@ -148,6 +148,7 @@ def test_a_float_faster_than_every_shipped_model_ships_and_the_later_stages_run_
     stages = json.loads((rd / "manifest.json").read_text())["stages"]
     outputs = stages["autotune"]["outputs"]
     assert outputs["autotune/optimized_final.onnx"]["path"] == "export/model.onnx"
+    assert (rd / "autotune" / "optimized_final.onnx").read_bytes() == (rd / "export" / "model.onnx").read_bytes()
     settings = json.loads((rd / outputs["autotune/openvino_compile.json"]["path"]).read_text())
     assert ("f32" in json.dumps(settings)) == precision.startswith("FP32")  # the float's precision ships with it
     assert settings["INFERENCE_PRECISION_HINT"] == {"FP32": "f32", "BF16": "bf16"}[precision.split()[0]]
@@ -165,6 +166,14 @@ def fixed_feeds_of(path):
     from pipeline.graph.model import input_specs, load_model
 
     return fixed_feeds(input_specs(load_model(path)))
+
+
+def _assert_shipped_in_place(rd: Path, runtime: str, settings: str, gone: str) -> None:
+    """What ships sits in results_dir/autotune/ whatever runtime won: its model and its settings file,
+    the same files as the winner's own (another runtime's settings file gone)."""
+    top, own = rd / "autotune", rd / "runtimes" / runtime / "autotune"
+    assert (top / "optimized_final.onnx").read_bytes() == (own / "optimized_final.onnx").read_bytes()
+    assert (top / settings).read_bytes() == (own / settings).read_bytes() and not (top / gone).exists()
 
 
 def test_rechoose_on_another_host_ships_the_runtime_that_wins_there(residual_models, tmp_path, monkeypatch):
@@ -185,6 +194,7 @@ def test_rechoose_on_another_host_ships_the_runtime_that_wins_there(residual_mod
     args = [*_faked_auto_args(residual_models, rd), "backend.tune_all=true"]
     first = tune(args)
     assert first.runtime == "openvino" and (rd / "gen_trt_engine" / "model.xml").exists()
+    _assert_shipped_in_place(rd, "openvino", "openvino_compile.json", "ort_session.json")
     here = cpu_facts().kind
     other = "avx2" if here != "avx2" else "amx"
     monkeypatch.setenv(PIN_ENV, {"avx2": "avx2", "amx": "avx2 avx512f avx512bw avx512_vnni amx_int8"}[other])
@@ -202,6 +212,7 @@ def test_rechoose_on_another_host_ships_the_runtime_that_wins_there(residual_mod
     from pipeline.api import host_warning
 
     assert host_warning(rd) is None  # judged here by tune-rechoose, and it met the budget
+    _assert_shipped_in_place(rd, "onnxruntime", "ort_session.json", "openvino_compile.json")
     again = tune(args)  # the same host: everything up to date, the new choice stands
     assert set(again.stages.values()) == {"skipped"} and again.runtime == "onnxruntime"
     session = again.load()
