@@ -132,6 +132,7 @@ def bench_model(name: str, rd: Path, args: argparse.Namespace) -> tuple[list[Row
 
     from pipeline.artifacts import sha256_file
     from pipeline.backends import compare_interleaved, create_backend
+    from pipeline.backends.timing import TimingPlan
     from pipeline.data.adapters import DataProvider
     from pipeline.graph.model import input_specs, load_model
     from tests.helpers import compose
@@ -162,7 +163,7 @@ def bench_model(name: str, rd: Path, args: argparse.Namespace) -> tuple[list[Row
     max_batches = args.max_batches if args.max_batches is not None else cfg.evaluate.max_batches
     scores = score(backend, paths, provider, max_batches, int(cfg.evaluate.top_k))
     ok = [p for p in paths if p is not None]
-    timed = iter(compare_interleaved(backend, ok, rounds=args.rounds, runs_per_round=args.runs, warmup_runs=5))
+    timed = iter(compare_interleaved(backend, ok, TimingPlan(args.rounds, args.runs, 5)))
     timings = [next(timed) if p is not None else None for p in paths]
     ref = timings[0]
     variants = list(VARIANTS)
@@ -468,7 +469,7 @@ def time_on_real_feed(backend, paths: list[Path], provider, rounds: int, runs: i
     from contextlib import ExitStack
 
     from pipeline.backends.base import Timing
-    from pipeline.backends.timing import compare_prepared, prepared_models
+    from pipeline.backends.timing import TimingPlan, compare_prepared, prepared_models
 
     feed = next(iter(provider.batches("evaluation", 1))).feeds
     if settings is not None:  # one backend per model, each with its session settings
@@ -477,12 +478,12 @@ def time_on_real_feed(backend, paths: list[Path], provider, rounds: int, runs: i
                         zip(paths, settings, strict=True)]
             for pm in prepared:
                 pm._feeds = {k: feed[k] for k in pm._feeds}
-            return compare_prepared(backend.name, prepared, rounds, runs, 5)
+            return compare_prepared(backend.name, prepared, TimingPlan(rounds, runs, 5))
     with prepared_models(backend, paths) as (prepared, errors):
         for pm in prepared:
             if pm is not None and hasattr(pm, "_feeds"):
                 pm._feeds = {k: feed[k] for k in pm._feeds}
-        timed = iter(compare_prepared(backend.name, [pm for pm in prepared if pm is not None], rounds, runs, 5))
+        timed = iter(compare_prepared(backend.name, [pm for pm in prepared if pm is not None], TimingPlan(rounds, runs, 5)))
         return [next(timed) if pm is not None else Timing.failed(backend.name, e or "not prepared")
                 for pm, e in zip(prepared, errors, strict=True)]
 

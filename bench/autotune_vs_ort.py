@@ -35,6 +35,7 @@ def main() -> None:
     from quantize_vs_ort import _accuracy, _ort_quantize
 
     from pipeline.backends import compare_interleaved, create_backend
+    from pipeline.backends.timing import TimingPlan
     from pipeline.data.adapters import DataProvider
     from pipeline.graph.model import input_specs, load_model
     from tests.helpers import compose
@@ -53,7 +54,7 @@ def main() -> None:
     paths = [float_path, rd / "quantize" / "quantized_model.onnx", rd / "autotune" / "optimized_final.onnx", ort_path]
     names = ["float (FP32)", "PTQ (quantize stage)", "optimized_final (autotune)", "ORT quantize_static u8/s8"]
     backend = create_backend(cfg.backend)
-    timings = compare_interleaved(backend, paths, rounds=args.rounds, runs_per_round=args.runs)
+    timings = compare_interleaved(backend, paths, TimingPlan(args.rounds, args.runs, backend.warmup_runs))
     accs = _accuracy(backend, paths, provider)
     print(f"\nmodel {args.model} {' '.join(args.extra)}: tune stages=[export,quantize,autotune] took {tune_s:.0f} s")
     print(f"(ORT CPU, {backend.describe()['threads']} threads, {args.rounds} interleaved rounds x {args.runs} runs)")

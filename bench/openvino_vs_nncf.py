@@ -183,7 +183,7 @@ def backends() -> dict[str, object]:
 
 def bench(key: str, root: Path, rounds: int, runs: int) -> list[dict]:
     from pipeline.backends.openvino.settings import CompileSettings
-    from pipeline.backends.timing import compare_prepared
+    from pipeline.backends.timing import TimingPlan, compare_prepared
 
     overrides, calib_hold, scored = feeds_for(key, root)
     rd = root / "ours"
@@ -212,7 +212,7 @@ def bench(key: str, root: Path, rounds: int, runs: int) -> list[dict]:
             pm.set_timing_feeds(scored[0])
         names = list(prepared[0].output_names)
         errs = [errors(pm, prepared[0], scored, names, MODELS[key][2]) for pm in prepared]
-        timings = compare_prepared("mixed", prepared, rounds, runs, 10)
+        timings = compare_prepared("mixed", prepared, TimingPlan(rounds, runs, 10))
     ort_t, ov_t = timings[0].p10_ms, timings[1].p10_ms
     for (name, _, _), t, e in zip(live, timings, errs, strict=True):
         out.append({"model": key, "row": name, "p10_ms": t.p10_ms, "vs_ort_fp32": ort_t / t.p10_ms,

@@ -59,12 +59,13 @@ def main() -> None:
     tune(warm, [*common, "model.num_layers=3", f"autotune.pattern_cache={cache}"])
 
     from pipeline.backends import compare_interleaved, create_backend
+    from pipeline.backends.timing import TimingPlan
     from tests.helpers import compose
 
     backend = create_backend(compose([*common, "model.num_layers=3"]).backend)
     t_float, t_cold, t_warm = compare_interleaved(
         backend, [cold / "export" / "model.onnx", cold / "autotune" / "optimized_final.onnx",
-                  warm / "autotune" / "optimized_final.onnx"], rounds=10, runs_per_round=20)
+                  warm / "autotune" / "optimized_final.onnx"], TimingPlan(10, 20, backend.warmup_runs))
     (c_total, c_reach), (w_total, w_reach) = counts(cold), counts(warm)
     print(f"\nsibling model B = bert_tiny 3 layers {' '.join(args.extra)}; cache from A = 2 layers ({cache})")
     print(f"{'run':10s} {'measurements':>13s} {'schemes to reach final':>23s} {'final p10 ms':>13s} {'vs float':>9s}")

@@ -36,6 +36,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from pipeline.backends import compare_interleaved, create_backend
+    from pipeline.backends.timing import TimingPlan
     from pipeline.data.adapters import DataProvider
     from pipeline.graph.model import input_specs, load_model
     from tests.helpers import compose
@@ -57,7 +58,7 @@ def main() -> None:
     backend = create_backend(cfg.backend)
     paths = [float_path, ours, ort_path]
     names = ["float (FP32)", "qdq-tune default placement", "ORT quantize_static (QDQ u8/s8 per-channel)"]
-    timings = compare_interleaved(backend, paths, rounds=args.rounds, runs_per_round=args.runs)
+    timings = compare_interleaved(backend, paths, TimingPlan(args.rounds, args.runs, backend.warmup_runs))
     accs = _accuracy(backend, paths, provider)
     print(f"\nmodel {args.model} {' '.join(args.extra)}  (ORT CPU, {backend.describe()['threads']} threads, "
           f"{args.rounds} interleaved rounds x {args.runs} runs)")

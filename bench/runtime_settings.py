@@ -39,7 +39,7 @@ def main() -> None:
     from pipeline.backend_config import OnnxRuntimeBackendConfig
     from pipeline.backends.onnxruntime import OnnxRuntimeBackend
     from pipeline.backends.onnxruntime.session import SessionSettings
-    from pipeline.backends.timing import compare_prepared
+    from pipeline.backends.timing import TimingPlan, compare_prepared
 
     backend = OnnxRuntimeBackend(OmegaConf.structured(OnnxRuntimeBackendConfig(warmup_runs=5, timing_runs=args.runs)))
     rows = []
@@ -56,7 +56,7 @@ def main() -> None:
         prepared = [b.prepare(p) for b, p in ((plain, float_path), (tuned, float_path), (plain, shipped),
                                                (tuned, shipped))]
         try:
-            t = compare_prepared(backend.name, prepared, args.rounds, args.runs, 5)
+            t = compare_prepared(backend.name, prepared, TimingPlan(args.rounds, args.runs, 5))
         finally:
             for pm in prepared:
                 pm.close()

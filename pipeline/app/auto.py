@@ -49,7 +49,7 @@ from pipeline.artifacts import (
 )
 from pipeline.backends import Backend, create_backend, settings_artifacts
 from pipeline.backends.base import Timing
-from pipeline.backends.ratios import clear_leader, ratio_interval, round_ratios
+from pipeline.backends.ratios import ratio_interval, round_ratios
 from pipeline.backends.timing import MIN_BLOCK_MS, TimingPlan, time_pairs
 from pipeline.config import ordered_stages
 from pipeline.errors import BackendUnavailable, PipelineError, StateError, first_line
@@ -209,11 +209,9 @@ def _choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[s
     ref_slot = compare.slot(reference, float_path)
     slots = [(compare.slot(float_deployment(r, shipped[r.name][2]), float_path),
               compare.slot(shipped[r.name][0], shipped[r.name][1])) for r in runs]
-    # up to 8 rounds; fewer once one deployment is clearly the fastest (every other one's ratio clear of
-    # 1 after MIN_ROUNDS rounds that took 2 s or more): a tie, or a float against its own runtime's
-    # shipped model, takes all 8, as do cheap rounds
-    plan = TimingPlan(rounds=8, runs_per_round=max(2, int(cfg.backend.timing_runs) // 8),
-                      warmup_runs=int(cfg.backend.warmup_runs), until=clear_leader)
+    # a race: fewer rounds once one deployment is clearly the fastest; a tie, or a float against its own
+    # runtime's shipped model, takes all of them, as do cheap rounds
+    plan = TimingPlan.race(cfg.backend.timing_runs, cfg.backend.warmup_runs)
     timings, blocks = time_pairs(compare.pairs, plan, name="auto")
     timed = [TimedRuntime(timings[f], timings[s] if r.name not in misses else Timing.failed(r.name, misses[r.name]),
                           f == s, f == ref_slot, ratio_interval(round_ratios(blocks[s], blocks[f])) if f != s else None)

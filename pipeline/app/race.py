@@ -32,7 +32,6 @@ from pipeline.app.comparison import Comparison
 from pipeline.app.runtime_runs import EachRuntime, RuntimeRun, deployed_float
 from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
 from pipeline.backends import Backend
-from pipeline.backends.ratios import clear_leader
 from pipeline.backends.timing import TimingPlan, time_pairs
 from pipeline.errors import StateError, first_line
 
@@ -158,8 +157,7 @@ def _timed_race(path: Path, key: str, deployments: dict[str, tuple[tuple[Backend
 
 def _plan(cfg: DictConfig) -> TimingPlan:
     """A race's timing: up to 8 rounds, fewer once one deployment is clearly the fastest."""
-    return TimingPlan(rounds=8, runs_per_round=max(2, int(cfg.backend.timing_runs) // 8),
-                      warmup_runs=int(cfg.backend.warmup_runs), until=clear_leader)
+    return TimingPlan.race(cfg.backend.timing_runs, cfg.backend.warmup_runs)
 
 
 def decide_race(key: str, measured: dict[str, tuple[float | None, float | None]], bound: float = GAIN_BOUND) -> Race:

@@ -10,8 +10,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline.backends.timing import TimingPlan
-
 # a sequential measurement runs at least this many rounds before its interval may end it
 MIN_ROUNDS = 3
 # two-sided 95% Student t quantiles for 1..10 degrees of freedom (the last one beyond: conservative)
@@ -62,21 +60,6 @@ CHEAP_ROUNDS, CHEAP_SECONDS = 64, 2.0
 def timed_seconds(blocks: list[list[list[float]]]) -> float:
     """The seconds the timed runs of ``time_interleaved``'s blocks took, all models together."""
     return sum(sum(block) for model in blocks for block in model) / 1000.0
-
-
-def duel_plan(rounds: int, runs_per_round: int, warmup_runs: int, threshold: float,
-              cheap_rounds: int = CHEAP_ROUNDS) -> TimingPlan:
-    """How to time a pair [reference, candidate]: paired rounds that end once the candidate's ratio is
-    clearly below or above ``threshold`` (``sequential_verdict``), or after ``rounds`` rounds, or, where
-    those were cheap, after more (up to ``cheap_rounds`` within CHEAP_SECONDS; 0: none past ``rounds``);
-    the first failure ends it."""
-
-    def until(blocks: list[list[list[float]]]) -> bool:
-        if sequential_verdict(round_ratios(blocks[0], blocks[1]), threshold) is not None:
-            return True
-        return len(blocks[0]) >= rounds and timed_seconds(blocks) >= CHEAP_SECONDS
-
-    return TimingPlan(max(rounds, cheap_rounds), runs_per_round, warmup_runs, stop_on_error=True, until=until)
 
 
 def clear_leader(blocks: list[list[list[float]]]) -> bool:

@@ -18,6 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.backends.base import Backend, PreparedModel, Timing
+from pipeline.backends.ratios import (
+    CHEAP_ROUNDS,
+    CHEAP_SECONDS,
+    clear_leader,
+    round_ratios,
+    sequential_verdict,
+    timed_seconds,
+)
 
 log = logging.getLogger("tune.backends")
 
@@ -53,23 +61,13 @@ def prepared_pairs(models: list[tuple[Backend, str | Path]], profile: bool = Fal
                 pm.close()
 
 
-def compare_interleaved(backend: Backend, model_paths: list[str | Path], rounds: int = 5,
-                        runs_per_round: int | None = None, warmup_runs: int | None = None) -> list[Timing]:
-    """Measure several models in alternating blocks; one Timing per model over all its samples.
-
-    Prepares every model, then times them with ``compare_prepared``; a model that cannot be prepared
-    gets a failed Timing. Every prepared model is closed on the way out, also on Ctrl-C.
-    """
-    runs = runs_per_round or max(1, backend.timing_runs // max(rounds, 1))
-    warm = backend.warmup_runs if warmup_runs is None else warmup_runs
-    return compare_pairs([(backend, p) for p in model_paths], rounds, runs, warm, backend.name)
-
-
-def compare_pairs(models: list[tuple[Backend, str | Path]], rounds: int, runs_per_round: int, warmup_runs: int,
-                  name: str) -> list[Timing]:
-    """``compare_interleaved`` of (backend, model) pairs, each model on its own backend; ``name`` labels
-    the Timings."""
-    return time_pairs(models, TimingPlan(rounds, runs_per_round, warmup_runs), name)[0]
+def compare_interleaved(backend: Backend, model_paths: list[str | Path], plan: TimingPlan | None = None
+                        ) -> list[Timing]:
+    """Measure several models on ``backend`` in alternating blocks by ``plan`` (default: the backend's final
+    comparison, ``TimingPlan.final``); one Timing per model over all its samples. A model that cannot be
+    prepared gets a failed Timing; every prepared model is closed on the way out, also on Ctrl-C."""
+    plan = plan if plan is not None else TimingPlan.final(backend.timing_runs, backend.warmup_runs)
+    return time_pairs([(backend, p) for p in model_paths], plan, backend.name)[0]
 
 
 def time_pairs(models: list[tuple[Backend, str | Path]], plan: TimingPlan, name: str
@@ -101,6 +99,17 @@ def min_block_configured(ms: float) -> Iterator[None]:
         _MIN_BLOCK.reset(token)
 
 
+# a duel's rounds, and its runs per round: the backend's timing_runs / DUEL_SPLIT (``duel_runs``)
+DUEL_ROUNDS, DUEL_SPLIT = 12, 8
+# a race runs at most RACE_ROUNDS rounds; a final comparison FINAL_ROUNDS
+RACE_ROUNDS, FINAL_ROUNDS = 8, 6
+
+
+def duel_runs(timing_runs: int) -> int:
+    """Timed runs per round of a duel on a backend that times ``timing_runs`` runs per model."""
+    return max(2, int(timing_runs) // DUEL_SPLIT)
+
+
 @dataclass(frozen=True)
 class TimingPlan:
     """How ``time_interleaved`` times its models: ``rounds`` rounds of ``runs_per_round`` timed runs per
@@ -115,6 +124,37 @@ class TimingPlan:
     stop_on_error: bool = False
     until: Callable[[list[list[list[float]]]], bool] | None = None
     min_block_ms: float | None = None  # None: the run's (``min_block_configured``, else MIN_BLOCK_MS)
+
+    @classmethod
+    def duel(cls, threshold: float, rounds: int, runs_per_round: int, warmup_runs: int = 0,
+             cheap_rounds: int = CHEAP_ROUNDS) -> TimingPlan:
+        """A pair [reference, candidate] in paired rounds that end once the candidate's ratio is clearly
+        below or above ``threshold`` (``sequential_verdict``), or after ``rounds`` rounds, or, where those
+        were cheap, after more (up to ``cheap_rounds`` within CHEAP_SECONDS; 0: none past ``rounds``); the
+        first failure ends it. ``duel_runs`` gives the runs per round of a backend's duels."""
+
+        def until(blocks: list[list[list[float]]]) -> bool:
+            if sequential_verdict(round_ratios(blocks[0], blocks[1]), threshold) is not None:
+                return True
+            return len(blocks[0]) >= rounds and timed_seconds(blocks) >= CHEAP_SECONDS
+
+        return cls(max(rounds, cheap_rounds), runs_per_round, warmup_runs, stop_on_error=True, until=until)
+
+    @classmethod
+    def race(cls, timing_runs: int, warmup_runs: int) -> TimingPlan:
+        """Several deployments, the fastest wanted (backend=auto's races and choice, the weight storage):
+        up to RACE_ROUNDS rounds of ``timing_runs`` / RACE_ROUNDS runs, fewer once one is clearly the
+        fastest (``clear_leader``)."""
+        return cls(RACE_ROUNDS, max(2, int(timing_runs) // RACE_ROUNDS), int(warmup_runs), until=clear_leader)
+
+    @classmethod
+    def final(cls, timing_runs: int, warmup_runs: int, rounds: int = FINAL_ROUNDS,
+              runs_per_round: int | None = None) -> TimingPlan:
+        """The comparison a stage reports and ships by (autotune's guard, the runtime search's last
+        comparison, evaluate): every model ``rounds`` rounds of ``timing_runs`` / 2 runs (or
+        ``runs_per_round``), none ending early."""
+        runs = runs_per_round if runs_per_round is not None else max(2, int(timing_runs) // 2)
+        return cls(int(rounds), runs, int(warmup_runs))
 
     def block_runs(self, fastest_ms: float) -> int:
         """Timed runs per block for models whose fastest run takes ``fastest_ms``."""
@@ -185,10 +225,10 @@ def _settle(pm: Any, runs: int, before: Any) -> None:
         n += 1
 
 
-def compare_prepared(backend_name: str, prepared: list[PreparedModel], rounds: int = 5, runs_per_round: int = 1,
-                     warmup_runs: int = 0) -> list[Timing]:
-    """Time prepared models (``time_interleaved``): one Timing per model over all its runs (the caller closes them)."""
-    return pooled(*time_interleaved(list(prepared), TimingPlan(rounds, runs_per_round, warmup_runs)), backend_name)
+def compare_prepared(backend_name: str, prepared: list[PreparedModel], plan: TimingPlan) -> list[Timing]:
+    """Time prepared models by ``plan`` (``time_interleaved``): one Timing per model over all its runs (the
+    caller closes them)."""
+    return pooled(*time_interleaved(list(prepared), plan), backend_name)
 
 
 def pooled(blocks: list[list[list[float]]], errors: list[str | None], name: str) -> list[Timing]:

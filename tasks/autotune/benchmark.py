@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.backends import Backend, PreparedModel
-from pipeline.backends.ratios import MIN_ROUNDS, duel_plan, round_ratios, sequential_verdict
+from pipeline.backends.ratios import MIN_ROUNDS, round_ratios, sequential_verdict
 from pipeline.backends.timing import TimingPlan, prepared_models, time_interleaved
 from pipeline.graph.model import model_hash, write_model_bytes
 from tasks.autotune.crash_guard import CrashGuard
@@ -114,7 +114,7 @@ class PairedBenchmark:
             cand.time_runs(self.warmup_runs)  # (the reference was warmed up once, when it was loaded)
             runs = self.runs_per_round if stop_at is None else max(2, self.runs_per_round // 2)
             plan = (TimingPlan(rounds, runs, stop_on_error=True) if stop_at is None else
-                    duel_plan(rounds, runs, 0, stop_at, cheap_rounds=0))
+                    TimingPlan.duel(stop_at, rounds, runs, cheap_rounds=0))
             blocks, errors = time_interleaved([ref, cand], plan)
             error = next((e for e in errors if e is not None), None)
             if error is not None:

@@ -193,7 +193,7 @@ def _from_steps(setup: TuneSetup, paths: list[Path], steps: list[PairedStep]
 def _measure_final(setup: TuneSetup, paths: list[Path]) -> tuple[list[Any], list[Any]]:
     """Timings (one interleaved run) and accuracy verdicts of ``paths``; the float baseline and the
     tuned model must both be measurable."""
-    from pipeline.backends.timing import compare_prepared
+    from pipeline.backends.timing import TimingPlan, compare_prepared
 
     backend = setup.backend
     warmup, timing = setup.runs.warmup_runs, setup.runs.timing_runs
@@ -207,8 +207,7 @@ def _measure_final(setup: TuneSetup, paths: list[Path]) -> tuple[list[Any], list
                                  f"{first_line(exc)}") from None
             prepared.append(pm)
             verdicts.append(setup.judge(pm))
-        timings = compare_prepared(backend.name, prepared, rounds=6, runs_per_round=max(2, timing // 2),
-                                   warmup_runs=warmup)
+        timings = compare_prepared(backend.name, prepared, TimingPlan.final(timing, warmup))
     finally:
         for pm in prepared:
             pm.close()

@@ -86,12 +86,12 @@ FP32_FASTER = 0.97
 def fp32_latency_ratio(backend: Backend, fp32: Backend, path: Path) -> tuple[float | None, bool]:
     """(the FP32 float's latency over the default float's: median of per-round ratios, None where
     either failed to run; whether it is clearly below FP32_FASTER), from paired rounds that end once that
-    is clear or not, else after 12 rounds, or more while they are cheap (``duel_plan``)."""
-    from pipeline.backends.ratios import duel_plan, round_ratios, sequential_verdict
-    from pipeline.backends.timing import time_interleaved
+    is clear or not, else after DUEL_ROUNDS rounds, or more while they are cheap (``TimingPlan.duel``)."""
+    from pipeline.backends.ratios import round_ratios, sequential_verdict
+    from pipeline.backends.timing import DUEL_ROUNDS, TimingPlan, duel_runs, time_interleaved
 
     with backend.prepare(path) as own, fp32.prepare(path) as full:
-        plan = duel_plan(12, max(2, int(backend.timing_runs) // 8), int(backend.warmup_runs), FP32_FASTER)
+        plan = TimingPlan.duel(FP32_FASTER, DUEL_ROUNDS, duel_runs(backend.timing_runs), int(backend.warmup_runs))
         blocks, errors = time_interleaved([own, full], plan)
     ratios = round_ratios(*blocks)
     if any(errors) or not ratios:

@@ -40,7 +40,7 @@ from pipeline.accuracy.metrics import ModelScores, json_safe
 from pipeline.artifacts import atomic_write_json, atomic_write_text, read_json, sha256_file
 from pipeline.backends import create_backend, settings_artifacts
 from pipeline.backends.base import Backend, PreparedModel
-from pipeline.backends.timing import compare_prepared
+from pipeline.backends.timing import TimingPlan, compare_prepared
 from pipeline.config import resolved_data_source
 from pipeline.data.adapters import DataProvider
 from pipeline.errors import PipelineError, StageError, first_line
@@ -341,17 +341,18 @@ class EvaluateStage(Stage):
     def _latency(backend: Backend, evaluated: list[EvaluatedModel], prepared: dict[str, PreparedModel],
                  rounds: int) -> LatencyRun:
         """Interleaved timing of the models already prepared for scoring (no second build)."""
-        runs = max(1, backend.timing_runs // rounds)
         keys = [c.key for c in evaluated] + [k for k in prepared if k not in {c.key for c in evaluated}]
-        timings = compare_prepared(backend.name, [prepared[k] for k in keys], rounds=rounds,
-                                   runs_per_round=runs, warmup_runs=backend.warmup_runs)
+        # evaluate.latency_repeats rounds of the backend's timing_runs in all
+        plan = TimingPlan.final(backend.timing_runs, backend.warmup_runs, rounds=rounds,
+                                runs_per_round=max(1, backend.timing_runs // rounds))
+        timings = compare_prepared(backend.name, [prepared[k] for k in keys], plan)
         for c, t in zip(evaluated, timings, strict=False):
             if not t.ok:
                 raise StageError(f"latency of the {c.label} model {c.artifact} could not be measured on "
                                  f"{backend.name}: {(t.error or 'unknown error').strip().splitlines()[0]}")
         timed = dict(zip(keys, timings, strict=True))
         extra = {k: timed.pop(k) for k in keys[len(evaluated):]}
-        return LatencyRun(rounds, runs, backend.warmup_runs, timed, extra)
+        return LatencyRun(rounds, plan.runs_per_round, backend.warmup_runs, timed, extra)
 
     @staticmethod
     def _session_settings(ctx: StageContext, backend: Backend) -> Any:

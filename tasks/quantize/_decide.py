@@ -107,10 +107,9 @@ def _weight_storage(setup: QuantizeSetup, placer: Placer, unsupported: set[str],
 
 def _measure(backend: Backend, paths: list[Path]) -> list[float | None]:
     """p10 latency of each model in ``paths`` (None where it failed), measured interleaved."""
-    from pipeline.backends.timing import compare_interleaved
+    from pipeline.backends.timing import TimingPlan, compare_interleaved
 
-    timings = compare_interleaved(backend, paths, rounds=4, runs_per_round=max(2, backend.timing_runs // 8),
-                                  warmup_runs=backend.warmup_runs)
+    timings = compare_interleaved(backend, paths, TimingPlan.race(backend.timing_runs, backend.warmup_runs))
     return [t.p10_ms if t.ok else None for t in timings]
 
 

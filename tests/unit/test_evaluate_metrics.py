@@ -180,12 +180,12 @@ class _FakePrepared:
 
 
 def test_compare_prepared_rotates_and_fails_only_the_broken_model():
-    from pipeline.backends.timing import compare_prepared
+    from pipeline.backends.timing import TimingPlan, compare_prepared
 
     order: list[str] = []
     a, b, c = (_FakePrepared(5.0, log=order, name="a"), _FakePrepared(6.0, fail_after=3, log=order, name="b"),
                _FakePrepared(7.0, log=order, name="c"))
-    ta, tb, tc = compare_prepared("fake", [a, b, c], rounds=3, runs_per_round=4, warmup_runs=0)
+    ta, tb, tc = compare_prepared("fake", [a, b, c], TimingPlan(3, 4, 0))
     assert ta.ok and tc.ok and ta.n == 12 and tc.median_ms == 7.0
     assert not tb.ok and "device lost" in tb.error
     # one warm-up run each (a b c), then each round starts one model later: a b c | b c a | c a (b has
@@ -250,7 +250,7 @@ def test_every_block_lasts_long_enough_for_the_fastest_model():
 
 def test_compare_interleaved_closes_what_it_prepared_on_interrupt(tmp_path):
     from pipeline.backends.base import Timing
-    from pipeline.backends.timing import compare_interleaved
+    from pipeline.backends.timing import TimingPlan, compare_interleaved
 
     made: list[_FakePrepared] = []
 
@@ -265,10 +265,10 @@ def test_compare_interleaved_closes_what_it_prepared_on_interrupt(tmp_path):
             made.append(_FakePrepared(1.0))
             return made[-1]
 
-    ok, bad = compare_interleaved(Backend(), ["good", "bad"], rounds=2)
+    ok, bad = compare_interleaved(Backend(), ["good", "bad"], TimingPlan(2, 1))
     assert isinstance(ok, Timing) and ok.ok and not bad.ok and "cannot load" in bad.error
     with pytest.raises(KeyboardInterrupt):
-        compare_interleaved(Backend(), ["good", "stop"], rounds=2)
+        compare_interleaved(Backend(), ["good", "stop"], TimingPlan(2, 1))
     assert len(made) == 2 and all(m.closed for m in made)
 
 
@@ -338,12 +338,12 @@ def test_an_undecided_duel_goes_on_while_its_rounds_are_cheap():
     """The float-precision check's duel: a clear ratio ends it after MIN_ROUNDS rounds; one whose rounds
     read 0.87x and 1.07x in turn (0.965x on average, never clear of 0.97) goes on to CHEAP_ROUNDS rounds
     for a tenth-of-a-millisecond model, and stops at its 12 rounds for a slow one."""
-    from pipeline.backends.ratios import CHEAP_ROUNDS, MIN_ROUNDS, duel_plan
-    from pipeline.backends.timing import time_interleaved
+    from pipeline.backends.ratios import CHEAP_ROUNDS, MIN_ROUNDS
+    from pipeline.backends.timing import TimingPlan, time_interleaved
 
     def rounds(ms: float, factors: tuple[float, ...]) -> int:
         blocks, errors = time_interleaved([_AlternatingPrepared(ms), _AlternatingPrepared(ms, factors)],
-                                          duel_plan(12, 6, 2, threshold=0.97))
+                                          TimingPlan.duel(0.97, 12, 6, 2))
         assert errors == [None, None]
         return len(blocks[0])
 

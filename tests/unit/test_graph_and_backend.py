@@ -6,6 +6,7 @@ import pytest
 
 from pipeline.backends import compare_interleaved, create_backend
 from pipeline.backends.onnxruntime.backend import physical_cores
+from pipeline.backends.timing import TimingPlan
 from pipeline.errors import InputError
 from pipeline.graph.model import dynamic_inputs, fix_input_shapes, input_specs, load_model
 from tests import models
@@ -63,7 +64,8 @@ def test_failed_measurement_is_not_infinite(tmp_path):
 
 def test_interleaved_compare(tiny_models):
     backend = create_backend(compose(["backend=onnxruntime", "backend.timing_runs=6", "backend.warmup_runs=1"]).backend)
-    a, b = compare_interleaved(backend, [tiny_models["conv_chain"], tiny_models["attention_block"]], rounds=3)
+    a, b = compare_interleaved(backend, [tiny_models["conv_chain"], tiny_models["attention_block"]],
+                               TimingPlan(3, max(1, backend.timing_runs // 3), backend.warmup_runs))
     # 3 rounds of 2 runs at least; more where the faster model needs them to fill a block (MIN_BLOCK_MS)
     assert a.ok and b.ok and a.n == b.n and a.n >= 6 and a.n % 3 == 0
     assert physical_cores() >= 1

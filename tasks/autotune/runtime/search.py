@@ -21,8 +21,8 @@ from typing import Any
 
 from pipeline.artifacts import atomic_write_json, read_json
 from pipeline.backends.base import Backend
-from pipeline.backends.ratios import duel_plan, ratio_interval, round_ratios
-from pipeline.backends.timing import time_interleaved
+from pipeline.backends.ratios import ratio_interval, round_ratios
+from pipeline.backends.timing import TimingPlan, duel_runs, time_interleaved
 from pipeline.errors import first_line
 from pipeline.graph.model import model_hash
 from tasks.autotune.state_file import RUNTIME_STATE, StateDocument, StateHeader, resume_or_set_aside
@@ -202,9 +202,9 @@ class RuntimeSearch:
                 step.why = f"misses the accuracy budget ({verdict.what})"
                 log.info("runtime search: %s: %s", change.name, step.why)
                 return step
-            blocks, errors = time_interleaved([ref_pm, cand_pm], duel_plan(
-                int(self.cfg.max_rounds), max(2, self.backend.timing_runs // 8), self.backend.warmup_runs,
-                float(self.cfg.keep_below), cheap_rounds=0))
+            blocks, errors = time_interleaved([ref_pm, cand_pm], TimingPlan.duel(
+                float(self.cfg.keep_below), int(self.cfg.max_rounds), duel_runs(self.backend.timing_runs),
+                self.backend.warmup_runs, cheap_rounds=0))
         except Exception as exc:  # noqa: BLE001 - a setting the runtime rejects is a failed step, not a failed run
             step.why = f"failed: {first_line(exc)}"
             log.info("runtime search: %s %s", change.name, step.why)
@@ -291,8 +291,7 @@ def _final_comparison(backend: Backend, float_path: Path, shipped: Path, setting
     try:
         for b, p in ((plain, float_path), (tuned, float_path), (plain, shipped), (tuned, shipped)):
             prepared.append(b.prepare(p))
-        t = compare_prepared(backend.name, prepared, rounds=6, runs_per_round=max(2, backend.timing_runs // 6),
-                             warmup_runs=backend.warmup_runs)
+        t = compare_prepared(backend.name, prepared, TimingPlan.final(backend.timing_runs, backend.warmup_runs))
     finally:
         for pm in prepared:
             pm.close()
