@@ -56,7 +56,8 @@ class Stage:
     ``outputs`` (artifact keys they always write) and ``config_keys`` (config sections whose values
     change the outputs), ``host_bound`` where the outputs are facts of the host that made them (a
     compiled engine, measured latency: a results_dir copied to another kind of CPU or runtime version
-    runs the stage again), and implement ``run``."""
+    runs the stage again), ``tunes`` where it is tuning (quantize, autotune: a re-choice on another host
+    never runs it), and implement ``run``."""
 
     name: str = ""
     inputs: tuple[str, ...] = ()
@@ -64,6 +65,7 @@ class Stage:
     outputs: tuple[str, ...] = ()
     config_keys: tuple[str, ...] = ()
     host_bound: bool = False
+    tunes: bool = False
 
     def optional_input_keys(self, ctx: StageContext) -> tuple[str, ...]:
         """``optional_inputs``, and any the run's config adds (e.g. the configured runtime's settings file)."""

@@ -39,6 +39,7 @@ from pipeline.app.runtime_runs import (
     run_scope_of,
     runnable,
 )
+from pipeline.app.scope import tuning_frozen
 from pipeline.artifacts import (
     Manifest,
     atomic_write_json,
@@ -81,7 +82,9 @@ def run_auto(cfg: DictConfig, results_dir: Path,
     runs, left_out = runnable(cfg, results_dir)
     everyone = list(runs)  # the reference float is among them, tuned or not
     each = EachRuntime(cfg, results_dir, run_stages, left_out)
-    with sharing():  # calibration statistics are collected once, by the first runtime that quantizes
+    # calibration statistics are collected once, by the first runtime that quantizes; a re-choice
+    # (backend.tuned_only) runs no tuning stage
+    with sharing(), tuning_frozen(bool(cfg.backend.get("tuned_only", False))):
         if "quantize" in per_runtime:
             runs = each.run(race_floats(cfg, results_dir, runs, each), "quantize")
         if "autotune" in per_runtime:

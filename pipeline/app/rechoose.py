@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -62,6 +63,7 @@ def rechoose_args(results_dir: Path, overrides: list[str]) -> tuple[str | None, 
 def main(argv: list[str] | None = None) -> int:
     """`tune-rechoose RESULTS_DIR [overrides...]`."""
     from pipeline.app.cli import checked_config, run_job
+    from pipeline.app.scope import tuning_frozen
     from pipeline.config import register_configs
 
     parser = argparse.ArgumentParser(prog="tune-rechoose", description=__doc__.split("\n\n")[1])
@@ -72,11 +74,26 @@ def main(argv: list[str] | None = None) -> int:
         config_dir, name, overrides = rechoose_args(args.results_dir.resolve(), list(args.overrides))
         register_configs()
         checked_config(overrides, config_dir, name)
-        run_job(overrides, config_dir, name)
+        started = time.monotonic()
+        with tuning_frozen():  # whatever the backend: a tuning stage that is not up to date is an error
+            run_job(overrides, config_dir, name)
     except PipelineError as exc:
         print(f"tune-rechoose: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    print(cost_line(args.results_dir.resolve(), time.monotonic() - started))
     return 0
+
+
+def cost_line(results_dir: Path, seconds: float) -> str:
+    """What the re-choice cost against the tuning it did not repeat (quantize and autotune in every runtime,
+    as the manifest records them)."""
+    from pipeline.artifacts import Manifest
+
+    manifest = Manifest(results_dir)
+    tuned = sum(float((manifest.entry(s) or {}).get("seconds") or 0.0) for s in ("quantize", "autotune"))
+    share = f" ({100 * seconds / tuned:.0f}%)" if tuned > 0 else ""
+    return (f"tune-rechoose: chose again and ran the later stages in {seconds:.1f} s; the run it re-chose for "
+            f"spent {tuned:.1f} s quantizing and tuning{share}")
 
 
 __all__ = ["cli", "main", "rechoose_args"]

@@ -21,11 +21,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline.app.scope import run_scope
+from pipeline.app.scope import is_tuning_frozen, run_scope
 from pipeline.artifacts import Manifest, ResultsDirLock, fingerprint, sha256_file
 from pipeline.backends.timing import MIN_BLOCK_MS
 from pipeline.config import ordered_stages, validate
-from pipeline.errors import PipelineError, StageError
+from pipeline.errors import PipelineError, StageError, StateError
 from pipeline.graph import weights
 from pipeline.registry import load_stage
 from pipeline.stage import Stage, StageContext, StageResult
@@ -139,6 +139,10 @@ def _run_stages(cfg: DictConfig, stages: list[Stage], results_dir: Path) -> dict
                 log.info("%s: up to date, skipped (inputs and config unchanged)", stage.name)
                 summary[stage.name] = {"status": "skipped", "metrics": entry.get("metrics", {})}
                 continue
+            if stage.tunes and is_tuning_frozen():
+                raise StateError(f"{stage.name} in {results_dir} is not up to date with this run's config and "
+                                 f"inputs (another qdq-tune version, or changed spec files or data): a re-choice "
+                                 f"tunes nothing; run tune on the results_dir first (it tunes again), then re-choose")
             rerun_rest = True
             summary[stage.name] = _run_one(stage, ctx, inputs, fp)
     return summary

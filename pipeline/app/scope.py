@@ -14,6 +14,7 @@ thread sees its run's settings where it is handed the run's context (``contextva
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -24,6 +25,24 @@ from pipeline.data import adapters
 from pipeline.data import live as live_objects
 from pipeline.graph import weights
 from pipeline.quant import cpu
+
+# set while a re-choice runs (`tune-rechoose`, backend.tuned_only): a tuning stage that is not up to date
+# is an error, not a run (``pipeline.app.runner``)
+_TUNING_FROZEN = contextvars.ContextVar("tuning_frozen", default=False)
+
+
+@contextlib.contextmanager
+def tuning_frozen(frozen: bool = True) -> Iterator[None]:
+    """No tuning stage runs inside the block (it must be up to date): a re-choice tunes nothing."""
+    token = _TUNING_FROZEN.set(bool(frozen))
+    try:
+        yield
+    finally:
+        _TUNING_FROZEN.reset(token)
+
+
+def is_tuning_frozen() -> bool:
+    return _TUNING_FROZEN.get()
 
 
 @contextlib.contextmanager

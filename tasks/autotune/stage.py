@@ -92,6 +92,7 @@ class AutotuneStage(Stage):
     optional_inputs = ("quantize/calibration.json", "quantize/quantized_model.onnx", "quantize/float_model.onnx")
     outputs = COMMON_OUTPUTS
     config_keys = ("autotune", "accuracy", "backend", "quantize", "seed", "target")
+    tunes = True
 
     def run(self, ctx: StageContext) -> StageResult:
         mode = enum_value(ctx.cfg.autotune.mode)

@@ -139,6 +139,7 @@ class QuantizeStage(Stage):
     outputs = ("quantize/quantized_model.onnx", "quantize/calibration.json", "quantize/float_model.onnx")
     # autotune.quant_type: fp8 tuning needs fp8 ranges, which calibration searches only when asked
     config_keys = ("quantize", "data", "seed", "backend.name", "accuracy", "autotune.quant_type", "target")
+    tunes = True
 
     def run(self, ctx: StageContext) -> StageResult:
         cfg, q = ctx.cfg, ctx.cfg.quantize

@@ -176,7 +176,7 @@ def _assert_shipped_in_place(rd: Path, runtime: str, settings: str, gone: str) -
     assert (top / settings).read_bytes() == (own / settings).read_bytes() and not (top / gone).exists()
 
 
-def test_rechoose_on_another_host_ships_the_runtime_that_wins_there(residual_models, tmp_path, monkeypatch):
+def test_rechoose_on_another_host_ships_the_runtime_that_wins_there(residual_models, tmp_path, monkeypatch, capsys):
     """Timings faked so that OpenVINO wins where the run was tuned and ONNX Runtime on the host the
     results_dir lands on (another CPU kind, pinned through the test seam): `tune-rechoose` tunes nothing,
     judges both shipped models on the held-out samples here, ships ONNX Runtime, and gen_trt_engine,
@@ -217,6 +217,10 @@ def test_rechoose_on_another_host_ships_the_runtime_that_wins_there(residual_mod
     assert set(again.stages.values()) == {"skipped"} and again.runtime == "onnxruntime"
     session = again.load()
     assert len(session.run(None, fixed_feeds_of(residual_models["tiny"]))) == 1
+    # a re-choice tunes nothing: where tuning is not up to date (here another budget), it says so and stops
+    capsys.readouterr()
+    assert rechoose([str(rd), "progress=false", "accuracy.max_drop=2"]) == 2
+    assert "a re-choice tunes nothing; run tune on the results_dir first" in capsys.readouterr().err
 
 
 def _faked_auto_args(residual_models, rd):
