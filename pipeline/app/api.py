@@ -47,14 +47,10 @@ class TuneResult:
         return EvaluateMetrics.from_dict(recorded, "evaluate's metrics") if recorded else None
 
     def load(self, device: str = "CPU") -> Any:
-        """The shipped model ready to run in its runtime's own API, with the settings it ships with: an
-        onnxruntime.InferenceSession (``ort_session``) or an openvino.CompiledModel (``openvino_model``)."""
-        if self.runtime == "openvino":
-            return openvino_model(self.results_dir, device)
-        if self.runtime in (None, "onnxruntime"):
-            return ort_session(self.results_dir)
-        raise InputError(f"{self.runtime}: load gen_trt_engine's artifact in {self.results_dir} with its own API "
-                         f"(TuneResult.load covers onnxruntime and openvino)")
+        """The shipped model ready to run in its runtime's own API, with the settings it ships with (the
+        runtime's ``Backend.open_deployment``): an onnxruntime.InferenceSession (``ort_session``) or an
+        openvino.CompiledModel (``openvino_model``)."""
+        return _open_shipped(self.results_dir, self.runtime, device)
 
 
 def tune(overrides: Sequence[str] | Mapping[str, Any] = (), *, model: Any = None, data: Any = None,
@@ -313,7 +309,7 @@ def _shape_overrides(data: Any, calibration: Iterable[Any] | None, batch_size: i
 # ---------------------------------------------------------------------------- the result
 
 
-def _shipped(results_dir: str | os.PathLike, settings_key: str) -> tuple[Path, Path | None]:
+def _shipped(results_dir: str | os.PathLike, settings_key: str | None) -> tuple[Path, Path | None]:
     """(the model a run shipped: autotune's, else quantize's, else export's; the runtime settings file
     ``settings_key`` autotune shipped beside it, None when the shipped model is not autotune's)."""
     from pipeline.stage import MODEL_KEYS
@@ -322,7 +318,8 @@ def _shipped(results_dir: str | os.PathLike, settings_key: str) -> tuple[Path, P
     shipped = next(((k, p) for k in MODEL_KEYS if (p := manifest.artifact(k)) is not None), None)
     if shipped is None:
         raise InputError(f"{results_dir}: no finished stage wrote a model (run tune with results_dir={results_dir})")
-    settings_path = manifest.artifact(settings_key) if shipped[0] == "autotune/optimized_final.onnx" else None
+    settings_path = manifest.artifact(settings_key) if settings_key and shipped[0] == "autotune/optimized_final.onnx" \
+        else None
     return shipped[1], settings_path
 
 
@@ -359,12 +356,11 @@ def ort_session(results_dir: str | os.PathLike, providers: Sequence[str] = ("CPU
         from pipeline.api import ort_session
         session = ort_session("results/digits_cnn")
     """
-    from pipeline.backends.onnxruntime.session import SessionSettings
+    from pipeline.backends.onnxruntime import OnnxRuntimeBackend
 
-    model, settings_path = _shipped(results_dir, "autotune/ort_session.json")
-    settings = SessionSettings.load(settings_path) if settings_path is not None else SessionSettings()
+    model, settings_path = _shipped(results_dir, OnnxRuntimeBackend.shipped_settings.artifact)
     _warn_host(results_dir)
-    return settings.session(model, providers)
+    return OnnxRuntimeBackend.open_deployment(model, settings_path, providers=providers)
 
 
 def openvino_model(results_dir: str | os.PathLike, device: str = "CPU") -> Any:
@@ -378,12 +374,21 @@ def openvino_model(results_dir: str | os.PathLike, device: str = "CPU") -> Any:
 
     then ``compiled(inputs)`` (or ``compiled.create_infer_request()``) runs it.
     """
-    from pipeline.backends.openvino.settings import CompileSettings
+    from pipeline.backends.openvino import OpenVinoBackend
 
-    model, settings_path = _shipped(results_dir, "autotune/openvino_compile.json")
-    settings = CompileSettings.load(settings_path) if settings_path is not None else CompileSettings()
+    return _open_shipped(results_dir, OpenVinoBackend.name, device)
+
+
+def _open_shipped(results_dir: str | os.PathLike, runtime: str | None, device: str) -> Any:
+    """The shipped model of ``results_dir`` opened by ``runtime``'s Backend.open_deployment (None: the
+    reference runtime's), with its settings file; the host warning first."""
+    from pipeline.backends import named_runtime
+
+    cls = named_runtime(runtime)
+    kind = cls.shipped_settings
+    model, settings_path = _shipped(results_dir, kind.artifact if kind is not None else None)
     _warn_host(results_dir)
-    return settings.compile(model, device)
+    return cls.open_deployment(model, settings_path, device)
 
 
 def _result(results_dir: Path, summary: dict[str, Any]) -> TuneResult:

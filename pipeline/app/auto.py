@@ -174,10 +174,10 @@ def _shipped(run: RuntimeRun) -> tuple[Backend, Path, dict[str, Any]]:
 
 
 def reference_float(runs: list[RuntimeRun]) -> Backend:
-    """The float every runtime is compared with: ONNX Runtime's FP32 where it takes part, else the first
-    runtime in FP32."""
-    first = next((r for r in runs if r.name == "onnxruntime"), runs[0])
-    backend = create_backend(first.cfg.backend).as_deployed()
+    """The float every runtime is compared with: the reference runtime's FP32 (``Backend.reference``: ONNX
+    Runtime) where it takes part, else the first runtime in FP32."""
+    backends = [create_backend(r.cfg.backend) for r in runs]
+    backend = next((b for b in backends if b.reference), backends[0]).as_deployed()
     return backend.fp32_variant() or backend
 
 

@@ -24,6 +24,15 @@ BACKENDS: dict[str, str] = {
 }
 
 
+def named_runtime(name: str | None) -> type[Backend]:
+    """The Backend class of runtime ``name`` (as a results_dir records it), imported; None or a name that is
+    not a built-in runtime: the reference runtime (``Backend.reference``), which loads what it is given."""
+    classes = [import_object(path, "backend.name") for path in BACKENDS.values()]
+    if name in BACKENDS:
+        return import_object(BACKENDS[name], "backend.name")
+    return next(c for c in classes if c.reference)
+
+
 def settings_artifacts(cfg: DictConfig) -> tuple[str, ...]:
     """The artifact autotune ships the configured runtime's settings in (its ``shipped_settings``), as a
     stage's optional input: () where the runtime ships none."""
@@ -129,5 +138,5 @@ def check_backend(cfg: DictConfig) -> None:
     create_backend(cfg.backend)
 
 
-__all__ = ["BACKENDS", "Backend", "BuildResult", "PreparedModel", "Timing", "check_backend", "compare_interleaved",
+__all__ = ["BACKENDS", "Backend", "named_runtime", "BuildResult", "PreparedModel", "Timing", "check_backend", "compare_interleaved",
            "activation_type", "auto_runtimes", "compute_backend", "is_auto", "create_backend", "judging_backend", "placement_kind", "runtime_class"]

@@ -174,6 +174,9 @@ class Backend:
     shipped_settings: ShippedSettings | None = None
     # the settings applied to every model this backend prepares or builds (None: its config alone)
     settings: Any = None
+    # the runtime whose FP32 float backend=auto compares every runtime with (where it takes part), and that
+    # loads a results_dir that records no runtime
+    reference: bool = False
 
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
@@ -194,6 +197,15 @@ class Backend:
         own session defaults): the baseline a tuned model's settings are compared against."""
         kind = self.shipped_settings
         return self.with_settings(kind.type()) if kind is not None else self
+
+    @classmethod
+    def open_deployment(cls, model: Path, settings_path: Path | None, device: str = "CPU") -> Any:
+        """The shipped ``model`` ready to run in this runtime's own API, with the settings file it ships
+        with (None: the runtime's defaults): what ``TuneResult.load`` returns."""
+        from pipeline.errors import InputError
+
+        raise InputError(f"{cls.name}: load gen_trt_engine's artifact with the runtime's own API (a shipped model "
+                         f"opens in Python for the runtimes that implement Backend.open_deployment)")
 
     # -- to implement
     def check_available(self) -> None:

@@ -8,6 +8,8 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
+from pipeline.quant.placement import PLACEMENTS
+
 
 class Algorithm(str, Enum):
     minmax = "minmax"  # observed min/max (asymmetric where the dtype allows)
@@ -29,11 +31,9 @@ class QDtype(str, Enum):
     native = "native"  # leave in float
 
 
-class Placement(str, Enum):
-    auto = "auto"  # follow the configured backend
-    tensorrt = "tensorrt"  # TensorRT Q/DQ placement recommendations
-    onnxruntime = "onnxruntime"  # node groups ORT's CPU EP fuses into integer kernels
-    openvino = "openvino"  # what OpenVINO's low-precision transformations run as int8 kernels
+# `quantize.placement`: auto (the configured backend's own) or one of the placement kinds a runtime
+# declares (pipeline.quant.placement.PLACEMENTS: whose fusions the Q/DQ follow)
+Placement = Enum("Placement", {"auto": "auto", **{name: name for name in PLACEMENTS}}, type=str)
 
 
 class ActivationType(str, Enum):
@@ -84,9 +84,10 @@ class QuantizeConfig:
     skip_names: list[str] = field(default_factory=list)  # node-name wildcards left in float
     op_types_to_quantize: list[str] = field(default_factory=list)  # empty: every supported op type
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
-    placement: Placement = Placement.auto
-    activation_type: ActivationType = ActivationType.auto
-    per_channel: bool = True
+    placement: Placement = Placement.auto  # whose fusions the Q/DQ follow; auto: the backend's own
+    activation_type: ActivationType = ActivationType.auto  # auto: uint8 for CPU runtimes' kernels, else int8
+    per_channel: bool = True  # per-output-channel weight scales
+    # auto: full-range int8 where this CPU (and every target kind) computes it exactly, else 7-bit or uint8
     weight_range: WeightRange = WeightRange.auto
     # unroll LSTM nodes with a static sequence length (<= 64 steps) into MatMul and element-wise ops, so
     # their input and recurrent matrix products are quantized (kept only if the float outputs move by <= 1e-5)

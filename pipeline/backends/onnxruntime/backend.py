@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +198,14 @@ class OnnxRuntimeBackend(Backend):
                                        "ORT's defaults")
     # the session settings a tuned model ships with (autotune/ort_session.json); None: backend.* alone
     settings: SessionSettings | None = None
+    reference = True  # its FP32 float is what every runtime is compared with
+
+    @classmethod
+    def open_deployment(cls, model: Path, settings_path: Path | None, device: str = "CPU",
+                        providers: Sequence[str] = ("CPUExecutionProvider",)) -> Any:
+        """An onnxruntime.InferenceSession of ``model`` with its shipped session settings."""
+        settings = SessionSettings.load(settings_path) if settings_path is not None else SessionSettings()
+        return settings.session(model, providers)
 
     def search_space(self) -> SearchSpace:
         from pipeline.backends.onnxruntime import search

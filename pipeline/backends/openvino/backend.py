@@ -153,6 +153,12 @@ class OpenVinoBackend(Backend):
     # the compile settings a tuned model ships with; None: backend.* alone
     settings: CompileSettings | None = None
 
+    @classmethod
+    def open_deployment(cls, model: Path, settings_path: Path | None, device: str = "CPU") -> Any:
+        """An openvino.CompiledModel of ``model`` for ``device`` with its shipped compile properties."""
+        settings = CompileSettings.load(settings_path) if settings_path is not None else CompileSettings()
+        return settings.compile(model, device)
+
     def search_space(self) -> SearchSpace:
         from pipeline.backends.openvino import search
 
