@@ -19,6 +19,7 @@ from typing import Any
 from pipeline.accuracy.budget import AccuracyVerdict
 from pipeline.accuracy.decisions import quantize_decisions
 from pipeline.accuracy.kinds import CheckedOn, checked_on, float_kinds, kind_verdicts, log_kinds
+from pipeline.backends.base import Timing
 from pipeline.errors import StageError, first_line
 from pipeline.graph.model import copy_model, has_qdq, model_hash
 from tasks.autotune.paired_step import PairedStep
@@ -36,13 +37,7 @@ def finalize(setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
         result.bench.close()  # free the search's live reference before the final comparison
     baseline, tuned, ptq = setup.baseline_path, result.tuned, setup.ptq_model
     paths = [baseline, tuned] + ([ptq] if ptq is not None and model_hash(ptq) != model_hash(tuned) else [])
-    timings, verdicts, source = _from_steps(setup, paths, result.steps) if result.steps else (None, None, "")
-    guard = {"measured": timings is None, "why": source}
-    if timings is None:
-        timings, verdicts = _measure_final(setup, paths)
-        source = f"p10 of {timings[1].n} interleaved runs"
-        guard["why"] = ("measured float, tuned" + (" and PTQ models" if len(paths) > 2 else " models")
-                        + f" in one interleaved run ({guard['why'] or 'no paired steps to reuse'})")
+    timings, verdicts, source, guard = _final_timings(setup, paths, result)
     backend = setup.backend
     precision = backend.float_precision()
     float_copies = frozenset(p for p in paths[1:] if _float_copy(p))
@@ -69,8 +64,7 @@ def finalize(setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
     else:
         line = (f"Baseline: {base_t.p10_ms:.3f} ms / Final: {chosen_t.p10_ms:.3f} ms ({speedup:.2f}x speedup), "
                 f"accuracy {chosen_v.what} {where}")
-        headline = (f"{speedup:.2f}x vs {precision} float{note}, {chosen_v.what} "
-                    f"({shipped if choice == tuned else why})")
+        headline = f"{speedup:.2f}x vs {precision} float{note}, {chosen_v.what} ({shipped if choice == tuned else why})"
     log.info(line)
     if shipped == "float":
         log.warning("autotune: ships the float model (optimized_final.onnx is %s): %s", choice.name, why)
@@ -91,6 +85,21 @@ def finalize(setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
         "float_baseline": chosen_float.to_dict() if chosen_float is not None else None,
         "headline": headline,
     }
+
+
+def _final_timings(setup: TuneSetup, paths: list[Path], result: ModeResult
+                   ) -> tuple[list[Timing], list[AccuracyVerdict], str, dict[str, Any]]:
+    """(timings, verdicts, where they come from, the guard's record) of ``paths`` (float, tuned[, PTQ]):
+    from the mode's own paired steps where they measured these very models and decide clearly, else one
+    fresh interleaved measurement."""
+    timings, verdicts, source = _from_steps(setup, paths, result.steps) if result.steps else (None, None, "")
+    guard = {"measured": timings is None, "why": source}
+    if timings is None:
+        timings, verdicts = _measure_final(setup, paths)
+        source = f"p10 of {timings[1].n} interleaved runs"
+        guard["why"] = ("measured float, tuned" + (" and PTQ models" if len(paths) > 2 else " models")
+                        + f" in one interleaved run ({guard['why'] or 'no paired steps to reuse'})")
+    return timings, verdicts, source, guard
 
 
 def checked_where(setup: TuneSetup, final: AccuracyVerdict | None, shipped_float: bool,
@@ -141,7 +150,6 @@ def _from_steps(setup: TuneSetup, paths: list[Path], steps: list[PairedStep]
     ratio. Reused only when the chain's interval clears (or misses) the performance threshold.
     """
     from pipeline.accuracy.budget import AccuracyVerdict
-    from pipeline.backends import Timing
     from pipeline.backends.ratios import chain_interval
 
     shas = [model_hash(p) for p in paths]
