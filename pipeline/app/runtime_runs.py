@@ -23,6 +23,8 @@ from pipeline.stage import Stage
 
 log = logging.getLogger("tune.auto")
 
+PER_RUNTIME = ("quantize", "autotune")  # the stages each runtime runs in its own results_dir
+
 
 @dataclass(frozen=True)
 class RuntimeRun:
@@ -109,4 +111,4 @@ def deployed_float(run: RuntimeRun) -> Backend:
     return create_backend(run.cfg.backend).as_deployed()
 
 
-__all__ = ["EachRuntime", "RuntimeRun", "deployed_float", "reroot", "run_scope_of", "runnable", "share_export"]
+__all__ = ["PER_RUNTIME", "EachRuntime", "RuntimeRun", "deployed_float", "reroot", "run_scope_of", "runnable", "share_export"]

@@ -123,7 +123,7 @@ def test_a_float_faster_than_every_shipped_model_ships_and_the_later_stages_run_
     """Timings faked so that OpenVINO's float beats every shipped model: the top level ships the exported float
     with that float's settings, gen_trt_engine deploys it and evaluate and the API run it."""
     from pipeline.api import tune
-    from pipeline.app import auto
+    from pipeline.app import choice as auto_choice
     from pipeline.backends.base import Timing
 
     def timed(pairs, plan, name):
@@ -135,7 +135,7 @@ def test_a_float_faster_than_every_shipped_model_ships_and_the_later_stages_run_
         return ([Timing(median_ms=t, p10_ms=t, n=8, backend=name) for t in times],
                 [[[t] for _ in range(plan.rounds)] for t in times])
 
-    monkeypatch.setattr(auto, "time_pairs", timed)
+    monkeypatch.setattr(auto_choice, "time_pairs", timed)
     rd = tmp_path / "r"
     args = ["model=onnx", f"model.onnx_path={residual_models['tiny']}", "data=synthetic", "backend=auto",
             "backend.tune_all=true", *QUICK, *SHORT, "autotune.schemes_per_region=1", "autotune.runtime.enabled=false",
@@ -182,14 +182,14 @@ def test_rechoose_on_another_host_ships_the_runtime_that_wins_there(residual_mod
     judges both shipped models on the held-out samples here, ships ONNX Runtime, and gen_trt_engine,
     evaluate and result.load() use it; the manifest keeps both hosts' choices."""
     from pipeline.api import tune
-    from pipeline.app import auto
+    from pipeline.app import choice as auto_choice
     from pipeline.app.rechoose import main as rechoose
     from pipeline.quant.cpu import PIN_ENV, cpu_facts
 
     fast = {"runtime": "openvino"}
     timed = _fake_timings(lambda runtime, model: 2.0 if model == "model.onnx" else  # every float
                           0.5 if runtime == fast["runtime"] else 1.0)
-    monkeypatch.setattr(auto, "time_pairs", timed)
+    monkeypatch.setattr(auto_choice, "time_pairs", timed)
     rd = tmp_path / "r"
     args = [*_faked_auto_args(residual_models, rd), "backend.tune_all=true"]
     first = tune(args)
@@ -246,7 +246,8 @@ def test_the_race_drops_a_runtime_far_behind_after_ptq_and_keeps_a_close_one(res
     """Timings faked: OpenVINO's PTQ model 2x ONNX Runtime's is dropped before its autotune, named with its
     figures in the headline, the manifest and the report; at 1.2x it stays in the race and is tuned."""
     from pipeline.api import tune
-    from pipeline.app import auto, race
+    from pipeline.app import choice as auto_choice
+    from pipeline.app import race
 
     ptq = {"onnxruntime": 1.0, "openvino": 2.0}
     floats = {"onnxruntime": 3.0, "openvino": 3.0}
@@ -257,7 +258,7 @@ def test_the_race_drops_a_runtime_far_behind_after_ptq_and_keeps_a_close_one(res
         return ptq[runtime] if model == "quantized_model.onnx" else ptq[runtime] * 0.95  # a tuned model
 
     monkeypatch.setattr(race, "time_pairs", _fake_timings(ms))
-    monkeypatch.setattr(auto, "time_pairs", _fake_timings(ms))
+    monkeypatch.setattr(auto_choice, "time_pairs", _fake_timings(ms))
     rd = tmp_path / "far"
     args = _faked_auto_args(residual_models, rd)
     result = tune(args)

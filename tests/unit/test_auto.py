@@ -50,7 +50,7 @@ def _timing(ms: float | None):
 def decided(tmp_path, *timed):
     """decide over fake timings of two runtimes (float ms, shipped ms, float is shipped, float is reference[,
     the float's 95% interval over the shipped model])."""
-    from pipeline.app.auto import TimedRuntime, decide
+    from pipeline.app.choice import TimedRuntime, decide
     from pipeline.backends import create_backend
 
     ort = create_backend(compose(["backend=onnxruntime"]).backend)
@@ -135,7 +135,7 @@ def test_statistics_are_collected_once_per_sharing_scope_and_each_caller_gets_it
 
 def test_the_final_comparison_times_each_deployment_once(tmp_path):
     """ONNX Runtime's own float is the reference float: one slot, so one speed (and one session in memory)."""
-    from pipeline.app.auto import reference_float
+    from pipeline.app.choice import reference_float
     from pipeline.app.comparison import Comparison
     from pipeline.backends import create_backend
     from tests import models

@@ -310,7 +310,8 @@ _OPEN_METRICS = {
     "tasks/export/stage.py": "export's manifest metrics, as it fills them in",
     "tasks/autotune/tune_setup.py": "autotune's metrics as each mode fills them in",
     "tasks/autotune/subgraph/report.py": "autotune's metrics as subgraph mode reports them",
-    "pipeline/app/auto.py": "autotune's manifest metrics of each runtime's own run",
+    "pipeline/app/choice.py": "autotune's manifest metrics of each runtime's own run",
+    "pipeline/app/publish.py": "autotune's manifest metrics of the winner's own run, published at the top level",
     "pipeline/app/api.py": "TuneResult.metrics: each stage's, read-only as manifest.json holds them (evaluate's "
                            "also as TuneResult.evaluation, its record)",
 }
