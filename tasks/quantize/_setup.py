@@ -29,7 +29,7 @@ from pipeline.quant.shared_stats import collect_once
 from pipeline.transforms.record import TransformRecord
 from pipeline.values import enum_value, section
 from tasks.quantize.accuracy import Checker, start_range, temp_workdir
-from tasks.quantize.float_passes import PassContext, RnnLowering, run_passes
+from tasks.quantize.passes.sequence import PassContext, RnnLowering, run_passes
 
 log = logging.getLogger("tune.quantize")
 

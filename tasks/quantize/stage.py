@@ -41,7 +41,7 @@ from tasks.quantize._decide import decide
 from tasks.quantize._held_out import choose_ranges, keep_transforms, refine_ranges
 from tasks.quantize._placer import Placer
 from tasks.quantize._setup import QuantizeSetup
-from tasks.quantize.float_passes import FLOAT_PASSES, PassContext, run_passes, summary
+from tasks.quantize.passes.sequence import FLOAT_PASSES, PassContext, run_passes, summary
 from tasks.quantize.recovery import outlier_units
 
 log = logging.getLogger("tune.quantize")

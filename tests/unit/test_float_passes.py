@@ -12,7 +12,7 @@ from onnx import numpy_helper
 
 from pipeline.accuracy.decisions import BiasCorrection
 from pipeline.transforms.record import TransformRecord
-from tasks.quantize.float_passes import FLOAT_PASSES, FloatPass, PassContext, run_passes, summary
+from tasks.quantize.passes.sequence import FLOAT_PASSES, FloatPass, PassContext, run_passes, summary
 from tests import models
 
 

@@ -10,14 +10,10 @@ import pytest
 from onnx import helper, numpy_helper
 
 from pipeline.data.adapters import Batch
-from tasks.quantize.transforms import (
-    RowSample,
-    channel_absmax,
-    equalize_cross_layer,
-    float_rel_error,
-    smooth_outliers,
-    smoothing_candidates,
-)
+from tasks.quantize.passes.activations import RowSample, channel_absmax
+from tasks.quantize.passes.equalization import equalize_cross_layer
+from tasks.quantize.passes.postcondition import float_rel_error
+from tasks.quantize.passes.smoothing import smooth_outliers, smoothing_candidates
 from tests import models
 
 EXACT = 1e-5
@@ -329,7 +325,7 @@ def _heads_attention(relu_on: str = "", scores_read_twice: bool = False) -> onnx
                                                 (lambda: _heads_attention("q"), "scale", "k/Add")])
 def test_attention_scale_moves_into_a_projection_and_its_node_goes(model_fn, node, into):
     """The query projection takes the scale; the key projection when the query path is not linear."""
-    from tasks.quantize.scale_folding import fold_matmul_scales
+    from tasks.quantize.passes.scale_folding import fold_matmul_scales
 
     model = model_fn()
     onnx.checker.check_model(model)
@@ -353,7 +349,7 @@ def _no_linear_path() -> onnx.ModelProto:
 
 @pytest.mark.parametrize("model_fn", [lambda: _heads_attention(scores_read_twice=True), _no_linear_path])
 def test_a_scale_that_cannot_move_is_left_alone(model_fn):
-    from tasks.quantize.scale_folding import fold_matmul_scales
+    from tasks.quantize.passes.scale_folding import fold_matmul_scales
 
     new, changes = fold_matmul_scales(model_fn())
     assert changes == [] and "scale" in {n.name for n in new.graph.node}
@@ -364,7 +360,7 @@ def test_transforms_leave_their_input_untouched_and_copy_only_to_change(model_fn
     """The graph editor copies the model at its first edit: a transform with nothing to change returns
     the very model it was given, and one that changes it leaves the input byte-identical."""
     from pipeline.graph.model import model_hash
-    from tasks.quantize.scale_folding import fold_matmul_scales
+    from tasks.quantize.passes.scale_folding import fold_matmul_scales
 
     model = model_fn()
     before = model_hash(model)

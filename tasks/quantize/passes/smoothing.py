@@ -6,17 +6,15 @@ constants (LayerNormalization, Mul by a constant, MatMul/Gemm, followed by any c
 Adds), else a ``Mul(t, 1/s)`` is inserted before the smoothed consumers. alpha is chosen per tensor by
 the output error of int8 Q/DQ math on sampled activation rows.
 
-Also here: ``smoothing_candidates`` (which tensors qualify), ``channel_absmax`` (their per-channel
-ranges and sampled rows on the float model) and ``float_rel_error`` (how far a transformed model's
-outputs moved from the original's; the quantize stage checks both transforms with it).
+Also here: ``smoothing_candidates`` (which tensors qualify). The per-channel ranges and sampled rows it
+reads are ``activations.channel_absmax``'s.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import onnx
@@ -24,12 +22,11 @@ from onnx import helper
 
 from pipeline.calibrate.collect import outlier_ratio
 from pipeline.quant.qmath import quantize_values, range_params, weight_params
-from tasks.quantize._graph_edit import ConstEdit, Editor, Use, absorber, attr, divide_along
+from tasks.quantize.passes.graph_edit import ConstEdit, Editor, Use, absorber, attr, divide_along
 
 log = logging.getLogger("tune.quantize")
 
 SMOOTHING_MIN_K = 16  # same threshold as placement.MIN_DOT: smaller MatMuls stay float anyway
-SAMPLE_ROWS = 512
 SCALE_LIMITS = (1e-5, 1e5)
 MIN_GAIN = 0.02  # smoothing must cut the measured output error by more than this fraction
 # a Mul inserted where no producer can absorb 1/s costs run time on every inference: only for tensors
@@ -215,15 +212,6 @@ def smooth_outliers(model: onnx.ModelProto, act_absmax: Mapping[str, np.ndarray]
     return ed.finish(), records
 
 
-@dataclass(frozen=True)
-class RowSample:
-    """How many rows of each tensor ``channel_absmax`` keeps (drawn uniformly over all batches), and
-    the seed of the draw."""
-
-    max_rows: int = SAMPLE_ROWS
-    seed: int = 0
-
-
 def _best_alpha(x: np.ndarray, weights: list[np.ndarray], ax: np.ndarray, aw: np.ndarray,
                 alphas: Sequence[float], act_dtype: str) -> tuple[float, float, float]:
     """(alpha, output error without smoothing, output error with it) on the sampled rows ``x``: the
@@ -240,76 +228,5 @@ def _best_alpha(x: np.ndarray, weights: list[np.ndarray], ax: np.ndarray, aw: np
     return alpha, err_before, err_after
 
 
-def channel_absmax(model: onnx.ModelProto, batches_fn: Callable[[], Iterable[Any]], tensors: Sequence[str],
-                   threads: int = 1, sample: RowSample = RowSample(), max_bytes: float | None = None
-                   ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Per-channel (last axis) absmax of ``tensors`` over the float model's run on ``batches_fn()``
-    (``pipeline.data.adapters.Batch`` objects or plain feed dicts), and up to ``sample.max_rows`` rows of
-    each tensor reshaped to [-1, K], drawn uniformly over all batches (smallest random keys kept);
-    ``max_bytes`` bounds the working set (``ActivationRunner``)."""
-    from pipeline.calibrate.collect import ActivationRunner
-    from pipeline.data.adapters import Batch
-
-    runner = ActivationRunner(model, list(tensors), threads, max_bytes)
-    max_rows = sample.max_rows
-    rng = np.random.default_rng(sample.seed)
-    absmax: dict[str, np.ndarray] = {}
-    keys: dict[str, np.ndarray] = {}
-    rows: dict[str, np.ndarray] = {}
-    for batch in batches_fn():
-        if not isinstance(batch, Batch):
-            feeds = {k: np.asarray(v) for k, v in dict(batch).items()}
-            first = next(iter(feeds.values()))
-            batch = Batch(feeds, None, int(first.shape[0]) if first.ndim else 1)
-        for t, arr in runner(batch):
-            if arr.ndim == 0 or arr.size == 0:
-                continue
-            a = np.asarray(arr, np.float32).reshape(-1, arr.shape[-1])
-            m = np.abs(a).max(axis=0)
-            if t in absmax and absmax[t].shape != m.shape:
-                log.warning("channel_absmax: %s changes its last dimension between batches; skipped", t)
-                continue
-            absmax[t] = np.maximum(absmax[t], m) if t in absmax else m
-            u = rng.random(a.shape[0])
-            if t in keys:
-                u, a = np.concatenate([keys[t], u]), np.concatenate([rows[t], a])
-            if u.size > max_rows:
-                keep = np.argpartition(u, max_rows)[:max_rows]
-                u, a = u[keep], a[keep]
-            keys[t], rows[t] = u, a
-    return absmax, {t: rows[t] for t in absmax}
-
-
-# --------------------------------------------------------------------------- checking
-
-
-def float_rel_error(before: onnx.ModelProto, after: onnx.ModelProto, feeds: Sequence[Mapping[str, np.ndarray]]
-                    ) -> float:
-    """max over outputs of ||y_after - y_before|| / ||y_before|| (norms over all ``feeds``), both run
-    on ORT CPU with graph optimizations off so fusions cannot differ between the two graphs (one
-    session at a time: a large model is not held by ORT twice)."""
-    from pipeline.backends.onnxruntime.session import inference_session, ort_session_options
-
-    names = [o.name for o in before.graph.output]
-    missing = sorted(set(names) - {o.name for o in after.graph.output})
-    if missing:
-        raise ValueError(f"transformed model lacks output(s) {missing}; transforms must keep every output")
-
-    def outputs(m: onnx.ModelProto) -> list[list[np.ndarray]]:
-        session = inference_session(m, ort_session_options("disable"))
-        return [session.run(names, dict(f)) for f in feeds]
-
-    ref, got = outputs(before), outputs(after)
-    num = dict.fromkeys(names, 0.0)
-    den = dict.fromkeys(names, 0.0)
-    for rb, ra in zip(ref, got, strict=True):
-        for n, yb, ya in zip(names, rb, ra, strict=True):
-            yb64, ya64 = np.asarray(yb, np.float64), np.asarray(ya, np.float64)
-            num[n] += float(np.sum((ya64 - yb64) ** 2))
-            den[n] += float(np.sum(yb64 ** 2))
-    return max((np.sqrt(num[n] / den[n]) if den[n] > 0 else np.sqrt(num[n]) for n in names), default=0.0)
-
-
-__all__ = ["MIN_GAIN", "MUL_MIN_OUTLIER_RATIO", "SAMPLE_ROWS", "SCALE_LIMITS", "SMOOTHING_MIN_K", "RowSample",
-           "channel_absmax", "float_rel_error", "smooth_outliers", "smoothing_candidates", "smoothing_error",
-           "smoothing_scales"]
+__all__ = ["MIN_GAIN", "MUL_MIN_OUTLIER_RATIO", "SCALE_LIMITS", "SMOOTHING_MIN_K", "smooth_outliers",
+           "smoothing_candidates", "smoothing_error", "smoothing_scales"]

@@ -27,10 +27,10 @@ import onnx
 from pipeline.accuracy.decisions import BiasCorrection
 from pipeline.data.adapters import Batch
 from pipeline.transforms.record import TransformRecord
+from tasks.quantize.passes.postcondition import FLOAT_EXACT
 
 log = logging.getLogger("tune.quantize")
 
-FLOAT_EXACT = 1e-5  # largest relative output change a float-exact transform may cause
 CHECK_BATCHES = 4  # calibration batches the float outputs are compared on
 
 
@@ -79,7 +79,7 @@ class FoldScales(FloatPass):
     name, config_key = "fold_scales", "fold_scales"
 
     def rewrite(self, model, ctx):
-        from tasks.quantize.scale_folding import fold_matmul_scales
+        from tasks.quantize.passes.scale_folding import fold_matmul_scales
 
         return fold_matmul_scales(model)
 
@@ -92,7 +92,7 @@ class Equalization(FloatPass):
     name, config_key = "equalization", "equalization"
 
     def rewrite(self, model, ctx):
-        from tasks.quantize.transforms import equalize_cross_layer
+        from tasks.quantize.passes.equalization import equalize_cross_layer
 
         return equalize_cross_layer(model)
 
@@ -108,18 +108,19 @@ class Smoothing(FloatPass):
     name, config_key = "smoothing", "smoothing"
 
     def precondition(self, model):
-        from tasks.quantize.transforms import smoothing_candidates
+        from tasks.quantize.passes.smoothing import smoothing_candidates
 
         return None if smoothing_candidates(model) else "no MatMul/Gemm with a constant weight reads an activation"
 
     def rewrite(self, model, ctx):
         from pipeline.graph.memory import memory_limit_bytes
-        from tasks.quantize import transforms as tf
+        from tasks.quantize.passes.activations import channel_absmax
+        from tasks.quantize.passes.smoothing import smooth_outliers, smoothing_candidates
 
-        absmax, samples = tf.channel_absmax(model, ctx.batches, tf.smoothing_candidates(model), ctx.threads,
-                                            max_bytes=memory_limit_bytes(ctx.q.calibration.max_memory_gb))
+        absmax, samples = channel_absmax(model, ctx.batches, smoothing_candidates(model), ctx.threads,
+                                         max_bytes=memory_limit_bytes(ctx.q.calibration.max_memory_gb))
         act = ctx.act_type if ctx.act_type in ("int8", "uint8") else "int8"
-        return tf.smooth_outliers(model, absmax, samples, act_dtype=act)
+        return smooth_outliers(model, absmax, samples, act_dtype=act)
 
     def announce(self, record):
         muls = sum(c["inserted_mul"] for c in record.changes)
@@ -170,7 +171,7 @@ def run_passes(model: onnx.ModelProto, passes: Sequence[FloatPass], ctx: PassCon
                ) -> tuple[onnx.ModelProto, list[TransformRecord]]:
     """(``model`` after the enabled ``passes``, one record per enabled pass), each rewrite kept only
     where it is float-exact."""
-    from tasks.quantize.transforms import float_rel_error
+    from tasks.quantize.passes.postcondition import float_rel_error
 
     records = []
     for p in passes:

@@ -1,4 +1,10 @@
-"""Float-exact graph transforms that make tensors easier to quantize.
+"""The float-exact passes quantize runs before calibration, one module per pass with its rewrite, and
+what they share: ``sequence`` (the passes in order under one postcondition, ``run_passes``),
+``postcondition`` (the float-exact rule), ``graph_edit`` (the constant editor), ``activations`` (the
+float activations a pass reads), ``scale_folding``, ``equalization`` and ``smoothing``. RNN lowering
+(``pipeline.transforms.rnn``) runs first, as a pass of ``sequence`` too.
+
+Equalization and smoothing rescale channels so that a quantization grid fits them better:
 
 Both transforms rescale channels so that a quantization grid fits them better, without changing what
 the float model computes (up to float rounding of the rescaled constants):
@@ -18,29 +24,4 @@ the float model computes (up to float rounding of the rescaled constants):
 
 Both are pure functions: the input model is never mutated; they return a new model and JSON-able
 records of what changed.
-
-The code lives in ``_graph_edit`` (the constant editor both use), ``_equalization`` and ``_smoothing``;
-this module is where the quantize stage's passes (``float_passes``) and the tests import the transforms from.
 """
-
-from __future__ import annotations
-
-from tasks.quantize._equalization import HOMOGENEOUS_ACTIVATIONS, equalize_cross_layer
-from tasks.quantize._smoothing import (
-    MIN_GAIN,
-    MUL_MIN_OUTLIER_RATIO,
-    SAMPLE_ROWS,
-    SCALE_LIMITS,
-    SMOOTHING_MIN_K,
-    RowSample,
-    channel_absmax,
-    float_rel_error,
-    smooth_outliers,
-    smoothing_candidates,
-    smoothing_error,
-    smoothing_scales,
-)
-
-__all__ = ["HOMOGENEOUS_ACTIVATIONS", "MIN_GAIN", "MUL_MIN_OUTLIER_RATIO", "SAMPLE_ROWS", "SCALE_LIMITS",
-           "SMOOTHING_MIN_K", "RowSample", "channel_absmax", "equalize_cross_layer", "float_rel_error",
-           "smooth_outliers", "smoothing_candidates", "smoothing_error", "smoothing_scales"]

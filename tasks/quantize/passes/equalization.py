@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from tasks.quantize._graph_edit import Editor, attr
+from tasks.quantize.passes.graph_edit import Editor, attr
 
 log = logging.getLogger("tune.quantize")
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from tasks.quantize._graph_edit import Editor, absorber, divide_along
+from tasks.quantize.passes.graph_edit import Editor, absorber, divide_along
 
 # ops a scalar factor passes through unchanged: x * f reshaped is the reshaped x, times f
 SCALE_TRANSPARENT = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
