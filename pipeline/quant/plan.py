@@ -46,6 +46,15 @@ class WeightVariant(str, Enum):
             raise ValueError(f"weight_range {enum_value(value)!r}: choose one of "
                              f"{', '.join(v.value for v in cls)}") from None
 
+    @classmethod
+    def start(cls, requested: object, saturates: bool = False) -> WeightVariant:
+        """The storage quantize's candidates are first built with (the transforms' and ranges' held-out
+        errors are measured on it): ``quantize.weight_range``; auto starts from full range, or from uint8
+        where the fused kernels that will run the model saturate with full-range int8 weights
+        (``saturates``), since errors measured through saturated sums would choose ranges and transforms
+        for the fault."""
+        return cls.of(requested) if enum_value(requested) != "auto" else cls.uint8 if saturates else cls.full
+
 
 @dataclass(frozen=True)
 class ActivationQ:

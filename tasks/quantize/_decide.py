@@ -11,29 +11,22 @@ from __future__ import annotations
 import logging
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import onnx
 
 from pipeline.accuracy.decisions import QuantizeDecisions
-from pipeline.backends.base import Backend
 from pipeline.errors import StageError
 from pipeline.graph.bodies import QUANTIZED_BODIES
 from pipeline.graph.model import iter_nodes
-from pipeline.quant.cpu import CpuFacts, decision_facts, describe
+from pipeline.quant.cpu import decision_facts, describe
 from pipeline.quant.placement import PASS_THROUGH_OPS
-from pipeline.values import enum_value
 from tasks.quantize._placer import Placer
 from tasks.quantize._setup import QuantizeSetup
-from tasks.quantize.accuracy import (
-    Candidate,
-    WeightStorage,
-    choose_weight_range,
-    recovery_checker,
-    runnable,
-)
+from tasks.quantize.checker import Candidate, recovery_checker
+from tasks.quantize.culprits import runnable
 from tasks.quantize.recovery import MissedBudget, recover_budget, recovery_allowance
+from tasks.quantize.weight_storage import WeightStorage, storage_of
 
 log = logging.getLogger("tune.quantize")
 
@@ -49,7 +42,7 @@ def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None
     ops = {n.name: n.op_type for n in iter_nodes(placer.model.graph, QUANTIZED_BODIES)}
     start = setup.start_weights
     unsupported = runnable(lambda s: placer.build(start, s)[1], checker, set(ops))
-    storage = _weight_storage(setup, placer, unsupported, ops, facts)
+    storage = storage_of(setup, placer, unsupported, ops, facts)
     weight_range, why, chosen = storage.weight_range, storage.reason, storage.chosen
     unsupported |= set(storage.culprits)
     if chosen.error is not None:
@@ -81,36 +74,6 @@ def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None
         float_nodes=sorted(set(float_nodes) | unsupported),
     )
     return decisions, sensitivity
-
-
-def _weight_storage(setup: QuantizeSetup, placer: Placer, unsupported: set[str], ops: dict[str, str],
-                    facts: CpuFacts) -> WeightStorage:
-    """The weight storage (and kernel-fidelity culprits) with the nodes the runtime cannot run quantized
-    left float: chosen on this CPU for the CPU runtimes' placements (their fused kernels are checked
-    against the Q/DQ math here), the requested one for TensorRT."""
-    checker = setup.checker
-    requested, start = enum_value(setup.q.weight_range), setup.start_weights
-
-    def placed(wr: str, float_nodes: set[str] = frozenset()) -> onnx.ModelProto:
-        return placer.build(wr, set(float_nodes) | unsupported)[1]
-
-    if not setup.kind.cpu_kernels:
-        why = ("TensorRT placement: full-range int8 (TensorRT's integer kernels do not saturate)"
-               if requested == "auto" else f"quantize.weight_range={requested}")
-        cand = checker.check(placed(start), start.candidate)
-        return WeightStorage(start, why, cand, [cand])
-    units = [n for n in placer.build(start, unsupported)[0].quantized_nodes()
-             if ops.get(n) not in (None, *PASS_THROUGH_OPS)]
-    return choose_weight_range(placed, checker, requested, facts.u8s8_saturates,
-                               lambda paths: _measure(checker.backend, paths), units)
-
-
-def _measure(backend: Backend, paths: list[Path]) -> list[float | None]:
-    """p10 latency of each model in ``paths`` (None where it failed), measured interleaved."""
-    from pipeline.backends.timing import TimingPlan, compare_interleaved
-
-    timings = compare_interleaved(backend, paths, TimingPlan.race(backend.timing_runs, backend.warmup_runs))
-    return [t.p10_ms if t.ok else None for t in timings]
 
 
 def _recover(setup: QuantizeSetup, placer: Placer, unsupported: set[str], ops: dict[str, str],

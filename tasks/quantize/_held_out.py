@@ -17,7 +17,7 @@ from pipeline.quant.calibration import PER_TENSOR, TensorStats, stats_table
 from pipeline.transforms.record import TransformRecord
 from tasks.quantize._placer import Placer
 from tasks.quantize._setup import QuantizeSetup
-from tasks.quantize.accuracy import Candidate, recovery_checker
+from tasks.quantize.checker import Candidate, recovery_checker
 
 log = logging.getLogger("tune.quantize")
 

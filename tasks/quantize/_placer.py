@@ -15,8 +15,8 @@ from pipeline.graph.model import control_flow
 from pipeline.quant.calibration import Calibration
 from pipeline.quant.qdq import apply_plan
 from tasks.quantize._setup import QuantizeSetup
-from tasks.quantize.accuracy import Candidate
 from tasks.quantize.bias_correction import correct_bias
+from tasks.quantize.checker import Candidate
 
 log = logging.getLogger("tune.quantize")
 

@@ -28,7 +28,7 @@ from pipeline.quant.plan import WeightVariant
 from pipeline.quant.shared_stats import collect_once
 from pipeline.transforms.record import TransformRecord
 from pipeline.values import enum_value, section
-from tasks.quantize.accuracy import Checker, start_range, temp_workdir
+from tasks.quantize.checker import Checker, temp_workdir
 from tasks.quantize.passes.sequence import PassContext, RnnLowering, run_passes
 
 log = logging.getLogger("tune.quantize")
@@ -52,7 +52,7 @@ class QuantizeSetup:
     kind: PlacementKind
     act_type: str
     work: tempfile.TemporaryDirectory  # the candidates checked on the holdout; removed when decided
-    start_weights: WeightVariant  # the weight storage the default placement and the held-out choices use (start_range)
+    start_weights: WeightVariant  # the weight storage the default placement and the held-out choices use (WeightVariant.start)
     # weight scales searched so far, shared by every Calibration of the run (see Calibration)
     weight_cache: dict = field(default_factory=dict)
 
@@ -86,7 +86,7 @@ class QuantizeSetup:
                 rules = resolve_rules(model, q.layers, q.skip_names, q.op_types_to_quantize)
         saturates = kind.cpu_kernels and bool(decision_facts().u8s8_saturates)
         return cls(cfg, out_dir, model, rules, lowering, provider, total, backend, checker, kind, act_type, work,
-                   start_range(q.weight_range, saturates))
+                   WeightVariant.start(q.weight_range, saturates))
 
     @property
     def q(self) -> DictConfig:

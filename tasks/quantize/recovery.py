@@ -22,7 +22,7 @@ from pipeline.accuracy.budget import AccuracyVerdict
 from pipeline.graph.bodies import QUANTIZED_BODIES
 from pipeline.graph.model import WEIGHTED_OPS, iter_nodes
 from pipeline.quant.calibration import TensorStats
-from tasks.quantize.accuracy import Candidate, Checker
+from tasks.quantize.checker import Candidate, Checker
 
 log = logging.getLogger("tune.quantize")
 

@@ -23,7 +23,8 @@ from pipeline.quant.calibration import Calibration
 from pipeline.quant.cpu import cpu_facts
 from pipeline.quant.placement import onnxruntime_plan, resolve_rules
 from pipeline.quant.qdq import apply_plan
-from tasks.quantize import accuracy
+from tasks.quantize import checker as checking
+from tasks.quantize import culprits, weight_storage
 from tests import models
 from tests.helpers import openvino_backend, ort_backend, qemu_haswell, run_emulated, saturating_model
 
@@ -314,14 +315,14 @@ def _conv_setup(tmp_path, backend):
 def test_fidelity_failure_switches_to_an_exact_weight_storage(tmp_path):
     backend = PerturbingBackend(ort_backend().cfg)
     build, holdout = _conv_setup(tmp_path, backend)
-    checker = accuracy.Checker(backend, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
+    checker = checking.Checker(backend, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
     measured = []
 
     def measure(paths):
         measured.append(paths)
         return [1.0 + i for i in range(len(paths))]  # the first exact variant is "fastest"
 
-    storage = accuracy.choose_weight_range(build, checker, "auto", False, measure)
+    storage = weight_storage.choose_weight_range(build, checker, "auto", False, measure)
     choice, why, checked = storage.weight_range, storage.reason, storage.checked
     full = next(c for c in checked if c.name == "weights_full")
     assert full.fidelity is not None and not full.fidelity.ok
@@ -336,17 +337,17 @@ def test_fidelity_failure_switches_to_an_exact_weight_storage(tmp_path):
 def test_known_saturating_cpu_never_gets_full_range_weights(tmp_path):
     backend = ort_backend()
     build, holdout = _conv_setup(tmp_path, backend)
-    checker = accuracy.Checker(backend, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
-    storage = accuracy.choose_weight_range(build, checker, "auto", True, lambda p: [2.0, 1.0])
+    checker = checking.Checker(backend, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
+    storage = weight_storage.choose_weight_range(build, checker, "auto", True, lambda p: [2.0, 1.0])
     choice, why = storage.weight_range, storage.reason
     assert choice == "uint8" and "saturate (AVX2 without VNNI)" in why
     # a CPU whose u8 x s8 kernels are exact gets full range: this CPU's real kernels where they are
     # exact (VNNI, AMX), else the Q/DQ math that stands in for them
     exact = backend if cpu_facts().u8s8_saturates is False else ExactKernelsBackend(backend.cfg)
-    exact_checker = accuracy.Checker(exact, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
-    choice = accuracy.choose_weight_range(build, exact_checker, "auto", False, lambda p: [1.0] * len(p)).weight_range
+    exact_checker = checking.Checker(exact, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
+    choice = weight_storage.choose_weight_range(build, exact_checker, "auto", False, lambda p: [1.0] * len(p)).weight_range
     assert choice == "full"
-    storage = accuracy.choose_weight_range(build, checker, "reduced", False, lambda p: [1.0] * len(p))
+    storage = weight_storage.choose_weight_range(build, checker, "reduced", False, lambda p: [1.0] * len(p))
     choice, why = storage.weight_range, storage.reason
     assert choice == "reduced" and why == "quantize.weight_range=reduced"
 
@@ -356,10 +357,10 @@ def test_this_cpus_real_kernels_get_the_weight_storage_its_kind_needs(tmp_path):
     variant (7-bit or uint8 weights) on AVX2 without VNNI, and the chosen model runs exactly."""
     backend = ort_backend()
     build, holdout = _conv_setup(tmp_path, backend)
-    checker = accuracy.Checker(backend, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
+    checker = checking.Checker(backend, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
     facts = cpu_facts()
     units = [n.name for n in models.conv_chain(batch=2).graph.node if n.op_type in ("Conv", "Gemm", "MatMul")]
-    storage = accuracy.choose_weight_range(build, checker, "auto", facts.u8s8_saturates,
+    storage = weight_storage.choose_weight_range(build, checker, "auto", facts.u8s8_saturates,
                                             lambda p: [1.0] * len(p), units)
     assert storage.chosen.usable and storage.chosen.fidelity is not None and storage.chosen.fidelity.ok
     if facts.u8s8_saturates:
@@ -377,11 +378,11 @@ def one_bad_kernel(m: onnx.ModelProto) -> bool:
 def test_planted_kernel_disagreement_is_localized_to_its_node(tmp_path):
     backend = PerturbingBackend(ort_backend().cfg, one_bad_kernel)
     build, holdout = _conv_setup(tmp_path, backend)
-    checker = accuracy.Checker(backend, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
+    checker = checking.Checker(backend, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
     units = [n.name for n in models.conv_chain(batch=2).graph.node if n.op_type in ("Conv", "Gemm", "MatMul")]
     assert len(units) >= 3 and "conv2" in units
     timed = []
-    storage = accuracy.choose_weight_range(
+    storage = weight_storage.choose_weight_range(
         build, checker, "auto", False, lambda p: timed.append(p) or [1.0] * len(p), units)
     choice, why, checked, culprits = storage.weight_range, storage.reason, storage.checked, storage.culprits
     assert culprits == ["conv2"] and choice == "full" and "conv2" in why
@@ -463,7 +464,7 @@ def _dense_setup(tmp_path):
     holdout = Holdout(feeds[:2], [None] * 2, [2] * 2)
     with backend.prepare(float_path) as pm:
         holdout.set_reference(pm)
-    checker = accuracy.Checker(backend, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
+    checker = checking.Checker(backend, holdout, AccuracyBudget(), fused=True, workdir=tmp_path)
     return model, rules, Calibration(stats), checker
 
 
@@ -503,7 +504,7 @@ def test_a_placement_the_runtime_rejects_is_caught_and_its_nodes_stay_float(tmp_
 
     assert "per axis quantization" in checker.runs(build(set()))
     with caplog.at_level("WARNING"):
-        skip = accuracy.runnable(build, checker, {n.name for n in model.graph.node})
+        skip = culprits.runnable(build, checker, {n.name for n in model.graph.node})
     assert skip == {"dense2/BiasAdd", "dense2/MatMul"}
     assert "left float: onnxruntime cannot run its quantized form" in caplog.text
     assert checker.runs(build(skip)) is None
@@ -516,7 +517,7 @@ def test_recovery_finds_nodes_that_only_matter_together():
     from pathlib import Path
 
     from pipeline.accuracy.budget import AccuracyVerdict
-    from tasks.quantize.accuracy import Candidate
+    from tasks.quantize.checker import Candidate
     from tasks.quantize.recovery import greedy_recovery, rank_sensitivity, recover
 
     nodes = ["stft", "enc0", "enc1", "lstm", "head"]
@@ -552,7 +553,7 @@ def _additive_checker(contribution: dict[str, float], floor_db: float):
     from pathlib import Path
 
     from pipeline.accuracy.budget import AccuracyVerdict
-    from tasks.quantize.accuracy import Candidate
+    from tasks.quantize.checker import Candidate
 
     class Checker:
         calls = 0

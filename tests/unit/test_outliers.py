@@ -74,7 +74,7 @@ def test_block_recovery_finds_the_stretch_of_the_graph_that_makes_the_error():
     from pathlib import Path
 
     from pipeline.accuracy.budget import AccuracyVerdict
-    from tasks.quantize.accuracy import Candidate
+    from tasks.quantize.checker import Candidate
     from tasks.quantize.recovery import block_recovery
 
     order = [f"n{i}" for i in range(40)]
