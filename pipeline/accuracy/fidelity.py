@@ -24,7 +24,7 @@ FIDELITY_MIN_SNR_DB = 40.0
 # is (error energies). Integer kernels round at other points than float Q/DQ math, so with exact
 # kernels the fused model is one more quantized run of the same graph, about as far from float as the
 # reference, even where the two runs differ by about the quantization noise itself. Saturating
-# u8 x s8 kernels add error of their own on top (README, "Kernel fidelity", has the measurements).
+# u8 x s8 kernels add error of their own on top (docs/design.md, "Kernel fidelity", has the measurements).
 FIDELITY_MAX_NOISE_RATIO = 2.0
 
 

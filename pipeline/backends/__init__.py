@@ -51,7 +51,7 @@ def runtime_class(cfg: DictConfig) -> type[Backend]:
         cls = import_object(target, "backend._target_")
         if not (isinstance(cls, type) and issubclass(cls, Backend)):
             raise ConfigError(f"backend._target_={target}: not a runtime (a subclass of "
-                              f"pipeline.backends.base.Backend); see the README's 'Adding a runtime'")
+                              f"pipeline.backends.base.Backend); see docs/layout.md, 'Adding a runtime'")
         return cls
     if name not in BACKENDS:
         raise ConfigError(f"backend.name={name}: choose one of {', '.join(BACKENDS)} (or custom)")
