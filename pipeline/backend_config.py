@@ -198,10 +198,11 @@ class OpenVinoBackendConfig(BackendConfig):
 class CustomBackendConfig(BackendConfig):
     """A runtime defined outside qdq-tune (`backend=custom`): ``_target_`` is the dotted path of its
     ``pipeline.backends.base.Backend`` subclass, built with this section as its config; ``options`` are
-    its own settings, read by it as ``cfg.options``."""
+    its own settings, read by it as ``cfg.options``. Under backend=auto it is the section
+    ``backend.custom`` (``backend.runtimes=[onnxruntime, custom] backend.custom._target_=...``)."""
 
     name: BackendName = BackendName.custom
-    _target_: str = MISSING
+    _target_: str = ""  # required for backend=custom: the dotted path of your Backend subclass
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -226,3 +227,5 @@ class AutoBackendConfig(BackendConfig):
     tensorrt_rtx: TensorRTBackendConfig = field(
         default_factory=lambda: TensorRTBackendConfig(name=BackendName.tensorrt_rtx))
     trtexec: TrtexecBackendConfig = field(default_factory=TrtexecBackendConfig)
+    # a runtime of your own joins as `custom` in runtimes, with its _target_ here
+    custom: CustomBackendConfig = field(default_factory=CustomBackendConfig)

@@ -48,6 +48,9 @@ def runtime_class(cfg: DictConfig) -> type[Backend]:
         raise ConfigError("backend=auto is several runtimes: a stage runs on one of backend.runtimes at a time")
     if name == "custom":
         target = cfg.get("_target_")
+        if not target:
+            raise ConfigError("backend._target_: required for a custom runtime (the dotted path of your "
+                              "pipeline.backends.base.Backend subclass; under backend=auto: backend.custom._target_)")
         cls = import_object(target, "backend._target_")
         if not (isinstance(cls, type) and issubclass(cls, Backend)):
             raise ConfigError(f"backend._target_={target}: not a runtime (a subclass of "
@@ -106,9 +109,12 @@ def auto_runtimes(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
     """`backend=auto`: (name, its backend section) of every runtime in ``backend.runtimes``, in order; a
     ConfigError naming the key for an unknown or repeated one."""
     names = [enum_value(n) for n in cfg.runtimes]
-    bad = [n for n in names if n not in BACKENDS or not isinstance(cfg.get(n), DictConfig)]
+    bad = [n for n in names if (n not in BACKENDS and n != "custom") or not isinstance(cfg.get(n), DictConfig)]
     if bad or not names or len(set(names)) != len(names):
-        raise ConfigError(f"backend.runtimes={names}: give each runtime once, from {', '.join(BACKENDS)}")
+        raise ConfigError(f"backend.runtimes={names}: give each runtime once, from {', '.join(BACKENDS)} or "
+                          f"custom (your own, backend.custom._target_)")
+    if "custom" in names:
+        runtime_class(cfg.custom)  # a custom runtime without its class is one line now, not after export
     return [(n, cfg[n]) for n in names]
 
 

@@ -91,3 +91,23 @@ def test_a_runtime_defined_in_a_test_file_goes_through_every_stage(residual_mode
     bad = run_tune([*args[:4], "backend._target_=tests.helpers.QUICK", *args[5:]], cwd=tmp_path, env=env)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
         "tune: error: invalid config: backend._target_=tests.helpers.QUICK: not a runtime")
+
+
+def test_a_runtime_of_your_own_joins_backend_auto(residual_models, tmp_path):
+    """`backend.runtimes=[onnxruntime, custom] backend.custom._target_=...`: the plugin races with the
+    built-in runtimes (its float timed beside theirs before anything is quantized) and quantizes in its own
+    results_dir where it stays in reach; nothing names it but the config."""
+    rd = tmp_path / "r"
+    args = ["model=onnx", f"model.onnx_path={residual_models['tiny']}", "data=synthetic", "backend=auto",
+            "backend.runtimes=[onnxruntime,custom]", f"backend.custom._target_={TARGET}", "backend.timing_runs=4",
+            "stages=[export,quantize]", f"results_dir={rd}"]
+    env = {"PYTHONPATH": str(ROOT)}
+    run_tune(args, cwd=tmp_path, check=True, env=env)
+    race = json.loads((rd / "autotune" / "float_race.json").read_text())
+    entries = {e["runtime"]: e for e in race["entries"]}
+    assert set(entries) == {"onnxruntime", "custom"} and entries["custom"]["float_ms"] > 0
+    assert (rd / "runtimes" / "onnxruntime" / "quantize" / "quantized_model.onnx").exists()
+    assert (rd / "runtimes" / "custom" / "quantize").exists() != entries["custom"]["dropped"]
+    # a custom runtime without its class is one line, before any stage runs
+    bad = run_tune([a for a in args if not a.startswith("backend.custom")], cwd=tmp_path, env=env)
+    assert bad.returncode == 2 and "backend._target_: required for a custom runtime" in bad.stderr
