@@ -97,10 +97,14 @@ def _recover(setup: QuantizeSetup, placer: Placer, unsupported: set[str], ops: d
     if verdict.hint:
         log.warning("quantize: %s", verdict.hint)
     max_float = math.floor(float(cfg.accuracy.max_float_fraction) * len(units))
+    started = time.monotonic()
     with recovery_allowance(cfg, before_s) as allowance:
         found = recover_budget(placer.model, MissedBudget(units, verdict, outliers), placed,
                                recovery_checker(checker, cfg), max_float, allowance, checker)
     float_nodes, recovered, report = found.float_nodes, found.candidate, found.report
+    took = time.monotonic() - started
+    log.info("quantize: recovery took %.1f s (%d checks; calibration and placement before it: %.1f s)", took,
+             allowance.checks, before_s)
     final = chosen
     if recovered is not None:  # judged again by the budget itself (recovery aimed inside it)
         final = checker.check(placed(set(float_nodes)), "recovered")
@@ -109,5 +113,7 @@ def _recover(setup: QuantizeSetup, placer: Placer, unsupported: set[str], ops: d
         "full_placement": verdict.to_dict() if verdict else None, **report,
         "float_nodes": float_nodes, "met": recovered is not None,
         "accuracy": final.verdict.to_dict() if final.verdict else None,
+        "seconds": round(took, 2), "checks": allowance.checks, "seconds_before": round(before_s, 2),
+        "allowance_seconds": allowance.seconds,
     }
     return float_nodes, final, sensitivity

@@ -73,6 +73,8 @@ class Allowance:
 
     deadline: float | None = None
     bar: Any = None
+    seconds: float | None = None  # the allowance itself (None: no limit)
+    checks: int = 0  # the checks counted so far
 
     def over(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
@@ -83,6 +85,7 @@ class Allowance:
             self.bar.refresh()
 
     def tick(self, name: str) -> None:
+        self.checks += 1
         if self.bar is not None:
             self.bar.set_postfix_str(name, refresh=False)  # what was just checked
             self.bar.update(1)
@@ -104,7 +107,8 @@ def recovery_allowance(cfg: Any, before_s: float) -> Iterator[Allowance]:
         log.info("quantize: recovery takes at most %.0f s (accuracy.recovery_time_factor=%g x the %.0f s "
                  "calibration and placement took, at least %.0f s)", seconds, factor, before_s, MIN_ALLOWANCE_S)
     with progress_bar(bool(cfg.progress), total=0, desc="quantize: recovery", unit="check") as bar:
-        yield Allowance(time.monotonic() + seconds if seconds is not None else None, bar)
+        yield Allowance(time.monotonic() + seconds if seconds is not None else None, bar,
+                        round(seconds, 1) if seconds is not None else None)
 
 
 def _error(c: Candidate) -> float:
