@@ -270,25 +270,26 @@ def _saturable(first: np.ndarray, second: np.ndarray) -> np.ndarray:
     return (255 * pos > INT16_MAX) | (255 * neg < INT16_MIN)
 
 
+# a selected pair sum costs about this many of the every-pair path's elements (two gathers, a product each,
+# their sum, the clip and its scatter, against the batched product's elementwise passes over [M, P, N])
+GATHER_COST = 8
+# the 0/1 matrix that adds selected sums into their columns stays a MatMul up to this many elements; past
+# it (opset 16 and later) a ScatterElements with reduction "add" does it
+SCATTER_MATMUL_MAX = 1 << 22
+
+
 def _matmul_error(b: _Builder, raw: str, weight: np.ndarray, rank: int) -> str:
     """sum_p (clip16(s_p) - s_p) of act [..., M, K] (of ``rank``) x weight [K, N], pairs (2p, 2p+1) along K.
-    Only the (pair, column) sums that can leave int16 are computed where they are few (a [K, S] selection
-    of their two weights each, then their errors summed per column by an [S, N] 0/1 matrix); else every
-    pair at once as a [..., M, P, 1, 2] x [P, 2, N] batched product (two products per sum, exact in float32).
-    Reshapes copy the leading dims (0), so symbolic dims are fine."""
+    Only the (pair, column) sums that can leave int16 are computed where they are few against every pair
+    (``_selected_error``); else every pair at once as a [..., M, P, 1, 2] x [P, 2, N] batched product (two
+    products per sum, exact in float32). Reshapes copy the leading dims (0), so symbolic dims are fine."""
     k, n = weight.shape
     if k % 2:
         weight = np.concatenate([weight, np.zeros((1, n), np.float32)])
     pairs = weight.shape[0] // 2
     rows, cols = np.nonzero(_saturable(weight[0::2], weight[1::2]))
-    if len(rows) * (k + n) < k * n + 3 * pairs * n:  # few sums can saturate: those alone
-        select = np.zeros((k + k % 2, len(rows)), np.float32)
-        select[2 * rows, np.arange(len(rows))] = weight[2 * rows, cols]
-        select[2 * rows + 1, np.arange(len(rows))] = weight[2 * rows + 1, cols]
-        sums = b.op("MatMul", [raw, b.const("pair_select", select[:k])], "pair_sums")
-        scatter = np.zeros((len(rows), n), np.float32)
-        scatter[np.arange(len(rows)), cols] = 1.0
-        return b.op("MatMul", [_pair_error(b, sums), b.const("pair_scatter", scatter)], "error_out")
+    if len(rows) * GATHER_COST < pairs * n:  # few sums can saturate: those alone
+        return _selected_error(b, raw, weight, rows, cols, k, n)
     if k % 2:
         zeros = [0] * rank
         raw = b.op("Pad", [raw, b.const("pads", np.asarray(zeros[:-1] + [0] + zeros[:-1] + [1], np.int64))],
@@ -298,6 +299,33 @@ def _matmul_error(b: _Builder, raw: str, weight: np.ndarray, rank: int) -> str:
     sums = b.op("MatMul", [act, b.const("weight_pairs", weight.reshape(pairs, 2, n))], "pair_sums")
     error = b.reduce_sum(_pair_error(b, sums), -3, "error")  # [..., M, 1, N]
     return b.op("Reshape", [error, b.const("out_shape", np.asarray([*lead, n], np.int64))], "error_out")
+
+
+def _selected_error(b: _Builder, raw: str, weight: np.ndarray, rows: np.ndarray, cols: np.ndarray, k: int,
+                    n: int) -> str:
+    """The pair-sum error of the selected (pair ``rows``, column ``cols``) sums only: both activations of
+    each pair gathered from the last axis of act [..., M, K] and weighted ([..., M, S] each), summed,
+    clipped, and the errors added into their columns [..., M, N] (a 0/1 MatMul where small, else a
+    ScatterElements adding them). The padded element of an odd K has weight 0: any activation serves."""
+    first, second = 2 * rows, np.minimum(2 * rows + 1, k - 1)  # ``weight`` has the zero row of an odd K
+    terms = []
+    for name, idx, w in (("first", first, weight[2 * rows, cols]), ("second", second, weight[2 * rows + 1, cols])):
+        picked = b.op("Gather", [raw, b.const(f"pair_{name}", idx.astype(np.int64))], f"act_{name}", axis=-1)
+        terms.append(b.op("Mul", [picked, b.const(f"weight_{name}", w.astype(np.float32))], f"product_{name}"))
+    error = _pair_error(b, b.op("Add", terms, "pair_sums"))  # [..., M, S]
+    if len(rows) * n <= SCATTER_MATMUL_MAX or b.opset < 16:
+        scatter = np.zeros((len(rows), n), np.float32)
+        scatter[np.arange(len(rows)), cols] = 1.0
+        return b.op("MatMul", [error, b.const("pair_scatter", scatter)], "error_out")
+    shape = b.op("Shape", [raw], "act_shape")
+    lead = b.op("Slice", [shape, b.const("lead_start", np.asarray([0], np.int64)),
+                          b.const("lead_end", np.asarray([-1], np.int64))], "lead_dims")
+    out_shape = b.op("Concat", [lead, b.const("columns", np.asarray([n], np.int64))], "out_shape", axis=0)
+    zeros = b.op("ConstantOfShape", [out_shape], "zeros",
+                 value=numpy_helper.from_array(np.zeros(1, np.float32)))
+    index = b.op("Expand", [b.const("pair_columns", cols.astype(np.int64)), b.op("Shape", [error], "error_shape")],
+                 "columns_index")
+    return b.op("ScatterElements", [zeros, index, error], "error_out", axis=-1, reduction="add")
 
 
 def _conv_error(b: _Builder, node: onnx.NodeProto, layer: _Layer, raw: str, rank: int, pairing: str) -> str:
