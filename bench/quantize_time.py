@@ -176,10 +176,20 @@ def nncf_quantize(float_path: Path, calib: list[dict], transformer: bool, out: P
 
 
 def stage_seconds(rd: Path, stage: str) -> float | None:
-    try:
-        return float(json.loads((rd / "manifest.json").read_text())["stages"][stage]["seconds"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    """The stage's seconds in ``rd``; under backend=auto without autotune (no top-level entry), every
+    runtime's own together."""
+
+    def seconds(path: Path) -> float | None:
+        try:
+            return float(json.loads(path.read_text())["stages"][stage]["seconds"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    top = seconds(rd / "manifest.json")
+    if top is not None:
+        return top
+    subs = [t for p in sorted((rd / "runtimes").glob("*/manifest.json")) if (t := seconds(p)) is not None]
+    return sum(subs) if subs else None
 
 
 def ours(key: str, root: Path, overrides: list[str], backend: str) -> tuple[Path | str, float | None, str]:
