@@ -41,7 +41,7 @@ from tasks.quantize._decide import decide
 from tasks.quantize._held_out import choose_ranges, keep_transforms, refine_ranges
 from tasks.quantize._placer import Placer
 from tasks.quantize._setup import QuantizeSetup
-from tasks.quantize.passes.sequence import FLOAT_PASSES, PassContext, run_passes, summary
+from tasks.quantize.passes.sequence import FLOAT_PASSES, PassContext, run_passes, summary, weighed
 from tasks.quantize.recovery import outlier_units
 
 log = logging.getLogger("tune.quantize")
@@ -181,7 +181,7 @@ class QuantizeStage(Stage):
         weight_clip = Calibration.weight_clip_for(enum_value(q.algorithm))
         t0 = time.time()
         stats = setup.calibrate(model)
-        if model is not setup.model:
+        if model is not setup.model and weighed(transforms):
             model, stats, transforms = keep_transforms(setup, model, stats, transforms, weight_clip)
         if setup.lowering is not None:
             transforms.insert(0, setup.lowering)

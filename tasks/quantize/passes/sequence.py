@@ -55,6 +55,10 @@ class FloatPass:
 
     name: str
     config_key: str  # the quantize.<key> that turns it on
+    # held to the PTQ model's held-out error (``_held_out.keep_transforms``): a pass that moves range between
+    # weights and activations can cost int8 accuracy; one that only removes float ops between quantized
+    # ones cannot, and is kept on the float-exact rule alone
+    weighed: bool = True
 
     def enabled(self, q: Any) -> bool:
         return bool(q.get(self.config_key))
@@ -77,6 +81,7 @@ class FloatPass:
 
 class FoldScales(FloatPass):
     name, config_key = "fold_scales", "fold_scales"
+    weighed = False  # the Div goes; the layer's per-channel weight scales and its output's range follow it
 
     def rewrite(self, model, ctx):
         from tasks.quantize.passes.scale_folding import fold_matmul_scales
@@ -165,6 +170,11 @@ class _NothingToDo(Exception):
 # the transforms made before calibration, in order (each weighed against the PTQ error afterwards)
 FLOAT_PASSES: tuple[FloatPass, ...] = (FoldScales(), Equalization(), Smoothing())
 PASSES_BY_NAME = {p.name: p for p in (*FLOAT_PASSES, RnnLowering())}
+
+
+def weighed(records: Iterable[TransformRecord]) -> bool:
+    """Whether a pass held to the PTQ model's held-out error changed the graph (``FloatPass.weighed``)."""
+    return any(r.applied and PASSES_BY_NAME[r.transform].weighed for r in records if r.transform in PASSES_BY_NAME)
 
 
 def run_passes(model: onnx.ModelProto, passes: Sequence[FloatPass], ctx: PassContext
