@@ -80,6 +80,9 @@ class SearchSpace:
     candidates: Callable[[Backend, Path], tuple[list[tuple[str, dict]], dict[str, Any]]]
     # (settings, change) -> the settings with that change
     apply: Callable[[Any, dict], Any]
+    # after a kept change, try once more each candidate that ran within the budget but was not clearly
+    # faster: where the runtime's settings interact (OpenVINO's precision with its threads)
+    retry_after_kept: bool = False
 
 
 @dataclass(frozen=True)

@@ -88,4 +88,5 @@ def search_candidates(backend: Backend, shipped: Path) -> tuple[list[tuple[str, 
 
 
 # what autotune's runtime search runs on this runtime (its Backend.search_space())
-SPACE = SearchSpace(base_settings, search_candidates, apply_change)
+# its precision and its threads interact: f32 on one thread can beat the bf16 it lost to on every core
+SPACE = SearchSpace(base_settings, search_candidates, apply_change, retry_after_kept=True)

@@ -165,33 +165,33 @@ class RuntimeSearch:
 
     def run(self, candidates: list[tuple[str, dict]]) -> Any:
         """The settings found by trying ``candidates`` ((name, change) in order), resuming from the state
-        file when it is this model's. Where a change was kept, each candidate that ran within the budget but
-        was not clearly faster is tried once more (``AGAIN``) on the settings found: settings interact (on
-        one thread, OpenVINO's f32 can beat the bf16 it lost to on every core)."""
+        file when it is this model's. Where the search space says its settings interact
+        (``SearchSpace.retry_after_kept``) and a change was kept, each candidate that ran within the budget
+        but was not clearly faster is tried once more (``AGAIN``) on the settings found."""
         if resume_or_set_aside(self._load, self.state_path, RUNTIME_STATE, own=True):
             log.info("runtime search: resuming from %s (%d candidates measured)", self.state_path.name,
                      len(self.document.body["steps"]))
         body = self.document.body
         settings = self.settings_type.from_dict(body["settings"])
-        deadline = time.time() + float(self.cfg.max_seconds)
-        settings, finished = self._pass(candidates, settings, deadline)
-        if finished and any(st.kept for st in self.steps):
+        started = time.time()
+        settings, finished = self._pass(candidates, settings, started)
+        if finished and self.space.retry_after_kept and any(st.kept for st in self.steps):
             slower = {st.name for st in self.steps if not st.kept and st.rounds is not None}
             settings, finished = self._pass([(n + AGAIN, c) for n, c in candidates if n in slower], settings,
-                                            deadline)
+                                            started)
         body["done"] = body["done"] or finished
         atomic_write_json(self.state_path, self.doc, indent=1)
         return settings
 
-    def _pass(self, candidates: list[tuple[str, dict]], settings: Any, deadline: float) -> tuple[Any, bool]:
+    def _pass(self, candidates: list[tuple[str, dict]], settings: Any, started: float) -> tuple[Any, bool]:
         """Each of ``candidates`` not measured yet, in order, from ``settings``: (the settings after them,
-        whether every one was measured before ``deadline``)."""
+        whether every one was measured within autotune.runtime.max_seconds of ``started``)."""
         body = self.document.body
         done = {st.name for st in self.steps}
         for name, change in candidates:
             if body["done"] or name in done:
                 continue
-            if time.time() > deadline:
+            if time.time() - started > float(self.cfg.max_seconds):
                 log.info("runtime search: autotune.runtime.max_seconds=%g reached; the rest is not measured",
                          float(self.cfg.max_seconds))
                 return settings, False
