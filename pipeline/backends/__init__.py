@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing
 from pipeline.backends.timing import compare_interleaved
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, InputError
 from pipeline.quant.placement import PLACEMENTS, PlacementKind
 from pipeline.registry import import_object
 from pipeline.values import enum_value
@@ -25,12 +25,14 @@ BACKENDS: dict[str, str] = {
 
 
 def named_runtime(name: str | None) -> type[Backend]:
-    """The Backend class of runtime ``name`` (as a results_dir records it), imported; None or a name that is
-    not a built-in runtime: the reference runtime (``Backend.reference``), which loads what it is given."""
-    classes = [import_object(path, "backend.name") for path in BACKENDS.values()]
-    if name in BACKENDS:
-        return import_object(BACKENDS[name], "backend.name")
-    return next(c for c in classes if c.reference)
+    """The Backend class of built-in runtime ``name`` (as a results_dir records it), imported; None: the
+    reference runtime (``Backend.reference``). An InputError names any other."""
+    if name is None:
+        return next(c for c in (import_object(p, "backend.name") for p in BACKENDS.values()) if c.reference)
+    if name not in BACKENDS:
+        raise InputError(f"{name}: not a built-in runtime; load gen_trt_engine's artifact with the runtime's own "
+                          f"API")
+    return import_object(BACKENDS[name], "backend.name")
 
 
 def settings_artifacts(cfg: DictConfig) -> tuple[str, ...]:

@@ -335,10 +335,10 @@ class Recovery:
 
 
 METHOD = ("element-wise nodes on tensors with outlier channels first (outlier_nodes); then each node left float "
-          "alone, ranked by the output error that remains (lowest first; past 24 nodes, stretches of the graph "
-          "first and node by node only in the 3 whose float helps most); if no prefix of that ranking meets the "
-          "budget, a float set grown greedily from the most sensitive nodes (greedy); then stretches of the "
-          "graph (blocks); all within recovery's time allowance")
+          f"alone, ranked by the output error that remains (lowest first; past {RANK_ALONE} nodes, {STRETCHES} "
+          f"stretches of the graph first and node by node only in the {REFINED} whose float helps most); if no "
+          "prefix of that ranking meets the budget, a float set grown greedily from the most sensitive nodes "
+          "(greedy); then stretches of the graph (blocks); all within recovery's time allowance")
 
 
 def recover_budget(model: onnx.ModelProto, start: MissedBudget, placed: Callable[[set[str]], onnx.ModelProto],
