@@ -263,17 +263,18 @@ def greedy_recovery(ranking: list[dict[str, Any]], build: Callable[[set[str]], o
         steps.append({"float": list(chosen), "accuracy": v.what if v else None, "ok": bool(v is not None and v.ok)})
         log.info("quantize:   with %d nodes float (greedy, + %s): %s", len(chosen), best[1], v.what if v else None)
         if steps[-1]["ok"]:
-            return _prune(chosen, best[2], build, checker, steps)
+            return _prune(chosen, best[2], build, checker, steps, allowance)
     return [], None, steps
 
 
 def _prune(chosen: list[str], met: Candidate, build: Callable[[set[str]], onnx.ModelProto], checker: Checker,
-           steps: list[dict[str, Any]]) -> tuple[list[str], Candidate, list[dict[str, Any]]]:
+           steps: list[dict[str, Any]], allowance: Allowance) -> tuple[list[str], Candidate, list[dict[str, Any]]]:
     """Drop from a float set that meets the budget each earlier pick the later ones made unnecessary."""
     keep = list(chosen)
     for n in chosen[-2::-1]:
         trial = [m for m in keep if m != n]
         c = checker.check(build(set(trial)), "greedy_prune")
+        allowance.tick(f"- {n}")
         if c.scored and c.verdict.ok:
             keep, met = trial, c
             steps.append({"float": list(keep), "accuracy": c.verdict.what, "ok": True, "dropped": n})
