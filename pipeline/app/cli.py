@@ -117,7 +117,7 @@ def _first_of_sweeps(overrides: list[str]) -> list[str]:
     return out
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     """Turn a Hydra/OmegaConf composition error into one line naming the key and what is allowed."""
     from hydra.errors import MissingConfigException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -215,7 +215,7 @@ def checked_config(overrides: list[str], config_dir: str | None = None, config_n
     except PipelineError:
         raise
     except (HydraException, OmegaConfBaseException, ValueError) as exc:  # Hydra/OmegaConf's many types for bad input
-        raise ConfigError(_one_line(exc)) from exc
+        raise ConfigError(one_line(exc)) from exc
     return cfg
 
 

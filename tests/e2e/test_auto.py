@@ -199,7 +199,11 @@ def test_rechoose_on_another_host_ships_the_runtime_that_wins_there(residual_mod
     other = "avx2" if here != "avx2" else "amx"
     monkeypatch.setenv(PIN_ENV, {"avx2": "avx2", "amx": "avx2 avx512f avx512bw avx512_vnni amx_int8"}[other])
     fast["runtime"] = "onnxruntime"
+    capsys.readouterr()
     assert rechoose([str(rd), "progress=false"]) == 0
+    cost = capsys.readouterr().out.strip().splitlines()[-1]
+    assert cost.startswith("tune-rechoose: chose again in ") and "spent quantizing and tuning" in cost
+    assert cost.endswith(" s") and "gen_trt_engine and evaluate on this host then took" in cost
     stages = json.loads((rd / "manifest.json").read_text())["stages"]
     for name in ("onnxruntime", "openvino"):  # nothing was tuned again
         sub = json.loads((rd / "runtimes" / name / "manifest.json").read_text())["stages"]
@@ -221,6 +225,10 @@ def test_rechoose_on_another_host_ships_the_runtime_that_wins_there(residual_mod
     capsys.readouterr()
     assert rechoose([str(rd), "progress=false", "accuracy.max_drop=2"]) == 2
     assert "a re-choice tunes nothing; run tune on the results_dir first" in capsys.readouterr().err
+    # a key this version does not have: one line naming it, no traceback
+    assert rechoose([str(rd), "autotune.bogus=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "autotune.bogus" in err[0] and err[0].startswith("tune-rechoose: error: ")
 
 
 def _faked_auto_args(residual_models, rd):

@@ -57,9 +57,15 @@ def _check_value(name: str, value: Any) -> str:
     return text
 
 
+@functools.lru_cache(maxsize=1)
+def available_devices() -> tuple[str, ...]:
+    """The devices OpenVINO sees in this process (asking the plugins takes tens of ms each time)."""
+    return tuple(core().available_devices)
+
+
 def check_device(device: str, key: str) -> None:
     """A BackendUnavailable naming ``key`` when OpenVINO has no such device here."""
-    devices = core().available_devices
+    devices = list(available_devices())
     if device not in devices:
         raise BackendUnavailable(f"{key}={device}: OpenVINO sees only {devices} here; set {key} to one of them")
 
