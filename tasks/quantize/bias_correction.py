@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from pipeline.graph.index import GraphIndex, bias_tensor
+from pipeline.graph import weights
+from pipeline.graph.index import GraphIndex, bias_slot, bias_tensor
 from pipeline.graph.model import WEIGHTED_OPS
 
 # levels corrected (one quantized-model run over the calibration feeds each), from the inputs down
@@ -128,21 +129,30 @@ def corrections(float_model: onnx.ModelProto, build: Callable[[dict[str, list[fl
 
     ``build(corrections)`` places the quantized model with those corrections applied. Nodes are
     corrected level by level from the inputs down (see ``_levels``), each measured on the model whose
-    nodes above it are corrected already. A record has the node, its bias tensor and the mean |shift|
-    relative to the output's RMS before and after.
+    nodes above it are corrected already. The model is placed once, its corrected biases fed in as
+    inputs and each level measured on the part of the graph above it (``_FedBiases``), which computes
+    what placing it again with the corrections would. A record has the node, its bias tensor and the
+    mean |shift| relative to the output's RMS before and after.
     """
     slots, missing, shared = bias_slots(float_model, quantized)
     sizes = {i.name: int(np.prod(i.dims)) for i in float_model.graph.initializer}
     mismatched = [s for s in slots if s.bias not in sizes]
     slots = [s for s in slots if s.bias in sizes]
     reference = channel_means(float_model, feeds, slots, threads) if slots else {}
+    fed = _FedBiases.of(float_model, build({}), slots, threads) if slots else None
+
+    def measure(level: list[BiasSlot], total: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
+        if fed is not None:
+            return fed.channel_means(feeds, level, total)
+        return channel_means(build({b: v.tolist() for b, v in total.items()}), feeds, level, threads)
+
     total: dict[str, np.ndarray] = {}
     first: dict[str, np.ndarray] = {}
     # one level per sweep: correcting adjacent levels from one measurement overshoots (a transformer's
     # cosine fell from 0.86 to 0.19 that way); past MAX_SWEEPS levels a node's shift is mostly the
     # noise of the nodes above it, not a bias of its own, so deeper nodes are left as they are
     for level in _levels(float_model, slots)[:MAX_SWEEPS]:
-        measured = channel_means(build({b: v.tolist() for b, v in total.items()}), feeds, level, threads)
+        measured = measure(level, total)
         for s in level:
             shift = measured[s.node]["mean"] - reference[s.node]["mean"]
             if shift.size != sizes[s.bias]:  # a bias broadcast over channels in another way: leave it
@@ -150,7 +160,7 @@ def corrections(float_model: onnx.ModelProto, build: Callable[[dict[str, list[fl
                 continue
             first[s.node] = shift
             total[s.bias] = total.get(s.bias, 0.0) + shift
-    after = channel_means(build({b: v.tolist() for b, v in total.items()}), feeds, slots, threads) if total else {}
+    after = measure(slots, total) if total else {}
 
     def rel(shift: np.ndarray, node: str) -> float:
         rms = reference[node]["rms"]
@@ -166,6 +176,103 @@ def corrections(float_model: onnx.ModelProto, build: Callable[[dict[str, list[fl
                 for s in mismatched]
     records += [{"node": s.node, "bias": s.bias, "skipped": "bias shared with other nodes"} for s in shared]
     return {b: [float(x) for x in v] for b, v in total.items()}, records
+
+
+@dataclass(frozen=True)
+class _FedBias:
+    """How one corrected bias reaches the placed model: the input it is fed as, the float bias, and the
+    int32 DequantizeLinear scale where the placement stores it quantized (None: a float bias)."""
+
+    input: str
+    values: np.ndarray
+    scale: np.ndarray | None
+
+    def value(self, delta: np.ndarray | None) -> np.ndarray:
+        """The input's value with ``delta`` subtracted, rounded as ``apply_plan`` stores it."""
+        b = self.values
+        if delta is not None:
+            b = (b - np.asarray(delta, np.float64).reshape(b.shape)).astype(b.dtype)
+        if self.scale is None:
+            return b
+        q = np.rint(b.astype(np.float64).reshape(-1) / self.scale)
+        return np.clip(q, -(2**31), 2**31 - 1).astype(np.int32).reshape(b.shape)
+
+
+class _FedBiases:
+    """The quantized model placed once with its slots' biases as graph inputs: a level is measured on
+    the nodes its outputs depend on, with the corrections so far fed in (ORT runs every node of a
+    graph whatever outputs are asked for)."""
+
+    def __init__(self, model: onnx.ModelProto, fed: dict[str, _FedBias], threads: int):
+        self.model, self.fed, self.threads = model, fed, threads
+        self.producer = {t: i for i, n in enumerate(model.graph.node) for t in n.output}
+        self.truncate = not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                                for n in model.graph.node for a in n.attribute)
+
+    @classmethod
+    def of(cls, float_model: onnx.ModelProto, qmodel: onnx.ModelProto, slots: list[BiasSlot], threads: int
+           ) -> _FedBiases | None:
+        """The fed model of ``qmodel`` (placed without corrections), or None where a slot's bias does not
+        reach it as a float initializer or an int32 DequantizeLinear of one (then each level is placed)."""
+        fg, qg = GraphIndex(float_model), GraphIndex(qmodel)
+        fed: dict[str, _FedBias] = {}
+        for s in slots:
+            node = fg.nodes[s.node]
+            owner, idx = (node.name, 2) if node.op_type in ("Conv", "ConvTranspose") else bias_slot(fg, node) or ("", 0)
+            q = qg.nodes.get(owner)
+            if q is None or len(q.input) <= idx:
+                return None
+            reader = q.input[idx]
+            values = weights.array(fg.inits[s.bias])
+            if values.dtype != np.float32:  # apply_plan rounds another type's int32 bias by a float32 scale
+                return None
+            dq = qg.producer.get(reader)
+            if reader == s.bias and reader in qg.inits:
+                fed[s.bias] = _FedBias(reader, values, None)
+            elif dq is not None and dq.op_type == "DequantizeLinear" and dq.input[0] in qg.inits \
+                    and len(dq.input) > 1 and dq.input[1] in qg.inits:
+                scale = weights.array(qg.inits[dq.input[1]]).astype(np.float32).reshape(-1)
+                fed[s.bias] = _FedBias(dq.input[0], values, np.broadcast_to(scale, (values.size,)))
+            else:
+                return None
+        inputs = {f.input for f in fed.values()}
+        if len(inputs) != len(fed) or any(len(qg.consumers.get(t, [])) != 1 for t in inputs):
+            return None
+        kept = [i for i in qmodel.graph.initializer if i.name not in inputs]
+        fed_inputs = [onnx.helper.make_tensor_value_info(i.name, i.data_type, list(i.dims))
+                      for i in qmodel.graph.initializer if i.name in inputs]
+        del qmodel.graph.initializer[:]
+        qmodel.graph.initializer.extend(kept)
+        qmodel.graph.input.extend(fed_inputs)
+        return cls(qmodel, fed, threads)
+
+    def channel_means(self, feeds: list[dict[str, np.ndarray]], level: list[BiasSlot],
+                      total: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
+        """``channel_means`` of ``level`` on the model with ``total`` subtracted from the biases."""
+        model = self._above([s.output for s in level]) if self.truncate else self.model
+        needed = {i.name for i in model.graph.input}
+        biases = {f.input: f.value(total.get(b)) for b, f in self.fed.items() if f.input in needed}
+        fed = [{**{k: v for k, v in feed.items() if k in needed}, **biases} for feed in feeds]
+        return channel_means(model, fed, level, self.threads)
+
+    def _above(self, outputs: list[str]) -> onnx.ModelProto:
+        """The nodes ``outputs`` depend on, as a model of their own (same names, inputs and initializers)."""
+        graph_nodes = self.model.graph.node
+        wanted: set[int] = set()
+        stack = list(outputs)
+        while stack:
+            i = self.producer.get(stack.pop())
+            if i is not None and i not in wanted:
+                wanted.add(i)
+                stack.extend(t for t in graph_nodes[i].input if t)
+        nodes = [graph_nodes[i] for i in sorted(wanted)]
+        used = {t for n in nodes for t in n.input}
+        graph = onnx.helper.make_graph(nodes, self.model.graph.name, [i for i in self.model.graph.input if i.name in used],
+                                       [], [i for i in self.model.graph.initializer if i.name in used])
+        out = onnx.helper.make_model(graph, opset_imports=list(self.model.opset_import))
+        out.ir_version = self.model.ir_version
+        out.functions.extend(self.model.functions)
+        return out
 
 
 def correct_bias(model: onnx.ModelProto, build: Callable[[dict[str, list[float]]], onnx.ModelProto],

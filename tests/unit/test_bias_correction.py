@@ -96,3 +96,45 @@ def test_a_bias_the_exporter_shared_between_nodes_is_left_as_it_is():
                                 feeds, {"mm1", "mm2", "mm3"})
     assert set(corr) == {"own"}
     assert sorted(r["node"] for r in records if r.get("skipped") == "bias shared with other nodes") == ["mm1", "mm2"]
+
+
+def _corrections_both_ways(model, plan, stats, feeds, monkeypatch):
+    """corrections() with the biases fed into one placed model, and with every level placed anew."""
+    from tasks.quantize import bias_correction
+
+    def build(c):
+        return apply_plan(model, plan, Calibration(stats, bias_corrections=c))
+
+    quantized = {w.node for w in plan.weights}
+    slots = bias_slots(model, quantized)[0]
+    assert bias_correction._FedBiases.of(model, build({}), slots, 1) is not None  # the fed way is taken
+    fed = corrections(model, build, feeds, quantized)
+    with monkeypatch.context() as m:
+        m.setattr(bias_correction._FedBiases, "of", classmethod(lambda cls, *a: None))
+        placed = corrections(model, build, feeds, quantized)
+    return fed, placed
+
+
+def test_feeding_the_corrected_biases_computes_what_placing_each_level_does(monkeypatch):
+    """int32 biases (ORT's Conv placement) and float biases of MatMul + Add, levels measured on the part of
+    the graph above them: the same corrections as placing the model for every level."""
+    model, feeds, stats, rules = _setup()
+    for plan in (onnxruntime_plan(model, rules, "uint8", weight_range="reduced"),
+                 onnxruntime_plan(model, rules, "uint8")):
+        assert plan.biases  # int32 biases in the placed model
+        (fed, fed_rec), (placed, placed_rec) = _corrections_both_ways(model, plan, stats, feeds[:6], monkeypatch)
+        assert fed and set(fed) == set(placed)
+        for b in fed:
+            np.testing.assert_allclose(fed[b], placed[b], rtol=1e-5, atol=1e-7)
+        assert [r["node"] for r in fed_rec] == [r["node"] for r in placed_rec]
+    layer = models.transformer_layer()
+    lfeeds = [f for f, _ in synthetic_batches(input_specs(layer), 6, 0)]
+    lstats = collect(layer, lambda: iter([Batch(f, None, 1) for f in lfeeds]),
+                     CalibrationMethod("minmax", 99.99, 2048), 1, lambda it, desc: it)
+    lrules = resolve_rules(layer, [{"module_name": "*", "weights": {"dtype": "int8"},
+                                    "activations": {"dtype": "uint8"}}])
+    lplan = onnxruntime_plan(layer, lrules, "uint8")
+    (fed, _), (placed, _) = _corrections_both_ways(layer, lplan, lstats, lfeeds, monkeypatch)
+    assert fed and set(fed) == set(placed)
+    for b in fed:
+        np.testing.assert_allclose(fed[b], placed[b], rtol=1e-4, atol=1e-6)
