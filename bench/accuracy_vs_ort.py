@@ -50,6 +50,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from pipeline.accuracy.autotune_metrics import AutotuneMetrics  # noqa: E402
+from pipeline.errors import StateError  # noqa: E402
+
 MODELS = ("digits_cnn", "resnet18", "bert_tiny")
 TRAINED = ("minilm_l6", "ppocr_det", "ppocr_cls", "silero_vad")  # keys of trained_models.MODELS
 AIMET_PYTHON = Path("/work/aimet-venv/bin/python")
@@ -376,11 +379,12 @@ def bench_trained(key: str, rd: Path, args: argparse.Namespace) -> tuple[list[TR
                  error=err)
     if not err:
         try:
-            am = json.loads((dd / "manifest.json").read_text())["stages"]["autotune"]["metrics"]
-            a_row.notes = f"shipped {am.get('shipped')}" + (
-                f" ({am.get('shipped_reason')})" if am.get("shipped") != "tuned" and am.get("shipped_reason") else "")
-            a_row.notes += f"; tune-time speedup {am.get('speedup', math.nan):.2f}x"
-        except (OSError, ValueError, KeyError):
+            am = AutotuneMetrics.from_dict(json.loads((dd / "manifest.json").read_text())["stages"]["autotune"]
+                                           ["metrics"], f"{dd}/manifest.json's autotune entry")
+            a_row.notes = f"shipped {am.shipped}" + (
+                f" ({am.shipped_reason})" if am.shipped != "tuned" and am.shipped_reason else "")
+            a_row.notes += f"; tune-time speedup {am.speedup if am.speedup is not None else math.nan:.2f}x"
+        except (OSError, ValueError, KeyError, StateError):
             pass
         from pipeline.artifacts import sha256_file
         if qp.exists() and sha256_file(qp) == sha256_file(a_row.path):

@@ -23,6 +23,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from accuracy_vs_ort import run_tune  # noqa: E402
 
+from pipeline.accuracy.autotune_metrics import AutotuneMetrics  # noqa: E402
+
 MODELS = {"digits_cnn": [], "resnet18": ["model.input_size=112"], "bert_tiny": []}
 
 
@@ -49,7 +51,8 @@ def main() -> None:
         if err:
             rows.append(f"| {name} | failed: {err} | | | | |")
             continue
-        m = json.loads((rd / "manifest.json").read_text())["stages"]["autotune"]["metrics"]
+        m = AutotuneMetrics.from_dict(json.loads((rd / "manifest.json").read_text())["stages"]["autotune"]["metrics"],
+                                      f"{rd}/manifest.json's autotune entry")
         settings = SessionSettings.load(rd / "autotune" / "ort_session.json")
         float_path, shipped = rd / "autotune" / "baseline.onnx", rd / "autotune" / "optimized_final.onnx"
         tuned, plain = backend.with_settings(settings), backend.as_deployed()
@@ -65,7 +68,7 @@ def main() -> None:
         def r(a, b) -> str:
             return f"{a.p10_ms / b.p10_ms:.2f}x ({a.median_ms / b.median_ms:.2f}x)"
 
-        rows.append(f"| {name} | {m['shipped']}, {m['accuracy']['final']['what']} | {settings.describe()} | "
+        rows.append(f"| {name} | {m.shipped}, {m.accuracy.final.what if m.accuracy.final else ''} | {settings.describe()} | "
                     f"{r(fd, sd)} | {r(fd, st)} | {r(ft, st)} | {r(sd, st)} |")
         print(rows[-1], f"(tune {took:.0f} s)", flush=True)
     print("\n| model | shipped, accuracy | session settings | shipped, ORT defaults vs float | shipped, its settings "

@@ -31,6 +31,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pipeline.accuracy.autotune_metrics import AutotuneMetrics  # noqa: E402
+
 MODELS = {
     # random-weight ResNet-50: minmax/entropy int8 miss the default budget (SNR ~15 dB on the
     # held-out batches); percentile calibration plus the quantize stage's sensitive-node recovery meets it
@@ -63,7 +65,8 @@ def _autotune(overrides: list[str], rd: Path) -> dict:
         done.set()
         t.join()
     entry = json.loads((rd / "manifest.json").read_text())["stages"]["autotune"]
-    return {"seconds": entry["finished"] - entry["started"], "loads": loads, **entry["metrics"]}
+    return {"seconds": entry["finished"] - entry["started"], "loads": loads,
+            "metrics": AutotuneMetrics.from_dict(entry["metrics"], f"{rd}/manifest.json's autotune entry")}
 
 
 def _measure(backend, paths: list[Path], rounds: int, runs: int) -> tuple[list[float], list[list[float]]]:
@@ -88,12 +91,13 @@ def _ratio(a: list[float], b: list[float]) -> float:
     return float(np.median([x / y for x, y in zip(a, b, strict=True)]))
 
 
-def _steps(m: dict) -> str:
+def _steps(m: AutotuneMetrics) -> str:
     """Full-model steps of a run: region mode's measurements; subgraph mode's per phase."""
-    if m["mode"] == "region":
-        return str(m.get("full_model_measurements", m.get("measurements")))
-    guard = int(bool(m.get("guard", {}).get("measured")))
-    phases = {p["phase"]: p["steps"] for p in m.get("phases", [])}
+    if m.search.mode == "region":
+        return str(m.search.full_model_measurements if m.search.full_model_measurements is not None
+                   else m.search.measurements)
+    guard = int(m.guard is not None and m.guard.measured)
+    phases = {p["phase"]: p["steps"] for p in m.search.details.get("phases", [])}
     total = sum(phases.values()) + guard
     return f"{total} ({phases.get('start', 0)} + {phases.get('pass 1', 0)} + {phases.get('pass 2', 0)} + {guard})"
 
@@ -138,13 +142,13 @@ def main() -> None:
     for name, runs, ms, best in rows:
         flt, ptq, reg, sub = best
         for mode, k in (("region", 2), ("subgraph", 3)):
-            m = runs[mode]
-            loads = m["loads"] or [os.getloadavg()[0]]
-            acc = m["accuracy"]["final"]
-            print(f"| {name} | {mode} | {m['seconds']:.0f} s | {sum(loads) / len(loads):.1f} / {max(loads):.1f} | "
-                  f"{_steps(m)} | {m.get('subgraph_measurements', 0)} | {ms[k]:.3f} | "
-                  f"{_ratio(flt, best[k]):.2f}x | {_ratio(reg, best[k]):.3f}x | {m['shipped']} | "
-                  f"{'ok' if acc['ok'] else 'OVER'}: {acc['what']} |")
+            run, m = runs[mode], runs[mode]["metrics"]
+            loads = run["loads"] or [os.getloadavg()[0]]
+            acc = m.accuracy.final
+            print(f"| {name} | {mode} | {run['seconds']:.0f} s | {sum(loads) / len(loads):.1f} / {max(loads):.1f} | "
+                  f"{_steps(m)} | {m.search.details.get('subgraph_measurements', 0)} | {ms[k]:.3f} | "
+                  f"{_ratio(flt, best[k]):.2f}x | {_ratio(reg, best[k]):.3f}x | {m.shipped} | "
+                  f"{'ok' if acc is not None and acc.ok else 'OVER'}: {acc.what if acc is not None else ''} |")
         print(f"| {name} | (PTQ) | - | - | - | - | {ms[1]:.3f} | {_ratio(flt, ptq):.2f}x | "
               f"{_ratio(reg, ptq):.3f}x | - | - |")
     print("\nsubgraph mode's full-model steps: total (start + pass 1 + pass 2 + final guard)")

@@ -37,6 +37,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from accuracy_vs_ort import CALIB, run_tune, time_on_real_feed  # noqa: E402
 
+from pipeline.accuracy.autotune_metrics import AutotuneMetrics  # noqa: E402
+
 KEY = "minilm_l6_2out"
 VARIANTS = {"every output (default)": [], "accuracy.outputs=[sentence_embedding]": ["accuracy.outputs=[sentence_embedding]"]}
 
@@ -85,7 +87,8 @@ def main() -> None:
             if err:
                 rows.append({"variant": label, "seed": seed, "error": err})
                 continue
-            metrics = json.loads((rd / "manifest.json").read_text())["stages"]["autotune"]["metrics"]
+            metrics = AutotuneMetrics.from_dict(json.loads((rd / "manifest.json").read_text())["stages"]["autotune"]
+                                                ["metrics"], f"{rd}/manifest.json's autotune entry")
             shipped = rd / "autotune" / "optimized_final.onnx"
             float_path = rd / "export" / "model.onnx"
             names = [o.name for o in onnx.load(str(shipped), load_external_data=False).graph.output]
@@ -98,13 +101,13 @@ def main() -> None:
             t_float, t_float_same, t_default, t_shipped = time_on_real_feed(
                 create_backend(cfg.backend), [float_path, float_path, shipped, shipped], provider, args.rounds,
                 args.runs, settings=[SessionSettings(), settings, SessionSettings(), settings])
-            rows.append({"variant": label, "seed": seed, "shipped": metrics["shipped"], "outputs": names,
-                         "float_nodes": len(metrics.get("float_nodes") or []), "session": settings.describe(),
+            rows.append({"variant": label, "seed": seed, "shipped": metrics.shipped, "outputs": names,
+                         "float_nodes": len(metrics.search.float_nodes), "session": settings.describe(),
                          "p10": t_float.p10_ms / t_shipped.p10_ms, "median": t_float.median_ms / t_shipped.median_ms,
                          "p10_default_session": t_float.p10_ms / t_default.p10_ms,
                          "p10_same_session": t_float_same.p10_ms / t_shipped.p10_ms,
                          "cos_mean": float(np.mean(cos)), "cos_min": float(np.min(cos)), "verdict":
-                         metrics["accuracy"]["final"]["what"], "tuning_s": took})
+                         metrics.accuracy.final.what if metrics.accuracy.final else "", "tuning_s": took})
             print(json.dumps(rows[-1]), flush=True)
 
     print(f"\n{tm.MODELS[KEY]['description']}; {args.feeds} calibration feeds, scored on {len(eval_feeds)} unseen feeds; "

@@ -21,6 +21,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from pipeline.accuracy.autotune_metrics import AutotuneMetrics, autotune_metrics
 from pipeline.accuracy.evaluation import EvaluateMetrics
 from pipeline.artifacts import Manifest
 from pipeline.data.live import metric_attribute
@@ -45,6 +46,11 @@ class TuneResult:
         """What evaluate measured (evaluate/metrics.json as a record), where this run evaluated."""
         recorded = self.metrics.get("evaluate")
         return EvaluateMetrics.from_dict(recorded, "evaluate's metrics") if recorded else None
+
+    @property
+    def tuning(self) -> AutotuneMetrics | None:
+        """What autotune measured and shipped (its manifest metrics as a record), where this run tuned."""
+        return autotune_metrics(self.metrics.get("autotune"), "autotune's metrics")
 
     def load(self, device: str = "CPU") -> Any:
         """The shipped model ready to run in its runtime's own API, with the settings it ships with (the
@@ -413,9 +419,10 @@ def _result(results_dir: Path, summary: dict[str, Any]) -> TuneResult:
 def shipped_runtime(manifest: Manifest) -> str | None:
     """The runtime autotune tuned the shipped model for: backend=auto's winner, else the run's backend."""
     entry = manifest.entry("autotune") or {}
-    choice = (entry.get("metrics") or {}).get("runtime_choice")
-    if choice:
-        return str(choice["winner"])
+    tuned = autotune_metrics(entry.get("metrics"), f"{manifest.path}'s autotune entry")
+    choice = tuned.choice if tuned is not None else None
+    if choice is not None:
+        return choice.winner
     name = ((entry.get("config") or {}).get("backend") or {}).get("name")
     return str(name) if name else None
 
@@ -423,9 +430,10 @@ def shipped_runtime(manifest: Manifest) -> str | None:
 def _shipped_numbers(manifest: Manifest, shipped: Path | None) -> tuple[float | None, dict[str, Any]]:
     """Speedup and accuracy verdict of the shipped model: autotune's final measurement (the one its
     final line prints), else evaluate's numbers for that model."""
-    tuned = manifest.metrics("autotune")
-    if "speedup" in tuned:
-        return float(tuned["speedup"]), (tuned.get("accuracy") or {}).get("final") or {}
+    tuned = autotune_metrics(manifest.metrics("autotune"), f"{manifest.path}'s autotune entry")
+    if tuned is not None and tuned.speedup is not None:
+        final = tuned.accuracy.final
+        return float(tuned.speedup), final.to_dict() if final is not None else {}
     recorded = manifest.metrics("evaluate")
     if not recorded or shipped is None:
         return None, {}

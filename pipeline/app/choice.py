@@ -11,11 +11,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline.accuracy.evaluation import FloatBaseline
+from pipeline.accuracy.autotune_metrics import AutotuneMetrics
 from pipeline.accuracy.kinds import host_key
 from pipeline.app.comparison import Comparison
 from pipeline.app.host_choice import recheck_here, remember
@@ -38,7 +37,7 @@ log = logging.getLogger("tune.auto")
 CHOICE_RULE = 2
 
 
-def _shipped(run: RuntimeRun) -> tuple[Backend, Path, dict[str, Any]]:
+def _shipped(run: RuntimeRun) -> tuple[Backend, Path, AutotuneMetrics]:
     """The runtime's backend with the settings its autotune ships, its shipped model, its autotune metrics."""
     manifest = Manifest(run.results_dir)
     model = manifest.artifact("autotune/optimized_final.onnx")
@@ -50,7 +49,8 @@ def _shipped(run: RuntimeRun) -> tuple[Backend, Path, dict[str, Any]]:
     settings_path = manifest.artifact(kind.artifact) if kind is not None else None
     if settings_path is not None:
         backend = backend.with_settings(kind.type.load(settings_path))
-    return backend, model, manifest.metrics("autotune")
+    return backend, model, AutotuneMetrics.from_dict(manifest.metrics("autotune"),
+                                                     f"{manifest.path}'s autotune entry")
 
 
 def reference_float(runs: list[RuntimeRun]) -> Backend:
@@ -104,20 +104,14 @@ def choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[st
     return choice
 
 
-def float_deployment(run: RuntimeRun, metrics: dict[str, Any]) -> Backend:
+def float_deployment(run: RuntimeRun, metrics: AutotuneMetrics) -> Backend:
     """The runtime's float baseline as a deployment runs it (no tuned settings): the precision its autotune
     chose (``float_baseline``: FP32 where its own precision misses the budget or runs slower), within
     the budget either way. Its settings say that precision, so shipping it ships the precision too."""
     backend = create_backend(run.cfg.backend).as_deployed()
-    chosen = float_baseline(metrics)
+    chosen = metrics.float_baseline
     fp32 = backend.fp32_variant() if chosen is not None and chosen.precision == "FP32" else None
     return fp32 or backend
-
-
-def float_baseline(metrics: dict[str, Any]) -> FloatBaseline | None:
-    """The float baseline a runtime's autotune chose (its metrics' ``float_baseline``), if it recorded one."""
-    recorded = metrics.get("float_baseline")
-    return FloatBaseline.from_dict(recorded) if recorded else None
 
 
 @dataclass(frozen=True)
@@ -134,7 +128,7 @@ class TimedRuntime:
 
 
 def decide(key: str, path: Path, reference: Backend, ref_t: Timing, timed: list[TimedRuntime],
-           shipped: dict[str, tuple[Backend, Path, dict[str, Any]]], left_out: dict[str, str], race: str = ""
+           shipped: dict[str, tuple[Backend, Path, AutotuneMetrics]], left_out: dict[str, str], race: str = ""
            ) -> RuntimeChoice:
     """The choice from the reference float's timing and each runtime's timings: the fastest of every
     runtime's shipped model and float baseline ships. A float displaces its own runtime's shipped model
@@ -145,9 +139,9 @@ def decide(key: str, path: Path, reference: Backend, ref_t: Timing, timed: list[
     rows, contenders = [], []
     for (name, (backend, _, metrics)), t in zip(shipped.items(), timed, strict=True):
         error = next((x.error for x in (t.float_t, t.ship_t) if not x.ok), None)
-        final = (metrics.get("accuracy") or {}).get("final") or {}
-        row = RuntimeRow(name, str(metrics.get("shipped", "float")), float_precision(metrics, backend),
-                         str(final.get("what", "")), t.ship_t.p10_ms if t.ship_t.ok else None,
+        final = metrics.accuracy.final
+        row = RuntimeRow(name, metrics.shipped or "float", float_precision(metrics, backend),
+                         final.what if final is not None else "", t.ship_t.p10_ms if t.ship_t.ok else None,
                          t.float_t.p10_ms if t.float_t.ok else None, error)
         rows.append(row)
         contenders += row.contenders(t.float_is_shipped, t.float_is_reference, t.float_interval)
@@ -166,9 +160,9 @@ def decide(key: str, path: Path, reference: Backend, ref_t: Timing, timed: list[
     return choice
 
 
-def float_precision(metrics: dict[str, Any], backend: Backend) -> str:
+def float_precision(metrics: AutotuneMetrics, backend: Backend) -> str:
     """The precision of the runtime's float baseline: its autotune's choice, else the runtime's own."""
-    chosen = float_baseline(metrics)
+    chosen = metrics.float_baseline
     return chosen.precision if chosen is not None else backend.float_precision()
 
 

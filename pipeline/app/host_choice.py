@@ -12,6 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from pipeline.accuracy.autotune_metrics import AutotuneMetrics
 from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict
 from pipeline.accuracy.holdout import Holdout
 from pipeline.accuracy.kinds import CheckedOn, host_key, runtime_versions
@@ -34,13 +35,13 @@ def checked_elsewhere(record: CheckedOn | None) -> bool:
     return record.kind != cpu_facts().kind or record.versions.get(record.runtime) != here.get(record.runtime)
 
 
-def recheck_here(cfg: DictConfig, float_path: Path, shipped: dict[str, tuple[Backend, Path, dict[str, Any]]]
+def recheck_here(cfg: DictConfig, float_path: Path, shipped: dict[str, tuple[Backend, Path, AutotuneMetrics]]
                  ) -> dict[str, AccuracyVerdict]:
     """runtime -> its shipped model's verdict on this host, for every runtime in ``shipped`` (backend with
     its settings, model, autotune metrics) checked on another host; judged on the held-out samples of
     ``cfg`` (one runtime's config) with this machine's kernels."""
     stale = {name: (backend, model) for name, (backend, model, metrics) in shipped.items()
-             if checked_elsewhere(CheckedOn.from_dict(metrics["checked_on"]) if metrics.get("checked_on") else None)}
+             if checked_elsewhere(metrics.checked)}
     if not stale:
         return {}
     float_model = load_model(float_path, check=False)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from pipeline.accuracy.autotune_metrics import AutotuneMetrics
 from pipeline.accuracy.kinds import checked_on, float_kinds
-from pipeline.app.choice import float_baseline, float_deployment
+from pipeline.app.choice import float_deployment
 from pipeline.app.host_choice import HOST_CHOICES, judged_hosts
 from pipeline.app.runtime_runs import (
     PER_RUNTIME,
@@ -40,17 +42,8 @@ def publish(top: Path, winner: RuntimeRun, choice: RuntimeChoice | None, setting
     auto = manifest.stages.get("autotune")
     if auto is not None and choice is not None:
         auto["outputs"][CHOICE] = manifest.describe_file(top / CHOICE)
-        metrics = auto.get("metrics", {})
-        if choice.ships == FLOAT:
-            metrics = _ship_float(manifest, winner, auto["outputs"], metrics)
-        if (top / HOST_CHOICES).exists():
-            auto["outputs"][HOST_CHOICES] = manifest.describe_file(top / HOST_CHOICES)
-            choices = read_json(top / HOST_CHOICES, HOST_CHOICES)
-            metrics = {**metrics, "host_choices": choices}
-            if metrics.get("checked_on") and choice.ships != FLOAT:  # the winner's model as other hosts judged it
-                metrics["checked_on"] = {**metrics["checked_on"], "hosts": judged_hosts(choices, winner.name)}
-        auto["metrics"] = {**metrics, "headline": choice.headline, "runtime_choice": choice.to_dict(),
-                           "runtime_headline": metrics.get("headline")}
+        own = AutotuneMetrics.from_dict(auto.get("metrics") or {}, f"{winner.results_dir}/manifest.json's autotune entry")
+        auto["metrics"] = _published(manifest, winner, choice, auto["outputs"], own).to_dict()
     manifest.save()
     if choice is not None:
         place_shipped(top, list(settings_files))
@@ -105,8 +98,25 @@ def _every_runtime_seconds(top: Path, stage: str) -> dict[str, Any]:
     return {"seconds": round(sum(spent.values()), 3), "seconds_by_runtime": spent} if spent else {}
 
 
-def _ship_float(manifest: Manifest, winner: RuntimeRun, outputs: dict[str, Any], metrics: dict[str, Any]
-                ) -> dict[str, Any]:
+def _published(manifest: Manifest, winner: RuntimeRun, choice: RuntimeChoice, outputs: dict[str, Any],
+               own: AutotuneMetrics) -> AutotuneMetrics:
+    """The top level's autotune metrics: a new record built from the winner's ``own`` (left as it is), with
+    what ships where its float does, each host's choice, and the choice with the winner's own headline."""
+    top = manifest.results_dir
+    metrics = own
+    if choice.ships == FLOAT:
+        metrics = _ship_float(manifest, winner, outputs, metrics)
+    if (top / HOST_CHOICES).exists():
+        outputs[HOST_CHOICES] = manifest.describe_file(top / HOST_CHOICES)
+        choices = read_json(top / HOST_CHOICES, HOST_CHOICES)
+        metrics = replace(metrics, host_choices=choices)
+        if metrics.checked_on and choice.ships != FLOAT:  # the winner's model as other hosts judged it
+            metrics = replace(metrics, checked_on={**metrics.checked_on, "hosts": judged_hosts(choices, winner.name)})
+    return replace(metrics, headline=choice.headline, runtime_choice=choice.to_dict(), runtime_headline=own.headline)
+
+
+def _ship_float(manifest: Manifest, winner: RuntimeRun, outputs: dict[str, Any], metrics: AutotuneMetrics
+                ) -> AutotuneMetrics:
     """Point ``outputs`` at the exported float and the float deployment's settings (written at the top level);
     the autotune metrics of what ships then: the float, with its verdict against FP32 where it runs lower."""
     top = manifest.results_dir
@@ -121,9 +131,8 @@ def _ship_float(manifest: Manifest, winner: RuntimeRun, outputs: dict[str, Any],
         if backend.settings is not None:
             pinned = backend.settings.pinned(backend)
             outputs[kind.artifact] = manifest.describe_file(pinned.save(top / kind.artifact))
-    chosen = float_baseline(metrics)
+    chosen = metrics.float_baseline
     judged = chosen.verdict if chosen is not None and chosen.precision == chosen.default else None
-    return {**metrics, "shipped": "float", "shipped_reason": "auto: its float ran clearly faster than its shipped model",
-            "final_ms": metrics.get("baseline_ms"), "speedup": 1.0,
-            "accuracy": {**(metrics.get("accuracy") or {}), "final": judged.to_dict() if judged is not None else None},
-            "checked_on": checked_on(backend, float_kinds(judged)).to_dict()}
+    return replace(metrics, shipped="float", shipped_reason="auto: its float ran clearly faster than its shipped model",
+                   final_ms=metrics.baseline_ms, speedup=1.0, accuracy=replace(metrics.accuracy, final=judged),
+                   checked_on=checked_on(backend, float_kinds(judged)).to_dict())

@@ -27,6 +27,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from pipeline.accuracy.autotune_metrics import autotune_metrics
 from pipeline.accuracy.kinds import host_key
 from pipeline.app.comparison import Comparison
 from pipeline.app.runtime_runs import EachRuntime, RuntimeRun, deployed_float
@@ -287,10 +288,12 @@ def tune_racing(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: EachRu
 def tuned_gain(run: RuntimeRun) -> float:
     """How much faster the runtime's shipped deployment ran than the better of its PTQ model and float, in
     its own autotune's final comparison (1.0 where it did not measure both)."""
-    m = Manifest(run.results_dir).metrics("autotune")
-    best = min((t for t in (m.get("ptq_ms"), m.get("baseline_ms")) if t), default=None)
-    final = m.get("final_ms")
-    return best / final if best and final else 1.0
+    manifest = Manifest(run.results_dir)
+    m = autotune_metrics(manifest.metrics("autotune"), f"{manifest.path}'s autotune entry")
+    if m is None:
+        return 1.0
+    best = min((t for t in (m.ptq_ms, m.baseline_ms) if t), default=None)
+    return best / m.final_ms if best and m.final_ms else 1.0
 
 
 __all__ = ["race_floats", "racing", "tune_racing", "FLOAT_RACE", "GAIN_BOUND", "INT8_CEILING", "RACE", "run_float_race", "TIE_MARGIN", "Race", "RaceEntry", "decide_race", "describe", "out_of_reach",

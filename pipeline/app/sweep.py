@@ -23,7 +23,10 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from pipeline.accuracy.autotune_metrics import AutotuneMetrics, autotune_metrics
+from pipeline.accuracy.budget import AccuracyVerdict
 from pipeline.artifacts import atomic_write_json, atomic_write_text
+from pipeline.errors import StateError, first_line
 
 log = logging.getLogger("tune")
 
@@ -31,25 +34,25 @@ JOB_FILE = "job.json"  # written by every multirun job: status, reason, host, co
 TIMED_STAGES = ("autotune", "evaluate")
 
 
-def accuracy_drop(verdict: dict[str, Any] | None) -> float | None:
+def accuracy_drop(verdict: AccuracyVerdict | None) -> float | None:
     """Points lost against float: top-1 drop with labels, else top-1 disagreement with the float model."""
-    if not verdict:
+    if verdict is None:
         return None
-    if verdict.get("top1_drop") is not None:
-        return float(verdict["top1_drop"])
-    if verdict.get("agreement") is not None:
-        return 100.0 * (1.0 - float(verdict["agreement"]))
+    if verdict.top1_drop is not None:
+        return float(verdict.top1_drop)
+    if verdict.agreement is not None:
+        return 100.0 * (1.0 - float(verdict.agreement))
     return None
 
 
 def job_objectives(summary: dict[str, Any]) -> tuple[float, float] | None:
     """(speedup, accuracy drop) of the shipped model of a finished run, for Hydra's sweepers; None
     when the run did not autotune."""
-    m = (summary.get("autotune") or {}).get("metrics") or {}
-    if "speedup" not in m:
+    m = autotune_metrics((summary.get("autotune") or {}).get("metrics"), "the run's autotune metrics")
+    if m is None or m.speedup is None:
         return None
-    drop = accuracy_drop((m.get("accuracy") or {}).get("final"))
-    return float(m["speedup"]), float(drop if drop is not None else 0.0)
+    drop = accuracy_drop(m.accuracy.final)
+    return float(m.speedup), float(drop if drop is not None else 0.0)
 
 
 def reproduce_command(hydra_cfg: dict[str, Any]) -> str:
@@ -87,22 +90,22 @@ def collect_jobs(sweep_dir: Path) -> list[dict[str, Any]]:
         job = _read_json(job_dir / JOB_FILE)
         manifest = _read_json(job_dir / "manifest.json")
         stages = manifest.get("stages", {})
-        at = (stages.get("autotune") or {}).get("metrics") or {}
+        at = _tuned(stages, job_dir)
         failed = [(n, e) for n, e in stages.items() if e.get("status") in ("failed", "interrupted", "running")]
         status = job.get("status") or ("failed" if failed else "done" if stages else "unknown")
         reason = job.get("reason") or (f"{failed[0][0]}: {failed[0][1].get('error') or failed[0][1]['status']}"
                                        if failed and status != "done" else None)
-        final = (at.get("accuracy") or {}).get("final")
+        final = at.accuracy.final
         entry_at = stages.get("autotune") or {}
         rows.append({
             "job": str(job_dir.relative_to(sweep_dir)), "dir": str(job_dir), "overrides": overrides, "status": status, "reason": reason,
-            "float_ms": at.get("baseline_ms"), "ptq_ms": at.get("ptq_ms"), "tuned_ms": at.get("final_ms"),
-            "speedup": at.get("speedup"), "ptq_speedup": at.get("ptq_speedup"), "shipped": at.get("shipped"),
-            "accuracy": final.get("what") if final else None, "accuracy_ok": final.get("ok") if final else None,
+            "float_ms": at.baseline_ms, "ptq_ms": at.ptq_ms, "tuned_ms": at.final_ms,
+            "speedup": at.speedup, "ptq_speedup": at.ptq_speedup, "shipped": at.shipped,
+            "accuracy": final.what if final else None, "accuracy_ok": final.ok if final else None,
             "accuracy_drop": accuracy_drop(final),
             "tuning_seconds": (entry_at["finished"] - entry_at["started"]) if entry_at.get("finished") and
             entry_at.get("started") else None,
-            "measurements": at.get("measurements"), "mode": at.get("mode"),
+            "measurements": at.search.measurements, "mode": at.search.mode,
             "backend": job.get("backend"), "host": job.get("host"),
             "timing_windows": [[e.get("started"), e.get("finished")] for n, e in stages.items()
                                if n in TIMED_STAGES and e.get("started") and e.get("finished")],
@@ -110,6 +113,16 @@ def collect_jobs(sweep_dir: Path) -> list[dict[str, Any]]:
             "environment": manifest.get("environment") or job.get("environment"),
         })
     return rows
+
+
+def _tuned(stages: dict[str, Any], job_dir: Path) -> AutotuneMetrics:
+    """The job's autotune metrics (an empty record where it has none; a corrupt entry is said and left out)."""
+    try:
+        return autotune_metrics((stages.get("autotune") or {}).get("metrics"), f"{job_dir}/manifest.json's "
+                                f"autotune entry") or AutotuneMetrics()
+    except StateError as exc:
+        log.warning("sweep summary: %s", first_line(exc))
+        return AutotuneMetrics()
 
 
 def _varying(rows: list[dict[str, Any]]) -> set[str]:

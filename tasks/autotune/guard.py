@@ -16,6 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from pipeline.accuracy.autotune_metrics import AutotuneMetrics, GuardSource, TunedAccuracy
 from pipeline.accuracy.budget import AccuracyVerdict
 from pipeline.accuracy.decisions import quantize_decisions
 from pipeline.accuracy.kinds import CheckedOn, checked_on, float_kinds, kind_verdicts, log_kinds
@@ -28,11 +29,11 @@ from tasks.autotune.tune_setup import ModeResult, TuneSetup
 log = logging.getLogger("tune.autotune")
 
 
-def finalize(setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
+def finalize(setup: TuneSetup, result: ModeResult) -> AutotuneMetrics:
     """The float, PTQ and tuned models' timings and accuracy verdicts (from the mode's own paired
     steps when they measured these very models and decide clearly, else from one fresh
     interleaved measurement); ship the fastest model that meets the budget and beats float by
-    ``performance_threshold``, else the float model."""
+    ``performance_threshold``, else the float model. The metrics carry the mode's ``result.summary``."""
     if result.bench is not None:
         result.bench.close()  # free the search's live reference before the final comparison
     baseline, tuned, ptq = setup.baseline_path, result.tuned, setup.ptq_model
@@ -71,35 +72,30 @@ def finalize(setup: TuneSetup, result: ModeResult) -> dict[str, Any]:
     elif choice != tuned:
         log.warning("autotune: optimized_final.onnx is %s because %s", choice.name, why)
     tuned_is_float = tuned in float_copies
-    return {
-        "baseline_ms": base_t.p10_ms, "final_ms": chosen_t.p10_ms, "speedup": speedup,
-        "baseline_median_ms": base_t.median_ms, "final_median_ms": chosen_t.median_ms,
-        "tuned_ms": tuned_t.p10_ms, "tuned_speedup": None if tuned_is_float else base_t.p10_ms / tuned_t.p10_ms,
-        "tuned_is_float": tuned_is_float,
-        "ptq_ms": ptq_t.p10_ms if ptq_t else None,
-        "ptq_speedup": (base_t.p10_ms / ptq_t.p10_ms) if ptq_t else None,
-        "accuracy": {"final": chosen_v.to_dict(), "tuned": verdicts[1].to_dict(),
-                     "ptq": ptq_v.to_dict() if ptq_v is not None else None},
-        "shipped": shipped, "shipped_reason": why, "guard": guard,
-        "baseline_precision": precision, "runtime": backend.describe(), "final_line": line,
-        "float_baseline": chosen_float.to_dict() if chosen_float is not None else None,
-        "headline": headline,
-    }
+    return AutotuneMetrics(
+        baseline_ms=base_t.p10_ms, final_ms=chosen_t.p10_ms, speedup=speedup,
+        baseline_median_ms=base_t.median_ms, final_median_ms=chosen_t.median_ms,
+        tuned_ms=tuned_t.p10_ms, tuned_speedup=None if tuned_is_float else base_t.p10_ms / tuned_t.p10_ms,
+        tuned_is_float=tuned_is_float, ptq_ms=ptq_t.p10_ms if ptq_t else None,
+        ptq_speedup=(base_t.p10_ms / ptq_t.p10_ms) if ptq_t else None,
+        accuracy=TunedAccuracy(chosen_v, verdicts[1], ptq_v),
+        shipped=shipped, shipped_reason=why, guard=guard, baseline_precision=precision,
+        runtime=backend.describe(), final_line=line, float_baseline=chosen_float, headline=headline,
+        search=result.summary)
 
 
 def _final_timings(setup: TuneSetup, paths: list[Path], result: ModeResult
-                   ) -> tuple[list[Timing], list[AccuracyVerdict], str, dict[str, Any]]:
+                   ) -> tuple[list[Timing], list[AccuracyVerdict], str, GuardSource]:
     """(timings, verdicts, where they come from, the guard's record) of ``paths`` (float, tuned[, PTQ]):
     from the mode's own paired steps where they measured these very models and decide clearly, else one
     fresh interleaved measurement."""
     timings, verdicts, source = _from_steps(setup, paths, result.steps) if result.steps else (None, None, "")
-    guard = {"measured": timings is None, "why": source}
     if timings is None:
+        why = ("measured float, tuned" + (" and PTQ models" if len(paths) > 2 else " models")
+               + f" in one interleaved run ({source or 'no paired steps to reuse'})")
         timings, verdicts = _measure_final(setup, paths)
-        source = f"p10 of {timings[1].n} interleaved runs"
-        guard["why"] = ("measured float, tuned" + (" and PTQ models" if len(paths) > 2 else " models")
-                        + f" in one interleaved run ({guard['why'] or 'no paired steps to reuse'})")
-    return timings, verdicts, source, guard
+        return timings, verdicts, f"p10 of {timings[1].n} interleaved runs", GuardSource(True, why)
+    return timings, verdicts, source, GuardSource(False, source)
 
 
 def checked_where(setup: TuneSetup, final: AccuracyVerdict | None, shipped_float: bool,

@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict
+from pipeline.accuracy.autotune_metrics import ModeSummary
+from pipeline.accuracy.budget import AccuracyBudget
 from pipeline.accuracy.decisions import quantize_decisions
 from pipeline.accuracy.holdout import Holdout
 from pipeline.artifacts import fingerprint, sha256_file, user_path
@@ -98,14 +100,11 @@ class AutotuneStage(Stage):
         mode = enum_value(ctx.cfg.autotune.mode)
         setup = self._setup(ctx)
         result = (self._region if mode == "region" else self._subgraph)(ctx, setup)
-        metrics = finalize(setup, result)
-        metrics.update(result.metrics)
+        guarded = finalize(setup, result)
         runtime_artifacts, runtime = search_runtime(setup, ctx.cfg.autotune.runtime)
-        metrics["runtime"] = runtime.to_dict()
-        metrics["headline"] += runtime.headline()
-        final = metrics["accuracy"]["final"]
-        metrics["checked_on"] = checked_where(setup, AccuracyVerdict.from_dict(final) if final else None,
-                                              metrics["shipped"] == "float", runtime_artifacts).to_dict()
+        final = guarded.accuracy.final
+        metrics = replace(guarded, runtime=runtime.to_dict(), headline=guarded.headline + runtime.headline(),
+                          checked_on=checked_where(setup, final, guarded.shipped == "float", runtime_artifacts).to_dict())
         if result.report is not None:
             result.report(metrics)
         remove_model(result.tuned)
@@ -114,7 +113,7 @@ class AutotuneStage(Stage):
         missing = [k for k in (*COMMON_OUTPUTS, *MODE_OUTPUTS[mode]) if k not in artifacts]
         if missing:
             raise StageError(f"autotune ({mode} mode) did not write {', '.join(missing)}")
-        return StageResult(artifacts, metrics)
+        return StageResult(artifacts, metrics.to_dict())
 
     def _setup(self, ctx: StageContext) -> TuneSetup:
         """The float baseline, calibration, tuner config, accuracy holdout and resume context."""
@@ -229,15 +228,12 @@ class AutotuneStage(Stage):
         cache_file = state.with_name(f"{state.stem}_pattern_cache.yaml")
         if cache_file.exists():
             artifacts["autotune/autotuner_state_pattern_cache.yaml"] = cache_file
-        metrics = dict(
-            mode="region", full_model_measurements=tuner.num_measurements,
-            regions=len(tuner.regions), patterns=tuner.num_patterns, measurements=tuner.num_measurements,
-            benchmark_runs=bench.count, schemes_per_region=runs.schemes_per_region,
+        summary = self._summary(setup, "region", tuner.num_measurements, tuner.num_measurements, dict(
+            regions=len(tuner.regions), patterns=tuner.num_patterns, benchmark_runs=bench.count,
+            schemes_per_region=runs.schemes_per_region,
             over_budget_candidates=sum(1 for ps in tuner.pattern_schemes.values() for r in ps.records
-                                       for m in r.measurements if m.over_budget),
-            **self._common_metrics(setup),
-        )
-        return ModeResult(tuned, metrics, artifacts, bench=bench)
+                                       for m in r.measurements if m.over_budget)))
+        return ModeResult(tuned, summary, artifacts, bench=bench)
 
     def _subgraph(self, ctx: StageContext, setup: TuneSetup) -> ModeResult:
         """Subgraph mode (tasks/autotune/subgraph/): fusion groups, per-group profiling of
@@ -260,27 +256,26 @@ class AutotuneStage(Stage):
             write_model_bytes(result.tuned, tuned)
         else:
             save_model(result.tuner.export_model(assignment=result.assignment), tuned)
-        metrics = dict(
-            mode="subgraph", fusion_groups=len(groups), groups=result.groups, distinct_groups=result.keys,
-            measurements=result.measurements, full_model_measurements=result.full_model_measurements,
+        summary = self._summary(setup, "subgraph", result.measurements, result.full_model_measurements, dict(
+            fusion_groups=len(groups), groups=result.groups, distinct_groups=result.keys,
             subgraph_measurements=result.measurements - result.full_model_measurements,
             kept_groups=sum(1 for g in result.report if g["validation"] == "kept"),
             tuning_seconds=round(time.time() - t0, 1), incremental_validation=bool(a.incremental_validation),
-            group_report=result.report, phases=result.phases, steps=result.step_report, raw=raw,
-            **self._common_metrics(setup),
-        )
+            group_report=result.report, phases=result.phases, steps=result.step_report, raw=raw))
         artifacts = {k: out / Path(k).name for k in MODE_OUTPUTS["subgraph"]}
         if graph_json is not None and graph_json.parent == out:
             artifacts[f"autotune/{graph_json.name}"] = graph_json
-        return ModeResult(tuned, metrics, artifacts, report=lambda m: write_group_report(out / "report.md", m),
+        return ModeResult(tuned, summary, artifacts, report=lambda m: write_group_report(out / "report.md", m),
                           steps=result.steps)
 
     @staticmethod
-    def _common_metrics(setup: TuneSetup) -> dict[str, Any]:
+    def _summary(setup: TuneSetup, mode: str, measurements: int, full_model_measurements: int,
+                 details: dict[str, Any]) -> ModeSummary:
+        """The mode's part of autotune's metrics: its counts, its own ``details`` and what both modes tuned with."""
         c = setup.config
-        return dict(quant_type=c.default_quant_type, placement=c.placement, budget=setup.budget.describe(),
-                    weight_range=c.weight_range, float_nodes=c.float_nodes,
-                    defaulted_scales=len(setup.calibration.defaulted))
+        return ModeSummary(mode, measurements, full_model_measurements, details, quant_type=c.default_quant_type,
+                           placement=c.placement, budget=setup.budget.describe(), weight_range=c.weight_range,
+                           float_nodes=c.float_nodes, defaulted_scales=len(setup.calibration.defaulted))
 
     @staticmethod
     def _warn_defaulted(setup: TuneSetup) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.accuracy.autotune_metrics import ModeSummary
 from pipeline.accuracy.budget import AccuracyBudget
 from pipeline.accuracy.evaluation import FloatBaseline
 from pipeline.accuracy.holdout import Holdout
@@ -173,13 +174,13 @@ def _choose_float(backend: Backend, fp32: Backend, path: Path, holdout: Holdout,
 
 @dataclass
 class ModeResult:
-    """A mode's tuned model (not yet guarded), its metrics and its own artifacts."""
+    """A mode's tuned model (not yet guarded), what it reports of its search and its own artifacts."""
 
     tuned: Path
-    metrics: dict[str, Any]
+    summary: ModeSummary  # the mode's part of autotune's metrics
     artifacts: dict[str, Path]
     bench: Any = None  # a live benchmark to close before the final measurement
-    report: Any = None  # called with the final metrics to write the mode's report
+    report: Any = None  # called with the final AutotuneMetrics to write the mode's report
     # the mode's paired full-model measurements (subgraph mode's phase-3 steps), which the guard
     # reuses where they measured the models it compares
     steps: list[PairedStep] | None = None

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from pipeline.accuracy.autotune_metrics import autotune_metrics
 from pipeline.accuracy.evaluation import (
     DataSummary,
     Duplicate,
@@ -406,8 +407,8 @@ def model_runtimes(ctx: StageContext, backend: Backend, settings: Any) -> Runtim
     if fp32 is None:
         return Runtimes(plain, tuned)
     own = plain.float_precision()
-    recorded = ctx.manifest.metrics("autotune").get("float_baseline")
-    choice = FloatBaseline.from_dict(recorded) if recorded else None
+    recorded = autotune_metrics(ctx.manifest.metrics("autotune"), f"{ctx.manifest.path}'s autotune entry")
+    choice = recorded.float_baseline if recorded is not None else None
     # followed only where autotune judged the float this backend runs (not one of another precision)
     if choice is None or choice.precision != "FP32" or choice.default != own:
         return Runtimes(plain, {**tuned, "float_fp32": fp32}, ("float_fp32", "float (FP32)"))

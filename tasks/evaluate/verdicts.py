@@ -13,6 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from pipeline.accuracy.autotune_metrics import autotune_metrics
 from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict, CustomScore
 from pipeline.accuracy.decisions import QuantizeDecisions, quantize_decisions
 from pipeline.accuracy.evaluation import (
@@ -66,8 +67,9 @@ class Promise:
         """The holdout verdict quantize (ptq) or autotune (autotuned) recorded for its model."""
         if key == "ptq":
             return cls(key, quantize_decisions(ctx.artifact("quantize/calibration.json")).accuracy)
-        final = (ctx.manifest.metrics("autotune").get("accuracy") or {}).get("final") if key == "autotuned" else None
-        return cls(key, AccuracyVerdict.from_dict(final) if final else None)
+        tuned = autotune_metrics(ctx.manifest.metrics("autotune"), f"{ctx.manifest.path}'s autotune entry") \
+            if key == "autotuned" else None
+        return cls(key, tuned.accuracy.final if tuned is not None else None)
 
     def check(self, verdict: AccuracyVerdict, samples: int | None, label: str) -> tuple[PromiseCheck, str | None]:
         """(the record for metrics.json, the one-line flag when the holdout passed and ``verdict``, the

@@ -50,12 +50,13 @@ def _timing(ms: float | None):
 def decided(tmp_path, *timed):
     """decide over fake timings of two runtimes (float ms, shipped ms, float is shipped, float is reference[,
     the float's 95% interval over the shipped model])."""
+    from pipeline.accuracy.autotune_metrics import AutotuneMetrics
     from pipeline.app.choice import TimedRuntime, decide
     from pipeline.backends import create_backend
 
     ort = create_backend(compose(["backend=onnxruntime"]).backend)
-    metrics = {"shipped": "tuned", "accuracy": {"final": {"what": "SNR 40 dB"}},
-               "float_baseline": {"precision": "FP32", "default": "BF16"}}
+    metrics = AutotuneMetrics.from_dict({"shipped": "tuned", "accuracy": {"final": {"what": "SNR 40 dB"}},
+                                         "float_baseline": {"precision": "FP32", "default": "BF16"}})
     shipped = {"onnxruntime": (ort, tmp_path / "a.onnx", metrics), "openvino": (ort, tmp_path / "b.onnx", metrics)}
     runs = [TimedRuntime(_timing(f), _timing(s), *rest) for f, s, *rest in timed]
     return decide("k", tmp_path / "choice.json", ort, _timing(2.0), runs, shipped, {})

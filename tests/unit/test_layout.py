@@ -298,8 +298,9 @@ _UNTYPED_ALLOWED = {
     ("pipeline/calibrate/collect.py", "dict[str, Partial]"): "statistics while collect's passes fill them in",
 }
 _STATS_OR_DECISIONS = re.compile(r"(^|_)(stats|statistics|decisions|metrics)$")
-# stage metrics other than evaluate's, as open JSON documents (by file, with why); evaluate's metrics are
-# EvaluateMetrics everywhere: in tasks/evaluate/, the report, the runtime table and the end-of-run summary
+# stage metrics other than evaluate's and autotune's, as open JSON documents (by file, with why); evaluate's
+# metrics are EvaluateMetrics everywhere: in tasks/evaluate/, the report, the runtime table and the end-of-run
+# summary; autotune's are AutotuneMetrics from the guard to every reader (choice, publish, race, sweep, API)
 _OPEN_METRICS = {
     "pipeline/stage.py": "StageResult.metrics: any stage's manifest entry (evaluate's is EvaluateMetrics.to_dict())",
     "pipeline/backends/base.py": "Deployment.metrics: what each runtime's deploy says of its artifact",
@@ -308,12 +309,8 @@ _OPEN_METRICS = {
     "pipeline/backends/tensorrt/deploy.py": "gen_trt_engine's metrics of the engine, as it writes them",
     "pipeline/backends/tensorrt/trtexec_parse.py": "trtexec's own timing summary, parsed as trtexec prints it",
     "tasks/export/stage.py": "export's manifest metrics, as it fills them in",
-    "tasks/autotune/tune_setup.py": "autotune's metrics as each mode fills them in",
-    "tasks/autotune/subgraph/report.py": "autotune's metrics as subgraph mode reports them",
-    "pipeline/app/choice.py": "autotune's manifest metrics of each runtime's own run",
-    "pipeline/app/publish.py": "autotune's manifest metrics of the winner's own run, published at the top level",
     "pipeline/app/api.py": "TuneResult.metrics: each stage's, read-only as manifest.json holds them (evaluate's "
-                           "also as TuneResult.evaluation, its record)",
+                           "also as TuneResult.evaluation, autotune's as TuneResult.tuning, their records)",
 }
 
 
@@ -330,7 +327,7 @@ def _annotations(tree: ast.AST):
 def test_statistics_decisions_and_metrics_are_records_from_producer_to_consumer():
     """No bare ``dict[str, dict]`` anywhere, and nothing named for statistics, decisions or metrics annotated
     as a string-keyed table of plain dicts or Any instead of its records (TensorStats, QuantizeDecisions,
-    EvaluateMetrics), except the other stages' open metrics listed with why."""
+    EvaluateMetrics, AutotuneMetrics), except the other stages' open metrics listed with why."""
     found = []
     for path in sorted([*(ROOT / "pipeline").rglob("*.py"), *(ROOT / "tasks").rglob("*.py")]):
         rel = str(path.relative_to(ROOT))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.accuracy.autotune_metrics import AutotuneMetrics
 from pipeline.artifacts import atomic_write_text
 from tasks.autotune.paired_step import PairedStep
 from tasks.autotune.subgraph.records import PASSES, PTQ, GroupResult
@@ -78,21 +79,24 @@ def step_rows(gs: GroupSet, steps: list[PairedStep]) -> list[dict[str, Any]]:
             for st in steps]
 
 
-def write_group_report(path: Path, metrics: dict[str, Any]) -> None:
-    """autotune/report.md of a subgraph-mode run: the final line and one row per distinct group."""
-    rows = metrics.get("group_report") or []
+def write_group_report(path: Path, metrics: AutotuneMetrics) -> None:
+    """autotune/report.md of a subgraph-mode run: the final line and one row per distinct group (the
+    counts and rows are subgraph mode's own, in ``metrics.search.details``)."""
+    mode = metrics.search.details
+    rows = mode.get("group_report") or []
+    raw = mode["raw"]
     lines = [
         "# autotune (subgraph mode)", "",
-        metrics["final_line"], "",
-        f"Shipped: {metrics['shipped']} ({metrics['shipped_reason']}).", "",
-        f"{metrics['fusion_groups']} fusion groups, {metrics['groups']} with something to quantize, "
-        f"{metrics['distinct_groups']} distinct (each measured once on its subgraph); {metrics['measurements']} "
-        f"measurements ({metrics['tuning_seconds']:.0f} s of tuning in this invocation); incremental validation "
-        f"{'on' if metrics['incremental_validation'] else 'off'}, {metrics['kept_groups']} groups kept.", "",
+        metrics.final_line, "",
+        f"Shipped: {metrics.shipped} ({metrics.shipped_reason}).", "",
+        f"{mode['fusion_groups']} fusion groups, {mode['groups']} with something to quantize, "
+        f"{mode['distinct_groups']} distinct (each measured once on its subgraph); {metrics.search.measurements} "
+        f"measurements ({mode['tuning_seconds']:.0f} s of tuning in this invocation); incremental validation "
+        f"{'on' if mode['incremental_validation'] else 'off'}, {mode['kept_groups']} groups kept.", "",
         "optimized_raw.onnx (every local winner, unvalidated): " + (
-            f"runs; accuracy {metrics['raw']['accuracy']['what']}"
-            f"{'' if metrics['raw']['accuracy']['ok'] else ' (OVER BUDGET)'}" if metrics["raw"].get("runs")
-            else f"does not run ({metrics['raw'].get('error')})") + ".", "",
+            f"runs; accuracy {raw['accuracy']['what']}"
+            f"{'' if raw['accuracy']['ok'] else ' (OVER BUDGET)'}" if raw.get("runs")
+            else f"does not run ({raw.get('error')})") + ".", "",
     ]
     lines += _phase_lines(metrics)
     lines += [
@@ -108,14 +112,14 @@ def write_group_report(path: Path, metrics: dict[str, Any]) -> None:
     atomic_write_text(path, "\n".join(lines) + "\n")
 
 
-def _phase_lines(metrics: dict[str, Any]) -> list[str]:
+def _phase_lines(metrics: AutotuneMetrics) -> list[str]:
     """The full-model steps per phase (the final guard's included) and one row per phase-3 step."""
-    phases = metrics.get("phases") or []
+    phases = metrics.search.details.get("phases") or []
     if not phases:
         return []
-    guard = metrics.get("guard") or {}
-    steps = [*phases, {"phase": "final guard", "steps": int(bool(guard.get("measured"))), "known": 0,
-                       "why": guard.get("why", "")}]
+    guard = metrics.guard
+    steps = [*phases, {"phase": "final guard", "steps": int(guard is not None and guard.measured), "known": 0,
+                       "why": guard.why if guard is not None else ""}]
     counts = ", ".join(f"{r['phase']} {r['steps']}" for r in steps)
     lines = [f"Full-model steps: {sum(r['steps'] for r in steps)} ({counts}).", "",
              "| phase | full-model steps | why |", "|---|---|---|"]
@@ -123,7 +127,7 @@ def _phase_lines(metrics: dict[str, Any]) -> list[str]:
         known = f" (+{r['known']} known from their parent)" if r["known"] else ""
         lines.append(f"| {r['phase']} | {r['steps']}{known} | {r['why']} |")
     lines += ["", "| step | phase | groups | bisects step | result |", "|---|---|---|---|---|"]
-    for st in metrics.get("steps") or []:
+    for st in metrics.search.details.get("steps") or []:
         parent = "-" if st["parent"] is None else str(st["parent"])
         lines.append(f"| {st['step']} | {st['phase']} | {st['groups']} | {parent} | {st['reason']} |")
     lines.append("")
