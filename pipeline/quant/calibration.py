@@ -12,7 +12,7 @@ decisions.
 
 from __future__ import annotations
 
-import hashlib
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -184,7 +184,10 @@ class Calibration:
         if self.weight_clip == "max":
             return weight_params(values, axis, dtype, reduced)
 
-        digest = hashlib.blake2b(np.ascontiguousarray(values, np.float32).data, digest_size=16).hexdigest()
+        data = np.ascontiguousarray(values, np.float32).data
+        # two checksums of the values (the cache's key is also the name and shape): a few times faster than
+        # a cryptographic hash, and a placement digests every weight it stores
+        digest = (zlib.crc32(data), zlib.adler32(data))
         key = (name, digest, values.shape, axis, dtype, bool(reduced), self.weight_clip)
         if key not in self.weight_cache:
             self.weight_cache[key] = weight_params(values, axis, dtype, reduced, self.weight_clip)

@@ -89,7 +89,7 @@ def _recover(setup: QuantizeSetup, placer: Placer, unsupported: set[str], ops: d
     def placed(float_nodes: set[str]) -> onnx.ModelProto:
         return placer.build(weight_range, set(float_nodes) | unsupported)[1]
 
-    plan, _ = placer.build(weight_range, unsupported)
+    plan = placer.plan(weight_range, unsupported)
     units = [n for n in plan.quantized_nodes() if ops.get(n) not in PASS_THROUGH_OPS]
     log.warning("quantize: the PTQ model misses the accuracy budget on %d held-out samples (%s); "
                 "ranking %d quantized nodes by their contribution to the output error",

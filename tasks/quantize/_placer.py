@@ -43,11 +43,20 @@ class Placer:
         return c.verdict.error if c.scored else None
 
     def default_model(self) -> onnx.ModelProto:
-        """The model of the default placement with this calibration."""
-        return apply_plan(self.model, self.place(), self.calibration)
+        """The model of the default placement with this calibration (a candidate: not run through
+        onnx.checker, see ``build``)."""
+        return apply_plan(self.model, self.place(), self.calibration, check=False)
 
-    def build(self, weight_range: str, float_nodes: set[str] = frozenset()) -> tuple[Any, onnx.ModelProto]:
-        """(plan, quantized model) with ``float_nodes`` left float and weights stored as ``weight_range``."""
+    def build(self, weight_range: str, float_nodes: set[str] = frozenset(), check: bool = True
+              ) -> tuple[Any, onnx.ModelProto]:
+        """(plan, quantized model) with ``float_nodes`` left float and weights stored as ``weight_range``;
+        ``check=False`` for a candidate that is only measured (the placement that runs first and the
+        model that is written are checked; a broken candidate fails its measurement anyway)."""
+        plan = self.plan(weight_range, float_nodes)
+        return plan, apply_plan(self.model, plan, self.calibration, check=check)
+
+    def plan(self, weight_range: str, float_nodes: set[str] = frozenset()) -> Any:
+        """The QDQPlan ``build`` places (a StageError where the rules quantize nothing)."""
         s, model, rules = self.setup, self.model, self.setup.rules
         kept = {k: v for k, v in rules.items() if k not in float_nodes}
         plan = s.builder(model, kept, s.act_type, per_channel=bool(s.q.per_channel), weight_range=weight_range)
@@ -60,7 +69,7 @@ class Placer:
                                  f"nothing to quantize")
             raise StageError("quantize: the rules match no quantizable op in this model (Conv, Gemm, MatMul, "
                              "...); check quantize.layers / skip_names / op_types_to_quantize")
-        return plan, apply_plan(model, plan, self.calibration)
+        return plan
 
     def fix_bias(self, weight_range: str, float_nodes: set[str], before: Candidate
                  ) -> tuple[BiasCorrection, Candidate | None]:
@@ -70,16 +79,16 @@ class Placer:
 
         def placed(corr: dict[str, list[float]]) -> onnx.ModelProto:
             calibration.bias_corrections = corr
-            return self.build(weight_range, float_nodes)[1]
+            return self.build(weight_range, float_nodes, check=False)[1]
 
-        plan, _ = self.build(weight_range, float_nodes)
+        plan = self.plan(weight_range, float_nodes)
         corrections, records = correct_bias(self.model, placed, {w.node for w in plan.weights},
                                             self.setup.batches, self.setup.backend.threads)
         rec = BiasCorrection(False, len(corrections), records, before.verdict.what if before.verdict else None)
         if not corrections:
             return replace(rec, reason="no quantized node has a bias initializer"), None
         calibration.bias_corrections = corrections
-        after = self.setup.checker.check(self.build(weight_range, float_nodes)[1], "bias_corrected")
+        after = self.setup.checker.check(self.build(weight_range, float_nodes, check=False)[1], "bias_corrected")
         rec = replace(rec, after=after.verdict.what if after.verdict else after.error)
         better = after.scored and before.verdict is not None and after.verdict.error < before.verdict.error
         if not better:

@@ -160,7 +160,7 @@ def storage_of(setup: QuantizeSetup, placer: Placer, unsupported: set[str], ops:
                if requested == "auto" else f"quantize.weight_range={requested}")
         cand = checker.check(placed(start), start.candidate)
         return WeightStorage(start, why, cand, [cand])
-    units = [n for n in placer.build(start, unsupported)[0].quantized_nodes()
+    units = [n for n in placer.plan(start, unsupported).quantized_nodes()
              if ops.get(n) not in (None, *PASS_THROUGH_OPS)]
     return choose_weight_range(placed, checker, requested, facts.u8s8_saturates,
                                lambda paths: measure_latencies(checker.backend, paths), units)
