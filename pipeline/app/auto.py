@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 from pipeline.accuracy.evaluation import EvaluateMetrics, runtime_evaluation
 from pipeline.app.choice import choose, reference_float
 from pipeline.app.publish import publish
-from pipeline.app.race import race_floats, tune_racing
+from pipeline.app.race import quantize_racing, race_floats, tune_racing
 from pipeline.app.runtime_runs import (
     PER_RUNTIME,
     EachRuntime,
@@ -70,7 +70,7 @@ def run_auto(cfg: DictConfig, results_dir: Path,
     # (backend.tuned_only) runs no tuning stage
     with sharing(), tuning_frozen(bool(cfg.backend.get("tuned_only", False))):
         if "quantize" in per_runtime:
-            runs = each.run(race_floats(cfg, results_dir, runs, each), "quantize")
+            runs = quantize_racing(cfg, results_dir, race_floats(cfg, results_dir, runs, each), each)
         if "autotune" in per_runtime:
             runs = tune_racing(cfg, results_dir, runs, each)
     failures, outcomes = each.failures, each.outcomes

@@ -13,9 +13,12 @@ measured), in order. A close race keeps every runtime; `backend.tune_all=true` t
 
 Before any runtime quantizes, the floats race the same way, against ``INT8_CEILING`` (the most a
 runtime's int8 model ran faster than its own float): a runtime whose float stays out of reach is not
-even quantized. Each race is kept (autotune/float_race.json, autotune/race.json) with a key of what it
-timed (models, settings, host), so a re-run with nothing changed does not time again; a dropped runtime
-is left out of the final choice with the figures that dropped it.
+even quantized. The fastest float quantizes first; then the others' floats race its PTQ model against
+the same ceiling (``quantize_racing``), so a runtime out of reach of the leader's PTQ model is not
+quantized either. Each race is kept (autotune/float_race.json, autotune/lead_race.json,
+autotune/race.json) with a key of what it timed (models, settings, host), so a re-run with nothing
+changed does not time again; a dropped runtime is left out of the final choice with the figures that
+dropped it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ log = logging.getLogger("tune.auto")
 
 RACE = "autotune/race.json"
 FLOAT_RACE = "autotune/float_race.json"  # the race of the floats, before any runtime quantizes
+LEAD_RACE = "autotune/lead_race.json"  # the others' floats against the first quantized runtime's PTQ model
 # the most autotune gained over the better of a runtime's PTQ model and its float, with its runtime
 # settings, on the bench models on the CPU kinds measured (docs/measurements/2026-11-28-targets-and-race.md:
 # up to 1.12x), with room above it
@@ -136,6 +140,23 @@ def run_float_race(top: Path, runs: list[RuntimeRun], cfg: DictConfig) -> Race |
                        INT8_CEILING)
 
 
+def run_lead_race(top: Path, lead: RuntimeRun, others: list[RuntimeRun], cfg: DictConfig) -> Race | None:
+    """The race of the others' floats as deployed against ``lead``'s float and PTQ model, once ``lead`` has
+    quantized and before they do (kept in autotune/lead_race.json): a runtime whose float over
+    ``INT8_CEILING`` is out of reach of the leader's best is not quantized; None where ``lead`` has no PTQ
+    model."""
+    float_path = Manifest(top).artifact("export/model.onnx")
+    ptq = Manifest(lead.results_dir).artifact("quantize/quantized_model.onnx")
+    if float_path is None or ptq is None:
+        return None
+    floats = {r.name: deployed_float(r) for r in [lead, *others]}
+    key = fingerprint({"float": sha256_file(float_path), "rule": RACE_RULE, "host": host_key(),
+                       "ceiling": INT8_CEILING, "tie": TIE_MARGIN, "lead": [lead.name, sha256_file(ptq)],
+                       "runtimes": {name: b.describe() for name, b in floats.items()}})
+    deployments = {n: ((b, float_path), (b, ptq) if n == lead.name else None) for n, b in floats.items()}
+    return _timed_race(top / LEAD_RACE, key, deployments, cfg, INT8_CEILING)
+
+
 def _timed_race(path: Path, key: str, deployments: dict[str, tuple[tuple[Backend, Path], tuple[Backend, Path] | None]],
                 cfg: DictConfig, bound: float) -> Race:
     """The race kept in ``path`` where it has ``key`` and the same runtimes, else each runtime's (float, PTQ
@@ -202,7 +223,8 @@ def race_line(top: Path) -> str:
     """The races ``top``'s run kept (autotune/float_race.json, autotune/race.json) in one line, "" where
     none ran."""
     lines = [describe(Race.from_dict(read_json(top / name, name)), when)
-             for name, when in ((FLOAT_RACE, "before quantize"), (RACE, "after PTQ")) if (top / name).exists()]
+             for name, when in ((FLOAT_RACE, "before quantize"), (LEAD_RACE, "after the leader's PTQ"),
+                                (RACE, "after PTQ")) if (top / name).exists()]
     return "; ".join(lines)
 
 
@@ -241,6 +263,38 @@ def race_floats(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: EachRu
         if entry is not None and entry.dropped:
             each.left_out[run.name] = f"not quantized: out of reach before quantize ({entry.why})"
         else:
+            kept.append(run)
+
+    def fastest_float(r: RuntimeRun) -> float:
+        entry = race.entry(r.name)
+        return entry.float_ms if entry is not None and entry.float_ms is not None else float("inf")
+
+    return sorted(kept, key=fastest_float)  # the fastest float quantizes first (quantize_racing)
+
+
+def quantize_racing(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: EachRuntime) -> list[RuntimeRun]:
+    """Quantize in each of ``runs`` (the fastest float first, as ``race_floats`` orders them) that stays in
+    reach: once the first one has quantized, the others' floats race its PTQ model (``run_lead_race``) and
+    a runtime out of reach is left out, not quantized. Every runtime where they do not race. The runtimes
+    that quantized."""
+    if not racing(cfg, runs):
+        (top / LEAD_RACE).unlink(missing_ok=True)
+        return each.run(runs, "quantize")
+    lead, others = runs[0], runs[1:]
+    if not each.one(lead, "quantize"):
+        return each.run(others, "quantize")
+    race = run_lead_race(top, lead, others, cfg)
+    if race is None:
+        (top / LEAD_RACE).unlink(missing_ok=True)
+        return [lead, *each.run(others, "quantize")]
+    log.info("auto: %s", describe(race, "after the leader's PTQ"))
+    kept = [lead]
+    for run in others:
+        entry = race.entry(run.name)
+        if entry is not None and entry.dropped:
+            log.info("auto: %s not quantized: %s", run.name, entry.why)
+            each.left_out[run.name] = f"not quantized: out of reach of {lead.name}'s PTQ model ({entry.why})"
+        elif each.one(run, "quantize"):
             kept.append(run)
     return kept
 

@@ -316,3 +316,41 @@ def test_the_race_drops_a_runtime_far_behind_after_ptq_and_keeps_a_close_one(res
     choice = json.loads((rd / "autotune" / "runtime_choice.json").read_text())
     assert choice["left_out"]["onnxruntime"].startswith("not quantized: out of reach before quantize")
     assert "race before quantize: onnxruntime (float 6.000 ms; dropped" in choice["race"]
+
+
+def test_a_runtime_whose_float_cannot_reach_the_leaders_ptq_model_is_not_quantized(residual_models, tmp_path,
+                                                                                     monkeypatch):
+    """Timings faked: the fastest float (OpenVINO) quantizes first; ONNX Runtime's float over the int8 ceiling
+    stays out of reach of OpenVINO's PTQ model, so it is not quantized, named in the choice and the race
+    line; with its float closer it is quantized and races on."""
+    from pipeline.api import tune
+    from pipeline.app import choice as auto_choice
+    from pipeline.app import race
+
+    floats = {"onnxruntime": 4.0, "openvino": 2.0}  # 4.0 / 4 is within 1.03 x 2.0: kept before quantize
+
+    def ms(runtime, model):
+        return floats[runtime] if model == "model.onnx" else 0.5 if runtime == "openvino" else 0.45
+
+    monkeypatch.setattr(race, "time_pairs", _fake_timings(ms))
+    monkeypatch.setattr(auto_choice, "time_pairs", _fake_timings(ms))
+    rd = tmp_path / "far"
+    result = tune(_faked_auto_args(residual_models, rd))
+    assert result.runtime == "openvino"
+    assert not (rd / "runtimes" / "onnxruntime" / "quantize").exists()  # never quantized
+    choice = json.loads((rd / "autotune" / "runtime_choice.json").read_text())
+    why = choice["left_out"]["onnxruntime"]
+    assert why.startswith("not quantized: out of reach of openvino's PTQ model (best reachable 1.000 ms"), why
+    after_lead = choice["race"].split("race after the leader's PTQ: ")[1]
+    assert "onnxruntime (float 4.000 ms; dropped" in after_lead
+    assert "openvino (PTQ 0.500 ms, float 2.000 ms; leader)" in after_lead
+    lead = json.loads((rd / "autotune" / "lead_race.json").read_text())
+    assert lead["leader"] == "openvino" and [e["dropped"] for e in lead["entries"]].count(True) == 1
+
+    floats["onnxruntime"] = 2.05  # 2.05 / 4 is within 1.03 x 0.5: quantized, and it races on
+    rd = tmp_path / "close"
+    tune(_faked_auto_args(residual_models, rd))
+    assert (rd / "runtimes" / "onnxruntime" / "quantize" / "quantized_model.onnx").exists()
+    choice = json.loads((rd / "autotune" / "runtime_choice.json").read_text())
+    assert "onnxruntime (float 2.050 ms; kept)" in choice["race"].split("race after the leader's PTQ: ")[1]
+    assert "race after PTQ: " in choice["race"]
