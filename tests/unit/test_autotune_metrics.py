@@ -59,3 +59,40 @@ def test_a_corrupt_entry_is_one_line_naming_where():
             AutotuneMetrics.from_dict(bad, where)
         assert "\n" not in str(exc.value)
     assert autotune_metrics({}, where) is None and autotune_metrics(None, where) is None
+
+
+def test_where_the_winners_float_ships_the_top_level_gets_a_new_record_and_the_winners_own_stays(tmp_path):
+    """publish: the top level's autotune metrics say the float ships (its latency, no speedup, the choice
+    beside it); the winner's own manifest keeps the record its autotune wrote."""
+    from pipeline.app.publish import publish
+    from pipeline.app.runtime_runs import RuntimeRun
+    from pipeline.artifacts import Manifest
+    from pipeline.runtime_choice import FLOAT, Contender, RuntimeChoice, RuntimeRow
+    from tests import models
+    from tests.helpers import compose
+
+    top, sub = tmp_path / "r", tmp_path / "r" / "runtimes" / "onnxruntime"
+    float_model = models.save(models.conv_chain(), top / "export", "model")
+    shipped = models.save(models.conv_chain(), sub / "autotune", "optimized_final")
+    top_manifest = Manifest(top)
+    top_manifest.stages["export"] = {"status": "done",
+                                     "outputs": {"export/model.onnx": top_manifest.describe_file(float_model)}}
+    top_manifest.save()
+    own = _recorded("region.json")
+    sub_manifest = Manifest(sub)
+    sub_manifest.stages["autotune"] = {"status": "done", "metrics": own, "outputs": {
+        "autotune/optimized_final.onnx": sub_manifest.describe_file(shipped)}}
+    sub_manifest.save()
+    winner = RuntimeRun("onnxruntime", compose(["backend=onnxruntime"]), sub)
+    choice = RuntimeChoice("k", "onnxruntime FP32 float", 2.0, "onnxruntime",
+                           [RuntimeRow("onnxruntime", "tuned", "FP32", "ok", p10_ms=1.0, float_p10_ms=0.5)],
+                           headline="ships onnxruntime (FP32 float)",
+                           contenders=[Contender("onnxruntime", FLOAT, "FP32 float", 0.5)])
+    (top / "autotune").mkdir(parents=True, exist_ok=True)
+    (top / "autotune" / "runtime_choice.json").write_text(json.dumps(choice.to_dict()))
+    publish(top, winner, choice)
+    published = AutotuneMetrics.from_dict(Manifest(top).metrics("autotune"), "the top level's autotune entry")
+    assert (published.shipped, published.speedup, published.final_ms) == ("float", 1.0, own["baseline_ms"])
+    assert (published.headline, published.runtime_headline) == (choice.headline, own["headline"])
+    assert published.choice == choice and published.to_dict() == Manifest(top).metrics("autotune")
+    assert json.loads((sub / "manifest.json").read_text())["stages"]["autotune"]["metrics"] == own
