@@ -50,8 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from pipeline.accuracy.autotune_metrics import AutotuneMetrics  # noqa: E402
 from pipeline.errors import StateError  # noqa: E402
+from pipeline.records.autotune import AutotuneMetrics  # noqa: E402
 
 MODELS = ("digits_cnn", "resnet18", "bert_tiny")
 TRAINED = ("minilm_l6", "ppocr_det", "ppocr_cls", "silero_vad")  # keys of trained_models.MODELS

@@ -170,9 +170,10 @@ def output_error(got: list[list[np.ndarray]], want: list[list[np.ndarray]], name
 def backends() -> dict[str, object]:
     from omegaconf import OmegaConf
 
-    from pipeline.backend_config import OnnxRuntimeBackendConfig, OpenVinoBackendConfig
     from pipeline.backends.onnxruntime import OnnxRuntimeBackend
+    from pipeline.backends.onnxruntime.config import OnnxRuntimeBackendConfig
     from pipeline.backends.openvino import OpenVinoBackend
+    from pipeline.backends.openvino.config import OpenVinoBackendConfig
 
     # ORT as deployed: its worker threads spin between runs (its default)
     ort_b = OnnxRuntimeBackend(OmegaConf.structured(OnnxRuntimeBackendConfig(allow_spinning=True)))

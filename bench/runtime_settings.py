@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from accuracy_vs_ort import run_tune  # noqa: E402
 
-from pipeline.accuracy.autotune_metrics import AutotuneMetrics  # noqa: E402
+from pipeline.records.autotune import AutotuneMetrics  # noqa: E402
 
 MODELS = {"digits_cnn": [], "resnet18": ["model.input_size=112"], "bert_tiny": []}
 
@@ -38,8 +38,8 @@ def main() -> None:
 
     from omegaconf import OmegaConf
 
-    from pipeline.backend_config import OnnxRuntimeBackendConfig
     from pipeline.backends.onnxruntime import OnnxRuntimeBackend
+    from pipeline.backends.onnxruntime.config import OnnxRuntimeBackendConfig
     from pipeline.backends.onnxruntime.session import SessionSettings
     from pipeline.backends.timing import TimingPlan, compare_prepared
 

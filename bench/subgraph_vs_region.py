@@ -31,7 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.accuracy.autotune_metrics import AutotuneMetrics  # noqa: E402
+from pipeline.records.autotune import AutotuneMetrics  # noqa: E402
 
 MODELS = {
     # random-weight ResNet-50: minmax/entropy int8 miss the default budget (SNR ~15 dB on the

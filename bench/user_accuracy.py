@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from accuracy_vs_ort import CALIB, run_tune, time_on_real_feed  # noqa: E402
 
-from pipeline.accuracy.autotune_metrics import AutotuneMetrics  # noqa: E402
+from pipeline.records.autotune import AutotuneMetrics  # noqa: E402
 
 KEY = "minilm_l6_2out"
 VARIANTS = {"every output (default)": [], "accuracy.outputs=[sentence_embedding]": ["accuracy.outputs=[sentence_embedding]"]}

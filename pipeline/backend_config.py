@@ -1,9 +1,11 @@
-"""Schemas of the `backend` group: how latency is measured and engines are built, one dataclass per
-runtime (conf/backend/*.yaml extend them)."""
+"""The `backend` group: the registry of built-in runtimes (``RUNTIMES``, one line each; each runtime's own
+schema lives in its sub-package), the base every runtime's section extends, custom's and auto's schemas, and
+what a TensorRT engine build asks for (``EngineBuildConfig``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, make_dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
@@ -95,103 +97,60 @@ def shape_problems(min_shapes: Any, opt_shapes: Any, max_shapes: Any,
     return problems
 
 
-class BackendName(str, Enum):
-    onnxruntime = "onnxruntime"
-    tensorrt = "tensorrt"
-    tensorrt_rtx = "tensorrt_rtx"
-    trtexec = "trtexec"
-    openvino = "openvino"
-    custom = "custom"  # a runtime of your own: backend._target_ names its Backend class
-    auto = "auto"  # every runtime in backend.runtimes tuned, the fastest accurate one shipped
+@dataclass(frozen=True)
+class Runtime:
+    """A built-in runtime: one entry of ``RUNTIMES``. ``backend=<name>`` picks conf/backend/<name>.yaml, which
+    extends the schema ``base_<name>`` (``schema`` with ``name`` set); under backend=auto it is the section
+    ``backend.<name>``. ``backend`` and ``schema`` are dotted paths into the runtime's own sub-package,
+    imported when first needed (a runtime that is not installed costs nothing until chosen). Everything
+    else the tool knows of a runtime its Backend class says: its placement, its settings file, whether
+    it runs here, how its shipped deployment opens."""
+
+    name: str
+    backend: str  # its pipeline.backends.base.Backend subclass
+    schema: str  # its `backend` section's dataclass (a subclass of BackendConfig)
+
+
+# the built-in runtimes, in the order `backend.name` lists them; adding one is one line here, its sub-package
+# under pipeline/backends/ and its conf/backend/<name>.yaml (docs/layout.md, "Adding a runtime")
+RUNTIMES: tuple[Runtime, ...] = (
+    Runtime("onnxruntime", "pipeline.backends.onnxruntime.OnnxRuntimeBackend",
+            "pipeline.backends.onnxruntime.config.OnnxRuntimeBackendConfig"),
+    Runtime("tensorrt", "pipeline.backends.tensorrt.TensorRTBackend",
+            "pipeline.backends.tensorrt.config.TensorRTBackendConfig"),
+    Runtime("tensorrt_rtx", "pipeline.backends.tensorrt.TensorRTRtxBackend",
+            "pipeline.backends.tensorrt.config.TensorRTBackendConfig"),
+    Runtime("trtexec", "pipeline.backends.tensorrt.TrtexecBackend",
+            "pipeline.backends.tensorrt.config.TrtexecBackendConfig"),
+    Runtime("openvino", "pipeline.backends.openvino.OpenVinoBackend",
+            "pipeline.backends.openvino.config.OpenVinoBackendConfig"),
+)
+CUSTOM = "custom"  # `backend=custom`: a runtime of your own, backend._target_ names its Backend class
+AUTO = "auto"  # `backend=auto`: every runtime in backend.runtimes tuned, the fastest accurate one shipped
+
+
+def runtime_schema(runtime: Runtime) -> type:
+    """The schema class of ``runtime`` (imported)."""
+    from pipeline.registry import import_object
+
+    return import_object(runtime.schema, f"the schema of runtime {runtime.name}")
+
+
+def runtime_section(runtime: Runtime) -> Any:
+    """``runtime``'s section with its defaults (its schema with ``name`` set)."""
+    return runtime_schema(runtime)(name=runtime.name)
 
 
 @dataclass
 class BackendConfig:
-    name: BackendName = MISSING
+    # a built-in runtime's name (pipeline.backend_config.RUNTIMES), custom or auto; conf/backend/<name>.yaml sets it
+    name: str = MISSING
     warmup_runs: int = 10
     timing_runs: int = 50
     # every timed block of an interleaved timing lasts at least this long (ms) of its fastest model's warm-up
     # run, more runs than timing_runs asks where that is short: blocks of a few runs of a 0.1 ms model time
     # the switch between models. Run-wide: under backend=auto, auto's value holds for every runtime.
     min_block_ms: float = 10.0
-
-
-class GraphOptimizationLevel(str, Enum):
-    disable = "disable"
-    basic = "basic"
-    extended = "extended"
-    layout = "layout"
-    all = "all"
-
-
-@dataclass
-class OnnxRuntimeBackendConfig(BackendConfig):
-    name: BackendName = BackendName.onnxruntime
-    providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
-    # 0 = one thread per physical core; the pipeline's own sessions (calibration, checks) use it too
-    intra_op_threads: int = 0
-    graph_optimization_level: GraphOptimizationLevel = GraphOptimizationLevel.all
-    # ORT worker threads spin after each run by default; when models are measured in alternation,
-    # one session's spinning threads slow the next session's runs, so placement's measurement sessions
-    # do not spin unless asked to. A model measured with session settings (the runtime search, the
-    # shipped model, the float baselines it is compared with) runs as deployed: spinning, ORT's default
-    allow_spinning: bool = False
-
-
-@dataclass
-class TensorRTBackendConfig(BackendConfig):
-    name: BackendName = BackendName.tensorrt
-    # builder precision of float (no Q/DQ) models in measurement builds: the precision-matched
-    # baseline every speedup is reported against (Q/DQ models are strongly typed)
-    float_precision: str = "FP16"
-    device: int = 0
-    workspace_size: int = 1024  # MB
-    builder_optimization_level: int = 3
-    timing_cache: Optional[str] = None
-    plugin_libraries: list[str] = field(default_factory=list)
-
-
-@dataclass
-class TrtexecBackendConfig(BackendConfig):
-    name: BackendName = BackendName.trtexec
-    float_precision: str = "FP16"  # as for backend=tensorrt; FP32 for TensorRT 11 (strongly typed only)
-    trtexec_path: str = "trtexec"
-    # measure for a fixed time instead of timing_runs iterations (seconds; 0 = use iterations)
-    duration: float = 0.0
-    warmup_ms: int = 200  # trtexec --warmUp is in milliseconds
-    timing_cache: Optional[str] = None
-    plugin_libraries: list[str] = field(default_factory=list)
-    trtexec_args: list[str] = field(default_factory=list)
-    export_profile: bool = False
-    export_layer_info: bool = False
-    timeout: float = 0.0  # seconds per trtexec run before it is killed; 0 = no limit
-
-
-class OpenVinoPrecision(str, Enum):
-    """OpenVINO's INFERENCE_PRECISION_HINT for what runs in float: ``default`` is what OpenVINO picks
-    on this CPU (bf16 where it has AMX or AVX-512 BF16, f32 elsewhere)."""
-
-    default = "default"
-    bf16 = "bf16"
-    f16 = "f16"
-    f32 = "f32"
-
-
-class OpenVinoHint(str, Enum):
-    LATENCY = "LATENCY"
-    THROUGHPUT = "THROUGHPUT"
-    CUMULATIVE_THROUGHPUT = "CUMULATIVE_THROUGHPUT"
-
-
-@dataclass
-class OpenVinoBackendConfig(BackendConfig):
-    name: BackendName = BackendName.openvino
-    device: str = "CPU"
-    inference_precision: OpenVinoPrecision = OpenVinoPrecision.default
-    performance_hint: OpenVinoHint = OpenVinoHint.LATENCY
-    threads: int = 0  # INFERENCE_NUM_THREADS; 0: OpenVINO's choice for the hint
-    streams: int = 0  # NUM_STREAMS; 0: OpenVINO's choice for the hint
-    cache_dir: Optional[str] = None  # CACHE_DIR: compiled models kept here, so a second compile is fast
 
 
 @dataclass
@@ -201,7 +160,7 @@ class CustomBackendConfig(BackendConfig):
     its own settings, read by it as ``cfg.options``. Under backend=auto it is the section
     ``backend.custom`` (``backend.runtimes=[onnxruntime, custom] backend.custom._target_=...``)."""
 
-    name: BackendName = BackendName.custom
+    name: str = CUSTOM
     _target_: str = ""  # required for backend=custom: the dotted path of your Backend subclass
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -212,20 +171,23 @@ class AutoBackendConfig(BackendConfig):
     that cannot is reported in one line and left out), each in results_dir/runtimes/<name>/ with its
     own section below (e.g. ``backend.openvino.inference_precision=f32``); then every runtime's shipped
     model and float are timed side by side in one interleaved run (``warmup_runs``, ``timing_runs``), and
-    the fastest that met the accuracy budget ships: gen_trt_engine and evaluate run on it."""
+    the fastest that met the accuracy budget ships: gen_trt_engine and evaluate run on it. Its schema
+    (``auto_backend_schema``) adds one section per runtime of ``RUNTIMES`` and ``custom``."""
 
-    name: BackendName = BackendName.auto
+    name: str = AUTO
     runtimes: list[str] = field(default_factory=lambda: ["onnxruntime", "openvino"])
     # tune every runtime to the end: no runtime is dropped when it falls out of the leader's reach after PTQ
     # (pipeline.app.race)
     tune_all: bool = False
     # compare only the runtimes tuned before, tuning nothing (tune-rechoose sets it)
     tuned_only: bool = False
-    onnxruntime: OnnxRuntimeBackendConfig = field(default_factory=OnnxRuntimeBackendConfig)
-    openvino: OpenVinoBackendConfig = field(default_factory=OpenVinoBackendConfig)
-    tensorrt: TensorRTBackendConfig = field(default_factory=TensorRTBackendConfig)
-    tensorrt_rtx: TensorRTBackendConfig = field(
-        default_factory=lambda: TensorRTBackendConfig(name=BackendName.tensorrt_rtx))
-    trtexec: TrtexecBackendConfig = field(default_factory=TrtexecBackendConfig)
-    # a runtime of your own joins as `custom` in runtimes, with its _target_ here
-    custom: CustomBackendConfig = field(default_factory=CustomBackendConfig)
+
+
+def auto_backend_schema() -> type:
+    """``AutoBackendConfig`` with a section per built-in runtime (its defaults) and ``custom`` (a runtime of
+    your own joins as `custom` in runtimes, with its _target_ there): built from ``RUNTIMES`` as it is."""
+    sections = [(r.name, runtime_schema(r), field(default_factory=functools.partial(runtime_section, r)))
+                for r in RUNTIMES]
+    sections.append((CUSTOM, CustomBackendConfig, field(default_factory=CustomBackendConfig)))
+    return make_dataclass("AutoBackendConfig", sections, bases=(AutoBackendConfig,),
+                          namespace={"__doc__": AutoBackendConfig.__doc__, "__module__": __name__})

@@ -17,15 +17,9 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from pipeline import backend_config
 from pipeline.artifacts import check_onnx_path, user_path
-from pipeline.backend_config import (
-    AutoBackendConfig,
-    CustomBackendConfig,
-    OnnxRuntimeBackendConfig,
-    OpenVinoBackendConfig,
-    TensorRTBackendConfig,
-    TrtexecBackendConfig,
-)
+from pipeline.backend_config import CustomBackendConfig, auto_backend_schema, runtime_schema, runtime_section
 from pipeline.errors import ConfigError, InputError
 from pipeline.registry import stage_schemas, stage_validators
 from pipeline.values import enum_value
@@ -355,14 +349,6 @@ _SHARED_GROUPS: dict[str, dict[str, type]] = {
     "data": {"base_data": DataConfig},
     "accuracy": {"base_accuracy": AccuracyConfig},
     "target": {"base_target": TargetConfig},
-    "backend": {
-        "base_onnxruntime": OnnxRuntimeBackendConfig,
-        "base_tensorrt": TensorRTBackendConfig,
-        "base_trtexec": TrtexecBackendConfig,
-        "base_openvino": OpenVinoBackendConfig,
-        "base_custom_backend": CustomBackendConfig,
-        "base_auto_backend": AutoBackendConfig,
-    },
 }
 
 _registered = False
@@ -370,8 +356,22 @@ _registered = False
 
 def shared_groups() -> dict[str, dict[str, type]]:
     """group -> {schema name: dataclass} of the groups every stage shares (model, data, accuracy, target,
-    backend); the stages' own groups come from ``pipeline.registry.stage_schemas``."""
-    return {group: dict(schemas) for group, schemas in _SHARED_GROUPS.items()}
+    backend); the stages' own groups come from ``pipeline.registry.stage_schemas``. The backend group has
+    one schema per built-in runtime's class (runtimes that share one, as TensorRT and TensorRT-RTX do, under
+    the first one's name), custom's and auto's."""
+    backend: dict[str, type] = {}
+    for r in backend_config.RUNTIMES:
+        if runtime_schema(r) not in backend.values():
+            backend[f"base_{r.name}"] = runtime_schema(r)
+    backend |= {"base_custom_backend": CustomBackendConfig, "base_auto_backend": auto_backend_schema()}
+    return {**{group: dict(schemas) for group, schemas in _SHARED_GROUPS.items()}, "backend": backend}
+
+
+def _backend_nodes() -> dict[str, Any]:
+    """The backend group's ConfigStore entries: ``base_<name>`` for every built-in runtime (its schema with its
+    name), custom's and auto's."""
+    nodes: dict[str, Any] = {f"base_{r.name}": runtime_section(r) for r in backend_config.RUNTIMES}
+    return nodes | {"base_custom_backend": CustomBackendConfig, "base_auto_backend": auto_backend_schema()}
 
 
 def register_configs() -> None:
@@ -381,7 +381,7 @@ def register_configs() -> None:
         return
     cs = ConfigStore.instance()
     cs.store(name="base_tune", node=TuneConfig)
-    for group, schemas in _SHARED_GROUPS.items():
+    for group, schemas in [*_SHARED_GROUPS.items(), ("backend", _backend_nodes())]:
         for name, node in schemas.items():
             cs.store(group=group, name=name, node=node)
     for stage, schema in stage_schemas().items():

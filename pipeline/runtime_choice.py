@@ -3,7 +3,7 @@
 ``pipeline.app.auto`` writes it; evaluate reads it (an optional input) to show every runtime beside the
 one that ships. Each row is one runtime: what its own autotune shipped, its p10 latency and its own
 float's in auto's final interleaved run, and (where evaluate ran in that runtime's results_dir) the
-accuracy and speed of its models on the evaluation data (``pipeline.accuracy.evaluation.runtime_evaluation``
+accuracy and speed of its models on the evaluation data (``pipeline.records.evaluate.runtime_evaluation``
 makes it from that runtime's metrics.json).
 """
 

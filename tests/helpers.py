@@ -18,9 +18,9 @@ import onnx
 from omegaconf import OmegaConf
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline.backend_config import OnnxRuntimeBackendConfig
 from pipeline.backends import create_backend
 from pipeline.backends.onnxruntime import OnnxRuntimeBackend
+from pipeline.backends.onnxruntime.config import OnnxRuntimeBackendConfig
 from pipeline.backends.tensorrt.trtexec import TrtexecBackend
 from pipeline.graph.bodies import body
 from tests import models
@@ -205,8 +205,8 @@ def ort_backend() -> OnnxRuntimeBackend:
 
 def openvino_backend():
     """OpenVINO's CPU plugin with short timing, as ort_backend."""
-    from pipeline.backend_config import OpenVinoBackendConfig
     from pipeline.backends.openvino import OpenVinoBackend
+    from pipeline.backends.openvino.config import OpenVinoBackendConfig
 
     return OpenVinoBackend(OmegaConf.structured(OpenVinoBackendConfig(warmup_runs=1, timing_runs=4)))
 

@@ -21,11 +21,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from pipeline.accuracy.autotune_metrics import AutotuneMetrics, autotune_metrics
-from pipeline.accuracy.evaluation import EvaluateMetrics
 from pipeline.artifacts import Manifest
 from pipeline.data.live import metric_attribute
 from pipeline.errors import ConfigError, InputError
+from pipeline.records.autotune import AutotuneMetrics, autotune_metrics
+from pipeline.records.evaluate import EvaluateMetrics
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline.accuracy.evaluation import EvaluateMetrics, runtime_evaluation
 from pipeline.app.choice import choose, reference_float
 from pipeline.app.publish import publish
 from pipeline.app.race import quantize_racing, race_floats, tune_racing
@@ -44,6 +43,7 @@ from pipeline.backends import settings_artifacts
 from pipeline.config import ordered_stages
 from pipeline.errors import BackendUnavailable, PipelineError, first_line
 from pipeline.quant.shared_stats import sharing
+from pipeline.records.evaluate import EvaluateMetrics, runtime_evaluation
 from pipeline.registry import load_stage
 from pipeline.runtime_choice import CHOICE, RuntimeChoice
 from pipeline.stage import Stage

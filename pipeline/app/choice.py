@@ -14,7 +14,6 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from pipeline.accuracy.autotune_metrics import AutotuneMetrics
 from pipeline.accuracy.kinds import host_key
 from pipeline.app.comparison import Comparison
 from pipeline.app.host_choice import recheck_here, remember
@@ -28,6 +27,7 @@ from pipeline.backends.base import Timing
 from pipeline.backends.ratios import ratio_interval, round_ratios
 from pipeline.backends.timing import MIN_BLOCK_MS, TimingPlan, time_pairs
 from pipeline.errors import PipelineError, StateError
+from pipeline.records.autotune import AutotuneMetrics
 from pipeline.runtime_choice import CHOICE, SHIPPED, RuntimeChoice, RuntimeRow, headline
 from pipeline.values import section
 

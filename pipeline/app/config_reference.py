@@ -57,8 +57,8 @@ def _comments(cls: type) -> dict[str, str]:
 
 
 def _comment(cls: type, name: str) -> str:
-    for klass in cls.__mro__:  # the class that declares the field (or redeclares it) says what it is
-        if name in _comments(klass):
+    for klass in cls.__mro__:  # the nearest class that says what the field is (a redeclaration may not)
+        if _comments(klass).get(name):
             return _comments(klass)[name]
     return ""
 
@@ -99,15 +99,16 @@ def _enums(cls: type) -> list[type]:
     return [v for v in vars(module).values() if isinstance(v, type) and issubclass(v, enum.Enum)] if module else []
 
 
-def rows(cls: type, prefix: str) -> list[tuple[str, str, str, str]]:
+def rows(cls: type, prefix: str, values: Any = None) -> list[tuple[str, str, str, str]]:
     """(key, type, default, comment) of every key of schema ``cls`` under ``prefix`` (nested schemas
-    flattened to dotted keys)."""
+    flattened to dotted keys; ``values``: the instance a nested section defaults to, whose values are its
+    defaults)."""
     out = []
     for f in dataclasses.fields(cls):
-        default = _default(f)
+        default = getattr(values, f.name) if values is not None else _default(f)
         key = f"{prefix}{f.name}"
         if dataclasses.is_dataclass(default):
-            out += rows(type(default), f"{key}.")
+            out += rows(type(default), f"{key}.", default)
             continue
         out.append((key, _type(cls, f), _value(default), _comment(cls, f.name)))
     return out
@@ -126,7 +127,9 @@ def _table(cls: type, prefix: str) -> list[str]:
 
 def _doc(cls: type) -> str:
     doc = inspect.getdoc(cls) or ""
-    own = doc != (inspect.getdoc(cls.__mro__[1]) or "") if len(cls.__mro__) > 1 else bool(doc)
+    # a schema generated from another of the same name (backend=auto's, with a section per runtime) is that one
+    base = next((k for k in cls.__mro__[1:] if k.__name__ != cls.__name__), None)
+    own = doc != (inspect.getdoc(base) or "") if base is not None else bool(doc)
     return " ".join(doc.split("\n\n")[0].split()) if doc and own and not doc.startswith(cls.__name__ + "(") else ""
 
 

@@ -12,7 +12,6 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline.accuracy.autotune_metrics import AutotuneMetrics
 from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict
 from pipeline.accuracy.holdout import Holdout
 from pipeline.accuracy.kinds import CheckedOn, host_key, runtime_versions
@@ -20,6 +19,7 @@ from pipeline.artifacts import atomic_write_json, read_json
 from pipeline.backends import Backend, compute_backend
 from pipeline.graph.model import input_specs, load_model
 from pipeline.quant.cpu import cpu_facts
+from pipeline.records.autotune import AutotuneMetrics
 
 log = logging.getLogger("tune.auto")
 

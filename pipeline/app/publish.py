@@ -11,7 +11,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pipeline.accuracy.autotune_metrics import AutotuneMetrics
 from pipeline.accuracy.kinds import checked_on, float_kinds
 from pipeline.app.choice import float_deployment
 from pipeline.app.host_choice import HOST_CHOICES, judged_hosts
@@ -22,6 +21,7 @@ from pipeline.app.runtime_runs import (
 )
 from pipeline.artifacts import Manifest, external_data_files, read_json
 from pipeline.errors import StateError
+from pipeline.records.autotune import AutotuneMetrics
 from pipeline.runtime_choice import CHOICE, FLOAT, RuntimeChoice
 
 log = logging.getLogger("tune.auto")

@@ -30,7 +30,6 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline.accuracy.autotune_metrics import autotune_metrics
 from pipeline.accuracy.kinds import host_key
 from pipeline.app.comparison import Comparison
 from pipeline.app.runtime_runs import EachRuntime, RuntimeRun, deployed_float
@@ -38,6 +37,7 @@ from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_js
 from pipeline.backends import Backend
 from pipeline.backends.timing import TimingPlan, time_pairs
 from pipeline.errors import StateError, first_line
+from pipeline.records.autotune import autotune_metrics
 
 log = logging.getLogger("tune.auto")
 

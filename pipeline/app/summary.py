@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.accuracy.evaluation import EvaluateMetrics
+from pipeline.records.evaluate import EvaluateMetrics
 
 
 def print_summary(summary: dict[str, Any], results_dir: Path) -> None:

@@ -23,10 +23,10 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from pipeline.accuracy.autotune_metrics import AutotuneMetrics, autotune_metrics
 from pipeline.accuracy.budget import AccuracyVerdict
 from pipeline.artifacts import atomic_write_json, atomic_write_text
 from pipeline.errors import StateError, first_line
+from pipeline.records.autotune import AutotuneMetrics, autotune_metrics
 
 log = logging.getLogger("tune")
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from pipeline import backend_config
+from pipeline.backend_config import AUTO, CUSTOM
 from pipeline.backends.base import Backend, BuildResult, PreparedModel, Timing
 from pipeline.backends.timing import compare_interleaved
 from pipeline.errors import ConfigError, InputError
@@ -14,25 +16,22 @@ from pipeline.quant.placement import PLACEMENTS, PlacementKind
 from pipeline.registry import import_object
 from pipeline.values import enum_value
 
-# backend name -> "package.module.Class"; imported lazily so a missing TensorRT only matters when chosen
-BACKENDS: dict[str, str] = {
-    "onnxruntime": "pipeline.backends.onnxruntime.OnnxRuntimeBackend",
-    "tensorrt": "pipeline.backends.tensorrt.TensorRTBackend",
-    "tensorrt_rtx": "pipeline.backends.tensorrt.TensorRTRtxBackend",
-    "trtexec": "pipeline.backends.tensorrt.TrtexecBackend",
-    "openvino": "pipeline.backends.openvino.OpenVinoBackend",
-}
+
+def builtin_runtimes() -> dict[str, str]:
+    """Built-in runtime name -> the dotted path of its Backend class, from ``pipeline.backend_config.RUNTIMES``
+    (imported lazily: a missing TensorRT only matters when chosen)."""
+    return {r.name: r.backend for r in backend_config.RUNTIMES}
 
 
 def named_runtime(name: str | None) -> type[Backend]:
     """The Backend class of built-in runtime ``name`` (as a results_dir records it), imported; None: the
     reference runtime (``Backend.reference``). An InputError names any other."""
     if name is None:
-        return next(c for c in (import_object(p, "backend.name") for p in BACKENDS.values()) if c.reference)
-    if name not in BACKENDS:
+        return next(c for c in (import_object(p, "backend.name") for p in builtin_runtimes().values()) if c.reference)
+    if name not in builtin_runtimes():
         raise InputError(f"{name}: not a built-in runtime; load gen_trt_engine's artifact with the runtime's own "
                           f"API")
-    return import_object(BACKENDS[name], "backend.name")
+    return import_object(builtin_runtimes()[name], "backend.name")
 
 
 def settings_artifacts(cfg: DictConfig) -> tuple[str, ...]:
@@ -46,9 +45,9 @@ def runtime_class(cfg: DictConfig) -> type[Backend]:
     """The Backend class the `backend` config names (imported, not instantiated: its class attributes say
     what the runtime is, e.g. its ``placement``, without loading the runtime's own libraries)."""
     name = enum_value(cfg.name)
-    if name == "auto":
+    if name == AUTO:
         raise ConfigError("backend=auto is several runtimes: a stage runs on one of backend.runtimes at a time")
-    if name == "custom":
+    if name == CUSTOM:
         target = cfg.get("_target_")
         if not target:
             raise ConfigError("backend._target_: required for a custom runtime (the dotted path of your "
@@ -58,9 +57,10 @@ def runtime_class(cfg: DictConfig) -> type[Backend]:
             raise ConfigError(f"backend._target_={target}: not a runtime (a subclass of "
                               f"pipeline.backends.base.Backend); see docs/layout.md, 'Adding a runtime'")
         return cls
-    if name not in BACKENDS:
-        raise ConfigError(f"backend.name={name}: choose one of {', '.join(BACKENDS)} (or custom)")
-    return import_object(BACKENDS[name], "backend.name")
+    builtin = builtin_runtimes()
+    if name not in builtin:
+        raise ConfigError(f"backend.name={name}: choose one of {', '.join(builtin)}, {CUSTOM} or {AUTO}")
+    return import_object(builtin[name], "backend.name")
 
 
 def create_backend(cfg: DictConfig) -> Backend:
@@ -75,8 +75,8 @@ def compute_backend(cfg: DictConfig) -> Backend:
     math): the configured one where `backend` is ONNX Runtime, else ORT's defaults."""
     from omegaconf import OmegaConf
 
-    from pipeline.backend_config import OnnxRuntimeBackendConfig
     from pipeline.backends.onnxruntime import OnnxRuntimeBackend
+    from pipeline.backends.onnxruntime.config import OnnxRuntimeBackendConfig
 
     own = runtime_class(cfg.backend) is OnnxRuntimeBackend
     return OnnxRuntimeBackend(cfg.backend if own else OmegaConf.structured(OnnxRuntimeBackendConfig()))
@@ -111,11 +111,12 @@ def auto_runtimes(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
     """`backend=auto`: (name, its backend section) of every runtime in ``backend.runtimes``, in order; a
     ConfigError naming the key for an unknown or repeated one."""
     names = [enum_value(n) for n in cfg.runtimes]
-    bad = [n for n in names if (n not in BACKENDS and n != "custom") or not isinstance(cfg.get(n), DictConfig)]
+    builtin = builtin_runtimes()
+    bad = [n for n in names if (n not in builtin and n != CUSTOM) or not isinstance(cfg.get(n), DictConfig)]
     if bad or not names or len(set(names)) != len(names):
-        raise ConfigError(f"backend.runtimes={names}: give each runtime once, from {', '.join(BACKENDS)} or "
-                          f"custom (your own, backend.custom._target_)")
-    if "custom" in names:
+        raise ConfigError(f"backend.runtimes={names}: give each runtime once, from {', '.join(builtin)} or "
+                          f"{CUSTOM} (your own, backend.{CUSTOM}._target_)")
+    if CUSTOM in names:
         runtime_class(cfg.custom)  # a custom runtime without its class is one line now, not after export
     return [(n, cfg[n]) for n in names]
 
@@ -124,15 +125,16 @@ def times_on_host_cpu(name: str) -> bool:
     """Whether a run with `backend=<name>` (as a job records it) times models on this host's CPU, where two
     jobs timing at once slow each other: every runtime whose placement runs CPU kernels, auto (its
     runtimes do), and a custom or unknown one (its timing cannot be told apart)."""
-    if name not in BACKENDS:
+    builtin = builtin_runtimes()
+    if name not in builtin:
         return True
-    cls = import_object(BACKENDS[name], "backend.name")
+    cls = import_object(builtin[name], "backend.name")
     return PLACEMENTS[cls.placement].cpu_kernels
 
 
 def is_auto(cfg: DictConfig) -> bool:
     """The `backend` section is backend=auto (several runtimes, one chosen by measurement)."""
-    return enum_value(cfg.name) == "auto"
+    return enum_value(cfg.name) == AUTO
 
 
 def check_backend(cfg: DictConfig) -> None:
@@ -146,5 +148,5 @@ def check_backend(cfg: DictConfig) -> None:
     create_backend(cfg.backend)
 
 
-__all__ = ["BACKENDS", "Backend", "named_runtime", "BuildResult", "PreparedModel", "Timing", "check_backend", "compare_interleaved",
+__all__ = ["builtin_runtimes", "Backend", "named_runtime", "BuildResult", "PreparedModel", "Timing", "check_backend", "compare_interleaved",
            "activation_type", "auto_runtimes", "compute_backend", "is_auto", "create_backend", "judging_backend", "placement_kind", "runtime_class"]

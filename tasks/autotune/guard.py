@@ -16,13 +16,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from pipeline.accuracy.autotune_metrics import AutotuneMetrics, GuardSource, TunedAccuracy
 from pipeline.accuracy.budget import AccuracyVerdict
-from pipeline.accuracy.decisions import quantize_decisions
 from pipeline.accuracy.kinds import CheckedOn, checked_on, float_kinds, kind_verdicts, log_kinds
 from pipeline.backends.base import Timing
 from pipeline.errors import StageError, first_line
 from pipeline.graph.model import copy_model, has_qdq, model_hash
+from pipeline.records.autotune import AutotuneMetrics, GuardSource, TunedAccuracy
+from pipeline.records.quantize import quantize_decisions
 from tasks.autotune.paired_step import PairedStep
 from tasks.autotune.tune_setup import ModeResult, TuneSetup
 

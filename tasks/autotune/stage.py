@@ -19,9 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline.accuracy.autotune_metrics import ModeSummary
 from pipeline.accuracy.budget import AccuracyBudget
-from pipeline.accuracy.decisions import quantize_decisions
 from pipeline.accuracy.holdout import Holdout
 from pipeline.artifacts import fingerprint, sha256_file, user_path
 from pipeline.backends import Backend, activation_type, create_backend, placement_kind
@@ -36,6 +34,8 @@ from pipeline.graph.model import (
 )
 from pipeline.quant.calibration import Calibration, activation_dtypes, load_calibration
 from pipeline.quant.placement import resolve_rules
+from pipeline.records.autotune import ModeSummary
+from pipeline.records.quantize import quantize_decisions
 from pipeline.stage import Stage, StageContext, StageResult
 from pipeline.values import enum_value, section
 from tasks.autotune.config import PRESETS

@@ -12,15 +12,15 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.accuracy.autotune_metrics import ModeSummary
 from pipeline.accuracy.budget import AccuracyBudget
-from pipeline.accuracy.evaluation import FloatBaseline
 from pipeline.accuracy.holdout import Holdout
 from pipeline.artifacts import atomic_write_json, fingerprint
 from pipeline.backends.base import Backend
 from pipeline.errors import first_line
 from pipeline.graph.model import model_hash
 from pipeline.quant.calibration import Calibration
+from pipeline.records.autotune import ModeSummary
+from pipeline.records.evaluate import FloatBaseline
 from tasks.autotune.crash_guard import CrashGuard
 from tasks.autotune.paired_step import PairedStep
 from tasks.autotune.state_file import FLOAT_BASELINE, StateDocument, StateHeader, read_state

@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.accuracy.evaluation import LatencySummary, ModelLatency, ModelMetrics, SessionComparison
 from pipeline.backends.base import Backend, Timing
+from pipeline.records.evaluate import LatencySummary, ModelLatency, ModelMetrics, SessionComparison
 
 # p90/p10 above this means the machine was busy while timing: the medians are not to be trusted
 _NOISY_SPREAD = 1.5

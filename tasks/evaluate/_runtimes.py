@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from pipeline.accuracy.evaluation import EvaluateMetrics, RuntimesTable, RuntimeTableRow, runtime_evaluation
+from pipeline.records.evaluate import EvaluateMetrics, RuntimesTable, RuntimeTableRow, runtime_evaluation
 from pipeline.runtime_choice import FLOAT, ModelSummary, RuntimeChoice
 
 THIS_REPORT = "evaluate/report.md"

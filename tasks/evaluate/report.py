@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.accuracy.budget import AccuracyVerdict
-from pipeline.accuracy.evaluation import EvaluateMetrics, MachineSummary, ModelMetrics, QuantizationSummary
 from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.artifacts import atomic_output
 from pipeline.config import STAGE_ORDER
+from pipeline.records.evaluate import EvaluateMetrics, MachineSummary, ModelMetrics, QuantizationSummary
 from pipeline.stage import StageContext
 from tasks.evaluate import _runtimes
 

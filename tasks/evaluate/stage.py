@@ -23,18 +23,6 @@ from typing import Any
 import numpy as np
 import onnx
 
-from pipeline.accuracy.autotune_metrics import autotune_metrics
-from pipeline.accuracy.evaluation import (
-    DataSummary,
-    Duplicate,
-    EvaluateMetrics,
-    FloatBaseline,
-    ModelLatency,
-    ModelMetrics,
-    Reproduce,
-    SensitiveNode,
-    SensitivitySummary,
-)
 from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.accuracy.kinds import shipped_record
 from pipeline.accuracy.metrics import ModelScores, json_safe
@@ -47,6 +35,18 @@ from pipeline.data.adapters import DataProvider
 from pipeline.errors import PipelineError, StageError, first_line
 from pipeline.graph.model import InputSpec, has_qdq, input_specs, load_model
 from pipeline.progress import progress_bar
+from pipeline.records.autotune import autotune_metrics
+from pipeline.records.evaluate import (
+    DataSummary,
+    Duplicate,
+    EvaluateMetrics,
+    FloatBaseline,
+    ModelLatency,
+    ModelMetrics,
+    Reproduce,
+    SensitiveNode,
+    SensitivitySummary,
+)
 from pipeline.runtime_choice import CHOICE, RuntimeChoice
 from pipeline.stage import Stage, StageContext, StageResult
 from tasks.evaluate._custom import CustomScores

@@ -13,16 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from pipeline.accuracy.autotune_metrics import autotune_metrics
 from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict, CustomScore
-from pipeline.accuracy.decisions import QuantizeDecisions, quantize_decisions
-from pipeline.accuracy.evaluation import (
-    CustomMetricSummary,
-    EvaluateMetrics,
-    MachineSummary,
-    PromiseCheck,
-    QuantizationSummary,
-)
 from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.accuracy.kinds import CheckedOn, shipped_record
 from pipeline.accuracy.metrics import ModelScores
@@ -30,6 +21,15 @@ from pipeline.config import resolved_data_source
 from pipeline.data.adapters import takes_split
 from pipeline.data.live import metric_name
 from pipeline.quant.cpu import CpuFacts, cpu_facts, describe
+from pipeline.records.autotune import autotune_metrics
+from pipeline.records.evaluate import (
+    CustomMetricSummary,
+    EvaluateMetrics,
+    MachineSummary,
+    PromiseCheck,
+    QuantizationSummary,
+)
+from pipeline.records.quantize import QuantizeDecisions, quantize_decisions
 from pipeline.stage import StageContext
 
 log = logging.getLogger("tune.evaluate")

@@ -15,12 +15,12 @@ from typing import Any
 
 import onnx
 
-from pipeline.accuracy.decisions import QuantizeDecisions
 from pipeline.errors import StageError
 from pipeline.graph.bodies import QUANTIZED_BODIES
 from pipeline.graph.model import iter_nodes
 from pipeline.quant.cpu import decision_facts, describe
 from pipeline.quant.placement import PASS_THROUGH_OPS
+from pipeline.records.quantize import QuantizeDecisions
 from tasks.quantize._placer import Placer
 from tasks.quantize._setup import QuantizeSetup
 from tasks.quantize.checker import Candidate, recovery_checker

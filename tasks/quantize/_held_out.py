@@ -9,11 +9,11 @@ from dataclasses import replace
 
 import onnx
 
-from pipeline.accuracy.decisions import QuantizeDecisions, RangeChoice
 from pipeline.calibrate.collect import AUTO_CANDIDATES, with_ranges
 from pipeline.graph.shapes import node_macs
 from pipeline.progress import work_bar
 from pipeline.quant.calibration import PER_TENSOR, TensorStats, stats_table
+from pipeline.records.quantize import QuantizeDecisions, RangeChoice
 from pipeline.transforms.record import TransformRecord
 from tasks.quantize._placer import Placer
 from tasks.quantize._setup import QuantizeSetup

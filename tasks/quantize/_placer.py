@@ -9,11 +9,11 @@ from typing import Any
 
 import onnx
 
-from pipeline.accuracy.decisions import BiasCorrection
 from pipeline.errors import StageError
 from pipeline.graph.model import control_flow
 from pipeline.quant.calibration import Calibration
 from pipeline.quant.qdq import apply_plan
+from pipeline.records.quantize import BiasCorrection
 from tasks.quantize._setup import QuantizeSetup
 from tasks.quantize.bias_correction import correct_bias
 from tasks.quantize.checker import Candidate

@@ -17,12 +17,12 @@ from typing import Any
 import onnx
 
 from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict
-from pipeline.accuracy.decisions import StorageCheck
 from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.accuracy.holdout import Holdout
 from pipeline.backends.base import Backend
 from pipeline.errors import first_line
 from pipeline.graph.model import save_model
+from pipeline.records.quantize import StorageCheck
 
 log = logging.getLogger("tune.quantize")
 

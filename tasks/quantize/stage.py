@@ -23,7 +23,6 @@ import numpy as np
 import onnx
 from omegaconf import DictConfig
 
-from pipeline.accuracy.decisions import QuantizeDecisions, RangeChoice
 from pipeline.accuracy.kinds import checked_on, kind_verdicts, log_kinds
 from pipeline.artifacts import atomic_write_json
 from pipeline.graph import weights
@@ -34,6 +33,7 @@ from pipeline.quant.calibration import Calibration, TensorStats
 from pipeline.quant.placement import NodeDtypes, resolve_rules, weight_axis
 from pipeline.quant.qdq import qdq_summary
 from pipeline.quant.qmath import FP8
+from pipeline.records.quantize import QuantizeDecisions, RangeChoice
 from pipeline.stage import Stage, StageContext, StageResult
 from pipeline.transforms.record import TransformRecord
 from pipeline.values import enum_value

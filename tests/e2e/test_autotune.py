@@ -50,9 +50,9 @@ def test_outputs_final_line_and_exact_placement(tiny, tmp_path):
     final = onnx.load(str(out / "optimized_final.onnx"))
     onnx.checker.check_model(final)
     # the shipped file is exactly the measured winner: rebuild the committed placement from the state
-    from pipeline.accuracy.decisions import quantize_decisions
     from pipeline.graph.model import load_model
     from pipeline.quant.calibration import load_calibration
+    from pipeline.records.quantize import quantize_decisions
     from tasks.autotune.region.autotuner import Config, QDQAutotuner
 
     tuner = QDQAutotuner(load_model(rd / "quantize" / "float_model.onnx"))  # the graph autotune places Q/DQ in

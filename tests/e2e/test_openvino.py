@@ -13,7 +13,7 @@ import onnx
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.backend_config import OpenVinoBackendConfig
+from pipeline.backends.openvino.config import OpenVinoBackendConfig
 from tests.helpers import QUICK, run_tune
 
 pytest.importorskip("openvino", reason="backend=openvino needs OpenVINO: pip install openvino")

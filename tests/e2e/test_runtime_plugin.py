@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 
+from pipeline.backend_config import BackendConfig
 from pipeline.backends.base import Backend, BuildResult, Deployment, FusionSource, PreparedModel
 from pipeline.data.adapters import fixed_feeds
 from pipeline.graph.model import input_specs, load_model
@@ -111,3 +114,56 @@ def test_a_runtime_of_your_own_joins_backend_auto(residual_models, tmp_path):
     # a custom runtime without its class is one line, before any stage runs
     bad = run_tune([a for a in args if not a.startswith("backend.custom")], cwd=tmp_path, env=env)
     assert bad.returncode == 2 and "backend._target_: required for a custom runtime" in bad.stderr
+
+
+@dataclass
+class ReferenceRuntimeConfig(BackendConfig):
+    """The registered runtime's own `backend` section (what a built-in runtime keeps in its config.py)."""
+
+    name: str = "reference"
+    rounds: int = 1  # a setting of its own, reachable as backend.reference.rounds under auto
+
+
+@pytest.fixture()
+def registered(monkeypatch):
+    """``ReferenceRuntime`` registered as a built-in runtime by one line of RUNTIMES; the registry and the
+    config groups as they were afterwards."""
+    from pipeline import backend_config, config
+
+    line = backend_config.Runtime("reference", TARGET, "tests.e2e.test_runtime_plugin.ReferenceRuntimeConfig")
+    monkeypatch.setattr(backend_config, "RUNTIMES", (*backend_config.RUNTIMES, line))
+    monkeypatch.setattr(config, "_registered", False)
+    config.register_configs()
+    yield line
+    monkeypatch.undo()
+    config._registered = False
+    config.register_configs()
+
+
+def test_a_runtime_added_by_one_registry_line_joins_backend_auto(registered, residual_models, tmp_path):
+    """One line of RUNTIMES (plus the runtime's own class, schema and conf file) makes a built-in runtime:
+    `backend.name`, `backend.runtimes`, auto's `backend.reference` section and the config group follow;
+    under backend=auto it races the others before quantize and quantizes where it stays in reach."""
+    from pipeline.api import tune
+    from pipeline.app.cli import checked_config
+    from pipeline.backends import builtin_runtimes, times_on_host_cpu
+
+    assert builtin_runtimes()["reference"] == TARGET and times_on_host_cpu("reference") is False
+    specs = tmp_path / "specs"
+    (specs / "backend").mkdir(parents=True)
+    (specs / "backend" / "reference.yaml").write_text("defaults:\n  - base_reference\n  - _self_\nrounds: 2\n")
+    (specs / "run.yaml").write_text("defaults:\n  - tune\n  - _self_\n")
+    alone = checked_config(["backend=reference"], str(specs), "run")  # its conf file extends base_reference
+    assert alone.backend.name == "reference" and alone.backend.rounds == 2
+    rd = tmp_path / "r"
+    args = ["model=onnx", f"model.onnx_path={residual_models['tiny']}", "data=synthetic", "backend=auto",
+            "backend.runtimes=[onnxruntime,reference]", "backend.reference.rounds=3", "backend.timing_runs=4",
+            "stages=[export,quantize]", f"results_dir={rd}"]
+    tune(args, spec=specs / "run.yaml")
+    race = json.loads((rd / "autotune" / "float_race.json").read_text())
+    entries = {e["runtime"]: e for e in race["entries"]}
+    assert set(entries) == {"onnxruntime", "reference"} and entries["reference"]["float_ms"] > 0
+    assert (rd / "runtimes" / "onnxruntime" / "quantize" / "quantized_model.onnx").exists()
+    assert (rd / "runtimes" / "reference" / "quantize").exists() != entries["reference"]["dropped"]
+    auto = checked_config(args, str(specs), "run").backend  # auto's section of it, from the registry line
+    assert auto.reference.name == "reference" and auto.reference.rounds == 3 and "reference" in auto.runtimes

@@ -437,8 +437,8 @@ def _write_q(tmp_path):
 
 
 def test_final_summary_says_which_models_miss_the_budget(capsys, tmp_path):
-    from pipeline.accuracy.evaluation import DataSummary, EvaluateMetrics, Reproduce
     from pipeline.app.summary import print_summary
+    from pipeline.records.evaluate import DataSummary, EvaluateMetrics, Reproduce
 
     text = "PTQ model misses the accuracy budget: top-1 drop 64.0 points (max 1); likely cause: ..."
     metrics = EvaluateMetrics("FP32 float", {}, DataSummary("digits", 10, 1, 10, True), 1, {}, Reproduce("", ""),

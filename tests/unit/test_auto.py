@@ -50,9 +50,9 @@ def _timing(ms: float | None):
 def decided(tmp_path, *timed):
     """decide over fake timings of two runtimes (float ms, shipped ms, float is shipped, float is reference[,
     the float's 95% interval over the shipped model])."""
-    from pipeline.accuracy.autotune_metrics import AutotuneMetrics
     from pipeline.app.choice import TimedRuntime, decide
     from pipeline.backends import create_backend
+    from pipeline.records.autotune import AutotuneMetrics
 
     ort = create_backend(compose(["backend=onnxruntime"]).backend)
     metrics = AutotuneMetrics.from_dict({"shipped": "tuned", "accuracy": {"final": {"what": "SNR 40 dB"}},

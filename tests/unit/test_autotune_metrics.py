@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.accuracy.autotune_metrics import AutotuneMetrics, autotune_metrics
 from pipeline.accuracy.kinds import CheckedOn
 from pipeline.errors import StateError
+from pipeline.records.autotune import AutotuneMetrics, autotune_metrics
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "autotune_metrics"
 

@@ -8,13 +8,13 @@ import json
 import pytest
 
 from pipeline.accuracy.budget import AccuracyVerdict
-from pipeline.accuracy.decisions import QuantizeDecisions, quantize_decisions
 from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.errors import StateError
 from pipeline.quant.calibration import TensorStats, load_calibration
 from pipeline.quant.cpu import CpuFacts
 from pipeline.quant.plan import WeightVariant
 from pipeline.quant.qmath import QTYPES
+from pipeline.records.quantize import QuantizeDecisions, quantize_decisions
 
 STATS = {"min": -1.0, "max": 3.0, "absmax": 3.0, "channel_ratio": 4.0, "thresholds": {"int8": 2.0, "uint8": 2.5},
          "threshold": 2.0, "chosen": {"int8": "mse", "uint8": "entropy"}, "algorithm": "auto", "samples": 16}

@@ -11,8 +11,8 @@ import signal
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.backend_config import OnnxRuntimeBackendConfig
 from pipeline.backends.onnxruntime import OnnxRuntimeBackend
+from pipeline.backends.onnxruntime.config import OnnxRuntimeBackendConfig
 from pipeline.errors import StateError
 from pipeline.graph.model import model_hash
 from tasks.autotune.benchmark import PairedBenchmark

@@ -138,9 +138,9 @@ def _small_metrics() -> dict:
 
 
 def test_headline_and_report_text():
-    from pipeline.accuracy.evaluation import EvaluateMetrics
     from pipeline.accuracy.metrics import json_safe
     from pipeline.errors import StateError
+    from pipeline.records.evaluate import EvaluateMetrics
     from tasks.evaluate.report import markdown
     from tasks.evaluate.stage import headline
 
@@ -277,7 +277,7 @@ def test_the_shipped_model_is_named_as_autotune_names_it(tmp_path):
     a quantized-looking file without Q/DQ is the float model, and a float-only run names none."""
     import onnx
 
-    from pipeline.accuracy.evaluation import Duplicate
+    from pipeline.records.evaluate import Duplicate
     from tasks.evaluate.stage import EvaluatedModel, EvaluationPlan, shipped_model
     from tests import models
     from tests.helpers import qdq_conv_chain
@@ -304,8 +304,8 @@ def test_report_says_where_full_range_weights_stop_being_exact():
     saturate: the report says so, and how to tune for such a target; quantized for a saturating CPU, it does not."""
     from dataclasses import replace
 
-    from pipeline.accuracy.evaluation import EvaluateMetrics, MachineSummary, QuantizationSummary
     from pipeline.quant.cpu import CpuFacts
+    from pipeline.records.evaluate import EvaluateMetrics, MachineSummary, QuantizationSummary
     from tasks.evaluate.report import markdown
 
     record = EvaluateMetrics.from_dict(_small_metrics())

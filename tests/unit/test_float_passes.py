@@ -10,7 +10,7 @@ import onnx
 from omegaconf import OmegaConf
 from onnx import numpy_helper
 
-from pipeline.accuracy.decisions import BiasCorrection
+from pipeline.records.quantize import BiasCorrection
 from pipeline.transforms.record import TransformRecord
 from tasks.quantize.passes.sequence import FLOAT_PASSES, FloatPass, PassContext, run_passes, summary
 from tests import models

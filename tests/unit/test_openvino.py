@@ -9,8 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeline.accuracy.budget import AccuracyBudget
-from pipeline.backend_config import OpenVinoBackendConfig
 from pipeline.backends.openvino import OpenVinoBackend
+from pipeline.backends.openvino.config import OpenVinoBackendConfig
 from pipeline.backends.openvino.search import apply_change, base_settings, candidates, search_candidates
 from pipeline.backends.openvino.settings import CompileSettings, core
 from pipeline.data.adapters import synthetic_batches
@@ -208,7 +208,7 @@ def test_evaluate_follows_autotunes_fp32_baseline_only_where_autotune_judged_thi
         manifest.stages["autotune"] = autotune
         return model_runtimes(SimpleNamespace(manifest=manifest), backend, None)
 
-    from pipeline.accuracy.evaluation import FloatBaseline
+    from pipeline.records.evaluate import FloatBaseline
 
     fp32 = {"precision": "FP32", "default": default, "note": f"{default} float misses the budget: ..."}
     for kept in ({}, {"status": "done", "metrics": {"float_baseline": {"precision": default, "default": default}}},

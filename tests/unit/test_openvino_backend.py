@@ -9,8 +9,8 @@ import onnx
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.backend_config import OpenVinoBackendConfig
 from pipeline.backends.onnxruntime.session import inference_session
+from pipeline.backends.openvino.config import OpenVinoBackendConfig
 from pipeline.data.adapters import fixed_feeds
 from pipeline.graph.model import input_specs
 from pipeline.quant.placement import onnxruntime_plan, openvino_plan, resolve_rules

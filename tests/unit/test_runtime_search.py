@@ -156,8 +156,8 @@ def test_an_interrupted_search_resumes_at_the_next_candidate(tmp_path, monkeypat
     set aside."""
     from omegaconf import OmegaConf
 
-    from pipeline.backend_config import OnnxRuntimeBackendConfig
     from pipeline.backends.onnxruntime import OnnxRuntimeBackend
+    from pipeline.backends.onnxruntime.config import OnnxRuntimeBackendConfig
     from tasks.autotune.config import RuntimeSearchConfig
     from tasks.autotune.runtime import search as rs
 

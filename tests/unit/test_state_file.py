@@ -9,8 +9,8 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.backend_config import OnnxRuntimeBackendConfig
 from pipeline.backends.onnxruntime import OnnxRuntimeBackend
+from pipeline.backends.onnxruntime.config import OnnxRuntimeBackendConfig
 from pipeline.errors import StaleStateError, StateError
 from pipeline.graph.model import model_hash
 from tasks.autotune.runtime.search import STATE_VERSION, RuntimeSearch

@@ -373,8 +373,8 @@ class _Notes:
 def test_a_timing_cache_of_another_device_is_set_aside_not_overwritten(tmp_path, matches):
     from omegaconf import OmegaConf
 
-    from pipeline.backend_config import TensorRTBackendConfig
     from pipeline.backends.tensorrt import TensorRTBackend
+    from pipeline.backends.tensorrt.config import TensorRTBackendConfig
 
     cache = tmp_path / "tc.cache"
     cache.write_bytes(b"made elsewhere")

@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.backend_config import TensorRTBackendConfig
 from pipeline.backends.base import PreparedModel
 from pipeline.backends.tensorrt import TensorRTBackend
 from pipeline.backends.tensorrt import search as runtime_trt
+from pipeline.backends.tensorrt.config import TensorRTBackendConfig
 from pipeline.backends.tensorrt.settings import TrtBuildSettings
 from pipeline.errors import StageError, StateError
 from tasks.autotune.config import RuntimeSearchConfig
@@ -366,8 +366,8 @@ def test_gen_trt_engine_builds_autotunes_model_with_the_shipped_settings(tmp_pat
 
 
 def test_evaluate_times_the_tuned_model_with_its_backends_kind_of_settings(tmp_path):
-    from pipeline.backend_config import OnnxRuntimeBackendConfig
     from pipeline.backends.onnxruntime import OnnxRuntimeBackend
+    from pipeline.backends.onnxruntime.config import OnnxRuntimeBackendConfig
     from tasks.evaluate.stage import EvaluateStage
 
     exe, _ = fake_trtexec(tmp_path)

@@ -116,8 +116,8 @@ def test_the_graph_ort_runs_of_a_model_with_external_data_is_written_with_it(sto
     import onnxruntime as ort
     from omegaconf import OmegaConf
 
-    from pipeline.backend_config import OnnxRuntimeBackendConfig
     from pipeline.backends.onnxruntime import OnnxRuntimeBackend
+    from pipeline.backends.onnxruntime.config import OnnxRuntimeBackendConfig
 
     backend = OnnxRuntimeBackend(OmegaConf.structured(OnnxRuntimeBackendConfig(warmup_runs=1, timing_runs=2)))
     out = backend.build(stored, tmp_path / "model.ort.onnx").engine_path

@@ -199,8 +199,8 @@ class OpenVinoBackend(Backend):
         optimizations runs every QuantizeLinear, DequantizeLinear and float op as written."""
         from omegaconf import OmegaConf
 
-        from pipeline.backend_config import OnnxRuntimeBackendConfig
         from pipeline.backends.onnxruntime import OnnxRuntimeBackend
+        from pipeline.backends.onnxruntime.config import OnnxRuntimeBackendConfig
 
         return OnnxRuntimeBackend(OmegaConf.structured(OnnxRuntimeBackendConfig())).prepare_reference(model_path)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.accuracy.autotune_metrics import AutotuneMetrics
 from pipeline.artifacts import atomic_write_text
+from pipeline.records.autotune import AutotuneMetrics
 from tasks.autotune.paired_step import PairedStep
 from tasks.autotune.subgraph.records import PASSES, PTQ, GroupResult
 

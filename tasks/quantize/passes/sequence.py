@@ -24,8 +24,8 @@ from typing import Any
 
 import onnx
 
-from pipeline.accuracy.decisions import BiasCorrection
 from pipeline.data.adapters import Batch
+from pipeline.records.quantize import BiasCorrection
 from pipeline.transforms.record import TransformRecord
 from tasks.quantize.passes.postcondition import FLOAT_EXACT
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pipeline.accuracy.budget import AccuracyVerdict
-from pipeline.accuracy.evaluation import FloatBaseline
 from pipeline.accuracy.kinds import CheckedOn
 from pipeline.errors import StateError, first_line
+from pipeline.records.evaluate import FloatBaseline
 from pipeline.runtime_choice import RuntimeChoice
 
 

@@ -15,13 +15,13 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from pipeline.accuracy.budget import AccuracyVerdict
-from pipeline.accuracy.decisions import BiasCorrection
 from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.accuracy.kinds import CheckedOn
 from pipeline.accuracy.scores import Scores
 from pipeline.backends.base import Timing
 from pipeline.errors import StateError, first_line
 from pipeline.quant.cpu import CpuFacts
+from pipeline.records.quantize import BiasCorrection
 from pipeline.runtime_choice import ModelSummary, RuntimeEvaluation
 from pipeline.transforms.record import TransformRecord
 

@@ -1,6 +1,6 @@
 """What the quantize stage decided beside the ranges (calibration.json's ``decisions``), as records:
 the weight storage autotune follows, the nodes left float, and the CPU, kernel-fidelity and accuracy
-facts evaluate reports. They sit above ``pipeline.quant`` since they hold the accuracy layer's records."""
+facts evaluate reports. They sit above ``pipeline.accuracy`` since they hold its verdicts."""
 
 from __future__ import annotations
 
