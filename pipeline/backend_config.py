@@ -109,24 +109,32 @@ class Runtime:
     name: str
     backend: str  # its pipeline.backends.base.Backend subclass
     schema: str  # its `backend` section's dataclass (a subclass of BackendConfig)
+    # the PyPI distributions it runs on (any build of it): their versions key what was measured and checked
+    packages: tuple[str, ...] = ()
 
 
 # the built-in runtimes, in the order `backend.name` lists them; adding one is one line here, its sub-package
 # under pipeline/backends/ and its conf/backend/<name>.yaml (docs/layout.md, "Adding a runtime")
 RUNTIMES: tuple[Runtime, ...] = (
     Runtime("onnxruntime", "pipeline.backends.onnxruntime.OnnxRuntimeBackend",
-            "pipeline.backends.onnxruntime.config.OnnxRuntimeBackendConfig"),
+            "pipeline.backends.onnxruntime.config.OnnxRuntimeBackendConfig",
+            ("onnxruntime", "onnxruntime-gpu", "onnxruntime-openvino", "onnxruntime-directml")),
     Runtime("tensorrt", "pipeline.backends.tensorrt.TensorRTBackend",
-            "pipeline.backends.tensorrt.config.TensorRTBackendConfig"),
+            "pipeline.backends.tensorrt.config.TensorRTBackendConfig", ("tensorrt", "tensorrt-cu12")),
     Runtime("tensorrt_rtx", "pipeline.backends.tensorrt.TensorRTRtxBackend",
-            "pipeline.backends.tensorrt.config.TensorRTBackendConfig"),
+            "pipeline.backends.tensorrt.config.TensorRTBackendConfig", ("tensorrt-rtx-cu13-bindings",)),
     Runtime("trtexec", "pipeline.backends.tensorrt.TrtexecBackend",
             "pipeline.backends.tensorrt.config.TrtexecBackendConfig"),
     Runtime("openvino", "pipeline.backends.openvino.OpenVinoBackend",
-            "pipeline.backends.openvino.config.OpenVinoBackendConfig"),
+            "pipeline.backends.openvino.config.OpenVinoBackendConfig", ("openvino",)),
 )
 CUSTOM = "custom"  # `backend=custom`: a runtime of your own, backend._target_ names its Backend class
 AUTO = "auto"  # `backend=auto`: every runtime in backend.runtimes tuned, the fastest accurate one shipped
+
+
+def runtime_packages() -> tuple[str, ...]:
+    """Every built-in runtime's distributions, sorted (the order host keys and version records list them in)."""
+    return tuple(sorted({p for r in RUNTIMES for p in r.packages}))
 
 
 def runtime_schema(runtime: Runtime) -> type:

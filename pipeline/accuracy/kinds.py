@@ -25,6 +25,7 @@ from typing import Any
 from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict
 from pipeline.accuracy.holdout import Holdout
 from pipeline.artifacts import Manifest
+from pipeline.backend_config import runtime_packages
 from pipeline.backends.base import Backend
 from pipeline.errors import StateError, first_line
 from pipeline.graph.model import load_model, save_model
@@ -145,10 +146,6 @@ def _judge_reference(backend: Backend, model: Path, holdout: Holdout, budget: Ac
 
 
 # the packages whose versions decide what a deployment computes, where installed
-RUNTIME_PACKAGES = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-openvino", "onnxruntime-directml", "openvino",
-                    "tensorrt", "tensorrt-cu12", "tensorrt-rtx-cu13-bindings")
-
-
 def runtime_version(versions: Mapping[str, str], runtime: str) -> str | None:
     """The version of ``runtime``'s package among ``versions`` (a runtime name as `backend=` spells it:
     its package, or a build of it such as onnxruntime-gpu)."""
@@ -158,9 +155,10 @@ def runtime_version(versions: Mapping[str, str], runtime: str) -> str | None:
 
 
 def runtime_versions() -> dict[str, str]:
-    """The installed version of every package in RUNTIME_PACKAGES (those not installed are left out)."""
+    """The installed version of every built-in runtime's package (``runtime_packages``; those not installed
+    are left out)."""
     out = {}
-    for name in RUNTIME_PACKAGES:
+    for name in runtime_packages():
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from pipeline.app.scope import is_tuning_frozen, run_scope
 from pipeline.artifacts import Manifest, ResultsDirLock, fingerprint, sha256_file
+from pipeline.backend_config import runtime_packages
 from pipeline.backends.timing import MIN_BLOCK_MS
 from pipeline.config import ordered_stages, validate
 from pipeline.errors import PipelineError, StageError, StateError
@@ -46,8 +47,8 @@ def _version() -> str:
 _VERSION = _version()
 
 
-_PACKAGES = ("qdq-tune", "onnx", "onnxruntime", "torch", "numpy", "hydra-core", "onnx-graphsurgeon",
-             "openvino", "tensorrt", "tensorrt-rtx-cu13-bindings")
+# the packages every run records besides the runtimes' own (pipeline.backend_config.runtime_packages)
+_PACKAGES = ("qdq-tune", "onnx", "torch", "numpy", "hydra-core", "onnx-graphsurgeon")
 
 
 def environment() -> dict[str, Any]:
@@ -56,7 +57,7 @@ def environment() -> dict[str, Any]:
     from pipeline.quant.cpu import describe
 
     packages = {}
-    for name in _PACKAGES:
+    for name in (*_PACKAGES, *runtime_packages()):
         try:
             packages[name] = version(name)
         except PackageNotFoundError:

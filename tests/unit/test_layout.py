@@ -252,6 +252,22 @@ def test_tasks_never_name_a_runtime():
     assert wrong == []
 
 
+def test_the_app_never_names_a_runtime():
+    """pipeline/app/ (auto's race and choice, the API, the sweep, the runner) reaches runtimes through the
+    registry and the Backend protocol: no string in it is a built-in runtime's name or one of its packages."""
+    from pipeline.backend_config import RUNTIMES
+
+    names = {r.name for r in RUNTIMES} | {p for r in RUNTIMES for p in r.packages}
+    wrong = []
+    for p in sorted((ROOT / "pipeline" / "app").rglob("*.py")):
+        tree = ast.parse(p.read_text())
+        skip = _docstrings(tree)
+        wrong += [f"{p.relative_to(ROOT)}:{node.lineno} names {node.value!r}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+                  and id(node) not in skip]
+    assert wrong == []
+
+
 def test_each_runtime_is_a_sub_package_of_backends():
     """pipeline/backends/ holds the protocol and what every runtime shares; each built-in runtime is a
     plugin in its own sub-package, whose ``__init__`` exports the Backend class the registry names."""
