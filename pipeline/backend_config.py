@@ -174,13 +174,8 @@ class CustomBackendConfig(BackendConfig):
 
 
 @dataclass
-class AutoBackendConfig(BackendConfig):
-    """`backend=auto`: quantize and autotune run once per runtime in ``runtimes`` that can run here (one
-    that cannot is reported in one line and left out), each in results_dir/runtimes/<name>/ with its
-    own section below (e.g. ``backend.openvino.inference_precision=f32``); then every runtime's shipped
-    model and float are timed side by side in one interleaved run (``warmup_runs``, ``timing_runs``), and
-    the fastest that met the accuracy budget ships: gen_trt_engine and evaluate run on it. Its schema
-    (``auto_backend_schema``) adds one section per runtime of ``RUNTIMES`` and ``custom``."""
+class AutoBackendFields(BackendConfig):
+    """backend=auto's own keys; its schema (``auto_backend_schema``) adds a section per runtime."""
 
     name: str = AUTO
     runtimes: list[str] = field(default_factory=lambda: ["onnxruntime", "openvino"])
@@ -191,11 +186,27 @@ class AutoBackendConfig(BackendConfig):
     tuned_only: bool = False
 
 
-def auto_backend_schema() -> type:
-    """``AutoBackendConfig`` with a section per built-in runtime (its defaults) and ``custom`` (a runtime of
-    your own joins as `custom` in runtimes, with its _target_ there): built from ``RUNTIMES`` as it is."""
+_AUTO_DOC = """`backend=auto`: quantize and autotune run once per runtime in ``runtimes`` that can run here (one
+    that cannot is reported in one line and left out), each in results_dir/runtimes/<name>/ with its
+    own section below (e.g. ``backend.openvino.inference_precision=f32``); then every runtime's shipped
+    model and float are timed side by side in one interleaved run (``warmup_runs``, ``timing_runs``), and
+    the fastest that met the accuracy budget ships: gen_trt_engine and evaluate run on it. A section per
+    runtime of ``RUNTIMES``, and ``custom`` for a runtime of your own."""
+
+
+@functools.cache
+def _auto_schema(runtimes: tuple[Runtime, ...]) -> type:
     sections = [(r.name, runtime_schema(r), field(default_factory=functools.partial(runtime_section, r)))
-                for r in RUNTIMES]
+                for r in runtimes]
     sections.append((CUSTOM, CustomBackendConfig, field(default_factory=CustomBackendConfig)))
-    return make_dataclass("AutoBackendConfig", sections, bases=(AutoBackendConfig,),
-                          namespace={"__doc__": AutoBackendConfig.__doc__, "__module__": __name__})
+    return make_dataclass("AutoBackendConfig", sections, bases=(AutoBackendFields,),
+                          namespace={"__doc__": _AUTO_DOC, "__module__": __name__})
+
+
+def auto_backend_schema() -> type:
+    """``AutoBackendConfig``: auto's keys with a section per built-in runtime (its defaults) and ``custom``,
+    built from ``RUNTIMES`` as it is (one class per registry), and bound to this module's
+    ``AutoBackendConfig``, where pickle looks a config's class up."""
+    cls = _auto_schema(RUNTIMES)
+    globals()["AutoBackendConfig"] = cls
+    return cls

@@ -127,9 +127,7 @@ def _table(cls: type, prefix: str) -> list[str]:
 
 def _doc(cls: type) -> str:
     doc = inspect.getdoc(cls) or ""
-    # a schema generated from another of the same name (backend=auto's, with a section per runtime) is that one
-    base = next((k for k in cls.__mro__[1:] if k.__name__ != cls.__name__), None)
-    own = doc != (inspect.getdoc(base) or "") if base is not None else bool(doc)
+    own = doc != (inspect.getdoc(cls.__mro__[1]) or "") if len(cls.__mro__) > 1 else bool(doc)
     return " ".join(doc.split("\n\n")[0].split()) if doc and own and not doc.startswith(cls.__name__ + "(") else ""
 
 

@@ -277,11 +277,14 @@ def quantize_racing(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: Ea
     reach: once the first one has quantized, the others' floats race its PTQ model (``run_lead_race``) and
     a runtime out of reach is left out, not quantized. Every runtime where they do not race. The runtimes
     that quantized."""
+    if bool(cfg.backend.get("tuned_only", False)):  # tune-rechoose: the race that dropped a runtime stands
+        return each.run(runs, "quantize")
     if not racing(cfg, runs):
-        (top / LEAD_RACE).unlink(missing_ok=True)
+        (top / LEAD_RACE).unlink(missing_ok=True)  # no race this time: none is reported
         return each.run(runs, "quantize")
     lead, others = runs[0], runs[1:]
     if not each.one(lead, "quantize"):
+        (top / LEAD_RACE).unlink(missing_ok=True)
         return each.run(others, "quantize")
     race = run_lead_race(top, lead, others, cfg)
     if race is None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from pipeline.errors import ConfigError, InputError, PipelineError, first_line
+from pipeline.errors import InputError, PipelineError, first_line
 
 # the stages a re-choice runs (those of the original run's stages): tuning is up to date and skipped
 STAGES = ("quantize", "autotune", "gen_trt_engine", "evaluate")
@@ -63,10 +63,7 @@ def rechoose_args(results_dir: Path, overrides: list[str]) -> tuple[str | None, 
 
 def main(argv: list[str] | None = None) -> int:
     """`tune-rechoose RESULTS_DIR [overrides...]`."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from pipeline.app.cli import one_line, run_job
+    from pipeline.app.cli import checked_config, run_job
     from pipeline.app.scope import tuning_frozen
     from pipeline.config import register_configs
 
@@ -78,15 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config_dir, name, overrides = rechoose_args(args.results_dir.resolve(), list(args.overrides))
         register_configs()
-        # the run validates its config before any stage; composing it is the one check left to map to a line
+        # checked before the job starts: Hydra's job records its overrides in results_dir/.hydra/, which every
+        # later re-choice replays, so a bad one must never get that far
+        checked_config(overrides, config_dir, name)
         with tuning_frozen():  # whatever the backend: a tuning stage that is not up to date is an error
             _, summary = run_job(overrides, config_dir, name)
     except PipelineError as exc:
         print(f"tune-rechoose: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except (HydraException, OmegaConfBaseException) as exc:  # a key this version no longer has, a bad override
-        print(f"tune-rechoose: error: {ConfigError(one_line(exc))}", file=sys.stderr)
-        return ConfigError.exit_code
     print(cost_line(args.results_dir.resolve(), time.monotonic() - started, summary))
     return 0
 

@@ -116,6 +116,10 @@ def auto_runtimes(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
     if bad or not names or len(set(names)) != len(names):
         raise ConfigError(f"backend.runtimes={names}: give each runtime once, from {', '.join(builtin)} or "
                           f"{CUSTOM} (your own, backend.{CUSTOM}._target_)")
+    renamed = [f"backend.{n}.name={cfg[n].get('name')}" for n in names if cfg[n].get("name") != n]
+    if renamed:
+        raise ConfigError(f"{', '.join(renamed)}: a runtime's section under backend=auto keeps its own name; "
+                          f"list the runtimes to tune in backend.runtimes")
     if CUSTOM in names:
         runtime_class(cfg.custom)  # a custom runtime without its class is one line now, not after export
     return [(n, cfg[n]) for n in names]

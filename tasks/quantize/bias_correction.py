@@ -198,6 +198,30 @@ class _FedBias:
         return np.clip(q, -(2**31), 2**31 - 1).astype(np.int32).reshape(b.shape)
 
 
+def _fed_bias(s: BiasSlot, fg: GraphIndex, qg: GraphIndex) -> _FedBias | None:
+    """How slot ``s``'s bias reaches the placed model (``qg``): its float initializer, or the int32 values of
+    the zero-point-free DequantizeLinear that ``apply_plan`` made of it; None for anything else."""
+    node = fg.nodes[s.node]
+    owner, idx = (node.name, 2) if node.op_type in ("Conv", "ConvTranspose") else bias_slot(fg, node) or ("", 0)
+    q = qg.nodes.get(owner)
+    values = weights.array(fg.inits[s.bias])
+    # apply_plan rounds another type's int32 bias by a float32 scale
+    if q is None or len(q.input) <= idx or values.dtype != np.float32:
+        return None
+    reader = q.input[idx]
+    if reader == s.bias and reader in qg.inits:
+        return _FedBias(reader, values, None)
+    dq = qg.producer.get(reader)
+    if dq is None or dq.op_type != "DequantizeLinear" or len(dq.input) < 2 \
+            or not all(t in qg.inits for t in dq.input[:3] if t):
+        return None
+    if qg.inits[dq.input[0]].data_type != onnx.TensorProto.INT32 or \
+            (len(dq.input) > 2 and dq.input[2] and np.any(weights.array(qg.inits[dq.input[2]]))):
+        return None
+    scale = weights.array(qg.inits[dq.input[1]]).astype(np.float32).reshape(-1)
+    return _FedBias(dq.input[0], values, np.broadcast_to(scale, (values.size,)))
+
+
 class _FedBiases:
     """The quantized model placed once with its slots' biases as graph inputs: a level is measured on
     the nodes its outputs depend on, with the corrections so far fed in (ORT runs every node of a
@@ -215,36 +239,17 @@ class _FedBiases:
         """The fed model of ``qmodel`` (placed without corrections), or None where a slot's bias does not
         reach it as a float initializer or an int32 DequantizeLinear of one (then each level is placed)."""
         fg, qg = GraphIndex(float_model), GraphIndex(qmodel)
-        fed: dict[str, _FedBias] = {}
-        for s in slots:
-            node = fg.nodes[s.node]
-            owner, idx = (node.name, 2) if node.op_type in ("Conv", "ConvTranspose") else bias_slot(fg, node) or ("", 0)
-            q = qg.nodes.get(owner)
-            if q is None or len(q.input) <= idx:
-                return None
-            reader = q.input[idx]
-            values = weights.array(fg.inits[s.bias])
-            if values.dtype != np.float32:  # apply_plan rounds another type's int32 bias by a float32 scale
-                return None
-            dq = qg.producer.get(reader)
-            if reader == s.bias and reader in qg.inits:
-                fed[s.bias] = _FedBias(reader, values, None)
-            elif dq is not None and dq.op_type == "DequantizeLinear" and dq.input[0] in qg.inits \
-                    and len(dq.input) > 1 and dq.input[1] in qg.inits:
-                scale = weights.array(qg.inits[dq.input[1]]).astype(np.float32).reshape(-1)
-                fed[s.bias] = _FedBias(dq.input[0], values, np.broadcast_to(scale, (values.size,)))
-            else:
-                return None
-        inputs = {f.input for f in fed.values()}
+        fed = {s.bias: _fed_bias(s, fg, qg) for s in slots}
+        inputs = {f.input for f in fed.values() if f is not None}
         if len(inputs) != len(fed) or any(len(qg.consumers.get(t, [])) != 1 for t in inputs):
             return None
-        kept = [i for i in qmodel.graph.initializer if i.name not in inputs]
-        fed_inputs = [onnx.helper.make_tensor_value_info(i.name, i.data_type, list(i.dims))
-                      for i in qmodel.graph.initializer if i.name in inputs]
-        del qmodel.graph.initializer[:]
-        qmodel.graph.initializer.extend(kept)
-        qmodel.graph.input.extend(fed_inputs)
-        return cls(qmodel, fed, threads)
+        listed = {i.name for i in qmodel.graph.input}  # an initializer that is an input already (IR >= 4)
+        inits = qmodel.graph.initializer
+        qmodel.graph.input.extend(onnx.helper.make_tensor_value_info(i.name, i.data_type, list(i.dims))
+                                  for i in inits if i.name in inputs and i.name not in listed)
+        for k in reversed([k for k, i in enumerate(inits) if i.name in inputs]):
+            del inits[k]
+        return cls(qmodel, fed, threads)  # type: ignore[arg-type]  # None ruled out above
 
     def channel_means(self, feeds: list[dict[str, np.ndarray]], level: list[BiasSlot],
                       total: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
@@ -268,7 +273,8 @@ class _FedBiases:
         nodes = [graph_nodes[i] for i in sorted(wanted)]
         used = {t for n in nodes for t in n.input}
         graph = onnx.helper.make_graph(nodes, self.model.graph.name, [i for i in self.model.graph.input if i.name in used],
-                                       [], [i for i in self.model.graph.initializer if i.name in used])
+                                       [onnx.helper.make_empty_tensor_value_info(t) for t in outputs],
+                                       [i for i in self.model.graph.initializer if i.name in used])
         out = onnx.helper.make_model(graph, opset_imports=list(self.model.opset_import))
         out.ir_version = self.model.ir_version
         out.functions.extend(self.model.functions)

@@ -103,6 +103,12 @@ def test_auto_leaves_out_a_runtime_that_cannot_run_here_in_one_line(residual_mod
     bad = run_tune([*args[:4], "backend.runtimes=[onnxruntime,nope]", *args[5:]], cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
         "tune: error: invalid config: backend.runtimes=['onnxruntime', 'nope']: give each runtime once")
+    # a runtime's section renamed: one line naming its key, before export runs
+    renamed = run_tune([*args[:4], "backend.onnxruntime.name=bogus", *args[5:-1], f"results_dir={tmp_path / 'n'}"],
+                       cwd=tmp_path)
+    assert renamed.returncode == 2 and renamed.stderr.strip().splitlines()[-1].startswith(
+        "tune: error: invalid config: backend.onnxruntime.name=bogus: a runtime's section under backend=auto")
+    assert not (tmp_path / "n" / "export").exists()
 
 
 def test_auto_without_autotune_quantizes_every_runtime_and_evaluates_the_first(residual_models, tmp_path):
@@ -225,10 +231,14 @@ def test_rechoose_on_another_host_ships_the_runtime_that_wins_there(residual_mod
     capsys.readouterr()
     assert rechoose([str(rd), "progress=false", "accuracy.max_drop=2"]) == 2
     assert "a re-choice tunes nothing; run tune on the results_dir first" in capsys.readouterr().err
-    # a key this version does not have: one line naming it, no traceback
-    assert rechoose([str(rd), "autotune.bogus=1"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "autotune.bogus" in err[0] and err[0].startswith("tune-rechoose: error: ")
+    # a key this version does not have, a value the validation refuses: one line naming it, no traceback, and
+    # the results_dir's record of its overrides (which every later re-choice replays) untouched
+    recorded = (rd / ".hydra" / "overrides.yaml").read_text()
+    for bad in ("autotune.bogus=1", "backend.min_block_ms=-1"):
+        assert rechoose([str(rd), bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and bad.split("=")[0] in err[0] and err[0].startswith("tune-rechoose: error: ")
+        assert (rd / ".hydra" / "overrides.yaml").read_text() == recorded
 
 
 def _faked_auto_args(residual_models, rd):

@@ -138,3 +138,26 @@ def test_feeding_the_corrected_biases_computes_what_placing_each_level_does(monk
     assert fed and set(fed) == set(placed)
     for b in fed:
         np.testing.assert_allclose(fed[b], placed[b], rtol=1e-4, atol=1e-6)
+
+
+def test_a_bias_listed_as_a_graph_input_too_is_fed_once(monkeypatch):
+    """Old exporters list initializers among the graph inputs (overridable values): the fed model keeps the one
+    input, and the corrections are those of placing every level."""
+    from onnx import helper
+
+    from pipeline.quant.placement import openvino_plan
+
+    layer = models.transformer_layer()
+    biases = {s.bias for s in bias_slots(layer, [n.name for n in layer.graph.node])[0]}
+    layer.graph.input.extend(helper.make_tensor_value_info(i.name, i.data_type, list(i.dims))
+                             for i in layer.graph.initializer if i.name in biases)
+    feeds = [f for f, _ in synthetic_batches(input_specs(layer), 6, 0)]
+    feeds = [{k: v for k, v in f.items() if k not in biases} for f in feeds]
+    stats = collect(layer, lambda: iter([Batch(f, None, 1) for f in feeds]),
+                    CalibrationMethod("minmax", 99.99, 2048), 1, lambda it, desc: it)
+    rules = resolve_rules(layer, [{"module_name": "*", "weights": {"dtype": "int8"},
+                                   "activations": {"dtype": "uint8"}}])
+    (fed, _), (placed, _) = _corrections_both_ways(layer, openvino_plan(layer, rules), stats, feeds, monkeypatch)
+    assert fed and set(fed) == set(placed)
+    for b in fed:
+        np.testing.assert_allclose(fed[b], placed[b], rtol=1e-5, atol=1e-7)

@@ -180,3 +180,14 @@ def test_the_config_reference_is_generated_from_the_schemas_and_lists_every_key(
             container = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
             missing = sorted(k for k in _flat_keys(container) if k not in listed and not k.startswith("hydra"))
             assert missing == [], f"{group}={option}: keys the reference leaves out"
+
+
+def test_a_composed_auto_config_pickles_with_its_runtime_sections():
+    """auto's schema is generated from the runtime registry; its config still goes to a spawned process
+    (crash guard probes, launchers) whole and section by section."""
+    import pickle
+
+    cfg = compose(["backend=auto"])
+    again = pickle.loads(pickle.dumps(cfg))
+    assert again.backend.runtimes == cfg.backend.runtimes and again.backend.openvino.name == "openvino"
+    assert pickle.loads(pickle.dumps(cfg.backend.onnxruntime)).name == "onnxruntime"
