@@ -150,13 +150,15 @@ class RuntimeChoice:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RuntimeChoice:
+    def from_dict(cls, d: dict[str, Any], where: str = CHOICE, fix: str = "delete it to compare again"
+                  ) -> RuntimeChoice:
+        """The choice ``d`` holds; a StateError naming ``where`` it was read from and ``fix`` if its layout
+        is not one."""
         try:
             return cls(**{**d, "rows": [RuntimeRow.from_dict(r) for r in d["rows"]],
                           "contenders": [Contender.from_dict(c) for c in d.get("contenders", [])]})
-        except (TypeError, KeyError) as exc:
-            raise StateError(f"{CHOICE} has an unknown layout ({first_line(exc)}); delete it to compare again") \
-                from None
+        except (TypeError, KeyError, AttributeError, ValueError) as exc:
+            raise StateError(f"{where} has an unknown layout ({first_line(exc)}); {fix}") from None
 
     def row(self, runtime: str) -> RuntimeRow:
         return next(r for r in self.rows if r.runtime == runtime)

@@ -132,7 +132,10 @@ class AutotuneMetrics:
     @property
     def choice(self) -> RuntimeChoice | None:
         """backend=auto's runtime choice, published beside the winner's metrics (None: not an auto top level)."""
-        return RuntimeChoice.from_dict(self.runtime_choice) if self.runtime_choice else None
+        if not self.runtime_choice:
+            return None
+        return RuntimeChoice.from_dict(self.runtime_choice, "the runtime choice in manifest.json's autotune entry",
+                                       "run tune on the results_dir again to publish it afresh")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: getattr(self, k) for k in _NUMBERS[:7]}

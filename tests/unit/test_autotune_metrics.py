@@ -96,3 +96,14 @@ def test_where_the_winners_float_ships_the_top_level_gets_a_new_record_and_the_w
     assert (published.headline, published.runtime_headline) == (choice.headline, own["headline"])
     assert published.choice == choice and published.to_dict() == Manifest(top).metrics("autotune")
     assert json.loads((sub / "manifest.json").read_text())["stages"]["autotune"]["metrics"] == own
+
+
+@pytest.mark.parametrize("choice", [{"rows": "x"}, {"rows": ["x"]}, {"rows": []}])
+def test_a_corrupt_runtime_choice_in_the_manifest_is_one_line_naming_it_and_the_fix(choice):
+    """The top level's copy of the runtime choice lives in the manifest, not in runtime_choice.json: its error
+    names that place and a fix that works there."""
+    metrics = AutotuneMetrics.from_dict({"runtime_choice": choice}, "manifest.json")
+    with pytest.raises(StateError) as exc:
+        metrics.choice  # noqa: B018 - the property reads the record
+    text = str(exc.value)
+    assert "\n" not in text and "manifest.json's autotune entry" in text and "run tune on the results_dir again" in text
