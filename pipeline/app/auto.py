@@ -86,7 +86,9 @@ def run_auto(cfg: DictConfig, results_dir: Path,
             choice = _evaluate_others(cfg, results_dir, runs, choice, run_stages)
         publish(results_dir, winner, choice, [a for r in everyone for a in settings_artifacts(r.cfg.backend)])
     else:
-        winner = _earlier_winner(results_dir, runs, bool(rest))
+        # in backend.runtimes' order (the races order runs by float latency)
+        names = {r.name for r in runs}
+        winner = _earlier_winner(results_dir, [r for r in everyone if r.name in names], bool(rest))
         if rest and not (results_dir / CHOICE).exists():
             publish(results_dir, winner, None)  # e.g. evaluate compares this runtime's PTQ model with float
     # what auto published at the top level (its own headline), else the winner's own run
