@@ -210,3 +210,10 @@ def auto_backend_schema() -> type:
     cls = _auto_schema(RUNTIMES)
     globals()["AutoBackendConfig"] = cls
     return cls
+
+
+def __getattr__(name: str) -> Any:
+    # a process that unpickles a config before composing one (a launcher's worker) finds the schema too
+    if name == "AutoBackendConfig":
+        return auto_backend_schema()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -191,3 +191,10 @@ def test_a_composed_auto_config_pickles_with_its_runtime_sections():
     again = pickle.loads(pickle.dumps(cfg))
     assert again.backend.runtimes == cfg.backend.runtimes and again.backend.openvino.name == "openvino"
     assert pickle.loads(pickle.dumps(cfg.backend.onnxruntime)).name == "onnxruntime"
+    # a process that has composed nothing (a launcher's worker) reads it back too
+    import subprocess
+    import sys
+
+    read = "import pickle, sys; print(pickle.loads(sys.stdin.buffer.read()).backend.openvino.name)"
+    proc = subprocess.run([sys.executable, "-c", read], input=pickle.dumps(cfg), capture_output=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.decode().strip() == "openvino", proc.stderr.decode()[-2000:]
