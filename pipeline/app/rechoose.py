@@ -99,11 +99,10 @@ def cost_line(results_dir: Path, seconds: float, summary: dict[str, Any]) -> str
 
     manifest = Manifest(results_dir)
     tuned = sum(float((manifest.entry(s) or {}).get("seconds") or 0.0) for s in ("quantize", "autotune"))
-    later = sum(float((manifest.entry(s) or {}).get("seconds") or 0.0) for s in LATER_STAGES
-                if (summary.get(s) or {}).get("status") == "done")
+    ran = [s for s in LATER_STAGES if (summary.get(s) or {}).get("status") == "done"]
+    later = sum(float((manifest.entry(s) or {}).get("seconds") or 0.0) for s in ran)
     chose = max(0.0, seconds - later)
     share = f" ({100 * chose / tuned:.0f}% of the {tuned:.1f} s the run spent quantizing and tuning)" if tuned > 0 else ""
-    ran = [s for s in LATER_STAGES if (summary.get(s) or {}).get("status") == "done"]
     after = f"; {' and '.join(ran)} on this host then took {later:.1f} s" if ran else ""
     return f"tune-rechoose: chose again in {chose:.1f} s from the command's start{share}{after}"
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import onnx
@@ -93,6 +94,16 @@ def raise_opset(model: onnx.ModelProto, target: int) -> onnx.ModelProto:
         return model
 
 
+def corrected_bias(bias: np.ndarray, delta: Any) -> np.ndarray:
+    """``bias`` with bias correction's ``delta`` (its values, any shape of the same size) subtracted, in its dtype."""
+    return (bias - np.asarray(delta, np.float64).reshape(bias.shape)).astype(bias.dtype)
+
+
+def int32_bias(values: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """A float bias stored as int32 for a DequantizeLinear of ``scale`` (one per value, or one), zero point 0."""
+    return np.clip(np.rint(np.asarray(values, np.float64).reshape(-1) / scale), -(2**31), 2**31 - 1).astype(np.int32)
+
+
 def _correct_biases(model: onnx.ModelProto, quantized: set[str], corrections: dict[str, list[float]]) -> None:
     """Subtract the measured mean shift from the biases of the quantized weighted nodes (in place)."""
     g = GraphIndex(model)
@@ -104,8 +115,7 @@ def _correct_biases(model: onnx.ModelProto, quantized: set[str], corrections: di
             if delta.size != b.size:
                 raise StateError(f"bias correction of '{init.name}' has {delta.size} values, the bias {b.size}; "
                                  f"re-run the quantize stage")
-            model.graph.initializer[i].CopyFrom(
-                numpy_helper.from_array((b - delta.reshape(b.shape)).astype(b.dtype), init.name))
+            model.graph.initializer[i].CopyFrom(numpy_helper.from_array(corrected_bias(b, delta), init.name))
 
 
 def apply_plan(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
@@ -297,7 +307,7 @@ def _emit_biases(ins: _Insertion, plan: QDQPlan, weight_scales: dict[tuple[str, 
         values = weights.array(init).astype(np.float64).reshape(-1)
         if scale.size not in (1, values.size):
             continue
-        q = np.clip(np.rint(values / scale), -(2**31), 2**31 - 1).astype(np.int32)
+        q = int32_bias(values, scale)
         base = ins.unique(f"{name}_{b.node}")
         q_name, s_name, z_name, dq_out = ins.dq_names(base)
         scale = np.broadcast_to(scale, values.shape).astype(np.float32)

@@ -28,6 +28,7 @@ import onnx
 from pipeline.graph import weights
 from pipeline.graph.index import GraphIndex, bias_slot, bias_tensor
 from pipeline.graph.model import WEIGHTED_OPS
+from pipeline.quant.qdq import corrected_bias, int32_bias
 
 # levels corrected (one quantized-model run over the calibration feeds each), from the inputs down
 MAX_SWEEPS = 12
@@ -189,13 +190,8 @@ class _FedBias:
 
     def value(self, delta: np.ndarray | None) -> np.ndarray:
         """The input's value with ``delta`` subtracted, rounded as ``apply_plan`` stores it."""
-        b = self.values
-        if delta is not None:
-            b = (b - np.asarray(delta, np.float64).reshape(b.shape)).astype(b.dtype)
-        if self.scale is None:
-            return b
-        q = np.rint(b.astype(np.float64).reshape(-1) / self.scale)
-        return np.clip(q, -(2**31), 2**31 - 1).astype(np.int32).reshape(b.shape)
+        b = self.values if delta is None else corrected_bias(self.values, delta)
+        return b if self.scale is None else int32_bias(b, self.scale).reshape(b.shape)
 
 
 def _fed_bias(s: BiasSlot, fg: GraphIndex, qg: GraphIndex) -> _FedBias | None:
