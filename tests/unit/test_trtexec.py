@@ -141,11 +141,11 @@ def test_plugins_are_checked_and_passed(tmp_path):
 def test_parse_summary_10x_fixture():
     s = parse_summary((FIXTURES / "perf_10x.log").read_text())
     assert s.queries == 50 and s.throughput_qps == pytest.approx(17793.6)
-    gpu = s.metrics["GPU Compute Time"]
-    assert gpu["median"] == pytest.approx(0.0429688) and gpu["p10"] == pytest.approx(0.0419922)
-    assert gpu["p90"] == pytest.approx(0.0440674) and gpu["p99"] == pytest.approx(0.0491943)
-    assert s.metrics["Latency"]["mean"] == pytest.approx(0.0549236)
-    assert set(s.metrics) == {"Latency", "Enqueue Time", "H2D Latency", "GPU Compute Time", "D2H Latency"}
+    gpu = s.times["GPU Compute Time"]
+    assert gpu.median == pytest.approx(0.0429688) and gpu.percentiles[10] == pytest.approx(0.0419922)
+    assert gpu.percentiles[90] == pytest.approx(0.0440674) and gpu.percentiles[99] == pytest.approx(0.0491943)
+    assert s.times["Latency"].mean == pytest.approx(0.0549236)
+    assert set(s.times) == {"Latency", "Enqueue Time", "H2D Latency", "GPU Compute Time", "D2H Latency"}
     t = timing_from_summary(s, "x.log")
     # GPU compute time, not Latency (which adds the host<->device copies)
     assert t.median_ms == pytest.approx(0.0429688) and t.p10_ms == pytest.approx(0.0419922)

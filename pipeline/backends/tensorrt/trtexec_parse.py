@@ -25,18 +25,43 @@ _THROUGHPUT = re.compile(r"Throughput: " + _NUM + " qps")
 _QUERIES = re.compile(r"Timing trace has (\d+) queries over " + _NUM + " s")
 
 
+@dataclass(frozen=True)
+class TimeStats:
+    """One line of trtexec's performance summary, in ms: the statistics it printed (None where it printed
+    none; 8.x prints one percentile, 10.x several)."""
+
+    min: float | None = None
+    max: float | None = None
+    mean: float | None = None
+    median: float | None = None
+    percentiles: dict[float, float] = field(default_factory=dict)  # percent -> ms
+
+    @classmethod
+    def parse(cls, text: str) -> TimeStats:
+        """The statistics of one line's ``min = 0.41 ms, max = ..., percentile(90%) = 0.45 ms`` part."""
+        named: dict[str, float] = {}
+        percentiles: dict[float, float] = {}
+        for s in _STAT.finditer(text):
+            if s[2]:
+                percentiles[float(s[2])] = float(s[3])
+            else:
+                named[s[1]] = float(s[3])
+        return cls(**named, percentiles=percentiles)
+
+
 @dataclass
 class TrtexecSummary:
-    """Numbers from trtexec's "=== Performance summary ===": metric -> {min, max, mean, median, p90, ...}."""
+    """Numbers from trtexec's "=== Performance summary ===": each timed quantity's statistics (``times``:
+    "GPU Compute Time", "Latency", ... -> TimeStats), the throughput and how many queries were timed."""
 
-    metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    times: dict[str, TimeStats] = field(default_factory=dict)
     throughput_qps: float | None = None
     queries: int | None = None
 
-    def stats(self, prefer: tuple[str, ...] = ("GPU Compute Time", "Latency")) -> tuple[str, dict[str, float]] | None:
+    def stats(self, prefer: tuple[str, ...] = ("GPU Compute Time", "Latency")) -> tuple[str, TimeStats] | None:
         for name in prefer:
-            if name in self.metrics:
-                return name, self.metrics[name]
+            if name in self.times:
+                return name, self.times[name]
         return None
 
 
@@ -61,11 +86,7 @@ def parse_summary(text: str) -> TrtexecSummary:
             continue
         m = _METRIC_LINE.search(line)
         if m:
-            stats: dict[str, float] = {}
-            for s in _STAT.finditer(m[2]):
-                key = f"p{float(s[2]):g}" if s[2] else s[1]
-                stats[key] = float(s[3])
-            out.metrics[m[1]] = stats
+            out.times[m[1]] = TimeStats.parse(m[2])
             continue
         m = _THROUGHPUT.search(line)
         if m:
@@ -80,8 +101,12 @@ def timing_from_summary(summary: TrtexecSummary, log_path: str | None = None) ->
         return None
     _, s = found
     nan = float("nan")
-    return Timing(median_ms=s.get("median", nan), p10_ms=s.get("p10", s.get("min", nan)),
-                  p90_ms=s.get("p90", nan), mean_ms=s.get("mean", nan), min_ms=s.get("min", nan),
+
+    def ms(v: float | None) -> float:
+        return nan if v is None else v
+
+    return Timing(median_ms=ms(s.median), p10_ms=ms(s.percentiles.get(10.0, s.min)),
+                  p90_ms=ms(s.percentiles.get(90.0)), mean_ms=ms(s.mean), min_ms=ms(s.min),
                   n=summary.queries or 0, backend="trtexec", log_path=log_path)
 
 
