@@ -167,7 +167,9 @@ def _timed_race(path: Path, key: str, deployments: dict[str, tuple[tuple[Backend
             return kept
     compare = Comparison()
     slots = {n: (compare.slot(*f), compare.slot(*p) if p is not None else None) for n, (f, p) in deployments.items()}
-    timings, _ = time_pairs(compare.pairs, _plan(cfg), name="race")
+    groups = [[i for i in pair if i is not None] for pair in slots.values()]
+    plan = TimingPlan.runtime_race(cfg.backend.timing_runs, cfg.backend.warmup_runs, groups, bound * TIE_MARGIN)
+    timings, _ = time_pairs(compare.pairs, plan, name="race")
 
     def p10(i: int | None) -> float | None:
         return timings[i].p10_ms if i is not None and timings[i].ok else None
@@ -175,11 +177,6 @@ def _timed_race(path: Path, key: str, deployments: dict[str, tuple[tuple[Backend
     race = decide_race(key, {n: (p10(f), p10(p)) for n, (f, p) in slots.items()}, bound)
     atomic_write_json(path, race.to_dict(), indent=1)
     return race
-
-
-def _plan(cfg: DictConfig) -> TimingPlan:
-    """A race's timing: up to 8 rounds, fewer once one deployment is clearly the fastest."""
-    return TimingPlan.race(cfg.backend.timing_runs, cfg.backend.warmup_runs)
 
 
 def decide_race(key: str, measured: dict[str, tuple[float | None, float | None]], bound: float = GAIN_BOUND) -> Race:

@@ -74,3 +74,40 @@ def clear_leader(blocks: list[list[list[float]]]) -> bool:
         return False
     lead = min(live, key=lambda i: float(np.percentile([t for b in blocks[i] for t in b], 10)))
     return all(sequential_verdict(round_ratios(blocks[i], blocks[lead]), 1.0) == "below" for i in live if i != lead)
+
+
+# a fast model's latency switches between levels up to this factor apart within a second (silero-vad's float
+# on Zen 4: 0.09 or 0.13 ms per block), so rounds that took under CHEAP_SECONDS may all have caught one level:
+# from them a runtime is judged out of reach only where its ratio clears the bar by more than this factor
+LEVEL_SPREAD = 1.5
+
+
+def _group_bests(blocks: list[list[list[float]]], group: Sequence[int], rounds: int) -> list[float] | None:
+    """Per round, the best run of a group's deployments that ran every round (None: none did)."""
+    live = [i for i in group if len(blocks[i]) == rounds]
+    return [min(min(blocks[i][r]) for i in live) for r in range(rounds)] if live else None
+
+
+def race_decided(blocks: list[list[list[float]]], groups: Sequence[Sequence[int]], bar: float) -> bool:
+    """Whether a race of runtimes is decided: each runtime is a group of deployments (indices into
+    ``time_interleaved``'s blocks) and its latency per round the best of them; once MIN_ROUNDS complete
+    rounds are in, every runtime but the fastest (lowest p10) must be clearly within ``bar`` times the
+    fastest's latency (kept: a wrong keep costs tuning time only) or clearly beyond it (out of reach:
+    ``sequential_verdict``), beyond by more than LEVEL_SPREAD while the rounds were cheap (under
+    CHEAP_SECONDS). A runtime whose deployments all dropped out is not waited for."""
+    rounds = max((len(b) for b in blocks), default=0)
+    if rounds < MIN_ROUNDS:
+        return False
+    bests = [b for b in (_group_bests(blocks, g, rounds) for g in groups) if b is not None]
+    if len(bests) < 2:
+        return True
+    lead = min(bests, key=lambda b: float(np.percentile(b, 10)))
+    cheap = timed_seconds(blocks) < CHEAP_SECONDS
+    for other in bests:
+        if other is lead:
+            continue
+        ratios = [o / lo for o, lo in zip(other, lead, strict=True) if lo > 0]
+        verdict = sequential_verdict(ratios, bar)
+        if verdict is None or (verdict == "above" and cheap and ratio_interval(ratios)[0] <= bar * LEVEL_SPREAD):
+            return False
+    return True

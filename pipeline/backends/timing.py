@@ -22,6 +22,7 @@ from pipeline.backends.ratios import (
     CHEAP_ROUNDS,
     CHEAP_SECONDS,
     clear_leader,
+    race_decided,
     round_ratios,
     sequential_verdict,
     timed_seconds,
@@ -146,6 +147,14 @@ class TimingPlan:
         up to RACE_ROUNDS rounds of ``timing_runs`` / RACE_ROUNDS runs, fewer once one is clearly the
         fastest (``clear_leader``)."""
         return cls(RACE_ROUNDS, max(2, int(timing_runs) // RACE_ROUNDS), int(warmup_runs), until=clear_leader)
+
+    @classmethod
+    def runtime_race(cls, timing_runs: int, warmup_runs: int, groups: list[list[int]], bar: float) -> TimingPlan:
+        """backend=auto's races of runtimes, each a group of deployments (indices of the timed models; a
+        runtime's latency is its best one's): ``race``'s rounds, fewer once every runtime is clearly within
+        or beyond ``bar`` times the fastest one's latency (``race_decided``)."""
+        return cls(RACE_ROUNDS, max(2, int(timing_runs) // RACE_ROUNDS), int(warmup_runs),
+                   until=lambda blocks: race_decided(blocks, groups, bar))
 
     @classmethod
     def final(cls, timing_runs: int, warmup_runs: int, rounds: int = FINAL_ROUNDS,

@@ -49,3 +49,69 @@ def test_before_quantize_a_float_out_of_reach_of_the_int8_ceiling_is_dropped():
     assert "race before quantize: onnxruntime (float 27.000 ms; dropped" in describe(race, "before quantize")
     close = decide_race("k", {"onnxruntime": (1.7, None), "openvino": (0.5, None)}, INT8_CEILING)
     assert not close.entry("onnxruntime").dropped  # 1.7 / 4 = 0.425, within 1.03 x 0.5
+
+
+def _rounds(*per_round_ms: list[float]) -> list[list[list[float]]]:
+    """Blocks of deployments, one block of one run per round: each argument is a deployment's rounds."""
+    return [[[ms] for ms in rounds] for rounds in per_round_ms]
+
+
+def test_a_race_ends_once_every_runtime_is_clearly_in_or_out_of_reach():
+    """``race_decided``: a runtime's latency is its best deployment's; once MIN_ROUNDS rounds are in, a
+    runtime clearly within the bar is kept and one clearly beyond it out of reach; a runtime near the bar
+    keeps the race going, and cheap rounds put a runtime out of reach only by more than LEVEL_SPREAD."""
+    from pipeline.backends.ratios import CHEAP_SECONDS, LEVEL_SPREAD, MIN_ROUNDS, race_decided
+
+    slow = 1000.0  # ms per round: rounds that are not cheap
+    jitter = [1.0, 1.02, 0.99, 1.01, 1.0, 0.98, 1.02, 1.0]
+    lead = [slow * j for j in jitter]
+    bar = GAIN_BOUND * TIE_MARGIN
+
+    def at(factor: float, n: int, base: list[float] = lead) -> list[float]:
+        return [b * factor * (1.01 if i % 2 else 0.99) for i, b in enumerate(base[:n])]
+
+    n = MIN_ROUNDS
+    # runtime 0: float and PTQ (its best is the PTQ model); runtime 1 far behind, runtime 2 close
+    assert not race_decided(_rounds(at(2, n - 1), lead[:n - 1], at(3, n - 1)), [[0, 1], [2]], bar)  # too few rounds
+    assert race_decided(_rounds(at(2, n), lead[:n], at(3, n)), [[0, 1], [2]], bar)  # clearly out of reach
+    assert race_decided(_rounds(at(2, n), lead[:n], at(1.1, n)), [[0, 1], [2]], bar)  # clearly kept
+    # near the bar: undecided, whatever the rounds cost
+    assert not race_decided(_rounds(at(2, 8), lead, at(bar, 8)), [[0, 1], [2]], bar)
+    # cheap rounds (a 0.1 ms model): out of reach by 2x the bar is decided, by 1.2x the bar not yet
+    fast = [ms / 1e4 for ms in lead]
+    assert sum(fast) * 3 / 1000 < CHEAP_SECONDS
+    assert race_decided(_rounds(at(2 * LEVEL_SPREAD * bar / 2, n, fast), fast[:n]), [[0], [1]], bar) is False
+    assert race_decided(_rounds(at(1.1 * LEVEL_SPREAD * bar, n, fast), fast[:n]), [[0], [1]], bar)
+    assert not race_decided(_rounds(at(1.2 * bar, n, fast), fast[:n]), [[0], [1]], bar)
+    assert race_decided(_rounds(at(1.2 * bar, n), lead[:n]), [[0], [1]], bar)  # the same ratio, not cheap
+    # a runtime whose every deployment dropped out is not waited for; one left alone is decided
+    assert race_decided([[[1.0]] * n, [[1.0]] * (n - 1)], [[0], [1]], bar)
+
+
+def test_a_race_of_timed_runtimes_stops_after_min_rounds_when_decided():
+    """The plan auto's races time by (``TimingPlan.runtime_race``) ends a decided race after MIN_ROUNDS
+    rounds and runs a close one to the end."""
+    from pipeline.backends.ratios import MIN_ROUNDS
+    from pipeline.backends.timing import RACE_ROUNDS, TimingPlan, time_interleaved
+
+    class Fixed:
+        def __init__(self, ms: float, swing: float = 0.01):
+            self.ms, self.swing, self.n = ms, swing, 0
+
+        def time_runs(self, n: int) -> list[float]:  # timed blocks (6 runs) swing in turn
+            self.n += n >= 6
+            return [self.ms * (1 + self.swing if self.n % 2 else 1 - self.swing)] * n
+
+        def close(self) -> None:
+            pass
+
+    def rounds(*models: Fixed) -> int:
+        plan = TimingPlan.runtime_race(48, 1, [[0, 1], [2]], GAIN_BOUND * TIE_MARGIN)
+        blocks, errors = time_interleaved(list(models), plan)
+        assert errors == [None] * len(models)
+        return len(blocks[0])
+
+    assert rounds(Fixed(400.0), Fixed(200.0), Fixed(900.0)) == MIN_ROUNDS  # out of reach: 4.5x the PTQ model
+    assert rounds(Fixed(400.0), Fixed(200.0), Fixed(260.0)) == MIN_ROUNDS  # clearly within the bar of 1.34
+    # 1.3x on average, 1.17x and 1.43x in turn: never clear of the bar
+    assert rounds(Fixed(400.0), Fixed(200.0), Fixed(260.0, swing=0.1)) == RACE_ROUNDS
