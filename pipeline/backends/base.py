@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
+from pipeline.errors import StateError, first_line
 from pipeline.graph.model import InputSpec, input_specs, load_model, model_hash
 
 log = logging.getLogger("tune.backend")
@@ -98,13 +99,57 @@ class FusionSource:
     path: Path | None = None
 
 
+# DeploymentMetrics' fields in the order manifest.json has always held them (each runtime writes its own)
+_DEPLOYMENT_KEYS = ("source", "model", "backend", "engine_bytes", "build_seconds", "optimized_op_counts",
+                    "precision", "strongly_typed", "layer_precisions", "profile", "layers", "headline")
+
+
+@dataclass(frozen=True)
+class DeploymentMetrics:
+    """What a runtime's deploy says of its artifact: gen_trt_engine's manifest metrics. Every runtime names
+    the model it built from (``source``: an artifact key or gen_trt_engine.onnx_file) and a one-line
+    ``headline``; the built-in ones also the model file, their own ``describe()``, the artifact's size
+    and build time, and their own facts (None where a runtime has none: left out of ``to_dict``)."""
+
+    source: str
+    headline: str
+    model: str | None = None  # the ONNX file built from
+    backend: dict[str, Any] | None = None  # the runtime's own description (Backend.describe())
+    engine_bytes: int | None = None  # the engine, optimized graph or compiled blob
+    build_seconds: float | None = None
+    optimized_op_counts: dict[str, int] | None = None  # ONNX Runtime: the optimized graph's nodes by op type
+    precision: str | None = None  # OpenVINO: the inference precision; TensorRT: the builder's precision
+    strongly_typed: bool | None = None  # TensorRT: built strongly typed (the Q/DQ decide the precision)
+    layer_precisions: dict[str, int] | None = None  # OpenVINO: runtime layers by "<type> <precision>"
+    profile: dict[str, dict[str, Any]] | None = None  # TensorRT: each input's shape range (min, opt, max)
+    layers: int | None = None  # TensorRT: the engine's layers
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k in _DEPLOYMENT_KEYS if (v := getattr(self, k)) is not None}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "manifest.json's gen_trt_engine entry") -> DeploymentMetrics:
+        """The record of gen_trt_engine's manifest metrics; a layout no writer made is a one-line StateError
+        naming ``where``."""
+        try:
+            if not isinstance(d, Mapping):
+                raise TypeError(f"not an object but {type(d).__name__}")
+            unknown = sorted(set(d) - set(_DEPLOYMENT_KEYS))
+            if unknown:
+                raise KeyError(f"unknown keys {unknown}")
+            return cls(**{k: d[k] for k in _DEPLOYMENT_KEYS if k in d})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StateError(f"{where} has an unknown layout ({type(exc).__name__}: {first_line(exc)}); re-run "
+                             f"stages=[gen_trt_engine] force=true") from None
+
+
 @dataclass(frozen=True)
 class Deployment:
     """What a deployment of this runtime loads (``Backend.deploy``, written by gen_trt_engine): its files
-    (name in the stage's folder -> path) and metrics, with a one-line ``headline``."""
+    (name in the stage's folder -> path) and what the runtime says of them."""
 
     artifacts: dict[str, Path]
-    metrics: dict[str, Any]
+    metrics: DeploymentMetrics
 
 
 @dataclass(frozen=True)

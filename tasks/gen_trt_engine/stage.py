@@ -71,9 +71,9 @@ class GenTrtEngineStage(Stage):
         backend = self._tuned(ctx, create_backend(ctx.cfg.backend), source)
         deployment = backend.deploy(model_path, out_dir, source, ctx.cfg)
         log.info("wrote %s (%s)", ", ".join(p.name for p in deployment.artifacts.values()),
-                 deployment.metrics["headline"])
+                 deployment.metrics.headline)
         return StageResult(artifacts={f"gen_trt_engine/{name}": p for name, p in deployment.artifacts.items()},
-                           metrics=deployment.metrics)
+                           metrics=deployment.metrics.to_dict())
 
     @staticmethod
     def _tuned(ctx: StageContext, backend: Backend, source: str) -> Any:

@@ -13,7 +13,14 @@ import onnx
 import pytest
 
 from pipeline.backend_config import BackendConfig
-from pipeline.backends.base import Backend, BuildResult, Deployment, FusionSource, PreparedModel
+from pipeline.backends.base import (
+    Backend,
+    BuildResult,
+    Deployment,
+    DeploymentMetrics,
+    FusionSource,
+    PreparedModel,
+)
 from pipeline.data.adapters import fixed_feeds
 from pipeline.graph.model import input_specs, load_model
 from tests.helpers import QUICK, run_tune
@@ -72,7 +79,7 @@ class ReferenceRuntime(Backend):
         onnx.save(model, str(out))
         facts.write_text(json.dumps({"nodes": len(model.graph.node), "source": source}))
         return Deployment({"model.reference.onnx": out, "build.json": facts},
-                          {"source": source, "headline": f"{self.name}: {out.name} from {source}"})
+                          DeploymentMetrics(source=source, headline=f"{self.name}: {out.name} from {source}"))
 
 
 def test_a_runtime_defined_in_a_test_file_goes_through_every_stage(residual_models, tmp_path):

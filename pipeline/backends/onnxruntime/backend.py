@@ -28,6 +28,7 @@ from pipeline.backends.base import (
     Backend,
     BuildResult,
     Deployment,
+    DeploymentMetrics,
     FusionSource,
     PreparedModel,
     SearchSpace,
@@ -303,14 +304,12 @@ class OnnxRuntimeBackend(Backend):
         ops = result.info.get("optimized_op_counts", {})
         seconds = float(result.info.get("build_seconds", 0.0))
         fused = {k: v for k, v in ops.items() if k.startswith(("QLinear", "QGemm", "MatMulInteger", "ConvInteger"))}
-        metrics: dict[str, Any] = {
-            "source": source, "model": str(model_path), "backend": self.describe(),
-            "engine_bytes": out.stat().st_size, "build_seconds": seconds, "optimized_op_counts": ops,
-        }
         shown = ", ".join(f"{k} x{v}" for k, v in fused.items()) or "no integer kernels"
-        metrics["headline"] = (f"onnxruntime optimized graph from {source}: {sum(ops.values())} nodes ({shown}), "
-                               f"{out.stat().st_size / 2**20:.2f} MB in {seconds:.1f} s")
-        return Deployment({"model.ort.onnx": out, "build.json": facts}, metrics)
+        headline = (f"onnxruntime optimized graph from {source}: {sum(ops.values())} nodes ({shown}), "
+                    f"{out.stat().st_size / 2**20:.2f} MB in {seconds:.1f} s")
+        return Deployment({"model.ort.onnx": out, "build.json": facts}, DeploymentMetrics(
+            source=source, headline=headline, model=str(model_path), backend=self.describe(),
+            engine_bytes=out.stat().st_size, build_seconds=seconds, optimized_op_counts=ops))
 
     def fusion_source(self, model_path: Path, out_dir: Path, stem: str) -> FusionSource:
         """The graph ORT's CPU EP runs after every fusion (level extended: no NCHWc layout rewrite that would

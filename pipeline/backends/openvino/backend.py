@@ -32,6 +32,7 @@ from pipeline.backends.base import (
     Backend,
     BuildResult,
     Deployment,
+    DeploymentMetrics,
     FusionSource,
     PreparedModel,
     SearchSpace,
@@ -226,16 +227,14 @@ class OpenVinoBackend(Backend):
                              f"{first_line(exc)}") from None
         blob = out_dir / info["blob"]
         int8 = sum(n for k, n in info["layer_precisions"].items() if k.endswith((" i8", " u8")))
-        metrics: dict[str, Any] = {
-            "source": source, "model": str(model_path), "backend": self.describe(),
-            "engine_bytes": blob.stat().st_size, "build_seconds": float(info["build_seconds"]),
-            "precision": info["inference_precision"], "layer_precisions": info["layer_precisions"],
-        }
-        metrics["headline"] = (f"OpenVINO IR and compiled blob from {source}: {int8} int8 layers, the rest "
-                               f"{info['inference_precision']}, {blob.stat().st_size / 2**20:.2f} MB compiled in "
-                               f"{info['build_seconds']:.1f} s")
+        headline = (f"OpenVINO IR and compiled blob from {source}: {int8} int8 layers, the rest "
+                    f"{info['inference_precision']}, {blob.stat().st_size / 2**20:.2f} MB compiled in "
+                    f"{info['build_seconds']:.1f} s")
         return Deployment({"model.xml": xml, "model.bin": xml.with_suffix(".bin"), "model.blob": blob,
-                           "build.json": facts}, metrics)
+                           "build.json": facts}, DeploymentMetrics(
+            source=source, headline=headline, model=str(model_path), backend=self.describe(),
+            engine_bytes=blob.stat().st_size, build_seconds=float(info["build_seconds"]),
+            precision=info["inference_precision"], layer_precisions=info["layer_precisions"]))
 
     def fusion_source(self, model_path: Path, out_dir: Path, stem: str) -> FusionSource:
         """The compiled model's runtime graph (written to ``<stem>.openvino_layers.json``)."""

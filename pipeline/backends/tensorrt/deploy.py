@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.artifacts import user_path
 from pipeline.backend_config import EngineBuildConfig
-from pipeline.backends.base import Backend, Deployment
+from pipeline.backends.base import Backend, Deployment, DeploymentMetrics
 from pipeline.backends.tensorrt.common import plugin_paths
 
 log = logging.getLogger("tune.gen_trt_engine")
@@ -38,15 +37,9 @@ def deploy_engine(backend: Backend, model_path: Path, out_dir: Path, source: str
     size = engine.stat().st_size
     seconds = float(info.get("build_seconds", 0.0))
     precision = "strongly typed (Q/DQ)" if info.get("strongly_typed") else str(info.get("data_type", "FP32"))
-    metrics: dict[str, Any] = {
-        "source": source, "model": str(model_path), "backend": backend.describe(),
-        "engine_bytes": size, "build_seconds": seconds, "precision": precision,
-        "strongly_typed": bool(info.get("strongly_typed")),
-    }
-    for k in ("profile", "layers"):
-        if info.get(k) is not None:
-            metrics[k] = info[k]
     tuned = f", {backend.settings.describe()}" if backend.settings is not None else ""
-    metrics["headline"] = (f"{backend.name} engine from {source}: {size / 2**20:.2f} MB, {precision}{tuned}, "
-                           f"built in {seconds:.1f} s")
-    return Deployment({"model.engine": engine, "build.log": build_log}, metrics)
+    headline = f"{backend.name} engine from {source}: {size / 2**20:.2f} MB, {precision}{tuned}, built in {seconds:.1f} s"
+    return Deployment({"model.engine": engine, "build.log": build_log}, DeploymentMetrics(
+        source=source, headline=headline, model=str(model_path), backend=backend.describe(), engine_bytes=size,
+        build_seconds=seconds, precision=precision, strongly_typed=bool(info.get("strongly_typed")),
+        profile=info.get("profile"), layers=info.get("layers")))
