@@ -1,6 +1,6 @@
 """backend=auto's choice: every runtime's shipped model (with the settings it ships with) and its float as
 deployed, timed side by side with the reference float (``Backend.reference``'s FP32) in one interleaved run
-(``TimingPlan.race``); the fastest ships, a runtime's float only where clearly faster than its own shipped
+(``TimingPlan.choice``); the fastest ships, a runtime's float only where clearly faster than its own shipped
 model. Deployments checked on another host are judged here first (``pipeline.app.host_choice``). The choice
 is kept in autotune/runtime_choice.json with a key of what it compared (models, settings, rule, host), so a
 re-run with nothing changed does not time again. The rule's version is ``CHOICE_RULE``; who may not
@@ -92,9 +92,12 @@ def choose(cfg: DictConfig, top: Path, runs: list[RuntimeRun], left_out: dict[st
     ref_slot = compare.slot(reference, float_path)
     slots = [(compare.slot(float_deployment(r, shipped[r.name][2]), float_path),
               compare.slot(shipped[r.name][0], shipped[r.name][1])) for r in runs]
-    # a race: fewer rounds once one deployment is clearly the fastest; a tie, or a float against its own
-    # runtime's shipped model, takes all of them, as do cheap rounds
-    plan = TimingPlan.race(cfg.backend.timing_runs, cfg.backend.warmup_runs)
+    # fewer rounds once the pick is clear; a tie between runtimes, or a float near its own runtime's
+    # shipped model, takes all of them. What contends: the shipped model unless it missed the budget here,
+    # the float unless it is the reference float (``RuntimeRow.contenders``)
+    contending = [(s if f == ref_slot else f, s if r.name not in misses else f)
+                  for r, (f, s) in zip(runs, slots, strict=True)]
+    plan = TimingPlan.choice(cfg.backend.timing_runs, cfg.backend.warmup_runs, contending)
     timings, blocks = time_pairs(compare.pairs, plan, name="auto")
     timed = [TimedRuntime(timings[f], timings[s] if r.name not in misses else Timing.failed(r.name, misses[r.name]),
                           f == s, f == ref_slot, ratio_interval(round_ratios(blocks[s], blocks[f])) if f != s else None)

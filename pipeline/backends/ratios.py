@@ -111,3 +111,40 @@ def race_decided(blocks: list[list[list[float]]], groups: Sequence[Sequence[int]
         if verdict is None or (verdict == "above" and cheap and ratio_interval(ratios)[0] <= bar * LEVEL_SPREAD):
             return False
     return True
+
+
+def _clear(ratios: list[float], side: str, cheap: bool) -> bool:
+    """Whether per-round ratios lie clearly on ``side`` ("below" or "above") of 1, by more than
+    LEVEL_SPREAD where ``cheap``."""
+    if sequential_verdict(ratios, 1.0) != side:
+        return False
+    low, high = ratio_interval(ratios)
+    return not cheap or (high * LEVEL_SPREAD < 1.0 if side == "below" else low > LEVEL_SPREAD)
+
+
+def choice_decided(blocks: list[list[list[float]]], runtimes: Sequence[tuple[int, int]]) -> bool:
+    """Whether backend=auto's final choice is decided: ``runtimes`` are each runtime's (float, shipped)
+    indices into ``time_interleaved``'s blocks (one index where its float is what it ships; the reference
+    float is no contender and is not waited for). Once MIN_ROUNDS complete rounds are in, each runtime's
+    float must be clearly slower than its shipped model (its autotune's pick stands) or clearly faster
+    (it displaces it), and the fastest runtime's pick clearly faster than every other runtime's; while the
+    rounds are cheap (under CHEAP_SECONDS), faster only by more than LEVEL_SPREAD counts. A deployment
+    that dropped out is not waited for."""
+    rounds = max((len(b) for b in blocks), default=0)
+    if rounds < MIN_ROUNDS:
+        return False
+    cheap = timed_seconds(blocks) < CHEAP_SECONDS
+    picks = []
+    for f, s in runtimes:
+        live = [i for i in dict.fromkeys((s, f)) if len(blocks[i]) == rounds]
+        if len(live) == 2:
+            float_over_shipped = round_ratios(blocks[s], blocks[f])
+            if _clear(float_over_shipped, "below", cheap):
+                live = [f]
+            elif sequential_verdict(float_over_shipped, 1.0) != "above":
+                return False
+        picks += live[:1]
+    if len(picks) < 2:
+        return True
+    lead = min(picks, key=lambda i: float(np.percentile([t for b in blocks[i] for t in b], 10)))
+    return all(_clear(round_ratios(blocks[lead], blocks[i]), "above", cheap) for i in picks if i != lead)

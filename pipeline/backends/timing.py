@@ -21,6 +21,7 @@ from pipeline.backends.base import Backend, PreparedModel, Timing
 from pipeline.backends.ratios import (
     CHEAP_ROUNDS,
     CHEAP_SECONDS,
+    choice_decided,
     clear_leader,
     race_decided,
     round_ratios,
@@ -147,6 +148,13 @@ class TimingPlan:
         up to RACE_ROUNDS rounds of ``timing_runs`` / RACE_ROUNDS runs, fewer once one is clearly the
         fastest (``clear_leader``)."""
         return cls(RACE_ROUNDS, max(2, int(timing_runs) // RACE_ROUNDS), int(warmup_runs), until=clear_leader)
+
+    @classmethod
+    def choice(cls, timing_runs: int, warmup_runs: int, runtimes: list[tuple[int, int]]) -> TimingPlan:
+        """backend=auto's final choice among runtimes, each its (float, shipped) deployments (indices of the
+        timed models): ``race``'s rounds, fewer once the pick is clear (``choice_decided``)."""
+        return cls(RACE_ROUNDS, max(2, int(timing_runs) // RACE_ROUNDS), int(warmup_runs),
+                   until=lambda blocks: choice_decided(blocks, runtimes))
 
     @classmethod
     def runtime_race(cls, timing_runs: int, warmup_runs: int, groups: list[list[int]], bar: float) -> TimingPlan:

@@ -115,3 +115,33 @@ def test_a_race_of_timed_runtimes_stops_after_min_rounds_when_decided():
     assert rounds(Fixed(400.0), Fixed(200.0), Fixed(260.0)) == MIN_ROUNDS  # clearly within the bar of 1.34
     # 1.3x on average, 1.17x and 1.43x in turn: never clear of the bar
     assert rounds(Fixed(400.0), Fixed(200.0), Fixed(260.0, swing=0.1)) == RACE_ROUNDS
+
+
+def test_the_final_choice_ends_once_the_pick_is_clear():
+    """``choice_decided``: a runtime's float clearly slower than its shipped model leaves its autotune's
+    pick standing; a float near it, or two runtimes' picks close together, keep the comparison going;
+    cheap rounds need a lead of more than LEVEL_SPREAD; the reference float is not waited for."""
+    from pipeline.backends.ratios import LEVEL_SPREAD, MIN_ROUNDS, choice_decided
+
+    n = MIN_ROUNDS
+    base = [1000.0, 1010.0, 995.0]
+
+    def at(factor: float, scale: float = 1.0, swing: float = 0.01) -> list[float]:
+        return [b * factor * scale * (1 + swing if i % 2 else 1 - swing) for i, b in enumerate(base[:n])]
+
+    # one runtime: reference float (0), its float (1), its shipped model (2)
+    assert not choice_decided(_rounds(at(3)[:n - 1], at(1.2)[:n - 1], at(1)[:n - 1]), [(1, 2)])  # too few rounds
+    assert choice_decided(_rounds(at(3), at(1.2), at(1)), [(1, 2)])  # the float clearly slower
+    assert choice_decided(_rounds(at(3), at(0.5), at(1)), [(1, 2)])  # the float clearly faster
+    assert not choice_decided(_rounds(at(3), at(1.0, swing=0.1), at(1)), [(1, 2)])  # a near tie
+    assert choice_decided(_rounds(at(0.1), at(1.0, swing=0.1), at(1)), [(1, 1)])  # its float is what ships
+    # cheap rounds: a float faster by 1.2x does not displace the shipped model yet; slower, it is decided
+    fast = 1e-4
+    assert not choice_decided(_rounds(at(3, fast), at(1 / 1.2, fast), at(1, fast)), [(1, 2)])
+    assert choice_decided(_rounds(at(3, fast), at(1 / (1.1 * LEVEL_SPREAD), fast), at(1, fast)), [(1, 2)])
+    assert choice_decided(_rounds(at(3, fast), at(1.2, fast), at(1, fast)), [(1, 2)])
+    # two runtimes (floats 1, 3; shipped 2, 4): picks 1.2x apart decide when not cheap, not when cheap
+    assert choice_decided(_rounds(at(3), at(2), at(1), at(2.5), at(1.2)), [(1, 2), (3, 4)])
+    assert not choice_decided(_rounds(at(3, fast), at(2, fast), at(1, fast), at(2.5, fast), at(1.2, fast)),
+                              [(1, 2), (3, 4)])
+    assert not choice_decided(_rounds(at(3), at(2), at(1), at(2.5), at(1.0, swing=0.1)), [(1, 2), (3, 4)])
