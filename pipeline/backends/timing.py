@@ -144,7 +144,8 @@ class TimingPlan:
 
     @classmethod
     def race(cls, timing_runs: int, warmup_runs: int) -> TimingPlan:
-        """Several deployments, the fastest wanted (backend=auto's races and choice, the weight storage):
+        """Several deployments, the fastest wanted (quantize's weight storage; auto's races and choice end
+        on their own decisions, ``runtime_race`` and ``choice``):
         up to RACE_ROUNDS rounds of ``timing_runs`` / RACE_ROUNDS runs, fewer once one is clearly the
         fastest (``clear_leader``)."""
         return cls(RACE_ROUNDS, max(2, int(timing_runs) // RACE_ROUNDS), int(warmup_runs), until=clear_leader)
