@@ -99,7 +99,8 @@ class FusionSource:
     path: Path | None = None
 
 
-# DeploymentMetrics' fields in the order manifest.json has always held them (each runtime writes its own)
+# DeploymentMetrics' keys in the order manifest.json has always held them (each runtime writes its own); the
+# field of "backend" is ``runtime``
 _DEPLOYMENT_KEYS = ("source", "model", "backend", "engine_bytes", "build_seconds", "optimized_op_counts",
                     "precision", "strongly_typed", "layer_precisions", "profile", "layers", "headline")
 
@@ -114,7 +115,7 @@ class DeploymentMetrics:
     source: str
     headline: str
     model: str | None = None  # the ONNX file built from
-    backend: dict[str, Any] | None = None  # the runtime's own description (Backend.describe())
+    runtime: dict[str, Any] | None = None  # the entry's "backend": the runtime's own description (Backend.describe())
     engine_bytes: int | None = None  # the engine, optimized graph or compiled blob
     build_seconds: float | None = None
     optimized_op_counts: dict[str, int] | None = None  # ONNX Runtime: the optimized graph's nodes by op type
@@ -125,7 +126,7 @@ class DeploymentMetrics:
     layers: int | None = None  # TensorRT: the engine's layers
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k in _DEPLOYMENT_KEYS if (v := getattr(self, k)) is not None}
+        return {k: v for k in _DEPLOYMENT_KEYS if (v := getattr(self, _deployment_field(k))) is not None}
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "manifest.json's gen_trt_engine entry") -> DeploymentMetrics:
@@ -137,10 +138,14 @@ class DeploymentMetrics:
             unknown = sorted(set(d) - set(_DEPLOYMENT_KEYS))
             if unknown:
                 raise KeyError(f"unknown keys {unknown}")
-            return cls(**{k: d[k] for k in _DEPLOYMENT_KEYS if k in d})
+            return cls(**{_deployment_field(k): d[k] for k in _DEPLOYMENT_KEYS if k in d})
         except (KeyError, TypeError, ValueError) as exc:
             raise StateError(f"{where} has an unknown layout ({type(exc).__name__}: {first_line(exc)}); re-run "
                              f"stages=[gen_trt_engine] force=true") from None
+
+
+def _deployment_field(key: str) -> str:
+    return "runtime" if key == "backend" else key
 
 
 @dataclass(frozen=True)

@@ -308,7 +308,7 @@ class OnnxRuntimeBackend(Backend):
         headline = (f"onnxruntime optimized graph from {source}: {sum(ops.values())} nodes ({shown}), "
                     f"{out.stat().st_size / 2**20:.2f} MB in {seconds:.1f} s")
         return Deployment({"model.ort.onnx": out, "build.json": facts}, DeploymentMetrics(
-            source=source, headline=headline, model=str(model_path), backend=self.describe(),
+            source=source, headline=headline, model=str(model_path), runtime=self.describe(),
             engine_bytes=out.stat().st_size, build_seconds=seconds, optimized_op_counts=ops))
 
     def fusion_source(self, model_path: Path, out_dir: Path, stem: str) -> FusionSource:

@@ -232,7 +232,7 @@ class OpenVinoBackend(Backend):
                     f"{info['build_seconds']:.1f} s")
         return Deployment({"model.xml": xml, "model.bin": xml.with_suffix(".bin"), "model.blob": blob,
                            "build.json": facts}, DeploymentMetrics(
-            source=source, headline=headline, model=str(model_path), backend=self.describe(),
+            source=source, headline=headline, model=str(model_path), runtime=self.describe(),
             engine_bytes=blob.stat().st_size, build_seconds=float(info["build_seconds"]),
             precision=info["inference_precision"], layer_precisions=info["layer_precisions"]))
 

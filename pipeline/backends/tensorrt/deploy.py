@@ -40,6 +40,6 @@ def deploy_engine(backend: Backend, model_path: Path, out_dir: Path, source: str
     tuned = f", {backend.settings.describe()}" if backend.settings is not None else ""
     headline = f"{backend.name} engine from {source}: {size / 2**20:.2f} MB, {precision}{tuned}, built in {seconds:.1f} s"
     return Deployment({"model.engine": engine, "build.log": build_log}, DeploymentMetrics(
-        source=source, headline=headline, model=str(model_path), backend=backend.describe(), engine_bytes=size,
+        source=source, headline=headline, model=str(model_path), runtime=backend.describe(), engine_bytes=size,
         build_seconds=seconds, precision=precision, strongly_typed=bool(info.get("strongly_typed")),
         profile=info.get("profile"), layers=info.get("layers")))
