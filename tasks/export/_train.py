@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pipeline.data.digits import digits_arrays
+from pipeline.records.export import Training
 
 log = logging.getLogger("tune.export")
 
@@ -25,7 +26,7 @@ class TrainingRecipe:
 
 
 def train_digits_cnn(model: nn.Module, image_size: int, seed: int, test_fraction: float, recipe: TrainingRecipe,
-                     progress: bool = True) -> dict[str, float]:
+                     progress: bool = True) -> Training:
     """Train in place with Adam + light shift augmentation; returns train time and test accuracy."""
     from pipeline.progress import progress_bar
 
@@ -63,4 +64,4 @@ def train_digits_cnn(model: nn.Module, image_size: int, seed: int, test_fraction
     acc = float(np.mean(pred == y_te))
     seconds = time.time() - t0
     log.info("trained digits_cnn in %.1f s: test top-1 %.2f%% (%d samples)", seconds, 100 * acc, len(y_te))
-    return {"train_seconds": round(seconds, 2), "torch_test_top1": acc}
+    return Training(round(seconds, 2), acc)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import pickle
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,14 @@ from pipeline.graph.model import (
     opset_version,
     record_input_shapes,
     save_model,
+)
+from pipeline.records.export import (
+    ControlFlow,
+    ExportMetrics,
+    Folding,
+    Specialization,
+    Training,
+    Verification,
 )
 from pipeline.registry import import_object
 from pipeline.stage import Stage, StageContext, StageResult
@@ -108,40 +117,13 @@ class ExportStage(Stage):
         mcfg = ctx.cfg.model
         out_dir = ctx.stage_dir("export")
         out = out_dir / "model.onnx"
-        if mcfg.name == "onnx":
-            metrics = self._from_onnx(ctx.cfg, out)
-        else:
-            metrics = self._from_torch(ctx, mcfg, out_dir, out)
-        model = onnx.load(str(out), load_external_data=False)
-        metrics.update(
-            opset=opset_version(model), nodes=len(model.graph.node),
-            inputs={s.name: list(s.shape) for s in input_specs(model)},
-        )
-        headline = f"{mcfg.name}: {metrics['nodes']} nodes, opset {metrics['opset']}"
-        if "max_abs_diff" in metrics:
-            headline += f", ORT vs torch max |diff| {metrics['max_abs_diff']:.2e}"
-        if "torch_test_top1" in metrics:
-            headline += f", float top-1 {100 * metrics['torch_test_top1']:.2f}%"
-        folded = metrics.get("folded") or {}
-        if folded.get("constant_nodes"):
-            headline += (f", folded {folded['constant_nodes']} Constant nodes into initializers "
-                         f"({folded['constant_weights']} weights)")
-        if folded.get("batchnorm"):
-            headline += f", {folded['batchnorm']} BatchNormalization folded into Conv"
-        spec = metrics.get("specialized")
-        if spec:
-            headline += (f", specialized on {spec['fixed_inputs']} ({len(spec['ifs_inlined'])} If nodes inlined, "
-                         f"outputs equal on {spec['checked_batches']} batches)")
-        cf = metrics.get("control_flow") or {}
-        if cf.get("nodes"):
-            headline += (f", {cf['nodes']} nodes inside If/Loop/Scan bodies (Loop/Scan bodies are quantized, If "
-                         f"bodies stay float: model.fixed_inputs can specialize them)")
-        metrics["headline"] = headline
-        log.info("wrote %s (%s)", out, headline)
-        return StageResult(artifacts={"export/model.onnx": out}, metrics=metrics)
+        metrics = self._from_onnx(ctx.cfg, out) if mcfg.name == "onnx" else self._from_torch(ctx, mcfg, out_dir, out)
+        metrics = replace(metrics, headline=metrics.headline_for(mcfg.name))
+        log.info("wrote %s (%s)", out, metrics.headline)
+        return StageResult(artifacts={"export/model.onnx": out}, metrics=metrics.to_dict())
 
     # ------------------------------------------------------------------ existing ONNX
-    def _from_onnx(self, cfg: DictConfig, out: Path) -> dict[str, Any]:
+    def _from_onnx(self, cfg: DictConfig, out: Path) -> ExportMetrics:
         mcfg = cfg.model
         src = user_path(mcfg.onnx_path)
         model = load_model(src, what="model.onnx_path")
@@ -176,14 +158,12 @@ class ExportStage(Stage):
                         "ops); quantize places Q/DQ inside Loop/Scan bodies and leaves If bodies float (an If on an "
                         "input deployment fixes: model.fixed_inputs)", control["control_nodes"], control["nodes"],
                         control["weighted_inside"], control["weighted_inside"] + control["weighted_outside"])
-        out = {"source": str(src), "folded": folded, "control_flow": control}
-        if specialized is not None:
-            out["specialized"] = specialized
-        return out
+        return _exported(out, source=str(src), folded=Folding(**folded), control_flow=ControlFlow(**control),
+                         specialized=specialized)
 
     @staticmethod
     def _check_specialized(cfg: DictConfig, original: onnx.ModelProto, model: onnx.ModelProto,
-                           fixed: dict[str, np.ndarray], inlined: list[dict[str, str]], src: Path) -> dict[str, Any]:
+                           fixed: dict[str, np.ndarray], inlined: list[dict[str, str]], src: Path) -> Specialization:
         """The specialized model's outputs equal the original's (fed the fixed values) on every calibration
         batch (StageError otherwise); the record for the manifest."""
         from pipeline.data.adapters import DataProvider
@@ -206,8 +186,7 @@ class ExportStage(Stage):
             batches += 1
         log.info("export: specialized on %s: %d If nodes replaced by their taken branch; outputs equal the "
                  "original's on %d calibration batches (max |diff| %.2g)", describe(fixed), len(inlined), batches, worst)
-        return {"fixed_inputs": describe(fixed), "ifs_inlined": inlined, "checked_batches": batches,
-                "max_abs_diff": worst}
+        return Specialization(describe(fixed), inlined, batches, worst)
 
     @staticmethod
     def _smoke_feeds(cfg: DictConfig, model: onnx.ModelProto) -> dict[str, Any]:
@@ -259,12 +238,11 @@ class ExportStage(Stage):
         return folded, counts
 
     # ------------------------------------------------------------------ PyTorch models
-    def _from_torch(self, ctx: StageContext, mcfg: DictConfig, out_dir: Path, out: Path) -> dict[str, Any]:
+    def _from_torch(self, ctx: StageContext, mcfg: DictConfig, out_dir: Path, out: Path) -> ExportMetrics:
         import torch
 
         torch.manual_seed(int(ctx.cfg.seed))
-        metrics: dict[str, Any] = {}
-        module, example, in_names, out_names = self._build(ctx, mcfg, out_dir, metrics)
+        module, example, in_names, out_names, training = self._build(ctx, mcfg, out_dir)
         module.eval()
         opset = int(mcfg.opset)
         exporter = enum_value(mcfg.exporter)
@@ -296,11 +274,12 @@ class ExportStage(Stage):
             model = onnx.shape_inference.infer_shapes(model)
         save_model(model, out)  # past EXTERNAL_FROM with external data: quantize then reads it tensor by tensor
         del model
-        if ctx.cfg.export.verify:
-            metrics.update(self._verify(module, example, in_names, out, mcfg))
-        return metrics
+        verification = self._verify(module, example, in_names, out, mcfg) if ctx.cfg.export.verify else None
+        return _exported(out, training=training, verification=verification)
 
-    def _build(self, ctx: StageContext, mcfg: DictConfig, out_dir: Path, metrics: dict[str, Any]):
+    def _build(self, ctx: StageContext, mcfg: DictConfig, out_dir: Path):
+        """(module, example inputs, input names, output names, the record of its training or None) of the
+        configured torch model."""
         import torch
 
         from tasks.export import _models
@@ -311,23 +290,23 @@ class ExportStage(Stage):
         if name == "digits_cnn":
             module = _models.DigitsCNN(int(mcfg.image_size), tuple(mcfg.channels))
             example = self._digits_example(ctx, mcfg)
-            metrics.update(self._train_or_load(ctx, mcfg, module, out_dir))
-            return module, [example], ["input"], ["logits"]
+            training = self._train_or_load(ctx, mcfg, module, out_dir)
+            return module, [example], ["input"], ["logits"], training
         if name.startswith("resnet"):
             module = _models.ResNet(int(mcfg.depth), int(mcfg.num_classes), int(mcfg.in_channels))
             g = torch.Generator().manual_seed(seed)
             example = torch.randn(bs, int(mcfg.in_channels), int(mcfg.input_size), int(mcfg.input_size), generator=g)
             _models.recalibrate_batchnorm(module, example, seed=seed)
-            return module, [example], ["input"], ["logits"]
+            return module, [example], ["input"], ["logits"], None
         if name == "bert_tiny":
             module = _models.BertTiny(int(mcfg.vocab_size), int(mcfg.hidden_size), int(mcfg.num_layers),
                                       int(mcfg.num_heads), int(mcfg.intermediate_size), int(mcfg.seq_len),
                                       int(mcfg.num_labels))
             g = torch.Generator().manual_seed(seed)
             example = torch.randint(0, int(mcfg.vocab_size), (bs, int(mcfg.seq_len)), generator=g)
-            return module, [example], ["input_ids"], ["logits"]
+            return module, [example], ["input_ids"], ["logits"], None
         if name == "custom":
-            return self._custom(mcfg, seed)
+            return *self._custom(mcfg, seed), None
         raise ConfigError(f"model.name={name}: not a built-in model (digits_cnn, resnet18, resnet50, bert_tiny, "
                           f"onnx, custom)")
 
@@ -343,7 +322,7 @@ class ExportStage(Stage):
         reps = -(-bs // len(x))
         return torch.from_numpy(np.concatenate([x] * reps)[:bs])
 
-    def _train_or_load(self, ctx: StageContext, mcfg: DictConfig, module, out_dir: Path) -> dict[str, Any]:
+    def _train_or_load(self, ctx: StageContext, mcfg: DictConfig, module, out_dir: Path) -> Training:
         import torch
 
         from tasks.export._train import TrainingRecipe, train_digits_cnn
@@ -356,8 +335,8 @@ class ExportStage(Stage):
         shared = user_cache() / f"digits_cnn-{key}.pt"
         if ctx.cfg.export.cache_trained_weights:
             for found, meta_file in ((weights, meta_path), (shared, shared.with_suffix(".json"))):
-                meta = _training_record(found, meta_file, key)
-                if meta is None:
+                cached = _training_record(found, meta_file, key)
+                if cached is None:
                     continue
                 try:
                     module.load_state_dict(torch.load(found, map_location="cpu", weights_only=True))
@@ -366,19 +345,20 @@ class ExportStage(Stage):
                     continue
                 log.info("reusing trained digits_cnn weights from %s", found)
                 if found != weights:
-                    _save_trained(module, weights, meta_path, meta)
-                return {k: v for k, v in meta.items() if k != "key"} | {"weights_cached": True}
+                    _save_trained(module, weights, meta_path, _cache_record(key, cached))
+                return replace(cached, weights_cached=True)
         recipe = TrainingRecipe(int(mcfg.epochs), float(mcfg.learning_rate), int(mcfg.train_batch_size))
-        metrics = train_digits_cnn(module, int(mcfg.image_size), int(ctx.cfg.seed),
-                                   float(ctx.cfg.data.get("test_fraction", 0.3)), recipe, bool(ctx.cfg.progress))
-        _save_trained(module, weights, meta_path, {"key": key, **metrics})
+        training = train_digits_cnn(module, int(mcfg.image_size), int(ctx.cfg.seed),
+                                    float(ctx.cfg.data.get("test_fraction", 0.3)), recipe, bool(ctx.cfg.progress))
+        record = _cache_record(key, training)
+        _save_trained(module, weights, meta_path, record)
         if ctx.cfg.export.cache_trained_weights:
             try:
                 shared.parent.mkdir(parents=True, exist_ok=True)
-                _save_trained(module, shared, shared.with_suffix(".json"), {"key": key, **metrics})
+                _save_trained(module, shared, shared.with_suffix(".json"), record)
             except OSError:  # a read-only home: the next results_dir trains again
                 pass
-        return metrics
+        return training
 
     @staticmethod
     def _custom(mcfg: DictConfig, seed: int):
@@ -427,7 +407,7 @@ class ExportStage(Stage):
         return module, examples, names, out_names
 
     @staticmethod
-    def _verify(module, example, in_names, path: Path, mcfg: DictConfig) -> dict[str, Any]:
+    def _verify(module, example, in_names, path: Path, mcfg: DictConfig) -> Verification:
         import torch
 
         with torch.no_grad():
@@ -445,18 +425,32 @@ class ExportStage(Stage):
         if not max_diff <= tol:
             raise StageError(f"exported model disagrees with torch: max |diff| {max_diff:.3e} > tolerance {tol:.3e} "
                              f"(model.verify_atol/verify_rtol)")
-        return {"max_abs_diff": max_diff, "verify_tolerance": tol, "output_max_abs": scale}
+        return Verification(max_diff, tol, scale)
 
 
-def _training_record(weights: Path, meta_path: Path, key: str) -> dict[str, Any] | None:
+def _exported(path: Path, **parts: Any) -> ExportMetrics:
+    """The metrics of the exported graph at ``path`` (its opset, nodes and inputs) with how it was made."""
+    model = onnx.load(str(path), load_external_data=False)
+    return ExportMetrics(opset=opset_version(model), nodes=len(model.graph.node),
+                         inputs={s.name: list(s.shape) for s in input_specs(model)}, **parts)
+
+
+def _training_record(weights: Path, meta_path: Path, key: str) -> Training | None:
     """The training record beside trained weights, where both are there and were made for ``key``."""
     if not (weights.exists() and meta_path.exists()):
         return None
     try:
         meta = read_json(meta_path, "training cache")
-    except StateError:  # a broken record: trained again, and written anew
+        if meta.get("key") != key:
+            return None
+        return Training(float(meta["train_seconds"]), float(meta["torch_test_top1"]))
+    except (StateError, AttributeError, KeyError, TypeError, ValueError):  # a broken record: trained again, written anew
         return None
-    return meta if meta.get("key") == key else None
+
+
+def _cache_record(key: str, training: Training) -> dict[str, Any]:
+    """What the training cache keeps beside trained weights: the key they were made for and their training."""
+    return {"key": key, "train_seconds": training.train_seconds, "torch_test_top1": training.torch_test_top1}
 
 
 def _save_trained(module: Any, weights: Path, meta_path: Path, meta: dict[str, Any]) -> None:
