@@ -27,6 +27,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.app import hydra_internals
+from pipeline.app.logs import kept_root_logging
 from pipeline.config import register_configs
 from pipeline.errors import ConfigError, PipelineError
 
@@ -283,13 +284,12 @@ def run_job(overrides: list[str], config_dir: str | None = None, config_name: st
         print_summary(outcome["summary"], results_dir)
 
     HYDRA_TURN.acquire()  # another thread's job waits for this one (see HYDRA_TURN)
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
     GlobalHydra.instance().clear()
     try:
         # hydra.main names the job after this file and adds hydra.mode: .hydra/ reads as the CLI's would
         app = hydra_internals.main_hydra(Path(__file__).stem, config_dir)
-        app.run(config_name=config_name, task_function=job, overrides=[*overrides, "hydra.mode=RUN"])
+        with kept_root_logging():
+            app.run(config_name=config_name, task_function=job, overrides=[*overrides, "hydra.mode=RUN"])
     except KeyboardInterrupt:
         if "results_dir" in outcome:
             print(f"\ntune: interrupted; state saved in {outcome['results_dir']}. Run it again to resume.",
@@ -298,13 +298,6 @@ def run_job(overrides: list[str], config_dir: str | None = None, config_name: st
     finally:
         GlobalHydra.instance().clear()
         HydraConfig.instance().cfg = None
-        for h in [h for h in root.handlers if h not in handlers]:
-            root.removeHandler(h)
-            h.close()
-        for h in handlers:
-            if h not in root.handlers:
-                root.addHandler(h)
-        root.setLevel(level)
         HYDRA_TURN.release()
     if "error" in outcome:
         raise outcome["error"]

@@ -3,7 +3,8 @@
 A results_dir holds every runtime's tuned deployment (backend=auto) and the choice made on the host that
 tuned them. Another kind of CPU or other runtime versions can rank them otherwise, or compute one of
 them wrongly (u8 x s8 kernels saturate without VNNI). `tune-rechoose` runs the results_dir's own spec
-again on this host (its overrides, .hydra/overrides.yaml) with the stages after export: every stage that tunes is up to
+again on this host (its overrides, .hydra/overrides.yaml, which it leaves as the tuning run wrote them) with
+the stages after export: every stage that tunes is up to
 date and skipped (nothing is tuned again), auto's choice is keyed by this host's CPU kind and runtime
 versions (``pipeline.accuracy.kinds.host_key``), so it is made here, and gen_trt_engine and evaluate are
 host-bound, so they run here on what ships. Before the choice, each runtime's shipped model that was
@@ -63,8 +64,11 @@ def rechoose_args(results_dir: Path, overrides: list[str]) -> tuple[str | None, 
 
 def main(argv: list[str] | None = None) -> int:
     """`tune-rechoose RESULTS_DIR [overrides...]`."""
-    from pipeline.app.cli import checked_config, run_job
+    from pipeline.app.cli import checked_config
+    from pipeline.app.logs import job_logging
+    from pipeline.app.runner import run_pipeline
     from pipeline.app.scope import tuning_frozen
+    from pipeline.app.summary import print_summary
     from pipeline.config import register_configs
 
     parser = argparse.ArgumentParser(prog="tune-rechoose", description=__doc__.split("\n\n")[1])
@@ -72,18 +76,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="config overrides, as for tune (e.g. progress=false)")
     args = parser.parse_args(argv)
     started = time.monotonic()
+    results_dir = args.results_dir.resolve()
     try:
-        config_dir, name, overrides = rechoose_args(args.results_dir.resolve(), list(args.overrides))
+        config_dir, name, overrides = rechoose_args(results_dir, list(args.overrides))
         register_configs()
-        # checked before the job starts: Hydra's job records its overrides in results_dir/.hydra/, which every
-        # later re-choice replays, so a bad one must never get that far
-        checked_config(overrides, config_dir, name)
-        with tuning_frozen():  # whatever the backend: a tuning stage that is not up to date is an error
-            _, summary = run_job(overrides, config_dir, name)
+        cfg = checked_config(overrides, config_dir, name)
+        # the pipeline as tune's job runs it (its logging, tune.log appended) but not in a Hydra job of its own:
+        # results_dir/.hydra/ keeps the record of the run that tuned it, which every re-choice replays
+        with job_logging(results_dir), tuning_frozen():  # a tuning stage that is not up to date is an error
+            summary = run_pipeline(cfg, results_dir)
     except PipelineError as exc:
         print(f"tune-rechoose: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    print(cost_line(args.results_dir.resolve(), time.monotonic() - started, summary))
+    except KeyboardInterrupt:
+        print(f"\ntune-rechoose: interrupted; {results_dir} is as the last finished step left it. Run it again.",
+              file=sys.stderr)
+        raise
+    seconds = time.monotonic() - started
+    print_summary(summary, results_dir)
+    print(cost_line(results_dir, seconds, summary))
     return 0
 
 

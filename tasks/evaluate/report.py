@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import shlex
 from pathlib import Path
@@ -14,6 +15,8 @@ from pipeline.config import STAGE_ORDER
 from pipeline.records.evaluate import EvaluateMetrics, MachineSummary, ModelMetrics, QuantizationSummary
 from pipeline.stage import StageContext
 from tasks.evaluate import _runtimes
+
+log = logging.getLogger("tune.evaluate")
 
 _COLORS = {"float": "#7f7f7f", "float_fp32": "#c7c7c7", "float_default": "#c7c7c7", "ptq": "#1f77b4", "autotuned": "#ff7f0e"}
 _SOURCES = {
@@ -454,20 +457,31 @@ def backend_text(info: dict[str, Any]) -> str:
     return f"{name} ({'; '.join(details)})" if details else str(name)
 
 
+def _run_overrides(results_dir: Path) -> list[str]:
+    """The overrides of the run: its Hydra job's, else (a run made outside a Hydra job: tune-rechoose) those
+    of the run that wrote results_dir/.hydra/, else none (library use)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            return [str(o) for o in HydraConfig.get().overrides.task]
+        recorded = results_dir / ".hydra" / "overrides.yaml"
+        if recorded.is_file():
+            from omegaconf import OmegaConf
+
+            return [str(o) for o in OmegaConf.load(recorded)]
+    except Exception:  # noqa: BLE001 - a record that cannot be read leaves no overrides to repeat
+        log.debug("no overrides to repeat", exc_info=True)
+    return []
+
+
 def reproduce_commands(ctx: StageContext) -> dict[str, str]:
     """`tune` command lines that rebuild this results_dir and that re-run only the evaluation."""
 
     done = {s for s, e in ctx.manifest.stages.items() if e.get("status") == "done"}
     stages = [s for s in STAGE_ORDER if s in done or s == "evaluate"]
-    overrides: list[str] = []
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        if HydraConfig.initialized():
-            overrides = [o for o in HydraConfig.get().overrides.task
-                         if o.split("=", 1)[0].lstrip("+~") not in ("results_dir", "stages")]
-    except Exception:  # noqa: BLE001 - outside a Hydra app (library use) there are no overrides to repeat
-        overrides = []
+    overrides = [o for o in _run_overrides(ctx.results_dir) if o.split("=", 1)[0].lstrip("+~") not in
+                 ("results_dir", "stages", "backend.tuned_only")]
     rd = str(ctx.results_dir.resolve())
 
     def cmd(stage_list: list[str]) -> str:
