@@ -4,7 +4,8 @@ A quantized model computes differently on different CPUs: u8 x s8 kernels satura
 OpenVINO runs float layers in bf16 only where the CPU has it. So the shipped model's verdict is given
 for every x86 kind (``kind_verdicts``), on the same held-out samples and with the same confidence
 bound: on this host's kind by running it here; on a kind whose int8 kernels are exact (VNNI, AMX) by
-its Q/DQ math, which exact kernels compute; on a kind whose kernels saturate by its saturating twin
+its Q/DQ math, which exact kernels compute (this host's run where its kernels are exact too, else the
+Q/DQ graph run as written); on a kind whose kernels saturate by its saturating twin
 (``pipeline.quant.saturation``), which computes what they compute.
 
 ``CheckedOn`` is what the manifest keeps of it (autotune's metrics["checked_on"]): the host's CPU and
@@ -39,6 +40,7 @@ log = logging.getLogger("tune.accuracy")
 
 MEASURED = "run on this host"
 QDQ_MATH = "Q/DQ math (its int8 kernels are exact)"
+QDQ_MATH_HERE = "Q/DQ math as this host's exact int8 kernels ran it (its int8 kernels are exact too)"
 SATURATION = "saturating twin (its u8 x s8 kernels' int16 pair sums)"
 NO_INT8 = "float model (no int8 kernels)"
 
@@ -86,6 +88,9 @@ def kind_verdicts(backend: Backend, model: Path, holdout: Holdout, budget: Accur
     host = cpu_facts().kind
     order = [*target_kinds(), *(k for k in KINDS if k not in target_kinds())]
     judged: dict[str, tuple[str, AccuracyVerdict | None, str]] = {}
+    # where this host's int8 kernels are exact too, they computed the Q/DQ math on the same samples
+    if host_verdict is not None and host in KINDS and not KINDS[host].saturates:
+        judged["exact"] = (QDQ_MATH_HERE, host_verdict, "")
 
     def exact() -> tuple[str, AccuracyVerdict | None, str]:
         if "exact" not in judged:

@@ -95,6 +95,9 @@ REDUCED_QMAX = 64.0
 # whole distance squared, a finer step saves step^2 / 12 per value)
 WEIGHT_CLIP_RATIOS = np.linspace(0.5, 1.0, 26)
 WEIGHT_CLIP_REFINE = np.linspace(-0.02, 0.02, 21)
+# the coarse scan runs down from 1.0 and ends once this many ratios in a row bettered no row: below its
+# best, a row's error only grows as more of its values are clipped
+WEIGHT_CLIP_PATIENCE = 3
 WEIGHT_SEARCHES = ("max", "mse")
 
 
@@ -143,14 +146,18 @@ def _best_clip_ratio(rows: np.ndarray, amax: np.ndarray, qmax: float, qmin: floa
     best = np.ones(rows.shape[0], np.float32)
     best_err = _clip_error(rows, amax, best, qmax, qmin)
 
-    def keep_better(ratio: np.ndarray) -> None:
+    def keep_better(ratio: np.ndarray) -> bool:
         nonlocal best, best_err
         err = _clip_error(rows, amax, ratio, qmax, qmin)
         better = err < best_err
         best, best_err = np.where(better, ratio, best), np.where(better, err, best_err)
+        return bool(better.any())
 
+    since = 0  # coarse ratios in a row that bettered no row
     for r in WEIGHT_CLIP_RATIOS[WEIGHT_CLIP_RATIOS < 1.0][::-1]:
-        keep_better(np.full_like(best, r))
+        since = 0 if keep_better(np.full_like(best, r)) else since + 1
+        if since == WEIGHT_CLIP_PATIENCE:
+            break
     center = best.copy()
     for d in WEIGHT_CLIP_REFINE:
         keep_better(np.clip(center + np.float32(d), 0.0, 1.0).astype(np.float32))
