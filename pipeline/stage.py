@@ -1,11 +1,12 @@
-"""The stage contract shared by every task: declared artifacts in, artifacts and metrics out."""
+"""The stage contract shared by every task: declared artifacts in, artifacts and metrics out (each stage's
+metrics a record of its own, ``StageMetrics``)."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from omegaconf import DictConfig
 
@@ -17,10 +18,21 @@ from pipeline.errors import StageError
 MODEL_KEYS = ("autotune/optimized_final.onnx", "quantize/quantized_model.onnx", "export/model.onnx")
 
 
+class StageMetrics(Protocol):
+    """What a stage reports of its run: a record with a one-line ``headline`` (the end-of-run table) and
+    ``to_dict``, the stage's manifest entry. Each stage's record is its own (pipeline/records/, and for
+    gen_trt_engine the runtime's DeploymentMetrics); ``pipeline.records.stages`` reads them back."""
+
+    @property
+    def headline(self) -> str: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
 @dataclass
 class StageResult:
-    artifacts: dict[str, Path] = field(default_factory=dict)  # artifact key "<stage>/<file>" -> path
-    metrics: dict[str, Any] = field(default_factory=dict)
+    artifacts: dict[str, Path]  # artifact key "<stage>/<file>" -> path
+    metrics: StageMetrics
     notes: list[str] = field(default_factory=list)
 
 

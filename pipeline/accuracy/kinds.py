@@ -8,9 +8,10 @@ its Q/DQ math, which exact kernels compute (this host's run where its kernels ar
 Q/DQ graph run as written); on a kind whose kernels saturate by its saturating twin
 (``pipeline.quant.saturation``), which computes what they compute.
 
-``CheckedOn`` is what the manifest keeps of it (autotune's metrics["checked_on"]): the host's CPU and
-kind, the runtime and its package versions, the float precision, the shipped settings, the target and
-each kind's verdict. ``host_warning`` compares a host with it where the model is loaded.
+``CheckedOn`` is what the manifest keeps of it (the ``checked_on`` of quantize's and autotune's metrics
+records; ``pipeline.records.stages.shipped_record`` reads the shipped model's): the host's CPU and kind, the
+runtime and its package versions, the float precision, the shipped settings, the target and each kind's
+verdict. ``host_warning`` compares a host with it where the model is loaded.
 """
 
 from __future__ import annotations
@@ -25,16 +26,14 @@ from typing import Any
 
 from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict
 from pipeline.accuracy.holdout import Holdout
-from pipeline.artifacts import Manifest
 from pipeline.backend_config import runtime_packages
 from pipeline.backends.base import Backend
-from pipeline.errors import StateError, first_line
+from pipeline.errors import first_line
 from pipeline.graph.model import load_model, save_model
 from pipeline.quant.cpu import KINDS, CpuFacts, cpu_facts, target_kinds
 from pipeline.quant.placement import PLACEMENTS
 from pipeline.quant.saturation import saturating_twin
 from pipeline.runtime_choice import CHOICE
-from pipeline.stage import MODEL_KEYS
 
 log = logging.getLogger("tune.accuracy")
 
@@ -285,18 +284,6 @@ def log_kinds(kinds: list[KindVerdict], stage: str) -> None:
         f"{k.kind} {'ok' if k.ok else 'not judged' if k.ok is None else 'MISSES'}" for k in kinds))
 
 
-def shipped_record(manifest: Manifest) -> CheckedOn | None:
-    """What the deployment ``manifest``'s run shipped was checked on, as the stage that wrote the shipped
-    model recorded it (None for the exported float, or a run made before the record existed)."""
-    key = next((k for k in MODEL_KEYS if manifest.artifact(k) is not None), None)
-    recorded = manifest.metrics(key.split("/")[0]).get("checked_on") if key is not None else None
-    try:
-        return CheckedOn.from_dict(recorded) if recorded else None
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise StateError(f"{manifest.path}: the {key.split('/')[0]} entry's checked_on record is not one "
-                         f"({first_line(exc)}); run that stage again (tune force=true stages=[...])") from None
-
-
 def checked_on(backend: Backend, kinds: list[KindVerdict]) -> CheckedOn:
     """The record of a deployment on ``backend`` (with the settings it ships) checked here with ``kinds``."""
     facts = cpu_facts()
@@ -305,5 +292,4 @@ def checked_on(backend: Backend, kinds: list[KindVerdict]) -> CheckedOn:
                      settings, target_kinds(), kinds)
 
 
-__all__ = ["CheckedOn", "KindVerdict", "checked_on", "float_kinds", "host_key", "kind_verdicts", "log_kinds", "runtime_versions",
-           "shipped_record"]
+__all__ = ["CheckedOn", "KindVerdict", "checked_on", "float_kinds", "host_key", "kind_verdicts", "log_kinds", "runtime_versions"]

@@ -26,6 +26,7 @@ from pipeline.data.live import metric_attribute
 from pipeline.errors import ConfigError, InputError
 from pipeline.records.autotune import AutotuneMetrics, autotune_metrics
 from pipeline.records.evaluate import EvaluateMetrics
+from pipeline.stage import StageMetrics
 
 
 @dataclass(frozen=True)
@@ -38,19 +39,22 @@ class TuneResult:
     speedup: float | None  # of the shipped model over the float model (p10 latency)
     accuracy: str | None  # the shipped model's accuracy verdict, in words
     accuracy_ok: bool | None  # whether it meets the accuracy budget
-    metrics: Mapping[str, Mapping[str, Any]] = field(repr=False)  # each stage's metrics, as in manifest.json
+    # each requested stage's metrics record (ExportMetrics, QuantizeMetrics, AutotuneMetrics, DeploymentMetrics,
+    # EvaluateMetrics), where it recorded some; their to_dict() is what manifest.json holds
+    metrics: Mapping[str, StageMetrics] = field(repr=False)
     runtime: str | None = None  # the runtime the shipped model was tuned for (backend=auto: the winner)
 
     @property
     def evaluation(self) -> EvaluateMetrics | None:
         """What evaluate measured (evaluate/metrics.json as a record), where this run evaluated."""
         recorded = self.metrics.get("evaluate")
-        return EvaluateMetrics.from_dict(recorded, "evaluate's metrics") if recorded else None
+        return recorded if isinstance(recorded, EvaluateMetrics) else None
 
     @property
     def tuning(self) -> AutotuneMetrics | None:
         """What autotune measured and shipped (its manifest metrics as a record), where this run tuned."""
-        return autotune_metrics(self.metrics.get("autotune"), "autotune's metrics")
+        recorded = self.metrics.get("autotune")
+        return recorded if isinstance(recorded, AutotuneMetrics) else None
 
     def load(self, device: str = "CPU") -> Any:
         """The shipped model ready to run in its runtime's own API, with the settings it ships with (the
@@ -333,7 +337,7 @@ def checked_on(results_dir: str | os.PathLike) -> Any:
     """What the deployment a run shipped was checked on, a ``pipeline.accuracy.kinds.CheckedOn`` (CPU kind,
     runtime and versions, precision, settings, each CPU kind's verdict): the stage that wrote the shipped model recorded it (None for
     the exported float, or a run made before the record existed)."""
-    from pipeline.accuracy.kinds import shipped_record
+    from pipeline.records.stages import shipped_record
 
     return shipped_record(Manifest(Path(results_dir)))
 
@@ -410,8 +414,8 @@ def _result(results_dir: Path, summary: dict[str, Any]) -> TuneResult:
         speedup=speedup,
         accuracy=verdict.get("what"),
         accuracy_ok=verdict.get("ok"),
-        metrics=MappingProxyType({name: MappingProxyType(info.get("metrics") or {})
-                                  for name, info in summary.items()}),
+        metrics=MappingProxyType({name: info["metrics"] for name, info in summary.items()
+                                  if info.get("metrics") is not None}),
         runtime=shipped_runtime(manifest),
     )
 

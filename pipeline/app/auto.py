@@ -44,6 +44,7 @@ from pipeline.config import ordered_stages
 from pipeline.errors import BackendUnavailable, PipelineError, first_line
 from pipeline.quant.shared_stats import sharing
 from pipeline.records.evaluate import EvaluateMetrics, runtime_evaluation
+from pipeline.records.stages import stage_metrics
 from pipeline.registry import load_stage
 from pipeline.runtime_choice import CHOICE, RuntimeChoice
 from pipeline.stage import Stage
@@ -95,7 +96,8 @@ def run_auto(cfg: DictConfig, results_dir: Path,
     shown = Manifest(results_dir if "autotune" in wanted else winner.results_dir)
     for stage in per_runtime:
         status = outcomes.get(winner.name, {}).get(stage, {}).get("status", "skipped")
-        summary[stage] = {"status": status, "metrics": shown.metrics(stage)}
+        summary[stage] = {"status": status,
+                          "metrics": stage_metrics(stage, shown.metrics(stage), f"{shown.path}'s {stage} entry")}
     if rest:
         summary.update(run_stages(winner.cfg, [load_stage(s) for s in rest], results_dir))
     return summary

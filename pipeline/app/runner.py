@@ -21,6 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from pipeline.accuracy.metrics import json_safe
 from pipeline.app.scope import is_tuning_frozen, run_scope
 from pipeline.artifacts import Manifest, ResultsDirLock, fingerprint, sha256_file
 from pipeline.backend_config import runtime_packages
@@ -28,6 +29,7 @@ from pipeline.backends.timing import MIN_BLOCK_MS
 from pipeline.config import ordered_stages, validate
 from pipeline.errors import PipelineError, StageError, StateError
 from pipeline.graph import weights
+from pipeline.records.stages import stage_metrics
 from pipeline.registry import load_stage
 from pipeline.stage import Stage, StageContext, StageResult
 from pipeline.values import section
@@ -103,7 +105,8 @@ def stage_fingerprint(stage: Stage, cfg: DictConfig, inputs: dict[str, Path]) ->
 
 
 def run_pipeline(cfg: DictConfig, results_dir: Path) -> dict[str, Any]:
-    """Run ``cfg.stages`` in ``results_dir``; returns {stage: {"status", "metrics", ...}}."""
+    """Run ``cfg.stages`` in ``results_dir``; returns {stage: {"status", "metrics", ...}}, each stage's metrics
+    its record (``StageMetrics``; None where a stage recorded none)."""
     validate(cfg)
     from pipeline.backends import check_backend, is_auto
 
@@ -138,7 +141,8 @@ def _run_stages(cfg: DictConfig, stages: list[Stage], results_dir: Path) -> dict
             if (not rerun_rest and entry and entry.get("status") == "done"
                     and entry.get("fingerprint") == fp and _outputs_intact(manifest, entry)):
                 log.info("%s: up to date, skipped (inputs and config unchanged)", stage.name)
-                summary[stage.name] = {"status": "skipped", "metrics": entry.get("metrics", {})}
+                summary[stage.name] = {"status": "skipped", "metrics": stage_metrics(
+                    stage.name, entry.get("metrics"), f"{manifest.path}'s {stage.name} entry")}
                 continue
             if stage.tunes and is_tuning_frozen():
                 raise StateError(f"{stage.name} in {results_dir} is not up to date with this run's config and "
@@ -180,7 +184,8 @@ def _run_one(stage: Stage, ctx: StageContext, inputs: dict[str, Path], fp: str) 
     manifest.update(
         stage.name, status="done", finished=finished, seconds=round(finished - started, 3),
         outputs={k: manifest.describe_file(Path(p)) for k, p in result.artifacts.items()},
-        metrics=result.metrics, notes=result.notes,
+        # strict JSON: a metric that is NaN or infinite is written as null
+        metrics=json_safe(result.metrics.to_dict()), notes=result.notes,
     )
     log.info("%s: done in %.1f s", stage.name, finished - started)
     return {"status": "done", "metrics": result.metrics, "seconds": finished - started}

@@ -48,8 +48,8 @@ def accuracy_drop(verdict: AccuracyVerdict | None) -> float | None:
 def job_objectives(summary: dict[str, Any]) -> tuple[float, float] | None:
     """(speedup, accuracy drop) of the shipped model of a finished run, for Hydra's sweepers; None
     when the run did not autotune."""
-    m = autotune_metrics((summary.get("autotune") or {}).get("metrics"), "the run's autotune metrics")
-    if m is None or m.speedup is None:
+    m = (summary.get("autotune") or {}).get("metrics")
+    if not isinstance(m, AutotuneMetrics) or m.speedup is None:
         return None
     drop = accuracy_drop(m.accuracy.final)
     return float(m.speedup), float(drop if drop is not None else 0.0)

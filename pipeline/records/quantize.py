@@ -11,8 +11,9 @@ from typing import Any
 
 from pipeline.accuracy.budget import AccuracyVerdict
 from pipeline.accuracy.fidelity import FidelityResult
+from pipeline.accuracy.kinds import CheckedOn
 from pipeline.artifacts import read_json
-from pipeline.errors import StateError
+from pipeline.errors import StateError, first_line
 from pipeline.quant.calibration import check_keys
 from pipeline.quant.cpu import CpuFacts
 from pipeline.quant.plan import WeightVariant
@@ -166,3 +167,94 @@ def quantize_decisions(path: str | Path | None) -> QuantizeDecisions:
         return QuantizeDecisions.from_dict(d)
     except ValueError as exc:
         raise StateError(f"calibration file {path}: decisions: {exc}; re-run the quantize stage") from None
+
+
+# QuantizeMetrics' keys in manifest.json's order; the Q/DQ node counts are written by op type
+_QUANTIZE_KEYS = ("weight_range", "weight_range_reason", "cpu", "kernel_fidelity", "accuracy", "float_nodes",
+                  "transforms", "bias_correction", "fidelity_culprits", "ranges", "placement", "activation_type",
+                  "calibrated_tensors", "calibration_samples", "calibration_seconds", "quantized_nodes", "body_nodes",
+                  "node_rules", "QuantizeLinear", "DequantizeLinear", "headline", "checked_on")
+_QDQ_FIELDS = {"QuantizeLinear": "quantize_linear", "DequantizeLinear": "dequantize_linear"}
+# the sub-records by key: (record type, how to_dict writes it)
+_QUANTIZE_RECORDS: dict[str, tuple[Any, Any]] = {
+    "cpu": (CpuFacts, lambda v: v.to_dict()), "kernel_fidelity": (FidelityResult, lambda v: v.to_dict()),
+    "accuracy": (AccuracyVerdict, lambda v: v.to_dict()), "ranges": (RangeChoice, lambda v: v.to_dict()),
+    "bias_correction": (BiasCorrection, lambda v: v.to_dict(with_records=False))}
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantizeMetrics:
+    """manifest.json's ``stages.quantize.metrics``: the placement written (its runtime's rules, nodes, Q/DQ
+    counts), the decisions behind it (weight storage, nodes left float, transforms, bias correction, range
+    choice), calibration's size and time, its held-out verdict and what it was checked on.
+
+    Where no layer rule quantizes anything the float model passes through: only ``quantized_nodes`` (0)
+    and ``headline`` are recorded (``placement`` is None) and ``to_dict`` writes only those.
+    """
+
+    quantized_nodes: int
+    headline: str
+    placement: str | None = None  # the runtime kind whose placement rules were followed
+    weight_range: WeightVariant | None = None
+    weight_range_reason: str | None = None
+    cpu: CpuFacts | None = None
+    kernel_fidelity: FidelityResult | None = None
+    accuracy: AccuracyVerdict | None = None  # the held-out verdict (None: not judged, written as {})
+    float_nodes: list[str] = field(default_factory=list)
+    transforms: list[dict[str, Any]] = field(default_factory=list)  # TransformRecord.to_dict(), changes counted
+    bias_correction: BiasCorrection | None = None  # written as {} when None, without the per-node records
+    fidelity_culprits: list[str] | None = None
+    ranges: RangeChoice | None = None
+    activation_type: str | None = None
+    calibrated_tensors: int | None = None
+    calibration_samples: int | None = None
+    calibration_seconds: float | None = None
+    body_nodes: int | None = None  # quantized nodes inside Loop/Scan bodies
+    node_rules: dict[str, str] = field(default_factory=dict)  # quantized node -> its rule
+    quantize_linear: int | None = None  # QuantizeLinear nodes, inside bodies too
+    dequantize_linear: int | None = None
+    checked_on: Mapping[str, Any] | None = None  # CheckedOn.to_dict() (see ``checked``)
+
+    @property
+    def checked(self) -> CheckedOn | None:
+        """What the quantized model was checked on, as a record (None: not recorded)."""
+        return CheckedOn.from_dict(self.checked_on) if self.checked_on else None
+
+    def to_dict(self) -> dict[str, Any]:
+        keys = _QUANTIZE_KEYS if self.placement is not None else ("quantized_nodes", "headline", "checked_on")
+        out: dict[str, Any] = {}
+        for key in keys:
+            value = getattr(self, _QDQ_FIELDS.get(key, key))
+            if key in _QUANTIZE_RECORDS:
+                value = _QUANTIZE_RECORDS[key][1](value) if value is not None else \
+                    ({} if key in ("accuracy", "bias_correction") else None)
+            elif key == "weight_range" and value is not None:
+                value = value.value
+            elif key == "checked_on":
+                if value is None:
+                    continue
+                value = dict(value)
+            out[key] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "manifest.json's quantize entry") -> QuantizeMetrics:
+        """The record of quantize's manifest metrics; a layout no writer made is a one-line StateError
+        naming ``where``."""
+        try:
+            if not isinstance(d, Mapping):
+                raise TypeError(f"not an object but {type(d).__name__}")
+            if unknown := sorted(set(d) - set(_QUANTIZE_KEYS)):
+                raise KeyError(f"unknown keys {unknown}")
+            values = {_QDQ_FIELDS.get(k, k): v for k, v in d.items()}
+            for key, (kind, _) in _QUANTIZE_RECORDS.items():
+                values[key] = kind.from_dict(d[key]) if d.get(key) else None
+            if d.get("weight_range") is not None:
+                values["weight_range"] = WeightVariant.of(d["weight_range"])
+            for key in ("float_nodes", "transforms", "node_rules"):
+                if values.get(key) is None:
+                    values.pop(key, None)
+            return cls(**values)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise StateError(f"{where} has an unknown layout ({type(exc).__name__}: {first_line(exc)}); re-run "
+                             f"stages=[quantize] force=true") from None

@@ -113,7 +113,7 @@ class AutotuneStage(Stage):
         missing = [k for k in (*COMMON_OUTPUTS, *MODE_OUTPUTS[mode]) if k not in artifacts]
         if missing:
             raise StageError(f"autotune ({mode} mode) did not write {', '.join(missing)}")
-        return StageResult(artifacts, metrics.to_dict())
+        return StageResult(artifacts, metrics)
 
     def _setup(self, ctx: StageContext) -> TuneSetup:
         """The float baseline, calibration, tuner config, accuracy holdout and resume context."""

@@ -24,7 +24,6 @@ import numpy as np
 import onnx
 
 from pipeline.accuracy.fidelity import FidelityResult
-from pipeline.accuracy.kinds import shipped_record
 from pipeline.accuracy.metrics import ModelScores, json_safe
 from pipeline.artifacts import atomic_write_json, atomic_write_text, read_json, sha256_file
 from pipeline.backends import create_backend, settings_artifacts
@@ -47,6 +46,7 @@ from pipeline.records.evaluate import (
     SensitiveNode,
     SensitivitySummary,
 )
+from pipeline.records.stages import shipped_record
 from pipeline.runtime_choice import CHOICE, RuntimeChoice
 from pipeline.stage import Stage, StageContext, StageResult
 from tasks.evaluate._custom import CustomScores
@@ -173,15 +173,14 @@ class EvaluateStage(Stage):
         from tasks.evaluate import report
 
         artifacts = self._sensitivity(ctx, evaluated, specs, out_dir, metrics) if ecfg.sensitivity.enabled else {}
-        safe = json_safe(metrics.to_dict())
-        metrics_path = atomic_write_json(out_dir / "metrics.json", safe)
+        metrics_path = atomic_write_json(out_dir / "metrics.json", json_safe(metrics.to_dict()))
         report_path = atomic_write_text(out_dir / "report.md", report.markdown(metrics))
         artifacts.update({"evaluate/metrics.json": metrics_path, "evaluate/report.md": report_path})
         if ecfg.plot:
             artifacts["evaluate/summary.png"] = report.plot(metrics, out_dir / "summary.png")
         log.info("%s", metrics.headline)
         notes = [timings.warning] if timings is not None and timings.warning is not None else []
-        return StageResult(artifacts=artifacts, metrics=safe, notes=notes)
+        return StageResult(artifacts=artifacts, metrics=metrics, notes=notes)
 
     @staticmethod
     def _sensitivity(ctx: StageContext, evaluated: list[EvaluatedModel], specs: list[InputSpec], out_dir: Path,

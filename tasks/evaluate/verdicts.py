@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict, CustomScore
 from pipeline.accuracy.fidelity import FidelityResult
-from pipeline.accuracy.kinds import CheckedOn, shipped_record
+from pipeline.accuracy.kinds import CheckedOn
 from pipeline.accuracy.metrics import ModelScores
 from pipeline.config import resolved_data_source
 from pipeline.data.adapters import takes_split
@@ -30,6 +30,7 @@ from pipeline.records.evaluate import (
     QuantizationSummary,
 )
 from pipeline.records.quantize import QuantizeDecisions, quantize_decisions
+from pipeline.records.stages import shipped_record
 from pipeline.stage import StageContext
 
 log = logging.getLogger("tune.evaluate")

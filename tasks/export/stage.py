@@ -120,7 +120,7 @@ class ExportStage(Stage):
         metrics = self._from_onnx(ctx.cfg, out) if mcfg.name == "onnx" else self._from_torch(ctx, mcfg, out_dir, out)
         metrics = replace(metrics, headline=metrics.headline_for(mcfg.name))
         log.info("wrote %s (%s)", out, metrics.headline)
-        return StageResult(artifacts={"export/model.onnx": out}, metrics=metrics.to_dict())
+        return StageResult(artifacts={"export/model.onnx": out}, metrics=metrics)
 
     # ------------------------------------------------------------------ existing ONNX
     def _from_onnx(self, cfg: DictConfig, out: Path) -> ExportMetrics:

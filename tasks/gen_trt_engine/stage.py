@@ -73,7 +73,7 @@ class GenTrtEngineStage(Stage):
         log.info("wrote %s (%s)", ", ".join(p.name for p in deployment.artifacts.values()),
                  deployment.metrics.headline)
         return StageResult(artifacts={f"gen_trt_engine/{name}": p for name, p in deployment.artifacts.items()},
-                           metrics=deployment.metrics.to_dict())
+                           metrics=deployment.metrics)
 
     @staticmethod
     def _tuned(ctx: StageContext, backend: Backend, source: str) -> Any:

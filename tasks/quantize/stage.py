@@ -33,7 +33,7 @@ from pipeline.quant.calibration import Calibration, TensorStats
 from pipeline.quant.placement import NodeDtypes, resolve_rules, weight_axis
 from pipeline.quant.qdq import qdq_summary
 from pipeline.quant.qmath import FP8
-from pipeline.records.quantize import QuantizeDecisions, RangeChoice
+from pipeline.records.quantize import QuantizeDecisions, QuantizeMetrics, RangeChoice
 from pipeline.stage import Stage, StageContext, StageResult
 from pipeline.transforms.record import TransformRecord
 from pipeline.values import enum_value
@@ -169,7 +169,7 @@ class QuantizeStage(Stage):
         atomic_write_json(out_calib, {"version": 1, "algorithm": None, "tensors": {}, "weights": {}})
         return StageResult({"quantize/quantized_model.onnx": out_model, "quantize/calibration.json": out_calib,
                             "quantize/float_model.onnx": out_dir / "float_model.onnx"},
-                           {"quantized_nodes": 0, "headline": "float model passed through (no quantization)"})
+                           QuantizeMetrics(quantized_nodes=0, headline="float model passed through (no quantization)"))
 
     @staticmethod
     def _calibrate(setup: QuantizeSetup) -> Calibrated:
@@ -244,8 +244,7 @@ class QuantizeStage(Stage):
         kinds = kind_verdicts(checker.backend, out_model, checker.holdout, checker.budget, decisions.accuracy,
                               quantized=bool(plan.quantized_nodes())) if setup.kind.cpu_kernels else []
         log_kinds(kinds, "quantize")
-        metrics["checked_on"] = checked_on(checker.backend, kinds).to_dict()
-        return StageResult(artifacts, metrics)
+        return StageResult(artifacts, replace(metrics, checked_on=checked_on(checker.backend, kinds).to_dict()))
 
     @staticmethod
     def _headline(setup: QuantizeSetup, plan: Any, counts: dict[str, int], cal: Calibrated,
@@ -288,21 +287,17 @@ class QuantizeStage(Stage):
 
     @staticmethod
     def _metrics(setup: QuantizeSetup, plan: Any, counts: dict[str, int], cal: Calibrated,
-                 decisions: QuantizeDecisions, headline: str) -> dict[str, Any]:
+                 decisions: QuantizeDecisions, headline: str) -> QuantizeMetrics:
         quantized = plan.quantized_nodes()
-        return {
-            "weight_range": decisions.weight_range, "weight_range_reason": decisions.weight_range_reason,
-            "cpu": decisions.cpu.to_dict() if decisions.cpu else None,
-            "kernel_fidelity": decisions.kernel_fidelity.to_dict() if decisions.kernel_fidelity else None,
-            "accuracy": decisions.accuracy.to_dict() if decisions.accuracy else {}, "float_nodes": decisions.float_nodes,
-            "transforms": [t.to_dict() | {"changes": len(t.changes)} for t in cal.transforms],
-            "bias_correction": decisions.bias_correction.to_dict(with_records=False) if decisions.bias_correction else {},
-            "fidelity_culprits": decisions.fidelity_culprits, "ranges": cal.ranges.to_dict() if cal.ranges else None,
-            "placement": setup.kind.name, "activation_type": setup.act_type, "calibrated_tensors": len(cal.stats),
-            "calibration_samples": cal.samples, "calibration_seconds": round(cal.seconds, 2),
-            "quantized_nodes": len(quantized), "body_nodes": len(quantized) - len(plan.node_rules),
-            "node_rules": quantized, **counts, "headline": headline,
-        }
+        return QuantizeMetrics(
+            weight_range=decisions.weight_range, weight_range_reason=decisions.weight_range_reason, cpu=decisions.cpu,
+            kernel_fidelity=decisions.kernel_fidelity, accuracy=decisions.accuracy, float_nodes=decisions.float_nodes,
+            transforms=[t.to_dict() | {"changes": len(t.changes)} for t in cal.transforms],
+            bias_correction=decisions.bias_correction, fidelity_culprits=decisions.fidelity_culprits, ranges=cal.ranges,
+            placement=setup.kind.name, activation_type=setup.act_type, calibrated_tensors=len(cal.stats),
+            calibration_samples=cal.samples, calibration_seconds=round(cal.seconds, 2),
+            quantized_nodes=len(quantized), body_nodes=len(quantized) - len(plan.node_rules), node_rules=quantized,
+            quantize_linear=counts["QuantizeLinear"], dequantize_linear=counts["DequantizeLinear"], headline=headline)
 
     @staticmethod
     def _log_rules(model: onnx.ModelProto, plan, rules: dict[str, NodeDtypes], kind: str) -> None:

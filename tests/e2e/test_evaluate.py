@@ -144,11 +144,12 @@ def test_integer_inputs_and_several_outputs_in_process(tmp_path):
     ctx = StageContext(cfg=cfg, results_dir=rd, manifest=Manifest(rd), log=logging.getLogger("test"))
     result = EvaluateStage().run(ctx)
     assert set(result.artifacts) == {"evaluate/metrics.json", "evaluate/report.md"}
-    q = result.metrics["models"]["ptq"]
-    assert q["samples"] == 32 and len(q["snr_db_per_output"]) == 2
-    assert all(v is not None and v > 10 for v in q["snr_db_per_output"])
-    assert 0.9 < q["cosine"] <= 1.0 and q["agreement"] is not None
-    assert "tune " in result.metrics["reproduce"]["evaluate_only"]
+    q = result.metrics.models["ptq"].scores
+    snr_db_per_output = [o.snr_db for o in q.outputs]
+    assert q.samples == 32 and len(snr_db_per_output) == 2
+    assert all(v is not None and math.isfinite(v) and v > 10 for v in snr_db_per_output)
+    assert 0.9 < q.cosine <= 1.0 and q.agreement is not None
+    assert "tune " in result.metrics.reproduce.evaluate_only
 
 
 @pytest.mark.slow

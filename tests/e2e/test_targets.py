@@ -26,8 +26,8 @@ def test_a_target_with_a_saturating_kind_ships_weights_exact_on_every_kind(tmp_p
     x = np.random.default_rng(0).standard_normal((64, 3, 16, 16)).astype(np.float32)
     result = tune(_args(tmp_path, "target.cpus=[avx2,avx512,avx512_vnni,amx]"), model=models.conv_chain(), data=x)
     quantize = result.metrics["quantize"]
-    assert quantize["weight_range"] != "full", quantize["headline"]  # 7-bit or uint8: no pair sum leaves int16
-    checked = quantize["checked_on"]
+    assert quantize.weight_range != "full", quantize.headline  # 7-bit or uint8: no pair sum leaves int16
+    checked = quantize.checked_on
     assert set(checked["target"]) >= {"avx2", "avx512", "avx512_vnni", "amx"}
     kinds = {k["kind"]: k for k in checked["kinds"]}
     assert set(kinds) == set(KINDS) and all(k["verdict"]["ok"] for k in kinds.values())

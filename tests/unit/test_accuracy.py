@@ -443,7 +443,7 @@ def test_final_summary_says_which_models_miss_the_budget(capsys, tmp_path):
     text = "PTQ model misses the accuracy budget: top-1 drop 64.0 points (max 1); likely cause: ..."
     metrics = EvaluateMetrics("FP32 float", {}, DataSummary("digits", 10, 1, 10, True), 1, {}, Reproduce("", ""),
                               headline="float 97.0% | ptq 33.0% OVER BUDGET", over_budget=[text])
-    print_summary({"evaluate": {"status": "done", "metrics": metrics.to_dict()}}, tmp_path)
+    print_summary({"evaluate": {"status": "done", "metrics": metrics}}, tmp_path)
     out = capsys.readouterr().out
     assert "OVER BUDGET" in out and f"WARNING: {text}" in out
 

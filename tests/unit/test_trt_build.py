@@ -355,8 +355,8 @@ def test_gen_trt_engine_builds_autotunes_model_with_the_shipped_settings(tmp_pat
     result = GenTrtEngineStage().run(_ctx(tmp_path, exe, {"autotune/optimized_final.onnx": model,
                                                           "autotune/trt_build.json": settings}))
     (argv,) = calls_of(calls)
-    assert set(ALL.trtexec_flags()) <= set(argv) and ALL.describe() in result.metrics["headline"]
-    assert result.metrics["backend"]["build_settings"] == ALL.describe()
+    assert set(ALL.trtexec_flags()) <= set(argv) and ALL.describe() in result.metrics.headline
+    assert result.metrics.runtime["build_settings"] == ALL.describe()
     # quantize's model was not tuned with them: built as configured
     calls.unlink()
     GenTrtEngineStage().run(_ctx(tmp_path, exe, {"quantize/quantized_model.onnx": model,
