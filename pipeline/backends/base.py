@@ -103,6 +103,11 @@ class FusionSource:
 # field of "backend" is ``runtime``
 _DEPLOYMENT_KEYS = ("source", "model", "backend", "engine_bytes", "build_seconds", "optimized_op_counts",
                     "precision", "strongly_typed", "layer_precisions", "profile", "layers", "headline")
+# each key's JSON type (None where a runtime does not record it)
+_DEPLOYMENT_TYPES: dict[str, type | tuple[type, ...]] = {
+    **dict.fromkeys(("source", "model", "precision", "headline"), str), **dict.fromkeys(("engine_bytes", "layers"), int),
+    "build_seconds": (int, float), "strongly_typed": bool,
+    **dict.fromkeys(("backend", "optimized_op_counts", "layer_precisions", "profile"), dict)}
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,9 @@ class DeploymentMetrics:
             unknown = sorted(set(d) - set(_DEPLOYMENT_KEYS))
             if unknown:
                 raise KeyError(f"unknown keys {unknown}")
+            for key, kind in _DEPLOYMENT_TYPES.items():
+                if d.get(key) is not None and (isinstance(d[key], bool) is not (kind is bool) or not isinstance(d[key], kind)):
+                    raise TypeError(f"{key} is {d[key]!r}, not {getattr(kind, '__name__', 'a number')}")
             return cls(**{_deployment_field(k): d[k] for k in _DEPLOYMENT_KEYS if k in d})
         except (KeyError, TypeError, ValueError) as exc:
             raise StateError(f"{where} has an unknown layout ({type(exc).__name__}: {first_line(exc)}); re-run "

@@ -175,6 +175,12 @@ _QUANTIZE_KEYS = ("weight_range", "weight_range_reason", "cpu", "kernel_fidelity
                   "calibrated_tensors", "calibration_samples", "calibration_seconds", "quantized_nodes", "body_nodes",
                   "node_rules", "QuantizeLinear", "DequantizeLinear", "headline", "checked_on")
 _QDQ_FIELDS = {"QuantizeLinear": "quantize_linear", "DequantizeLinear": "dequantize_linear"}
+# the scalar fields and their JSON type (counts are whole numbers; None where not recorded)
+_QUANTIZE_SCALARS: dict[str, type | tuple[type, ...]] = {
+    **dict.fromkeys(("quantized_nodes", "calibrated_tensors", "calibration_samples", "body_nodes", "quantize_linear",
+                     "dequantize_linear"), int),
+    **dict.fromkeys(("headline", "placement", "weight_range_reason", "activation_type"), str),
+    "calibration_seconds": (int, float), "float_nodes": list, "transforms": list, "node_rules": dict}
 # the sub-records by key: (record type, how to_dict writes it)
 _QUANTIZE_RECORDS: dict[str, tuple[Any, Any]] = {
     "cpu": (CpuFacts, lambda v: v.to_dict()), "kernel_fidelity": (FidelityResult, lambda v: v.to_dict()),
@@ -254,6 +260,9 @@ class QuantizeMetrics:
             for key in ("float_nodes", "transforms", "node_rules"):
                 if values.get(key) is None:
                     values.pop(key, None)
+            for key, kind in _QUANTIZE_SCALARS.items():
+                if values.get(key) is not None and (isinstance(values[key], bool) or not isinstance(values[key], kind)):
+                    raise TypeError(f"{key} is {values[key]!r}, not {getattr(kind, '__name__', 'a number')}")
             return cls(**values)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise StateError(f"{where} has an unknown layout ({type(exc).__name__}: {first_line(exc)}); re-run "
