@@ -31,8 +31,8 @@ TARGETS = {"host": [], "x86": ["target.cpus=[avx2,avx512,avx512_vnni,amx]"]}
 
 def kinds_of(rd: Path) -> str:
     """The pick's verdict per CPU kind, as its run recorded it: e.g. 'avx2 ok, amx ok'."""
-    from pipeline.accuracy.kinds import shipped_record
     from pipeline.artifacts import Manifest
+    from pipeline.records.stages import shipped_record
 
     record = shipped_record(Manifest(rd))
     if record is None:
