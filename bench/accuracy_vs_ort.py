@@ -52,6 +52,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from pipeline.errors import StateError  # noqa: E402
 from pipeline.records.autotune import AutotuneMetrics  # noqa: E402
+from pipeline.records.quantize import QuantizeMetrics  # noqa: E402
 
 MODELS = ("digits_cnn", "resnet18", "bert_tiny")
 TRAINED = ("minilm_l6", "ppocr_det", "ppocr_cls", "silero_vad")  # keys of trained_models.MODELS
@@ -288,34 +289,35 @@ def run_tune(rd: Path, stages: str, overrides: list[str]) -> tuple[str | None, f
     return f"tune exit {proc.returncode}: {(errs or lines or ['(no output)'])[-1][:300]}", took
 
 
-def quantize_metrics(rd: Path) -> dict:
+def quantize_metrics(rd: Path) -> QuantizeMetrics | None:
+    """quantize's manifest metrics in ``rd`` as their record; None where it recorded none or they do not read."""
     try:
-        doc = json.loads((rd / "manifest.json").read_text())
-        return doc["stages"]["quantize"].get("metrics") or {}
-    except (OSError, ValueError, KeyError):
-        return {}
+        recorded = json.loads((rd / "manifest.json").read_text())["stages"]["quantize"].get("metrics")
+        return QuantizeMetrics.from_dict(recorded, f"{rd}/manifest.json's quantize entry") if recorded else None
+    except (OSError, ValueError, KeyError, StateError):
+        return None
 
 
-def quantize_notes(m: dict, switched: str | None = None) -> str:
+def quantize_notes(m: QuantizeMetrics | None, switched: str | None = None) -> str:
     """The headline's bits after the first ';' (holdout verdict, weights, transforms, float nodes), and
     why a transform that was switched on changed nothing."""
-    head = str(m.get("headline") or "")
+    head = m.headline if m is not None else ""
     first, *rest = head.split("; ")
     bits = []
-    if m.get("ranges"):
-        bits.append(f"{m['ranges']['chosen']} ranges chosen")
+    if m is not None and m.ranges is not None:
+        bits.append(f"{m.ranges.chosen} ranges chosen")
     if "nodes quantized" in first:
         bits.append(first.split(": ", 1)[-1].split(" (")[0])  # "N nodes quantized"
     bits += rest
     if switched in ("equalization", "smoothing"):
-        rec = next((t for t in m.get("transforms") or [] if t.get("transform") == switched), None)
+        rec = next((t for t in (m.transforms if m is not None else []) if t.get("transform") == switched), None)
         if rec is not None and not rec.get("applied"):
             bits.append(f"{switched} not applied: {rec.get('reason')}")
     if switched == "bias_correction":
-        b = m.get("bias_correction") or {}
-        if not b.get("applied"):
-            bits.append(f"bias correction not kept: {b.get('reason', 'not run')}"
-                        + (f" ({b.get('before')} -> {b.get('after')})" if b.get("before") else ""))
+        b = m.bias_correction if m is not None else None
+        if b is None or not b.applied:
+            bits.append(f"bias correction not kept: {b.reason if b is not None and b.reason is not None else 'not run'}"
+                        + (f" ({b.before} -> {b.after})" if b is not None and b.before else ""))
     return _short("; ".join(bits))
 
 
@@ -361,7 +363,7 @@ def bench_trained(key: str, rd: Path, args: argparse.Namespace) -> tuple[list[TR
         row = TRow(label, None if err else vd / "quantize" / "quantized_model.onnx", error=err)
         m = quantize_metrics(vd)
         if not err:
-            row.float_nodes = len(m.get("float_nodes") or [])
+            row.float_nodes = len(m.float_nodes) if m is not None else 0
             row.notes = quantize_notes(m, name if name not in ("mse", "auto") else None)
         rows.append(row)
     dd = rd / "defaults"
@@ -373,7 +375,7 @@ def bench_trained(key: str, rd: Path, args: argparse.Namespace) -> tuple[list[TR
     q_row = TRow("ours: quantize (defaults, with recovery)", qp if qp.exists() else None,
                  error=None if qp.exists() else (err or "no quantized_model.onnx"))
     if qp.exists():
-        q_row.float_nodes = len(m.get("float_nodes") or [])
+        q_row.float_nodes = len(m.float_nodes) if m is not None else 0
         q_row.notes = quantize_notes(m)
     a_row = TRow("ours: autotuned (quick, on defaults)", None if err else dd / "autotune" / "optimized_final.onnx",
                  error=err)
