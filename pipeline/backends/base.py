@@ -135,14 +135,11 @@ class DeploymentMetrics:
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "manifest.json's gen_trt_engine entry") -> DeploymentMetrics:
-        """The record of gen_trt_engine's manifest metrics; a layout no writer made is a one-line StateError
-        naming ``where``."""
+        """The record of gen_trt_engine's manifest metrics (keys an older or newer writer added are left out);
+        a layout no writer made is a one-line StateError naming ``where``."""
         try:
             if not isinstance(d, Mapping):
                 raise TypeError(f"not an object but {type(d).__name__}")
-            unknown = sorted(set(d) - set(_DEPLOYMENT_KEYS))
-            if unknown:
-                raise KeyError(f"unknown keys {unknown}")
             for key, kind in _DEPLOYMENT_TYPES.items():
                 if d.get(key) is not None and (isinstance(d[key], bool) is not (kind is bool) or not isinstance(d[key], kind)):
                     raise TypeError(f"{key} is {d[key]!r}, not {getattr(kind, '__name__', 'a number')}")

@@ -66,8 +66,17 @@ class Verification:
     output_max_abs: float
 
 
-# the parts written flat into the entry (their fields are its keys), in manifest.json's order
+# the parts written as an object under their own key, and those written flat into the entry (their fields are
+# its keys), in manifest.json's order
+_NESTED = (("folded", Folding), ("control_flow", ControlFlow), ("specialized", Specialization))
 _FLAT = (("training", Training), ("verification", Verification))
+
+
+def _part(kind: type, d: Mapping[str, Any]) -> Any:
+    """The ``kind`` record of ``d``'s keys that are its fields."""
+    if not isinstance(d, Mapping):
+        raise TypeError(f"{kind.__name__} is a {type(d).__name__}, not an object")
+    return kind(**{f.name: d[f.name] for f in fields(kind) if f.name in d})
 
 
 @dataclass(frozen=True)
@@ -110,7 +119,7 @@ class ExportMetrics:
         out: dict[str, Any] = {}
         if self.source is not None:
             out["source"] = self.source
-        for key in ("folded", "control_flow", "specialized"):
+        for key, _ in _NESTED:
             if (part := getattr(self, key)) is not None:
                 out[key] = asdict(part)
         for key, _ in _FLAT:
@@ -120,23 +129,15 @@ class ExportMetrics:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "manifest.json's export entry") -> ExportMetrics:
-        """The record of export's manifest metrics; a layout no writer made is a one-line StateError naming
-        ``where``."""
+        """The record of export's manifest metrics (keys an older or newer writer added are left out); a layout
+        no writer made is a one-line StateError naming ``where``."""
         try:
             if not isinstance(d, Mapping):
                 raise TypeError(f"not an object but {type(d).__name__}")
-            flat = {key: kind(**{f.name: d[f.name] for f in fields(kind) if f.name in d})
-                    for key, kind in _FLAT if fields(kind)[0].name in d}
-            known = {"source", "folded", "control_flow", "specialized", "opset", "nodes", "inputs", "headline",
-                     *(f.name for _, kind in _FLAT for f in fields(kind))}
-            if unknown := sorted(set(d) - known):
-                raise KeyError(f"unknown keys {unknown}")
+            flat = {key: _part(kind, d) for key, kind in _FLAT if fields(kind)[0].name in d}
+            nested = {key: _part(kind, d[key]) for key, kind in _NESTED if d.get(key) is not None}
             return cls(opset=int(d["opset"]), nodes=int(d["nodes"]), inputs=dict(d["inputs"]),
-                       headline=str(d.get("headline", "")), source=d.get("source"),
-                       folded=Folding(**d["folded"]) if d.get("folded") is not None else None,
-                       control_flow=ControlFlow(**d["control_flow"]) if d.get("control_flow") is not None else None,
-                       specialized=Specialization(**d["specialized"]) if d.get("specialized") is not None else None,
-                       **flat)
+                       headline=str(d.get("headline", "")), source=d.get("source"), **nested, **flat)
         except (KeyError, TypeError, ValueError) as exc:
             raise StateError(f"{where} has an unknown layout ({type(exc).__name__}: {first_line(exc)}); re-run "
                              f"stages=[export] force=true") from None

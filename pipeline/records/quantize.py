@@ -245,14 +245,12 @@ class QuantizeMetrics:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "manifest.json's quantize entry") -> QuantizeMetrics:
-        """The record of quantize's manifest metrics; a layout no writer made is a one-line StateError
-        naming ``where``."""
+        """The record of quantize's manifest metrics (keys an older or newer writer added are left out); a
+        layout no writer made is a one-line StateError naming ``where``."""
         try:
             if not isinstance(d, Mapping):
                 raise TypeError(f"not an object but {type(d).__name__}")
-            if unknown := sorted(set(d) - set(_QUANTIZE_KEYS)):
-                raise KeyError(f"unknown keys {unknown}")
-            values = {_QDQ_FIELDS.get(k, k): v for k, v in d.items()}
+            values = {_QDQ_FIELDS.get(k, k): v for k, v in d.items() if k in _QUANTIZE_KEYS}
             for key, (kind, _) in _QUANTIZE_RECORDS.items():
                 values[key] = kind.from_dict(d[key]) if d.get(key) else None
             if d.get("weight_range") is not None:
