@@ -17,6 +17,7 @@ shipped model.
 
 from __future__ import annotations
 
+import shutil
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -47,10 +48,12 @@ MAX_ROUNDS, BENCH_SECONDS = 300, 20.0  # rounds at most; timed seconds (all rows
 
 
 def tuned(key: str, root: Path, overrides: list[str]) -> dict[str, tuple[Path, float]]:
-    """Each of our runs (backend=onnxruntime, openvino, auto) on the same model: its results_dir and seconds."""
+    """Each of our runs (backend=onnxruntime, openvino, auto) on the same model, from scratch (a results_dir
+    left by an earlier bench would skip its stages and time nothing): its results_dir and seconds."""
     out = {}
     for name in RUNS:
         rd = root / name
+        shutil.rmtree(rd, ignore_errors=True)
         err, seconds = run_tune(rd, "[export,quantize,autotune]",
                                 [*overrides, f"backend={name}", f"quantize.calibration.batches={CALIB}",
                                  f"accuracy.holdout_batches={HOLDOUT}", "autotune.preset=quick"])
