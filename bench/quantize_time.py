@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import time
 from contextlib import ExitStack
@@ -193,8 +194,10 @@ def stage_seconds(rd: Path, stage: str) -> float | None:
 
 
 def ours(key: str, root: Path, overrides: list[str], backend: str) -> tuple[Path | str, float | None, str]:
-    """Our quantize under ``backend``: (the PTQ model or the error, the stage's seconds, the runtime it runs on)."""
+    """Our quantize under ``backend``, from scratch (a skipped stage would report an earlier run's seconds):
+    (the PTQ model or the error, the stage's seconds, the runtime it runs on)."""
     rd = root / backend
+    shutil.rmtree(rd, ignore_errors=True)
     err, _ = run_tune(rd, "[export,quantize]", [*overrides, f"backend={backend}",
                                                 f"quantize.calibration.batches={CALIB}",
                                                 f"accuracy.holdout_batches={HOLDOUT}"])
