@@ -16,20 +16,24 @@ verdict. ``host_warning`` compares a host with it where the model is loaded.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import tempfile
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pipeline.accuracy.budget import AccuracyBudget, AccuracyVerdict
 from pipeline.accuracy.holdout import Holdout
 from pipeline.backend_config import runtime_packages
 from pipeline.backends.base import Backend
 from pipeline.errors import first_line
-from pipeline.graph.model import load_model, save_model
+from pipeline.graph.model import load_model, model_hash, save_model
 from pipeline.quant.cpu import KINDS, CpuFacts, cpu_facts, target_kinds
 from pipeline.quant.placement import PLACEMENTS
 from pipeline.quant.saturation import saturating_twin
@@ -130,12 +134,45 @@ def _judge_twin(backend: Backend, model: Path, holdout: Holdout, budget: Accurac
         if not report.can_saturate:
             how, verdict, _ = exact()
             return how, verdict, "no layer's pair sums can leave int16"
-        with tempfile.TemporaryDirectory(dir=model.parent, prefix=".twin-") as tmp:  # its weights too
-            verdict = _judge_reference(backend, save_model(twin, Path(tmp) / model.name), holdout, budget)
+        key = (model_hash(twin), budget, _holdout_digest(holdout))
+        if key in _TWIN_VERDICTS:
+            _TWIN_VERDICTS.move_to_end(key)
+            verdict = _TWIN_VERDICTS[key]
+        else:
+            with tempfile.TemporaryDirectory(dir=model.parent, prefix=".twin-") as tmp:  # its weights too
+                verdict = _judge_reference(backend, save_model(twin, Path(tmp) / model.name), holdout, budget)
+            _TWIN_VERDICTS[key] = verdict
+            while len(_TWIN_VERDICTS) > TWINS_KEPT:
+                _TWIN_VERDICTS.popitem(last=False)
         return SATURATION, verdict, f"{len(report.corrected)} layer(s) can saturate"
     except Exception as exc:  # noqa: BLE001 - a twin that fails is a kind not judged, never a failed stage
         log.warning("accuracy: the saturating twin of %s could not be judged: %s", model.name, first_line(exc))
         return SATURATION, None, f"not judged: the twin failed ({first_line(exc)})"
+
+
+# the saturating twins' verdicts of this process, by everything that decides one (the twin, the budget, the
+# held-out samples): a stage judging a model an earlier stage judged (autotune shipping the PTQ model) takes
+# the verdict instead of running the twin again; the TWINS_KEPT latest are kept
+_TWIN_VERDICTS: OrderedDict[tuple[str, AccuracyBudget, str], AccuracyVerdict | None] = OrderedDict()
+TWINS_KEPT = 4
+
+
+def _holdout_digest(holdout: Holdout) -> str:
+    """sha256 of what a verdict on ``holdout`` depends on: its feeds, labels, the float model's outputs and
+    the outputs judged."""
+    h = hashlib.sha256()
+    for outputs in holdout.reference:
+        for out in outputs:
+            h.update(np.ascontiguousarray(out).tobytes())
+    for feeds, labels in zip(holdout.feeds, holdout.labels, strict=True):
+        for name, value in sorted(feeds.items()):
+            a = np.ascontiguousarray(value)
+            h.update(f"{name}:{a.dtype}:{a.shape}".encode())
+            h.update(a.tobytes())
+        if labels is not None:
+            h.update(np.ascontiguousarray(labels).tobytes())
+    h.update(repr((holdout.valid, holdout.class_outputs, holdout.output_names)).encode())
+    return h.hexdigest()
 
 
 def _judge_reference(backend: Backend, model: Path, holdout: Holdout, budget: AccuracyBudget) -> AccuracyVerdict | None:

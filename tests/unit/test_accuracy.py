@@ -635,3 +635,42 @@ def test_recovery_aims_inside_the_budget_by_its_margin():
     assert t.judge(Scores.from_dict({**scores, "decisive_agreement": 250 / 251}), None).ok
     assert t.min_cosine == pytest.approx(1 - 0.01 * 10 ** -0.1)  # 1 dB less error energy
     assert b.tightened(0.0) == b
+
+
+def test_a_model_judged_once_is_not_run_as_its_saturating_twin_again(tmp_path, monkeypatch):
+    """``kind_verdicts``: the saturating twin's verdict on the same held-out samples and budget is kept for
+    the process (autotune shipping the PTQ model judges the model quantize judged); another budget or other
+    samples run the twin again. Where this host's kernels are exact, the other exact kinds take its verdict."""
+    import dataclasses
+
+    from pipeline.accuracy import kinds
+    from pipeline.quant.cpu import KINDS, PIN_ENV
+
+    monkeypatch.setenv(PIN_ENV, "avx2 avx512f avx512bw avx512_vnni amx_int8")
+    monkeypatch.setattr(kinds, "_TWIN_VERDICTS", type(kinds._TWIN_VERDICTS)())
+    backend = ort_backend()
+    build, holdout = _conv_setup(tmp_path, backend)
+    q = build("full")
+    path = tmp_path / "q.onnx"
+    onnx.save(q, str(path))
+    runs = []
+    judge = kinds._judge_reference
+
+    def counted(*args):
+        runs.append(args[1].name)
+        return judge(*args)
+
+    monkeypatch.setattr(kinds, "_judge_reference", counted)
+    host = checking.Checker(backend, holdout, AccuracyBudget(), fused=True, workdir=tmp_path).check(q, "q").verdict
+    first = kinds.kind_verdicts(backend, path, holdout, AccuracyBudget(), host)
+    by_kind = {k.kind: k for k in first}
+    assert set(by_kind) == set(KINDS) and by_kind["amx"].how == kinds.MEASURED
+    assert all(by_kind[k].verdict == host for k in KINDS if not KINDS[k].saturates)  # exact: the host's run
+    saturating = [k for k in KINDS if KINDS[k].saturates]
+    if by_kind[saturating[0]].how != kinds.SATURATION:
+        pytest.skip(f"no pair sum of this model can leave int16 ({by_kind[saturating[0]].note})")
+    assert len(runs) == 1  # one twin run for every saturating kind
+    again = dataclasses.replace(holdout, feeds=[dict(f) for f in holdout.feeds])  # the same samples, another run's
+    assert kinds.kind_verdicts(backend, path, again, AccuracyBudget(), host) == first and len(runs) == 1
+    kinds.kind_verdicts(backend, path, holdout, AccuracyBudget(min_snr_db=40.0), host)
+    assert len(runs) == 2  # another budget: judged again
