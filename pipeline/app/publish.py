@@ -14,6 +14,7 @@ from typing import Any
 from pipeline.accuracy.kinds import checked_on, float_kinds
 from pipeline.app.choice import float_deployment
 from pipeline.app.host_choice import HOST_CHOICES, judged_hosts
+from pipeline.app.race import STAGE_RACES, Race
 from pipeline.app.runtime_runs import (
     PER_RUNTIME,
     RuntimeRun,
@@ -88,14 +89,19 @@ def _link(src: Path, dst: Path) -> None:
 
 
 def _every_runtime_seconds(top: Path, stage: str) -> dict[str, Any]:
-    """The seconds every runtime's own run spent in ``stage`` (the ones the race dropped too), and their sum:
-    what the top level's entry reports for the whole auto run."""
+    """The seconds every runtime's own run spent in ``stage`` (the ones the race dropped too) and the races
+    run within it took (``STAGE_RACES``), and their sum: what the top level's entry reports for the whole
+    auto run."""
     spent = {}
     for sub in sorted((top / "runtimes").glob("*/manifest.json")):
         entry = Manifest(sub.parent).entry(stage) or {}
         if entry.get("seconds") is not None:
             spent[sub.parent.name] = float(entry["seconds"])
-    return {"seconds": round(sum(spent.values()), 3), "seconds_by_runtime": spent} if spent else {}
+    if not spent:
+        return {}
+    raced = round(sum(Race.from_dict(read_json(top / name, name)).seconds
+                      for name in STAGE_RACES.get(stage, ()) if (top / name).exists()), 3)
+    return {"seconds": round(sum(spent.values()) + raced, 3), "seconds_by_runtime": spent, "race_seconds": raced}
 
 
 def _published(manifest: Manifest, winner: RuntimeRun, choice: RuntimeChoice, outputs: dict[str, Any],

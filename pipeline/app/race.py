@@ -24,6 +24,7 @@ dropped it.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,8 @@ log = logging.getLogger("tune.auto")
 RACE = "autotune/race.json"
 FLOAT_RACE = "autotune/float_race.json"  # the race of the floats, before any runtime quantizes
 LEAD_RACE = "autotune/lead_race.json"  # the others' floats against the first quantized runtime's PTQ model
+# the races run within each stage: their timing counts in the top level's seconds of that stage
+STAGE_RACES = {"quantize": (FLOAT_RACE, LEAD_RACE), "autotune": (RACE,)}
 # the most autotune gained over the better of a runtime's PTQ model and its float, with its runtime
 # settings, on the bench models on the CPU kinds measured (docs/measurements/2026-11-28-targets-and-race.md:
 # up to 1.12x), with room above it
@@ -83,6 +86,7 @@ class Race:
     key: str
     entries: list[RaceEntry] = field(default_factory=list)
     leader: str = ""
+    seconds: float = 0.0  # what timing it took, when it was timed (a kept race costs nothing more)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,7 +94,8 @@ class Race:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Race:
         try:
-            return cls(str(d["key"]), [RaceEntry(**e) for e in d.get("entries", [])], str(d.get("leader", "")))
+            return cls(str(d["key"]), [RaceEntry(**e) for e in d.get("entries", [])], str(d.get("leader", "")),
+                       float(d.get("seconds", 0.0)))
         except (TypeError, KeyError) as exc:
             raise StateError(f"{RACE} has an unknown layout ({first_line(exc)}); delete it to race again") from None
 
@@ -165,6 +170,7 @@ def _timed_race(path: Path, key: str, deployments: dict[str, tuple[tuple[Backend
         kept = Race.from_dict(read_json(path, path.name))
         if kept.key == key and {e.runtime for e in kept.entries} == set(deployments):
             return kept
+    started = time.monotonic()
     compare = Comparison()
     slots = {n: (compare.slot(*f), compare.slot(*p) if p is not None else None) for n, (f, p) in deployments.items()}
     groups = [[i for i in pair if i is not None] for pair in slots.values()]
@@ -175,6 +181,7 @@ def _timed_race(path: Path, key: str, deployments: dict[str, tuple[tuple[Backend
         return timings[i].p10_ms if i is not None and timings[i].ok else None
 
     race = decide_race(key, {n: (p10(f), p10(p)) for n, (f, p) in slots.items()}, bound)
+    race.seconds = round(time.monotonic() - started, 3)
     atomic_write_json(path, race.to_dict(), indent=1)
     return race
 
@@ -350,5 +357,5 @@ def tuned_gain(run: RuntimeRun) -> float:
     return best / m.final_ms if best and m.final_ms else 1.0
 
 
-__all__ = ["race_floats", "racing", "tune_racing", "FLOAT_RACE", "GAIN_BOUND", "INT8_CEILING", "RACE", "run_float_race", "TIE_MARGIN", "Race", "RaceEntry", "decide_race", "describe", "out_of_reach",
+__all__ = ["race_floats", "racing", "tune_racing", "FLOAT_RACE", "STAGE_RACES", "GAIN_BOUND", "INT8_CEILING", "RACE", "run_float_race", "TIE_MARGIN", "Race", "RaceEntry", "decide_race", "describe", "out_of_reach",
            "race_line", "reachable", "run_race", "still_in_reach"]

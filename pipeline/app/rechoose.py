@@ -103,8 +103,8 @@ LATER_STAGES = ("gen_trt_engine", "evaluate")
 
 
 def cost_line(results_dir: Path, seconds: float, summary: dict[str, Any]) -> str:
-    """What the re-choice cost against the tuning it did not repeat (quantize and autotune in every runtime,
-    as the manifest records them): the choice from the command's start (composing the config, judging and
+    """What the re-choice cost against the tuning it did not repeat (quantize and autotune in every runtime
+    and the races among them, as the manifest records them): the choice from the command's start (composing the config, judging and
     timing the deployments, shipping one), and apart from it the later stages this run ran on this host."""
     from pipeline.artifacts import Manifest
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import QUICK, pin_backend, run_tune
 
 # each runtime's own measurements kept short, as QUICK keeps the single-runtime ones
@@ -291,6 +293,12 @@ def test_the_race_drops_a_runtime_far_behind_after_ptq_and_keeps_a_close_one(res
     stages = json.loads((rd / "manifest.json").read_text())["stages"]
     assert set(stages["quantize"]["seconds_by_runtime"]) == {"onnxruntime", "openvino"}  # every runtime's work
     assert stages["quantize"]["seconds"] >= max(stages["quantize"]["seconds_by_runtime"].values())
+    for stage, races in (("quantize", ["float_race.json", "lead_race.json"]), ("autotune", ["race.json"])):
+        # the races run within a stage count in its seconds, as each one recorded what its timing took
+        raced = sum(json.loads((rd / "autotune" / r).read_text())["seconds"] for r in races if (rd / "autotune" / r).exists())
+        assert stages[stage]["race_seconds"] == pytest.approx(raced, abs=2e-3) and stages[stage]["race_seconds"] > 0
+        assert stages[stage]["seconds"] == pytest.approx(sum(stages[stage]["seconds_by_runtime"].values()) + raced,
+                                                         abs=2e-3)
     report = (rd / "evaluate" / "report.md").read_text()
     assert "| openvino | left out | not tuned: out of reach after PTQ" in report and "race after PTQ" in report
     # chosen again on another kind of CPU: nothing is tuned, the runtime the race dropped stays untuned
