@@ -213,3 +213,30 @@ def test_calibration_ignores_padding():
 
     s = collect(model, batches, CalibrationMethod("minmax", 99.9, 2048), 1, lambda it, d: it)["y"]
     assert s.max == 1.0 and s.samples == 2
+
+
+def test_a_qdq_for_every_reader_leaves_float_a_reader_that_only_carries_it_to_graph_outputs():
+    """A recurrent state: the tensor a MatMul reads is also passed, unchanged (Identity, Unsqueeze), to a graph
+    output that comes back as the next call's state. A Q/DQ on it for every reader rewires the MatMul only;
+    the state keeps its float values, which a Q/DQ would round on every call. A reader that computes past a
+    move-only op is rewired."""
+    from pipeline.quant.plan import ActivationQ, QDQPlan
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    w = helper.make_tensor("w", TensorProto.FLOAT, [4, 4], np.eye(4, dtype=np.float32).ravel().tolist())
+    nodes = [helper.make_node("Relu", ["x"], ["h"], name="act"),
+             helper.make_node("MatMul", ["h", "w"], ["y"], name="mm"),
+             helper.make_node("Identity", ["h"], ["h_id"], name="carry"),
+             helper.make_node("Unsqueeze", ["h_id", "axes"], ["state"], name="stack"),
+             helper.make_node("Reshape", ["h", "shape"], ["h2"], name="move"),
+             helper.make_node("Mul", ["h2", "h2"], ["sq"], name="square")]
+    axes = helper.make_tensor("axes", TensorProto.INT64, [1], [0])
+    shape = helper.make_tensor("shape", TensorProto.INT64, [2], [1, 4])
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "state", "sq")]
+    model = onnx.shape_inference.infer_shapes(helper.make_model(
+        helper.make_graph(nodes, "g", [x], outs, [w, axes, shape]), opset_imports=[helper.make_opsetid("", 17)]))
+    q = apply_plan(model, QDQPlan(activations=[ActivationQ("h", "uint8")]), _calibrate(model))
+    readers = {n.name: list(n.input) for n in q.graph.node}
+    dq = next(n.output[0] for n in q.graph.node if n.op_type == "DequantizeLinear")
+    assert readers["mm"][0] == dq and readers["move"][0] == dq  # compute, directly or past a Reshape
+    assert readers["carry"][0] == "h"  # the state: float
