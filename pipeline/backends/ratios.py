@@ -72,8 +72,13 @@ def clear_leader(blocks: list[list[list[float]]]) -> bool:
     live = [i for i, b in enumerate(blocks) if len(b) == rounds]
     if rounds < MIN_ROUNDS or len(live) < 2 or timed_seconds(blocks) < CHEAP_SECONDS:
         return False
-    lead = min(live, key=lambda i: float(np.percentile([t for b in blocks[i] for t in b], 10)))
+    lead = min(live, key=lambda i: _p10(blocks[i]))
     return all(sequential_verdict(round_ratios(blocks[i], blocks[lead]), 1.0) == "below" for i in live if i != lead)
+
+
+def _p10(model_blocks: list[list[float]]) -> float:
+    """The p10 of one model's timed runs over all its blocks."""
+    return float(np.percentile([t for b in model_blocks for t in b], 10))
 
 
 # a fast model's latency switches between levels up to this factor apart within a second (silero-vad's float
@@ -107,19 +112,18 @@ def race_decided(blocks: list[list[list[float]]], groups: Sequence[Sequence[int]
         if other is lead:
             continue
         ratios = [o / lo for o, lo in zip(other, lead, strict=True) if lo > 0]
-        verdict = sequential_verdict(ratios, bar)
-        if verdict is None or (verdict == "above" and cheap and ratio_interval(ratios)[0] <= bar * LEVEL_SPREAD):
+        if sequential_verdict(ratios, bar) != "below" and not _clear(ratios, "above", cheap, bar):
             return False
     return True
 
 
-def _clear(ratios: list[float], side: str, cheap: bool) -> bool:
-    """Whether per-round ratios lie clearly on ``side`` ("below" or "above") of 1, by more than
-    LEVEL_SPREAD where ``cheap``."""
-    if sequential_verdict(ratios, 1.0) != side:
+def _clear(ratios: list[float], side: str, cheap: bool, bar: float = 1.0) -> bool:
+    """Whether per-round ratios lie clearly on ``side`` ("below" or "above") of ``bar``
+    (``sequential_verdict``), by more than LEVEL_SPREAD where ``cheap``."""
+    if sequential_verdict(ratios, bar) != side:
         return False
     low, high = ratio_interval(ratios)
-    return not cheap or (high * LEVEL_SPREAD < 1.0 if side == "below" else low > LEVEL_SPREAD)
+    return not cheap or (high * LEVEL_SPREAD < bar if side == "below" else low > bar * LEVEL_SPREAD)
 
 
 def choice_decided(blocks: list[list[list[float]]], runtimes: Sequence[tuple[int, int]]) -> bool:
@@ -146,5 +150,5 @@ def choice_decided(blocks: list[list[list[float]]], runtimes: Sequence[tuple[int
         picks += live[:1]
     if len(picks) < 2:
         return True
-    lead = min(picks, key=lambda i: float(np.percentile([t for b in blocks[i] for t in b], 10)))
+    lead = min(picks, key=lambda i: _p10(blocks[i]))
     return all(_clear(round_ratios(blocks[lead], blocks[i]), "above", cheap) for i in picks if i != lead)

@@ -143,27 +143,26 @@ class TimingPlan:
         return cls(max(rounds, cheap_rounds), runs_per_round, warmup_runs, stop_on_error=True, until=until)
 
     @classmethod
-    def race(cls, timing_runs: int, warmup_runs: int) -> TimingPlan:
+    def race(cls, timing_runs: int, warmup_runs: int,
+             until: Callable[[list[list[list[float]]]], bool] = clear_leader) -> TimingPlan:
         """Several deployments, the fastest wanted (quantize's weight storage; auto's races and choice end
-        on their own decisions, ``runtime_race`` and ``choice``):
-        up to RACE_ROUNDS rounds of ``timing_runs`` / RACE_ROUNDS runs, fewer once one is clearly the
-        fastest (``clear_leader``)."""
-        return cls(RACE_ROUNDS, max(2, int(timing_runs) // RACE_ROUNDS), int(warmup_runs), until=clear_leader)
+        on their own decisions, ``runtime_race`` and ``choice``): up to RACE_ROUNDS rounds of
+        ``timing_runs`` / RACE_ROUNDS runs, fewer once ``until`` (default: one is clearly the fastest,
+        ``clear_leader``)."""
+        return cls(RACE_ROUNDS, max(2, int(timing_runs) // RACE_ROUNDS), int(warmup_runs), until=until)
 
     @classmethod
     def choice(cls, timing_runs: int, warmup_runs: int, runtimes: list[tuple[int, int]]) -> TimingPlan:
         """backend=auto's final choice among runtimes, each its (float, shipped) deployments (indices of the
         timed models): ``race``'s rounds, fewer once the pick is clear (``choice_decided``)."""
-        return cls(RACE_ROUNDS, max(2, int(timing_runs) // RACE_ROUNDS), int(warmup_runs),
-                   until=lambda blocks: choice_decided(blocks, runtimes))
+        return cls.race(timing_runs, warmup_runs, lambda blocks: choice_decided(blocks, runtimes))
 
     @classmethod
     def runtime_race(cls, timing_runs: int, warmup_runs: int, groups: list[list[int]], bar: float) -> TimingPlan:
         """backend=auto's races of runtimes, each a group of deployments (indices of the timed models; a
         runtime's latency is its best one's): ``race``'s rounds, fewer once every runtime is clearly within
         or beyond ``bar`` times the fastest one's latency (``race_decided``)."""
-        return cls(RACE_ROUNDS, max(2, int(timing_runs) // RACE_ROUNDS), int(warmup_runs),
-                   until=lambda blocks: race_decided(blocks, groups, bar))
+        return cls.race(timing_runs, warmup_runs, lambda blocks: race_decided(blocks, groups, bar))
 
     @classmethod
     def final(cls, timing_runs: int, warmup_runs: int, rounds: int = FINAL_ROUNDS,

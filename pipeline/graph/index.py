@@ -158,6 +158,13 @@ MOVE_ONLY_OPS = ("Concat", "Flatten", "Gather", "Identity", "Reshape", "Slice", 
                  "Unsqueeze")
 
 
+def computes_on(g: GraphIndex, node: onnx.NodeProto) -> bool:
+    """Whether ``node`` computes on its inputs, or passes them through ops that only move data to one that
+    does (``reaches_compute``): a reader that only carries a tensor to graph outputs gains nothing from a
+    Q/DQ on it."""
+    return node.op_type not in MOVE_ONLY_OPS or any(reaches_compute(g, o) for o in node.output if o)
+
+
 def reaches_compute(g: GraphIndex, tensor: str) -> bool:
     """Whether ``tensor``'s readers, followed through ops that only move data, include an op that
     computes. A tensor that only reaches graph outputs (a recurrent state, a model output) gains

@@ -36,7 +36,7 @@ from onnx import TensorProto, helper, numpy_helper
 from pipeline.errors import StageError, StateError
 from pipeline.graph import weights
 from pipeline.graph.bodies import all_names, body_views, fresh_name, put_back
-from pipeline.graph.index import MOVE_ONLY_OPS, GraphIndex, bias_tensor, reaches_compute
+from pipeline.graph.index import GraphIndex, bias_tensor, computes_on
 from pipeline.graph.model import (
     graph_reads,
     iter_nodes,
@@ -230,7 +230,7 @@ def _emit_activations(ins: _Insertion, plan: QDQPlan) -> None:
         readers = [(c.name, i) for c, i in g.consumers.get(tensor, [])]
         # every reader, but not one that only carries the tensor to graph outputs (a recurrent state passed
         # back in, an output the user reads): a Q/DQ gains it nothing and costs it precision
-        targets = [r for r in readers if _computes_on(g, r)] if who is None else sorted(who)
+        targets = [r for r in readers if computes_on(g, g.nodes[r[0]])] if who is None else sorted(who)
         targets = [c for c in targets if c not in rewired]
         if not targets and tensor not in g.graph_outputs:
             continue
@@ -259,13 +259,6 @@ def _emit_activations(ins: _Insertion, plan: QDQPlan) -> None:
         for node_name, idx in targets:
             g.nodes[node_name].input[idx] = dq_out
             rewired[(node_name, idx)] = dq_out
-
-
-def _computes_on(g: GraphIndex, reader: Consumer) -> bool:
-    """Whether ``reader`` computes on its input, or passes it through ops that only move data to one that
-    does (``reaches_compute``)."""
-    node = g.nodes[reader[0]]
-    return node.op_type not in MOVE_ONLY_OPS or any(reaches_compute(g, o) for o in node.output if o)
 
 
 def _emit_weights(ins: _Insertion, plan: QDQPlan) -> dict[tuple[str, int], QuantParams]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import onnx
 
-from pipeline.graph.index import MOVE_ONLY_OPS, GraphIndex, reaches_compute, weight_inputs
+from pipeline.graph.index import GraphIndex, computes_on, weight_inputs
 from pipeline.graph.model import WEIGHTED_OPS
 from pipeline.quant.placement import PASS_THROUGH_OPS, PLACEMENTS, too_small
 from tasks.autotune.region.region import Region
@@ -131,7 +131,7 @@ def candidate_points(order: list[int], model: onnx.ModelProto, g: GraphIndex, pl
         if op in WEIGHTED_OPS and too_small(g, node, "fp8_e4m3fn" if quant_type == "fp8" else "int8"):
             continue
         acts = [s for s, t in enumerate(node.input) if g.is_activation(t)]
-        if op in MOVE_ONLY_OPS and not any(reaches_compute(g, t) for t in node.output if t):
+        if not computes_on(g, node):
             continue  # data on its way to graph outputs only: a Q/DQ there only costs precision
         if PLACEMENTS[placement].qlinear_groups:
             if op in WEIGHTED_OPS or op in ORT_INPUT_OPS:
