@@ -7,6 +7,9 @@ qdq-tune and is shown with its full traceback.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 
 class PipelineError(Exception):
     """Base class: the message names the key or file, the value, and the fix."""
@@ -69,3 +72,19 @@ def first_line(exc: BaseException) -> str:
         return f"{exc.problem}{where}"
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     return lines[0] if lines else type(exc).__name__
+
+
+# what reading a JSON document into a record raises where the document's layout is not one a writer made
+# (a missing key, a list where an object belongs, a string or an Infinity where a count belongs)
+LAYOUT_ERRORS = (KeyError, TypeError, ValueError, AttributeError, OverflowError)
+
+
+@contextlib.contextmanager
+def record_layout(where: str, stage: str) -> Iterator[None]:
+    """Reading ``stage``'s record from the JSON named ``where`` inside the block: a layout no writer made is
+    a one-line StateError naming it and the fix (run the stage again), not a traceback."""
+    try:
+        yield
+    except LAYOUT_ERRORS as exc:
+        raise StateError(f"{where} has an unknown layout ({type(exc).__name__}: {first_line(exc)}); re-run "
+                         f"stages=[{stage}] force=true") from None

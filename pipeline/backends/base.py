@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from pipeline.errors import StateError, first_line
+from pipeline.errors import record_layout
 from pipeline.graph.model import InputSpec, input_specs, load_model, model_hash
 
 log = logging.getLogger("tune.backend")
@@ -137,16 +137,13 @@ class DeploymentMetrics:
     def from_dict(cls, d: Any, where: str = "manifest.json's gen_trt_engine entry") -> DeploymentMetrics:
         """The record of gen_trt_engine's manifest metrics (keys an older or newer writer added are left out);
         a layout no writer made is a one-line StateError naming ``where``."""
-        try:
+        with record_layout(where, "gen_trt_engine"):
             if not isinstance(d, Mapping):
                 raise TypeError(f"not an object but {type(d).__name__}")
             for key, kind in _DEPLOYMENT_TYPES.items():
                 if d.get(key) is not None and (isinstance(d[key], bool) is not (kind is bool) or not isinstance(d[key], kind)):
                     raise TypeError(f"{key} is {d[key]!r}, not {getattr(kind, '__name__', 'a number')}")
             return cls(**{_deployment_field(k): d[k] for k in _DEPLOYMENT_KEYS if k in d})
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StateError(f"{where} has an unknown layout ({type(exc).__name__}: {first_line(exc)}); re-run "
-                             f"stages=[gen_trt_engine] force=true") from None
 
 
 def _deployment_field(key: str) -> str:

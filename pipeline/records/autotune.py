@@ -16,7 +16,7 @@ from typing import Any
 
 from pipeline.accuracy.budget import AccuracyVerdict
 from pipeline.accuracy.kinds import CheckedOn
-from pipeline.errors import StateError, first_line
+from pipeline.errors import record_layout
 from pipeline.records.evaluate import FloatBaseline
 from pipeline.runtime_choice import RuntimeChoice
 
@@ -159,13 +159,10 @@ class AutotuneMetrics:
     def from_dict(cls, d: Mapping[str, Any], where: str = "manifest.json's autotune entry") -> AutotuneMetrics:
         """The record of autotune's manifest metrics; a layout no writer made is a one-line StateError
         naming ``where``."""
-        try:
+        with record_layout(where, "autotune"):
             if not isinstance(d, Mapping):
                 raise TypeError(f"not an object but {type(d).__name__}")
             return cls._read(d)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise StateError(f"{where} has an unknown layout ({type(exc).__name__}: {first_line(exc)}); re-run "
-                             f"stages=[autotune] force=true") from None
 
     @classmethod
     def _read(cls, d: Mapping[str, Any]) -> AutotuneMetrics:

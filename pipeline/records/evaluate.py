@@ -19,7 +19,7 @@ from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.accuracy.kinds import CheckedOn
 from pipeline.accuracy.scores import Scores
 from pipeline.backends.base import Timing
-from pipeline.errors import StateError, first_line
+from pipeline.errors import record_layout
 from pipeline.quant.cpu import CpuFacts
 from pipeline.records.quantize import BiasCorrection
 from pipeline.runtime_choice import ModelSummary, RuntimeEvaluation
@@ -427,7 +427,7 @@ class EvaluateMetrics:
     def from_dict(cls, d: Mapping[str, Any], where: str = "evaluate/metrics.json") -> EvaluateMetrics:
         """The record of a metrics.json (or the evaluate entry of a manifest); a layout no writer made is
         a one-line StateError naming ``where``."""
-        try:
+        with record_layout(where, "evaluate"):
             data = dict(d["data"])
             data.setdefault("max_batches", None)
             return cls(
@@ -445,9 +445,6 @@ class EvaluateMetrics:
                 unseen_data=d.get("unseen_data"), promise_unchecked=d.get("promise_unchecked"),
                 over_budget=list(d.get("over_budget") or []),
                 sensitivity=_opt(d.get("sensitivity"), SensitivitySummary.from_dict))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StateError(f"{where} has an unknown layout ({type(exc).__name__}: {first_line(exc)}); re-run "
-                             f"stages=[evaluate] force=true") from None
 
 
 def runtime_evaluation(metrics: EvaluateMetrics, report: str) -> RuntimeEvaluation:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from pipeline.errors import StateError, first_line
+from pipeline.errors import record_layout
 
 
 @dataclass(frozen=True)
@@ -131,16 +131,13 @@ class ExportMetrics:
     def from_dict(cls, d: Mapping[str, Any], where: str = "manifest.json's export entry") -> ExportMetrics:
         """The record of export's manifest metrics (keys an older or newer writer added are left out); a layout
         no writer made is a one-line StateError naming ``where``."""
-        try:
+        with record_layout(where, "export"):
             if not isinstance(d, Mapping):
                 raise TypeError(f"not an object but {type(d).__name__}")
             flat = {key: _part(kind, d) for key, kind in _FLAT if fields(kind)[0].name in d}
             nested = {key: _part(kind, d[key]) for key, kind in _NESTED if d.get(key) is not None}
             return cls(opset=int(d["opset"]), nodes=int(d["nodes"]), inputs=dict(d["inputs"]),
                        headline=str(d.get("headline", "")), source=d.get("source"), **nested, **flat)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StateError(f"{where} has an unknown layout ({type(exc).__name__}: {first_line(exc)}); re-run "
-                             f"stages=[export] force=true") from None
 
 
 __all__ = ["ControlFlow", "ExportMetrics", "Folding", "Specialization", "Training", "Verification"]

@@ -13,7 +13,7 @@ from pipeline.accuracy.budget import AccuracyVerdict
 from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.accuracy.kinds import CheckedOn
 from pipeline.artifacts import read_json
-from pipeline.errors import StateError, first_line
+from pipeline.errors import StateError, record_layout
 from pipeline.quant.calibration import check_keys
 from pipeline.quant.cpu import CpuFacts
 from pipeline.quant.plan import WeightVariant
@@ -247,7 +247,7 @@ class QuantizeMetrics:
     def from_dict(cls, d: Mapping[str, Any], where: str = "manifest.json's quantize entry") -> QuantizeMetrics:
         """The record of quantize's manifest metrics (keys an older or newer writer added are left out); a
         layout no writer made is a one-line StateError naming ``where``."""
-        try:
+        with record_layout(where, "quantize"):
             if not isinstance(d, Mapping):
                 raise TypeError(f"not an object but {type(d).__name__}")
             values = {_QDQ_FIELDS.get(k, k): v for k, v in d.items() if k in _QUANTIZE_KEYS}
@@ -262,6 +262,3 @@ class QuantizeMetrics:
                 if values.get(key) is not None and (isinstance(values[key], bool) or not isinstance(values[key], kind)):
                     raise TypeError(f"{key} is {values[key]!r}, not {getattr(kind, '__name__', 'a number')}")
             return cls(**values)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise StateError(f"{where} has an unknown layout ({type(exc).__name__}: {first_line(exc)}); re-run "
-                             f"stages=[quantize] force=true") from None

@@ -36,7 +36,9 @@ def shipped_record(manifest: Manifest) -> CheckedOn | None:
     existed)."""
     key = next((k for k in MODEL_KEYS if manifest.artifact(k) is not None), None)
     stage = key.split("/")[0] if key is not None else None
-    recorded = stage_metrics(stage, manifest.metrics(stage), f"{manifest.path}'s {stage} entry") if stage else None
+    if stage not in ("quantize", "autotune"):  # the exported float: no stage checked it
+        return None
+    recorded = stage_metrics(stage, manifest.metrics(stage), f"{manifest.path}'s {stage} entry")
     if not isinstance(recorded, (QuantizeMetrics, AutotuneMetrics)):
         return None
     try:

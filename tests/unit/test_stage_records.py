@@ -92,3 +92,20 @@ def test_a_corrupt_entry_is_one_line_naming_where(kind):
 def test_every_registered_stage_has_its_record_and_no_entry_reads_as_none():
     assert set(STAGE_RECORDS) == set(STAGES)
     assert all(stage_metrics(stage, {}, "nowhere") is None for stage in STAGES)
+
+
+def test_an_entry_of_a_shape_no_writer_made_is_one_line_for_every_stage():
+    """A list where an object belongs, an Infinity where a count belongs: the stage's one-line StateError
+    naming the entry and the fix, whatever the record's parser raised."""
+    from pipeline.errors import StateError
+    from pipeline.records.stages import stage_metrics
+
+    data = {"source": "s", "samples": 1, "batches": 1, "batch_size": 1, "labelled": False}
+    for stage, d in [("evaluate", {"models": {"a": []}, "baseline": "float", "data": data}),
+                     ("evaluate", {"models": {}, "baseline": "float", "data": data, "latency": [1]}),
+                     ("export", {"opset": float("inf"), "nodes": 1, "inputs": {}}), ("gen_trt_engine", [1]),
+                     ("autotune", [1]), ("quantize", [1])]:
+        with pytest.raises(StateError) as err:
+            stage_metrics(stage, d, f"m.json's {stage} entry")
+        assert str(err.value).startswith(f"m.json's {stage} entry has an unknown layout")
+        assert str(err.value).endswith(f"re-run stages=[{stage}] force=true") and "\n" not in str(err.value)
