@@ -20,7 +20,9 @@ import hashlib
 import logging
 import tempfile
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -46,6 +48,22 @@ QDQ_MATH = "Q/DQ math (its int8 kernels are exact)"
 QDQ_MATH_HERE = "Q/DQ math as this host's exact int8 kernels ran it (its int8 kernels are exact too)"
 SATURATION = "saturating twin (its u8 x s8 kernels' int16 pair sums)"
 NO_INT8 = "float model (no int8 kernels)"
+DEFERRED = "not judged yet"
+
+# why kind_verdicts leaves the kinds that are neither this host's nor targets unjudged, while set
+_DEFERRED: ContextVar[str | None] = ContextVar("kinds_deferred", default=None)
+
+
+@contextmanager
+def kinds_deferred(why: str) -> Iterator[None]:
+    """Within it, ``kind_verdicts`` judges this host's kind and the target kinds only, and leaves every other
+    kind not judged (``DEFERRED``, ``why`` as its note): backend=auto quantizes a runtime its race may still
+    drop, and a runtime that is tuned judges what it ships on every kind."""
+    token = _DEFERRED.set(why)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
 
 
 @dataclass(frozen=True)
@@ -106,11 +124,14 @@ def kind_verdicts(backend: Backend, model: Path, holdout: Holdout, budget: Accur
         return judged["saturating"]
 
     out = []
+    deferred = _DEFERRED.get()
     for kind in order:
         if not quantized:
             out.append(KindVerdict(kind, NO_INT8, host_verdict))
         elif kind == host:
             out.append(KindVerdict(kind, MEASURED, host_verdict))
+        elif deferred is not None and kind not in target_kinds() and (KINDS[kind].saturates or "exact" not in judged):
+            out.append(KindVerdict(kind, DEFERRED, None, deferred))  # a verdict that takes a run of its own
         elif budget.enabled:
             how, verdict, note = saturating() if KINDS[kind].saturates else exact()
             out.append(KindVerdict(kind, how, verdict, note))
@@ -317,8 +338,10 @@ def log_kinds(kinds: list[KindVerdict], stage: str) -> None:
         names = ", ".join(k.kind for k in missed)
         log.warning("%s: not for %s CPUs: %s; tune with target.cpus=[%s] (or target=x86) for a deployment "
                     "right there too", stage, names, missed[0].line(), names)
-    log.info("%s: accuracy per CPU kind: %s", stage, "; ".join(
-        f"{k.kind} {'ok' if k.ok else 'not judged' if k.ok is None else 'MISSES'}" for k in kinds))
+    later = next((k.note for k in kinds if k.how == DEFERRED), "")
+    log.info("%s: accuracy per CPU kind: %s%s", stage, "; ".join(
+        f"{k.kind} {'ok' if k.ok else (k.how if k.how == DEFERRED else 'not judged') if k.ok is None else 'MISSES'}"
+        for k in kinds), f" ({later})" if later else "")
 
 
 def checked_on(backend: Backend, kinds: list[KindVerdict]) -> CheckedOn:
@@ -329,4 +352,5 @@ def checked_on(backend: Backend, kinds: list[KindVerdict]) -> CheckedOn:
                      settings, target_kinds(), kinds)
 
 
-__all__ = ["CheckedOn", "KindVerdict", "checked_on", "float_kinds", "host_key", "kind_verdicts", "log_kinds", "runtime_versions"]
+__all__ = ["CheckedOn", "DEFERRED", "KindVerdict", "checked_on", "float_kinds", "host_key", "kind_verdicts", "kinds_deferred",
+           "log_kinds", "runtime_versions"]

@@ -70,10 +70,11 @@ def run_auto(cfg: DictConfig, results_dir: Path,
     # calibration statistics are collected once, by the first runtime that quantizes; a re-choice
     # (backend.tuned_only) runs no tuning stage
     with sharing(), tuning_frozen(bool(cfg.backend.get("tuned_only", False))):
+        lead_race = None
         if "quantize" in per_runtime:
-            runs = quantize_racing(cfg, results_dir, race_floats(cfg, results_dir, runs, each), each)
+            runs, lead_race = quantize_racing(cfg, results_dir, race_floats(cfg, results_dir, runs, each), each)
         if "autotune" in per_runtime:
-            runs = tune_racing(cfg, results_dir, runs, each)
+            runs = tune_racing(cfg, results_dir, runs, each, lead_race)
     failures, outcomes = each.failures, each.outcomes
     if not runs and failures:
         raise failures[0]  # every runtime failed: the first one's error (a bad input fails them all alike)

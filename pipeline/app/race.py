@@ -31,7 +31,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline.accuracy.kinds import host_key
+from pipeline.accuracy.kinds import host_key, kinds_deferred
 from pipeline.app.comparison import Comparison
 from pipeline.app.runtime_runs import EachRuntime, RuntimeRun, deployed_float
 from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
@@ -114,20 +114,42 @@ def out_of_reach(best_ms: float, leader_ms: float, bound: float = GAIN_BOUND) ->
     return reachable(best_ms, bound) > leader_ms * TIE_MARGIN
 
 
-def run_race(top: Path, runs: list[RuntimeRun], cfg: DictConfig) -> Race | None:
+def run_race(top: Path, runs: list[RuntimeRun], cfg: DictConfig, lead_race: Race | None = None) -> Race | None:
     """The race of ``runs``, each quantized in its own results_dir: its PTQ model and float as deployed,
-    timed or kept; None where a runtime has no PTQ model to time (its quantize did not run)."""
+    timed or kept (a float ``lead_race`` settled is not timed again: its figure there stands,
+    ``settled_floats``); None where a runtime has no PTQ model to time (its quantize did not run)."""
     float_path = Manifest(top).artifact("export/model.onnx")
     ptq = {r.name: Manifest(r.results_dir).artifact("quantize/quantized_model.onnx") for r in runs}
     if float_path is None or any(p is None for p in ptq.values()):
         return None
     floats = {r.name: deployed_float(r) for r in runs}
+    settled = {n: ms for n, ms in settled_floats(lead_race).items() if n in floats}
     key = fingerprint({"float": sha256_file(float_path), "rule": RACE_RULE, "host": host_key(),
-                       "gain": GAIN_BOUND, "tie": TIE_MARGIN,
+                       "gain": GAIN_BOUND, "tie": TIE_MARGIN, "settled": settled,
                        "runtimes": {r.name: [sha256_file(ptq[r.name]), floats[r.name].describe()] for r in runs}})
     # a runtime's PTQ model runs on its float's deployment (no tuned settings yet)
-    return _timed_race(top / RACE, key, {n: ((b, float_path), (b, ptq[n])) for n, b in floats.items()}, cfg,
-                       GAIN_BOUND)
+    deployments = {n: ((b, float_path) if n not in settled else None, (b, ptq[n])) for n, b in floats.items()}
+    return _timed_race(top / RACE, key, deployments, cfg, GAIN_BOUND, settled)
+
+
+def settled_floats(lead_race: Race | None) -> dict[str, float]:
+    """The floats the race after the leader's PTQ already settled for the race after PTQ, with their figures
+    there: the quantized runtime's own float where it ran over ``TIE_MARGIN`` times its PTQ model, another
+    runtime's where even over ``GAIN_BOUND`` it is out of reach of that runtime's best. Neither can decide
+    the race after PTQ (a float slower than its PTQ model is not its runtime's best; a float out of reach
+    drops its runtime whatever its PTQ model does), so neither is timed again."""
+    lead = next((e for e in lead_race.entries if e.ptq_ms is not None), None) if lead_race is not None else None
+    if lead is None or lead.best_ms is None or lead_race is None:
+        return {}
+    settled = {}
+    for e in lead_race.entries:
+        if e.float_ms is None:
+            continue
+        if e is lead and lead.ptq_ms is not None and e.float_ms > TIE_MARGIN * lead.ptq_ms:
+            settled[e.runtime] = e.float_ms
+        elif e is not lead and out_of_reach(e.float_ms, lead.best_ms, GAIN_BOUND):
+            settled[e.runtime] = e.float_ms
+    return settled
 
 
 def run_float_race(top: Path, runs: list[RuntimeRun], cfg: DictConfig) -> Race | None:
@@ -162,17 +184,20 @@ def run_lead_race(top: Path, lead: RuntimeRun, others: list[RuntimeRun], cfg: Di
     return _timed_race(top / LEAD_RACE, key, deployments, cfg, INT8_CEILING)
 
 
-def _timed_race(path: Path, key: str, deployments: dict[str, tuple[tuple[Backend, Path], tuple[Backend, Path] | None]],
-                cfg: DictConfig, bound: float) -> Race:
-    """The race kept in ``path`` where it has ``key`` and the same runtimes, else each runtime's (float, PTQ
-    or None) deployment timed side by side, decided against ``bound`` and kept."""
+def _timed_race(path: Path, key: str,
+                deployments: dict[str, tuple[tuple[Backend, Path] | None, tuple[Backend, Path] | None]],
+                cfg: DictConfig, bound: float, settled: dict[str, float] | None = None) -> Race:
+    """The race kept in ``path`` where it has ``key`` and the same runtimes, else each runtime's (float or
+    None, PTQ or None) deployment timed side by side, decided against ``bound`` and kept; a float not timed
+    takes its figure in ``settled`` (an earlier race's)."""
     if path.exists():
         kept = Race.from_dict(read_json(path, path.name))
         if kept.key == key and {e.runtime for e in kept.entries} == set(deployments):
             return kept
     started = time.monotonic()
     compare = Comparison()
-    slots = {n: (compare.slot(*f), compare.slot(*p) if p is not None else None) for n, (f, p) in deployments.items()}
+    slots = {n: (compare.slot(*f) if f is not None else None, compare.slot(*p) if p is not None else None)
+             for n, (f, p) in deployments.items()}
     groups = [[i for i in pair if i is not None] for pair in slots.values()]
     plan = TimingPlan.runtime_race(cfg.backend.timing_runs, cfg.backend.warmup_runs, groups, bound * TIE_MARGIN)
     timings, _ = time_pairs(compare.pairs, plan, name="race")
@@ -180,7 +205,9 @@ def _timed_race(path: Path, key: str, deployments: dict[str, tuple[tuple[Backend
     def p10(i: int | None) -> float | None:
         return timings[i].p10_ms if i is not None and timings[i].ok else None
 
-    race = decide_race(key, {n: (p10(f), p10(p)) for n, (f, p) in slots.items()}, bound)
+    settled = settled or {}
+    race = decide_race(key, {n: (p10(f) if f is not None else settled.get(n), p10(p)) for n, (f, p) in slots.items()},
+                       bound)
     race.seconds = round(time.monotonic() - started, 3)
     atomic_write_json(path, race.to_dict(), indent=1)
     return race
@@ -276,24 +303,27 @@ def race_floats(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: EachRu
     return sorted(kept, key=fastest_float)  # the fastest float quantizes first (quantize_racing)
 
 
-def quantize_racing(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: EachRuntime) -> list[RuntimeRun]:
+def quantize_racing(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: EachRuntime
+                    ) -> tuple[list[RuntimeRun], Race | None]:
     """Quantize in each of ``runs`` (the fastest float first, as ``race_floats`` orders them) that stays in
     reach: once the first one has quantized, the others' floats race its PTQ model (``run_lead_race``) and
     a runtime out of reach is left out, not quantized. Every runtime where they do not race. The runtimes
-    that quantized."""
+    that quantized, and the race after the leader's PTQ where it ran (the race after PTQ takes the floats
+    it settled). A runtime quantized in the race judges the other CPU kinds only once it is tuned
+    (``kinds_deferred``): the race after PTQ may drop it."""
     if bool(cfg.backend.get("tuned_only", False)):  # tune-rechoose: the race that dropped a runtime stands
-        return each.run(runs, "quantize")
+        return each.run(runs, "quantize"), None
     if not racing(cfg, runs):
         (top / LEAD_RACE).unlink(missing_ok=True)  # no race this time: none is reported
-        return each.run(runs, "quantize")
+        return each.run(runs, "quantize"), None
     lead, others = runs[0], runs[1:]
     if not each.one(lead, "quantize"):
         (top / LEAD_RACE).unlink(missing_ok=True)
-        return each.run(others, "quantize")
+        return each.run(others, "quantize"), None
     race = run_lead_race(top, lead, others, cfg)
     if race is None:
         (top / LEAD_RACE).unlink(missing_ok=True)
-        return [lead, *each.run(others, "quantize")]
+        return [lead, *each.run(others, "quantize")], None
     log.info("auto: %s", describe(race, "after the leader's PTQ"))
     kept = [lead]
     for run in others:
@@ -301,23 +331,27 @@ def quantize_racing(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: Ea
         if entry is not None and entry.dropped:
             log.info("auto: %s not quantized: %s", run.name, entry.why)
             each.left_out[run.name] = f"not quantized: out of reach of {lead.name}'s PTQ model ({entry.why})"
-        elif each.one(run, "quantize"):
-            kept.append(run)
-    return kept
+            continue
+        with kinds_deferred(f"judged once {run.name} is tuned: backend=auto's race after PTQ may drop it"):
+            if each.one(run, "quantize"):
+                kept.append(run)
+    return kept, race
 
 
-def tune_racing(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: EachRuntime) -> list[RuntimeRun]:
-    """Autotune in each runtime that stays in the race (``pipeline.app.race``): the leader first, then each
-    one still in reach of its tuned latency; every runtime where `backend.tune_all` is set or the race
-    cannot run; under `backend.tuned_only` (tune-rechoose) only the runtimes tuned before. The runtimes that
-    take part in the choice."""
+def tune_racing(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: EachRuntime,
+                lead_race: Race | None = None) -> list[RuntimeRun]:
+    """Autotune in each runtime that stays in the race (``pipeline.app.race``; ``lead_race``: the race after
+    the leader's PTQ, whose settled floats are not timed again): the leader first, then each one still in
+    reach of its tuned latency; every runtime where `backend.tune_all` is set or the race cannot run; under
+    `backend.tuned_only` (tune-rechoose) only the runtimes tuned before. The runtimes that take part in the
+    choice."""
     if bool(cfg.backend.get("tuned_only", False)):
         tuned = [r for r in runs if (Manifest(r.results_dir).entry("autotune") or {}).get("status") == "done"]
         for r in runs:
             if r not in tuned:
                 each.left_out[r.name] = "never tuned (tune-rechoose tunes nothing)"
         return [r for r in tuned if each.one(r, "autotune")]  # up to date: skipped, nothing tuned
-    race = run_race(top, runs, cfg) if racing(cfg, runs) else None
+    race = run_race(top, runs, cfg, lead_race) if racing(cfg, runs) else None
     if race is None:
         (top / RACE).unlink(missing_ok=True)  # no race this time: none is reported
         return each.run(runs, "autotune")
@@ -357,5 +391,5 @@ def tuned_gain(run: RuntimeRun) -> float:
     return best / m.final_ms if best and m.final_ms else 1.0
 
 
-__all__ = ["race_floats", "racing", "tune_racing", "FLOAT_RACE", "STAGE_RACES", "GAIN_BOUND", "INT8_CEILING", "RACE", "run_float_race", "TIE_MARGIN", "Race", "RaceEntry", "decide_race", "describe", "out_of_reach",
+__all__ = ["race_floats", "racing", "tune_racing", "FLOAT_RACE", "STAGE_RACES", "GAIN_BOUND", "INT8_CEILING", "RACE", "run_float_race", "settled_floats", "TIE_MARGIN", "Race", "RaceEntry", "decide_race", "describe", "out_of_reach",
            "race_line", "reachable", "run_race", "still_in_reach"]

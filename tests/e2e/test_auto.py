@@ -277,7 +277,13 @@ def test_the_race_drops_a_runtime_far_behind_after_ptq_and_keeps_a_close_one(res
             return floats[runtime]
         return ptq[runtime] if model == "quantized_model.onnx" else ptq[runtime] * 0.95  # a tuned model
 
-    monkeypatch.setattr(race, "time_pairs", _fake_timings(ms))
+    timed_models: list[list[str]] = []  # the models each race timed
+
+    def timings(pairs, plan, name):
+        timed_models.append([Path(m).name for _, m in pairs])
+        return _fake_timings(ms)(pairs, plan, name)
+
+    monkeypatch.setattr(race, "time_pairs", timings)
     monkeypatch.setattr(auto_choice, "time_pairs", _fake_timings(ms))
     rd = tmp_path / "far"
     args = _faked_auto_args(residual_models, rd)
@@ -285,6 +291,13 @@ def test_the_race_drops_a_runtime_far_behind_after_ptq_and_keeps_a_close_one(res
     assert result.runtime == "onnxruntime"
     sub = json.loads((rd / "runtimes" / "openvino" / "manifest.json").read_text())["stages"]
     assert sub["quantize"]["status"] == "done" and "autotune" not in sub  # dropped before its autotune
+    # the floats the race after the leader's PTQ settled (both: 3.0 over 1.03 x 1.0, and over 1.3 x that)
+    # are not timed again after PTQ: their figures there stand
+    assert timed_models[-1] == ["quantized_model.onnx", "quantized_model.onnx"] and len(timed_models) == 3
+    # quantized in the race, OpenVINO left the other kinds' verdicts (a run each) for its autotune
+    from pipeline.accuracy.kinds import DEFERRED
+    kinds = sub["quantize"]["metrics"]["checked_on"]["kinds"]
+    assert any(k["how"] == DEFERRED for k in kinds) and all(k["verdict"] or k["how"] == DEFERRED for k in kinds)
     choice = json.loads((rd / "autotune" / "runtime_choice.json").read_text())
     why = choice["left_out"]["openvino"]
     assert why.startswith("not tuned: out of reach after PTQ (best reachable 1.538 ms") and "onnxruntime's 1.000 ms" in why
@@ -318,6 +331,8 @@ def test_the_race_drops_a_runtime_far_behind_after_ptq_and_keeps_a_close_one(res
     choice = json.loads((rd / "autotune" / "runtime_choice.json").read_text())
     assert {r["runtime"] for r in choice["rows"]} == {"onnxruntime", "openvino"} and not choice["left_out"]
     assert "openvino (PTQ 1.200 ms, float 3.000 ms; kept)" in choice["race"]
+    tuned = json.loads((rd / "runtimes" / "openvino" / "manifest.json").read_text())["stages"]["autotune"]
+    assert all(k["verdict"] for k in tuned["metrics"]["checked_on"]["kinds"])  # tuned: every kind judged
 
     ptq.update(onnxruntime=2.0, openvino=1.0)  # ONNX Runtime dropped: its FP32 float stays the reference
     rd = tmp_path / "ort_behind"

@@ -3,7 +3,16 @@ what autotune can gain) stays over the tie margin of the leader is dropped; a cl
 
 from __future__ import annotations
 
-from pipeline.app.race import GAIN_BOUND, TIE_MARGIN, Race, decide_race, describe, still_in_reach
+from pipeline.app.race import (
+    GAIN_BOUND,
+    INT8_CEILING,
+    TIE_MARGIN,
+    Race,
+    decide_race,
+    describe,
+    settled_floats,
+    still_in_reach,
+)
 
 
 def test_a_runtime_far_behind_after_ptq_is_dropped_and_a_close_one_kept():
@@ -40,8 +49,6 @@ def test_an_untimed_runtime_is_kept():
 
 
 def test_before_quantize_a_float_out_of_reach_of_the_int8_ceiling_is_dropped():
-    from pipeline.app.race import INT8_CEILING
-
     # ONNX Runtime's fp32 float at 5x OpenVINO's bf16 float: even at the int8 ceiling it cannot catch up
     race = decide_race("k", {"onnxruntime": (27.0, None), "openvino": (5.0, None)}, INT8_CEILING)
     assert race.leader == "openvino" and race.entry("onnxruntime").dropped
@@ -49,6 +56,20 @@ def test_before_quantize_a_float_out_of_reach_of_the_int8_ceiling_is_dropped():
     assert "race before quantize: onnxruntime (float 27.000 ms; dropped" in describe(race, "before quantize")
     close = decide_race("k", {"onnxruntime": (1.7, None), "openvino": (0.5, None)}, INT8_CEILING)
     assert not close.entry("onnxruntime").dropped  # 1.7 / 4 = 0.425, within 1.03 x 0.5
+
+
+def test_the_race_after_the_leaders_ptq_settles_floats_that_cannot_be_their_runtimes_best():
+    """A float the race after the leader's PTQ showed slower than its own PTQ model (the leader's), or out of
+    reach of the leader's best even over what autotune gains (another's), is not timed again after PTQ;
+    one that could still be its runtime's best is."""
+    # OpenVINO quantized first: PTQ 0.55 ms, float 0.70 ms; ONNX Runtime's float 1.9 ms (1.9 / 4.0 in reach)
+    lead = decide_race("k", {"openvino": (0.70, 0.55), "onnxruntime": (1.9, None)}, INT8_CEILING)
+    assert not lead.entry("onnxruntime").dropped
+    assert settled_floats(lead) == {"openvino": 0.70, "onnxruntime": 1.9}  # 1.9 / 1.3 over 1.03 x 0.55
+    # a float within the tie margin of its PTQ model, and another's float within reach, are timed again
+    close = decide_race("k", {"openvino": (0.56, 0.55), "onnxruntime": (0.7, None)}, INT8_CEILING)
+    assert settled_floats(close) == {}
+    assert settled_floats(None) == {} and settled_floats(decide_race("k", {"openvino": (0.7, None)})) == {}
 
 
 def _rounds(*per_round_ms: list[float]) -> list[list[list[float]]]:
