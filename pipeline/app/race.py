@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,7 +130,7 @@ def run_race(top: Path, runs: list[RuntimeRun], cfg: DictConfig, lead_race: Race
                        "runtimes": {r.name: [sha256_file(ptq[r.name]), floats[r.name].describe()] for r in runs}})
     # a runtime's PTQ model runs on its float's deployment (no tuned settings yet)
     deployments = {n: ((b, float_path) if n not in settled else None, (b, ptq[n])) for n, b in floats.items()}
-    return _timed_race(top / RACE, key, deployments, cfg, GAIN_BOUND, settled)
+    return _timed_race(top / RACE, key, deployments, cfg, GAIN_BOUND, lambda _: settled)
 
 
 def settled_floats(lead_race: Race | None) -> dict[str, float]:
@@ -171,25 +172,52 @@ def run_lead_race(top: Path, lead: RuntimeRun, others: list[RuntimeRun], cfg: Di
     """The race of the others' floats as deployed against ``lead``'s float and PTQ model, once ``lead`` has
     quantized and before they do (kept in autotune/lead_race.json): a runtime whose float over
     ``INT8_CEILING`` is out of reach of the leader's best is not quantized; None where ``lead`` has no PTQ
-    model."""
+    model. Where the race before quantize timed a runtime's float beside ``lead``'s, that float is not timed
+    again: its figure is ``lead``'s float here times their ratio there (``float_ratios``)."""
     float_path = Manifest(top).artifact("export/model.onnx")
     ptq = Manifest(lead.results_dir).artifact("quantize/quantized_model.onnx")
     if float_path is None or ptq is None:
         return None
     floats = {r.name: deployed_float(r) for r in [lead, *others]}
+    ratios = float_ratios(top, lead.name, [r.name for r in others])
     key = fingerprint({"float": sha256_file(float_path), "rule": RACE_RULE, "host": host_key(),
                        "ceiling": INT8_CEILING, "tie": TIE_MARGIN, "lead": [lead.name, sha256_file(ptq)],
-                       "runtimes": {name: b.describe() for name, b in floats.items()}})
-    deployments = {n: ((b, float_path), (b, ptq) if n == lead.name else None) for n, b in floats.items()}
-    return _timed_race(top / LEAD_RACE, key, deployments, cfg, INT8_CEILING)
+                       "ratios": ratios, "runtimes": {name: b.describe() for name, b in floats.items()}})
+    deployments = {n: ((b, float_path) if n not in ratios else None, (b, ptq) if n == lead.name else None)
+                   for n, b in floats.items()}
+
+    def scaled(measured: dict[str, tuple[float | None, float | None]]) -> dict[str, float]:
+        lead_float = measured[lead.name][0]
+        return {n: r * lead_float for n, r in ratios.items()} if lead_float is not None else {}
+
+    return _timed_race(top / LEAD_RACE, key, deployments, cfg, INT8_CEILING, scaled)
+
+
+def float_ratios(top: Path, lead: str, others: list[str]) -> dict[str, float]:
+    """Each of ``others``' float over ``lead``'s in this run's race before quantize (autotune/float_race.json),
+    where it timed both: one interleaved run's ratio holds while the machine's speed drifts, so the race
+    after the leader's PTQ times only the leader's deployments and scales the others' floats by it."""
+    path = top / FLOAT_RACE
+    if not path.exists():
+        return {}
+    race = Race.from_dict(read_json(path, FLOAT_RACE))
+    base = race.entry(lead)
+    if base is None or not base.float_ms:
+        return {}
+    return {n: e.float_ms / base.float_ms for n in others
+            if (e := race.entry(n)) is not None and e.float_ms is not None}
+
+
+Measured = dict[str, tuple[float | None, float | None]]  # each runtime's (float, PTQ) p10 in a race
 
 
 def _timed_race(path: Path, key: str,
                 deployments: dict[str, tuple[tuple[Backend, Path] | None, tuple[Backend, Path] | None]],
-                cfg: DictConfig, bound: float, settled: dict[str, float] | None = None) -> Race:
+                cfg: DictConfig, bound: float, untimed: Callable[[Measured], dict[str, float]] | None = None
+                ) -> Race:
     """The race kept in ``path`` where it has ``key`` and the same runtimes, else each runtime's (float or
     None, PTQ or None) deployment timed side by side, decided against ``bound`` and kept; a float not timed
-    takes its figure in ``settled`` (an earlier race's)."""
+    takes its figure from ``untimed`` (given what was timed: an earlier race's figure, or one scaled)."""
     if path.exists():
         kept = Race.from_dict(read_json(path, path.name))
         if kept.key == key and {e.runtime for e in kept.entries} == set(deployments):
@@ -205,8 +233,9 @@ def _timed_race(path: Path, key: str,
     def p10(i: int | None) -> float | None:
         return timings[i].p10_ms if i is not None and timings[i].ok else None
 
-    settled = settled or {}
-    race = decide_race(key, {n: (p10(f) if f is not None else settled.get(n), p10(p)) for n, (f, p) in slots.items()},
+    measured: Measured = {n: (p10(f), p10(p)) for n, (f, p) in slots.items()}
+    figures = untimed(measured) if untimed is not None else {}
+    race = decide_race(key, {n: (ms if ms is not None else figures.get(n), ptq_ms) for n, (ms, ptq_ms) in measured.items()},
                        bound)
     race.seconds = round(time.monotonic() - started, 3)
     atomic_write_json(path, race.to_dict(), indent=1)
@@ -391,5 +420,5 @@ def tuned_gain(run: RuntimeRun) -> float:
     return best / m.final_ms if best and m.final_ms else 1.0
 
 
-__all__ = ["race_floats", "racing", "tune_racing", "FLOAT_RACE", "STAGE_RACES", "GAIN_BOUND", "INT8_CEILING", "RACE", "run_float_race", "settled_floats", "TIE_MARGIN", "Race", "RaceEntry", "decide_race", "describe", "out_of_reach",
+__all__ = ["race_floats", "racing", "tune_racing", "FLOAT_RACE", "STAGE_RACES", "GAIN_BOUND", "INT8_CEILING", "RACE", "run_float_race", "settled_floats", "TIE_MARGIN", "Race", "RaceEntry", "decide_race", "describe", "float_ratios", "out_of_reach",
            "race_line", "reachable", "run_race", "still_in_reach"]

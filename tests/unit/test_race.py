@@ -72,6 +72,20 @@ def test_the_race_after_the_leaders_ptq_settles_floats_that_cannot_be_their_runt
     assert settled_floats(None) == {} and settled_floats(decide_race("k", {"openvino": (0.7, None)})) == {}
 
 
+def test_the_race_after_the_leaders_ptq_scales_the_floats_the_race_before_quantize_timed(tmp_path):
+    """The others' floats are not timed again after the leader's PTQ: their ratio to the leader's float in the
+    race before quantize (one interleaved run) scales the leader's float there; none without that race."""
+    from pipeline.app.race import FLOAT_RACE, float_ratios
+    from pipeline.artifacts import atomic_write_json
+
+    assert float_ratios(tmp_path, "openvino", ["onnxruntime"]) == {}
+    (tmp_path / FLOAT_RACE).parent.mkdir(parents=True)
+    race = decide_race("k", {"onnxruntime": (1.9, None), "openvino": (0.5, None)}, INT8_CEILING)
+    atomic_write_json(tmp_path / FLOAT_RACE, race.to_dict())
+    assert float_ratios(tmp_path, "openvino", ["onnxruntime", "tensorrt"]) == {"onnxruntime": 1.9 / 0.5}
+    assert float_ratios(tmp_path, "tensorrt", ["onnxruntime"]) == {}  # the leader was not in it
+
+
 def _rounds(*per_round_ms: list[float]) -> list[list[list[float]]]:
     """Blocks of deployments, one block of one run per round: each argument is a deployment's rounds."""
     return [[[ms] for ms in rounds] for rounds in per_round_ms]
