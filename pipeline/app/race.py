@@ -15,7 +15,10 @@ Before any runtime quantizes, the floats race the same way, against ``INT8_CEILI
 runtime's int8 model ran faster than its own float): a runtime whose float stays out of reach is not
 even quantized. The fastest float quantizes first; then the others' floats race its PTQ model against
 the same ceiling (``quantize_racing``), so a runtime out of reach of the leader's PTQ model is not
-quantized either. Each race is kept (autotune/float_race.json, autotune/lead_race.json,
+quantized either. No deployment is timed twice where one interleaved run already says what a race needs:
+the race after the leader's PTQ times the leader's float and PTQ model only, the others' floats scaled
+from their ratio to the leader's in the race before quantize (``float_ratios``), and the race after PTQ
+does not time again a float that race settled (``settled_floats``). Each race is kept (autotune/float_race.json, autotune/lead_race.json,
 autotune/race.json) with a key of what it timed (models, settings, host), so a re-run with nothing
 changed does not time again; a dropped runtime is left out of the final choice with the figures that
 dropped it.
