@@ -274,7 +274,7 @@ def _saturable(first: np.ndarray, second: np.ndarray) -> np.ndarray:
 # their sum, the clip and its scatter, against the batched product's elementwise passes over [M, P, N])
 GATHER_COST = 8
 # the 0/1 matrix that adds selected sums into their columns stays a MatMul up to this many elements; past
-# it (opset 16 and later) a ScatterElements with reduction "add" does it
+# it (opset 11 and later) the differences of their running sum do it (``_column_sums``)
 SCATTER_MATMUL_MAX = 1 << 22
 
 
@@ -289,7 +289,7 @@ def _matmul_error(b: _Builder, raw: str, weight: np.ndarray, rank: int) -> str:
     pairs = weight.shape[0] // 2
     rows, cols = np.nonzero(_saturable(weight[0::2], weight[1::2]))
     if len(rows) * GATHER_COST < pairs * n:  # few sums can saturate: those alone
-        return _selected_error(b, raw, weight, rows, cols, k, n)
+        return _selected_error(b, raw, weight, rows, cols, k, n, rank)
     if k % 2:
         zeros = [0] * rank
         raw = b.op("Pad", [raw, b.const("pads", np.asarray(zeros[:-1] + [0] + zeros[:-1] + [1], np.int64))],
@@ -302,30 +302,45 @@ def _matmul_error(b: _Builder, raw: str, weight: np.ndarray, rank: int) -> str:
 
 
 def _selected_error(b: _Builder, raw: str, weight: np.ndarray, rows: np.ndarray, cols: np.ndarray, k: int,
-                    n: int) -> str:
-    """The pair-sum error of the selected (pair ``rows``, column ``cols``) sums only: both activations of
-    each pair gathered from the last axis of act [..., M, K] and weighted ([..., M, S] each), summed,
-    clipped, and the errors added into their columns [..., M, N] (a 0/1 MatMul where small, else a
-    ScatterElements adding them). The padded element of an odd K has weight 0: any activation serves."""
+                    n: int, rank: int) -> str:
+    """The pair-sum error of the selected (pair ``rows``, column ``cols``) sums only, in column order: both
+    activations of each pair gathered from act [..., M, K] (of ``rank``) with K first ([S, ..., M] each:
+    whole rows of M copied, where gathering along the last axis copies one element at a time), weighted,
+    summed and clipped; then each column's errors added up (``_column_sums``). The padded element of an odd
+    K has weight 0: any activation serves."""
+    order = np.argsort(cols, kind="stable")
+    rows, cols = rows[order], cols[order]
     first, second = 2 * rows, np.minimum(2 * rows + 1, k - 1)  # ``weight`` has the zero row of an odd K
+    act = b.op("Transpose", [raw], "act_k_first", perm=[rank - 1, *range(rank - 1)])  # [K, ..., M]
     terms = []
     for name, idx, w in (("first", first, weight[2 * rows, cols]), ("second", second, weight[2 * rows + 1, cols])):
-        picked = b.op("Gather", [raw, b.const(f"pair_{name}", idx.astype(np.int64))], f"act_{name}", axis=-1)
-        terms.append(b.op("Mul", [picked, b.const(f"weight_{name}", w.astype(np.float32))], f"product_{name}"))
-    error = _pair_error(b, b.op("Add", terms, "pair_sums"))  # [..., M, S]
-    if len(rows) * n <= SCATTER_MATMUL_MAX or b.opset < 16:
-        scatter = np.zeros((len(rows), n), np.float32)
-        scatter[np.arange(len(rows)), cols] = 1.0
+        picked = b.op("Gather", [act, b.const(f"pair_{name}", idx.astype(np.int64))], f"act_{name}", axis=0)
+        w = w.astype(np.float32).reshape(-1, *([1] * (rank - 1)))
+        terms.append(b.op("Mul", [picked, b.const(f"weight_{name}", w)], f"product_{name}"))
+    return _column_sums(b, _pair_error(b, b.op("Add", terms, "pair_sums")), cols, n, rank)
+
+
+def _column_sums(b: _Builder, error: str, cols: np.ndarray, n: int, rank: int) -> str:
+    """[..., M, N]: the errors [S, ..., M] (sorted by their column ``cols``) added into their columns: a 0/1
+    MatMul where small (or before opset 11), else the differences of their running sum at each column's
+    first and last sum, in float64 (exact: every error is a whole number; float32 would round past 2^24)."""
+    last = [*range(1, rank), 0]
+    if len(cols) * n <= SCATTER_MATMUL_MAX or b.opset < 11:
+        scatter = np.zeros((len(cols), n), np.float32)
+        scatter[np.arange(len(cols)), cols] = 1.0
+        error = b.op("Transpose", [error], "pair_error_last", perm=last)  # [..., M, S]
         return b.op("MatMul", [error, b.const("pair_scatter", scatter)], "error_out")
-    shape = b.op("Shape", [raw], "act_shape")
-    lead = b.op("Slice", [shape, b.const("lead_start", np.asarray([0], np.int64)),
-                          b.const("lead_end", np.asarray([-1], np.int64))], "lead_dims")
-    out_shape = b.op("Concat", [lead, b.const("columns", np.asarray([n], np.int64))], "out_shape", axis=0)
-    zeros = b.op("ConstantOfShape", [out_shape], "zeros",
-                 value=numpy_helper.from_array(np.zeros(1, np.float32)))
-    index = b.op("Expand", [b.const("pair_columns", cols.astype(np.int64)), b.op("Shape", [error], "error_shape")],
-                 "columns_index")
-    return b.op("ScatterElements", [zeros, index, error], "error_out", axis=-1, reduction="add")
+    wide = b.op("Cast", [error], "error_f64", to=TensorProto.DOUBLE)
+    pads = np.zeros(2 * rank, np.int64)
+    pads[0] = 1  # a zero row first: the running sum before the first error
+    wide = b.op("Pad", [wide, b.const("running_pads", pads)], "error_padded")
+    running = b.op("CumSum", [wide, b.const("running_axis", np.asarray(0, np.int64))], "running_sum")
+    counts = np.bincount(cols, minlength=n)
+    ends = np.cumsum(counts)
+    high = b.op("Gather", [running, b.const("column_ends", ends.astype(np.int64))], "at_ends", axis=0)
+    low = b.op("Gather", [running, b.const("column_starts", (ends - counts).astype(np.int64))], "at_starts", axis=0)
+    sums = b.op("Cast", [b.op("Sub", [high, low], "column_sums_f64")], "column_sums", to=TensorProto.FLOAT)
+    return b.op("Transpose", [sums], "error_out", perm=last)  # [N, ..., M] -> [..., M, N]
 
 
 def _conv_error(b: _Builder, node: onnx.NodeProto, layer: _Layer, raw: str, rank: int, pairing: str) -> str:
