@@ -270,6 +270,11 @@ class ResultsDirLock:
         self.release()
 
 
+def entry_name(results_dir: str | Path, stage: str) -> str:
+    """How an error names ``stage``'s entry in results_dir's manifest.json (a record that does not read)."""
+    return f"{Path(results_dir) / 'manifest.json'}'s {stage} entry"
+
+
 class Manifest:
     """results_dir/manifest.json: per stage status, artifacts with sha256, fingerprint, times, metrics."""
 
@@ -291,6 +296,10 @@ class Manifest:
 
     def entry(self, stage: str) -> dict[str, Any] | None:
         return self.stages.get(stage)
+
+    def entry_name(self, stage: str) -> str:
+        """How an error names ``stage``'s entry in this manifest (``entry_name``)."""
+        return entry_name(self.results_dir, stage)
 
     def metrics(self, stage: str) -> dict[str, Any]:
         """The metrics a finished stage recorded ({} when it has not finished)."""

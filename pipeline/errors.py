@@ -8,7 +8,8 @@ qdq-tune and is shown with its full traceback.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 
 class PipelineError(Exception):
@@ -77,6 +78,26 @@ def first_line(exc: BaseException) -> str:
 # what reading a JSON document into a record raises where the document's layout is not one a writer made
 # (a missing key, a list where an object belongs, a string or an Infinity where a count belongs)
 LAYOUT_ERRORS = (KeyError, TypeError, ValueError, AttributeError, OverflowError)
+
+
+# how a record's reader names a JSON type in its error
+_JSON_NAMES = {str: "a string", dict: "an object", Mapping: "an object", list: "a list", int: "a whole number", bool: "true or false",
+               (int, float): "a number"}
+
+
+def json_typed(value: Any, key: str, kind: type | tuple[type, ...]) -> Any:
+    """``value``, a record's JSON field ``key`` (None: not recorded), where it has the JSON type ``kind`` (a
+    bool is a number only where ``kind`` is bool); else a TypeError naming the key (``record_layout`` makes it
+    the one-line error)."""
+    if value is not None and (isinstance(value, bool) is not (kind is bool) or not isinstance(value, kind)):
+        raise TypeError(f"{key} is {value!r}, not {_JSON_NAMES.get(kind, getattr(kind, '__name__', str(kind)))}")
+    return value
+
+
+def json_types(d: Mapping[str, Any], kinds: Mapping[str, type | tuple[type, ...]]) -> None:
+    """``json_typed`` of every key of ``kinds`` in the record ``d``."""
+    for key, kind in kinds.items():
+        json_typed(d.get(key), key, kind)
 
 
 @contextlib.contextmanager

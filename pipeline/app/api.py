@@ -423,7 +423,7 @@ def _result(results_dir: Path, summary: dict[str, Any]) -> TuneResult:
 def shipped_runtime(manifest: Manifest) -> str | None:
     """The runtime autotune tuned the shipped model for: backend=auto's winner, else the run's backend."""
     entry = manifest.entry("autotune") or {}
-    tuned = autotune_metrics(entry.get("metrics"), f"{manifest.path}'s autotune entry")
+    tuned = autotune_metrics(entry.get("metrics"), manifest.entry_name("autotune"))
     choice = tuned.choice if tuned is not None else None
     if choice is not None:
         return choice.winner
@@ -434,14 +434,14 @@ def shipped_runtime(manifest: Manifest) -> str | None:
 def _shipped_numbers(manifest: Manifest, shipped: Path | None) -> tuple[float | None, dict[str, Any]]:
     """Speedup and accuracy verdict of the shipped model: autotune's final measurement (the one its
     final line prints), else evaluate's numbers for that model."""
-    tuned = autotune_metrics(manifest.metrics("autotune"), f"{manifest.path}'s autotune entry")
+    tuned = autotune_metrics(manifest.metrics("autotune"), manifest.entry_name("autotune"))
     if tuned is not None and tuned.speedup is not None:
         final = tuned.accuracy.final
         return float(tuned.speedup), final.to_dict() if final is not None else {}
     recorded = manifest.metrics("evaluate")
     if not recorded or shipped is None:
         return None, {}
-    ev = EvaluateMetrics.from_dict(recorded, f"{manifest.path}'s evaluate entry")
+    ev = EvaluateMetrics.from_dict(recorded, manifest.entry_name("evaluate"))
     key = {"optimized_final.onnx": "autotuned", "quantized_model.onnx": "ptq"}.get(shipped.name, "float")
     key = next((d.identical_to for d in ev.duplicates if d.model == key), key)
     m = ev.models.get(key)

@@ -38,7 +38,7 @@ from pipeline.app.runtime_runs import (
     runnable,
 )
 from pipeline.app.scope import tuning_frozen
-from pipeline.artifacts import Manifest, atomic_write_json, read_json
+from pipeline.artifacts import Manifest, atomic_write_json, entry_name, read_json
 from pipeline.backends import settings_artifacts
 from pipeline.config import ordered_stages
 from pipeline.errors import BackendUnavailable, PipelineError, first_line
@@ -98,7 +98,7 @@ def run_auto(cfg: DictConfig, results_dir: Path,
     for stage in per_runtime:
         status = outcomes.get(winner.name, {}).get(stage, {}).get("status", "skipped")
         summary[stage] = {"status": status,
-                          "metrics": stage_metrics(stage, shown.metrics(stage), f"{shown.path}'s {stage} entry")}
+                          "metrics": stage_metrics(stage, shown.metrics(stage), shown.entry_name(stage))}
     if rest:
         summary.update(run_stages(winner.cfg, [load_stage(s) for s in rest], results_dir))
     return summary
@@ -120,7 +120,7 @@ def _evaluate_others(cfg: DictConfig, top: Path, runs: list[RuntimeRun], choice:
                 run_stages(run.cfg, [load_stage("evaluate")], run.results_dir)
             report = os.path.relpath(run.results_dir / "evaluate" / "report.md", top)
             metrics = EvaluateMetrics.from_dict(Manifest(run.results_dir).metrics("evaluate"),
-                                                f"{run.results_dir}/manifest.json's evaluate entry")
+                                                entry_name(run.results_dir, "evaluate"))
             evaluation = runtime_evaluation(metrics, report)
             rows.append(replace(row, evaluation=evaluation, evaluation_error=None))
         except PipelineError as exc:

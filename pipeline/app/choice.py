@@ -50,7 +50,7 @@ def _shipped(run: RuntimeRun) -> tuple[Backend, Path, AutotuneMetrics]:
     if settings_path is not None:
         backend = backend.with_settings(kind.type.load(settings_path))
     return backend, model, AutotuneMetrics.from_dict(manifest.metrics("autotune"),
-                                                     f"{manifest.path}'s autotune entry")
+                                                     manifest.entry_name("autotune"))
 
 
 def reference_float(runs: list[RuntimeRun]) -> Backend:

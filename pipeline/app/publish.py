@@ -20,7 +20,7 @@ from pipeline.app.runtime_runs import (
     RuntimeRun,
     reroot,
 )
-from pipeline.artifacts import Manifest, external_data_files, read_json
+from pipeline.artifacts import Manifest, entry_name, external_data_files, read_json
 from pipeline.errors import StateError
 from pipeline.records.autotune import AutotuneMetrics
 from pipeline.runtime_choice import CHOICE, FLOAT, RuntimeChoice
@@ -43,7 +43,7 @@ def publish(top: Path, winner: RuntimeRun, choice: RuntimeChoice | None, setting
     auto = manifest.stages.get("autotune")
     if auto is not None and choice is not None:
         auto["outputs"][CHOICE] = manifest.describe_file(top / CHOICE)
-        own = AutotuneMetrics.from_dict(auto.get("metrics") or {}, f"{winner.results_dir}/manifest.json's autotune entry")
+        own = AutotuneMetrics.from_dict(auto.get("metrics") or {}, entry_name(winner.results_dir, "autotune"))
         auto["metrics"] = _published(manifest, winner, choice, auto["outputs"], own).to_dict()
     manifest.save()
     if choice is not None:

@@ -416,7 +416,7 @@ def tuned_gain(run: RuntimeRun) -> float:
     """How much faster the runtime's shipped deployment ran than the better of its PTQ model and float, in
     its own autotune's final comparison (1.0 where it did not measure both)."""
     manifest = Manifest(run.results_dir)
-    m = autotune_metrics(manifest.metrics("autotune"), f"{manifest.path}'s autotune entry")
+    m = autotune_metrics(manifest.metrics("autotune"), manifest.entry_name("autotune"))
     if m is None:
         return 1.0
     best = min((t for t in (m.ptq_ms, m.baseline_ms) if t), default=None)

@@ -142,7 +142,7 @@ def _run_stages(cfg: DictConfig, stages: list[Stage], results_dir: Path) -> dict
                     and entry.get("fingerprint") == fp and _outputs_intact(manifest, entry)):
                 log.info("%s: up to date, skipped (inputs and config unchanged)", stage.name)
                 summary[stage.name] = {"status": "skipped", "metrics": stage_metrics(
-                    stage.name, entry.get("metrics"), f"{manifest.path}'s {stage.name} entry")}
+                    stage.name, entry.get("metrics"), manifest.entry_name(stage.name))}
                 continue
             if stage.tunes and is_tuning_frozen():
                 raise StateError(f"{stage.name} in {results_dir} is not up to date with this run's config and "

@@ -24,7 +24,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from pipeline.accuracy.budget import AccuracyVerdict
-from pipeline.artifacts import atomic_write_json, atomic_write_text
+from pipeline.artifacts import atomic_write_json, atomic_write_text, entry_name
 from pipeline.errors import StateError, first_line
 from pipeline.records.autotune import AutotuneMetrics, autotune_metrics
 
@@ -118,8 +118,7 @@ def collect_jobs(sweep_dir: Path) -> list[dict[str, Any]]:
 def _tuned(stages: dict[str, Any], job_dir: Path) -> AutotuneMetrics:
     """The job's autotune metrics (an empty record where it has none; a corrupt entry is said and left out)."""
     try:
-        return autotune_metrics((stages.get("autotune") or {}).get("metrics"), f"{job_dir}/manifest.json's "
-                                f"autotune entry") or AutotuneMetrics()
+        return autotune_metrics((stages.get("autotune") or {}).get("metrics"), entry_name(job_dir, "autotune")) or AutotuneMetrics()
     except StateError as exc:
         log.warning("sweep summary: %s", first_line(exc))
         return AutotuneMetrics()

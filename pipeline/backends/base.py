@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
-from pipeline.errors import record_layout
+from pipeline.errors import json_types, record_layout
 from pipeline.graph.model import InputSpec, input_specs, load_model, model_hash
 
 log = logging.getLogger("tune.backend")
@@ -140,9 +140,7 @@ class DeploymentMetrics:
         with record_layout(where, "gen_trt_engine"):
             if not isinstance(d, Mapping):
                 raise TypeError(f"not an object but {type(d).__name__}")
-            for key, kind in _DEPLOYMENT_TYPES.items():
-                if d.get(key) is not None and (isinstance(d[key], bool) is not (kind is bool) or not isinstance(d[key], kind)):
-                    raise TypeError(f"{key} is {d[key]!r}, not {getattr(kind, '__name__', 'a number')}")
+            json_types(d, _DEPLOYMENT_TYPES)
             return cls(**{_deployment_field(k): d[k] for k in _DEPLOYMENT_KEYS if k in d})
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from pipeline.accuracy.budget import AccuracyVerdict
 from pipeline.accuracy.kinds import CheckedOn
-from pipeline.errors import record_layout
+from pipeline.errors import json_typed, record_layout
 from pipeline.records.evaluate import FloatBaseline
 from pipeline.runtime_choice import RuntimeChoice
 
@@ -85,11 +85,11 @@ class ModeSummary:
     def from_dict(cls, d: Mapping[str, Any], top_level: frozenset[str]) -> ModeSummary:
         """The mode's part of ``d`` (autotune's metrics, flat; ``top_level``: the other parts' keys)."""
         known = {f.name for f in fields(cls)} | top_level
-        return cls(mode=_text(d.get("mode"), "mode"), measurements=_number(d.get("measurements"), "measurements"),
-                   full_model_measurements=_number(d.get("full_model_measurements"), "full_model_measurements"),
+        return cls(mode=json_typed(d.get("mode"), "mode", str), measurements=json_typed(d.get("measurements"), "measurements", (int, float)),
+                   full_model_measurements=json_typed(d.get("full_model_measurements"), "full_model_measurements", (int, float)),
                    details={k: v for k, v in d.items() if k not in known},
-                   **{k: _text(d.get(k), k) for k in _SETUP[:4]}, float_nodes=list(d.get("float_nodes") or []),
-                   defaulted_scales=_number(d.get("defaulted_scales"), "defaulted_scales"))
+                   **{k: json_typed(d.get(k), k, str) for k in _SETUP[:4]}, float_nodes=list(d.get("float_nodes") or []),
+                   defaulted_scales=json_typed(d.get("defaulted_scales"), "defaulted_scales", (int, float)))
 
 
 @dataclass(frozen=True)
@@ -166,22 +166,22 @@ class AutotuneMetrics:
 
     @classmethod
     def _read(cls, d: Mapping[str, Any]) -> AutotuneMetrics:
-        guard = _mapping(d.get("guard"), "guard")
-        fb = _mapping(d.get("float_baseline"), "float_baseline")
+        guard = json_typed(d.get("guard"), "guard", Mapping)
+        fb = json_typed(d.get("float_baseline"), "float_baseline", Mapping)
         known = frozenset(f.name for f in fields(cls))
         return cls(
-            **{k: _number(d.get(k), k) for k in _NUMBERS}, tuned_is_float=bool(d.get("tuned_is_float", False)),
-            accuracy=TunedAccuracy.from_dict(_mapping(d.get("accuracy"), "accuracy") or {}),
-            shipped=_text(d.get("shipped"), "shipped"), shipped_reason=str(d.get("shipped_reason") or ""),
+            **{k: json_typed(d.get(k), k, (int, float)) for k in _NUMBERS}, tuned_is_float=bool(d.get("tuned_is_float", False)),
+            accuracy=TunedAccuracy.from_dict(json_typed(d.get("accuracy"), "accuracy", Mapping) or {}),
+            shipped=json_typed(d.get("shipped"), "shipped", str), shipped_reason=str(d.get("shipped_reason") or ""),
             guard=GuardSource(bool(guard.get("measured")), str(guard.get("why", ""))) if guard else None,
-            baseline_precision=_text(d.get("baseline_precision"), "baseline_precision"),
-            runtime=dict(_mapping(d.get("runtime"), "runtime") or {}), final_line=str(d.get("final_line") or ""),
+            baseline_precision=json_typed(d.get("baseline_precision"), "baseline_precision", str),
+            runtime=dict(json_typed(d.get("runtime"), "runtime", Mapping) or {}), final_line=str(d.get("final_line") or ""),
             float_baseline=FloatBaseline.from_dict(fb) if fb else None, headline=str(d.get("headline") or ""),
             search=ModeSummary.from_dict(d, known),
-            checked_on=_mapping(d.get("checked_on"), "checked_on"),
-            host_choices=_mapping(d.get("host_choices"), "host_choices"),
-            runtime_choice=_mapping(d.get("runtime_choice"), "runtime_choice"),
-            runtime_headline=_text(d.get("runtime_headline"), "runtime_headline"))
+            checked_on=json_typed(d.get("checked_on"), "checked_on", Mapping),
+            host_choices=json_typed(d.get("host_choices"), "host_choices", Mapping),
+            runtime_choice=json_typed(d.get("runtime_choice"), "runtime_choice", Mapping),
+            runtime_headline=json_typed(d.get("runtime_headline"), "runtime_headline", str))
 
 
 def autotune_metrics(recorded: Mapping[str, Any] | None, where: str) -> AutotuneMetrics | None:
@@ -194,25 +194,7 @@ def _verdict(v: Any) -> AccuracyVerdict | None:
     """A verdict as AccuracyVerdict.to_dict() wrote it (keys it lacks read as unknown)."""
     if v is None:
         return None
-    return AccuracyVerdict.from_dict({"ok": None, "metric": "", "what": "", **_mapping(v, "a verdict")})
-
-
-def _mapping(v: Any, key: str) -> Mapping[str, Any] | None:
-    if v is not None and not isinstance(v, Mapping):
-        raise TypeError(f"{key} is a {type(v).__name__}, not an object")
-    return v
-
-
-def _number(v: Any, key: str) -> Any:
-    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-        raise TypeError(f"{key} is {v!r}, not a number")
-    return v
-
-
-def _text(v: Any, key: str) -> str | None:
-    if v is not None and not isinstance(v, str):
-        raise TypeError(f"{key} is {v!r}, not a string")
-    return v
+    return AccuracyVerdict.from_dict({"ok": None, "metric": "", "what": "", **json_typed(v, "a verdict", Mapping)})
 
 
 __all__ = ["AutotuneMetrics", "GuardSource", "ModeSummary", "TunedAccuracy", "autotune_metrics"]

@@ -13,7 +13,7 @@ from pipeline.accuracy.budget import AccuracyVerdict
 from pipeline.accuracy.fidelity import FidelityResult
 from pipeline.accuracy.kinds import CheckedOn
 from pipeline.artifacts import read_json
-from pipeline.errors import StateError, record_layout
+from pipeline.errors import StateError, json_types, record_layout
 from pipeline.quant.calibration import check_keys
 from pipeline.quant.cpu import CpuFacts
 from pipeline.quant.plan import WeightVariant
@@ -181,11 +181,10 @@ _QUANTIZE_SCALARS: dict[str, type | tuple[type, ...]] = {
                      "dequantize_linear"), int),
     **dict.fromkeys(("headline", "placement", "weight_range_reason", "activation_type"), str),
     "calibration_seconds": (int, float), "float_nodes": list, "transforms": list, "node_rules": dict}
-# the sub-records by key: (record type, how to_dict writes it)
-_QUANTIZE_RECORDS: dict[str, tuple[Any, Any]] = {
-    "cpu": (CpuFacts, lambda v: v.to_dict()), "kernel_fidelity": (FidelityResult, lambda v: v.to_dict()),
-    "accuracy": (AccuracyVerdict, lambda v: v.to_dict()), "ranges": (RangeChoice, lambda v: v.to_dict()),
-    "bias_correction": (BiasCorrection, lambda v: v.to_dict(with_records=False))}
+# the sub-records QuantizeMetrics holds (their types: ``_RECORDS``); the manifest keeps bias correction
+# without its per-node records, and an absent verdict or bias correction as {}
+_QUANTIZE_RECORDS = ("cpu", "kernel_fidelity", "accuracy", "ranges", "bias_correction")
+_EMPTY_OBJECT = ("accuracy", "bias_correction")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,8 +231,10 @@ class QuantizeMetrics:
         for key in keys:
             value = getattr(self, _QDQ_FIELDS.get(key, key))
             if key in _QUANTIZE_RECORDS:
-                value = _QUANTIZE_RECORDS[key][1](value) if value is not None else \
-                    ({} if key in ("accuracy", "bias_correction") else None)
+                if value is None:
+                    value = {} if key in _EMPTY_OBJECT else None
+                else:
+                    value = value.to_dict(with_records=False) if key == "bias_correction" else value.to_dict()
             elif key == "weight_range" and value is not None:
                 value = value.value
             elif key == "checked_on":
@@ -251,14 +252,12 @@ class QuantizeMetrics:
             if not isinstance(d, Mapping):
                 raise TypeError(f"not an object but {type(d).__name__}")
             values = {_QDQ_FIELDS.get(k, k): v for k, v in d.items() if k in _QUANTIZE_KEYS}
-            for key, (kind, _) in _QUANTIZE_RECORDS.items():
-                values[key] = kind.from_dict(d[key]) if d.get(key) else None
+            for key in _QUANTIZE_RECORDS:
+                values[key] = _RECORDS[key][0].from_dict(d[key]) if d.get(key) else None
             if d.get("weight_range") is not None:
                 values["weight_range"] = WeightVariant.of(d["weight_range"])
             for key in ("float_nodes", "transforms", "node_rules"):
                 if values.get(key) is None:
                     values.pop(key, None)
-            for key, kind in _QUANTIZE_SCALARS.items():
-                if values.get(key) is not None and (isinstance(values[key], bool) or not isinstance(values[key], kind)):
-                    raise TypeError(f"{key} is {values[key]!r}, not {getattr(kind, '__name__', 'a number')}")
+            json_types(values, _QUANTIZE_SCALARS)
             return cls(**values)

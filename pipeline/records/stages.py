@@ -38,7 +38,7 @@ def shipped_record(manifest: Manifest) -> CheckedOn | None:
     stage = key.split("/")[0] if key is not None else None
     if stage not in ("quantize", "autotune"):  # the exported float: no stage checked it
         return None
-    recorded = stage_metrics(stage, manifest.metrics(stage), f"{manifest.path}'s {stage} entry")
+    recorded = stage_metrics(stage, manifest.metrics(stage), manifest.entry_name(stage))
     if not isinstance(recorded, (QuantizeMetrics, AutotuneMetrics)):
         return None
     try:
