@@ -50,15 +50,17 @@ SATURATION = "saturating twin (its u8 x s8 kernels' int16 pair sums)"
 NO_INT8 = "float model (no int8 kernels)"
 DEFERRED = "not judged yet"
 
-# why kind_verdicts leaves the kinds that are neither this host's nor targets unjudged, while set
+# while set: why kind_verdicts leaves unjudged the kinds (neither this host's nor targets) whose verdict
+# takes a run of its own
 _DEFERRED: ContextVar[str | None] = ContextVar("kinds_deferred", default=None)
 
 
 @contextmanager
 def kinds_deferred(why: str) -> Iterator[None]:
-    """Within it, ``kind_verdicts`` judges this host's kind and the target kinds only, and leaves every other
-    kind not judged (``DEFERRED``, ``why`` as its note): backend=auto quantizes a runtime its race may still
-    drop, and a runtime that is tuned judges what it ships on every kind."""
+    """Within it, ``kind_verdicts`` judges this host's kind, the target kinds and the kinds this host's run
+    already judges (exact kernels where the host's are exact too), and leaves each other kind not judged
+    (``DEFERRED``, ``why`` as its note): backend=auto quantizes a runtime its race may still drop, and a
+    runtime that is tuned judges what it ships on every kind."""
     token = _DEFERRED.set(why)
     try:
         yield
@@ -338,10 +340,14 @@ def log_kinds(kinds: list[KindVerdict], stage: str) -> None:
         names = ", ".join(k.kind for k in missed)
         log.warning("%s: not for %s CPUs: %s; tune with target.cpus=[%s] (or target=x86) for a deployment "
                     "right there too", stage, names, missed[0].line(), names)
+    def state(k: KindVerdict) -> str:
+        if k.ok is None:
+            return DEFERRED if k.how == DEFERRED else "not judged"
+        return "ok" if k.ok else "MISSES"
+
     later = next((k.note for k in kinds if k.how == DEFERRED), "")
-    log.info("%s: accuracy per CPU kind: %s%s", stage, "; ".join(
-        f"{k.kind} {'ok' if k.ok else (k.how if k.how == DEFERRED else 'not judged') if k.ok is None else 'MISSES'}"
-        for k in kinds), f" ({later})" if later else "")
+    log.info("%s: accuracy per CPU kind: %s%s", stage, "; ".join(f"{k.kind} {state(k)}" for k in kinds),
+             f" ({later})" if later else "")
 
 
 def checked_on(backend: Backend, kinds: list[KindVerdict]) -> CheckedOn:

@@ -15,13 +15,13 @@ Before any runtime quantizes, the floats race the same way, against ``INT8_CEILI
 runtime's int8 model ran faster than its own float): a runtime whose float stays out of reach is not
 even quantized. The fastest float quantizes first; then the others' floats race its PTQ model against
 the same ceiling (``quantize_racing``), so a runtime out of reach of the leader's PTQ model is not
-quantized either. No deployment is timed twice where one interleaved run already says what a race needs:
-the race after the leader's PTQ times the leader's float and PTQ model only, the others' floats scaled
-from their ratio to the leader's in the race before quantize (``float_ratios``), and the race after PTQ
-does not time again a float that race settled (``settled_floats``). Each race is kept (autotune/float_race.json, autotune/lead_race.json,
-autotune/race.json) with a key of what it timed (models, settings, host), so a re-run with nothing
-changed does not time again; a dropped runtime is left out of the final choice with the figures that
-dropped it.
+quantized either. No deployment is timed twice where one interleaved run already says what a race
+needs: the race after the leader's PTQ times the leader's float and PTQ model only, the others' floats
+scaled from their ratio to the leader's in the race before quantize (``float_ratios``), and the race
+after PTQ does not time again a float that race settled (``settled_floats``). Each race is kept
+(autotune/float_race.json, autotune/lead_race.json, autotune/race.json) with a key of what it timed
+(models, settings, host), so a re-run with nothing changed does not time again; a dropped runtime is
+left out of the final choice with the figures that dropped it.
 """
 
 from __future__ import annotations
@@ -107,6 +107,9 @@ class Race:
         return next((e for e in self.entries if e.runtime == runtime), None)
 
 
+Measured = dict[str, tuple[float | None, float | None]]  # each runtime's (float, PTQ) p10 in a race
+
+
 def reachable(best_ms: float, bound: float = GAIN_BOUND) -> float:
     """The best latency a runtime could reach from ``best_ms``: the better of its PTQ model and float over
     what autotune gains at most (``GAIN_BOUND``), or, before quantize, its float over ``INT8_CEILING``."""
@@ -142,8 +145,10 @@ def settled_floats(lead_race: Race | None) -> dict[str, float]:
     runtime's where even over ``GAIN_BOUND`` it is out of reach of that runtime's best. Neither can decide
     the race after PTQ (a float slower than its PTQ model is not its runtime's best; a float out of reach
     drops its runtime whatever its PTQ model does), so neither is timed again."""
-    lead = next((e for e in lead_race.entries if e.ptq_ms is not None), None) if lead_race is not None else None
-    if lead is None or lead.best_ms is None or lead_race is None:
+    if lead_race is None:
+        return {}
+    lead = next((e for e in lead_race.entries if e.ptq_ms is not None), None)
+    if lead is None or lead.best_ms is None:
         return {}
     settled = {}
     for e in lead_race.entries:
@@ -189,7 +194,7 @@ def run_lead_race(top: Path, lead: RuntimeRun, others: list[RuntimeRun], cfg: Di
     deployments = {n: ((b, float_path) if n not in ratios else None, (b, ptq) if n == lead.name else None)
                    for n, b in floats.items()}
 
-    def scaled(measured: dict[str, tuple[float | None, float | None]]) -> dict[str, float]:
+    def scaled(measured: Measured) -> dict[str, float]:
         lead_float = measured[lead.name][0]
         return {n: r * lead_float for n, r in ratios.items()} if lead_float is not None else {}
 
@@ -209,9 +214,6 @@ def float_ratios(top: Path, lead: str, others: list[str]) -> dict[str, float]:
         return {}
     return {n: e.float_ms / base.float_ms for n in others
             if (e := race.entry(n)) is not None and e.float_ms is not None}
-
-
-Measured = dict[str, tuple[float | None, float | None]]  # each runtime's (float, PTQ) p10 in a race
 
 
 def _timed_race(path: Path, key: str,
