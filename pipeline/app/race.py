@@ -26,6 +26,7 @@ left out of the final choice with the figures that dropped it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from pipeline.app.runtime_runs import EachRuntime, RuntimeRun, deployed_float
 from pipeline.artifacts import Manifest, atomic_write_json, fingerprint, read_json, sha256_file
 from pipeline.backends import Backend
 from pipeline.backends.timing import TimingPlan, time_pairs
+from pipeline.config import ordered_stages
 from pipeline.errors import StateError, first_line
 from pipeline.records.autotune import autotune_metrics
 
@@ -366,10 +368,19 @@ def quantize_racing(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: Ea
             log.info("auto: %s not quantized: %s", run.name, entry.why)
             each.left_out[run.name] = f"not quantized: out of reach of {lead.name}'s PTQ model ({entry.why})"
             continue
-        with kinds_deferred(f"judged once {run.name} is tuned: backend=auto's race after PTQ may drop it"):
+        with kinds_deferred(why) if (why := _deferred_kinds(cfg, run)) else contextlib.nullcontext():
             if each.one(run, "quantize"):
                 kept.append(run)
     return kept, race
+
+
+def _deferred_kinds(cfg: DictConfig, run: RuntimeRun) -> str:
+    """Why ``run``'s quantize leaves the CPU kinds that take a run of their own unjudged: where autotune runs
+    next, the race after PTQ may drop it, and autotune judges what a tuned runtime ships; "" (judge them
+    all) where this run ends at quantize: its PTQ model may ship."""
+    if "autotune" not in ordered_stages(cfg):
+        return ""
+    return f"judged once {run.name} is tuned: backend=auto's race after PTQ may drop it"
 
 
 def tune_racing(cfg: DictConfig, top: Path, runs: list[RuntimeRun], each: EachRuntime,

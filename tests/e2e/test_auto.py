@@ -387,6 +387,10 @@ def test_a_runtime_whose_float_cannot_reach_the_leaders_ptq_model_is_not_quantiz
     rd = tmp_path / "close"
     tune([*_faked_auto_args(residual_models, rd), "stages=[export,quantize]"])
     assert (rd / "runtimes" / "onnxruntime" / "quantize" / "quantized_model.onnx").exists()
+    # the run ends at quantize, so its PTQ model may ship: every CPU kind is judged, none left for autotune
+    from pipeline.accuracy.kinds import DEFERRED
+    sub = json.loads((rd / "runtimes" / "onnxruntime" / "manifest.json").read_text())["stages"]["quantize"]
+    assert sub["metrics"]["checked_on"]["kinds"] and all(k["how"] != DEFERRED for k in sub["metrics"]["checked_on"]["kinds"])
     lead = json.loads((rd / "autotune" / "lead_race.json").read_text())
     kept = {e["runtime"]: e for e in lead["entries"]}["onnxruntime"]
     assert kept["float_ms"] == 2.05 and not kept["dropped"] and lead["leader"] == "openvino"
