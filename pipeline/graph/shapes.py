@@ -12,7 +12,7 @@ import math
 import onnx
 
 from pipeline.graph import weights
-from pipeline.graph.weights import fits_one_proto, without_initializers
+from pipeline.graph.weights import proto_size_bound, without_initializers
 
 _SKELETON_KEEP = 1024  # constants up to this many bytes keep their values in a skeleton (Reshape shapes, ...)
 _SKELETON_FROM = 64 * 2**20  # models above this many bytes are shape-inferred through a skeleton
@@ -36,7 +36,7 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     it as it was). A large model (past 2 GB onnx's own inference cannot serialize it) is inferred
     through a weightless skeleton and its value_info and outputs are updated in place."""
     try:
-        if fits_one_proto(model) and model.ByteSize() < _SKELETON_FROM and not weights.has_lazy(model):
+        if proto_size_bound(model) < _SKELETON_FROM and not weights.has_lazy(model):
             return onnx.shape_inference.infer_shapes(model, strict_mode=False)
         inferred = onnx.shape_inference.infer_shapes(skeleton(model), strict_mode=False)
     except Exception:  # noqa: BLE001 - shape inference is best effort for custom ops

@@ -324,16 +324,42 @@ def stored_bytes(model: onnx.ModelProto) -> int:
                for t in model.graph.initializer)
 
 
+PROTO_LIMIT = 2**31 - 1  # bytes: protobuf serializes no single message past this
+
+
 def fits_one_proto(model: onnx.ModelProto) -> bool:
     """Whether ``model`` serializes as one protobuf message (under 2 GB); past that, protobuf's
     ByteSize() itself raises EncodeError, so a model that large is checked, saved and given to ONNX
-    Runtime by path, with external data."""
+    Runtime by path, with external data. ``proto_size_bound`` decides every model clear of the limit
+    without serializing its values; only one past the bound is measured whole."""
     from google.protobuf.message import EncodeError
 
     try:
-        return model.ByteSize() < 2**31 - 1
+        return proto_size_bound(model) < PROTO_LIMIT or model.ByteSize() < PROTO_LIMIT
     except (EncodeError, ValueError):
         return False
+
+
+_TYPED_VALUES = ("float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data")
+# bytes the fields of an initializer other than its name, doc_string, dims, raw_data and external_data
+# take at most (data_type, segment, data_location, tags and length prefixes), with room to spare
+_TENSOR_FIELDS_BOUND = 256
+
+
+def proto_size_bound(model: onnx.ModelProto) -> int:
+    """An upper bound on ``model.ByteSize()``: the model without its main graph's initializers measured
+    exactly, and each initializer held as raw bytes counted by its lengths. protobuf's ByteSize()
+    serializes the message to measure it (as slow as saving the model), so this is the size every
+    caller that only compares against a limit asks for."""
+    return without_initializers(model).ByteSize() + sum(map(_tensor_size_bound, model.graph.initializer))
+
+
+def _tensor_size_bound(t: onnx.TensorProto) -> int:
+    if not t.HasField("raw_data") or any(len(getattr(t, f)) for f in _TYPED_VALUES):
+        return t.ByteSize() + 16  # typed values: measured (small ones, as exporters write them)
+    return (len(t.raw_data) + len(t.name.encode()) + len(t.doc_string.encode()) + 11 * len(t.dims)
+            + sum(e.ByteSize() + 6 for e in t.external_data) + sum(m.ByteSize() + 6 for m in t.metadata_props)
+            + _TENSOR_FIELDS_BOUND)
 
 
 def _copy_fields(src: Any, dst: Any, skip: str) -> None:

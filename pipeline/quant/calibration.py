@@ -23,7 +23,14 @@ import numpy as np
 from pipeline.artifacts import read_json
 from pipeline.errors import StageError, StateError
 from pipeline.quant.plan import QDQPlan
-from pipeline.quant.qmath import QTYPES, WEIGHT_SEARCHES, QuantParams, range_params, weight_params
+from pipeline.quant.qmath import (
+    QTYPES,
+    WEIGHT_SEARCHES,
+    QuantParams,
+    quantized_values,
+    range_params,
+    weight_params,
+)
 from pipeline.values import enum_value
 
 
@@ -139,6 +146,28 @@ def stats_table(tensors: Mapping[str, Mapping[str, Any]] | None, written: bool =
     return out
 
 
+class WeightCache:
+    """What a run has computed of its weights, shared by every Calibration of the run: ``params`` maps
+    (weight name, digest, shape, axis, dtype, reduced, search) to the searched scales (the mse search is
+    far costlier than the digest), and ``values`` the same key to the values quantized as stored, while
+    they total at most QUANTIZED_CACHE_BYTES (each placement the quantize stage checks stores every
+    weight again; past the bound, a large model's weights are quantized each time instead of held)."""
+
+    def __init__(self) -> None:
+        self.params: dict[tuple, QuantParams] = {}
+        self.values: dict[tuple, np.ndarray] = {}
+        self.held = 0  # bytes in ``values``
+
+    def keep(self, key: tuple, q: np.ndarray) -> None:
+        if self.held + q.nbytes <= QUANTIZED_CACHE_BYTES:
+            q.setflags(write=False)  # shared by every model built from it
+            self.values[key] = q
+            self.held += q.nbytes
+
+
+QUANTIZED_CACHE_BYTES = 256 * 2**20
+
+
 class Calibration:
     """Per-tensor statistics from calibration.json (or a default scale where there are none), and how
     weight scales are searched (``weight_clip``: "max" or "mse").
@@ -167,11 +196,9 @@ class Calibration:
         if weight_clip not in WEIGHT_SEARCHES:
             raise ValueError(f"weight_clip={weight_clip!r}: expected one of {', '.join(WEIGHT_SEARCHES)}")
         self.weight_clip = weight_clip
-        # (weight name, digest, axis, dtype, reduced, search) -> scales: the mse search is far costlier than
-        # the hash, autotune applies a plan to the same weights for every candidate, and the quantize
-        # stage's candidates (ranges, transforms) share one cache: the weights' scales do not depend on
-        # the activation statistics
-        self.weight_cache: dict[tuple, QuantParams] = {}
+        # autotune applies a plan to the same weights for every candidate, and the quantize stage's
+        # candidates (ranges, transforms) share one cache: the weights do not depend on the activations
+        self.weight_cache = WeightCache()
 
     @staticmethod
     def weight_clip_for(algorithm: str | None) -> str:
@@ -181,17 +208,32 @@ class Calibration:
     def weight_params(self, name: str, values: np.ndarray, axis: int | None, dtype: str,
                       reduced: bool = False) -> QuantParams:
         """``weight_params`` with this calibration's weight search (memoized for the mse search)."""
-        if self.weight_clip == "max":
-            return weight_params(values, axis, dtype, reduced)
+        return self.quantized_weight(name, values, axis, dtype, reduced, values_too=False)[0]
 
+    def quantized_weight(self, name: str, values: np.ndarray, axis: int | None, dtype: str, reduced: bool = False,
+                         values_too: bool = True) -> tuple[QuantParams, np.ndarray | None]:
+        """The weight's scales (``weight_params`` with this calibration's search) and, with ``values_too``,
+        its values quantized in their storage type (``quantized_values``; read-only where cached).
+        Memoized for the mse search, whose key digests the values anyway: see WeightCache."""
+        if self.weight_clip == "max":
+            p = weight_params(values, axis, dtype, reduced)
+            return p, (quantized_values(values, p) if values_too else None)
         data = np.ascontiguousarray(values, np.float32).data
         # two checksums of the values (the cache's key is also the name and shape): a few times faster than
         # a cryptographic hash, and a placement digests every weight it stores
         digest = (zlib.crc32(data), zlib.adler32(data))
         key = (name, digest, values.shape, axis, dtype, bool(reduced), self.weight_clip)
-        if key not in self.weight_cache:
-            self.weight_cache[key] = weight_params(values, axis, dtype, reduced, self.weight_clip)
-        return self.weight_cache[key]
+        cache = self.weight_cache
+        if key not in cache.params:
+            cache.params[key] = weight_params(values, axis, dtype, reduced, self.weight_clip)
+        p = cache.params[key]
+        if not values_too:
+            return p, None
+        q = cache.values.get(key)
+        if q is None:
+            q = quantized_values(values, p)
+            cache.keep(key, q)
+        return p, q
 
     def with_aliases(self, aliases: dict[str, str]) -> Calibration:
         """A copy where each ``tensor`` takes the statistics of its ``source``."""

@@ -49,7 +49,7 @@ from pipeline.graph.weights import without_initializers
 from pipeline.progress import work_bar
 from pipeline.quant.calibration import Calibration
 from pipeline.quant.plan import Consumer, QDQPlan
-from pipeline.quant.qmath import FP8, QuantParams, make_quantized_tensor, make_zero_point, quantize_values
+from pipeline.quant.qmath import FP8, QuantParams, make_quantized_tensor, make_zero_point
 
 log = logging.getLogger("tune.qdq")
 
@@ -274,12 +274,12 @@ def _emit_weights(ins: _Insertion, plan: QDQPlan) -> dict[tuple[str, int], Quant
             if init is None:
                 raise ValueError(f"weight input {w.input_index} of node {w.node} ({name}) is not an initializer")
             values = weights.array(ins.sources.get(name, init)).astype(np.float32, copy=False)
-            p = ins.calibration.weight_params(name, values, w.axis, w.dtype, w.reduced)
+            p, q = ins.calibration.quantized_weight(name, values, w.axis, w.dtype, w.reduced)
             weight_scales[(w.node, w.input_index)] = p
             ft = init.data_type if init.data_type in _FLOAT_TYPES else ins.default_float_type
             base = ins.unique(f"{name}_{w.node}" if len(g.consumers.get(name, [])) > 1 else name)
             q_name, s_name, z_name, dq_out = ins.dq_names(base)
-            ins.new_inits += [make_quantized_tensor(q_name, quantize_values(values, p), w.dtype),
+            ins.new_inits += [make_quantized_tensor(q_name, q, w.dtype),
                               _scalar_or_vector(s_name, p.scale, ft), make_zero_point(z_name, p.zero_point, w.dtype)]
             attrs = {"axis": w.axis} if w.axis is not None else {}
             ins.new_nodes.append(helper.make_node("DequantizeLinear", [q_name, s_name, z_name], [dq_out],

@@ -39,12 +39,15 @@ def _fp8_bytes(values: np.ndarray, dtype: str) -> bytes:
 
 
 def make_quantized_tensor(name: str, values: np.ndarray, dtype: str) -> onnx.TensorProto:
-    """A tensor of already-quantized values (integers or fp8-representable floats)."""
+    """A tensor of already-quantized values (integers or fp8-representable floats; integers already in
+    their storage type, as ``quantized_values`` gives them, are stored as they are)."""
     tp, np_t, lo, hi = QTYPES[dtype]
     values = np.asarray(values)
     if np_t is None:
         return helper.make_tensor(name, tp, list(values.shape), _fp8_bytes(values, dtype), raw=True)
-    return numpy_helper.from_array(np.clip(np.rint(values), lo, hi).astype(np_t), name)
+    if values.dtype != np_t:
+        values = np.clip(np.rint(values), lo, hi).astype(np_t)
+    return numpy_helper.from_array(values, name)
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,14 @@ def quantize_values(w: np.ndarray, p: QuantParams) -> np.ndarray:
         return np.clip(q, -lim, lim)
     lo = -127 if p.dtype == "int8" else 0  # symmetric weights use the restricted range
     return np.clip(np.rint(q) + (0 if p.dtype == "int8" else zp), lo, QTYPES[p.dtype][3])
+
+
+def quantized_values(w: np.ndarray, p: QuantParams) -> np.ndarray:
+    """``w`` quantized with ``p`` in the storage type a tensor of ``p.dtype`` holds (float32 for fp8,
+    whose storage make_quantized_tensor converts)."""
+    q = quantize_values(w, p)
+    np_t = QTYPES[p.dtype][1]
+    return q.astype(np.float32, copy=False) if np_t is None else q.astype(np_t)
 
 
 def make_zero_point(name: str, zp: np.ndarray, dtype: str) -> onnx.TensorProto:

@@ -21,7 +21,7 @@ from pipeline.calibrate.collect import CalibrationMethod, collect
 from pipeline.data.adapters import Batch, DataProvider
 from pipeline.graph.model import input_specs, model_hash
 from pipeline.progress import progress_bar
-from pipeline.quant.calibration import Calibration, TensorStats, activation_dtypes
+from pipeline.quant.calibration import Calibration, TensorStats, WeightCache, activation_dtypes
 from pipeline.quant.cpu import decision_facts
 from pipeline.quant.placement import NodeDtypes, PlacementKind, resolve_rules
 from pipeline.quant.plan import WeightVariant
@@ -54,7 +54,7 @@ class QuantizeSetup:
     work: tempfile.TemporaryDirectory  # the candidates checked on the holdout; removed when decided
     start_weights: WeightVariant  # the weight storage the default placement and the held-out choices use (WeightVariant.start)
     # weight scales searched so far, shared by every Calibration of the run (see Calibration)
-    weight_cache: dict = field(default_factory=dict)
+    weight_cache: WeightCache = field(default_factory=WeightCache)
 
     @classmethod
     def create(cls, cfg: DictConfig, out_dir: Path, float_path: Path, model: onnx.ModelProto,

@@ -401,3 +401,27 @@ def test_signed_histogram_leaves_exact_zeros_out_and_counts_them():
     nz = x[x != 0]
     want = np.bincount(np.clip(((nz - lo) * (128 / (hi - lo))).astype(np.int64), 0, 127), minlength=128)
     assert zeros == x.size - nz.size and (counts == want).all() and counts.sum() == nz.size
+
+
+def test_a_second_placement_stores_the_weights_the_first_quantized_and_the_cache_holds_its_bound(monkeypatch):
+    import pipeline.quant.calibration as calibration_module
+    from pipeline.quant.calibration import Calibration
+    from pipeline.quant.qmath import quantized_values
+
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((64, 576)).astype(np.float32)
+    calib = Calibration({}, weight_clip="mse")
+    p, q = calib.quantized_weight("w", w, 0, "int8")
+    assert q.dtype == np.int8 and np.array_equal(q, quantized_values(w, p))
+    again = Calibration({}, weight_clip="mse")
+    again.weight_cache = calib.weight_cache
+    assert again.quantized_weight("w", w, 0, "int8")[1] is q  # the other candidate's placement reuses it
+    changed = w.copy()
+    changed[0, 0] += 1.0  # other values under the same name (a transform rewrote them): searched again
+    assert not np.array_equal(again.quantized_weight("w", changed, 0, "int8")[1], q)
+    monkeypatch.setattr(calibration_module, "QUANTIZED_CACHE_BYTES", w.size + w.size // 2)
+    small = Calibration({}, weight_clip="mse")
+    for k in range(3):
+        small.quantized_weight(f"w{k}", w, 0, "int8")
+    assert small.weight_cache.held == w.size and len(small.weight_cache.values) == 1
+    assert len(small.weight_cache.params) == 3

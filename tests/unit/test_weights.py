@@ -139,3 +139,20 @@ def test_without_a_hard_link_the_weights_are_read_into_memory_with_one_warning(s
     assert not weights.has_lazy(model) and model.ByteSize() > 3 * WIDTH * WIDTH * 4
     assert len(caplog.records) == 1 and "Set TMPDIR" in caplog.records[0].getMessage()
     np.testing.assert_array_equal(inference_session(model).run(None, _feeds())[0], _reference(stored))
+
+
+def test_the_size_bound_is_never_below_the_serialized_size_and_close_to_it():
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    raw = numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "w")
+    raw.doc_string = "a weight"
+    typed = helper.make_tensor("shape", TensorProto.INT64, [2], [4, 64])  # int64_data, as exporters write it
+    node = helper.make_node("MatMul", ["x", "w"], ["y"])
+    const = helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.ones(300, np.float32)))
+    graph = helper.make_graph([const, node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 64])], [raw, typed])
+    model = helper.make_model(graph)
+    bound = weights.proto_size_bound(model)
+    assert model.ByteSize() <= bound <= model.ByteSize() + 2 * 300
+    assert weights.fits_one_proto(model)
