@@ -80,24 +80,33 @@ def _channel_sums(a: np.ndarray, axis: int) -> tuple[np.ndarray, int]:
 def channel_means(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], slots: list[BiasSlot],
                   threads: int = 1) -> dict[str, dict[str, Any]]:
     """Per slot: the mean of its output per channel over ``feeds``, and the output's RMS."""
+    return _channel_means_keeping(model, feeds, slots, threads, [])[0]
+
+
+def _channel_means_keeping(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], slots: list[BiasSlot],
+                           threads: int, keep: list[str]) -> tuple[dict[str, dict[str, Any]], list[dict[str, np.ndarray]]]:
+    """``channel_means``, and per feed the values of the tensors ``keep`` names (read in the same runs)."""
     axes = {s.output: s.axis for s in slots}
     outputs = list(axes)
-    session = _session(model, outputs, threads)
+    session = _session(model, outputs + keep, threads)
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, int] = {}
     energy: dict[str, float] = {}
+    kept = []
     for feed in feeds:
-        for name, arr in zip(outputs, session.run(outputs, feed), strict=True):
+        values = session.run(outputs + keep, feed)
+        for name, arr in zip(outputs, values, strict=False):
             total, n = _channel_sums(arr, axes[name])
             sums[name] = sums.get(name, 0.0) + total
             counts[name] = counts.get(name, 0) + n
             energy[name] = energy.get(name, 0.0) + float(np.sum(np.asarray(arr, np.float64) ** 2))
+        kept.append(dict(zip(keep, values[len(outputs):], strict=True)))
     out = {}
     for s in slots:
         n = max(counts.get(s.output, 0), 1)
         mean = sums[s.output] / n
         out[s.node] = {"mean": mean, "rms": float(np.sqrt(energy[s.output] / (n * max(mean.size, 1))))}
-    return out
+    return out, kept
 
 
 def mean_shifts(float_model: onnx.ModelProto, qmodel: onnx.ModelProto, feeds: list[dict[str, np.ndarray]],
@@ -133,7 +142,9 @@ def corrections(float_model: onnx.ModelProto, build: Callable[[dict[str, list[fl
     nodes above it are corrected already. The model is placed once, its corrected biases fed in as
     inputs and each level measured on the part of the graph above it (``_FedBiases``), which computes
     what placing it again with the corrections would. A record has the node, its bias tensor and the
-    mean |shift| relative to the output's RMS before and after.
+    mean |shift| relative to the output's RMS before and after. With the biases fed, a slot's shift
+    after is its level's measurement less the correction as stored (rounded to int32 where the bias is):
+    the corrections below a slot never reach its output, and those above it were in its measurement.
     """
     slots, missing, shared = bias_slots(float_model, quantized)
     sizes = {i.name: int(np.prod(i.dims)) for i in float_model.graph.initializer}
@@ -144,11 +155,12 @@ def corrections(float_model: onnx.ModelProto, build: Callable[[dict[str, list[fl
 
     def measure(level: list[BiasSlot], total: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
         if fed is not None:
-            return fed.channel_means(feeds, level, total)
+            return fed.channel_means(feeds, level, total, {s.node for s in slots if s.bias in total})
         return channel_means(build({b: v.tolist() for b, v in total.items()}), feeds, level, threads)
 
     total: dict[str, np.ndarray] = {}
     first: dict[str, np.ndarray] = {}
+    left: dict[str, np.ndarray] = {}  # the shift left after the correction (fed biases)
     # one level per sweep: correcting adjacent levels from one measurement overshoots (a transformer's
     # cosine fell from 0.86 to 0.19 that way); past MAX_SWEEPS levels a node's shift is mostly the
     # noise of the nodes above it, not a bias of its own, so deeper nodes are left as they are
@@ -161,14 +173,18 @@ def corrections(float_model: onnx.ModelProto, build: Callable[[dict[str, list[fl
                 continue
             first[s.node] = shift
             total[s.bias] = total.get(s.bias, 0.0) + shift
-    after = measure(slots, total) if total else {}
+            if fed is not None:
+                left[s.node] = shift.reshape(-1) - fed.fed[s.bias].applied(total[s.bias])
+    if fed is None and total:
+        after = measure(slots, total)
+        left = {n: after[n]["mean"] - reference[n]["mean"] for n in first}
 
     def rel(shift: np.ndarray, node: str) -> float:
         rms = reference[node]["rms"]
         return float(np.mean(np.abs(shift)) / rms) if rms else 0.0
 
     records = [{"node": s.node, "bias": s.bias, "mean_abs_shift_rel": rel(first[s.node], s.node),
-                "mean_abs_shift_rel_after": rel(after[s.node]["mean"] - reference[s.node]["mean"], s.node)}
+                "mean_abs_shift_rel_after": rel(left[s.node], s.node)}
                for s in slots if s.node in first]
     records += [{"node": s.node, "bias": s.bias, "skipped": f"deeper than {MAX_SWEEPS} levels"}
                 for s in slots if s.node not in first and s not in mismatched]
@@ -187,6 +203,14 @@ class _FedBias:
     input: str
     values: np.ndarray
     scale: np.ndarray | None
+
+    def applied(self, delta: np.ndarray) -> np.ndarray:
+        """What subtracting ``delta`` takes from the bias the model adds, per value (float64): the stored
+        values' difference, dequantized as the DequantizeLinear computes it (float32) where they are int32."""
+        def added(v: np.ndarray) -> np.ndarray:
+            v = v.reshape(-1)
+            return (v.astype(np.float32) * self.scale if self.scale is not None else v).astype(np.float64)
+        return added(self.value(None)) - added(self.value(delta))
 
     def value(self, delta: np.ndarray | None) -> np.ndarray:
         """The input's value with ``delta`` subtracted, rounded as ``apply_plan`` stores it."""
@@ -218,16 +242,26 @@ def _fed_bias(s: BiasSlot, fg: GraphIndex, qg: GraphIndex) -> _FedBias | None:
     return _FedBias(dq.input[0], values, np.broadcast_to(scale, (values.size,)))
 
 
+# bytes of settled values _FedBiases keeps across levels (all feeds): past it, levels run from the inputs
+KEPT_BYTES = 512 * 2**20
+
+
 class _FedBiases:
     """The quantized model placed once with its slots' biases as graph inputs: a level is measured on
     the nodes its outputs depend on, with the corrections so far fed in (ORT runs every node of a
-    graph whatever outputs are asked for)."""
+    graph whatever outputs are asked for). A node is settled once every slot at or above it is
+    corrected (each slot is corrected once, so its value no longer changes); the settled values an
+    unsettled node reads are kept per feed (up to KEPT_BYTES) and fed in, so each level runs the nodes
+    between the settled part of the graph and its outputs instead of the whole graph above them."""
 
-    def __init__(self, model: onnx.ModelProto, fed: dict[str, _FedBias], threads: int):
+    def __init__(self, model: onnx.ModelProto, fed: dict[str, _FedBias], slots: list[BiasSlot], threads: int):
         self.model, self.fed, self.threads = model, fed, threads
+        self.owners = {s.node for s in slots}
+        self.bias_owner = {fed[s.bias].input: s.node for s in slots}  # fed input -> the slot it corrects
         self.producer = {t: i for i, n in enumerate(model.graph.node) for t in n.output}
         self.truncate = not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
                                 for n in model.graph.node for a in n.attribute)
+        self.known: list[dict[str, np.ndarray]] = []  # per feed: settled values an unsettled node reads
 
     @classmethod
     def of(cls, float_model: onnx.ModelProto, qmodel: onnx.ModelProto, slots: list[BiasSlot], threads: int
@@ -245,30 +279,65 @@ class _FedBiases:
                                   for i in inits if i.name in inputs and i.name not in listed)
         for k in reversed([k for k, i in enumerate(inits) if i.name in inputs]):
             del inits[k]
-        return cls(qmodel, fed, threads)  # type: ignore[arg-type]  # None ruled out above
+        return cls(qmodel, fed, slots, threads)  # type: ignore[arg-type]  # None ruled out above
 
     def channel_means(self, feeds: list[dict[str, np.ndarray]], level: list[BiasSlot],
-                      total: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
-        """``channel_means`` of ``level`` on the model with ``total`` subtracted from the biases."""
-        model = self._above([s.output for s in level]) if self.truncate else self.model
+                      total: dict[str, np.ndarray], corrected: set[str]) -> dict[str, dict[str, Any]]:
+        """``channel_means`` of ``level`` on the model with ``total`` subtracted from the biases of the slot
+        nodes ``corrected`` names (for good: a later call's ``corrected`` holds them too)."""
+        outputs = [s.output for s in level]
+        if not self.truncate:
+            return self._measure(self.model, feeds, level, total, [])[0]
+        known = self.known or [{} for _ in feeds]
+        model = self._above(outputs, {t: v for t, v in known[0].items() if t not in outputs})
+        cut = self._cut(corrected)
+        computed = {t for n in model.graph.node for t in n.output}
+        means, kept = self._measure(model, [{**f, **k} for f, k in zip(feeds, known, strict=True)], level, total,
+                                    sorted(cut & computed))
+        self.known = [{t: v for t, v in {**k, **new}.items() if t in cut} for k, new in zip(known, kept, strict=True)]
+        if sum(v.nbytes for k in self.known for v in k.values()) > KEPT_BYTES:
+            self.known = []
+        return means
+
+    def _measure(self, model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]], level: list[BiasSlot],
+                 total: dict[str, np.ndarray], keep: list[str]
+                 ) -> tuple[dict[str, dict[str, Any]], list[dict[str, np.ndarray]]]:
         needed = {i.name for i in model.graph.input}
         biases = {f.input: f.value(total.get(b)) for b, f in self.fed.items() if f.input in needed}
         fed = [{**{k: v for k, v in feed.items() if k in needed}, **biases} for feed in feeds]
-        return channel_means(model, fed, level, self.threads)
+        return _channel_means_keeping(model, fed, level, self.threads, keep)
 
-    def _above(self, outputs: list[str]) -> onnx.ModelProto:
-        """The nodes ``outputs`` depend on, as a model of their own (same names, inputs and initializers)."""
+    def _cut(self, corrected: set[str]) -> set[str]:
+        """The settled tensors an unsettled node reads, with ``corrected`` the slot nodes corrected so far
+        (graph.node is topologically sorted: a node's producers come before it)."""
+        settled: list[bool] = []
+        for n in self.model.graph.node:
+            settled.append((n.name not in self.owners or n.name in corrected)
+                           and all(self.bias_owner[t] in corrected if t in self.bias_owner else
+                                   settled[i] if (i := self.producer.get(t)) is not None else True
+                                   for t in n.input if t))
+        nodes = self.model.graph.node
+        return {t for k, n in enumerate(nodes) if not settled[k] for t in n.input
+                if t and (i := self.producer.get(t)) is not None and settled[i]}
+
+    def _above(self, outputs: list[str], known: dict[str, np.ndarray]) -> onnx.ModelProto:
+        """The nodes ``outputs`` depend on, back to the ``known`` tensors, as a model of their own (same
+        names, inputs and initializers; the known tensors become inputs)."""
         graph_nodes = self.model.graph.node
         wanted: set[int] = set()
         stack = list(outputs)
         while stack:
-            i = self.producer.get(stack.pop())
+            t = stack.pop()
+            i = None if t in known else self.producer.get(t)
             if i is not None and i not in wanted:
                 wanted.add(i)
                 stack.extend(t for t in graph_nodes[i].input if t)
         nodes = [graph_nodes[i] for i in sorted(wanted)]
         used = {t for n in nodes for t in n.input}
-        graph = onnx.helper.make_graph(nodes, self.model.graph.name, [i for i in self.model.graph.input if i.name in used],
+        inputs = [i for i in self.model.graph.input if i.name in used]
+        inputs += [onnx.helper.make_tensor_value_info(t, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), None)
+                   for t, v in known.items() if t in used]
+        graph = onnx.helper.make_graph(nodes, self.model.graph.name, inputs,
                                        [onnx.helper.make_empty_tensor_value_info(t) for t in outputs],
                                        [i for i in self.model.graph.initializer if i.name in used])
         out = onnx.helper.make_model(graph, opset_imports=list(self.model.opset_import))

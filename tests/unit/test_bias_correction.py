@@ -5,6 +5,7 @@ quantizes, so autotune's placements get it too."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from onnx import numpy_helper
 
 from pipeline.calibrate.collect import CalibrationMethod, collect
@@ -127,6 +128,10 @@ def test_feeding_the_corrected_biases_computes_what_placing_each_level_does(monk
         for b in fed:
             np.testing.assert_allclose(fed[b], placed[b], rtol=1e-5, atol=1e-7)
         assert [r["node"] for r in fed_rec] == [r["node"] for r in placed_rec]
+        # the shift left after correction: derived from each level's run, measured on the corrected model
+        for f, p in zip(fed_rec, placed_rec, strict=True):
+            assert f.get("mean_abs_shift_rel_after") == pytest.approx(p.get("mean_abs_shift_rel_after"),
+                                                                      rel=1e-3, abs=1e-6)
     layer = models.transformer_layer()
     lfeeds = [f for f, _ in synthetic_batches(input_specs(layer), 6, 0)]
     lstats = collect(layer, lambda: iter([Batch(f, None, 1) for f in lfeeds]),
