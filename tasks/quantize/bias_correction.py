@@ -65,10 +65,10 @@ def bias_slots(model: onnx.ModelProto, nodes: Iterable[str]) -> tuple[list[BiasS
 
 
 def _session(model: onnx.ModelProto, outputs: list[str], threads: int):
-    from pipeline.backends.onnxruntime.session import inference_session, ort_session_options
+    from pipeline.backends.onnxruntime.session import qdq_math_session
 
     # plain Q/DQ math and no fusions: every node's output stays observable
-    return inference_session(model, ort_session_options("disable", threads=threads), extra_outputs=outputs)
+    return qdq_math_session(model, threads, extra_outputs=outputs)
 
 
 def _channel_sums(a: np.ndarray, axis: int) -> tuple[np.ndarray, int]:

@@ -145,3 +145,38 @@ def test_node_macs_counts_a_dynamic_batch_as_one():
     fixed = node_macs(models.conv_chain(batch=1))
     dynamic = onnx.shape_inference.infer_shapes(models.with_dynamic_batch(models.conv_chain(batch=1)))
     assert node_macs(dynamic) == fixed  # as export records shapes with a kept dynamic batch
+
+
+@pytest.mark.parametrize("make", [models.conv_chain, models.transformer_layer, models.dense_2d_bias])
+@pytest.mark.parametrize("storage", ["uint8 activations, int8 weights", "uint8 weights", "int8 per tensor"])
+def test_a_qdq_model_runs_as_its_math_with_its_constant_dequantizes_computed_once_bit_for_bit(make, storage):
+    """qdq_math_session computes each DequantizeLinear of a constant once, as ORT's kernel does: the outputs
+    are those of ORT running every DequantizeLinear as written."""
+    import onnxruntime as ort
+
+    from pipeline.backends.onnxruntime.session import fold_constant_dequantize, qdq_math_session
+    from pipeline.calibrate.collect import CalibrationMethod, collect
+    from pipeline.data.adapters import Batch, synthetic_batches
+    from pipeline.quant.calibration import Calibration
+    from pipeline.quant.placement import onnxruntime_plan, resolve_rules
+    from pipeline.quant.qdq import apply_plan
+
+    model = make()
+    feeds = [f for f, _ in synthetic_batches(input_specs(model), 4, 0)]
+    stats = collect(model, lambda: iter([Batch(f, None, 1) for f in feeds]), CalibrationMethod("minmax", 99.99, 2048),
+                    1, lambda it, desc: it)
+    rules = resolve_rules(model, [{"module_name": "*", "weights": {"dtype": "int8"},
+                                   "activations": {"dtype": "uint8"}}])
+    plan = onnxruntime_plan(model, rules, "uint8", per_channel=storage != "int8 per tensor",
+                            weight_range="uint8" if storage == "uint8 weights" else "full")
+    q = apply_plan(model, plan, Calibration(stats))
+    folded = fold_constant_dequantize(q)
+    assert sum(n.op_type == "DequantizeLinear" for n in folded.graph.node) < \
+        sum(n.op_type == "DequantizeLinear" for n in q.graph.node)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    as_written = ort.InferenceSession(q.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    math = qdq_math_session(q, 1)
+    for feed in feeds:
+        for a, b in zip(as_written.run(None, feed), math.run(None, feed), strict=True):
+            assert np.array_equal(a, b)

@@ -1,8 +1,9 @@
 """ONNX Runtime sessions on ONNX models, for every stage that runs a model in ORT (export checks,
 calibration, bias correction, smoothing, subgraph extraction) and for the ORT backend: session
 options by optimization level, the settings a tuned model ships with (``SessionSettings``), a
-session on a proto, bytes or path with intermediate tensors as extra outputs, and the guard that
-keeps ORT's int8 QDQ rewrites away from FP8 models.
+session on a proto, bytes or path with intermediate tensors as extra outputs, a session that runs a
+Q/DQ model as its plain math (``qdq_math_session``), and the guard that keeps ORT's int8 QDQ
+rewrites away from FP8 models.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 
 from pipeline.backends.settings import RuntimeSettings, check_integer, string_map
 from pipeline.graph import weights
+from pipeline.graph.model import graph_reads, load_model
 from pipeline.graph.weights import fits_one_proto, save_external
 
 _LEVELS = {
@@ -170,6 +173,76 @@ def inference_session(model: onnx.ModelProto | bytes | str | os.PathLike, option
         return ort.InferenceSession(data, sess_options=options, providers=list(providers),
                                     disabled_optimizers=disabled)
     return ort.InferenceSession(data, sess_options=options, providers=list(providers))
+
+
+def qdq_math_session(model: onnx.ModelProto | str | os.PathLike, threads: int | None = None, *,
+                     options: Any = None, extra_outputs: Iterable[str] = (),
+                     providers: Iterable[str] = ("CPUExecutionProvider",), arena: bool = True) -> Any:
+    """A session that runs a Q/DQ ``model`` as its plain math: no graph optimization, so every
+    QuantizeLinear, DequantizeLinear and float op runs as written (what the fused integer kernels must
+    reproduce). The DequantizeLinear of a constant is computed once, here, as ORT's kernel computes it
+    (``fold_constant_dequantize``: otherwise each run makes a float copy of every weight), and
+    prepacking is off, so the float kernels read those values as they read a DequantizeLinear's output:
+    the same outputs bit for bit (a model with nothing to fold runs as ORT runs it, prepacking on).
+    For a session that runs few feeds on a large model, computing the values once costs about what it
+    saves (ORT's DequantizeLinear per run against a float copy of the weights to hand over); it pays
+    where a model is run on many feeds or in parts (bias correction's levels). ``options``: SessionOptions to start from (a backend's, its settings
+    applied; default: ``threads`` intra-op threads); ``arena=False`` runs without ORT's memory arena."""
+    import onnxruntime as ort
+
+    options = options or ort_session_options(threads=threads)
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.enable_cpu_mem_arena = arena
+    proto = model if isinstance(model, onnx.ModelProto) else load_model(model, check=False)
+    folded = fold_constant_dequantize(proto)
+    if folded is not proto:
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    return inference_session(folded, options, extra_outputs=extra_outputs, providers=providers)
+
+
+FOLDED_BYTES = 2**30  # float values fold_constant_dequantize adds at most (past it, ORT computes the rest per run)
+_FOLDED_TYPES = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16, onnx.TensorProto.UINT16,
+                 onnx.TensorProto.INT32)
+
+
+def fold_constant_dequantize(model: onnx.ModelProto, budget: int = FOLDED_BYTES) -> onnx.ModelProto:
+    """``model`` with each main-graph DequantizeLinear whose inputs are all initializers (an integer
+    value, a float32 scale: per tensor or per axis, no blocks) replaced by the float32 initializer it
+    computes, (x - zero point) as float times the scale as ORT's kernel does, up to ``budget`` bytes;
+    ``model`` itself where there is none."""
+    inits = {i.name: i for i in model.graph.initializer}
+    folded: dict[str, onnx.TensorProto] = {}
+    for n in model.graph.node:
+        if n.op_type != "DequantizeLinear" or n.domain not in ("", "ai.onnx") or len(n.input) < 2 \
+                or not all(t in inits for t in n.input if t) or any(a.name == "block_size" for a in n.attribute):
+            continue
+        x, scale = inits[n.input[0]], inits[n.input[1]]
+        size = 4 * int(np.prod(x.dims))
+        if x.data_type not in _FOLDED_TYPES or scale.data_type != onnx.TensorProto.FLOAT or size > budget:
+            continue
+        values = weights.array(x)
+        s = weights.array(scale)
+        zp = weights.array(inits[n.input[2]]) if len(n.input) > 2 and n.input[2] else np.zeros((), values.dtype)
+        if s.ndim == 1 and values.ndim:  # per axis
+            axis = next((a.i for a in n.attribute if a.name == "axis"), 1)
+            shape = [1] * values.ndim
+            shape[axis] = -1
+            s, zp = s.reshape(shape), zp.reshape(shape)
+        if values.dtype.itemsize <= 2:  # the difference of two such integers is exact in float32
+            y = (values.astype(np.float32) - zp.astype(np.float32)) * s
+        else:
+            y = (values.astype(np.int64) - zp.astype(np.int64)).astype(np.float32) * s
+        folded[n.output[0]] = onnx.numpy_helper.from_array(y.astype(np.float32, copy=False), n.output[0])
+        budget -= size
+    if not folded:
+        return model
+    out = weights.without_initializers(model)
+    del out.graph.node[:]
+    out.graph.node.extend(n for n in model.graph.node if not (n.op_type == "DequantizeLinear" and n.output[0] in folded))
+    read = graph_reads(out.graph)
+    out.graph.initializer.extend(i for i in model.graph.initializer if i.name in read)
+    out.graph.initializer.extend(folded.values())
+    return out
 
 
 def with_outputs(model: onnx.ModelProto, tensors: Iterable[str]) -> onnx.ModelProto:
