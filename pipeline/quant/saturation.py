@@ -33,6 +33,8 @@ from pipeline.graph.model import opset_version
 from pipeline.graph.shapes import infer_shapes
 
 INT16_MIN, INT16_MAX = -32768.0, 32767.0
+# the most one pair sum's saturation error can be: 255 x 256 (two weights of -128) less int16's 32768
+PAIR_ERROR_MAX = 255 * 256 - 32768
 # how a runtime's kernels pair a convolution's reduction: across kernel positions where channels are odd
 # (im2col), or within each position over channels padded to an even count (channels)
 PAIRINGS = ("im2col", "channels")
@@ -323,23 +325,31 @@ def _selected_error(b: _Builder, raw: str, weight: np.ndarray, rows: np.ndarray,
 def _column_sums(b: _Builder, error: str, cols: np.ndarray, n: int, rank: int) -> str:
     """[..., M, N]: the errors [S, ..., M] (sorted by their column ``cols``) added into their columns: a 0/1
     MatMul where small (or before opset 11), else the differences of their running sum at each column's
-    first and last sum, in float64 (exact: every error is a whole number; float32 would round past 2^24)."""
+    last sum and the one before its first, in integers (exact: every error is a whole number, where
+    float32 would round past 2^24): int32 where the S sums cannot reach 2^31, else int64."""
     last = [*range(1, rank), 0]
     if len(cols) * n <= SCATTER_MATMUL_MAX or b.opset < 11:
         scatter = np.zeros((len(cols), n), np.float32)
         scatter[np.arange(len(cols)), cols] = 1.0
         error = b.op("Transpose", [error], "pair_error_last", perm=last)  # [..., M, S]
         return b.op("MatMul", [error, b.const("pair_scatter", scatter)], "error_out")
-    wide = b.op("Cast", [error], "error_f64", to=TensorProto.DOUBLE)
-    pads = np.zeros(2 * rank, np.int64)
-    pads[0] = 1  # a zero row first: the running sum before the first error
-    wide = b.op("Pad", [wide, b.const("running_pads", pads)], "error_padded")
+    wide_type = TensorProto.INT32 if len(cols) * PAIR_ERROR_MAX < 2**31 else TensorProto.INT64
+    wide = b.op("Cast", [error], "error_int", to=wide_type)
     running = b.op("CumSum", [wide, b.const("running_axis", np.asarray(0, np.int64))], "running_sum")
     counts = np.bincount(cols, minlength=n)
     ends = np.cumsum(counts)
-    high = b.op("Gather", [running, b.const("column_ends", ends.astype(np.int64))], "at_ends", axis=0)
-    low = b.op("Gather", [running, b.const("column_starts", (ends - counts).astype(np.int64))], "at_starts", axis=0)
-    sums = b.op("Cast", [b.op("Sub", [high, low], "column_sums_f64")], "column_sums", to=TensorProto.FLOAT)
+    starts = ends - counts
+    shape = (n, *([1] * (rank - 1)))
+
+    def at(index: np.ndarray, name: str) -> str:  # running[index - 1] per column, 0 where index is 0
+        picked = b.op("Gather", [running, b.const(f"{name}_index", np.maximum(index - 1, 0).astype(np.int64))],
+                      f"at_{name}", axis=0)
+        mask = b.const(f"{name}_nonzero", (index > 0).astype(np.int64 if wide_type == TensorProto.INT64
+                                                            else np.int32).reshape(shape))
+        return b.op("Mul", [picked, mask], f"sum_to_{name}")
+
+    sums = b.op("Cast", [b.op("Sub", [at(ends, "ends"), at(starts, "starts")], "column_sums_int")], "column_sums",
+                to=TensorProto.FLOAT)
     return b.op("Transpose", [sums], "error_out", perm=last)  # [N, ..., M] -> [..., M, N]
 
 

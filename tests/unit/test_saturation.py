@@ -77,19 +77,29 @@ def test_matmul_moves_by_the_pair_sum_error(k, weights):
 
 
 @pytest.mark.parametrize("k", [64, 63])
-def test_the_selected_sums_add_into_their_columns_by_running_sums_where_a_matrix_would_be_large(k, monkeypatch):
+@pytest.mark.parametrize("wide", ["int32", "int64"])
+@pytest.mark.parametrize("first_column", ["saturable", "exact"])
+def test_the_selected_sums_add_into_their_columns_by_running_sums_where_a_matrix_would_be_large(
+        k, wide, first_column, monkeypatch):
     """Few saturable sums on a wide layer: their errors are added into the columns by the differences of their
-    running sum (in float64: exact) instead of a [S, N] 0/1 matrix; the same output moves."""
+    running sum (in integers: exact) instead of a [S, N] 0/1 matrix; the same output moves."""
     from pipeline.quant import saturation
 
     monkeypatch.setattr(saturation, "SCATTER_MATMUL_MAX", 0)
+    if wide == "int64":  # the running sums of a layer with too many sums for int32
+        monkeypatch.setattr(saturation, "PAIR_ERROR_MAX", 2**31)
     rng = np.random.default_rng(k + 1)
     w = _trained_weights(rng, (k, 6))
+    if first_column == "exact":  # a first column without a sum that can saturate (no running sum before it)
+        w[:, 0] = np.clip(w[:, 0], -20, 20)
     ws = rng.uniform(0.001, 0.01, 6).astype(np.float32)
     x = rng.integers(150, 256, (2, 5, k)).astype(np.uint8)
     model = _layer_model("MatMul", [2, 5, k], w, ws)
     twin, _ = saturating_twin(model)
     assert "CumSum" in {n.op_type for n in twin.graph.node} and "ScatterElements" not in {n.op_type for n in twin.graph.node}
+    casts = {a.i for n in twin.graph.node if n.op_type == "Cast" and n.output[0].endswith("error_int")
+             for a in n.attribute}
+    assert casts == {onnx.TensorProto.INT32 if wide == "int32" else onnx.TensorProto.INT64}
     err = _pair_error(x.reshape(-1, k).astype(np.int64), w.astype(np.int64)).reshape(2, 5, 6)
     assert np.abs(err).max() > 0
     np.testing.assert_allclose(_run(twin, x) - _run(model, x), A_SCALE * ws * err, rtol=1e-5, atol=1e-5)
