@@ -12,6 +12,7 @@ decisions.
 
 from __future__ import annotations
 
+import threading
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
@@ -157,15 +158,26 @@ class WeightCache:
         self.params: dict[tuple, QuantParams] = {}
         self.values: dict[tuple, np.ndarray] = {}
         self.held = 0  # bytes in ``values``
+        self._lock = threading.Lock()  # apply_plan quantizes weights in threads
 
     def keep(self, key: tuple, q: np.ndarray) -> None:
-        if self.held + q.nbytes <= QUANTIZED_CACHE_BYTES:
-            q.setflags(write=False)  # shared by every model built from it
-            self.values[key] = q
-            self.held += q.nbytes
+        with self._lock:
+            if self.held + q.nbytes <= QUANTIZED_CACHE_BYTES:
+                q.setflags(write=False)  # shared by every model built from it
+                self.values[key] = q
+                self.held += q.nbytes
 
 
 QUANTIZED_CACHE_BYTES = 256 * 2**20
+
+
+def _digest(values: np.ndarray) -> tuple[int, int]:
+    """Two checksums of a weight's values (the cache's key is also its name and shape): its CRC-32 and the
+    wrapping sum of its 64-bit words, a few times faster than a cryptographic hash (a placement digests
+    every weight it stores)."""
+    data = np.ascontiguousarray(values, np.float32).reshape(-1).view(np.uint8)
+    words = data[:data.size // 8 * 8].view(np.uint64)
+    return zlib.crc32(data), int(words.sum(dtype=np.uint64))
 
 
 class Calibration:
@@ -218,11 +230,7 @@ class Calibration:
         if self.weight_clip == "max":
             p = weight_params(values, axis, dtype, reduced)
             return p, (quantized_values(values, p) if values_too else None)
-        data = np.ascontiguousarray(values, np.float32).data
-        # two checksums of the values (the cache's key is also the name and shape): a few times faster than
-        # a cryptographic hash, and a placement digests every weight it stores
-        digest = (zlib.crc32(data), zlib.adler32(data))
-        key = (name, digest, values.shape, axis, dtype, bool(reduced), self.weight_clip)
+        key = (name, _digest(values), values.shape, axis, dtype, bool(reduced), self.weight_clip)
         cache = self.weight_cache
         if key not in cache.params:
             cache.params[key] = weight_params(values, axis, dtype, reduced, self.weight_clip)

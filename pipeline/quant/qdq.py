@@ -24,8 +24,11 @@ weights, int32 biases and Loop/Scan bodies over one ``GraphIndex`` of the graph:
 
 from __future__ import annotations
 
+import contextvars
 import logging
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -48,7 +51,7 @@ from pipeline.graph.model import (
 from pipeline.graph.weights import without_initializers
 from pipeline.progress import work_bar
 from pipeline.quant.calibration import Calibration
-from pipeline.quant.plan import Consumer, QDQPlan
+from pipeline.quant.plan import Consumer, QDQPlan, WeightQ
 from pipeline.quant.qmath import FP8, QuantParams, make_quantized_tensor, make_zero_point
 
 log = logging.getLogger("tune.qdq")
@@ -261,20 +264,20 @@ def _emit_activations(ins: _Insertion, plan: QDQPlan) -> None:
             rewired[(node_name, idx)] = dq_out
 
 
+# weights quantized at once by _emit_weights: numpy releases the GIL on a weight's arrays, so the mse search
+# of one runs beside another's (two at most in memory)
+WEIGHTS_AT_ONCE = 2
+
+
 def _emit_weights(ins: _Insertion, plan: QDQPlan) -> dict[tuple[str, int], QuantParams]:
     """Weights stored quantized, each followed by a DequantizeLinear; returns the scales by (node, input)."""
     g = ins.g
     weight_scales: dict[tuple[str, int], QuantParams] = {}
     with work_bar(len(plan.weights), "quantizing weights", unit="weight") as bar:
-        for w in plan.weights:
+        for w, init, p, q in _quantized_weights(ins, plan):
             bar.set_postfix_str(w.node, refresh=False)  # the weight it is on; tqdm gives the ETA
             node = g.nodes[w.node]
             name = node.input[w.input_index]
-            init = g.inits.get(name)
-            if init is None:
-                raise ValueError(f"weight input {w.input_index} of node {w.node} ({name}) is not an initializer")
-            values = weights.array(ins.sources.get(name, init)).astype(np.float32, copy=False)
-            p, q = ins.calibration.quantized_weight(name, values, w.axis, w.dtype, w.reduced)
             weight_scales[(w.node, w.input_index)] = p
             ft = init.data_type if init.data_type in _FLOAT_TYPES else ins.default_float_type
             base = ins.unique(f"{name}_{w.node}" if len(g.consumers.get(name, [])) > 1 else name)
@@ -287,6 +290,37 @@ def _emit_weights(ins: _Insertion, plan: QDQPlan) -> dict[tuple[str, int], Quant
             node.input[w.input_index] = dq_out
             bar.update(1)
     return weight_scales
+
+
+def _quantized_weights(ins: _Insertion, plan: QDQPlan
+                       ) -> Iterator[tuple[WeightQ, onnx.TensorProto, QuantParams, np.ndarray]]:
+    """(weight, its initializer, scales, quantized values) of each of ``plan.weights`` in order, up to
+    WEIGHTS_AT_ONCE quantized at a time in worker threads (in this run's context: its weights folder)."""
+    g = ins.g
+
+    def quantized(w: WeightQ, name: str, init: onnx.TensorProto, source: onnx.TensorProto
+                  ) -> tuple[WeightQ, onnx.TensorProto, QuantParams, np.ndarray]:
+        values = weights.array(source).astype(np.float32, copy=False)
+        p, q = ins.calibration.quantized_weight(name, values, w.axis, w.dtype, w.reduced)
+        return w, init, p, q
+
+    with ThreadPoolExecutor(WEIGHTS_AT_ONCE, thread_name_prefix="qdq-tune-weights") as pool:
+        pending: deque[Future] = deque()
+        try:
+            for w in plan.weights:  # the graph is read here, in the caller's thread; the workers take arrays
+                name = g.nodes[w.node].input[w.input_index]
+                init = g.inits.get(name)
+                if init is None:
+                    raise ValueError(f"weight input {w.input_index} of node {w.node} ({name}) is not an initializer")
+                pending.append(pool.submit(contextvars.copy_context().run, quantized, w, name, init,
+                                           ins.sources.get(name, init)))
+                if len(pending) == WEIGHTS_AT_ONCE:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for f in pending:
+                f.cancel()
 
 
 def _emit_biases(ins: _Insertion, plan: QDQPlan, weight_scales: dict[tuple[str, int], QuantParams]) -> None:
