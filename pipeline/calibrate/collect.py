@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from pipeline.calibrate.workers import map_in_workers
 from pipeline.data.adapters import Batch
 from pipeline.graph import weights
 from pipeline.graph.bodies import body_views, thread_out
@@ -330,6 +331,15 @@ def _error_minimizing(s: Partial, signed: np.ndarray, zeros: int, absolute: np.n
         s["candidates"] = candidates
 
 
+def _searched(item: tuple[Partial, np.ndarray, int, np.ndarray | None], method: CalibrationMethod) -> Partial:
+    """What ``_error_minimizing`` adds to one tensor's statistics (item: them, its signed histogram, its
+    exact zeros and its |x| histogram), on a copy: a worker process's result."""
+    s, signed, zeros, absolute = item
+    found = dict(s)
+    _error_minimizing(found, signed, zeros, absolute, method)
+    return {k: found[k] for k in ("thresholds", "threshold", "chosen", "candidates") if k in found}
+
+
 def with_ranges(stats: dict[str, TensorStats], method: str) -> dict[str, TensorStats]:
     """Statistics from an ``auto`` calibration with every tensor clipped by ``method`` (one of
     AUTO_CANDIDATES), or by its per-tensor choice (``PER_TENSOR``); the candidates are dropped."""
@@ -389,7 +399,7 @@ def collect(model: onnx.ModelProto, batches: Callable[[], Iterable[Batch]], meth
 
     stats, count = _ranges(runner, passing("calibrating (pass 1: ranges)"))
     if algorithm in ("mse", "auto"):
-        _error_minimizing_pass(stats, runner, passing("calibrating (pass 2: histograms)"), method)
+        _error_minimizing_pass(stats, runner, passing("calibrating (pass 2: histograms)"), method, threads)
     if algorithm in ("entropy", "percentile"):
         hists = {t: np.zeros(num_bins, np.int64) for t in stats}
         for batch in passing("calibrating (pass 2: histograms)"):
@@ -459,9 +469,10 @@ def _absolute_histogram(arr: np.ndarray, absmax: float, num_bins: int, drop_zero
 
 
 def _error_minimizing_pass(stats: dict[str, Partial], runner: ActivationRunner, batches: Iterable[Batch],
-                           method: CalibrationMethod) -> None:
+                           method: CalibrationMethod, threads: int) -> None:
     """mse and auto: the second pass (signed histograms, and for auto those of |x|), then each tensor's
-    ``thresholds`` for ``method.dtypes`` (``_error_minimizing``)."""
+    ``thresholds`` for ``method.dtypes`` (``_error_minimizing``), in ``threads`` worker processes where the
+    tensors are many (``map_in_workers``)."""
     algorithm, num_bins = method.algorithm, method.num_bins
     signed = {t: np.zeros(num_bins, np.int64) for t in stats}
     zeros = dict.fromkeys(stats, 0)
@@ -477,8 +488,9 @@ def _error_minimizing_pass(stats: dict[str, Partial], runner: ActivationRunner, 
                 zeros[t] += z
             if algorithm == "auto":  # with zeros: percentile counts them, entropy takes them out
                 absolute[t] += _absolute_histogram(arr, s["absmax"], num_bins)
-    for t, s in stats.items():
-        _error_minimizing(s, signed[t], zeros[t], absolute.get(t), method)
+    items = [(s, signed[t], zeros[t], absolute.get(t)) for t, s in stats.items()]
+    for s, found in zip(stats.values(), map_in_workers(_searched, items, method, workers=threads), strict=True):
+        s.update(found)
     if algorithm == "auto" and stats:
         wins = {dt: Counter(s["chosen"][dt] for s in stats.values() if "chosen" in s) for dt in method.dtypes}
         log.info("auto ranges (lowest histogram MSE of %s per tensor, %d tensors): %s",

@@ -425,3 +425,35 @@ def test_a_second_placement_stores_the_weights_the_first_quantized_and_the_cache
         small.quantized_weight(f"w{k}", w, 0, "int8")
     assert small.weight_cache.held == w.size and len(small.weight_cache.values) == 1
     assert len(small.weight_cache.params) == 3
+
+
+def test_the_threshold_searches_in_worker_processes_find_what_one_process_finds(monkeypatch):
+    """auto's per-tensor searches in a pool of two processes (a large model's hundreds of tensors; here every
+    tensor of a small one): the same statistics as in this process."""
+    from pipeline.calibrate import workers
+    from pipeline.data.adapters import synthetic_batches
+    from pipeline.graph.model import input_specs
+
+    model = models.transformer_layer()
+    feeds = [f for f, _ in synthetic_batches(input_specs(model), 3, 0)]
+
+    def stats(threads):
+        return collect(model, lambda: iter([Batch(f, None, 1) for f in feeds]), CalibrationMethod("auto", 99.99, 2048),
+                       threads, lambda it, d: it)
+
+    alone = stats(1)
+    started = []
+    popen = workers.subprocess.Popen
+    monkeypatch.setattr(workers, "PARALLEL_FROM", 2)
+    monkeypatch.setattr(workers.subprocess, "Popen", lambda *a, **k: started.append(a) or popen(*a, **k))
+    pooled = stats(2)
+    assert len(started) == 2 and len(alone) >= 2  # the searches ran in two workers
+    assert pooled.keys() == alone.keys() and all(pooled[t] == alone[t] for t in alone)
+
+
+def test_a_search_that_fails_in_a_worker_raises_as_it_would_here():
+    from pipeline.calibrate.workers import PARALLEL_FROM, map_in_workers
+
+    with pytest.raises(ZeroDivisionError):
+        map_in_workers(divmod, list(range(PARALLEL_FROM)), 0, workers=2)
+    assert map_in_workers(divmod, list(range(PARALLEL_FROM)), 7, workers=2) == [divmod(i, 7) for i in range(PARALLEL_FROM)]
