@@ -156,3 +156,17 @@ def test_the_size_bound_is_never_below_the_serialized_size_and_close_to_it():
     bound = weights.proto_size_bound(model)
     assert model.ByteSize() <= bound <= model.ByteSize() + 2 * 300
     assert weights.fits_one_proto(model)
+
+
+def test_a_large_initializer_whose_bytes_do_not_match_its_shape_is_refused_without_serializing_the_model():
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones((300, 300), np.float32), "w")  # past CHECKED_INLINE: checked here
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 300])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 300])], [w])
+    model = helper.make_model(graph)
+    weights.check_model(model)
+    model.graph.initializer[0].raw_data = model.graph.initializer[0].raw_data[:-4]
+    with pytest.raises(onnx.checker.ValidationError, match="initializer w: raw_data holds 359996 bytes"):
+        weights.check_model(model)
