@@ -62,20 +62,22 @@ class FidelityThresholds:
 
 def kernel_fidelity(backend: Backend, model_path: str | Path, feeds: list[dict[str, np.ndarray]],
                     prepared: Any = None, float_outputs: list[list[np.ndarray]] | None = None,
-                    thresholds: FidelityThresholds = FidelityThresholds()) -> FidelityResult:
+                    thresholds: FidelityThresholds = FidelityThresholds(),
+                    fused_outputs: list[list[np.ndarray]] | None = None) -> FidelityResult:
     """Whether ``backend``'s fused kernels compute what ``model_path``'s Q/DQ graph says on ``feeds``.
 
     The fused outputs pass when their SNR against the reference is at least ``thresholds.min_snr_db``,
     or, given the float model's outputs on the same feeds, when the fused model is at most
     ``thresholds.max_noise_ratio`` times as far from float as the reference is: two quantized runs of a
     noisy model differ by about its quantization noise, which is no kernel fault; a faulty kernel adds
-    error of its own. ``prepared`` reuses a model the caller prepared (not closed here). Backends
-    without a reference runner give an unchecked result.
+    error of its own. ``prepared`` reuses a model the caller prepared (not closed here), and
+    ``fused_outputs`` its outputs on ``feeds`` where the caller has run it already. Backends without a
+    reference runner give an unchecked result.
     """
     ref = backend.prepare_reference(model_path)
     if ref is None:
         return FidelityResult(False, True, reason=f"{backend.name} has no plain Q/DQ reference runner")
-    own = prepared is None
+    own = prepared is None and fused_outputs is None
     fused = backend.prepare(model_path) if own else prepared
     ref_err = fused_err = 0.0
     try:
@@ -83,7 +85,8 @@ def kernel_fidelity(backend: Backend, model_path: str | Path, feeds: list[dict[s
         max_diff = 0.0
         for k, f in enumerate(feeds):
             floats = float_outputs[k] if float_outputs is not None else None
-            for j, (r, o) in enumerate(zip(ref.run(f), fused.run(f), strict=True)):
+            outputs = fused_outputs[k] if fused_outputs is not None else fused.run(f)
+            for j, (r, o) in enumerate(zip(ref.run(f), outputs, strict=True)):
                 r, o = np.asarray(r), np.asarray(o)
                 if not np.issubdtype(r.dtype, np.floating):
                     continue

@@ -118,8 +118,8 @@ class Checker:
             outputs = self.holdout.outputs(pm)
             c.verdict = self.holdout.judge(outputs, self.budget)
             if fidelity and self.fused:
-                c.fidelity = kernel_fidelity(self.backend, c.path, self.holdout.feeds, prepared=pm,
-                                             float_outputs=self.holdout.reference)
+                c.fidelity = kernel_fidelity(self.backend, c.path, self.holdout.feeds, float_outputs=self.holdout.reference,
+                                             fused_outputs=outputs)
         except Exception as exc:  # noqa: BLE001 - a model that fails to run is a rejected candidate
             c.error = f"{self.backend.name} cannot run it: {first_line(exc)}"
         finally:
