@@ -9,7 +9,8 @@ from dataclasses import replace
 
 import onnx
 
-from pipeline.calibrate.collect import AUTO_CANDIDATES, with_ranges
+from pipeline.calibrate.collect import with_ranges
+from pipeline.calibrate.search import AUTO_CANDIDATES
 from pipeline.graph.shapes import node_macs
 from pipeline.progress import work_bar
 from pipeline.quant.calibration import PER_TENSOR, TensorStats, stats_table

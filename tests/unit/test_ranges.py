@@ -13,13 +13,8 @@ import pytest
 from omegaconf import OmegaConf
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline.calibrate.collect import (
-    AUTO_CANDIDATES,
-    CalibrationMethod,
-    collect,
-    range_mse,
-    signed_histogram,
-)
+from pipeline.calibrate.collect import CalibrationMethod, collect, signed_histogram
+from pipeline.calibrate.search import AUTO_CANDIDATES, range_mse
 from pipeline.data.adapters import Batch
 from pipeline.quant.calibration import Calibration, TensorStats, load_calibration
 from pipeline.quant.placement import resolve_rules, tensorrt_plan
@@ -350,7 +345,7 @@ def _kl_threshold_loop(hist: np.ndarray, absmax: float, nq: int = 128) -> float:
 @pytest.mark.parametrize("case", ["gaussian", "heavy_tail", "pixels", "spike_with_empty_tail_bin", "few"])
 @pytest.mark.parametrize("bins", [300, 2048])
 def test_the_entropy_search_picks_the_threshold_of_the_smoothed_one_candidate_loop(case, bins):
-    from pipeline.calibrate.collect import kl_threshold
+    from pipeline.calibrate.search import kl_threshold
 
     rng = np.random.default_rng(3)
     values = {"gaussian": np.abs(rng.standard_normal(100_000)),
