@@ -63,7 +63,7 @@ class FidelityThresholds:
 def kernel_fidelity(backend: Backend, model_path: str | Path, feeds: list[dict[str, np.ndarray]],
                     prepared: Any = None, float_outputs: list[list[np.ndarray]] | None = None,
                     thresholds: FidelityThresholds = FidelityThresholds(),
-                    fused_outputs: list[list[np.ndarray]] | None = None) -> FidelityResult:
+                    fused_outputs: list[list[np.ndarray]] | None = None, reference: Any = None) -> FidelityResult:
     """Whether ``backend``'s fused kernels compute what ``model_path``'s Q/DQ graph says on ``feeds``.
 
     The fused outputs pass when their SNR against the reference is at least ``thresholds.min_snr_db``,
@@ -71,10 +71,12 @@ def kernel_fidelity(backend: Backend, model_path: str | Path, feeds: list[dict[s
     ``thresholds.max_noise_ratio`` times as far from float as the reference is: two quantized runs of a
     noisy model differ by about its quantization noise, which is no kernel fault; a faulty kernel adds
     error of its own. ``prepared`` reuses a model the caller prepared (not closed here), and
-    ``fused_outputs`` its outputs on ``feeds`` where the caller has run it already. Backends without a
-    reference runner give an unchecked result.
+    ``fused_outputs`` its outputs on ``feeds`` where the caller has run it already, ``reference`` its
+    plain Q/DQ form where the caller prepared it (neither closed here). Backends without a reference
+    runner give an unchecked result.
     """
-    ref = backend.prepare_reference(model_path)
+    own_ref = reference is None
+    ref = backend.prepare_reference(model_path) if own_ref else reference
     if ref is None:
         return FidelityResult(False, True, reason=f"{backend.name} has no plain Q/DQ reference runner")
     own = prepared is None and fused_outputs is None
@@ -98,7 +100,8 @@ def kernel_fidelity(backend: Backend, model_path: str | Path, feeds: list[dict[s
                 if r.size:
                     max_diff = max(max_diff, float(np.max(np.abs(r.astype(np.float64) - o))))
     finally:
-        ref.close()
+        if own_ref:
+            ref.close()
         if own:
             fused.close()
     snr = snr_from_energies(signal, noise)

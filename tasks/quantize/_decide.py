@@ -41,8 +41,8 @@ def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None
     facts = decision_facts()
     ops = {n.name: n.op_type for n in iter_nodes(placer.model.graph, QUANTIZED_BODIES)}
     start = setup.start_weights
-    unsupported = runnable(lambda s: placer.build(start, s)[1], checker, set(ops))
-    storage = storage_of(setup, placer, unsupported, ops, facts)
+    unsupported, verified = runnable(lambda s: placer.build(start, s)[1], checker, set(ops))
+    storage = storage_of(setup, placer, unsupported, ops, facts, verified)
     weight_range, why, chosen = storage.weight_range, storage.reason, storage.chosen
     unsupported |= set(storage.culprits)
     if chosen.error is not None:

@@ -10,7 +10,7 @@ import logging
 import tempfile
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ class Candidate:
     fidelity: FidelityResult | None = None
     latency_p10_ms: float | None = None
     error: str | None = None
+    reference: Any = field(default=None, repr=False)  # its plain Q/DQ form prepared already, while it is checked
 
     @property
     def usable(self) -> bool:
@@ -59,6 +60,9 @@ class Checker:
     budget: AccuracyBudget
     fused: bool  # run with the backend's fused kernels (ORT placement) or as plain Q/DQ math
     workdir: Path
+    # the model ``runs`` found running, its file and both prepared forms: the next check of that very
+    # model takes them instead of writing and preparing it again
+    _ran: tuple[onnx.ModelProto, Path, Any, Any] | None = field(default=None, init=False, repr=False)
 
     def write(self, model: onnx.ModelProto, name: str) -> Path:
         return save_model(model, self.workdir / f"{name}.onnx", share_weights=True)
@@ -66,14 +70,25 @@ class Checker:
     def runs(self, model: onnx.ModelProto) -> str | None:
         """None if the model loads and runs on a holdout batch with the fused kernels and as plain Q/DQ
         math (the fidelity reference), else the runtime's first error line."""
+        self._drop_ran()
         path = self.write(model, "runs")
-        for prepare in (self.backend.prepare, self.backend.prepare_reference):
-            try:
-                with prepare(path) as pm:
-                    pm.run(self.holdout.feeds[0])
-            except Exception as exc:  # noqa: BLE001 - the runtime's own error types
-                return first_line(exc)
+        prepared: list[Any] = []
+        try:
+            for prepare in (self.backend.prepare, self.backend.prepare_reference):
+                prepared.append(prepare(path))
+                prepared[-1].run(self.holdout.feeds[0])
+        except Exception as exc:  # noqa: BLE001 - the runtime's own error types
+            for pm in prepared:
+                pm.close()
+            return first_line(exc)
+        self._ran = (model, path, *prepared)
         return None
+
+    def _drop_ran(self) -> None:
+        if self._ran is not None:
+            for pm in self._ran[2:]:
+                pm.close()
+            self._ran = None
 
     def check(self, model: onnx.ModelProto, name: str, fidelity: bool = False) -> Candidate:
         """Load and run ``model`` on the holdout; never raises for a model the runtime rejects."""
@@ -102,6 +117,11 @@ class Checker:
 
     def _load(self, model: onnx.ModelProto, name: str) -> tuple[Candidate, Any]:
         """(the candidate, its prepared model or None where the runtime cannot load it)."""
+        if self._ran is not None and self._ran[0] is model and self.fused:
+            _, path, fused, reference = self._ran
+            self._ran = None
+            return Candidate(name, path, reference=reference), fused
+        self._drop_ran()
         c = Candidate(name, self.write(model, name))
         try:
             return c, self.backend.prepare(c.path) if self.fused else self.backend.prepare_reference(c.path)
@@ -119,11 +139,14 @@ class Checker:
             c.verdict = self.holdout.judge(outputs, self.budget)
             if fidelity and self.fused:
                 c.fidelity = kernel_fidelity(self.backend, c.path, self.holdout.feeds, float_outputs=self.holdout.reference,
-                                             fused_outputs=outputs)
+                                             fused_outputs=outputs, reference=c.reference)
         except Exception as exc:  # noqa: BLE001 - a model that fails to run is a rejected candidate
             c.error = f"{self.backend.name} cannot run it: {first_line(exc)}"
         finally:
             pm.close()
+            if c.reference is not None:
+                c.reference.close()
+                c.reference = None
         return c
 
 

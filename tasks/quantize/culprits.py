@@ -56,15 +56,16 @@ def culprits(error: str, qmodel: onnx.ModelProto, originals: set[str]) -> set[st
 
 
 def runnable(build: Callable[[set[str]], onnx.ModelProto], checker: Checker, originals: set[str],
-             max_rounds: int = 8) -> set[str]:
-    """Nodes to leave float so that the quantized model loads and runs, both with the fused kernels
-    and as plain Q/DQ math; each one is logged with the runtime's reason."""
+             max_rounds: int = 8) -> tuple[set[str], onnx.ModelProto]:
+    """(nodes to leave float so that the quantized model loads and runs, both with the fused kernels
+    and as plain Q/DQ math, each one logged with the runtime's reason; the model built without them,
+    which ``checker`` checks next without writing and preparing it again)."""
     skip: set[str] = set()
     for _ in range(max_rounds):
         model = build(skip)
         error = checker.runs(model)
         if error is None:
-            return skip
+            return skip, model
         found = culprits(error, model, originals) - skip
         if not found:
             raise StageError(f"quantize: the quantized model does not run in {checker.backend.name} ({error}) and "

@@ -145,14 +145,17 @@ def measure_latencies(backend: Backend, paths: list[Path]) -> list[float | None]
 
 
 def storage_of(setup: QuantizeSetup, placer: Placer, unsupported: set[str], ops: dict[str, str],
-                    facts: CpuFacts) -> WeightStorage:
+               facts: CpuFacts, verified: onnx.ModelProto | None = None) -> WeightStorage:
     """The weight storage (and kernel-fidelity culprits) with the nodes the runtime cannot run quantized
     left float: chosen on this CPU for the CPU runtimes' placements (their fused kernels are checked
-    against the Q/DQ math here), the requested one for TensorRT."""
+    against the Q/DQ math here), the requested one for TensorRT. ``verified``: the placement of the
+    starting storage with ``unsupported`` float, built already (``culprits.runnable``)."""
     checker = setup.checker
     requested, start = enum_value(setup.q.weight_range), setup.start_weights
 
     def placed(wr: str, float_nodes: set[str] = frozenset()) -> onnx.ModelProto:
+        if verified is not None and wr == start and not float_nodes:
+            return verified
         return placer.build(wr, set(float_nodes) | unsupported)[1]
 
     if not setup.kind.cpu_kernels:

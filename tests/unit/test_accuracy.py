@@ -504,7 +504,7 @@ def test_a_placement_the_runtime_rejects_is_caught_and_its_nodes_stay_float(tmp_
 
     assert "per axis quantization" in checker.runs(build(set()))
     with caplog.at_level("WARNING"):
-        skip = culprits.runnable(build, checker, {n.name for n in model.graph.node})
+        skip, _ = culprits.runnable(build, checker, {n.name for n in model.graph.node})
     assert skip == {"dense2/BiasAdd", "dense2/MatMul"}
     assert "left float: onnxruntime cannot run its quantized form" in caplog.text
     assert checker.runs(build(skip)) is None
