@@ -21,7 +21,8 @@ class GraphOptimizationLevel(str, Enum):
 class OnnxRuntimeBackendConfig(BackendConfig):
     name: str = "onnxruntime"
     providers: list[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
-    # 0 = one thread per physical core; the pipeline's own sessions (calibration, checks) use it too
+    # 0 = one thread per physical core; the pipeline's own sessions (calibration, checks) and calibration's
+    # worker processes use it too
     intra_op_threads: int = 0
     graph_optimization_level: GraphOptimizationLevel = GraphOptimizationLevel.all
     # ORT worker threads spin after each run by default; when models are measured in alternation,
