@@ -69,7 +69,8 @@ class ActivationRunner:
     def __init__(self, model: onnx.ModelProto, tensors: list[str], threads: int, max_bytes: float | None = None):
         from pipeline.backends.onnxruntime.session import inference_session, ort_session_options
 
-        self.groups, self.ahead = _groups(model, tensors, max_bytes)
+        self.groups, fits = _groups(model, tensors, max_bytes)
+        self.ahead = fits and threads != 1  # one thread asked for: nothing beside ONNX Runtime's run
         model, self.stacked = thread_out(model, tensors)
         self.outputs = [self.stacked[t][0] if t in self.stacked else t for t in tensors]
         self._output = dict(zip(tensors, self.outputs, strict=True))
