@@ -155,7 +155,7 @@ def corrections(float_model: onnx.ModelProto, build: Callable[[dict[str, list[fl
 
     def measure(level: list[BiasSlot], total: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
         if fed is not None:
-            return fed.channel_means(feeds, level, total, {s.node for s in slots if s.bias in total})
+            return fed.channel_means(feeds, level, total)
         return channel_means(build({b: v.tolist() for b, v in total.items()}), feeds, level, threads)
 
     total: dict[str, np.ndarray] = {}
@@ -256,7 +256,7 @@ class _FedBiases:
 
     def __init__(self, model: onnx.ModelProto, fed: dict[str, _FedBias], slots: list[BiasSlot], threads: int):
         self.model, self.fed, self.threads = model, fed, threads
-        self.owners = {s.node for s in slots}
+        self.owners = {s.bias: s.node for s in slots}  # bias initializer -> the slot node it corrects
         self.bias_owner = {fed[s.bias].input: s.node for s in slots}  # fed input -> the slot it corrects
         self.producer = {t: i for i, n in enumerate(model.graph.node) for t in n.output}
         self.truncate = not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
@@ -282,15 +282,15 @@ class _FedBiases:
         return cls(qmodel, fed, slots, threads)  # type: ignore[arg-type]  # None ruled out above
 
     def channel_means(self, feeds: list[dict[str, np.ndarray]], level: list[BiasSlot],
-                      total: dict[str, np.ndarray], corrected: set[str]) -> dict[str, dict[str, Any]]:
-        """``channel_means`` of ``level`` on the model with ``total`` subtracted from the biases of the slot
-        nodes ``corrected`` names (for good: a later call's ``corrected`` holds them too)."""
+                      total: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
+        """``channel_means`` of ``level`` on the model with ``total`` subtracted from the biases (a bias in
+        ``total`` is corrected for good: every later call's ``total`` holds it, unchanged)."""
         outputs = [s.output for s in level]
         if not self.truncate:
             return self._measure(self.model, feeds, level, total, [])[0]
         known = self.known or [{} for _ in feeds]
         model = self._above(outputs, {t: v for t, v in known[0].items() if t not in outputs})
-        cut = self._cut(corrected)
+        cut = self._cut({self.owners[b] for b in total})
         computed = {t for n in model.graph.node for t in n.output}
         means, kept = self._measure(model, [{**f, **k} for f, k in zip(feeds, known, strict=True)], level, total,
                                     sorted(cut & computed))
@@ -311,8 +311,9 @@ class _FedBiases:
         """The settled tensors an unsettled node reads, with ``corrected`` the slot nodes corrected so far
         (graph.node is topologically sorted: a node's producers come before it)."""
         settled: list[bool] = []
+        slots = set(self.owners.values())
         for n in self.model.graph.node:
-            settled.append((n.name not in self.owners or n.name in corrected)
+            settled.append((n.name not in slots or n.name in corrected)
                            and all(self.bias_owner[t] in corrected if t in self.bias_owner else
                                    settled[i] if (i := self.producer.get(t)) is not None else True
                                    for t in n.input if t))

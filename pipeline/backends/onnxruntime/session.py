@@ -22,7 +22,7 @@ import onnx
 
 from pipeline.backends.settings import RuntimeSettings, check_integer, string_map
 from pipeline.graph import weights
-from pipeline.graph.model import graph_reads, load_model
+from pipeline.graph.model import graph_reads
 from pipeline.graph.weights import fits_one_proto, save_external
 
 _LEVELS = {
@@ -175,29 +175,20 @@ def inference_session(model: onnx.ModelProto | bytes | str | os.PathLike, option
     return ort.InferenceSession(data, sess_options=options, providers=list(providers))
 
 
-def qdq_math_session(model: onnx.ModelProto | str | os.PathLike, threads: int | None = None, *,
-                     options: Any = None, extra_outputs: Iterable[str] = (),
-                     providers: Iterable[str] = ("CPUExecutionProvider",), arena: bool = True) -> Any:
-    """A session that runs a Q/DQ ``model`` as its plain math: no graph optimization, so every
-    QuantizeLinear, DequantizeLinear and float op runs as written (what the fused integer kernels must
-    reproduce). The DequantizeLinear of a constant is computed once, here, as ORT's kernel computes it
-    (``fold_constant_dequantize``: otherwise each run makes a float copy of every weight), and
-    prepacking is off, so the float kernels read those values as they read a DequantizeLinear's output:
-    the same outputs bit for bit (a model with nothing to fold runs as ORT runs it, prepacking on).
-    For a session that runs few feeds on a large model, computing the values once costs about what it
-    saves (ORT's DequantizeLinear per run against a float copy of the weights to hand over); it pays
-    where a model is run on many feeds or in parts (bias correction's levels). ``options``: SessionOptions to start from (a backend's, its settings
-    applied; default: ``threads`` intra-op threads); ``arena=False`` runs without ORT's memory arena."""
-    import onnxruntime as ort
-
-    options = options or ort_session_options(threads=threads)
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.enable_cpu_mem_arena = arena
-    proto = model if isinstance(model, onnx.ModelProto) else load_model(model, check=False)
-    folded = fold_constant_dequantize(proto)
-    if folded is not proto:
+def qdq_math_session(model: onnx.ModelProto, threads: int, extra_outputs: Iterable[str] = ()) -> Any:
+    """A session of ``threads`` intra-op threads that runs a Q/DQ ``model`` as its plain math: no graph
+    optimization, so every QuantizeLinear, DequantizeLinear and float op runs as written (with
+    ``extra_outputs`` readable). Each DequantizeLinear of a constant is computed once, here, as ORT's
+    kernel computes it (``fold_constant_dequantize``: otherwise each run makes a float copy of every
+    weight), with prepacking off, so the float kernels read those values as they read a
+    DequantizeLinear's output: the same outputs bit for bit (a model with nothing to fold runs as ORT
+    runs it). It pays where a model runs on many feeds or in parts (bias correction's levels); a large
+    model's one-off check spends about as much handing over its float weights as it saves."""
+    options = ort_session_options("disable", threads=threads)
+    folded = fold_constant_dequantize(model)
+    if folded is not model:
         options.add_session_config_entry("session.disable_prepacking", "1")
-    return inference_session(folded, options, extra_outputs=extra_outputs, providers=providers)
+    return inference_session(folded, options, extra_outputs=extra_outputs)
 
 
 FOLDED_BYTES = 2**30  # float values fold_constant_dequantize adds at most (past it, ORT computes the rest per run)
