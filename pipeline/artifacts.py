@@ -326,13 +326,15 @@ class Manifest:
     def save(self) -> None:
         atomic_write_json(self.path, self.data)
 
-    def describe_file(self, path: Path) -> dict[str, Any]:
+    def describe_file(self, path: Path, sha256: str | None = None) -> dict[str, Any]:
+        """The manifest's record of a file: its path (relative to results_dir where inside), sha256 (hashed
+        here unless given: the caller hashed it a moment ago) and size."""
         p = Path(path)
         try:
             rel = str(p.resolve().relative_to(self.results_dir.resolve()))
         except ValueError:
             rel = str(p.resolve())
-        return {"path": rel, "sha256": sha256_file(p), "bytes": p.stat().st_size}
+        return {"path": rel, "sha256": sha256 or sha256_file(p), "bytes": p.stat().st_size}
 
 def check_onnx_path(path: str | os.PathLike, what: str = "model") -> Path:
     p = Path(path).expanduser()

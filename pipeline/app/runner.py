@@ -89,16 +89,19 @@ def _outputs_intact(manifest: Manifest, entry: dict[str, Any]) -> bool:
     return True
 
 
-def stage_fingerprint(stage: Stage, cfg: DictConfig, inputs: dict[str, Path]) -> str:
+def stage_fingerprint(stage: Stage, cfg: DictConfig, inputs: dict[str, Path],
+                      digests: dict[str, str] | None = None) -> str:
     """What a finished stage's outputs depend on: the tool's version, its config sections, its inputs'
-    contents and, for a host-bound stage, the host's CPU kind, runtime versions and GPUs."""
+    contents (``digests``: their sha256 by key where the caller has them) and, for a host-bound stage,
+    the host's CPU kind, runtime versions and GPUs."""
     from pipeline.accuracy.kinds import host_key
 
+    digests = digests if digests is not None else {k: sha256_file(p) for k, p in inputs.items()}
     return fingerprint(
         {
             "qdq_tune": _VERSION,
             "config": {k: section(cfg, k) for k in stage.config_keys},
-            "inputs": {k: sha256_file(p) for k, p in sorted(inputs.items())},
+            "inputs": {k: digests[k] for k in sorted(inputs)},
             **({"host": host_key(), "gpus": list(gpus())} if stage.host_bound else {}),
         }
     )
@@ -136,7 +139,8 @@ def _run_stages(cfg: DictConfig, stages: list[Stage], results_dir: Path) -> dict
         for stage in stages:
             ctx.log = logging.getLogger(f"tune.{stage.name}")
             inputs = stage.resolve_inputs(ctx)
-            fp = stage_fingerprint(stage, cfg, inputs)
+            digests = {k: sha256_file(p) for k, p in inputs.items()}  # hashed once: a model's data can be GBs
+            fp = stage_fingerprint(stage, cfg, inputs, digests)
             entry = manifest.entry(stage.name)
             if (not rerun_rest and entry and entry.get("status") == "done"
                     and entry.get("fingerprint") == fp and _outputs_intact(manifest, entry)):
@@ -149,16 +153,17 @@ def _run_stages(cfg: DictConfig, stages: list[Stage], results_dir: Path) -> dict
                                  f"inputs (another qdq-tune version, or changed spec files or data): a re-choice "
                                  f"tunes nothing; run tune on the results_dir first (it tunes again), then re-choose")
             rerun_rest = True
-            summary[stage.name] = _run_one(stage, ctx, inputs, fp)
+            summary[stage.name] = _run_one(stage, ctx, inputs, digests, fp)
     return summary
 
 
-def _run_one(stage: Stage, ctx: StageContext, inputs: dict[str, Path], fp: str) -> dict[str, Any]:
+def _run_one(stage: Stage, ctx: StageContext, inputs: dict[str, Path], digests: dict[str, str], fp: str
+             ) -> dict[str, Any]:
     manifest = ctx.manifest
     started = time.time()
     manifest.update(
         stage.name, status="running", fingerprint=fp, started=started, finished=None, error=None,
-        inputs={k: manifest.describe_file(p) for k, p in inputs.items()},
+        inputs={k: manifest.describe_file(p, digests[k]) for k, p in inputs.items()},
         config={k: section(ctx.cfg, k) for k in stage.config_keys},
     )
     log.info("%s: running", stage.name)

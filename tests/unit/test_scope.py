@@ -114,9 +114,9 @@ def test_two_tune_calls_in_two_threads_each_log_and_use_their_own_settings(tmp_p
     seen: dict[str, list[tuple[int, bool]]] = {"one": [], "two": []}
     real = runner._run_one
 
-    def run_one(stage, ctx, inputs, fp):
+    def run_one(stage, ctx, inputs, *rest):
         seen[ctx.results_dir.name].append((ort.configured_threads(), progress.is_enabled()))
-        return real(stage, ctx, inputs, fp)
+        return real(stage, ctx, inputs, *rest)
 
     monkeypatch.setattr(runner, "_run_one", run_one)
     errors = []
@@ -140,3 +140,32 @@ def test_two_tune_calls_in_two_threads_each_log_and_use_their_own_settings(tmp_p
     for name, other in (("one", "two"), ("two", "one")):
         text = (tmp_path / name / "tune.log").read_text()
         assert "quantize: done" in text and str(tmp_path / other) not in text, text
+
+
+def test_a_stage_hashes_each_input_once_for_its_fingerprint_and_its_manifest_entry(tmp_path, monkeypatch):
+    """A model's data can be gigabytes: the run hashes export/model.onnx when export describes it and once
+    more when quantize starts (its fingerprint), and quantize's manifest entry records that same hash."""
+    import json
+    from pathlib import Path
+
+    from pipeline import api, artifacts
+    from pipeline.app import runner
+    from tests import models
+
+    model = models.save(models.conv_chain(), tmp_path, "m")
+    hashed: list[str] = []
+    real = artifacts.sha256_file
+
+    def counted(path, *a, **k):
+        hashed.append(Path(path).name)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(artifacts, "sha256_file", counted)
+    monkeypatch.setattr(runner, "sha256_file", counted)
+    api.tune([f"results_dir={tmp_path / 'run'}", "backend=onnxruntime", "stages=[export,quantize]", "data=synthetic",
+              "data.num_samples=16", "quantize.calibration.batches=2", "quantize.algorithm=minmax", "progress=false"],
+             model=str(model))
+    assert hashed.count("model.onnx") == 2
+    entry = json.loads((tmp_path / "run" / "manifest.json").read_text())["stages"]
+    assert entry["quantize"]["inputs"]["export/model.onnx"]["sha256"] == \
+        entry["export"]["outputs"]["export/model.onnx"]["sha256"] == real(tmp_path / "run" / "export" / "model.onnx")
