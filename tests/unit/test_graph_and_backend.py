@@ -171,7 +171,7 @@ def test_a_qdq_model_runs_as_its_math_with_its_constant_dequantizes_computed_onc
                             weight_range="uint8" if storage == "uint8 weights" else "full")
     q = apply_plan(model, plan, Calibration(stats))
     folded = fold_constant_dequantize(q)
-    assert sum(n.op_type == "DequantizeLinear" for n in folded.graph.node) < \
+    assert sum(n.op_type == "DequantizeLinear" for n in folded.model.graph.node) < \
         sum(n.op_type == "DequantizeLinear" for n in q.graph.node)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -180,3 +180,38 @@ def test_a_qdq_model_runs_as_its_math_with_its_constant_dequantizes_computed_onc
     for feed in feeds:
         for a, b in zip(as_written.run(None, feed), math.run(None, feed), strict=True):
             assert np.array_equal(a, b)
+
+
+def test_the_reference_of_a_saved_qdq_model_is_its_math_with_the_weights_computed_once(tmp_path):
+    """prepare_reference of a Q/DQ model saved with external data: its DequantizeLinear of constants are
+    handed to ORT computed (none is left in the session's graph), and its outputs are those of ORT running
+    every DequantizeLinear as written, bit for bit."""
+    import onnxruntime as ort
+
+    from pipeline.backends.onnxruntime.session import fold_constant_dequantize
+    from pipeline.calibrate.collect import CalibrationMethod, collect
+    from pipeline.data.adapters import Batch, synthetic_batches
+    from pipeline.graph.model import save_model
+    from pipeline.quant.calibration import Calibration
+    from pipeline.quant.placement import onnxruntime_plan, resolve_rules
+    from pipeline.quant.qdq import apply_plan
+    from tests.helpers import ort_backend
+
+    model = models.transformer_layer()
+    feeds = [f for f, _ in synthetic_batches(input_specs(model), 3, 0)]
+    stats = collect(model, lambda: iter([Batch(f, None, 1) for f in feeds]), CalibrationMethod("minmax", 99.99, 2048),
+                    1, lambda it, desc: it)
+    rules = resolve_rules(model, [{"module_name": "*", "weights": {"dtype": "int8"}, "activations": {"dtype": "uint8"}}])
+    q = apply_plan(model, onnxruntime_plan(model, rules, "uint8"), Calibration(stats))
+    path = save_model(q, tmp_path / "q.onnx", external_data=True)
+    assert (tmp_path / "q.onnx.data").exists() or list(tmp_path.glob("*.data"))
+    weights_dq = [n for n in q.graph.node if n.op_type == "DequantizeLinear"
+                  and n.input[0] in {i.name for i in q.graph.initializer}]
+    assert weights_dq and not set(fold_constant_dequantize(q).values) ^ {n.output[0] for n in weights_dq}
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    as_written = ort.InferenceSession(q.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    with ort_backend().prepare_reference(path) as ref:
+        for feed in feeds:
+            for a, b in zip(as_written.run(None, feed), ref.run(feed), strict=True):
+                assert np.array_equal(a, b)

@@ -40,10 +40,11 @@ from pipeline.backends.onnxruntime.session import (
     disable_qdq_fusion_if_fp8,
     inference_session,
     ort_session_options,
+    qdq_math_session,
 )
 from pipeline.data.adapters import fixed_feeds
 from pipeline.errors import BackendUnavailable, StageError, first_line
-from pipeline.graph.model import staged_model
+from pipeline.graph.model import input_specs, load_model, staged_model
 from pipeline.values import enum_value
 
 
@@ -280,15 +281,14 @@ class OnnxRuntimeBackend(Backend):
 
     def prepare_reference(self, model_path: str | Path) -> OrtPrepared:
         """Without graph optimizations ORT runs every QuantizeLinear, DequantizeLinear and float op as
-        written: the Q/DQ math the fused integer kernels must reproduce."""
-        import onnxruntime as ort
-
+        written: the Q/DQ math the fused integer kernels must reproduce (``qdq_math_session``: each
+        DequantizeLinear of a constant computed once, the same outputs bit for bit)."""
         so = self.session_options()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        # every DequantizeLinear of a weight makes its float copy on each run: ORT's arena would keep
-        # them all, so the reference session runs without it
+        # a DequantizeLinear the session computes per run makes a float copy of its weight each time:
+        # ORT's arena would keep them all, so the reference session runs without it
         so.enable_cpu_mem_arena = False
-        return OrtPrepared(inference_session(model_path, so, providers=self.cfg.providers), specs_of(model_path))
+        model = load_model(model_path, check=False)
+        return OrtPrepared(qdq_math_session(model, options=so, providers=self.cfg.providers), input_specs(model))
 
     def deploy(self, model_path: Path, out_dir: Path, source: str, cfg: DictConfig) -> Deployment:
         """ONNX Runtime has no engine to build: the graph it runs after its fusions (model.ort.onnx) and the

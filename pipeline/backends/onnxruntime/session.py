@@ -175,34 +175,53 @@ def inference_session(model: onnx.ModelProto | bytes | str | os.PathLike, option
     return ort.InferenceSession(data, sess_options=options, providers=list(providers))
 
 
-def qdq_math_session(model: onnx.ModelProto, threads: int, extra_outputs: Iterable[str] = ()) -> Any:
-    """A session of ``threads`` intra-op threads that runs a Q/DQ ``model`` as its plain math: no graph
-    optimization, so every QuantizeLinear, DequantizeLinear and float op runs as written (with
-    ``extra_outputs`` readable). Each DequantizeLinear of a constant is computed once, here, as ORT's
+def qdq_math_session(model: onnx.ModelProto, threads: int = 0, extra_outputs: Iterable[str] = (),
+                     options: Any = None, providers: Iterable[str] = ("CPUExecutionProvider",)) -> Any:
+    """A session that runs a Q/DQ ``model`` as its plain math: no graph optimization, so every
+    QuantizeLinear, DequantizeLinear and float op runs as written (with ``extra_outputs`` readable).
+    ``options``: the session options to start from (their optimization level is turned off), else
+    ``threads`` intra-op threads. Each DequantizeLinear of a constant is computed once, here, as ORT's
     kernel computes it (``fold_constant_dequantize``: otherwise each run makes a float copy of every
-    weight), with prepacking off, so the float kernels read those values as they read a
-    DequantizeLinear's output: the same outputs bit for bit (a model with nothing to fold runs as ORT
-    runs it). It pays where a model runs on many feeds or in parts (bias correction's levels); a large
-    model's one-off check spends about as much handing over its float weights as it saves."""
-    options = ort_session_options("disable", threads=threads)
+    weight, 60% of a BERT-base's run), and handed to ORT in place (its external initializers: no copy,
+    no serialization), with prepacking off, so the float kernels read those values as they read a
+    DequantizeLinear's output: the same outputs bit for bit."""
+    import onnxruntime as ort
+
+    if options is None:
+        options = ort_session_options("disable", threads=threads)
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     folded = fold_constant_dequantize(model)
-    if folded is not model:
+    values = [ort.OrtValue.ortvalue_from_numpy(v) for v in folded.values.values()]
+    if values:
         options.add_session_config_entry("session.disable_prepacking", "1")
-    return inference_session(folded, options, extra_outputs=extra_outputs)
+        options.add_external_initializers(list(folded.values), values)
+    session = inference_session(folded.model, options, extra_outputs=extra_outputs, providers=providers)
+    session.qdq_tune_folded = values  # ORT reads them where they are: they live as long as the session
+    return session
 
 
 FOLDED_BYTES = 2**30  # float values fold_constant_dequantize adds at most (past it, ORT computes the rest per run)
 _FOLDED_TYPES = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16, onnx.TensorProto.UINT16,
                  onnx.TensorProto.INT32)
+_FOLDED_LOCATION = "qdq-tune-folded"  # the placeholders' location: ORT takes their values from the session options
 
 
-def fold_constant_dequantize(model: onnx.ModelProto, budget: int = FOLDED_BYTES) -> onnx.ModelProto:
+@dataclass(frozen=True)
+class FoldedModel:
+    """A Q/DQ model whose DequantizeLinear of constants are computed: ``model`` reads each one's output
+    as an initializer held outside it (a placeholder with its type and shape), ``values`` by name."""
+
+    model: onnx.ModelProto
+    values: dict[str, np.ndarray]
+
+
+def fold_constant_dequantize(model: onnx.ModelProto, budget: int = FOLDED_BYTES) -> FoldedModel:
     """``model`` with each main-graph DequantizeLinear whose inputs are all initializers (an integer
-    value, a float32 scale: per tensor or per axis, no blocks) replaced by the float32 initializer it
+    value, a float32 scale: per tensor or per axis, no blocks) replaced by the float32 values it
     computes, (x - zero point) as float times the scale as ORT's kernel does, up to ``budget`` bytes;
-    ``model`` itself where there is none."""
+    ``model`` itself and no values where there is none."""
     inits = {i.name: i for i in model.graph.initializer}
-    folded: dict[str, onnx.TensorProto] = {}
+    folded: dict[str, np.ndarray] = {}
     for n in model.graph.node:
         if n.op_type != "DequantizeLinear" or n.domain not in ("", "ai.onnx") or len(n.input) < 2 \
                 or not all(t in inits for t in n.input if t) or any(a.name == "block_size" for a in n.attribute):
@@ -211,29 +230,49 @@ def fold_constant_dequantize(model: onnx.ModelProto, budget: int = FOLDED_BYTES)
         size = 4 * int(np.prod(x.dims))
         if x.data_type not in _FOLDED_TYPES or scale.data_type != onnx.TensorProto.FLOAT or size > budget:
             continue
-        values = weights.array(x)
-        s = weights.array(scale)
-        zp = weights.array(inits[n.input[2]]) if len(n.input) > 2 and n.input[2] else np.zeros((), values.dtype)
-        if s.ndim == 1 and values.ndim:  # per axis
-            axis = next((a.i for a in n.attribute if a.name == "axis"), 1)
-            shape = [1] * values.ndim
-            shape[axis] = -1
-            s, zp = s.reshape(shape), zp.reshape(shape)
-        if values.dtype.itemsize <= 2:  # the difference of two such integers is exact in float32
-            y = (values.astype(np.float32) - zp.astype(np.float32)) * s
-        else:
-            y = (values.astype(np.int64) - zp.astype(np.int64)).astype(np.float32) * s
-        folded[n.output[0]] = onnx.numpy_helper.from_array(y.astype(np.float32, copy=False), n.output[0])
-        budget -= size
+        y = _dequantized(n, weights.array(x), weights.array(scale),
+                         weights.array(inits[n.input[2]]) if len(n.input) > 2 and n.input[2] else None)
+        if y is not None:
+            folded[n.output[0]] = y
+            budget -= size
     if not folded:
-        return model
+        return FoldedModel(model, {})
     out = weights.without_initializers(model)
     del out.graph.node[:]
     out.graph.node.extend(n for n in model.graph.node if not (n.op_type == "DequantizeLinear" and n.output[0] in folded))
     read = graph_reads(out.graph)
     out.graph.initializer.extend(i for i in model.graph.initializer if i.name in read)
-    out.graph.initializer.extend(folded.values())
-    return out
+    for name, y in folded.items():
+        t = out.graph.initializer.add(name=name, data_type=onnx.TensorProto.FLOAT, dims=y.shape,
+                                      data_location=onnx.TensorProto.EXTERNAL)
+        t.external_data.add(key="location", value=_FOLDED_LOCATION)
+    return FoldedModel(out, folded)
+
+
+def _dequantized(node: onnx.NodeProto, values: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None
+                 ) -> np.ndarray | None:
+    """What ORT's DequantizeLinear ``node`` computes from constant inputs, in float32; None where its
+    inputs are not a layout the kernel takes (it is left to the kernel, which refuses it)."""
+    zp = zero_point if zero_point is not None else np.zeros(scale.shape, values.dtype)
+    if zp.shape != scale.shape or scale.ndim > 1:
+        return None
+    if scale.ndim == 1 and scale.size != 1:  # per axis: one scale per element along the axis
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
+        if not -values.ndim <= axis < values.ndim or values.shape[axis] != scale.size:
+            return None
+        shape = [1] * values.ndim
+        shape[axis] = -1
+        scale, zp = scale.reshape(shape), zp.reshape(shape)
+    elif scale.ndim == 1:  # one scale as a 1-D tensor: per tensor
+        scale, zp = scale.reshape(()), zp.reshape(())
+    if values.dtype.itemsize > 2:  # the difference of two such integers is exact in float32 only as int64
+        y = (values.astype(np.int64) - zp.astype(np.int64)).astype(np.float32)
+    else:
+        y = values.astype(np.float32)
+        if np.any(zp):
+            y -= zp.astype(np.float32)
+    y *= scale.astype(np.float32, copy=False)
+    return y
 
 
 def with_outputs(model: onnx.ModelProto, tensors: Iterable[str]) -> onnx.ModelProto:
