@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -158,11 +158,37 @@ class WeightCache:
         self.params: dict[tuple, QuantParams] = {}
         self.values: dict[tuple, np.ndarray] = {}
         self.held = 0  # bytes in ``values``
-        self._lock = threading.Lock()  # apply_plan quantizes weights in threads
+        self._lock = threading.Lock()  # apply_plan quantizes weights in threads, and the search ahead
+        self._searching: dict[tuple, threading.Event] = {}  # keys a thread is searching now
+
+    def searched(self, key: tuple, search: Callable[[], QuantParams]) -> QuantParams:
+        """The scales of ``key``: cached, or searched by ``search`` once. A key another thread is searching
+        is waited for, not searched again (the quantize stage searches a placement's weights ahead,
+        while calibration runs, and its first model takes them as they come)."""
+        with self._lock:
+            if key in self.params:
+                return self.params[key]
+            running = self._searching.get(key)
+            if running is None:
+                self._searching[key] = threading.Event()
+        if running is not None:
+            running.wait()
+            with self._lock:
+                if key in self.params:
+                    return self.params[key]
+            return self.searched(key, search)  # the thread searching it failed: search it here
+        try:
+            p = search()
+            with self._lock:
+                self.params[key] = p
+            return p
+        finally:
+            with self._lock:
+                self._searching.pop(key).set()
 
     def keep(self, key: tuple, q: np.ndarray) -> None:
         with self._lock:
-            if self.held + q.nbytes <= QUANTIZED_CACHE_BYTES:
+            if key not in self.values and self.held + q.nbytes <= QUANTIZED_CACHE_BYTES:
                 q.setflags(write=False)  # shared by every model built from it
                 self.values[key] = q
                 self.held += q.nbytes
@@ -217,6 +243,11 @@ class Calibration:
         """The weight scale search that goes with an activation calibration algorithm."""
         return "mse" if algorithm in ("mse", "auto") else "max"
 
+    @property
+    def caches_weights(self) -> bool:
+        """Whether weight scales are kept in ``weight_cache`` (a searched clip; absmax is recomputed)."""
+        return self.weight_clip != "max"
+
     def weight_params(self, name: str, values: np.ndarray, axis: int | None, dtype: str,
                       reduced: bool = False) -> QuantParams:
         """``weight_params`` with this calibration's weight search (memoized for the mse search)."""
@@ -227,14 +258,12 @@ class Calibration:
         """The weight's scales (``weight_params`` with this calibration's search) and, with ``values_too``,
         its values quantized in their storage type (``quantized_values``; read-only where cached).
         Memoized for the mse search, whose key digests the values anyway: see WeightCache."""
-        if self.weight_clip == "max":
+        if not self.caches_weights:
             p = weight_params(values, axis, dtype, reduced)
             return p, (quantized_values(values, p) if values_too else None)
         key = (name, _digest(values), values.shape, axis, dtype, bool(reduced), self.weight_clip)
         cache = self.weight_cache
-        if key not in cache.params:
-            cache.params[key] = weight_params(values, axis, dtype, reduced, self.weight_clip)
-        p = cache.params[key]
+        p = cache.searched(key, lambda: weight_params(values, axis, dtype, reduced, self.weight_clip))
         if not values_too:
             return p, None
         q = cache.values.get(key)

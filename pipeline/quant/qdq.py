@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import threading
 from collections import Counter, deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -321,6 +322,25 @@ def _quantized_weights(ins: _Insertion, plan: QDQPlan
         finally:
             for f in pending:
                 f.cancel()
+
+
+def search_weights_ahead(model: onnx.ModelProto, plan: QDQPlan, calibration: Calibration,
+                         stop: threading.Event) -> None:
+    """Search the scales of ``plan``'s weights of ``model``'s main graph (and quantize their values) into
+    ``calibration``'s weight cache, in the order apply_plan takes them, until done or ``stop`` is set: run
+    in a thread beside other work, apply_plan then finds them searched (or being searched: it waits for
+    those). Nothing where the calibration caches no weights (the max search costs no more than reading
+    them). A weight apply_plan would refuse is left for it to refuse."""
+    if not calibration.caches_weights:
+        return
+    g = GraphIndex(model)
+    for w in plan.weights:
+        if stop.is_set():
+            return
+        name = g.nodes[w.node].input[w.input_index] if w.node in g.nodes else ""
+        if name in g.inits:
+            calibration.quantized_weight(name, weights.array(g.inits[name]).astype(np.float32, copy=False),
+                                         w.axis, w.dtype, w.reduced)
 
 
 def _emit_biases(ins: _Insertion, plan: QDQPlan, weight_scales: dict[tuple[str, int], QuantParams]) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import onnx
 
 from pipeline.errors import StageError
+from pipeline.graph import weights
 from pipeline.graph.bodies import QUANTIZED_BODIES
 from pipeline.graph.model import iter_nodes
 from pipeline.quant.cpu import decision_facts, describe
@@ -31,17 +32,21 @@ from tasks.quantize.weight_storage import WeightStorage, storage_of
 log = logging.getLogger("tune.quantize")
 
 
-def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None = None, started: float | None = None
-           ) -> tuple[QuantizeDecisions, dict[str, Any] | None]:
+def decide(setup: QuantizeSetup, placer: Placer, outliers: dict[str, str] | None = None, started: float | None = None,
+           placed: onnx.ModelProto | None = None) -> tuple[QuantizeDecisions, dict[str, Any] | None]:
     """(decisions, sensitivity report or None): weight storage, kernel-fidelity culprits, float nodes and
     bias correction of ``placer``'s model, decided on ``setup.checker``'s held-out batches. ``outliers``
     are the element-wise nodes on tensors with outlier channels, recovery's first candidates; ``started``
-    the ``time.monotonic()`` calibration started at (recovery's time allowance counts from it)."""
+    the ``time.monotonic()`` calibration started at (recovery's time allowance counts from it); ``placed``
+    the default placement built already (``choose_ranges``'s model), checked here as a build is."""
     checker, budget, holdout = setup.checker, setup.checker.budget, setup.checker.holdout
     facts = decision_facts()
     ops = {n.name: n.op_type for n in iter_nodes(placer.model.graph, QUANTIZED_BODIES)}
     start = setup.start_weights
-    unsupported, verified = runnable(lambda s: placer.build(start, s)[1], checker, set(ops))
+    if placed is not None:
+        weights.check_model(placed)
+    unsupported, verified = runnable(lambda s: placed if placed is not None and not s else placer.build(start, s)[1],
+                                     checker, set(ops))
     storage = storage_of(setup, placer, unsupported, ops, facts, verified)
     weight_range, why, chosen = storage.weight_range, storage.reason, storage.chosen
     unsupported |= set(storage.culprits)

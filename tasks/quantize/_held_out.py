@@ -56,25 +56,43 @@ def keep_transforms(setup: QuantizeSetup, transformed: onnx.ModelProto, stats: d
 
 
 def choose_ranges(setup: QuantizeSetup, model: onnx.ModelProto, stats: dict[str, TensorStats]
-                  ) -> tuple[dict[str, TensorStats], str, RangeChoice]:
-    """``auto``: (statistics, weight search, record) of the whole-model range choice with the lowest
-    held-out error of the PTQ model. A tensor's own lowest-MSE clip is not the output's: on a trained
-    MobileNetV3 the per-tensor choice gave 19.7 dB held out where entropy everywhere gave 27.0 dB."""
+                  ) -> tuple[dict[str, TensorStats], str, RangeChoice, onnx.ModelProto | None]:
+    """``auto``: (statistics, weight search, record, the chosen model) of the whole-model range choice with
+    the lowest held-out error of the PTQ model. A tensor's own lowest-MSE clip is not the output's: on a
+    trained MobileNetV3 the per-tensor choice gave 19.7 dB held out where entropy everywhere gave 27.0 dB.
+    The chosen model is the default placement with those statistics (None where no candidate scored);
+    the checker keeps its runtime form built for the checks that come next."""
     errors: dict[str, float | None] = {}
     methods = (PER_TENSOR, *AUTO_CANDIDATES)
     options = {m: (with_ranges(stats, m), _weight_clip(m)) for m in methods}
-    built = ((Placer(setup, model, setup.calibration_of(*options[m])).default_model(), f"ranges_{m}") for m in methods)
+    models: dict[str, onnx.ModelProto] = {}
+
+    def built():
+        for m in methods:
+            models[m] = Placer(setup, model, setup.calibration_of(*options[m])).default_model()
+            yield models[m], f"ranges_{m}"
+
+    kept: list[str] = []  # the method of the best candidate so far, whose model the checker keeps built
+
+    def keep(c: Candidate) -> bool:  # the first of equal errors, as min() below
+        better = all(e is None or c.verdict.error < e for e in errors.values())
+        if better:
+            kept[:] = [c.name.removeprefix("ranges_")]
+        return better
+
     with work_bar(len(methods), "quantize: auto ranges", unit="candidate") as bar:
-        for method, c in zip(methods, setup.checker.check_each(built), strict=True):
+        for method, c in zip(methods, setup.checker.check_each(built(), keep=keep), strict=True):
             bar.set_postfix_str(method)
             errors[method] = c.verdict.error if c.scored else None
+            for m in [m for m in models if m in errors and m not in kept]:
+                del models[m]
             bar.update(1)
     usable = {k: v for k, v in errors.items() if v is not None}
     best = min(usable, key=lambda k: usable[k]) if usable else PER_TENSOR
     log.info("quantize: auto ranges: %s (held-out error %s)", best,
              ", ".join(f"{k} {_num(v)}" for k, v in errors.items()))
     st, clip = options[best]
-    return st, clip, RangeChoice(best, clip, errors)
+    return st, clip, RangeChoice(best, clip, errors), models.get(best) if kept == [best] else None
 
 
 def _requantize_costliest_first(setup: QuantizeSetup, placer: Placer, decisions: QuantizeDecisions,

@@ -3,7 +3,11 @@ with some nodes left float and a chosen weight storage, and bias correction of s
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -12,7 +16,7 @@ import onnx
 from pipeline.errors import StageError
 from pipeline.graph.model import control_flow
 from pipeline.quant.calibration import Calibration
-from pipeline.quant.qdq import apply_plan
+from pipeline.quant.qdq import apply_plan, search_weights_ahead
 from pipeline.records.quantize import BiasCorrection
 from tasks.quantize._setup import QuantizeSetup
 from tasks.quantize.bias_correction import correct_bias
@@ -35,6 +39,30 @@ class Placer:
         s = self.setup
         return s.builder(self.model, s.rules, s.act_type, per_channel=bool(s.q.per_channel),
                          weight_range=s.start_weights)
+
+    @contextmanager
+    def weights_ahead(self) -> Iterator[None]:
+        """Within it, the default placement's weight scales are searched in a thread of their own
+        (``search_weights_ahead``): calibration leaves a core idle much of its time, and the first
+        candidate model takes them. Not where the run may use only one thread."""
+        if self.setup.backend.threads == 1 or not self.calibration.caches_weights:
+            yield
+            return
+        stop = threading.Event()
+        thread = threading.Thread(target=contextvars.copy_context().run, name="qdq-tune-weights-ahead", daemon=True,
+                                  args=(self._search_ahead, self.place(), stop))
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()  # the weight being searched is finished; no later one is started
+            thread.join()
+
+    def _search_ahead(self, plan: Any, stop: threading.Event) -> None:
+        try:
+            search_weights_ahead(self.model, plan, self.calibration, stop)
+        except Exception as exc:  # noqa: BLE001 - apply_plan meets the same weight and says what is wrong
+            log.debug("quantize: the weight search ahead stopped: %s", exc)
 
     def held_out_error(self, name: str) -> float | None:
         """Held-out error of the default placement; None when that model does not load or run (sorted

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -60,8 +60,9 @@ class Checker:
     budget: AccuracyBudget
     fused: bool  # run with the backend's fused kernels (ORT placement) or as plain Q/DQ math
     workdir: Path
-    # the model ``runs`` found running, its file and both prepared forms: the next check of that very
-    # model takes them instead of writing and preparing it again
+    # the model ``runs`` found running (or ``check_each`` kept), its file and its prepared forms (fused,
+    # reference; the reference None where not prepared yet): the next check of that very model takes them
+    # instead of writing and preparing it again
     _ran: tuple[onnx.ModelProto, Path, Any, Any] | None = field(default=None, init=False, repr=False)
 
     def write(self, model: onnx.ModelProto, name: str) -> Path:
@@ -69,15 +70,22 @@ class Checker:
 
     def runs(self, model: onnx.ModelProto) -> str | None:
         """None if the model loads and runs on a holdout batch with the fused kernels and as plain Q/DQ
-        math (the fidelity reference), else the runtime's first error line."""
-        self._drop_ran()
-        path = self.write(model, "runs")
-        prepared: list[Any] = []
+        math (the fidelity reference), else the runtime's first error line. A model ``check_each`` kept
+        has run with the fused kernels already: only its reference is prepared and run."""
+        ran = self._ran
+        held = ran if ran is not None and ran[0] is model else None
+        if held is None:
+            self._drop_ran()
+        elif held[3] is not None:
+            return None  # it ran both ways already
+        path = held[1] if held is not None else self.write(model, "runs")
+        prepared: list[Any] = [held[2]] if held is not None else []
         try:
-            for prepare in (self.backend.prepare, self.backend.prepare_reference):
+            for prepare in (self.backend.prepare, self.backend.prepare_reference)[len(prepared):]:
                 prepared.append(prepare(path))
                 prepared[-1].run(self.holdout.feeds[0])
         except Exception as exc:  # noqa: BLE001 - the runtime's own error types
+            self._ran = None
             for pm in prepared:
                 pm.close()
             return first_line(exc)
@@ -87,18 +95,22 @@ class Checker:
     def _drop_ran(self) -> None:
         if self._ran is not None:
             for pm in self._ran[2:]:
-                pm.close()
+                if pm is not None:
+                    pm.close()
             self._ran = None
 
     def check(self, model: onnx.ModelProto, name: str, fidelity: bool = False) -> Candidate:
         """Load and run ``model`` on the holdout; never raises for a model the runtime rejects."""
         return self._judge(*self._load(model, name), fidelity)
 
-    def check_each(self, models: Iterable[tuple[onnx.ModelProto, str]]) -> Iterator[Candidate]:
+    def check_each(self, models: Iterable[tuple[onnx.ModelProto, str]],
+                   keep: Callable[[Candidate], bool] | None = None) -> Iterator[Candidate]:
         """``check`` of each (model, name) in turn, each model written and built by the runtime in a
         worker thread while the one before runs on the holdout: a runtime's build (OpenVINO's compile,
         ONNX Runtime's session) releases the GIL and is most of a check's time on small models. Names
-        must differ from one model to the next (their files are written side by side)."""
+        must differ from one model to the next (their files are written side by side). A scored
+        candidate ``keep`` says yes to stays built with the fused kernels, in place of the one kept
+        before: ``runs`` and ``check`` of that very model take it (the range choice keeps its best)."""
         it = iter(models)
         with ThreadPoolExecutor(1, thread_name_prefix="qdq-tune-check") as pool:
             item = next(it, None)
@@ -106,22 +118,30 @@ class Checker:
             pending = pool.submit(contextvars.copy_context().run, self._load, *item) if item is not None else None
             try:
                 while pending is not None:
+                    model = item[0]
                     item = next(it, None)  # built here (Python) while the worker builds the runtime's model
-                    loaded = pending.result()
+                    c, pm = pending.result()
                     pending = pool.submit(contextvars.copy_context().run, self._load, *item) \
                         if item is not None else None
-                    yield self._judge(*loaded)
+                    kept = self._judge(c, pm, close=False)
+                    if pm is not None and kept.scored and self.fused and keep is not None and keep(kept):
+                        self._drop_ran()
+                        self._ran = (model, kept.path, pm, None)
+                    elif pm is not None:
+                        pm.close()
+                    yield kept
             finally:  # a caller that stops early: the model loaded ahead is closed
                 if pending is not None and (ahead := pending.result()[1]) is not None:
                     ahead.close()
 
     def _load(self, model: onnx.ModelProto, name: str) -> tuple[Candidate, Any]:
         """(the candidate, its prepared model or None where the runtime cannot load it)."""
-        if self._ran is not None and self._ran[0] is model and self.fused:
-            _, path, fused, reference = self._ran
+        ran = self._ran  # read once: check_each keeps a candidate from the caller's thread meanwhile
+        if ran is not None and ran[0] is model and self.fused:
             self._ran = None
-            return Candidate(name, path, reference=reference), fused
-        self._drop_ran()
+            return Candidate(name, ran[1], reference=ran[3]), ran[2]
+        if ran is not None and ran[3] is not None:  # what ``runs`` held is for that model only
+            self._drop_ran()
         c = Candidate(name, self.write(model, name))
         try:
             return c, self.backend.prepare(c.path) if self.fused else self.backend.prepare_reference(c.path)
@@ -129,7 +149,8 @@ class Checker:
             c.error = f"{self.backend.name} cannot load it: {first_line(exc)}"
             return c, None
 
-    def _judge(self, c: Candidate, pm: Any, fidelity: bool = False) -> Candidate:
+    def _judge(self, c: Candidate, pm: Any, fidelity: bool = False, close: bool = True) -> Candidate:
+        """``c`` run and judged on the holdout with ``pm`` (closed after unless ``close`` is False)."""
         from pipeline.accuracy.fidelity import kernel_fidelity
 
         if pm is None:
@@ -143,7 +164,8 @@ class Checker:
         except Exception as exc:  # noqa: BLE001 - a model that fails to run is a rejected candidate
             c.error = f"{self.backend.name} cannot run it: {first_line(exc)}"
         finally:
-            pm.close()
+            if close:
+                pm.close()
             if c.reference is not None:
                 c.reference.close()
                 c.reference = None

@@ -112,6 +112,9 @@ class Calibrated:
     float_path: Path
     seconds: float
     samples: int
+    # auto: the default placement with the chosen ranges, checked by the range choice (its runtime form
+    # kept by the checker); the first model the decisions place, unless they change the calibration first
+    placed: onnx.ModelProto | None = None
 
 
 def _sensitivity_chart(sensitivity: dict[str, Any], path: Path) -> Path:
@@ -180,14 +183,15 @@ class QuantizeStage(Stage):
                                        PassContext(q, setup.batches, setup.backend.threads, setup.act_type))
         weight_clip = Calibration.weight_clip_for(enum_value(q.algorithm))
         t0 = time.time()
-        stats = setup.calibrate(model)
-        if model is not setup.model and weighed(transforms):
-            model, stats, transforms = keep_transforms(setup, model, stats, transforms, weight_clip)
+        with Placer(setup, model, setup.calibration_of({}, weight_clip)).weights_ahead():
+            stats = setup.calibrate(model)
+            if model is not setup.model and weighed(transforms):
+                model, stats, transforms = keep_transforms(setup, model, stats, transforms, weight_clip)
+            ranges, auto_stats, placed = None, stats, None
+            if enum_value(q.algorithm) == "auto":
+                stats, weight_clip, ranges, placed = choose_ranges(setup, model, stats)
         if setup.lowering is not None:
             transforms.insert(0, setup.lowering)
-        ranges, auto_stats = None, stats
-        if enum_value(q.algorithm) == "auto":
-            stats, weight_clip, ranges = choose_ranges(setup, model, stats)
         float_path = save_model(model, setup.out_dir / "float_model.onnx")
         seconds = time.time() - t0
         calibration = setup.calibration_of(stats, weight_clip)
@@ -195,7 +199,8 @@ class QuantizeStage(Stage):
         samples = next(iter(stats.values())).samples if stats else 0
         log.info("calibrated %d tensors on %d samples with %s in %.1f s", len(stats), samples,
                  enum_value(q.algorithm), seconds)
-        return Calibrated(model, stats, auto_stats, transforms, ranges, calibration, doc, float_path, seconds, samples)
+        return Calibrated(model, stats, auto_stats, transforms, ranges, calibration, doc, float_path, seconds, samples,
+                          placed)
 
     @staticmethod
     def _decide(setup: QuantizeSetup, placer: Placer, cal: Calibrated, started: float
@@ -203,7 +208,7 @@ class QuantizeStage(Stage):
         """(decisions, sensitivity report or None); with auto ranges and nodes left float, the ranges are
         chosen again for that placement."""
         outliers = outlier_units(cal.model, cal.stats, list(setup.rules), float(setup.q.outlier_threshold))
-        decisions, sensitivity = decide(setup, placer, outliers, started)
+        decisions, sensitivity = decide(setup, placer, outliers, started, cal.placed)
         if cal.ranges is not None and decisions.float_nodes:
             stats, cal.ranges, decisions = refine_ranges(setup, placer, cal.auto_stats, cal.ranges, decisions)
             cal.stats = stats if stats is not None else cal.stats

@@ -481,6 +481,40 @@ def test_checks_loaded_ahead_in_a_worker_give_the_verdicts_of_checks_one_by_one(
     stopped.close()  # the model loaded ahead is closed with it
 
 
+def test_the_candidate_check_each_keeps_is_built_once_for_the_checks_of_that_model(tmp_path, monkeypatch):
+    """check_each keeps the runtime form of the candidates ``keep`` takes (the last one taken, the earlier
+    closed); ``runs`` of that model prepares only its reference, and the fidelity check after it prepares
+    nothing: the verdict is the one-by-one check's."""
+    model, rules, calib, checker = _dense_setup(tmp_path)
+    plans = [{"dense1/MatMul"}, set(), {"dense2/MatMul"}]
+    built = [apply_plan(model, onnxruntime_plan(model, {k: v for k, v in rules.items() if k not in skip}, "uint8"),
+                        calib) for skip in plans]
+    one_by_one = checker.check(built[1], "one", fidelity=True)
+    closed, prepared = [], []
+    real_prepare, real_reference = checker.backend.prepare, checker.backend.prepare_reference
+
+    def prepare(path, *a, **k):
+        pm = real_prepare(path, *a, **k)
+        prepared.append(("fused", Path(path).name))
+        real_close = pm.close
+        pm.close = lambda: closed.append(Path(path).name) or real_close()
+        return pm
+
+    monkeypatch.setattr(checker.backend, "prepare", prepare)
+    monkeypatch.setattr(checker.backend, "prepare_reference",
+                        lambda path: prepared.append(("reference", Path(path).name)) or real_reference(path))
+    names = [f"keep_{k}" for k in range(3)]
+    seen = list(checker.check_each(zip(built, names, strict=True), keep=lambda c: c.name in ("keep_0", "keep_1")))
+    assert [c.scored for c in seen] == [True] * 3
+    assert closed == ["keep_0.onnx", "keep_2.onnx"]  # keep_1 replaced keep_0 and stays built
+    prepared.clear()
+    assert checker.runs(built[1]) is None
+    assert prepared == [("reference", "keep_1.onnx")]
+    again = checker.check(built[1], "storage", fidelity=True)
+    assert prepared == [("reference", "keep_1.onnx")]  # nothing built again
+    assert again.verdict.error == one_by_one.verdict.error and again.fidelity.ok == one_by_one.fidelity.ok
+
+
 def test_tf2onnx_style_2d_biases_run_as_int32_per_axis(tmp_path):
     model, rules, calib, checker = _dense_setup(tmp_path)
     q = apply_plan(model, onnxruntime_plan(model, rules, "uint8"), calib)

@@ -452,3 +452,68 @@ def test_a_search_that_fails_in_a_worker_raises_as_it_would_here():
     with pytest.raises(ZeroDivisionError):
         map_in_workers(divmod, list(range(PARALLEL_FROM)), 0, workers=2)
     assert map_in_workers(divmod, list(range(PARALLEL_FROM)), 7, workers=2) == [divmod(i, 7) for i in range(PARALLEL_FROM)]
+
+
+def test_a_weight_another_thread_is_searching_is_waited_for_and_one_that_failed_is_searched_again():
+    import threading
+
+    from pipeline.quant.calibration import WeightCache
+
+    cache, started, release, calls = WeightCache(), threading.Event(), threading.Event(), []
+    p = QuantParams.scalar("int8", 0.5, 0.0)
+
+    def slow():
+        calls.append("slow")
+        started.set()
+        release.wait(5)
+        return p
+
+    t = threading.Thread(target=cache.searched, args=(("w",), slow))
+    t.start()
+    started.wait(5)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(cache.searched(("w",), lambda: calls.append("again"))))
+    waiter.start()
+    release.set()
+    t.join(5)
+    waiter.join(5)
+    assert got == [p] and calls == ["slow"]  # searched once
+
+    def failing():
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError):
+        cache.searched(("v",), failing)
+    assert cache.searched(("v",), lambda: p) is p  # nothing left claimed by the failed search
+
+
+def test_the_weights_searched_ahead_are_those_the_first_placement_stores(monkeypatch):
+    """search_weights_ahead fills the run's weight cache with what apply_plan then takes: the placed model
+    is the same bit for bit, and apply_plan searches nothing more."""
+    import threading
+
+    from pipeline.quant import qmath
+    from pipeline.quant.qdq import search_weights_ahead
+
+    model = models.conv_chain()
+    stats = collect(model, lambda: iter([Batch({"input": np.random.default_rng(0).standard_normal(
+        (2, 3, 16, 16)).astype(np.float32)}, None, 2)]), CalibrationMethod("minmax", 99.99, 2048), 1,
+        lambda it, desc: it)
+    rules = resolve_rules(model, [{"module_name": "*", "weights": {"dtype": "int8"}, "activations": {"dtype": "int8"}}])
+    plan = tensorrt_plan(model, rules, "int8")
+    ahead = Calibration(stats, weight_clip="mse")
+    search_weights_ahead(model, plan, ahead, threading.Event())
+    assert len(ahead.weight_cache.params) == len(plan.weights) > 0
+    import pipeline.quant.calibration as calibration_module
+
+    searched = []
+    monkeypatch.setattr(calibration_module, "weight_params", lambda *a, **k: searched.append(a) or qmath.weight_params(*a, **k))
+    placed = apply_plan(model, plan, ahead)
+    assert searched == []
+    fresh = apply_plan(model, plan, Calibration(stats, weight_clip="mse"))
+    assert placed.SerializeToString() == fresh.SerializeToString()
+    stopped = Calibration(stats, weight_clip="mse")
+    stop = threading.Event()
+    stop.set()
+    search_weights_ahead(model, plan, stopped, stop)
+    assert stopped.weight_cache.params == {}  # stopped before the first weight
