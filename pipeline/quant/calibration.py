@@ -149,8 +149,8 @@ def stats_table(tensors: Mapping[str, Mapping[str, Any]] | None, written: bool =
 
 class WeightCache:
     """What a run has computed of its weights, shared by every Calibration of the run: ``params`` maps
-    (weight name, digest, shape, axis, dtype, reduced, search) to the searched scales (the mse search is
-    far costlier than the digest), and ``values`` the same key to the values quantized as stored, while
+    (weight name, digest, shape, axis, dtype, reduced, search) to the searched scales (the mse search
+    costs far more than the digest, and even absmax and quantizing cost twice its time), and ``values`` the same key to the values quantized as stored, while
     they total at most QUANTIZED_CACHE_BYTES (each placement the quantize stage checks stores every
     weight again; past the bound, a large model's weights are quantized each time instead of held)."""
 
@@ -243,24 +243,16 @@ class Calibration:
         """The weight scale search that goes with an activation calibration algorithm."""
         return "mse" if algorithm in ("mse", "auto") else "max"
 
-    @property
-    def caches_weights(self) -> bool:
-        """Whether weight scales are kept in ``weight_cache`` (a searched clip; absmax is recomputed)."""
-        return self.weight_clip != "max"
-
     def weight_params(self, name: str, values: np.ndarray, axis: int | None, dtype: str,
                       reduced: bool = False) -> QuantParams:
-        """``weight_params`` with this calibration's weight search (memoized for the mse search)."""
+        """``weight_params`` with this calibration's weight search (memoized)."""
         return self.quantized_weight(name, values, axis, dtype, reduced, values_too=False)[0]
 
     def quantized_weight(self, name: str, values: np.ndarray, axis: int | None, dtype: str, reduced: bool = False,
                          values_too: bool = True) -> tuple[QuantParams, np.ndarray | None]:
         """The weight's scales (``weight_params`` with this calibration's search) and, with ``values_too``,
         its values quantized in their storage type (``quantized_values``; read-only where cached).
-        Memoized for the mse search, whose key digests the values anyway: see WeightCache."""
-        if not self.caches_weights:
-            p = weight_params(values, axis, dtype, reduced)
-            return p, (quantized_values(values, p) if values_too else None)
+        Memoized by name and a digest of the values: see WeightCache."""
         key = (name, _digest(values), values.shape, axis, dtype, bool(reduced), self.weight_clip)
         cache = self.weight_cache
         p = cache.searched(key, lambda: weight_params(values, axis, dtype, reduced, self.weight_clip))

@@ -329,10 +329,7 @@ def search_weights_ahead(model: onnx.ModelProto, plan: QDQPlan, calibration: Cal
     """Search the scales of ``plan``'s weights of ``model``'s main graph (and quantize their values) into
     ``calibration``'s weight cache, in the order apply_plan takes them, until done or ``stop`` is set: run
     in a thread beside other work, apply_plan then finds them searched (or being searched: it waits for
-    those). Nothing where the calibration caches no weights (the max search costs no more than reading
-    them). A weight apply_plan would refuse is left for it to refuse."""
-    if not calibration.caches_weights:
-        return
+    those). A weight apply_plan would refuse is left for it to refuse."""
     g = GraphIndex(model)
     for w in plan.weights:
         if stop.is_set():

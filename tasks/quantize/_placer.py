@@ -44,8 +44,9 @@ class Placer:
     def weights_ahead(self) -> Iterator[None]:
         """Within it, the default placement's weight scales are searched in a thread of their own
         (``search_weights_ahead``): calibration leaves a core idle much of its time, and the first
-        candidate model takes them. Not where the run may use only one thread."""
-        if self.setup.backend.threads == 1 or not self.calibration.caches_weights:
+        candidate model takes them. Not where the run may use only one thread, nor for absmax weights
+        (nothing to search)."""
+        if self.setup.backend.threads == 1 or self.calibration.weight_clip != "mse":
             yield
             return
         stop = threading.Event()
@@ -54,9 +55,11 @@ class Placer:
         thread.start()
         try:
             yield
-        finally:
-            stop.set()  # the weight being searched is finished; no later one is started
-            thread.join()
+        except BaseException:
+            stop.set()  # a failed or interrupted stage does not wait for the weight being searched
+            raise
+        stop.set()  # the weight being searched is finished; no later one is started
+        thread.join()
 
     def _search_ahead(self, plan: Any, stop: threading.Event) -> None:
         try:
