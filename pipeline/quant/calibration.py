@@ -150,9 +150,10 @@ def stats_table(tensors: Mapping[str, Mapping[str, Any]] | None, written: bool =
 class WeightCache:
     """What a run has computed of its weights, shared by every Calibration of the run: ``params`` maps
     (weight name, digest, shape, axis, dtype, reduced, search) to the searched scales (the mse search
-    costs far more than the digest, and even absmax and quantizing cost twice its time), and ``values`` the same key to the values quantized as stored, while
-    they total at most QUANTIZED_CACHE_BYTES (each placement the quantize stage checks stores every
-    weight again; past the bound, a large model's weights are quantized each time instead of held)."""
+    costs far more than the digest, and even absmax and quantizing cost twice its time), and ``values``
+    the same key to the values quantized as stored, while they total at most QUANTIZED_CACHE_BYTES (each
+    placement the quantize stage checks stores every weight again; past the bound, a large model's
+    weights are quantized each time instead of held)."""
 
     def __init__(self) -> None:
         self.params: dict[tuple, QuantParams] = {}

@@ -11,6 +11,7 @@ import onnx
 
 from pipeline.calibrate.collect import with_ranges
 from pipeline.calibrate.search import AUTO_CANDIDATES
+from pipeline.graph.memory import weights_nbytes
 from pipeline.graph.shapes import node_macs
 from pipeline.progress import work_bar
 from pipeline.quant.calibration import PER_TENSOR, TensorStats, stats_table
@@ -55,6 +56,11 @@ def keep_transforms(setup: QuantizeSetup, transformed: onnx.ModelProto, stats: d
     return original, stats_o, [t.not_applied(why) if t.applied else t for t in records]
 
 
+# the range choice keeps its best candidate built where the float weights times this fit the working set
+# (quantize.calibration.max_memory_gb): the float model, and three built int8 models of a quarter its size
+KEPT_MODELS_OF_WEIGHTS = 4
+
+
 def choose_ranges(setup: QuantizeSetup, model: onnx.ModelProto, stats: dict[str, TensorStats]
                   ) -> tuple[dict[str, TensorStats], str, RangeChoice, onnx.ModelProto | None]:
     """``auto``: (statistics, weight search, record, the chosen model) of the whole-model range choice with
@@ -80,8 +86,11 @@ def choose_ranges(setup: QuantizeSetup, model: onnx.ModelProto, stats: dict[str,
             kept[:] = [c.name.removeprefix("ranges_")]
         return better
 
+    # the kept model is one more built beside the two check_each holds: not where the weights are large
+    # against the working set
+    keeps = weights_nbytes(model) * KEPT_MODELS_OF_WEIGHTS <= setup.max_bytes
     with work_bar(len(methods), "quantize: auto ranges", unit="candidate") as bar:
-        for method, c in zip(methods, setup.checker.check_each(built(), keep=keep), strict=True):
+        for method, c in zip(methods, setup.checker.check_each(built(), keep=keep if keeps else None), strict=True):
             bar.set_postfix_str(method)
             errors[method] = c.verdict.error if c.scored else None
             for m in [m for m in models if m in errors and m not in kept]:
