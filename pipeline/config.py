@@ -218,7 +218,7 @@ class AccuracyConfig:
     # evaluate use the budget itself
     recovery_margin_db: float = 1.0
     # recovery's time allowance, as a multiple of what calibration and placement took before it (at least
-    # 20 s): past it recovery checks nothing new and keeps the best float set it found; 0: no limit
+    # 5 s): past it recovery checks nothing new and keeps the best float set it found; 0: no limit
     recovery_time_factor: float = 1.0
 
 

@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import onnx
@@ -68,16 +68,21 @@ class Closest:
 @dataclass
 class Allowance:
     """Recovery's time allowance and its progress bar: each check counts on the bar (whose total is the checks
-    planned so far, so its ETA is the time left); past ``deadline`` (``time.monotonic()``; None: no limit)
-    recovery's searches check nothing new and it keeps the best float set found."""
+    planned so far, so its ETA is the time left); once ``deadline`` (``time.monotonic()``; None: no limit)
+    would pass before one more check ends (as long as the checks so far took on average), recovery's
+    searches check nothing new and it keeps the best float set found."""
 
     deadline: float | None = None
     bar: Any = None
     seconds: float | None = None  # the allowance itself (None: no limit)
     checks: int = 0  # the checks counted so far
+    started: float = field(default_factory=time.monotonic)
 
     def over(self) -> bool:
-        return self.deadline is not None and time.monotonic() > self.deadline
+        if self.deadline is None:
+            return False
+        now = time.monotonic()
+        return now + ((now - self.started) / self.checks if self.checks else 0.0) > self.deadline
 
     def plan(self, checks: int) -> None:
         if self.bar is not None:
@@ -92,7 +97,7 @@ class Allowance:
 
 
 # recovery may always take this long, however quick calibration and placement were
-MIN_ALLOWANCE_S = 20.0
+MIN_ALLOWANCE_S = 5.0
 
 
 @contextmanager
