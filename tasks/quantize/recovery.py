@@ -65,12 +65,17 @@ class Closest:
             self.float_nodes, self.candidate = frozenset(float_nodes), c
 
 
+# the checks recovery may still make after its allowance was last found not over: the one under way, the one
+# check_each has built ahead, and the closest float set judged by the budget itself
+TAIL_CHECKS = 3
+
+
 @dataclass
 class Allowance:
     """Recovery's time allowance and its progress bar: each check counts on the bar (whose total is the checks
     planned so far, so its ETA is the time left); once ``deadline`` (``time.monotonic()``; None: no limit)
-    would pass before one more check ends (as long as the checks so far took on average), recovery's
-    searches check nothing new and it keeps the best float set found."""
+    would pass before TAIL_CHECKS more checks end (as long as the checks so far took on average),
+    recovery's searches check nothing new and it keeps the best float set found."""
 
     deadline: float | None = None
     bar: Any = None
@@ -82,7 +87,7 @@ class Allowance:
         if self.deadline is None:
             return False
         now = time.monotonic()
-        return now + ((now - self.started) / self.checks if self.checks else 0.0) > self.deadline
+        return now + TAIL_CHECKS * ((now - self.started) / self.checks if self.checks else 0.0) > self.deadline
 
     def plan(self, checks: int) -> None:
         if self.bar is not None:

@@ -658,14 +658,14 @@ def test_recovery_checks_nothing_past_its_time_allowance_and_its_bar_counts_chec
 
 
 def test_recovery_starts_no_check_that_would_end_past_its_allowance():
-    """The allowance is over once one more check, as long as the checks so far took on average, would end
-    past the deadline: recovery then ends within its allowance, not one check after it."""
+    """The allowance is over once TAIL_CHECKS more checks, as long as the checks so far took on average,
+    would end past the deadline: recovery then ends within its allowance, not the checks under way after it."""
     import time
 
     from tasks.quantize.recovery import Allowance
 
     now = time.monotonic()
-    slow = Allowance(now + 1.0, started=now - 2.0, checks=1)  # 2 s a check, 1 s left
+    slow = Allowance(now + 1.0, started=now - 2.0, checks=4)  # 0.5 s a check, 1 s left: three pass it
     quick = Allowance(now + 1.0, started=now - 2.0, checks=10)  # 0.2 s a check
     assert slow.over() and not quick.over()
     assert not Allowance(now + 1.0).over() and Allowance(now - 0.1).over() and not Allowance(None).over()
