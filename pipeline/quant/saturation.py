@@ -234,12 +234,13 @@ def _correction(node: onnx.NodeProto, layer: _Layer, rank: int, graph: onnx.Grap
                 pairing: str) -> list[onnx.NodeProto]:
     """Nodes that add the saturation error to ``node``'s output (renamed); ``rank``: its activation's."""
     b = _Builder(graph, index, opset)
+    exact_out = f"{b.prefix}/qdq_output"  # the layer's own output, renamed: the corrected one takes its name
     raw = b.op("Cast", [layer.act_q], "act", to=TensorProto.FLOAT)
     if layer.act_offset:  # int8 activations, multiplied as uint8
         raw = b.op("Add", [raw, b.const("act_offset", np.asarray(float(layer.act_offset), np.float32))], "act_u8")
     scale = (layer.act_scale * layer.weight_scale).astype(np.float32)
     if node.op_type == "Conv":
-        error = _conv_error(b, node, layer, raw, rank, pairing)
+        error = _conv_error(b, node, layer, raw, rank, pairing, exact_out)
         scale = scale.reshape(1, -1, *([1] * (rank - 2))) if scale.size > 1 else scale.reshape(())
     else:
         weight = layer.weight.astype(np.float32)
@@ -251,7 +252,6 @@ def _correction(node: onnx.NodeProto, layer: _Layer, rank: int, graph: onnx.Grap
         if node.op_type == "Gemm":
             scale = scale * np.float32(attrs.get("alpha", 1.0))
     delta = b.op("Mul", [error, b.const("scale", np.asarray(scale, np.float32))], "delta")
-    exact_out = f"{b.prefix}/qdq_output"
     final = node.output[0]
     node.output[0] = exact_out
     b.nodes.append(helper.make_node("Add", [exact_out, delta], [final], name=f"{b.prefix}/saturated"))
@@ -353,7 +353,8 @@ def _column_sums(b: _Builder, error: str, cols: np.ndarray, n: int, rank: int) -
     return b.op("Transpose", [sums], "error_out", perm=last)  # [N, ..., M] -> [..., M, N]
 
 
-def _conv_error(b: _Builder, node: onnx.NodeProto, layer: _Layer, raw: str, rank: int, pairing: str) -> str:
+def _conv_error(b: _Builder, node: onnx.NodeProto, layer: _Layer, raw: str, rank: int, pairing: str,
+                exact_out: str) -> str:
     """sum over pairs of (clip16(s) - s) for a group-1 Conv, on the activation padded with its zero point
     as the kernel pads it. The reduction runs over (kernel position, channel) with channels fastest (the
     channels-last im2col order), in pairs: a convolution whose kernels each hold one pair's two weights
@@ -371,10 +372,38 @@ def _conv_error(b: _Builder, node: onnx.NodeProto, layer: _Layer, raw: str, rank
                    "act_padded")
     conv_attrs = {k: v for k, v in attrs.items() if k in ("strides", "dilations")}
     sums = b.op("Conv", [raw, b.const("pair_kernels", kernels)], "pair_sums", group=group, **conv_attrs)
-    scatter = np.zeros((layer.weight.shape[0], len(owner), *([1] * (rank - 2))), np.float32)
-    live = owner >= 0
-    scatter[owner[live], np.nonzero(live)[0]] = 1.0
-    return b.op("Conv", [_pair_error(b, sums), b.const("pair_scatter", scatter)], "error")
+    return _channel_sums(b, _pair_error(b, sums), owner, layer.weight.shape[0], exact_out, rank)
+
+
+def _channel_sums(b: _Builder, error: str, owner: np.ndarray, n_out: int, like: str, rank: int) -> str:
+    """[N, O, ...] (shaped as ``like``, the layer's output): the pair errors [N, S, ...] added into their
+    output channels ``owner`` (-1: none, an error of 0). Each channel's errors are gathered into a row of
+    as many as the busiest channel has (filled with a zero error) and summed: exact in float32, as each
+    error is a whole number and a row's sum stays below 2^24 (a 0/1 convolution does it past that: it
+    costs channels x errors per position, and its constant grew to 245 MB on a ResNet-50 layer)."""
+    live = np.flatnonzero(owner >= 0)
+    counts = np.bincount(owner[live], minlength=n_out)
+    width = max(1, int(counts.max(initial=0)))
+    if width * PAIR_ERROR_MAX >= 2**24:
+        scatter = np.zeros((n_out, len(owner), *([1] * (rank - 2))), np.float32)
+        scatter[owner[live], live] = 1.0
+        return b.op("Conv", [error, b.const("pair_scatter", scatter)], "error")
+    dead = np.flatnonzero(owner < 0)
+    if dead.size:  # an unused kernel's error is 0
+        zero = int(dead[0])
+    else:
+        zero = len(owner)
+        pads = np.zeros(2 * rank, np.int64)
+        pads[rank + 1] = 1  # one channel more at the end
+        error = b.op("Pad", [error, b.const("zero_pad", pads)], "error_with_zero")
+    order = live[np.argsort(owner[live], kind="stable")]
+    slot = np.arange(len(order)) - np.repeat(np.cumsum(counts) - counts, counts)
+    index = np.full((n_out, width), zero, np.int64)
+    index[owner[order], slot] = order
+    rows = b.op("Gather", [error, b.const("by_channel", index.reshape(-1))], "error_by_channel", axis=1)
+    rows = b.op("Reshape", [rows, b.const("rows_shape", np.asarray([0, n_out, width, -1], np.int64))], "error_rows")
+    summed = b.reduce_sum(rows, 2, "error_flat")  # [N, O, positions]
+    return b.op("Reshape", [summed, b.op("Shape", [like], "out_shape")], "error")
 
 
 def _pair_kernels(w: np.ndarray) -> tuple[np.ndarray, int, np.ndarray]:

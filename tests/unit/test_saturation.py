@@ -148,6 +148,33 @@ def test_conv_moves_by_the_pair_sum_error_in_channels_last_order(channels, pad, 
                                rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("long_rows", [False, True])
+def test_conv_errors_are_summed_per_output_channel_in_rows_or_by_a_convolution(long_rows, monkeypatch):
+    """A conv's pair errors reach their output channels as rows gathered and summed (no dense 0/1 matrix:
+    on ResNet-50 it made the twin's constants gigabytes); where a row's sum could pass float32's exact
+    integers, a 0/1 convolution adds them: both give the brute-force error."""
+    from pipeline.quant import saturation
+
+    if long_rows:
+        monkeypatch.setattr(saturation, "PAIR_ERROR_MAX", 2**24)
+    rng = np.random.default_rng(7)
+    w = _trained_weights(rng, (6, 8, 3, 3))
+    ws = rng.uniform(0.001, 0.01, 6).astype(np.float32)
+    x = rng.integers(180, 256, (2, 8, 6, 6)).astype(np.uint8)
+    model = _layer_model("Conv", [2, 8, 6, 6], w, ws, pads=[1] * 4)
+    twin, _ = saturating_twin(model)
+    names = {n.name.rsplit("/", 1)[-1] for n in twin.graph.node}
+    assert ("error_by_channel" in names) != long_rows
+    assert not any(i.name.endswith("pair_scatter") for i in twin.graph.initializer) != long_rows
+    rows = _im2col(x.astype(np.int64), 3, 3, 1, 1, A_ZERO)
+    n, oh, ow, k = rows.shape
+    cols = w.transpose(0, 2, 3, 1).reshape(6, k).T.astype(np.int64)
+    err = _pair_error(rows.reshape(-1, k), cols).reshape(n, oh, ow, 6).transpose(0, 3, 1, 2)
+    assert np.abs(err).max() > 0
+    np.testing.assert_allclose(_run(twin, x) - _run(model, x), A_SCALE * ws.reshape(1, 6, 1, 1) * err,
+                               rtol=1e-5, atol=2e-5)
+
+
 def test_layers_that_cannot_saturate_are_left_as_they_are():
     rng = np.random.default_rng(3)
     small = rng.integers(-63, 64, (16, 4)).astype(np.int8)  # 7-bit: 2 x 255 x 63 fits in int16
