@@ -14,6 +14,7 @@ from typing import Any
 import onnx
 
 from pipeline.errors import StageError
+from pipeline.graph.memory import weights_nbytes
 from pipeline.graph.model import control_flow
 from pipeline.quant.calibration import Calibration
 from pipeline.quant.qdq import apply_plan, search_weights_ahead
@@ -23,6 +24,9 @@ from tasks.quantize.bias_correction import correct_bias
 from tasks.quantize.checker import Candidate
 
 log = logging.getLogger("tune.quantize")
+
+# float weights from which the quantize stage searches their scales beside calibration (Placer.weights_ahead)
+AHEAD_FROM_BYTES = 64 * 2**20
 
 
 class Placer:
@@ -45,8 +49,10 @@ class Placer:
         """Within it, the default placement's weight scales are searched in a thread of their own
         (``search_weights_ahead``): calibration leaves a core idle much of its time, and the first
         candidate model takes them. Not where the run may use only one thread, nor for absmax weights
-        (nothing to search)."""
-        if self.setup.backend.threads == 1 or self.calibration.weight_clip != "mse":
+        (nothing to search), nor for weights under AHEAD_FROM_BYTES (their search is over in moments: a
+        thread beside calibration's would only crowd it)."""
+        if self.setup.backend.threads == 1 or self.calibration.weight_clip != "mse" \
+                or weights_nbytes(self.model) < AHEAD_FROM_BYTES:
             yield
             return
         stop = threading.Event()
